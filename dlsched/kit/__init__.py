@@ -1,0 +1,1 @@
+"""The shared service kit: server bootstrap, error mapping, config, etcd access, logging."""

@@ -1,0 +1,204 @@
+"""Map dlsched errors to google.rpc.Status, and back on the client side.
+
+Server side: ``ErrorInterceptor`` wraps every unary and streaming handler; a
+``DlschedError`` becomes its status with an ``ErrorInfo`` (plus ``BadRequest``
+or ``PreconditionFailure`` details); anything else becomes INTERNAL with a
+correlation id, and the traceback goes only to the log.
+
+Client side: ``from_rpc_error`` turns a ``grpc.aio.AioRpcError`` back into the
+matching ``DlschedError`` subclass (by code), keeping reason and metadata, so
+a service calling another service raises errors its own callers understand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from dlsched import errors
+
+log = logging.getLogger("dlsched.rpc")
+
+_CLASS_BY_CODE: dict[str, type[errors.DlschedError]] = {
+    "INVALID_ARGUMENT": errors.InvalidArgument,
+    "NOT_FOUND": errors.NotFound,
+    "ALREADY_EXISTS": errors.AlreadyExists,
+    "FAILED_PRECONDITION": errors.FailedPrecondition,
+    "ABORTED": errors.Aborted,
+    "OUT_OF_RANGE": errors.OutOfRange,
+    "UNAVAILABLE": errors.Unavailable,
+    "UNIMPLEMENTED": errors.Unimplemented,
+    "DEADLINE_EXCEEDED": errors.DeadlineExceeded,
+    "RESOURCE_EXHAUSTED": errors.ResourceExhausted,
+    "INTERNAL": errors.Internal,
+}
+
+
+def to_status(err: errors.DlschedError) -> status_pb2.Status:
+    """The google.rpc.Status for a dlsched error."""
+    code = code_pb2.Code.Value(err.code)
+    details: list[any_pb2.Any] = []
+    info = error_details_pb2.ErrorInfo(
+        reason=err.reason, domain=errors.DOMAIN, metadata=err.metadata
+    )
+    details.append(_pack(info))
+    if isinstance(err, errors.InvalidArgument) and err.violations:
+        br = error_details_pb2.BadRequest(
+            field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+                for v in err.violations
+            ]
+        )
+        details.append(_pack(br))
+    if isinstance(err, errors.FailedPrecondition) and err.violations:
+        pf = error_details_pb2.PreconditionFailure(
+            violations=[
+                error_details_pb2.PreconditionFailure.Violation(
+                    type=err.reason, subject=subject, description=desc
+                )
+                for subject, desc in err.violations
+            ]
+        )
+        details.append(_pack(pf))
+    return status_pb2.Status(code=code, message=err.message, details=details)
+
+
+def _pack(msg: Any) -> any_pb2.Any:
+    a = any_pb2.Any()
+    a.Pack(msg)
+    return a
+
+
+def internal_error() -> tuple[errors.Internal, str]:
+    cid = uuid.uuid4().hex[:16]
+    err = errors.Internal(
+        f"internal error (correlation id {cid})", metadata={"correlation_id": cid}
+    )
+    return err, cid
+
+
+def _status_for(exc: BaseException, method: str) -> status_pb2.Status:
+    if isinstance(exc, errors.DlschedError):
+        if exc.code == "INTERNAL":
+            log.error("internal error in %s: %s", method, exc.message)
+        return to_status(exc)
+    err, cid = internal_error()
+    log.error("unhandled exception in %s (correlation id %s)", method, cid, exc_info=exc)
+    return to_status(err)
+
+
+async def _abort(context: grpc.aio.ServicerContext, st: status_pb2.Status) -> None:
+    await context.abort_with_status(rpc_status.to_status(st))
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Maps exceptions from every handler (unary and streaming) to google.rpc.Status."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+
+        if handler.unary_unary:
+            inner_uu = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    return await inner_uu(request, context)
+                except _PASSTHROUGH:
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - mapped to a status
+                    await _abort(context, _status_for(exc, method))
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream:
+            inner_us = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                try:
+                    async for item in inner_us(request, context):
+                        yield item
+                except _PASSTHROUGH:
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - mapped to a status
+                    await _abort(context, _status_for(exc, method))
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream,
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+# Cancellation and grpc's own abort signal must pass through untouched.
+_PASSTHROUGH: tuple[type[BaseException], ...] = (
+    asyncio.CancelledError,
+    grpc.aio.AbortError,
+    GeneratorExit,
+    KeyboardInterrupt,
+    SystemExit,
+)
+
+
+def error_info(exc: grpc.aio.AioRpcError | grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
+    """The ErrorInfo of a failed call, if the server sent one."""
+    st = rpc_status.from_call(exc)  # type: ignore[arg-type]
+    if st is None:
+        return None
+    for d in st.details:
+        if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            d.Unpack(info)
+            return info
+    return None
+
+
+def field_violations(exc: grpc.RpcError) -> list[error_details_pb2.BadRequest.FieldViolation]:
+    """The BadRequest field violations of a failed call."""
+    st = rpc_status.from_call(exc)  # type: ignore[arg-type]
+    out: list[error_details_pb2.BadRequest.FieldViolation] = []
+    if st is None:
+        return out
+    for d in st.details:
+        if d.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            br = error_details_pb2.BadRequest()
+            d.Unpack(br)
+            out.extend(br.field_violations)
+    return out
+
+
+def from_rpc_error(exc: grpc.RpcError, *, default_reason: str | None = None) -> errors.DlschedError:
+    """Rebuild a DlschedError from a failed call to another dlsched service."""
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
+    name = code.name if code is not None else "UNKNOWN"
+    cls = _CLASS_BY_CODE.get(name)
+    details = exc.details() if hasattr(exc, "details") else str(exc)  # type: ignore[attr-defined]
+    info = error_info(exc)
+    reason = info.reason if info is not None else (default_reason or name)
+    md = dict(info.metadata) if info is not None else {}
+    if name in ("UNKNOWN", "CANCELLED"):
+        cls = errors.Unavailable
+    if cls is None:
+        cls = errors.Internal
+    if cls is errors.InvalidArgument:
+        vs = [errors.FieldViolation(v.field, v.description) for v in field_violations(exc)]
+        return errors.InvalidArgument(details or name, vs, reason=reason, metadata=md)
+    return cls(details or name, reason=reason, metadata=md)

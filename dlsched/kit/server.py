@@ -1,0 +1,137 @@
+"""Server bootstrap shared by every dlsched service.
+
+``run_server`` builds a grpc.aio server with the error interceptor, health
+checking (grpc.health.v1) and reflection, binds the configured address (port 0
+picks a free port), announces the bound address, serves until SIGTERM/SIGINT,
+then flips health to NOT_SERVING and stops with a grace period.
+
+The bound address is announced two ways so tests and supervisors never need a
+fixed port: a line ``DLSCHED_LISTENING <service> <host:port>`` on stdout, and,
+when ``port_file`` is set, the ``host:port`` written atomically to that file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from dlsched.kit.rpc_errors import ErrorInterceptor
+
+log = logging.getLogger("dlsched.server")
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """How a service listens and stops."""
+
+    listen: str = "127.0.0.1:0"
+    port_file: str | None = None
+    grace_seconds: float = 10.0
+    max_message_bytes: int = 8 * 1024 * 1024
+    extra_options: Sequence[tuple[str, Any]] = field(default_factory=tuple)
+
+
+@dataclass
+class Registration:
+    """One servicer to register: the generated ``add_*_to_server`` and the servicer."""
+
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+    servicer: Any
+    full_name: str  # e.g. "dlsched.v1.JobManagerService"
+
+
+class RunningServer:
+    """A started server: its bound address, and a way to stop it."""
+
+    def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
+                 address: str, names: list[str], grace: float) -> None:
+        self.server = server
+        self.health = health_servicer
+        self.address = address
+        self.names = names
+        self.grace = grace
+        self._stopped = False
+
+    async def stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        for name in [*self.names, ""]:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(self.grace)
+
+
+async def start_server(opts: ServerOptions, registrations: Sequence[Registration],
+                       *, announce_as: str = "dlsched") -> RunningServer:
+    """Build, bind and start a server; health reports SERVING for each service."""
+    options = [
+        ("grpc.max_receive_message_length", opts.max_message_bytes),
+        ("grpc.max_send_message_length", opts.max_message_bytes),
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        *opts.extra_options,
+    ]
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=options)
+    names = []
+    for r in registrations:
+        r.add_to_server(r.servicer, server)
+        names.append(r.full_name)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        server,
+    )
+    host, _, port = opts.listen.rpartition(":")
+    bound = server.add_insecure_port(opts.listen)
+    if bound == 0:
+        raise OSError(f"cannot bind {opts.listen}")
+    await server.start()
+    address = f"{host or '127.0.0.1'}:{bound}"
+    for name in [*names, ""]:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    _announce(announce_as, address, opts.port_file)
+    log.info("%s listening on %s", announce_as, address)
+    return RunningServer(server, health_servicer, address, names, opts.grace_seconds)
+
+
+def _announce(service: str, address: str, port_file: str | None) -> None:
+    print(f"DLSCHED_LISTENING {service} {address}", flush=True)
+    if port_file:
+        tmp = f"{port_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(address)
+        os.replace(tmp, port_file)
+
+
+async def serve_until_signal(
+    running: RunningServer,
+    *,
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+) -> None:
+    """Serve until SIGTERM or SIGINT, then shut down gracefully."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waiter = asyncio.ensure_future(running.server.wait_for_termination())
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    log.info("shutting down (grace %.1fs)", running.grace)
+    try:
+        await running.stop()
+    finally:
+        if on_stop is not None:
+            await on_stop()
+        stopper.cancel()
+        waiter.cancel()

@@ -1,0 +1,38 @@
+"""Conversions between protobuf Timestamp/Duration and Python values."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from google.protobuf import duration_pb2, timestamp_pb2
+
+
+def to_timestamp(dt: datetime | float | None) -> timestamp_pb2.Timestamp | None:
+    if dt is None:
+        return None
+    ts = timestamp_pb2.Timestamp()
+    if isinstance(dt, datetime):
+        ts.FromDatetime(dt.astimezone(UTC))
+    else:
+        ts.FromNanoseconds(int(dt * 1e9))
+    return ts
+
+
+def from_timestamp(ts: timestamp_pb2.Timestamp | None) -> datetime | None:
+    if ts is None or (ts.seconds == 0 and ts.nanos == 0):
+        return None
+    return ts.ToDatetime(tzinfo=UTC)
+
+
+def to_duration(seconds: float | None) -> duration_pb2.Duration | None:
+    if seconds is None:
+        return None
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(int(seconds * 1e9))
+    return d
+
+
+def from_duration(d: duration_pb2.Duration | None) -> float | None:
+    if d is None or (d.seconds == 0 and d.nanos == 0):
+        return None
+    return d.ToNanoseconds() / 1e9
