@@ -1,0 +1,260 @@
+"""Output of the ``dlsched`` CLI: tables for people, JSON and YAML for programs.
+
+JSON and YAML are the proto JSON form (camelCase keys, enum names), the same
+shape a job file uses, so ``dlsched get JOB -o yaml`` output can be edited and
+submitted again (its ``spec``).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
+from typing import Any, TextIO
+
+import yaml
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from dlsched.v1 import cluster_pb2, job_pb2
+
+FORMATS = ("table", "json", "yaml")
+
+
+def to_dict(msg: Message) -> dict[str, Any]:
+    return json_format.MessageToDict(msg)
+
+
+def dump(obj: Any, fmt: str, out: TextIO | None = None) -> None:
+    """Prints a dict (or list) as JSON or YAML."""
+    out = out or sys.stdout
+    if fmt == "yaml":
+        out.write(yaml.safe_dump(obj, sort_keys=False, default_flow_style=False))
+    else:
+        out.write(json.dumps(obj, indent=2) + "\n")
+    out.flush()
+
+
+def json_line(obj: Any, out: TextIO | None = None) -> None:
+    out = out or sys.stdout
+    out.write(json.dumps(obj, separators=(",", ":")) + "\n")
+    out.flush()
+
+
+def enum_short(enum: Any, value: int) -> str:
+    """``JOB_STATE_RUNNING`` -> ``RUNNING`` (the value's name without its prefix)."""
+    try:
+        name: str = enum.Name(value)
+    except ValueError:
+        return str(value)
+    first: str = enum.DESCRIPTOR.values[0].name
+    prefix = first[: -len("UNSPECIFIED")] if first.endswith("UNSPECIFIED") else ""
+    return name[len(prefix):] if name.startswith(prefix) else name
+
+
+def job_state(state: int) -> str:
+    return enum_short(job_pb2.JobState, state)
+
+
+def table(rows: Sequence[Sequence[str]], headers: Sequence[str], out: TextIO | None = None) -> None:
+    out = out or sys.stdout
+    widths = [len(h) for h in headers]
+    for r in rows:
+        for i, cell in enumerate(r):
+            widths[i] = max(widths[i], len(cell))
+    for r in [headers, *rows]:
+        line = "  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip()
+        out.write(line + "\n")
+    out.flush()
+
+
+def _ts(ts: Any) -> datetime | None:
+    if ts is None or (ts.seconds == 0 and ts.nanos == 0):
+        return None
+    return ts.ToDatetime(tzinfo=UTC)  # type: ignore[no-any-return]
+
+
+def age(ts: Any, now: datetime | None = None) -> str:
+    dt = _ts(ts)
+    if dt is None:
+        return "-"
+    secs = max(0, int(((now or datetime.now(UTC)) - dt).total_seconds()))
+    if secs < 120:
+        return f"{secs}s"
+    if secs < 7200:
+        return f"{secs // 60}m"
+    if secs < 172800:
+        return f"{secs // 3600}h"
+    return f"{secs // 86400}d"
+
+
+def when(ts: Any) -> str:
+    dt = _ts(ts)
+    if dt is None:
+        return "-"
+    return f"{dt.astimezone().isoformat(timespec='seconds')} ({age(ts)} ago)"
+
+
+def size(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f}{unit}" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    return f"{n}B"
+
+
+def num(x: float) -> str:
+    return f"{x:g}"
+
+
+def total_slots(spec: job_pb2.JobSpec) -> int:
+    """Processes of a job: replicas x processes per replica, all groups."""
+    return sum(max(1, g.replicas) * max(1, g.processes_per_replica) for g in spec.replica_groups)
+
+
+
+# --------------------------------------------------------------------------- jobs
+
+JOB_HEADERS = ("NAME", "STATE", "MODE", "REPLICAS", "CLUSTER", "AGE", "REASON")
+
+
+def job_row(job: job_pb2.Job) -> list[str]:
+    running = sum(1 for r in job.replicas if r.state == job_pb2.REPLICA_STATE_RUNNING)
+    return [
+        job.name,
+        job_state(job.state),
+        enum_short(job_pb2.RunMode, job.spec.run_mode),
+        f"{running}/{total_slots(job.spec)}",
+        job.cluster.removeprefix("clusters/") or "-",
+        age(job.create_time),
+        job.reason or "",
+    ]
+
+
+def jobs_table(jobs: Iterable[job_pb2.Job]) -> None:
+    table([job_row(j) for j in jobs], JOB_HEADERS)
+
+
+def job_detail(job: job_pb2.Job, out: TextIO | None = None) -> None:
+    out = out or sys.stdout
+    state = job_state(job.state)
+    if job.reason:
+        state += f" ({job.reason})"
+    fields = [
+        ("Name", job.name),
+        ("UID", job.uid),
+        ("State", state),
+        ("Message", job.message),
+        ("Exit code", str(job.exit_code) if job.HasField("exit_code") else ""),
+        ("Run mode", enum_short(job_pb2.RunMode, job.spec.run_mode)),
+        ("Cluster", job.cluster),
+        ("Backend id", job.backend_job_id),
+        ("Attempt", str(job.attempt) if job.attempt else ""),
+        ("Created", when(job.create_time)),
+        ("Started", when(job.start_time) if _ts(job.start_time) else ""),
+        ("Ended", when(job.end_time) if _ts(job.end_time) else ""),
+        ("Labels", ", ".join(f"{k}={v}" for k, v in sorted(job.labels.items()))),
+    ]
+    for k, v in fields:
+        if v:
+            out.write(f"{k + ':':<12}{v}\n")
+    out.write("Replica groups:\n")
+    for g in job.spec.replica_groups:
+        res = g.resources
+        parts = []
+        if res.cpu:
+            parts.append(f"cpu={num(res.cpu)}")
+        if res.memory_bytes:
+            parts.append(f"memory={size(res.memory_bytes)}")
+        if res.gpus:
+            parts.append(f"gpus={res.gpus}{':' + res.gpu_type if res.gpu_type else ''}")
+        argv = " ".join([*g.command, *g.args])
+        out.write(f"  {g.role or '-'} x{max(1, g.replicas)}"
+                  f"{f' ({g.processes_per_replica} processes each)' if g.processes_per_replica > 1 else ''}"
+                  f": {argv}{'  [' + ' '.join(parts) + ']' if parts else ''}\n")
+    if job.replicas:
+        out.write("Replicas:\n")
+        rows = [[f"{r.role}/{r.index}", enum_short(job_pb2.ReplicaState, r.state),
+                 str(r.exit_code) if r.HasField("exit_code") else "-", r.host or "-", r.message]
+                for r in job.replicas]
+        buf = io.StringIO()
+        table(rows, ("REPLICA", "STATE", "EXIT", "HOST", "MESSAGE"), buf)
+        for line in buf.getvalue().splitlines():
+            out.write(f"  {line}\n")
+    out.flush()
+
+
+def usage_table(usage: job_pb2.JobUsage) -> None:
+    rows = [[f"{r.role}/{r.replica_index}", f"{r.cpu_seconds:.2f}", size(r.memory_bytes),
+             size(r.peak_memory_bytes),
+             f"{r.gpu_utilization_percent:.0f}%" if r.gpu_utilization_percent else "-",
+             size(r.gpu_memory_bytes) if r.gpu_memory_bytes else "-",
+             "yes" if r.running else "no"] for r in usage.replicas]
+    table(rows, ("REPLICA", "CPU_SECONDS", "MEMORY", "PEAK_MEMORY", "GPU_UTIL", "GPU_MEMORY",
+                 "RUNNING"))
+
+
+# --------------------------------------------------------------------------- clusters
+
+CLUSTER_HEADERS = ("NAME", "TYPE", "STATE", "DRIVER", "ADDRESS", "CPUS", "MEMORY", "GPUS", "AGE")
+
+
+def cluster_row(c: cluster_pb2.Cluster) -> list[str]:
+    cap = c.capacity
+    return [
+        c.name,
+        enum_short(job_pb2.ClusterType, c.type),
+        enum_short(cluster_pb2.ClusterState, c.state),
+        c.driver_address or "-",
+        c.address or "-",
+        f"{num(cap.cpus_free)}/{num(cap.cpus_total)}" if cap.cpus_total else "-",
+        f"{size(cap.memory_bytes_free)}/{size(cap.memory_bytes_total)}"
+        if cap.memory_bytes_total else "-",
+        f"{cap.gpus_free}/{cap.gpus_total}" if cap.gpus_total else "0",
+        age(c.create_time),
+    ]
+
+
+def clusters_table(clusters: Iterable[cluster_pb2.Cluster]) -> None:
+    table([cluster_row(c) for c in clusters], CLUSTER_HEADERS)
+
+
+def cluster_detail(c: cluster_pb2.Cluster, out: TextIO | None = None) -> None:
+    out = out or sys.stdout
+    cap = c.capacity
+    fields = [
+        ("Name", c.name),
+        ("UID", c.uid),
+        ("Type", enum_short(job_pb2.ClusterType, c.type)),
+        ("State", enum_short(cluster_pb2.ClusterState, c.state)),
+        ("Message", c.state_message),
+        ("Address", c.address),
+        ("Driver", c.driver_address),
+        ("Credentials", "stored" if c.has_credentials else "none"),
+        ("Labels", ", ".join(f"{k}={v}" for k, v in sorted(c.labels.items()))),
+        ("Options", ", ".join(f"{k}={v}" for k, v in sorted(c.options.items()))),
+        ("Run modes", ", ".join(enum_short(job_pb2.RunMode, m) for m in c.supported_run_modes)),
+        ("Nodes", f"{cap.nodes_free}/{cap.nodes_total} free" if cap.nodes_total else ""),
+        ("CPUs", f"{num(cap.cpus_free)}/{num(cap.cpus_total)} free" if cap.cpus_total else ""),
+        ("Memory", f"{size(cap.memory_bytes_free)}/{size(cap.memory_bytes_total)} free"
+         if cap.memory_bytes_total else ""),
+        ("GPUs", f"{cap.gpus_free}/{cap.gpus_total} free" if cap.gpus_total else ""),
+        ("Created", when(c.create_time)),
+        ("Heartbeat", when(c.last_heartbeat_time) if _ts(c.last_heartbeat_time) else ""),
+    ]
+    for k, v in fields:
+        if v:
+            out.write(f"{k + ':':<13}{v}\n")
+    for g in cap.gpus:
+        out.write(f"  gpu {g.gpu_type or '?'}: {g.free}/{g.total} free\n")
+    out.flush()
+
+
+def candidates_table(cands: Iterable[cluster_pb2.ClusterCandidate]) -> None:
+    rows = [[c.cluster, enum_short(job_pb2.ClusterType, c.cluster_type),
+             "yes" if c.eligible else "no", f"{c.score:g}" if c.eligible else "-",
+             "; ".join(c.reasons)] for c in cands]
+    table(rows, ("CLUSTER", "TYPE", "ELIGIBLE", "SCORE", "REASONS"))

@@ -1,0 +1,379 @@
+"""``dlsched up``: the whole local stack in the foreground.
+
+Starts, as child processes each in its own process group with its log in
+``DATA/logs/``: etcd (data in ``DATA/etcd``), ClusterManager on PORT+1, the
+local driver (state in ``DATA/local``) on a free port and JobManager on PORT;
+waits for each one's port file, registers cluster ``local`` (or points the
+existing one at this run's driver), prints one ready line and writes
+``DATA/ready.json``. SIGINT or SIGTERM stops the children in reverse order
+(SIGTERM to the group, a grace period, then SIGKILL) and exits 0; a child that
+dies on its own takes the stack down and exits 1.
+
+The services run as ``python -m <package>`` processes; this module never
+imports them (an import-linter contract forbids it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from dlsched import errors
+from dlsched.kit.etcd import find_etcd_binary
+
+READY_PREFIX = "dlsched is up:"
+STOP_GRACE_S = 10.0
+
+
+class StackError(errors.FailedPrecondition):
+    reason = "STACK_START_FAILED"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _source_root() -> pathlib.Path | None:
+    """The checkout holding the service packages, when dlsched runs from one."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    return root if (root / "job_manager").is_dir() else None
+
+
+@dataclass
+class Child:
+    """One supervised process."""
+
+    name: str
+    argv: list[str]
+    log_path: pathlib.Path
+    port_file: pathlib.Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+    address: str = ""
+
+    def start(self) -> None:
+        if self.port_file is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.port_file.unlink()
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(self.argv)}\n"
+                      .encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env={**os.environ, **self.env}, start_new_session=True)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(lines[-n:])
+
+    async def wait_port_file(self, within: float) -> str:
+        assert self.port_file is not None and self.proc is not None
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            if self.port_file.exists():
+                self.address = self.port_file.read_text().strip()
+                if self.address:
+                    return self.address
+            if self.proc.poll() is not None:
+                raise StackError(f"{self.name} exited with {self.proc.returncode}; "
+                                 f"its log {self.log_path} ends:\n{self.log_tail()}")
+            await asyncio.sleep(0.05)
+        raise StackError(f"{self.name} did not start in {within:.0f}s; see {self.log_path}")
+
+    async def wait_tcp(self, host: str, port: int, within: float) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            try:
+                _, w = await asyncio.wait_for(asyncio.open_connection(host, port), 0.5)
+                w.close()
+                with contextlib.suppress(OSError):
+                    await w.wait_closed()
+                return
+            except (OSError, TimeoutError):
+                if self.proc.poll() is not None:
+                    raise StackError(f"{self.name} exited with {self.proc.returncode}; "
+                                     f"its log {self.log_path} ends:\n{self.log_tail()}") from None
+                await asyncio.sleep(0.05)
+        raise StackError(f"{self.name} did not listen on {host}:{port} in {within:.0f}s")
+
+    def signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)
+
+    async def stop(self, grace: float = STOP_GRACE_S) -> int | None:
+        """SIGTERM the process group, wait ``grace`` seconds, then SIGKILL it."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.signal_group(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                await asyncio.to_thread(self.proc.wait, grace)
+        # Whatever is left in the group (the leader's children) goes too.
+        self.signal_group(signal.SIGKILL)
+        if self.proc.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5)
+        return self.proc.returncode
+
+
+class LocalStack:
+    """etcd + ClusterManager + local driver + JobManager under one data dir."""
+
+    def __init__(self, data_dir: str, port: int = 50051, host: str = "127.0.0.1",
+                 *, ready_timeout: float = 60.0) -> None:
+        self.data = pathlib.Path(data_dir).resolve()
+        self.port = port
+        self.host = host
+        self.ready_timeout = ready_timeout
+        self.children: list[Child] = []
+        self.logs = self.data / "logs"
+        self.run_dir = self.data / "run"
+        self._lock_fd: int | None = None
+        self.etcd_endpoint = ""
+
+    # -- start ------------------------------------------------------------------
+
+    def _lock(self) -> None:
+        self.data.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.data / "up.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise StackError(f"another `dlsched up` already runs with data dir {self.data}") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def _etcd_ports(self) -> tuple[int, int]:
+        """Reuses last run's ports when free: etcd keeps its peer URL in its data."""
+        saved = self.data / "etcd-ports.json"
+        try:
+            d = json.loads(saved.read_text())
+            client, peer = int(d["client"]), int(d["peer"])
+            if port_is_free("127.0.0.1", client) and port_is_free("127.0.0.1", peer):
+                return client, peer
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        client, peer = free_port(), free_port()
+        while peer == client:
+            peer = free_port()
+        saved.write_text(json.dumps({"client": client, "peer": peer}))
+        return client, peer
+
+    def _service(self, name: str, module: str, listen_port: int, args: Sequence[str]) -> Child:
+        env = {"PYTHONUNBUFFERED": "1"}
+        root = _source_root()
+        if root is not None:
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+        port_file = self.run_dir / f"{name}.port"
+        return Child(
+            name=name,
+            argv=[sys.executable, "-m", module, "--listen", f"{self.host}:{listen_port}",
+                  "--port-file", str(port_file), *args],
+            log_path=self.logs / f"{name}.log", port_file=port_file, env=env)
+
+    async def start(self) -> dict[str, str]:
+        self._lock()
+        for d in (self.logs, self.run_dir, self.data / "etcd", self.data / "local"):
+            d.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            (self.data / "ready.json").unlink()
+        for p in (self.port, self.port + 1):
+            if not port_is_free(self.host, p):
+                raise StackError(f"port {self.host}:{p} is in use; pick another with --port "
+                                 "(ClusterManager uses PORT+1)")
+
+        client, peer = self._etcd_ports()
+        etcd = Child(
+            name="etcd",
+            argv=[find_etcd_binary(), "--name", "dlsched", "--data-dir", str(self.data / "etcd"),
+                  "--listen-client-urls", f"http://127.0.0.1:{client}",
+                  "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                  "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                  "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                  "--initial-cluster", f"dlsched=http://127.0.0.1:{peer}",
+                  "--log-level", "warn"],
+            log_path=self.logs / "etcd.log")
+        self.children.append(etcd)
+        etcd.start()
+        await etcd.wait_tcp("127.0.0.1", client, self.ready_timeout)
+        self.etcd_endpoint = f"127.0.0.1:{client}"
+
+        cm = self._service("cluster-manager", "cluster_manager", self.port + 1,
+                           ["--etcd", self.etcd_endpoint, "--prefix", "/dlsched/",
+                            "--monitor-interval", "2"])
+        self.children.append(cm)
+        cm.start()
+        driver = self._service("local-driver", "drivers.local", 0,
+                               ["--state-dir", str(self.data / "local")])
+        self.children.append(driver)
+        driver.start()
+        await cm.wait_port_file(self.ready_timeout)
+        await driver.wait_port_file(self.ready_timeout)
+
+        jm = self._service("job-manager", "job_manager", self.port,
+                           ["--etcd", self.etcd_endpoint, "--cluster-manager", cm.address,
+                            "--prefix", "/dlsched/"])
+        self.children.append(jm)
+        jm.start()
+        await jm.wait_port_file(self.ready_timeout)
+
+        state = await self._register_local(cm.address, driver.address)
+        addrs = {"server": jm.address, "cluster_manager": cm.address,
+                 "driver": driver.address, "etcd": self.etcd_endpoint,
+                 "cluster_state": state, "pid": str(os.getpid())}
+        tmp = self.data / "ready.json.tmp"
+        tmp.write_text(json.dumps(addrs))
+        os.replace(tmp, self.data / "ready.json")
+        return addrs
+
+    async def _register_local(self, cm_address: str, driver_address: str) -> str:
+        from dlsched.client import ClusterManagerClient, DlschedRpcError
+        from dlsched.v1 import cluster_pb2, job_pb2
+
+        async with ClusterManagerClient(cm_address) as cm:
+            try:
+                c = await cm.get_cluster("local")
+                if c.driver_address != driver_address:
+                    await cm.update_cluster(
+                        cluster_pb2.Cluster(name="clusters/local", driver_address=driver_address),
+                        ["driver_address"])
+            except DlschedRpcError as e:
+                if e.code != "NOT_FOUND":
+                    raise
+                try:
+                    await cm.create_cluster("local", cluster_pb2.Cluster(
+                        type=job_pb2.CLUSTER_TYPE_LOCAL, driver_address=driver_address,
+                        labels={"dlsched.io/stack": "up"}))
+                except DlschedRpcError as e2:
+                    if e2.code != "ALREADY_EXISTS":
+                        raise
+                    await cm.update_cluster(
+                        cluster_pb2.Cluster(name="clusters/local", driver_address=driver_address),
+                        ["driver_address"])
+            try:
+                c = await cm.wait_cluster_state("local", timeout=min(30.0, self.ready_timeout))
+            except TimeoutError as e:
+                print(f"warning: cluster local is not READY yet: {e}", file=sys.stderr)
+                c = await cm.get_cluster("local")
+            return cluster_pb2.ClusterState.Name(c.state)
+
+    # -- run / stop -------------------------------------------------------------
+
+    def dead_child(self) -> Child | None:
+        for c in self.children:
+            if not c.alive():
+                return c
+        return None
+
+    async def stop(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            (self.data / "ready.json").unlink()
+        for c in reversed(self.children):
+            await c.stop()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+async def _run(stack: LocalStack) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    received: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        received.append(sig)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        loop.add_signal_handler(sig, on_signal, sig)
+    code = 0
+    try:
+        start = asyncio.ensure_future(stack.start())
+        stopper = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({start, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if not start.done():
+            start.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await start
+            print("dlsched up: interrupted while starting; stopping", file=sys.stderr)
+            return 0
+        stopper.cancel()
+        addrs = start.result()  # raises a start failure
+        print(f"{READY_PREFIX} server={addrs['server']} cluster-manager={addrs['cluster_manager']} "
+              f"driver={addrs['driver']} etcd={addrs['etcd']} "
+              f"cluster=clusters/local({addrs['cluster_state'].removeprefix('CLUSTER_STATE_')})",
+              flush=True)
+        print(f"  data {stack.data}, logs {stack.logs}; try "
+              f"`dlsched --server {addrs['server']} submit examples/hello.yaml --follow`; "
+              "Ctrl-C stops", flush=True)
+        while not stop.is_set():
+            dead = stack.dead_child()
+            if dead is not None:
+                print(f"error: {dead.name} exited with {dead.proc.returncode if dead.proc else '?'}"
+                      f"; stopping the stack. Its log {dead.log_path} ends:\n{dead.log_tail()}",
+                      file=sys.stderr, flush=True)
+                code = 1
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+        if received:
+            print(f"dlsched up: {signal.Signals(received[0]).name}; stopping", file=sys.stderr,
+                  flush=True)
+        return code
+    finally:
+        await stack.stop()
+        print("dlsched up: stopped", file=sys.stderr, flush=True)
+
+
+def main(*, data_dir: str = "./.dlsched", port: int = 50051, host: str = "127.0.0.1",
+         ready_timeout: float = 60.0) -> int:
+    """Runs the stack until a signal; the process's exit code."""
+    from dlsched.cli import print_error
+
+    stack = LocalStack(data_dir, port, host, ready_timeout=ready_timeout)
+    try:
+        return asyncio.run(_run(stack))
+    except KeyboardInterrupt:
+        return 0
+    except errors.DlschedError as e:
+        print_error(e)
+        return 1
+    except OSError as e:
+        print(f"error: FAILED_PRECONDITION {StackError.reason}: {e}", file=sys.stderr)
+        return 1
