@@ -1,0 +1,94 @@
+"""``python -m job_manager``: build config, connect, reconcile, serve."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dlsched.kit import etcd, logs
+from dlsched.kit.server import Registration, ServerOptions, serve_until_signal, start_server
+from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
+from job_manager.clients import ClusterManagerClient, DriverPool
+from job_manager.scheduler import Scheduler, SchedulerConfig
+from job_manager.servicer import JobManagerServicer
+from job_manager.store import JobStore
+from job_manager.watch import WatchHub
+
+log = logging.getLogger("job_manager")
+
+
+@dataclass(frozen=True)
+class Config:
+    listen: str
+    port_file: str | None
+    etcd: str
+    cluster_manager: str
+    prefix: str = "/dlsched/"
+    watch_buffer: int = 10000
+    watch_history: int = 5000
+    stop_grace_seconds: float = 10.0
+    log_level: str = "INFO"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Config:
+    p = argparse.ArgumentParser(prog="python -m job_manager", description=__doc__)
+    p.add_argument("--listen", default="127.0.0.1:0")
+    p.add_argument("--port-file")
+    p.add_argument("--etcd", required=True, help="etcd endpoint host:port")
+    p.add_argument("--cluster-manager", required=True, help="ClusterManager host:port")
+    p.add_argument("--prefix", default="/dlsched/")
+    p.add_argument("--watch-buffer", type=int, default=10000,
+                   help="events kept for WatchJobs resume tokens")
+    p.add_argument("--watch-history", type=int, default=5000,
+                   help="revisions back the job watch starts at, so tokens survive a restart")
+    p.add_argument("--stop-grace-seconds", type=float, default=10.0)
+    p.add_argument("--log-level", default="INFO")
+    a = p.parse_args(argv)
+    if a.watch_buffer < 1:
+        p.error("--watch-buffer must be at least 1")
+    return Config(listen=a.listen, port_file=a.port_file, etcd=a.etcd,
+                  cluster_manager=a.cluster_manager, prefix=a.prefix,
+                  watch_buffer=a.watch_buffer, watch_history=a.watch_history,
+                  stop_grace_seconds=a.stop_grace_seconds, log_level=a.log_level)
+
+
+async def amain(cfg: Config) -> None:
+    client = await etcd.connect(cfg.etcd)
+    store = JobStore(client, cfg.prefix)
+    hub = WatchHub(client, cfg.prefix, buffer_size=cfg.watch_buffer, history=cfg.watch_history)
+    await hub.start()
+    cm = ClusterManagerClient(cfg.cluster_manager)
+    drivers = DriverPool()
+    scheduler = Scheduler(store, cm, drivers,
+                          SchedulerConfig(stop_grace_seconds=cfg.stop_grace_seconds))
+    try:
+        await asyncio.wait_for(scheduler.reconcile(), 30)
+    except Exception:  # noqa: BLE001 - serve anyway; the trackers keep trying
+        log.exception("reconcile failed")
+    running = await start_server(
+        ServerOptions(listen=cfg.listen, port_file=cfg.port_file, grace_seconds=5.0),
+        [Registration(pb_grpc.add_JobManagerServiceServicer_to_server,
+                      JobManagerServicer(scheduler, hub), "dlsched.v1.JobManagerService")],
+        announce_as="job-manager")
+
+    async def on_stop() -> None:
+        await hub.stop()
+        await scheduler.close()
+        await cm.close()
+        await drivers.close()
+        await client.close()
+
+    await serve_until_signal(running, on_stop=on_stop)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    cfg = parse_args(argv)
+    logs.setup(cfg.log_level, "job-manager")
+    asyncio.run(amain(cfg))
+
+
+if __name__ == "__main__":
+    main()

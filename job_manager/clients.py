@@ -1,0 +1,223 @@
+"""Adapters for the services JobManager calls: ClusterManager and drivers.
+
+They speak ``dlsched.v1`` stubs and hand domain objects back; failed calls are
+rebuilt as dlsched errors (``from_rpc_error``) so a ClusterManager reason such
+as NO_MATCHING_CLUSTER reaches JobManager's client unchanged, with its
+BadRequest or PreconditionFailure details.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from dlsched import errors
+from dlsched.kit.rpc_errors import from_rpc_error
+from dlsched.kit.timeutil import to_duration
+from dlsched.v1 import (
+    cluster_manager_service_pb2 as cm_pb2,
+)
+from dlsched.v1 import (
+    cluster_manager_service_pb2_grpc as cm_grpc,
+)
+from dlsched.v1 import (
+    driver_service_pb2 as drv_pb2,
+)
+from dlsched.v1 import (
+    driver_service_pb2_grpc as drv_grpc,
+)
+from dlsched.v1 import job_manager_service_pb2 as jm_pb2
+from dlsched.v1 import job_pb2
+from job_manager.convert import (
+    candidate_from_proto,
+    native_from_proto,
+    observation_from_proto,
+    spec_to_proto,
+)
+from job_manager.domain.model import Candidate, JobSpec, NativeSpec, Observation
+
+log = logging.getLogger("job_manager.clients")
+T = TypeVar("T")
+
+_CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 8 * 1024 * 1024),
+    ("grpc.max_send_message_length", 8 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+def translate(exc: grpc.RpcError) -> errors.DlschedError:
+    """A failed call as the dlsched error it carries, details included."""
+    err = from_rpc_error(exc)
+    if isinstance(err, errors.FailedPrecondition):
+        st = rpc_status.from_call(exc)  # type: ignore[arg-type]
+        if st is not None:
+            for d in st.details:
+                if d.Is(error_details_pb2.PreconditionFailure.DESCRIPTOR):
+                    pf = error_details_pb2.PreconditionFailure()
+                    d.Unpack(pf)
+                    err.violations.extend((v.subject, v.description) for v in pf.violations)
+    return err
+
+
+async def _unary(call: Awaitable[T]) -> T:
+    try:
+        return await call
+    except grpc.RpcError as e:
+        raise translate(e) from e
+
+
+class ClusterManagerClient:
+    """MatchClusters, and the driver address of a cluster (cached briefly)."""
+
+    def __init__(self, address: str, *, timeout: float = 15.0, cache_seconds: float = 10.0) -> None:
+        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._stub = cm_grpc.ClusterManagerServiceStub(self._channel)
+        self._timeout = timeout
+        self._cache_seconds = cache_seconds
+        self._drivers: dict[str, tuple[str, float]] = {}
+
+    async def match(self, spec: JobSpec) -> list[Candidate]:
+        resp = await _unary(self._stub.MatchClusters(
+            cm_pb2.MatchClustersRequest(spec=spec_to_proto(spec)), timeout=self._timeout))
+        out = [candidate_from_proto(c) for c in resp.candidates]
+        for c in out:
+            if c.driver_address:
+                self._drivers[c.cluster] = (c.driver_address, time.monotonic())
+        return out
+
+    async def driver_address(self, cluster: str) -> str:
+        hit = self._drivers.get(cluster)
+        if hit and time.monotonic() - hit[1] < self._cache_seconds:
+            return hit[0]
+        resp = await _unary(self._stub.GetCluster(cm_pb2.GetClusterRequest(name=cluster),
+                                                  timeout=self._timeout))
+        addr = resp.cluster.driver_address
+        if not addr:
+            raise errors.Unavailable(f"{cluster} has no driver address",
+                                     reason="DRIVER_UNAVAILABLE")
+        self._drivers[cluster] = (addr, time.monotonic())
+        return addr
+
+    def forget(self, cluster: str) -> None:
+        self._drivers.pop(cluster, None)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class DriverClient:
+    """One driver service (one channel, shared by every cluster it serves)."""
+
+    def __init__(self, address: str, *, timeout: float = 30.0) -> None:
+        self.address = address
+        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._stub = drv_grpc.DriverServiceStub(self._channel)
+        self._timeout = timeout
+
+    async def render(self, cluster: str, job_id: str, spec: JobSpec) -> NativeSpec:
+        resp = await _unary(self._stub.RenderJob(drv_pb2.RenderJobRequest(
+            cluster=cluster, job_id=job_id, spec=spec_to_proto(spec)), timeout=self._timeout))
+        return native_from_proto(resp.native_spec)
+
+    async def launch(self, cluster: str, job_id: str, spec: JobSpec,
+                     attempt: int) -> tuple[str, Observation | None]:
+        resp = await _unary(self._stub.LaunchJob(drv_pb2.LaunchJobRequest(
+            cluster=cluster, job_id=job_id, spec=spec_to_proto(spec), attempt=attempt),
+            timeout=self._timeout))
+        obs = observation_from_proto(resp.observation) if resp.HasField("observation") else None
+        return resp.backend_job_id, obs
+
+    async def batch_get(self, cluster: str, refs: list[tuple[str, str]]) -> list[Observation]:
+        out: list[Observation] = []
+        for i in range(0, len(refs), 1000):
+            chunk = refs[i:i + 1000]
+            resp = await _unary(self._stub.BatchGetJobObservations(
+                drv_pb2.BatchGetJobObservationsRequest(
+                    cluster=cluster,
+                    jobs=[drv_pb2.JobRef(job_id=j, backend_job_id=b) for j, b in chunk]),
+                timeout=self._timeout))
+            out.extend(observation_from_proto(o) for o in resp.observations)
+        return out
+
+    async def watch(self, cluster: str) -> AsyncIterator[Observation | None]:
+        """Observations of a cluster's jobs; None marks the end of the snapshot."""
+        call = self._stub.WatchJobObservations(drv_pb2.WatchJobObservationsRequest(cluster=cluster))
+        try:
+            async for resp in call:
+                if resp.snapshot_complete:
+                    yield None
+                if resp.HasField("observation"):
+                    yield observation_from_proto(resp.observation)
+        except grpc.RpcError as e:
+            raise translate(e) from e
+        finally:
+            call.cancel()
+
+    async def terminate(self, cluster: str, job_id: str, backend_job_id: str,
+                        grace_seconds: float) -> Observation | None:
+        resp = await _unary(self._stub.TerminateJob(drv_pb2.TerminateJobRequest(
+            cluster=cluster, job=drv_pb2.JobRef(job_id=job_id, backend_job_id=backend_job_id),
+            grace_period=to_duration(grace_seconds)), timeout=self._timeout + grace_seconds))
+        return observation_from_proto(resp.observation) if resp.HasField("observation") else None
+
+    async def cleanup(self, cluster: str, job_id: str, backend_job_id: str) -> None:
+        await _unary(self._stub.CleanupJob(drv_pb2.CleanupJobRequest(
+            cluster=cluster, job=drv_pb2.JobRef(job_id=job_id, backend_job_id=backend_job_id)),
+            timeout=self._timeout))
+
+    async def tail_logs(self, cluster: str, job_id: str, backend_job_id: str,
+                        req: jm_pb2.StreamJobLogsRequest) -> AsyncIterator[list[job_pb2.LogEntry]]:
+        """Log batches, passed through as protos (JobManager only relays them)."""
+        treq = drv_pb2.TailJobLogsRequest(
+            cluster=cluster, job=drv_pb2.JobRef(job_id=job_id, backend_job_id=backend_job_id),
+            follow=req.follow, tail_lines=req.tail_lines, role=req.role, streams=req.streams)
+        if req.HasField("since_time"):
+            treq.since_time.CopyFrom(req.since_time)
+        if req.HasField("replica_index"):
+            treq.replica_index = req.replica_index
+        call = self._stub.TailJobLogs(treq)
+        try:
+            async for resp in call:
+                yield list(resp.entries)
+        except grpc.RpcError as e:
+            raise translate(e) from e
+        finally:
+            call.cancel()
+
+    async def usage(self, cluster: str, job_id: str, backend_job_id: str) -> job_pb2.JobUsage:
+        resp = await _unary(self._stub.MeasureJobUsage(drv_pb2.MeasureJobUsageRequest(
+            cluster=cluster, job=drv_pb2.JobRef(job_id=job_id, backend_job_id=backend_job_id)),
+            timeout=self._timeout))
+        return resp.usage
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+class DriverPool:
+    """Driver clients by address; channels are cached and reused."""
+
+    def __init__(self, **kw: Any) -> None:
+        self._clients: dict[str, DriverClient] = {}
+        self._kw = kw
+
+    def get(self, address: str) -> DriverClient:
+        c = self._clients.get(address)
+        if c is None:
+            c = self._clients[address] = DriverClient(address, **self._kw)
+        return c
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self._clients.values()), return_exceptions=True)
+        self._clients.clear()

@@ -1,0 +1,1 @@
+"""JobManager's domain: plain typed Python, no grpc, no stubs, no aetcd."""

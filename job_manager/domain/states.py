@@ -1,0 +1,169 @@
+"""The job state machine: the transition table and how observations apply.
+
+Drivers report observations; JobManager applies them only along legal
+transitions. Terminal states are final: a late RUNNING never overwrites
+SUCCEEDED. While STOPPING, a driver's STOPPED, SUCCEEDED or FAILED ends the
+job in that state; anything else only refreshes the details.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import datetime
+
+from job_manager.domain.model import Job, JobState, Observation
+
+S = JobState
+
+#: Legal transitions. A retry (FAILED attempt n → PENDING attempt n+1) is not
+#: an observation; it goes through ``plan_retry``.
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    S.PENDING: frozenset({S.QUEUED, S.RUNNING, S.SUCCEEDED, S.FAILED, S.STOPPING, S.STOPPED}),
+    S.QUEUED: frozenset({S.RUNNING, S.SUCCEEDED, S.FAILED, S.STOPPING, S.STOPPED}),
+    S.RUNNING: frozenset({S.QUEUED, S.SUCCEEDED, S.FAILED, S.STOPPING, S.STOPPED}),
+    S.STOPPING: frozenset({S.STOPPED, S.SUCCEEDED, S.FAILED}),
+    S.SUCCEEDED: frozenset(),
+    S.FAILED: frozenset(),
+    S.STOPPED: frozenset(),
+    S.UNSPECIFIED: frozenset(),
+}
+
+
+def can_transition(src: JobState, dst: JobState) -> bool:
+    return dst in TRANSITIONS.get(src, frozenset())
+
+
+def _with_state(job: Job, state: JobState, now: datetime, **changes: object) -> Job:
+    new = dataclasses.replace(job, state=state, **changes)  # type: ignore[arg-type]
+    if state.is_terminal() and new.end_time is None:
+        new.end_time = now
+    return new
+
+
+def apply_observation(job: Job, obs: Observation, now: datetime) -> Job | None:
+    """The job after ``obs``, or None when nothing changes.
+
+    An observation of another attempt than the job's is stale and ignored.
+    ``found=False`` observations are handled by ``mark_lost``.
+    """
+    if job.state.is_terminal() or not obs.found:
+        return None
+    if obs.attempt and job.attempt and obs.attempt != job.attempt:
+        return None
+    if obs.state == S.UNSPECIFIED:
+        return None
+    target = job.state
+    if obs.state != job.state and can_transition(job.state, obs.state):
+        target = obs.state
+    elif job.state == S.STOPPING and obs.state in (S.PENDING, S.QUEUED, S.RUNNING):
+        target = S.STOPPING  # stop in progress; only details refresh
+    elif obs.state != job.state:
+        return None
+    new = dataclasses.replace(job)
+    new.state = target
+    if target == obs.state or target == S.STOPPING:
+        if target != S.STOPPING:
+            new.reason = obs.reason
+            new.message = obs.message
+        if obs.replicas:
+            new.replicas = list(obs.replicas)
+        if obs.exit_code is not None:
+            new.exit_code = obs.exit_code
+    if obs.backend_job_id and not new.backend_job_id:
+        new.backend_job_id = obs.backend_job_id
+    if obs.start_time is not None and new.start_time is None:
+        new.start_time = obs.start_time
+    if new.start_time is None and target in (S.RUNNING,):
+        new.start_time = now
+    if target.is_terminal():
+        new.end_time = obs.end_time or new.end_time or now
+    if _same(new, job):
+        return None
+    return new
+
+
+def _same(a: Job, b: Job) -> bool:
+    fields = ("state", "reason", "message", "exit_code", "replicas", "backend_job_id",
+              "start_time", "end_time", "attempt", "cluster")
+    return all(getattr(a, f) == getattr(b, f) for f in fields)
+
+
+def should_retry(job: Job, obs: Observation) -> bool:
+    """Whether a FAILED observation of the current attempt leads to a retry."""
+    return (
+        obs.found
+        and obs.state == S.FAILED
+        and not job.state.is_terminal()
+        and job.state != S.STOPPING
+        and (not obs.attempt or obs.attempt == job.attempt)
+        and job.attempt <= job.spec.max_retries
+    )
+
+
+def plan_retry(job: Job, obs: Observation, now: datetime) -> Job:
+    """The job back in PENDING for attempt+1, not launched yet."""
+    return dataclasses.replace(
+        job,
+        state=S.PENDING,
+        attempt=job.attempt + 1,
+        backend_job_id="",
+        reason="Retrying",
+        message=f"attempt {job.attempt} failed ({obs.reason or 'Failed'}); retrying",
+        exit_code=obs.exit_code,
+        replicas=[],
+        end_time=None,
+    )
+
+
+def mark_lost(job: Job, now: datetime) -> Job | None:
+    """The driver no longer knows a job it launched: FAILED LostByBackend."""
+    if job.state.is_terminal() or not job.launched:
+        return None
+    return _with_state(job, S.FAILED, now, reason="LostByBackend",
+                       message="the backend no longer knows the job")
+
+
+def mark_launched(job: Job, backend_job_id: str, obs: Observation | None,
+                  now: datetime) -> Job | None:
+    """Record a successful LaunchJob; None when the job moved on meanwhile."""
+    if job.state.is_terminal() or job.launched:
+        return None
+    new = dataclasses.replace(job, backend_job_id=backend_job_id)
+    if new.reason in ("DriverUnavailable", "ClusterNotConfigured", "Retrying"):
+        new.reason, new.message = "", ""
+    if obs is not None:
+        applied = apply_observation(new, obs, now)
+        if applied is not None:
+            new = applied
+    return new
+
+
+def mark_launch_waiting(job: Job, reason: str, message: str) -> Job | None:
+    """A retryable launch failure: the job stays PENDING with a reason."""
+    if job.state != S.PENDING or job.launched:
+        return None
+    if job.reason == reason and job.message == message:
+        return None
+    return dataclasses.replace(job, reason=reason, message=message)
+
+
+def mark_launch_failed(job: Job, reason: str, message: str, now: datetime) -> Job | None:
+    """A non-retryable launch failure: the job is FAILED."""
+    if job.state.is_terminal() or job.launched:
+        return None
+    return _with_state(job, S.FAILED, now, reason=reason, message=message)
+
+
+def request_stop(job: Job, now: datetime) -> Job | None:
+    """StopJob: None when the job is terminal or already stopping.
+
+    A job not handed to a backend yet stops at once; otherwise it goes to
+    STOPPING and the driver's STOPPED observation ends it.
+    """
+    if job.state.is_terminal() or job.state == S.STOPPING:
+        return None
+    if not job.launched:
+        return _with_state(job, S.STOPPED, now, reason="Stopped",
+                           message="stopped before it was launched")
+    return dataclasses.replace(job, state=S.STOPPING, reason="StopRequested",
+                               message="stop requested")

@@ -1,0 +1,423 @@
+"""The application layer: submission, launching, tracking, stopping, deleting.
+
+It joins the domain (state machine, validation) with the adapters (store,
+ClusterManager and driver clients). Background work is one task per pending
+launch or stop retry, and one observation stream per cluster with unfinished
+jobs.
+
+SubmitJob semantics worth knowing:
+
+- The job is stored (PENDING, attempt 1) before any driver sees it; then
+  LaunchJob runs inline. A driver that cannot be reached leaves the job
+  PENDING with reason ``DriverUnavailable`` and a background retry with
+  backoff. A driver that refuses the job (INVALID_ARGUMENT,
+  FAILED_PRECONDITION other than CLUSTER_NOT_CONFIGURED, UNIMPLEMENTED,
+  NOT_FOUND) fails it: SubmitJob still succeeds and returns the job FAILED,
+  reason ``LaunchRejected`` - the job was accepted and stored, and its record
+  says why it did not run.
+- A retried SubmitJob (same request_id) returns the stored job and launches
+  nothing, except a job still PENDING without a backend id, where launching
+  again is safe because LaunchJob is idempotent on (cluster, job, attempt).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import uuid
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from dlsched import errors
+from job_manager.clients import ClusterManagerClient, DriverClient, DriverPool
+from job_manager.domain import states
+from job_manager.domain.errors import JobNotFound, NoMatchingCluster
+from job_manager.domain.model import Candidate, Job, JobSpec, JobState, NativeSpec, Observation
+from job_manager.domain.validation import validate_submit
+from job_manager.store import JobStore
+
+log = logging.getLogger("job_manager.scheduler")
+
+# Driver errors after which retrying a launch cannot help.
+_PERMANENT = (errors.InvalidArgument, errors.FailedPrecondition, errors.Unimplemented,
+              errors.NotFound, errors.AlreadyExists)
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _retryable(e: errors.DlschedError) -> bool:
+    if e.reason == "CLUSTER_NOT_CONFIGURED":
+        return True
+    return not isinstance(e, _PERMANENT)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    stop_grace_seconds: float = 10.0
+    retry_initial_seconds: float = 0.5
+    retry_max_seconds: float = 10.0
+    call_timeout_seconds: float = 15.0
+
+
+@dataclass(frozen=True)
+class DryRun:
+    cluster: str
+    candidates: list[Candidate]
+    native_spec: NativeSpec
+
+
+class Scheduler:
+    def __init__(self, store: JobStore, cm: ClusterManagerClient, drivers: DriverPool,
+                 config: SchedulerConfig = SchedulerConfig(), *,
+                 clock: Callable[[], datetime] = _utcnow) -> None:
+        self.store = store
+        self.cm = cm
+        self.drivers = drivers
+        self.config = config
+        self._clock = clock
+        self._locks: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+        self._retries: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._trackers: dict[str, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    # ------------------------------------------------------------ helpers
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str = "") -> asyncio.Task[Any]:
+        t = asyncio.create_task(coro, name=name or None)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    async def driver_for(self, cluster: str) -> DriverClient:
+        return self.drivers.get(await self.cm.driver_address(cluster))
+
+    async def close(self) -> None:
+        self._closed = True
+        tasks = [*self._tasks, *self._retries.values(), *self._trackers.values()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------ submit
+
+    async def submit(self, job_id: str, spec: JobSpec, request_id: str, *, dry_run: bool,
+                     spec_bytes: int) -> tuple[Job, DryRun | None]:
+        validate_submit(job_id, spec, request_id, spec_bytes)
+        if request_id and not dry_run:
+            seen = await self.store.job_for_request(request_id)
+            if seen is not None:
+                return await self._after_duplicate(seen), None
+        candidates = await self.cm.match(spec)
+        chosen = next((c for c in candidates if c.eligible), None)
+        if chosen is None:
+            raise NoMatchingCluster(
+                "no cluster can run this job",
+                [(c.cluster, "; ".join(c.reasons) or "not eligible") for c in candidates])
+        now = self._clock()
+        job = Job(id=job_id or f"job-{uuid.uuid4().hex[:12]}", spec=spec,
+                  uid=str(uuid.uuid4()), state=JobState.PENDING, cluster=chosen.cluster,
+                  attempt=1, create_time=now, update_time=now, labels=dict(spec.labels))
+        if dry_run:
+            native = await self.drivers.get(chosen.driver_address).render(
+                chosen.cluster, job.id, spec)
+            job.uid = ""
+            return job, DryRun(chosen.cluster, candidates, native)
+        stored, created = await self.store.create(job, request_id)
+        if not created:
+            return await self._after_duplicate(stored), None
+        log.info("job %s stored for %s (request %s)", stored.id, stored.cluster,
+                 request_id or "-")
+        self.ensure_tracking(stored.cluster)
+        return await self.launch(stored.id), None
+
+    async def _after_duplicate(self, job: Job) -> Job:
+        if job.state == JobState.PENDING and not job.launched:
+            return await self.launch(job.id)
+        return job
+
+    # ------------------------------------------------------------ launch
+
+    async def launch(self, job_id: str) -> Job:
+        """Launch now; on a retryable failure keep retrying in the background."""
+        job, done = await self._try_launch(job_id)
+        if not done:
+            self._retry_in_background(job_id, "launch")
+        return job
+
+    async def _try_launch(self, job_id: str) -> tuple[Job, bool]:
+        """One launch attempt: (the job, whether no further attempt is needed)."""
+        async with self._locks[job_id]:
+            job = await self.store.get(job_id)
+            if job.state != JobState.PENDING or job.launched:
+                return job, True
+            attempt = job.attempt
+            try:
+                drv = await self.driver_for(job.cluster)
+                backend_id, obs = await drv.launch(job.cluster, job.id, job.spec, attempt)
+            except errors.DlschedError as e:
+                if _retryable(e):
+                    reason = ("ClusterNotConfigured" if e.reason == "CLUSTER_NOT_CONFIGURED"
+                              else "DriverUnavailable")
+                    log.warning("launch of %s on %s deferred: %s", job_id, job.cluster, e.reason)
+                    msg = e.message[:500]
+                    job = await self.store.update(
+                        job_id, lambda j: states.mark_launch_waiting(j, reason, msg))
+                    return job, False
+                log.warning("launch of %s refused by %s: %s", job_id, job.cluster, e.reason)
+                msg = f"{e.reason}: {e.message}"[:1000]
+                job = await self.store.update(job_id, lambda j: states.mark_launch_failed(
+                    j, "LaunchRejected", msg, self._clock()))
+                return job, True
+            now = self._clock()
+
+            def record(j: Job) -> Job | None:
+                if j.attempt != attempt:
+                    return None
+                return states.mark_launched(j, backend_id, obs, now)
+
+            job = await self.store.update(job_id, record)
+            log.info("job %s launched on %s as %s (attempt %d)", job_id, job.cluster,
+                     backend_id, attempt)
+            if job.backend_job_id != backend_id and job.attempt == attempt:
+                # Stopped (or otherwise ended) while the launch was in flight.
+                log.info("job %s ended during launch; terminating %s", job_id, backend_id)
+                self._spawn(self._terminate_backend(job.cluster, job_id, backend_id))
+            return job, True
+
+    async def _terminate_backend(self, cluster: str, job_id: str, backend_id: str) -> None:
+        delay = self.config.retry_initial_seconds
+        while True:
+            try:
+                drv = await self.driver_for(cluster)
+                await drv.terminate(cluster, job_id, backend_id, self.config.stop_grace_seconds)
+                return
+            except errors.DlschedError as e:
+                if not _retryable(e):
+                    return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.config.retry_max_seconds)
+
+    def _retry_in_background(self, job_id: str, op: str) -> None:
+        key = (job_id, op)
+        if self._closed or key in self._retries:
+            return
+
+        async def loop() -> None:
+            delay = self.config.retry_initial_seconds
+            try:
+                while True:
+                    await asyncio.sleep(delay)
+                    try:
+                        if op == "launch":
+                            _, done = await self._try_launch(job_id)
+                        else:
+                            done = await self._try_terminate(job_id)
+                    except JobNotFound:
+                        return
+                    except errors.DlschedError as e:
+                        log.warning("%s of %s: %s", op, job_id, e)
+                        done = False
+                    if done:
+                        return
+                    delay = min(delay * 2, self.config.retry_max_seconds)
+            finally:
+                self._retries.pop(key, None)
+
+        self._retries[key] = asyncio.create_task(loop(), name=f"{op}-{job_id}")
+
+    # ------------------------------------------------------------ stop / delete
+
+    async def stop(self, job_id: str) -> Job:
+        job = await self.store.update(job_id, lambda j: states.request_stop(j, self._clock()))
+        if job.state == JobState.STOPPING:
+            log.info("stopping job %s", job_id)
+            try:
+                done = await self._try_terminate(job_id)
+            except errors.DlschedError as e:
+                log.warning("terminate of %s: %s", job_id, e)
+                done = False
+            if not done:
+                self._retry_in_background(job_id, "terminate")
+            job = await self.store.get(job_id)
+        return job
+
+    async def _try_terminate(self, job_id: str) -> bool:
+        job = await self.store.get(job_id)
+        if job.state != JobState.STOPPING or not job.launched:
+            return True
+        try:
+            drv = await self.driver_for(job.cluster)
+            obs = await drv.terminate(job.cluster, job.id, job.backend_job_id,
+                                      self.config.stop_grace_seconds)
+        except errors.DlschedError as e:
+            if _retryable(e):
+                return False
+            log.warning("terminate of %s refused: %s", job_id, e.reason)
+            return True
+        self.ensure_tracking(job.cluster)
+        if obs is not None:
+            await self.apply(job.cluster, obs)
+        return True
+
+    async def delete(self, job_id: str, allow_missing: bool) -> Job | None:
+        try:
+            job = await self.store.get(job_id)
+        except JobNotFound:
+            if allow_missing:
+                return None
+            raise
+        if not job.state.is_terminal():
+            job = await self.stop(job_id)
+        if job.cluster:
+            try:
+                drv = await self.driver_for(job.cluster)
+                await drv.cleanup(job.cluster, job.id, job.backend_job_id)
+            except errors.DlschedError as e:
+                log.warning("cleanup of %s on %s failed (ignored): %s", job_id, job.cluster, e)
+        for op in ("launch", "terminate"):
+            t = self._retries.pop((job_id, op), None)
+            if t is not None:
+                t.cancel()
+        last = await self.store.delete(job_id)
+        await self.store.delete_request_keys(job_id)
+        log.info("job %s deleted", job_id)
+        if last is None and not allow_missing:
+            raise JobNotFound(f"job jobs/{job_id} not found", metadata={"name": f"jobs/{job_id}"})
+        return last
+
+    # ------------------------------------------------------------ tracking
+
+    async def apply(self, cluster: str, obs: Observation) -> Job | None:
+        """Apply one observation of a job on ``cluster`` (CAS, domain transitions)."""
+        retry = False
+        lost = not obs.found
+
+        def change(j: Job) -> Job | None:
+            nonlocal retry
+            retry = False
+            if j.cluster != cluster:
+                return None
+            if lost:
+                if obs.backend_job_id and j.backend_job_id and obs.backend_job_id != j.backend_job_id:
+                    return None
+                return states.mark_lost(j, self._clock())
+            if states.should_retry(j, obs):
+                retry = True
+                return states.plan_retry(j, obs, self._clock())
+            return states.apply_observation(j, obs, self._clock())
+
+        try:
+            job = await self.store.update(obs.job_id, change)
+        except JobNotFound:
+            return None
+        if retry and job.state == JobState.PENDING:
+            log.info("job %s failed (attempt %d); retrying as attempt %d", job.id,
+                     job.attempt - 1, job.attempt)
+            self._spawn(self.launch(job.id), name=f"relaunch-{job.id}")
+        return job
+
+    def ensure_tracking(self, cluster: str) -> None:
+        if self._closed or not cluster:
+            return
+        t = self._trackers.get(cluster)
+        if t is None or t.done():
+            self._trackers[cluster] = asyncio.create_task(self._track(cluster),
+                                                          name=f"track-{cluster}")
+
+    async def _unfinished_launched(self, cluster: str) -> list[Job]:
+        jobs, _ = await self.store.list_all()
+        return [j for j in jobs if j.cluster == cluster and not j.state.is_terminal()
+                and j.launched]
+
+    async def _track(self, cluster: str) -> None:
+        """One long-lived WatchJobObservations stream for ``cluster``, reconnecting."""
+        delay = self.config.retry_initial_seconds
+        while True:
+            seen: set[str] = set()
+            snapshot_done = False
+            try:
+                drv = await self.driver_for(cluster)
+                async for obs in drv.watch(cluster):
+                    delay = self.config.retry_initial_seconds
+                    if obs is None:
+                        snapshot_done = True
+                        await self._check_lost(cluster, drv, seen)
+                        continue
+                    if not snapshot_done:
+                        if not obs.found:
+                            continue  # decided after the snapshot, via _check_lost
+                        seen.add(obs.job_id)
+                    await self.apply(cluster, obs)
+                log.info("observation stream of %s ended; reconnecting", cluster)
+            except asyncio.CancelledError:
+                raise
+            except errors.DlschedError as e:
+                if e.reason == "CLUSTER_NOT_CONFIGURED":
+                    log.info("%s not configured on its driver yet; waiting", cluster)
+                else:
+                    log.warning("observation stream of %s: %s %s", cluster, e.reason, e.message)
+                self.cm.forget(cluster)
+            except Exception:  # noqa: BLE001 - the tracker must survive anything
+                log.exception("observation stream of %s failed", cluster)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, self.config.retry_max_seconds)
+
+    async def _check_lost(self, cluster: str, drv: DriverClient, seen: set[str]) -> None:
+        """After a snapshot: jobs JM launched there that the driver did not list."""
+        missing = [j for j in await self._unfinished_launched(cluster) if j.id not in seen]
+        if not missing:
+            return
+        for obs in await drv.batch_get(cluster, [(j.id, j.backend_job_id) for j in missing]):
+            if not obs.found:
+                log.warning("job %s lost by %s", obs.job_id, cluster)
+            await self.apply(cluster, obs)
+
+    # ------------------------------------------------------------ reconcile
+
+    async def reconcile(self) -> dict[str, int]:
+        """Pick up every unfinished job after a (re)start."""
+        jobs, _ = await self.store.list_all()
+        counts = {"pending": 0, "stopping": 0, "tracked": 0}
+        by_cluster: dict[str, list[Job]] = collections.defaultdict(list)
+        for j in jobs:
+            if j.state.is_terminal():
+                continue
+            if j.state == JobState.PENDING and not j.launched:
+                counts["pending"] += 1
+                self._spawn(self.launch(j.id), name=f"reconcile-launch-{j.id}")
+            elif j.state == JobState.STOPPING:
+                counts["stopping"] += 1
+                self._retry_in_background(j.id, "terminate")
+            if j.launched:
+                counts["tracked"] += 1
+                by_cluster[j.cluster].append(j)
+            self.ensure_tracking(j.cluster)
+        for cluster, cjobs in by_cluster.items():
+            self._spawn(self._refresh(cluster, cjobs), name=f"reconcile-{cluster}")
+        log.info("reconciled: %s", counts)
+        return counts
+
+    async def _refresh(self, cluster: str, jobs: list[Job]) -> None:
+        try:
+            drv = await self.driver_for(cluster)
+            obs_list = await drv.batch_get(cluster, [(j.id, j.backend_job_id) for j in jobs])
+        except errors.DlschedError as e:
+            log.warning("reconcile of %s: %s (the watch stream will catch up)", cluster, e)
+            return
+        for obs in obs_list:
+            await self.apply(cluster, obs)
+
+    async def wait_launched(self, job_id: str, *, poll: float = 0.25) -> Job:
+        """The job once it has a backend id or has ended (reads etcd only)."""
+        while True:
+            job = await self.store.get(job_id)
+            if job.launched or job.state.is_terminal():
+                return job
+            await asyncio.sleep(poll)
+

@@ -1,0 +1,191 @@
+"""dlsched.v1.JobManagerService: transport only.
+
+Checks request shapes, converts proto ⇄ domain (``convert.py``), calls the
+scheduler or the store, converts back. Reads (GetJob, ListJobs, WatchJobs)
+touch etcd only. WatchJobs ends with OUT_OF_RANGE / WATCH_TOKEN_EXPIRED for a
+token older than the watch buffer, and with UNAVAILABLE /
+WATCH_SUBSCRIBER_LAGGING when the client reads too slowly to keep up - it
+then resumes with its last token.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+import grpc
+
+from dlsched.errors import InvalidArgument
+from dlsched.kit.timeutil import to_timestamp
+from dlsched.v1 import job_manager_service_pb2 as pb
+from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
+from dlsched.v1 import job_pb2
+from job_manager import convert
+from job_manager.domain.errors import JobNotLaunched
+from job_manager.domain.filter import Filter, parse_filter
+from job_manager.domain.model import Job, JobState
+from job_manager.domain.validation import job_id_from_name, validate_request_id
+from job_manager.scheduler import Scheduler
+from job_manager.watch import EventType, WatchHub, decode_token, encode_token
+
+log = logging.getLogger("job_manager.servicer")
+
+_EVENT_TYPES = {
+    EventType.CREATED: job_pb2.WATCH_EVENT_TYPE_CREATED,
+    EventType.UPDATED: job_pb2.WATCH_EVENT_TYPE_UPDATED,
+    EventType.DELETED: job_pb2.WATCH_EVENT_TYPE_DELETED,
+}
+MAX_PAGE = 1000
+DEFAULT_PAGE = 100
+
+
+def _sort_key(j: Job) -> tuple[float, str]:
+    ct = j.create_time.timestamp() if j.create_time else 0.0
+    return (-ct, j.id)
+
+
+def _encode_page(j: Job) -> str:
+    ct = j.create_time.timestamp() if j.create_time else 0.0
+    return base64.urlsafe_b64encode(f"p1:{ct!r}:{j.id}".encode()).decode().rstrip("=")
+
+
+def _decode_page(token: str) -> tuple[float, str]:
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+        tag, ct, job_id = raw.split(":", 2)
+        if tag != "p1":
+            raise ValueError(tag)
+        return (-float(ct), job_id)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidArgument.for_field("page_token", "not a page token this server issued") from e
+
+
+class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
+    def __init__(self, scheduler: Scheduler, hub: WatchHub) -> None:
+        self.scheduler = scheduler
+        self.store = scheduler.store
+        self.hub = hub
+
+    async def SubmitJob(self, request: pb.SubmitJobRequest,  # noqa: N802
+                        context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
+        spec = convert.spec_from_proto(request.spec) if request.HasField("spec") else None
+        if spec is None:
+            raise InvalidArgument.for_field("spec", "required")
+        job, dry = await self.scheduler.submit(
+            request.job_id, spec, request.request_id, dry_run=request.dry_run,
+            spec_bytes=request.spec.ByteSize())
+        resp = pb.SubmitJobResponse(job=convert.job_to_proto(job))
+        if dry is not None:
+            resp.dry_run.CopyFrom(pb.DryRunResult(
+                cluster=dry.cluster,
+                candidates=[convert.candidate_to_proto(c) for c in dry.candidates],
+                native_spec=convert.native_to_proto(dry.native_spec)))
+        return resp
+
+    async def GetJob(self, request: pb.GetJobRequest,  # noqa: N802
+                     context: grpc.aio.ServicerContext) -> pb.GetJobResponse:
+        job = await self.store.get(job_id_from_name(request.name))
+        return pb.GetJobResponse(job=convert.job_to_proto(job))
+
+    async def ListJobs(self, request: pb.ListJobsRequest,  # noqa: N802
+                       context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
+        if request.page_size < 0:
+            raise InvalidArgument.for_field("page_size", "0 to 1000")
+        size = min(request.page_size or DEFAULT_PAGE, MAX_PAGE)
+        flt = parse_filter(request.filter)
+        after = _decode_page(request.page_token) if request.page_token else None
+        jobs, _ = await self.store.list_all()
+        jobs = sorted((j for j in jobs if flt.matches(j)), key=_sort_key)
+        if after is not None:
+            jobs = [j for j in jobs if _sort_key(j) > after]
+        page = jobs[:size]
+        token = _encode_page(page[-1]) if len(jobs) > size else ""
+        return pb.ListJobsResponse(jobs=[convert.job_to_proto(j) for j in page],
+                                   next_page_token=token)
+
+    async def StopJob(self, request: pb.StopJobRequest,  # noqa: N802
+                      context: grpc.aio.ServicerContext) -> pb.StopJobResponse:
+        job_id = job_id_from_name(request.name)
+        validate_request_id(request.request_id)
+        return pb.StopJobResponse(job=convert.job_to_proto(await self.scheduler.stop(job_id)))
+
+    async def DeleteJob(self, request: pb.DeleteJobRequest,  # noqa: N802
+                        context: grpc.aio.ServicerContext) -> pb.DeleteJobResponse:
+        job_id = job_id_from_name(request.name)
+        last = await self.scheduler.delete(job_id, request.allow_missing)
+        resp = pb.DeleteJobResponse()
+        if last is not None:
+            resp.job.CopyFrom(convert.job_to_proto(last))
+        return resp
+
+    async def WatchJobs(self, request: pb.WatchJobsRequest,  # noqa: N802
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WatchJobsResponse]:
+        flt: Filter = parse_filter(request.filter)
+        if request.resume_token:
+            sub = self.hub.subscribe(decode_token(request.resume_token))
+        else:
+            sub = self.hub.subscribe()  # queue live events before reading the snapshot
+        try:
+            if not request.resume_token:
+                jobs, rev = await self.store.list_all()
+                sub.skip_to(rev)
+                token = encode_token(rev)
+                for j in sorted(jobs, key=_sort_key):
+                    if flt.matches(j):
+                        yield pb.WatchJobsResponse(type=job_pb2.WATCH_EVENT_TYPE_EXISTING,
+                                                   job=convert.job_to_proto(j), resume_token=token)
+                yield pb.WatchJobsResponse(type=job_pb2.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE,
+                                           resume_token=token)
+            while True:
+                ev = await sub.next()
+                if flt.matches(ev.job):
+                    yield pb.WatchJobsResponse(type=_EVENT_TYPES[ev.type],
+                                               job=convert.job_to_proto(ev.job),
+                                               resume_token=encode_token(ev.revision))
+        finally:
+            sub.close()
+
+    async def _launched(self, name: str, follow: bool) -> Job | None:
+        job = await self.store.get(job_id_from_name(name))
+        if not job.launched:
+            if not follow or job.state.is_terminal():
+                return None
+            job = await self.scheduler.wait_launched(job.id)
+            if not job.launched:
+                return None
+        return job
+
+    async def StreamJobLogs(self, request: pb.StreamJobLogsRequest,  # noqa: N802
+                            context: grpc.aio.ServicerContext
+                            ) -> AsyncIterator[pb.StreamJobLogsResponse]:
+        if request.tail_lines < 0:
+            raise InvalidArgument.for_field("tail_lines", "0 or more")
+        for i, s in enumerate(request.streams):
+            if s == job_pb2.LOG_STREAM_UNSPECIFIED:
+                raise InvalidArgument.for_field(f"streams[{i}]", "LOG_STREAM_UNSPECIFIED")
+        job = await self._launched(request.name, request.follow)
+        if job is None:
+            return
+        drv = await self.scheduler.driver_for(job.cluster)
+        stream = drv.tail_logs(job.cluster, job.id, job.backend_job_id, request)
+        try:
+            async for entries in stream:
+                if entries:
+                    yield pb.StreamJobLogsResponse(entries=entries)
+        finally:
+            await stream.aclose()  # cancels the upstream call
+
+    async def GetJobUsage(self, request: pb.GetJobUsageRequest,  # noqa: N802
+                          context: grpc.aio.ServicerContext) -> pb.GetJobUsageResponse:
+        job = await self.store.get(job_id_from_name(request.name))
+        if not job.launched:
+            if job.state == JobState.PENDING or job.state.is_terminal():
+                raise JobNotLaunched(f"job {job.name} has not been launched",
+                                     metadata={"name": job.name})
+        drv = await self.scheduler.driver_for(job.cluster)
+        usage = await drv.usage(job.cluster, job.id, job.backend_job_id)
+        if not usage.HasField("sample_time"):
+            usage.sample_time.CopyFrom(to_timestamp(datetime.now(UTC)))
+        return pb.GetJobUsageResponse(usage=usage)

@@ -1,0 +1,218 @@
+"""The etcd adapter for jobs.
+
+Layout under the prefix: ``jobs/{id}`` holds the Job proto bytes (without its
+etag: the etag is the key's mod revision); ``job-requests/{request_id}`` holds
+the id of the job that SubmitJob request made.
+
+Every write touches exactly one ``jobs/`` key per transaction, so a revision
+names one job event (the watch hub relies on that). Submission is one
+transaction that creates the request key and the job key together, only if
+neither exists; updates are compare-and-swap on the job key's mod revision and
+re-apply the caller's (domain) change on conflict. aetcd and grpc errors are
+translated to ``StoreUnavailable`` here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+import aetcd
+import aetcd.exceptions
+import grpc
+from aetcd import rpc
+
+from dlsched.errors import Aborted, StoreUnavailable
+from job_manager.convert import job_from_bytes, job_to_bytes
+from job_manager.domain.errors import JobAlreadyExists, JobNotFound
+from job_manager.domain.model import Job
+
+log = logging.getLogger("job_manager.store")
+
+MAX_CAS_ATTEMPTS = 50
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    b = bytearray(prefix)
+    for i in range(len(b) - 1, -1, -1):
+        if b[i] < 0xFF:
+            b[i] += 1
+            return bytes(b[: i + 1])
+    return b"\0"
+
+
+class JobStore:
+    def __init__(self, client: aetcd.Client, prefix: str = "/dlsched/", *,
+                 timeout: float = 10.0, clock: Callable[[], datetime] = _utcnow) -> None:
+        if not prefix.endswith("/"):
+            prefix += "/"
+        self.client = client
+        self.prefix = prefix
+        self.jobs_prefix = f"{prefix}jobs/".encode()
+        self.requests_prefix = f"{prefix}job-requests/".encode()
+        self._timeout = timeout
+        self._clock = clock
+
+    # -- keys
+
+    def job_key(self, job_id: str) -> bytes:
+        return self.jobs_prefix + job_id.encode()
+
+    def request_key(self, request_id: str) -> bytes:
+        return self.requests_prefix + request_id.encode()
+
+    # -- raw etcd calls, errors translated
+
+    async def _call(self, fn: Callable[..., object], *args: object, **kw: object) -> object:
+        try:
+            return await fn(*args, **kw)  # type: ignore[misc]
+        except (aetcd.exceptions.ClientError, grpc.RpcError, OSError) as e:
+            raise StoreUnavailable(f"etcd: {e}") from e
+        except TimeoutError as e:
+            raise StoreUnavailable("etcd: timeout") from e
+
+    async def _txn(self, compare: list[rpc.Compare], success: list[rpc.RequestOp],
+                   failure: list[rpc.RequestOp]) -> rpc.TxnResponse:
+        async def go() -> rpc.TxnResponse:
+            await self.client.connect()
+            return await self.client.kvstub.Txn(  # type: ignore[no-any-return]
+                rpc.TxnRequest(compare=compare, success=success, failure=failure),
+                timeout=self._timeout, metadata=self.client.metadata)
+        return await self._call(go)  # type: ignore[return-value]
+
+    @staticmethod
+    def _cmp(key: bytes, target: str, value: int) -> rpc.Compare:
+        c = rpc.Compare(key=key, result=rpc.Compare.EQUAL)
+        if target == "create":
+            c.target = rpc.Compare.CREATE
+            c.create_revision = value
+        else:
+            c.target = rpc.Compare.MOD
+            c.mod_revision = value
+        return c
+
+    @staticmethod
+    def _put(key: bytes, value: bytes) -> rpc.RequestOp:
+        return rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=value))
+
+    @staticmethod
+    def _range(key: bytes) -> rpc.RequestOp:
+        return rpc.RequestOp(request_range=rpc.RangeRequest(key=key))
+
+    # -- reads
+
+    async def revision(self) -> int:
+        """The store's current revision."""
+        res = await self._call(self.client.get_prefix, self.jobs_prefix, keys_only=True)
+        return int(res.header.revision)  # type: ignore[attr-defined]
+
+    async def get(self, job_id: str) -> Job:
+        kv = await self._call(self.client.get, self.job_key(job_id))
+        if kv is None:
+            raise JobNotFound(f"job jobs/{job_id} not found", metadata={"name": f"jobs/{job_id}"})
+        return job_from_bytes(kv.value, kv.mod_revision)  # type: ignore[attr-defined]
+
+    async def list_all(self) -> tuple[list[Job], int]:
+        """Every job, and the revision the list was read at."""
+        res = await self._call(self.client.get_prefix, self.jobs_prefix)
+        jobs = [job_from_bytes(kv.value, kv.mod_revision) for kv in res]  # type: ignore[attr-defined]
+        return jobs, int(res.header.revision)  # type: ignore[attr-defined]
+
+    async def job_for_request(self, request_id: str) -> Job | None:
+        """The job a SubmitJob with this request_id made, if any."""
+        kv = await self._call(self.client.get, self.request_key(request_id))
+        if kv is None:
+            return None
+        try:
+            return await self.get(kv.value.decode())  # type: ignore[attr-defined]
+        except JobNotFound:
+            return None
+
+    # -- writes
+
+    async def create(self, job: Job, request_id: str = "") -> tuple[Job, bool]:
+        """Store a new job; (job, True), or (the first job, False) for a seen request_id.
+
+        One transaction: the job key and the request key are created together,
+        only if neither exists. Raises JobAlreadyExists when only the job id
+        collided.
+        """
+        jkey = self.job_key(job.id)
+        compare = [self._cmp(jkey, "create", 0)]
+        success = [self._put(jkey, job_to_bytes(job))]
+        failure = [self._range(jkey)]
+        if request_id:
+            rkey = self.request_key(request_id)
+            compare.insert(0, self._cmp(rkey, "create", 0))
+            success.append(self._put(rkey, job.id.encode()))
+            failure.insert(0, self._range(rkey))
+        resp = await self._txn(compare, success, failure)
+        if resp.succeeded:
+            stored = job_from_bytes(job_to_bytes(job), resp.header.revision)
+            return stored, True
+        if request_id:
+            rkvs = resp.responses[0].response_range.kvs
+            if rkvs:
+                other_id = rkvs[0].value.decode()
+                for _ in range(20):
+                    try:
+                        return await self.get(other_id), False
+                    except JobNotFound:
+                        # The request key is written with its job; a missing job
+                        # means it was deleted and its request key goes next.
+                        await asyncio.sleep(0.05)
+                raise Aborted(f"request {request_id!r} names deleted job jobs/{other_id}; retry")
+        raise JobAlreadyExists(f"job jobs/{job.id} already exists",
+                               metadata={"name": f"jobs/{job.id}"})
+
+    async def update(self, job_id: str, change: Callable[[Job], Job | None]) -> Job:
+        """Compare-and-swap ``change`` onto the stored job; returns the job as stored after.
+
+        ``change`` gets the current job and returns the new one, or None for no
+        change. On a conflict the job is re-read and ``change`` applied again.
+        """
+        key = self.job_key(job_id)
+        for _ in range(MAX_CAS_ATTEMPTS):
+            kv = await self._call(self.client.get, key)
+            if kv is None:
+                raise JobNotFound(f"job jobs/{job_id} not found",
+                                  metadata={"name": f"jobs/{job_id}"})
+            cur = job_from_bytes(kv.value, kv.mod_revision)  # type: ignore[attr-defined]
+            new = change(cur)
+            if new is None:
+                return cur
+            new.update_time = self._clock()
+            data = job_to_bytes(new)
+            resp = await self._txn([self._cmp(key, "mod", kv.mod_revision)],  # type: ignore[attr-defined]
+                                   [self._put(key, data)], [])
+            if resp.succeeded:
+                return job_from_bytes(data, resp.header.revision)
+        raise Aborted(f"too many concurrent updates of jobs/{job_id}")
+
+    async def delete(self, job_id: str) -> Job | None:
+        """Delete the job key; its last state, or None when it was missing."""
+        key = self.job_key(job_id)
+        op = rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key, prev_kv=True))
+        resp = await self._txn([], [op], [])
+        prev = resp.responses[0].response_delete_range.prev_kvs
+        if not prev:
+            return None
+        return job_from_bytes(prev[0].value, prev[0].mod_revision)
+
+    async def delete_request_keys(self, job_id: str) -> int:
+        """Delete the request keys that name ``job_id`` (each in its own transaction)."""
+        res = await self._call(self.client.get_prefix, self.requests_prefix)
+        n = 0
+        for kv in res:  # type: ignore[attr-defined]
+            if kv.value == job_id.encode():
+                resp = await self._txn(
+                    [self._cmp(kv.key, "mod", kv.mod_revision)],
+                    [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=kv.key))], [])
+                n += int(resp.succeeded)
+        return n

@@ -1,0 +1,203 @@
+"""JobManager's domain: state machine, validation, filter (pure, no I/O)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from dlsched.errors import InvalidArgument
+from job_manager.domain import states
+from job_manager.domain.filter import parse_filter
+from job_manager.domain.model import (
+    Job,
+    JobSpec,
+    JobState,
+    Observation,
+    ReplicaGroup,
+    Resources,
+    RunMode,
+)
+from job_manager.domain.validation import job_id_from_name, validate_submit
+
+NOW = datetime(2024, 1, 1, tzinfo=UTC)
+S = JobState
+
+
+def spec(mode: RunMode = RunMode.SINGLE_PROCESS, *groups: ReplicaGroup, **kw: object) -> JobSpec:
+    gs = list(groups) or [ReplicaGroup(role="main", replicas=1, command=["true"])]
+    return JobSpec(run_mode=int(mode), replica_groups=gs, **kw)  # type: ignore[arg-type]
+
+
+def job(state: JobState = S.RUNNING, **kw: object) -> Job:
+    base: dict[str, object] = dict(id="j", spec=spec(), state=state, cluster="clusters/local",
+                                   backend_job_id="b1", attempt=1)
+    base.update(kw)
+    return Job(**base)  # type: ignore[arg-type]
+
+
+def fields(exc: pytest.ExceptionInfo[InvalidArgument]) -> set[str]:
+    return {v.field for v in exc.value.violations}
+
+
+# ---------------------------------------------------------------- states
+
+def test_terminal_states() -> None:
+    assert {s for s in S if s.is_terminal()} == {S.SUCCEEDED, S.FAILED, S.STOPPED}
+
+
+@pytest.mark.parametrize("final", [S.SUCCEEDED, S.FAILED, S.STOPPED])
+def test_terminal_state_is_final(final: JobState) -> None:
+    j = job(final)
+    for late in S:
+        assert states.apply_observation(j, Observation("j", state=late, attempt=1), NOW) is None
+
+
+def test_running_then_succeeded_sets_times_and_exit_code() -> None:
+    j = states.apply_observation(job(S.PENDING, backend_job_id=""),
+                                 Observation("j", "b1", state=S.RUNNING, attempt=1), NOW)
+    assert j is not None and j.state == S.RUNNING and j.start_time == NOW and j.backend_job_id == "b1"
+    j2 = states.apply_observation(j, Observation("j", state=S.SUCCEEDED, exit_code=0, attempt=1), NOW)
+    assert j2 is not None and j2.state == S.SUCCEEDED and j2.exit_code == 0 and j2.end_time == NOW
+    assert states.apply_observation(j2, Observation("j", state=S.RUNNING, attempt=1), NOW) is None
+
+
+def test_unchanged_observation_writes_nothing() -> None:
+    j = job(S.RUNNING, start_time=NOW)
+    assert states.apply_observation(j, Observation("j", "b1", state=S.RUNNING, attempt=1), NOW) is None
+
+
+def test_stopping_transitions() -> None:
+    j = job(S.STOPPING)
+    late = states.apply_observation(j, Observation("j", state=S.RUNNING), NOW)
+    assert late is None or late.state == S.STOPPING
+    for end in (S.STOPPED, S.SUCCEEDED, S.FAILED):
+        new = states.apply_observation(j, Observation("j", state=end, attempt=1), NOW)
+        assert new is not None and new.state == end and new.end_time is not None
+
+
+def test_stale_attempt_is_ignored() -> None:
+    j = job(S.RUNNING, attempt=2)
+    assert states.apply_observation(j, Observation("j", state=S.FAILED, attempt=1), NOW) is None
+
+
+def test_retry_plan() -> None:
+    j = job(S.RUNNING, spec=spec(max_retries=1))
+    obs = Observation("j", state=S.FAILED, exit_code=3, attempt=1)
+    assert states.should_retry(j, obs)
+    r = states.plan_retry(j, obs, NOW)
+    assert r.state == S.PENDING and r.attempt == 2 and not r.launched
+    r.backend_job_id = "b2"
+    r.state = S.RUNNING
+    assert not states.should_retry(r, Observation("j", state=S.FAILED, attempt=2))
+
+
+def test_stop_request() -> None:
+    assert states.request_stop(job(S.SUCCEEDED), NOW) is None
+    pending = states.request_stop(job(S.PENDING, backend_job_id=""), NOW)
+    assert pending is not None and pending.state == S.STOPPED
+    running = states.request_stop(job(S.RUNNING), NOW)
+    assert running is not None and running.state == S.STOPPING
+
+
+def test_lost_only_when_launched() -> None:
+    assert states.mark_lost(job(S.PENDING, backend_job_id=""), NOW) is None
+    lost = states.mark_lost(job(S.RUNNING), NOW)
+    assert lost is not None and lost.state == S.FAILED and lost.reason == "LostByBackend"
+
+
+def test_launch_recorded_unless_stopped_meanwhile() -> None:
+    j = states.mark_launched(job(S.PENDING, backend_job_id=""), "b9", None, NOW)
+    assert j is not None and j.backend_job_id == "b9"
+    assert states.mark_launched(job(S.STOPPED, backend_job_id=""), "b9", None, NOW) is None
+
+
+# ---------------------------------------------------------------- validation
+
+def test_valid_specs_pass() -> None:
+    validate_submit("", spec(), "", 10)
+    validate_submit("a-1", spec(RunMode.MULTI_PROCESS,
+                                ReplicaGroup(role="worker", replicas=2, processes_per_replica=4,
+                                             command=["python"], env={"A_B": "1"})), "r-1", 10)
+    validate_submit("ps", spec(RunMode.PS_WORKER,
+                               ReplicaGroup(role="ps", replicas=1, command=["x"]),
+                               ReplicaGroup(role="worker", replicas=2, command=["x"]),
+                               ReplicaGroup(role="chief", replicas=1, command=["x"])), "", 10)
+    validate_submit("m", spec(RunMode.MPI, ReplicaGroup(role="launcher", replicas=1, command=["x"]),
+                              ReplicaGroup(role="worker", replicas=2, command=["x"])), "", 10)
+
+
+def test_all_violations_collected() -> None:
+    bad = JobSpec(run_mode=0, replica_groups=[
+        ReplicaGroup(role="main", replicas=0, processes_per_replica=-1, command=[],
+                     env={"DLSCHED_X": "1", "1bad": "x"}, resources=Resources(cpu=float("nan")))],
+        max_retries=11)
+    with pytest.raises(InvalidArgument) as ei:
+        validate_submit("Bad_ID", bad, "x" * 129, 10)
+    f = fields(ei)
+    assert {"job_id", "request_id", "spec.run_mode", "spec.replica_groups[0].replicas",
+            "spec.replica_groups[0].processes_per_replica", "spec.replica_groups[0].command",
+            "spec.replica_groups[0].resources.cpu", "spec.max_retries"} <= f
+    assert sum(1 for x in f if x.startswith("spec.replica_groups[0].env")) == 2
+
+
+@pytest.mark.parametrize("mode,groups,field", [
+    (RunMode.MULTI_PROCESS, [("chief", 1)], "spec.replica_groups[0].role"),
+    (RunMode.PS_WORKER, [("worker", 2)], "spec.replica_groups"),
+    (RunMode.MASTER_WORKER, [("master", 2)], "spec.replica_groups[0].replicas"),
+    (RunMode.MPI, [("launcher", 1), ("worker", 1), ("worker", 1)], "spec.replica_groups[2].role"),
+    (RunMode.SINGLE_PROCESS, [("main", 2)], "spec.replica_groups[0].replicas"),
+    (RunMode.SINGLE_PROCESS, [("a", 1), ("b", 1)], "spec.replica_groups"),
+])
+def test_roles_for_mode(mode: RunMode, groups: list[tuple[str, int]], field: str) -> None:
+    s = spec(mode, *[ReplicaGroup(role=r, replicas=n, command=["x"]) for r, n in groups])
+    with pytest.raises(InvalidArgument) as ei:
+        validate_submit("", s, "", 10)
+    assert field in fields(ei)
+
+
+def test_oversized_spec() -> None:
+    with pytest.raises(InvalidArgument) as ei:
+        validate_submit("", spec(), "", 300 * 1024)
+    assert fields(ei) == {"spec"}
+    big = spec(RunMode.SINGLE_PROCESS, ReplicaGroup(role="m", replicas=1, command=["x"],
+                                                   args=["a"] * 1001))
+    with pytest.raises(InvalidArgument) as ei:
+        validate_submit("", big, "", 10)
+    assert fields(ei) == {"spec"}
+
+
+def test_labels() -> None:
+    with pytest.raises(InvalidArgument) as ei:
+        validate_submit("", spec(labels={"ok": "x" * 64}), "", 10)
+    assert any(f.startswith("spec.labels") for f in fields(ei))
+
+
+@pytest.mark.parametrize("name", ["job/x", "jobs/", "jobs/X", "x", "jobs/a/b", ""])
+def test_malformed_names(name: str) -> None:
+    with pytest.raises(InvalidArgument) as ei:
+        job_id_from_name(name)
+    assert fields(ei) == {"name"}
+    assert job_id_from_name("jobs/a-1") == "a-1"
+
+
+# ---------------------------------------------------------------- filter
+
+def test_filter() -> None:
+    j = job(S.RUNNING, labels={"team": "ml"},
+            spec=spec(RunMode.MULTI_PROCESS, ReplicaGroup(role="worker", replicas=1, command=["x"])))
+    assert parse_filter("").matches(j)
+    assert parse_filter("state=RUNNING AND labels.team=ml AND cluster=clusters/local "
+                        "AND run_mode=MULTI_PROCESS").matches(j)
+    assert parse_filter("state=JOB_STATE_RUNNING AND cluster=local").matches(j)
+    assert not parse_filter("state!=RUNNING").matches(j)
+    assert parse_filter("labels.other!=x").matches(j)
+    assert not parse_filter('labels.team="dl"').matches(j)
+
+
+@pytest.mark.parametrize("text", ["state=BOGUS", "color=red", "state", "state=RUNNING OR x=y",
+                                  "run_mode=UNSPECIFIED"])
+def test_bad_filter(text: str) -> None:
+    with pytest.raises(InvalidArgument) as ei:
+        parse_filter(text)
+    assert ei.value.violations[0].field == "filter"

@@ -1,0 +1,150 @@
+"""JobManager's etcd adapter and watch hub against a real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+
+import pytest
+
+from dlsched.errors import InvalidArgument, WatchTokenExpired
+from dlsched.kit.etcd import connect
+from job_manager.domain.errors import JobAlreadyExists, JobNotFound
+from job_manager.domain.model import Job, JobSpec, JobState, ReplicaGroup
+from job_manager.store import JobStore
+from job_manager.watch import EventType, WatchHub, decode_token, encode_token
+from tests.harness import EtcdServer
+
+
+@pytest.fixture
+async def store(etcd: EtcdServer, etcd_prefix: str) -> AsyncIterator[JobStore]:
+    client = await connect(etcd.endpoint)
+    yield JobStore(client, etcd_prefix)
+    await client.close()
+
+
+def new_job(job_id: str) -> Job:
+    return Job(id=job_id, uid=job_id, state=JobState.PENDING, cluster="clusters/local", attempt=1,
+               create_time=datetime.now(UTC),
+               spec=JobSpec(run_mode=1, replica_groups=[ReplicaGroup(role="m", replicas=1,
+                                                                     command=["true"])]))
+
+
+async def test_submit_dedup_is_one_transaction_under_concurrency(store: JobStore) -> None:
+    results = await asyncio.gather(*(store.create(new_job(f"j{i}"), "req-1") for i in range(8)))
+    created = [j for j, c in results if c]
+    assert len(created) == 1
+    assert {j.id for j, _ in results} == {created[0].id}
+    jobs, _ = await store.list_all()
+    assert [j.id for j in jobs] == [created[0].id]
+    assert (await store.job_for_request("req-1")).id == created[0].id  # type: ignore[union-attr]
+
+
+async def test_job_id_collision_is_already_exists(store: JobStore) -> None:
+    await store.create(new_job("same"), "r1")
+    with pytest.raises(JobAlreadyExists):
+        await store.create(new_job("same"), "r2")
+    with pytest.raises(JobAlreadyExists):
+        await store.create(new_job("same"))
+    assert await store.job_for_request("r2") is None
+
+
+async def test_cas_update_reapplies_on_conflict(store: JobStore) -> None:
+    job, _ = await store.create(new_job("cas"))
+    assert job.etag
+
+    def bump(j: Job) -> Job:
+        return dataclasses.replace(j, attempt=j.attempt + 1)
+
+    await asyncio.gather(*(store.update("cas", bump) for _ in range(15)))
+    got = await store.get("cas")
+    assert got.attempt == 16 and got.etag != job.etag
+    same = await store.update("cas", lambda j: None)
+    assert same.etag == got.etag
+    with pytest.raises(JobNotFound):
+        await store.update("missing", bump)
+
+
+async def test_delete_returns_last_state_and_request_keys_go(store: JobStore) -> None:
+    await store.create(new_job("del"), "rq")
+    last = await store.delete("del")
+    assert last is not None and last.id == "del"
+    assert await store.delete("del") is None
+    assert await store.delete_request_keys("del") == 1
+    assert await store.job_for_request("rq") is None
+
+
+def test_token_roundtrip() -> None:
+    assert decode_token(encode_token(42)) == 42
+    with pytest.raises(InvalidArgument):
+        decode_token("garbage!")
+
+
+async def _collect(sub, n: int) -> list:  # type: ignore[no-untyped-def]
+    return [await asyncio.wait_for(sub.next(), 5) for _ in range(n)]
+
+
+async def test_hub_resume_without_gap_or_duplicate(store: JobStore, etcd_prefix: str) -> None:
+    hub = WatchHub(store.client, etcd_prefix, buffer_size=100)
+    await hub.start()
+    try:
+        live = hub.subscribe(0)
+        await store.create(new_job("w1"))
+        await store.update("w1", lambda j: dataclasses.replace(j, state=JobState.RUNNING))
+        first = await _collect(live, 2)
+        assert [e.type for e in first] == [EventType.CREATED, EventType.UPDATED]
+        token = first[0].revision
+        await store.update("w1", lambda j: dataclasses.replace(j, state=JobState.SUCCEEDED))
+        await store.delete("w1")
+        rest = await _collect(live, 2)
+        assert rest[1].type == EventType.DELETED and rest[1].job.state == JobState.SUCCEEDED
+        resumed = hub.subscribe(token)
+        replay = await _collect(resumed, 3)
+        assert [e.revision for e in replay] == [e.revision for e in first[1:] + rest]
+
+        # A second hub (a restarted JobManager) honours the first one's tokens.
+        hub2 = WatchHub(store.client, etcd_prefix, buffer_size=100)
+        await hub2.start()
+        try:
+            again = await _collect(hub2.subscribe(token), 3)
+            assert [e.revision for e in again] == [e.revision for e in replay]
+        finally:
+            await hub2.stop()
+    finally:
+        await hub.stop()
+
+
+async def test_hub_token_older_than_buffer_expires(store: JobStore, etcd_prefix: str) -> None:
+    hub = WatchHub(store.client, etcd_prefix, buffer_size=3)
+    await hub.start()
+    try:
+        live = hub.subscribe(0)
+        await store.create(new_job("x"))
+        old = (await _collect(live, 1))[0].revision
+        for i in range(5):
+            await store.update("x", lambda j, i=i: dataclasses.replace(j, attempt=10 + i))
+        await _collect(live, 5)
+        with pytest.raises(WatchTokenExpired):
+            hub.subscribe(old)
+        recent = hub.horizon
+        assert len(await _collect(hub.subscribe(recent), 3)) == 3
+    finally:
+        await hub.stop()
+
+
+async def test_slow_subscriber_is_ended_unavailable(store: JobStore, etcd_prefix: str) -> None:
+    hub = WatchHub(store.client, etcd_prefix, buffer_size=2, subscriber_limit=2)
+    await hub.start()
+    try:
+        slow = hub.subscribe(0)
+        await store.create(new_job("s"))
+        for i in range(6):
+            await store.update("s", lambda j, i=i: dataclasses.replace(j, attempt=20 + i))
+        await asyncio.sleep(0.3)
+        with pytest.raises(Exception) as ei:
+            await _collect(slow, 7)
+        assert getattr(ei.value, "reason", "") == "WATCH_SUBSCRIBER_LAGGING"
+    finally:
+        await hub.stop()
