@@ -1,0 +1,97 @@
+"""``python -m cluster_manager``: build the config, the dependencies, serve."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dlsched.kit import etcd, logs
+from dlsched.kit.server import Registration, ServerOptions, serve_until_signal, start_server
+from dlsched.v1 import cluster_manager_service_pb2_grpc as pb_grpc
+
+from .drivers import DriverClients
+from .hub import WatchHub
+from .monitor import MonitorConfig, MonitorManager
+from .servicer import ClusterManagerServicer
+from .store import ClusterStore
+
+log = logging.getLogger("cluster_manager")
+
+
+@dataclass(frozen=True)
+class Config:
+    listen: str
+    port_file: str | None
+    etcd: str
+    prefix: str
+    monitor_interval: float
+    heartbeat_interval: float
+    watch_buffer: int
+    driver_timeout: float
+    grace_seconds: float
+    log_level: str
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Config:
+    p = argparse.ArgumentParser(prog="python -m cluster_manager",
+                                description="dlsched ClusterManagerService")
+    p.add_argument("--listen", default="127.0.0.1:0", help="host:port; port 0 picks one")
+    p.add_argument("--port-file", default=None, help="write the bound host:port here")
+    p.add_argument("--etcd", required=True, help="etcd endpoint host:port")
+    p.add_argument("--prefix", default="/dlsched/", help="etcd key prefix")
+    p.add_argument("--monitor-interval", type=float, default=2.0,
+                   help="seconds between GetClusterInfo calls per cluster")
+    p.add_argument("--heartbeat-interval", type=float, default=30.0,
+                   help="most seconds between last_heartbeat_time writes of a steady cluster")
+    p.add_argument("--watch-buffer", type=int, default=1024,
+                   help="cluster events kept for WatchClusters resume")
+    p.add_argument("--driver-timeout", type=float, default=5.0,
+                   help="deadline of each DriverService call, seconds")
+    p.add_argument("--grace", type=float, default=5.0, help="shutdown grace, seconds")
+    p.add_argument("--log-level", default="INFO")
+    a = p.parse_args(argv)
+    if a.monitor_interval <= 0 or a.heartbeat_interval <= 0 or a.driver_timeout <= 0:
+        p.error("intervals and timeouts must be positive")
+    if a.watch_buffer < 1:
+        p.error("--watch-buffer must be at least 1")
+    return Config(a.listen, a.port_file, a.etcd, a.prefix, a.monitor_interval,
+                  a.heartbeat_interval, a.watch_buffer, a.driver_timeout, a.grace, a.log_level)
+
+
+async def serve(cfg: Config) -> None:
+    client = await etcd.connect(cfg.etcd)
+    store = ClusterStore(client, cfg.prefix)
+    hub = WatchHub(store, buffer_size=cfg.watch_buffer)
+    await hub.start()
+    drivers = DriverClients(timeout=cfg.driver_timeout)
+    monitors = MonitorManager(hub, store, drivers, MonitorConfig(
+        interval=cfg.monitor_interval, heartbeat_interval=cfg.heartbeat_interval))
+    monitors.start()
+    servicer = ClusterManagerServicer(store, hub, monitors)
+    running = await start_server(
+        ServerOptions(listen=cfg.listen, port_file=cfg.port_file, grace_seconds=cfg.grace_seconds),
+        [Registration(pb_grpc.add_ClusterManagerServiceServicer_to_server, servicer,
+                      "dlsched.v1.ClusterManagerService")],
+        announce_as="cluster-manager",
+    )
+
+    async def on_stop() -> None:
+        await monitors.close()
+        await hub.close()
+        await drivers.close()
+        await store.close()
+
+    await serve_until_signal(running, on_stop=on_stop)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    cfg = parse_args(argv)
+    logs.setup(cfg.log_level, "cluster-manager")
+    asyncio.run(serve(cfg))
+
+
+if __name__ == "__main__":
+    main()

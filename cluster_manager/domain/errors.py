@@ -1,0 +1,50 @@
+"""ClusterManager's own errors, each with its gRPC code and ErrorInfo reason."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dlsched.errors import (
+    AlreadyExists,
+    FailedPrecondition,
+    FieldViolation,
+    InvalidArgument,
+    NotFound,
+)
+
+
+class ClusterNotFound(NotFound):
+    reason = "CLUSTER_NOT_FOUND"
+
+    def __init__(self, name: str, message: str | None = None) -> None:
+        super().__init__(message or f"{name} not found", metadata={"cluster": name})
+
+
+class ClusterAlreadyExists(AlreadyExists):
+    reason = "CLUSTER_ALREADY_EXISTS"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"{name} already exists", metadata={"cluster": name})
+
+
+class NoMatchingCluster(FailedPrecondition):
+    """No registered cluster can take the job; ``violations`` are (cluster, reasons)."""
+
+    reason = "NO_MATCHING_CLUSTER"
+
+    def __init__(self, message: str, violations: Sequence[tuple[str, str]] = ()) -> None:
+        super().__init__(message, violations)
+
+
+class UnknownCluster(InvalidArgument):
+    """The job's selector names a cluster that is not registered."""
+
+    reason = "UNKNOWN_CLUSTER"
+    FIELD = "spec.cluster_selector.cluster"
+
+    def __init__(self, name: str) -> None:
+        super().__init__(
+            f"{self.FIELD}: {name} is not a registered cluster",
+            [FieldViolation(self.FIELD, f"{name} is not a registered cluster")],
+            metadata={"cluster": name},
+        )

@@ -1,0 +1,121 @@
+"""The ListClusters / WatchClusters filter and page tokens.
+
+Grammar: terms joined by ``AND`` (any case); each term ``field=value`` or
+``field!=value``; field one of ``type``, ``state``, ``labels.KEY``. Enum
+values may be short (``SLURM``) or full (``CLUSTER_TYPE_SLURM``), any case;
+values may be quoted with ``"`` or ``'``. Problems raise InvalidArgument on
+field ``filter``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass
+
+from dlsched.errors import InvalidArgument
+
+from .models import Cluster, ClusterState, ClusterType
+from .validation import CLUSTER_ID_RE
+
+_TERM_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_./-]*)\s*(!=|=)\s*(.*?)\s*$", re.S)
+_AND_RE = re.compile(r"\s+AND\s+", re.I)
+
+
+@dataclass(frozen=True)
+class Term:
+    field: str  # "type", "state" or "labels.KEY"
+    negate: bool
+    value: str  # enum member value for type/state
+
+    def matches(self, c: Cluster) -> bool:
+        if self.field == "type":
+            hit = c.type.value == self.value
+        elif self.field == "state":
+            hit = c.state.value == self.value
+        else:
+            hit = c.labels.get(self.field[len("labels."):]) == self.value
+        return hit != self.negate
+
+
+@dataclass(frozen=True)
+class ClusterFilter:
+    terms: tuple[Term, ...] = ()
+
+    def matches(self, c: Cluster) -> bool:
+        return all(t.matches(c) for t in self.terms)
+
+
+def _bad(desc: str) -> InvalidArgument:
+    return InvalidArgument.for_field("filter", desc)
+
+
+def _enum_value(raw: str, enum_cls: type[ClusterType] | type[ClusterState], prefix: str) -> str:
+    v = raw.upper()
+    if v.startswith(prefix):
+        v = v[len(prefix):]
+    names = [m.value for m in enum_cls if m.value != "UNSPECIFIED"]
+    if v not in names:
+        raise _bad(f"unknown value {raw!r}; want one of {', '.join(names)}")
+    return v
+
+
+def parse_filter(text: str) -> ClusterFilter:
+    text = text.strip()
+    if not text:
+        return ClusterFilter()
+    terms = []
+    for part in _AND_RE.split(text):
+        m = _TERM_RE.match(part)
+        if not m:
+            raise _bad(f"cannot parse term {part.strip()!r}; want field=value or field!=value "
+                       "joined by AND")
+        field, op, value = m.group(1), m.group(2), m.group(3)
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+            value = value[1:-1]
+        elif any(ch.isspace() or ch in "\"'=!" for ch in value):
+            raise _bad(f"bad value {value!r} in term {part.strip()!r}")
+        if field == "type":
+            value = _enum_value(value, ClusterType, "CLUSTER_TYPE_")
+        elif field == "state":
+            value = _enum_value(value, ClusterState, "CLUSTER_STATE_")
+        elif field.startswith("labels.") and len(field) > len("labels."):
+            pass
+        else:
+            raise _bad(f"unknown field {field!r}; want type, state or labels.KEY")
+        terms.append(Term(field, op == "!=", value))
+    return ClusterFilter(tuple(terms))
+
+
+# --- page tokens ------------------------------------------------------------
+
+_PAGE_PREFIX = "p1:"
+
+
+def encode_page_token(last_cluster_id: str) -> str:
+    return base64.urlsafe_b64encode((_PAGE_PREFIX + last_cluster_id).encode()).decode().rstrip("=")
+
+
+def decode_page_token(token: str) -> str:
+    """The last cluster id of the previous page; InvalidArgument ``page_token`` if garbage."""
+    try:
+        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        raw = ""
+    last = raw[len(_PAGE_PREFIX):] if raw.startswith(_PAGE_PREFIX) else ""
+    if not CLUSTER_ID_RE.match(last):
+        raise InvalidArgument.for_field("page_token", "not a next_page_token of ListClusters")
+    return last
+
+
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+
+
+def page_size(requested: int) -> int:
+    if requested < 0:
+        raise InvalidArgument.for_field("page_size", "must not be negative")
+    if requested == 0:
+        return DEFAULT_PAGE_SIZE
+    return min(requested, MAX_PAGE_SIZE)

@@ -1,0 +1,171 @@
+"""The matcher: a pure function from a job's requirements and the registered
+clusters to ranked candidates, each with the reasons for its rank.
+
+Rules, in order: the selector (name, type, labels) filters; the cluster must
+be READY; the run mode must be supported; every replica must fit on one node
+(CPUs, memory, GPUs, GPU model); the whole job must fit the cluster's total
+capacity. Eligible clusters score 1 when the job fits the *free* capacity now
+(0 when it would queue) plus the share of free capacity left after placing it
+(0..1), so an idle cluster beats a busy one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .errors import NoMatchingCluster, UnknownCluster
+from .models import (
+    Candidate,
+    Capacity,
+    Cluster,
+    ClusterState,
+    ClusterType,
+    JobRequirements,
+    cluster_name,
+)
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class _Totals:
+    cpus: float
+    memory: int
+    gpus: int
+    gpus_by_type: dict[str, int]
+
+
+def _totals(job: JobRequirements) -> _Totals:
+    cpus, mem, gpus = 0.0, 0, 0
+    by_type: dict[str, int] = {}
+    for g in job.replica_groups:
+        n = max(g.replicas, 1)
+        r = g.resources
+        cpus += n * r.cpu
+        mem += n * r.memory_bytes
+        gpus += n * r.gpus
+        if r.gpus and r.gpu_type:
+            by_type[r.gpu_type.lower()] = by_type.get(r.gpu_type.lower(), 0) + n * r.gpus
+    return _Totals(cpus, mem, gpus, by_type)
+
+
+def selector_cluster_id(sel: str) -> str:
+    return sel[len("clusters/"):] if sel.startswith("clusters/") else sel
+
+
+def _fmt_bytes(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def _evaluate(job: JobRequirements, c: Cluster, need: _Totals) -> Candidate:
+    refusals: list[str] = []
+    sel = job.selector
+    if sel.cluster_type is not ClusterType.UNSPECIFIED and c.type is not sel.cluster_type:
+        refusals.append(f"type {c.type.value} is not the selected {sel.cluster_type.value}")
+    for k, v in sorted(sel.labels.items()):
+        if c.labels.get(k) != v:
+            have = c.labels.get(k)
+            refusals.append(f"label {k}={v} wanted, cluster has "
+                            + (f"{k}={have}" if have is not None else f"no label {k}"))
+    if refusals:
+        return _refused(c, refusals)
+    if c.state is not ClusterState.READY:
+        msg = f"state is {c.state.value}"
+        refusals.append(f"{msg}: {c.state_message}" if c.state_message else msg)
+        return _refused(c, refusals)
+    reasons = [f"state is {c.state.value}"]
+    if job.run_mode not in c.supported_run_modes:
+        modes = ", ".join(m.value for m in c.supported_run_modes) or "none"
+        refusals.append(f"run mode {job.run_mode.value} is not supported (supports {modes})")
+    else:
+        reasons.append(f"run mode {job.run_mode.value} is supported")
+    cap = c.capacity or Capacity()
+    inventory = {g.gpu_type.lower(): g for g in cap.gpus}
+    for g in job.replica_groups:
+        r = g.resources
+        who = f"a {g.role or 'replica'} replica"
+        if r.cpu > cap.max_cpus_per_node:
+            refusals.append(f"{who} needs {r.cpu:g} CPUs; the largest node has "
+                            f"{cap.max_cpus_per_node:g}")
+        if r.memory_bytes > cap.max_memory_bytes_per_node:
+            refusals.append(f"{who} needs {_fmt_bytes(r.memory_bytes)} of memory; the largest "
+                            f"node has {_fmt_bytes(cap.max_memory_bytes_per_node)}")
+        if r.gpus > cap.max_gpus_per_node:
+            refusals.append(f"{who} needs {r.gpus} GPUs; the largest node has "
+                            f"{cap.max_gpus_per_node}")
+        if r.gpus and r.gpu_type and r.gpu_type.lower() not in inventory:
+            have = ", ".join(sorted(inventory)) or "none"
+            refusals.append(f"{who} needs GPU type {r.gpu_type}; the cluster has {have}")
+    if need.cpus > cap.cpus_total:
+        refusals.append(f"the job needs {need.cpus:g} CPUs in all; the cluster has "
+                        f"{cap.cpus_total:g}")
+    if need.memory > cap.memory_bytes_total:
+        refusals.append(f"the job needs {_fmt_bytes(need.memory)} of memory in all; the "
+                        f"cluster has {_fmt_bytes(cap.memory_bytes_total)}")
+    if need.gpus > cap.gpus_total:
+        refusals.append(f"the job needs {need.gpus} GPUs in all; the cluster has "
+                        f"{cap.gpus_total}")
+    for t, n in sorted(need.gpus_by_type.items()):
+        inv = inventory.get(t)
+        if inv is not None and n > inv.total:
+            refusals.append(f"the job needs {n} {t} GPUs in all; the cluster has {inv.total}")
+    if refusals:
+        return _refused(c, refusals)
+    reasons.append("every replica fits on one node")
+
+    fits_free = (
+        need.cpus <= cap.cpus_free
+        and need.memory <= cap.memory_bytes_free
+        and need.gpus <= cap.gpus_free
+        and all(n <= inventory[t].free for t, n in need.gpus_by_type.items() if t in inventory)
+    )
+    shares = []
+    for free, total, used in (
+        (cap.cpus_free, cap.cpus_total, need.cpus),
+        (float(cap.memory_bytes_free), float(cap.memory_bytes_total), float(need.memory)),
+        (float(cap.gpus_free), float(cap.gpus_total), float(need.gpus)),
+    ):
+        if total > 0:
+            shares.append(max(free - used, 0.0) / total)
+    headroom = sum(shares) / len(shares) if shares else 0.0
+    if fits_free:
+        reasons.append(
+            f"fits in free capacity now ({cap.cpus_free:g} CPUs, "
+            f"{_fmt_bytes(cap.memory_bytes_free)}, {cap.gpus_free} GPUs free)")
+    else:
+        reasons.append("fits the cluster's total capacity but not its free capacity now; "
+                       "the job would queue")
+    reasons.append(f"{headroom:.0%} of the capacity stays free after placing the job")
+    score = (1.0 if fits_free else 0.0) + headroom
+    return Candidate(c.name, c.type, True, round(score, 6), tuple(reasons), c.driver_address)
+
+
+def _refused(c: Cluster, reasons: Sequence[str]) -> Candidate:
+    return Candidate(c.name, c.type, False, 0.0, tuple(reasons), c.driver_address)
+
+
+def rank(job: JobRequirements, clusters: Iterable[Cluster]) -> list[Candidate]:
+    """Candidates for ``job``: eligible ones best first (ties by name), then
+    the refused ones by name. Raises UnknownCluster when the selector names a
+    cluster that is not registered, NoMatchingCluster when none is eligible.
+    """
+    cs = sorted(clusters, key=lambda c: c.cluster_id)
+    if job.selector.cluster:
+        want = selector_cluster_id(job.selector.cluster)
+        cs = [c for c in cs if c.cluster_id == want]
+        if not cs:
+            raise UnknownCluster(cluster_name(want))
+    need = _totals(job)
+    cands = [_evaluate(job, c, need) for c in cs]
+    eligible = sorted((x for x in cands if x.eligible), key=lambda x: (-x.score, x.cluster))
+    refused = [x for x in cands if not x.eligible]
+    if not eligible:
+        if not cands:
+            raise NoMatchingCluster("no cluster is registered")
+        raise NoMatchingCluster(
+            "no cluster can run the job: "
+            + "; ".join(f"{x.cluster}: {', '.join(x.reasons)}" for x in refused),
+            [(x.cluster, "; ".join(x.reasons)) for x in refused],
+        )
+    return eligible + refused

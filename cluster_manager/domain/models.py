@@ -1,0 +1,216 @@
+"""The cluster model, as plain dataclasses.
+
+Enum members carry the proto value names without their prefix
+(``ClusterType.SLURM`` is ``CLUSTER_TYPE_SLURM``); ``convert.py`` maps them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+
+
+class ClusterType(enum.Enum):
+    UNSPECIFIED = "UNSPECIFIED"
+    LOCAL = "LOCAL"
+    SLURM = "SLURM"
+    KUBERNETES = "KUBERNETES"
+    RAY = "RAY"
+
+
+class ClusterState(enum.Enum):
+    UNSPECIFIED = "UNSPECIFIED"
+    PENDING = "PENDING"
+    READY = "READY"
+    UNREACHABLE = "UNREACHABLE"
+    DRIVER_UNAVAILABLE = "DRIVER_UNAVAILABLE"
+
+
+class RunMode(enum.Enum):
+    UNSPECIFIED = "UNSPECIFIED"
+    SINGLE_PROCESS = "SINGLE_PROCESS"
+    MULTI_PROCESS = "MULTI_PROCESS"
+    PS_WORKER = "PS_WORKER"
+    MASTER_WORKER = "MASTER_WORKER"
+    MPI = "MPI"
+
+
+class CredentialsKind(enum.Enum):
+    SSH = "ssh"
+    KUBERNETES = "kubernetes"
+    TOKEN = "token"
+
+
+# Which credentials each cluster type takes; LOCAL takes none.
+CREDENTIALS_FOR_TYPE: dict[ClusterType, CredentialsKind | None] = {
+    ClusterType.LOCAL: None,
+    ClusterType.SLURM: CredentialsKind.SSH,
+    ClusterType.KUBERNETES: CredentialsKind.KUBERNETES,
+    ClusterType.RAY: CredentialsKind.TOKEN,
+}
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """Write-only secrets. Every secret field is left out of ``repr`` so a
+    stray log line or traceback never shows it."""
+
+    kind: CredentialsKind
+    username: str = ""
+    private_key: str = field(default="", repr=False)
+    known_host_keys: tuple[str, ...] = field(default=(), repr=False)
+    kubeconfig: str = field(default="", repr=False)
+    token: str = field(default="", repr=False)
+    ca_cert: str = field(default="", repr=False)
+
+
+@dataclass(frozen=True)
+class GpuInventory:
+    gpu_type: str
+    total: int
+    free: int
+
+
+@dataclass(frozen=True)
+class Capacity:
+    nodes_total: int = 0
+    nodes_free: int = 0
+    cpus_total: float = 0.0
+    cpus_free: float = 0.0
+    memory_bytes_total: int = 0
+    memory_bytes_free: int = 0
+    gpus_total: int = 0
+    gpus_free: int = 0
+    gpus: tuple[GpuInventory, ...] = ()
+    max_cpus_per_node: float = 0.0
+    max_memory_bytes_per_node: int = 0
+    max_gpus_per_node: int = 0
+
+    def materially_differs(self, other: Capacity) -> bool:
+        """Whether a change is worth an etcd write (and a watch event).
+
+        Totals, per-node maxima, node counts, GPU counts and the inventory must
+        match exactly; free CPU and memory may drift by up to 5 % of the total
+        (a host's free memory moves every second; we do not write every poll).
+        """
+        exact = (
+            "nodes_total", "nodes_free", "cpus_total", "memory_bytes_total", "gpus_total",
+            "gpus_free", "gpus", "max_cpus_per_node", "max_memory_bytes_per_node",
+            "max_gpus_per_node",
+        )
+        if any(getattr(self, f) != getattr(other, f) for f in exact):
+            return True
+        if abs(self.cpus_free - other.cpus_free) > max(0.5, 0.05 * self.cpus_total):
+            return True
+        return abs(self.memory_bytes_free - other.memory_bytes_free) > 0.05 * max(
+            self.memory_bytes_total, 1
+        )
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What a driver reports of a cluster (or what we conclude when it does not answer)."""
+
+    state: ClusterState
+    message: str = ""
+    capacity: Capacity | None = None
+    supported_run_modes: tuple[RunMode, ...] = ()
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A registered cluster. ``cluster_id`` is the last part of ``name``."""
+
+    cluster_id: str
+    type: ClusterType
+    driver_address: str
+    address: str = ""
+    labels: dict[str, str] = field(default_factory=dict)
+    options: dict[str, str] = field(default_factory=dict)
+    uid: str = ""
+    state: ClusterState = ClusterState.PENDING
+    state_message: str = ""
+    capacity: Capacity | None = None
+    supported_run_modes: tuple[RunMode, ...] = ()
+    has_credentials: bool = False
+    create_time: datetime | None = None
+    update_time: datetime | None = None
+    last_heartbeat_time: datetime | None = None
+    etag: str = ""
+
+    @property
+    def name(self) -> str:
+        return cluster_name(self.cluster_id)
+
+    def observation(self) -> Observation:
+        return Observation(self.state, self.state_message, self.capacity, self.supported_run_modes)
+
+    def with_observation(self, obs: Observation, now: datetime) -> Cluster:
+        return replace(
+            self,
+            state=obs.state,
+            state_message=obs.message,
+            capacity=obs.capacity if obs.capacity is not None else self.capacity,
+            supported_run_modes=obs.supported_run_modes,
+            last_heartbeat_time=now,
+        )
+
+
+def observation_changed(old: Observation, new: Observation) -> bool:
+    if (old.state, old.message, old.supported_run_modes) != (
+        new.state, new.message, new.supported_run_modes
+    ):
+        return True
+    if new.capacity is None:
+        return False
+    if old.capacity is None:
+        return True
+    return old.capacity.materially_differs(new.capacity)
+
+
+def cluster_name(cluster_id: str) -> str:
+    return f"clusters/{cluster_id}"
+
+
+# --- the job, as far as matching needs it -----------------------------------
+
+
+@dataclass(frozen=True)
+class Resources:
+    cpu: float = 0.0
+    memory_bytes: int = 0
+    gpus: int = 0
+    gpu_type: str = ""
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    role: str
+    replicas: int
+    processes_per_replica: int = 1
+    resources: Resources = field(default_factory=Resources)
+
+
+@dataclass(frozen=True)
+class Selector:
+    cluster: str = ""
+    cluster_type: ClusterType = ClusterType.UNSPECIFIED
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class JobRequirements:
+    run_mode: RunMode
+    replica_groups: tuple[ReplicaGroup, ...]
+    selector: Selector = field(default_factory=Selector)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    cluster: str
+    cluster_type: ClusterType
+    eligible: bool
+    score: float
+    reasons: tuple[str, ...]
+    driver_address: str

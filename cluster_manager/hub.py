@@ -1,0 +1,161 @@
+"""The watch hub: one etcd prefix watch on ``clusters/`` per process, a bounded
+buffer of recent events, and subscriber queues fed from it.
+
+Resume tokens are opaque: base64url of ``c1:<rev>`` (after the change at etcd
+revision ``rev``) or ``s1:<rev>`` (inside a snapshot read at ``rev``; resuming
+from one starts a fresh snapshot, since a half-sent snapshot cannot be
+continued). The buffer holds the last ``buffer_size`` events; every event after
+``horizon`` is in it, so a token at or after the horizon resumes with no gap
+and no duplicate, and an older one raises WatchTokenExpired. A token that does
+not decode is InvalidArgument on ``resume_token``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from dlsched.errors import DlschedError, InvalidArgument, Unavailable, WatchTokenExpired
+
+from .store import ClusterStore, StoreEvent
+
+log = logging.getLogger("cluster_manager.hub")
+
+
+@dataclass(frozen=True)
+class ResumeToken:
+    revision: int
+    in_snapshot: bool = False
+
+    def encode(self) -> str:
+        raw = f"{'s1' if self.in_snapshot else 'c1'}:{self.revision}"
+        return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+
+    @staticmethod
+    def decode(token: str) -> ResumeToken:
+        try:
+            raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+            kind, _, rev = raw.partition(":")
+            if kind in ("c1", "s1") and rev.isdigit():
+                return ResumeToken(int(rev), kind == "s1")
+        except (binascii.Error, UnicodeDecodeError, ValueError):
+            pass
+        raise InvalidArgument.for_field("resume_token", "not a resume_token of WatchClusters")
+
+
+class Subscription:
+    """One subscriber's queue. Events at or before ``skip_through`` are dropped
+    (the subscriber already has them from its snapshot)."""
+
+    def __init__(self, hub: WatchHub, maxsize: int) -> None:
+        self._hub = hub
+        self._q: asyncio.Queue[StoreEvent | DlschedError] = asyncio.Queue()
+        self._max = maxsize
+        self.skip_through = 0
+        self._failed = False
+
+    def _offer(self, item: StoreEvent | DlschedError) -> None:
+        if self._failed:
+            return
+        if isinstance(item, DlschedError):
+            self._failed = True
+        elif self._q.qsize() >= self._max:
+            self._failed = True
+            item = Unavailable("the watch fell behind; reconnect with the last resume_token")
+        self._q.put_nowait(item)
+
+    async def next(self) -> StoreEvent:
+        while True:
+            item = await self._q.get()
+            if isinstance(item, DlschedError):
+                raise item
+            if item.revision > self.skip_through:
+                return item
+
+    def close(self) -> None:
+        self._hub._subs.discard(self)
+
+
+class WatchHub:
+    def __init__(self, store: ClusterStore, buffer_size: int = 1024,
+                 subscriber_queue: int = 10_000, retry_seconds: float = 0.5) -> None:
+        self._store = store
+        self._buf: deque[StoreEvent] = deque()
+        self._size = max(1, buffer_size)
+        self._subq = subscriber_queue
+        self._retry = retry_seconds
+        self._subs: set[Subscription] = set()
+        self.revision = 0  # last etcd revision the hub has seen through
+        self.horizon = 0  # every event after this revision is in the buffer
+        self._task: asyncio.Task[None] | None = None
+        self._started = asyncio.Event()
+
+    async def start(self) -> None:
+        rev = await self._store.current_revision()
+        self.revision = self.horizon = rev
+        self._task = asyncio.create_task(self._run(), name="watch-hub")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for s in list(self._subs):
+            s._offer(Unavailable("the server is shutting down; reconnect"))
+
+    async def subscribe(self, after: ResumeToken | None = None) -> Subscription:
+        """A new subscription. With ``after``, it starts with the buffered events
+        after that token (WatchTokenExpired when they are no longer buffered)."""
+        if after is not None and after.revision > self.revision:
+            # The client may have read a snapshot at a revision the hub has not
+            # reached yet; a revision etcd never had is a foreign token.
+            if after.revision > await self._store.current_revision():
+                raise WatchTokenExpired("resume_token is from another etcd; re-list")
+        sub = Subscription(self, self._subq)
+        if after is not None:
+            if after.revision < self.horizon:
+                raise WatchTokenExpired(
+                    f"resume_token is older than the watch buffer (revision {after.revision} < "
+                    f"{self.horizon}); re-list")
+            sub.skip_through = after.revision
+            for ev in self._buf:
+                if ev.revision > after.revision:
+                    sub._offer(ev)
+        self._subs.add(sub)
+        return sub
+
+    def _publish(self, ev: StoreEvent) -> None:
+        self._buf.append(ev)
+        while len(self._buf) > self._size:
+            self.horizon = self._buf.popleft().revision
+        self.revision = ev.revision
+        for s in list(self._subs):
+            s._offer(ev)
+
+    def _reset(self, rev: int, err: DlschedError) -> None:
+        self._buf.clear()
+        self.revision = self.horizon = rev
+        for s in list(self._subs):
+            s._offer(err)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                async for ev in self._store.watch(self.revision + 1):
+                    if ev.revision > self.revision:
+                        self._publish(ev)
+            except WatchTokenExpired as e:
+                log.warning("cluster watch history compacted; subscribers must re-list")
+                try:
+                    self._reset(await self._store.current_revision(), e)
+                except DlschedError:
+                    await asyncio.sleep(self._retry)
+            except DlschedError as e:
+                log.warning("cluster watch interrupted (%s); resuming at revision %d",
+                            e.reason, self.revision + 1)
+                await asyncio.sleep(self._retry)

@@ -1,0 +1,186 @@
+"""ClusterManagerService over gRPC: transport only.
+
+Each handler checks the request, converts proto -> domain, calls the store /
+matcher / hub, converts back. Requests are never logged (they may carry
+credentials); responses never carry credentials (``convert.cluster_to_proto``
+has no path for them).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from datetime import UTC, datetime
+from typing import Any
+
+import grpc
+
+from dlsched.errors import FieldViolation, InvalidArgument
+from dlsched.v1 import cluster_manager_service_pb2 as pb
+from dlsched.v1 import cluster_manager_service_pb2_grpc as pb_grpc
+from dlsched.v1 import job_pb2
+
+from . import convert
+from .domain import filter as flt
+from .domain import matching, validation
+from .domain.errors import ClusterNotFound
+from .domain.models import Cluster, ClusterState, ClusterType, Credentials
+from .hub import ResumeToken, WatchHub
+from .monitor import MonitorManager
+from .store import ClusterStore, EventKind
+
+log = logging.getLogger("cluster_manager.servicer")
+
+_EVENT_TYPE = {
+    EventKind.CREATED: job_pb2.WATCH_EVENT_TYPE_CREATED,
+    EventKind.UPDATED: job_pb2.WATCH_EVENT_TYPE_UPDATED,
+    EventKind.DELETED: job_pb2.WATCH_EVENT_TYPE_DELETED,
+}
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def _request_credentials(p: Any) -> Credentials | None:
+    return convert.credentials_from_proto(p.credentials) if p.HasField("credentials") else None
+
+
+class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
+    def __init__(self, store: ClusterStore, hub: WatchHub, monitors: MonitorManager,
+                 clock: Callable[[], datetime] = _utcnow) -> None:
+        self._store = store
+        self._hub = hub
+        self._monitors = monitors
+        self._clock = clock
+
+    async def CreateCluster(self, request: pb.CreateClusterRequest,
+                            context: grpc.aio.ServicerContext) -> pb.CreateClusterResponse:
+        cluster = convert.cluster_from_proto(request.cluster_id, request.cluster)
+        creds = _request_credentials(request.cluster)
+        validation.raise_if(
+            validation.check_new_cluster(request.cluster_id, cluster, creds, request.request_id))
+        now = self._clock()
+        cluster = replace(cluster, uid=str(uuid.uuid4()), state=ClusterState.PENDING,
+                          state_message="waiting for the driver's first report",
+                          has_credentials=creds is not None, create_time=now, update_time=now)
+        stored = await self._store.create(cluster, creds, request.request_id)
+        log.info("created %s (type %s)", stored.name, stored.type.value)
+        return pb.CreateClusterResponse(cluster=convert.cluster_to_proto(stored))
+
+    async def GetCluster(self, request: pb.GetClusterRequest,
+                         context: grpc.aio.ServicerContext) -> pb.GetClusterResponse:
+        cid = validation.parse_cluster_name(request.name)
+        return pb.GetClusterResponse(cluster=convert.cluster_to_proto(await self._store.get(cid)))
+
+    async def ListClusters(self, request: pb.ListClustersRequest,
+                           context: grpc.aio.ServicerContext) -> pb.ListClustersResponse:
+        size = flt.page_size(request.page_size)
+        f = flt.parse_filter(request.filter)
+        after = flt.decode_page_token(request.page_token) if request.page_token else ""
+        clusters, _ = await self._store.list_all()
+        hits = [c for c in clusters if c.cluster_id > after and f.matches(c)]
+        page = hits[:size]
+        token = flt.encode_page_token(page[-1].cluster_id) if len(hits) > size else ""
+        return pb.ListClustersResponse(clusters=[convert.cluster_to_proto(c) for c in page],
+                                       next_page_token=token)
+
+    async def UpdateCluster(self, request: pb.UpdateClusterRequest,
+                            context: grpc.aio.ServicerContext) -> pb.UpdateClusterResponse:
+        cid = validation.parse_cluster_name(request.cluster.name, "cluster.name")
+        paths = validation.check_update_mask(request.update_mask.paths)
+        given = convert.cluster_from_proto(cid, request.cluster)
+        creds = _request_credentials(request.cluster)
+        now = self._clock()
+
+        def mutate(current: Cluster) -> Cluster:
+            if given.type is not ClusterType.UNSPECIFIED and given.type is not current.type:
+                raise InvalidArgument.for_field("cluster.type", "immutable")
+            updated = current
+            if "address" in paths:
+                updated = replace(updated, address=given.address)
+            if "driver_address" in paths:
+                updated = replace(updated, driver_address=given.driver_address)
+            if "labels" in paths:
+                updated = replace(updated, labels=given.labels)
+            if "options" in paths:
+                updated = replace(updated, options=given.options)
+            if "credentials" in paths:
+                updated = replace(updated, has_credentials=creds is not None)
+            validation.raise_if(validation.check_updated_cluster(updated, creds, paths))
+            return replace(updated, update_time=now)
+
+        kw: dict[str, Any] = {"credentials": creds} if "credentials" in paths else {}
+        stored = await self._store.update(cid, mutate, etag=request.etag, **kw)
+        log.info("updated %s (%s)", stored.name, ", ".join(sorted(paths)))
+        return pb.UpdateClusterResponse(cluster=convert.cluster_to_proto(stored))
+
+    async def DeleteCluster(self, request: pb.DeleteClusterRequest,
+                            context: grpc.aio.ServicerContext) -> pb.DeleteClusterResponse:
+        cid = validation.parse_cluster_name(request.name)
+        last = await self._store.delete(cid)
+        if last is None:
+            if request.allow_missing:
+                return pb.DeleteClusterResponse()
+            raise ClusterNotFound(f"clusters/{cid}")
+        log.info("deleted %s", last.name)
+        await self._monitors.forget(last)
+        return pb.DeleteClusterResponse(cluster=convert.cluster_to_proto(last))
+
+    async def WatchClusters(self, request: pb.WatchClustersRequest,
+                            context: grpc.aio.ServicerContext,
+                            ) -> AsyncIterator[pb.WatchClustersResponse]:
+        f = flt.parse_filter(request.filter)
+        token = ResumeToken.decode(request.resume_token) if request.resume_token else None
+        if token is not None and token.in_snapshot:
+            token = None  # a snapshot cannot be continued half-way: send a fresh one
+        sub = await self._hub.subscribe(token)
+        try:
+            if token is None:
+                clusters, rev = await self._store.list_all()
+                sub.skip_through = rev
+                snap = ResumeToken(rev, in_snapshot=True).encode()
+                for c in clusters:
+                    if f.matches(c):
+                        yield pb.WatchClustersResponse(
+                            type=job_pb2.WATCH_EVENT_TYPE_EXISTING,
+                            cluster=convert.cluster_to_proto(c), resume_token=snap)
+                yield pb.WatchClustersResponse(
+                    type=job_pb2.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE,
+                    resume_token=ResumeToken(rev).encode())
+            while True:
+                ev = await sub.next()
+                if f.matches(ev.cluster) or (ev.prev is not None and f.matches(ev.prev)):
+                    yield pb.WatchClustersResponse(
+                        type=_EVENT_TYPE[ev.kind], cluster=convert.cluster_to_proto(ev.cluster),
+                        resume_token=ResumeToken(ev.revision).encode())
+        finally:
+            sub.close()
+
+    async def MatchClusters(self, request: pb.MatchClustersRequest,
+                            context: grpc.aio.ServicerContext) -> pb.MatchClustersResponse:
+        if not request.HasField("spec"):
+            raise InvalidArgument.for_field("spec", "required")
+        validation.raise_if(_check_spec(request.spec), "invalid job spec")
+        job = convert.job_requirements_from_proto(request.spec)
+        clusters, _ = await self._store.list_all()
+        cands = matching.rank(job, clusters)
+        return pb.MatchClustersResponse(candidates=convert.candidates_to_proto(cands))
+
+
+def _check_spec(spec: job_pb2.JobSpec) -> list[FieldViolation]:
+    out: list[FieldViolation] = []
+    if spec.run_mode == job_pb2.RUN_MODE_UNSPECIFIED:
+        out.append(FieldViolation("spec.run_mode", "required"))
+    if not spec.replica_groups:
+        out.append(FieldViolation("spec.replica_groups", "at least one replica group"))
+    for i, g in enumerate(spec.replica_groups):
+        at = f"spec.replica_groups[{i}]"
+        if g.replicas < 1:
+            out.append(FieldViolation(f"{at}.replicas", "at least 1"))
+        r = g.resources
+        if r.cpu < 0 or r.memory_bytes < 0 or r.gpus < 0:
+            out.append(FieldViolation(f"{at}.resources", "must not be negative"))
+    return out

@@ -1,0 +1,629 @@
+"""ClusterManager end to end: the service as a real process over real etcd,
+real gRPC, and (for monitoring and matching) the real local driver."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+
+import aetcd
+import grpc
+import pytest
+from google.protobuf import field_mask_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from dlsched.kit.rpc_errors import error_info, field_violations
+from dlsched.v1 import cluster_manager_service_pb2 as pb
+from dlsched.v1 import cluster_manager_service_pb2_grpc as pb_grpc
+from dlsched.v1 import cluster_pb2, job_pb2
+from tests.harness import ROOT, EtcdServer, ServiceProcess, free_port
+
+SSH_KEY = (
+    "-----BEGIN OPENSSH PRIVATE KEY-----\n"
+    "b3BlbnNzaC1rZXktdjEAAAAABG5vbmUAAAAEbm9uZQAAAAAAAAABAAAAMwAAAAtzc2gtZW\n"
+    "QyNTUxOQAAACBzZWNyZXRzZWNyZXRzZWNyZXRzZWNyZXRzZWNyZXQAAAAAAAAAAAAAAAA\n"
+    "-----END OPENSSH PRIVATE KEY-----\n"
+)
+SSH_KEY_MARKER = "QyNTUxOQAAACBzZWNyZXRzZWNyZXRzZWNyZXRzZWNyZXRzZWNyZXQ"
+RAY_TOKEN = "raytok-7f3a9c1e5b2d4f60a8e1c3b5d7f9a2c4"
+WAIT = 10.0
+
+HAVE_LOCAL_DRIVER = (ROOT / "drivers" / "local" / "driver.py").exists()
+needs_driver = pytest.mark.skipif(not HAVE_LOCAL_DRIVER, reason="drivers.local is not built yet")
+
+
+# --- fixtures ---------------------------------------------------------------
+
+
+def start_cm(etcd: EtcdServer, prefix: str, *extra: str) -> ServiceProcess:
+    return ServiceProcess(
+        "cluster_manager",
+        ["--etcd", etcd.endpoint, "--prefix", prefix, "--monitor-interval", "0.3",
+         "--log-level", "DEBUG", *extra],
+        name="cluster-manager",
+    ).start()
+
+
+@pytest.fixture
+def cm(etcd: EtcdServer, etcd_prefix: str) -> Iterator[ServiceProcess]:
+    proc = start_cm(etcd, etcd_prefix)
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+async def stub(cm: ServiceProcess) -> AsyncIterator[pb_grpc.ClusterManagerServiceStub]:
+    async with grpc.aio.insecure_channel(cm.address) as ch:
+        yield pb_grpc.ClusterManagerServiceStub(ch)
+
+
+@pytest.fixture(scope="module")
+def local_driver() -> Iterator[ServiceProcess]:
+    if not HAVE_LOCAL_DRIVER:
+        pytest.skip("drivers.local is not built yet")
+    proc = ServiceProcess("drivers.local", ["--state-dir", tempfile.mkdtemp(prefix="cm-drv-")],
+                          name="local-driver").start()
+    yield proc
+    proc.stop()
+
+
+def dead_address() -> str:
+    return f"127.0.0.1:{free_port()}"
+
+
+def local_cluster(driver_address: str, **labels: str) -> cluster_pb2.Cluster:
+    return cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_LOCAL, driver_address=driver_address,
+                               labels=labels)
+
+
+def slurm_cluster(driver_address: str, **labels: str) -> cluster_pb2.Cluster:
+    return cluster_pb2.Cluster(
+        type=job_pb2.CLUSTER_TYPE_SLURM, address="login.example.org:22",
+        driver_address=driver_address, labels=labels,
+        credentials=cluster_pb2.ClusterCredentials(
+            ssh=cluster_pb2.SshCredentials(username="svc", private_key=SSH_KEY)),
+    )
+
+
+async def create(stub: pb_grpc.ClusterManagerServiceStub, cid: str, c: cluster_pb2.Cluster,
+                 request_id: str = "") -> cluster_pb2.Cluster:
+    resp = await stub.CreateCluster(
+        pb.CreateClusterRequest(cluster_id=cid, cluster=c, request_id=request_id))
+    return resp.cluster
+
+
+async def rpc_error(coro: object) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await coro  # type: ignore[misc]
+    return ei.value
+
+
+def reason(e: grpc.aio.AioRpcError) -> str:
+    info = error_info(e)
+    assert info is not None, e
+    assert info.domain == "dlsched.io"
+    return info.reason
+
+
+def fields(e: grpc.aio.AioRpcError) -> list[str]:
+    return [v.field for v in field_violations(e)]
+
+
+class Watch:
+    """A WatchClusters stream read by a background task into a queue."""
+
+    def __init__(self, stub: pb_grpc.ClusterManagerServiceStub, token: str = "",
+                 filter: str = "") -> None:
+        self.call = stub.WatchClusters(pb.WatchClustersRequest(resume_token=token, filter=filter))
+        self.q: asyncio.Queue[pb.WatchClustersResponse | BaseException] = asyncio.Queue()
+        self.task = asyncio.ensure_future(self._pump())
+
+    async def _pump(self) -> None:
+        try:
+            async for ev in self.call:
+                await self.q.put(ev)
+            await self.q.put(EOFError("stream ended"))
+        except BaseException as e:  # noqa: BLE001 - handed to the reader
+            await self.q.put(e)
+
+    async def next(self, within: float = WAIT) -> pb.WatchClustersResponse:
+        item = await asyncio.wait_for(self.q.get(), within)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def until(self, pred: object, within: float = WAIT) -> list[pb.WatchClustersResponse]:
+        """Events up to and including the first one for which pred(ev) holds."""
+        seen = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while True:
+            ev = await self.next(max(0.01, deadline - loop.time()))
+            seen.append(ev)
+            if pred(ev):  # type: ignore[operator]
+                return seen
+
+    async def snapshot(self) -> list[pb.WatchClustersResponse]:
+        return await self.until(lambda e: e.type == job_pb2.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE)
+
+    def drain(self) -> list[pb.WatchClustersResponse]:
+        out = []
+        while not self.q.empty():
+            item = self.q.get_nowait()
+            if isinstance(item, BaseException):
+                raise item
+            out.append(item)
+        return out
+
+    async def close(self) -> None:
+        self.call.cancel()
+        self.task.cancel()
+        try:
+            await self.task
+        except asyncio.CancelledError:
+            pass
+
+
+async def wait_state(stub: pb_grpc.ClusterManagerServiceStub, name: str, state: int,
+                     within: float = WAIT) -> cluster_pb2.Cluster:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        c = (await stub.GetCluster(pb.GetClusterRequest(name=name))).cluster
+        if c.state == state:
+            return c
+        if loop.time() > deadline:
+            raise AssertionError(f"{name} stayed {cluster_pb2.ClusterState.Name(c.state)}: "
+                                 f"{c.state_message}")
+        await asyncio.sleep(0.1)
+
+
+# --- service basics ---------------------------------------------------------
+
+
+async def test_health_serving_and_reflection_lists_service(cm: ServiceProcess) -> None:
+    async with grpc.aio.insecure_channel(cm.address) as ch:
+        h = health_pb2_grpc.HealthStub(ch)
+        for svc in ("", "dlsched.v1.ClusterManagerService"):
+            resp = await h.Check(health_pb2.HealthCheckRequest(service=svc))
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        r = reflection_pb2_grpc.ServerReflectionStub(ch)
+        call = r.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        async for resp in call:
+            names = {s.name for s in resp.list_services_response.service}
+            break
+        assert "dlsched.v1.ClusterManagerService" in names
+
+
+# --- registry ---------------------------------------------------------------
+
+
+async def test_create_get_list_delete(stub: pb_grpc.ClusterManagerServiceStub) -> None:
+    made = await create(stub, "alpha", local_cluster(dead_address(), team="ml"))
+    assert made.name == "clusters/alpha"
+    assert made.uid and made.etag
+    assert made.type == job_pb2.CLUSTER_TYPE_LOCAL
+    assert made.state in (cluster_pb2.CLUSTER_STATE_PENDING,
+                          cluster_pb2.CLUSTER_STATE_DRIVER_UNAVAILABLE)
+    assert made.create_time.seconds > 0
+    assert not made.has_credentials
+
+    got = (await stub.GetCluster(pb.GetClusterRequest(name="clusters/alpha"))).cluster
+    assert got.uid == made.uid and dict(got.labels) == {"team": "ml"}
+
+    e = await rpc_error(stub.GetCluster(pb.GetClusterRequest(name="clusters/nope")))
+    assert e.code() == grpc.StatusCode.NOT_FOUND and reason(e) == "CLUSTER_NOT_FOUND"
+    e = await rpc_error(stub.GetCluster(pb.GetClusterRequest(name="alpha")))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and fields(e) == ["name"]
+
+    e = await rpc_error(create(stub, "alpha", local_cluster(dead_address())))
+    assert e.code() == grpc.StatusCode.ALREADY_EXISTS and reason(e) == "CLUSTER_ALREADY_EXISTS"
+
+    listed = (await stub.ListClusters(pb.ListClustersRequest())).clusters
+    assert [c.name for c in listed] == ["clusters/alpha"]
+
+    deleted = (await stub.DeleteCluster(pb.DeleteClusterRequest(name="clusters/alpha"))).cluster
+    assert deleted.uid == made.uid
+    e = await rpc_error(stub.GetCluster(pb.GetClusterRequest(name="clusters/alpha")))
+    assert reason(e) == "CLUSTER_NOT_FOUND"
+    e = await rpc_error(stub.DeleteCluster(pb.DeleteClusterRequest(name="clusters/alpha")))
+    assert e.code() == grpc.StatusCode.NOT_FOUND and reason(e) == "CLUSTER_NOT_FOUND"
+    resp = await stub.DeleteCluster(pb.DeleteClusterRequest(name="clusters/alpha",
+                                                            allow_missing=True))
+    assert not resp.HasField("cluster")
+    assert not (await stub.ListClusters(pb.ListClustersRequest())).clusters
+
+
+async def test_list_pages_by_name_and_filters(stub: pb_grpc.ClusterManagerServiceStub) -> None:
+    drv = dead_address()
+    ids = [f"c{i:02d}" for i in range(7)]
+    for i, cid in enumerate(reversed(ids)):
+        c = slurm_cluster(drv, team="ml") if i % 2 else local_cluster(drv, team="web")
+        await create(stub, cid, c)
+
+    names: list[str] = []
+    token = ""
+    pages = 0
+    while True:
+        resp = await stub.ListClusters(pb.ListClustersRequest(page_size=3, page_token=token))
+        names += [c.name for c in resp.clusters]
+        pages += 1
+        token = resp.next_page_token
+        if not token:
+            break
+    assert names == [f"clusters/{cid}" for cid in ids]
+    assert pages == 3
+
+    all_resp = await stub.ListClusters(pb.ListClustersRequest())
+    slurm = {c.name for c in all_resp.clusters if c.type == job_pb2.CLUSTER_TYPE_SLURM}
+    assert slurm and len(slurm) < len(ids)
+    for f in ("type=SLURM", "type=CLUSTER_TYPE_SLURM", "type = slurm AND labels.team=ml",
+              'labels.team="ml"'):
+        got = {c.name for c in (await stub.ListClusters(pb.ListClustersRequest(filter=f))).clusters}
+        assert got == slurm, f
+    got = {c.name for c in (await stub.ListClusters(
+        pb.ListClustersRequest(filter="type!=SLURM"))).clusters}
+    assert got == {f"clusters/{cid}" for cid in ids} - slurm
+    got = (await stub.ListClusters(pb.ListClustersRequest(filter="state=READY"))).clusters
+    assert not got
+    got = (await stub.ListClusters(pb.ListClustersRequest(
+        filter="type=SLURM AND labels.team=web"))).clusters
+    assert not got
+
+    for bad in ("type=BOGUS", "colour=red", "type", "type=SLURM OR state=READY",
+                "labels.=x"):
+        e = await rpc_error(stub.ListClusters(pb.ListClustersRequest(filter=bad)))
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+        assert fields(e) == ["filter"], bad
+    e = await rpc_error(stub.ListClusters(pb.ListClustersRequest(page_token="garbage!")))
+    assert fields(e) == ["page_token"]
+    e = await rpc_error(stub.ListClusters(pb.ListClustersRequest(page_size=-1)))
+    assert fields(e) == ["page_size"]
+
+
+async def test_update_applies_masked_fields_and_checks_etag(
+        stub: pb_grpc.ClusterManagerServiceStub) -> None:
+    drv = dead_address()
+    made = await create(stub, "upd", local_cluster(drv, team="ml"))
+    made = (await stub.GetCluster(pb.GetClusterRequest(name="clusters/upd"))).cluster
+
+    # Only masked fields change: labels changes, driver_address in the body is ignored.
+    body = cluster_pb2.Cluster(name="clusters/upd", labels={"team": "web"},
+                               driver_address="10.0.0.1:1")
+    resp = await stub.UpdateCluster(pb.UpdateClusterRequest(
+        cluster=body, update_mask=field_mask_pb2.FieldMask(paths=["labels"])))
+    upd = resp.cluster
+    assert dict(upd.labels) == {"team": "web"}
+    assert upd.driver_address == drv
+    assert upd.etag != made.etag
+    assert upd.uid == made.uid
+
+    # A stale etag is refused; the current one works.
+    e = await rpc_error(stub.UpdateCluster(pb.UpdateClusterRequest(
+        cluster=body, update_mask=field_mask_pb2.FieldMask(paths=["labels"]), etag=made.etag)))
+    assert e.code() == grpc.StatusCode.ABORTED
+    current = (await stub.GetCluster(pb.GetClusterRequest(name="clusters/upd"))).cluster
+    body2 = cluster_pb2.Cluster(name="clusters/upd", options={"partition": "gpu"})
+    resp = await stub.UpdateCluster(pb.UpdateClusterRequest(
+        cluster=body2, update_mask=field_mask_pb2.FieldMask(paths=["options"]),
+        etag=current.etag))
+    assert dict(resp.cluster.options) == {"partition": "gpu"}
+    assert dict(resp.cluster.labels) == {"team": "web"}
+
+    # update_mask is required and limited; type is immutable.
+    for paths in ([], ["type"], ["state"], ["name"]):
+        e = await rpc_error(stub.UpdateCluster(pb.UpdateClusterRequest(
+            cluster=body, update_mask=field_mask_pb2.FieldMask(paths=paths))))
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and fields(e) == ["update_mask"], paths
+    e = await rpc_error(stub.UpdateCluster(pb.UpdateClusterRequest(
+        cluster=cluster_pb2.Cluster(name="clusters/upd", type=job_pb2.CLUSTER_TYPE_SLURM,
+                                    labels={"a": "b"}),
+        update_mask=field_mask_pb2.FieldMask(paths=["labels"]))))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and fields(e) == ["cluster.type"]
+    # Masked fields are validated.
+    e = await rpc_error(stub.UpdateCluster(pb.UpdateClusterRequest(
+        cluster=cluster_pb2.Cluster(name="clusters/upd", driver_address="nope"),
+        update_mask=field_mask_pb2.FieldMask(paths=["driver_address"]))))
+    assert fields(e) == ["cluster.driver_address"]
+    e = await rpc_error(stub.UpdateCluster(pb.UpdateClusterRequest(
+        cluster=cluster_pb2.Cluster(name="clusters/ghost", labels={"a": "b"}),
+        update_mask=field_mask_pb2.FieldMask(paths=["labels"]))))
+    assert e.code() == grpc.StatusCode.NOT_FOUND and reason(e) == "CLUSTER_NOT_FOUND"
+
+
+async def test_create_with_request_id_is_idempotent(
+        stub: pb_grpc.ClusterManagerServiceStub) -> None:
+    drv = dead_address()
+    first = await create(stub, "idem", local_cluster(drv), request_id="req-1")
+    again = await create(stub, "idem", local_cluster(drv), request_id="req-1")
+    assert again.uid == first.uid
+
+    # Without the request id, or with another one, it is a conflict.
+    e = await rpc_error(create(stub, "idem", local_cluster(drv)))
+    assert reason(e) == "CLUSTER_ALREADY_EXISTS"
+    e = await rpc_error(create(stub, "idem", local_cluster(drv), request_id="req-2"))
+    assert reason(e) == "CLUSTER_ALREADY_EXISTS"
+    # The same request id for another cluster is a client bug.
+    e = await rpc_error(create(stub, "other", local_cluster(drv), request_id="req-1"))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and fields(e) == ["request_id"]
+
+    # Concurrent twins: all succeed with the one cluster.
+    results = await asyncio.gather(*(
+        create(stub, "twin", local_cluster(drv), request_id="req-twin") for _ in range(8)))
+    assert len({r.uid for r in results}) == 1
+    listed = (await stub.ListClusters(pb.ListClustersRequest())).clusters
+    assert sorted(c.name for c in listed) == ["clusters/idem", "clusters/twin"]
+
+    # Concurrent creates of one id without request ids: exactly one wins.
+    outcomes = await asyncio.gather(
+        *(create(stub, "race", local_cluster(drv)) for _ in range(6)), return_exceptions=True)
+    wins = [o for o in outcomes if isinstance(o, cluster_pb2.Cluster)]
+    losses = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+    assert len(wins) == 1 and len(losses) == 5
+    assert all(reason(e) == "CLUSTER_ALREADY_EXISTS" for e in losses)
+
+
+BAD_CREATES = [
+    ("Bad_Id", local_cluster("127.0.0.1:1"), "cluster_id"),
+    ("", local_cluster("127.0.0.1:1"), "cluster_id"),
+    ("x" * 64, local_cluster("127.0.0.1:1"), "cluster_id"),
+    ("1abc", local_cluster("127.0.0.1:1"), "cluster_id"),
+    ("ok", cluster_pb2.Cluster(driver_address="127.0.0.1:1"), "cluster.type"),
+    ("ok", cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_LOCAL), "cluster.driver_address"),
+    ("ok", local_cluster("no-port"), "cluster.driver_address"),
+    ("ok", local_cluster("host:99999"), "cluster.driver_address"),
+    ("ok", cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_SLURM, driver_address="127.0.0.1:1"),
+     "cluster.address"),
+    ("ok", cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_SLURM, driver_address="127.0.0.1:1",
+                               address="login; rm -rf /"), "cluster.address"),
+    ("ok", cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_SLURM, driver_address="127.0.0.1:1",
+                               address="login host"), "cluster.address"),
+    ("ok", cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_SLURM, driver_address="127.0.0.1:1",
+                               address="$(whoami):22"), "cluster.address"),
+    ("ok", cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_KUBERNETES,
+                               driver_address="127.0.0.1:1", address="k8s.local:6443"),
+     "cluster.address"),
+    ("ok", cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_RAY, driver_address="127.0.0.1:1",
+                               address="ftp://ray:8265"), "cluster.address"),
+    ("ok", local_cluster("127.0.0.1:1", **{"bad key!": "v"}), "cluster.labels"),
+    ("ok", local_cluster("127.0.0.1:1", team="v" * 64), "cluster.labels"),
+    ("ok", cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_LOCAL, driver_address="127.0.0.1:1",
+                               options={"bad key": "v"}), "cluster.options"),
+    ("ok", cluster_pb2.Cluster(
+        type=job_pb2.CLUSTER_TYPE_LOCAL, driver_address="127.0.0.1:1",
+        credentials=cluster_pb2.ClusterCredentials(token=cluster_pb2.TokenCredentials(token="t"))),
+     "cluster.credentials"),
+    ("ok", cluster_pb2.Cluster(
+        type=job_pb2.CLUSTER_TYPE_RAY, driver_address="127.0.0.1:1", address="http://ray:8265",
+        credentials=cluster_pb2.ClusterCredentials(
+            ssh=cluster_pb2.SshCredentials(username="u", private_key=SSH_KEY))),
+     "cluster.credentials"),
+    ("ok", cluster_pb2.Cluster(
+        type=job_pb2.CLUSTER_TYPE_SLURM, driver_address="127.0.0.1:1", address="login",
+        credentials=cluster_pb2.ClusterCredentials(
+            kubernetes=cluster_pb2.KubernetesCredentials(token="t"))),
+     "cluster.credentials"),
+]
+
+
+async def test_invalid_creates_name_the_field(stub: pb_grpc.ClusterManagerServiceStub) -> None:
+    for cid, c, field in BAD_CREATES:
+        e = await rpc_error(create(stub, cid, c))
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (cid, field)
+        assert field in fields(e), (cid, field, fields(e))
+        assert SSH_KEY_MARKER not in (e.details() or "")
+    e = await rpc_error(create(stub, "ok", local_cluster("127.0.0.1:1"), request_id="has space"))
+    assert fields(e) == ["request_id"]
+    # Nothing was stored.
+    assert not (await stub.ListClusters(pb.ListClustersRequest())).clusters
+    # Good addresses of each type pass.
+    for cid, c in [
+        ("s1", cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_SLURM, driver_address="127.0.0.1:1",
+                                   address="login-1.example.org")),
+        ("k1", cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_KUBERNETES,
+                                   driver_address="localhost:1", address="https://k8s:6443")),
+        ("r1", cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_RAY, driver_address="127.0.0.1:1",
+                                   address="http://ray-head:8265")),
+    ]:
+        await create(stub, cid, c)
+
+
+# --- credentials ------------------------------------------------------------
+
+
+async def test_credentials_are_stored_but_never_returned_or_logged(
+        etcd: EtcdServer, etcd_prefix: str, cm: ServiceProcess,
+        stub: pb_grpc.ClusterManagerServiceStub) -> None:
+    w = Watch(stub)
+    await w.snapshot()
+    drv = dead_address()
+    made = await create(stub, "slurm-a", slurm_cluster(drv, team="ml"), request_id="cred-1")
+    await create(stub, "slurm-a", slurm_cluster(drv, team="ml"), request_id="cred-1")
+    ray = cluster_pb2.Cluster(
+        type=job_pb2.CLUSTER_TYPE_RAY, address="http://ray:8265", driver_address=drv,
+        credentials=cluster_pb2.ClusterCredentials(token=cluster_pb2.TokenCredentials(
+            token=RAY_TOKEN)))
+    await create(stub, "ray-a", ray)
+    assert made.has_credentials and not made.HasField("credentials")
+
+    # Rotate the token through UpdateCluster.
+    new_tok = RAY_TOKEN[::-1]
+    upd = await stub.UpdateCluster(pb.UpdateClusterRequest(
+        cluster=cluster_pb2.Cluster(name="clusters/ray-a", credentials=cluster_pb2.ClusterCredentials(
+            token=cluster_pb2.TokenCredentials(token=new_tok))),
+        update_mask=field_mask_pb2.FieldMask(paths=["credentials"])))
+    assert upd.cluster.has_credentials
+
+    # A failed request carrying credentials must not echo them either.
+    e = await rpc_error(create(stub, "Bad", slurm_cluster(drv)))
+    assert SSH_KEY_MARKER not in (e.details() or "")
+
+    await wait_state(stub, "clusters/slurm-a", cluster_pb2.CLUSTER_STATE_DRIVER_UNAVAILABLE)
+    responses: list[bytes] = []
+    for name in ("clusters/slurm-a", "clusters/ray-a"):
+        got = (await stub.GetCluster(pb.GetClusterRequest(name=name))).cluster
+        assert got.has_credentials and not got.HasField("credentials")
+        responses.append(got.SerializeToString())
+    responses.append((await stub.ListClusters(pb.ListClustersRequest())).SerializeToString())
+    responses.append(upd.SerializeToString())
+    await asyncio.sleep(0.5)
+    for ev in w.drain():
+        assert not ev.cluster.HasField("credentials")
+        responses.append(ev.SerializeToString())
+    await w.close()
+    w2 = Watch(stub)
+    responses += [ev.SerializeToString() for ev in await w2.snapshot()]
+    await w2.close()
+    deleted = await stub.DeleteCluster(pb.DeleteClusterRequest(name="clusters/slurm-a"))
+    responses.append(deleted.SerializeToString())
+    for blob in responses:
+        for secret in (SSH_KEY_MARKER, RAY_TOKEN, new_tok):
+            assert secret.encode() not in blob
+
+    # They are in etcd, under the credentials key only.
+    client = aetcd.Client(host="127.0.0.1", port=etcd.client_port)
+    try:
+        kv = await client.get(f"{etcd_prefix}cluster-credentials/ray-a".encode())
+        assert kv is not None
+        creds = cluster_pb2.ClusterCredentials.FromString(kv.value)
+        assert creds.token.token == new_tok
+        rec = await client.get(f"{etcd_prefix}clusters/ray-a".encode())
+        assert rec is not None and new_tok.encode() not in rec.value
+        # Deleting the cluster deleted its credentials.
+        assert await client.get(f"{etcd_prefix}cluster-credentials/slurm-a".encode()) is None
+    finally:
+        await client.close()
+
+    log = cm.log()
+    assert "DEBUG" in log or "INFO" in log
+    for secret in (SSH_KEY_MARKER, RAY_TOKEN, new_tok, "PRIVATE KEY"):
+        assert secret not in log, f"{secret[:12]}... leaked into the log"
+
+
+# --- watch ------------------------------------------------------------------
+
+
+async def test_watch_snapshot_then_changes_and_dead_driver_state(
+        stub: pb_grpc.ClusterManagerServiceStub) -> None:
+    await create(stub, "pre", local_cluster(dead_address()))
+    await wait_state(stub, "clusters/pre", cluster_pb2.CLUSTER_STATE_DRIVER_UNAVAILABLE)
+    w = Watch(stub)
+    snap = await w.snapshot()
+    assert [e.type for e in snap] == [job_pb2.WATCH_EVENT_TYPE_EXISTING,
+                                      job_pb2.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE]
+    assert snap[0].cluster.name == "clusters/pre" and all(e.resume_token for e in snap)
+
+    await create(stub, "dead", local_cluster(dead_address()))
+    ev = await w.next()
+    assert ev.type == job_pb2.WATCH_EVENT_TYPE_CREATED and ev.cluster.name == "clusters/dead"
+    assert ev.cluster.state == cluster_pb2.CLUSTER_STATE_PENDING
+    evs = await w.until(lambda e: e.cluster.state == cluster_pb2.CLUSTER_STATE_DRIVER_UNAVAILABLE)
+    assert evs[-1].type == job_pb2.WATCH_EVENT_TYPE_UPDATED
+    assert evs[-1].cluster.name == "clusters/dead"
+    assert evs[-1].cluster.state_message
+    assert evs[-1].cluster.HasField("last_heartbeat_time")
+
+    # A steady dead driver does not make an event per poll (interval 0.3 s).
+    await asyncio.sleep(1.5)
+    assert not [e for e in w.drain() if e.cluster.name == "clusters/dead"]
+
+    await stub.DeleteCluster(pb.DeleteClusterRequest(name="clusters/dead"))
+    ev = await w.until(lambda e: e.type == job_pb2.WATCH_EVENT_TYPE_DELETED)
+    assert ev[-1].cluster.name == "clusters/dead"
+    assert ev[-1].cluster.state == cluster_pb2.CLUSTER_STATE_DRIVER_UNAVAILABLE
+    await w.close()
+
+    # A filtered watch sees only its clusters.
+    wf = Watch(stub, filter="labels.team=ml")
+    snap = await wf.snapshot()
+    assert len(snap) == 1
+    await create(stub, "other", local_cluster(dead_address(), team="web"))
+    await create(stub, "mine", local_cluster(dead_address(), team="ml"))
+    ev = await wf.next()
+    assert ev.type == job_pb2.WATCH_EVENT_TYPE_CREATED and ev.cluster.name == "clusters/mine"
+    await wf.close()
+
+    e = await rpc_error(Watch(stub, filter="type=NOPE").next())
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and fields(e) == ["filter"]
+
+
+async def test_watch_resume_has_no_gaps_and_no_duplicates(
+        stub: pb_grpc.ClusterManagerServiceStub) -> None:
+    drv = dead_address()
+    # Slow heartbeats are irrelevant here: label changes are the events.
+    w = Watch(stub)
+    await w.snapshot()
+    await create(stub, "res", local_cluster(drv, n="0"))
+    await w.until(lambda e: e.type == job_pb2.WATCH_EVENT_TYPE_CREATED)
+
+    async def relabel(i: int) -> None:
+        await stub.UpdateCluster(pb.UpdateClusterRequest(
+            cluster=cluster_pb2.Cluster(name="clusters/res", labels={"n": str(i)}),
+            update_mask=field_mask_pb2.FieldMask(paths=["labels"])))
+
+    for i in range(1, 4):
+        await relabel(i)
+    got = await w.until(lambda e: e.cluster.labels.get("n") == "3")
+    token = got[-1].resume_token
+    await w.close()
+
+    # Changes while disconnected.
+    for i in range(4, 8):
+        await relabel(i)
+    w2 = Watch(stub, token=token)
+    evs = await w2.until(lambda e: e.cluster.labels.get("n") == "7")
+    label_seq = [e.cluster.labels["n"] for e in evs
+                 if e.type == job_pb2.WATCH_EVENT_TYPE_UPDATED and "n" in e.cluster.labels]
+    # Every label value 4..7 exactly once, in order (state updates may interleave).
+    deduped = [v for i, v in enumerate(label_seq) if i == 0 or label_seq[i - 1] != v]
+    assert deduped == ["4", "5", "6", "7"], label_seq
+    assert label_seq[0] == "4"
+    assert all(e.type != job_pb2.WATCH_EVENT_TYPE_EXISTING for e in evs)
+    tokens = [e.resume_token for e in evs]
+    assert len(set(tokens)) == len(tokens)
+    await w2.close()
+
+    # Resuming from the last token sees only what comes next.
+    w3 = Watch(stub, token=evs[-1].resume_token)
+    await relabel(8)
+    ev = await w3.until(lambda e: e.cluster.labels.get("n") == "8")
+    assert all(e.cluster.labels.get("n") in ("7", "8") for e in ev)
+    assert ev[0].cluster.labels.get("n") != "7" or ev[0].cluster.state != evs[-1].cluster.state
+    await w3.close()
+
+    # A garbage token is a bad argument.
+    e = await rpc_error(Watch(stub, token="!!notatoken").next())
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and fields(e) == ["resume_token"]
+
+
+async def test_watch_token_older_than_buffer_is_expired(
+        etcd: EtcdServer, etcd_prefix: str) -> None:
+    proc = start_cm(etcd, etcd_prefix, "--watch-buffer", "4")
+    try:
+        async with grpc.aio.insecure_channel(proc.address) as ch:
+            stub = pb_grpc.ClusterManagerServiceStub(ch)
+            w = Watch(stub)
+            snap = await w.snapshot()
+            first = snap[-1].resume_token
+            drv = dead_address()
+            await create(stub, "exp", local_cluster(drv))
+            for i in range(10):
+                await stub.UpdateCluster(pb.UpdateClusterRequest(
+                    cluster=cluster_pb2.Cluster(name="clusters/exp", labels={"n": str(i)}),
+                    update_mask=field_mask_pb2.FieldMask(paths=["labels"])))
+            evs = await w.until(lambda e: e.cluster.labels.get("n") == "9")
+            await w.close()
+            e = await rpc_error(Watch(stub, token=first).next())
+            assert e.code() == grpc.StatusCode.OUT_OF_RANGE
+            assert reason(e) == "WATCH_TOKEN_EXPIRED"
+            e = await rpc_error(Watch(stub, token=evs[0].resume_token).next())
+            assert reason(e) == "WATCH_TOKEN_EXPIRED"
+            # A recent token still resumes.
+            w2 = Watch(stub, token=evs[-2].resume_token)
+            ev = await w2.next()
+            assert ev.resume_token == evs[-1].resume_token
+            await w2.close()
+    finally:
+        proc.stop()
