@@ -11,13 +11,15 @@ import aetcd
 import grpc
 import pytest
 from google.protobuf import field_mask_pb2
+from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_status import rpc_status
 
 from dlsched.kit.rpc_errors import error_info, field_violations
 from dlsched.v1 import cluster_manager_service_pb2 as pb
 from dlsched.v1 import cluster_manager_service_pb2_grpc as pb_grpc
-from dlsched.v1 import cluster_pb2, job_pb2
+from dlsched.v1 import cluster_pb2, driver_service_pb2, driver_service_pb2_grpc, job_pb2
 from tests.harness import ROOT, EtcdServer, ServiceProcess, free_port
 
 SSH_KEY = (
@@ -627,3 +629,133 @@ async def test_watch_token_older_than_buffer_is_expired(
             await w2.close()
     finally:
         proc.stop()
+
+
+# --- monitoring and matching with the real local driver ----------------------
+
+
+def precondition_violations(e: grpc.aio.AioRpcError) -> list[tuple[str, str]]:
+    st = rpc_status.from_call(e)
+    assert st is not None
+    out = []
+    for d in st.details:
+        if d.Is(error_details_pb2.PreconditionFailure.DESCRIPTOR):
+            pf = error_details_pb2.PreconditionFailure()
+            d.Unpack(pf)
+            out += [(v.subject, v.description) for v in pf.violations]
+    return out
+
+
+def spec(cpu: float = 1, gpus: int = 0, replicas: int = 1,
+         mode: int = job_pb2.RUN_MODE_SINGLE_PROCESS, **sel: object) -> job_pb2.JobSpec:
+    return job_pb2.JobSpec(
+        run_mode=mode,  # type: ignore[arg-type]
+        replica_groups=[job_pb2.ReplicaGroup(
+            role="main" if mode == job_pb2.RUN_MODE_SINGLE_PROCESS else "worker",
+            replicas=replicas, command=["true"],
+            resources=job_pb2.Resources(cpu=cpu, memory_bytes=64 * 2**20, gpus=gpus))],
+        cluster_selector=job_pb2.ClusterSelector(**sel),  # type: ignore[arg-type]
+    )
+
+
+async def driver_info(driver: ServiceProcess, name: str) -> driver_service_pb2.ClusterInfo:
+    async with grpc.aio.insecure_channel(driver.address) as ch:
+        s = driver_service_pb2_grpc.DriverServiceStub(ch)
+        return (await s.GetClusterInfo(driver_service_pb2.GetClusterInfoRequest(cluster=name))).info
+
+
+@needs_driver
+async def test_local_cluster_becomes_ready_and_is_matched(
+        stub: pb_grpc.ClusterManagerServiceStub, local_driver: ServiceProcess) -> None:
+    w = Watch(stub)
+    await w.snapshot()
+    await create(stub, "m-local", local_cluster(local_driver.address, team="ml"))
+    await create(stub, "m-dead", local_cluster(dead_address(), team="ml"))
+    evs = await w.until(lambda e: e.cluster.name == "clusters/m-local"
+                        and e.cluster.state == cluster_pb2.CLUSTER_STATE_READY)
+    assert evs[0].type == job_pb2.WATCH_EVENT_TYPE_CREATED
+    ready = evs[-1].cluster
+    assert evs[-1].type == job_pb2.WATCH_EVENT_TYPE_UPDATED
+    assert ready.capacity.cpus_total >= 1 and ready.capacity.max_cpus_per_node >= 1
+    assert ready.capacity.memory_bytes_total > 0
+    assert set(ready.supported_run_modes) >= {job_pb2.RUN_MODE_SINGLE_PROCESS,
+                                              job_pb2.RUN_MODE_MULTI_PROCESS}
+    await wait_state(stub, "clusters/m-dead", cluster_pb2.CLUSTER_STATE_DRIVER_UNAVAILABLE)
+
+    # Steady: no event per poll (interval 0.3 s, heartbeat 30 s).
+    w.drain()
+    await asyncio.sleep(1.5)
+    assert not [e for e in w.drain() if e.cluster.name == "clusters/m-local"]
+    await w.close()
+
+    resp = await stub.MatchClusters(pb.MatchClustersRequest(spec=spec(cpu=1)))
+    cands = resp.candidates
+    assert [(c.cluster, c.eligible) for c in cands] == [
+        ("clusters/m-local", True), ("clusters/m-dead", False)]
+    best = cands[0]
+    assert best.score > 0 and best.driver_address == local_driver.address
+    assert best.cluster_type == job_pb2.CLUSTER_TYPE_LOCAL
+    assert best.reasons and any("READY" in r for r in best.reasons)
+    assert any("DRIVER_UNAVAILABLE" in r for r in cands[1].reasons)
+
+    # Selector by name and labels.
+    resp = await stub.MatchClusters(pb.MatchClustersRequest(
+        spec=spec(cluster="m-local", labels={"team": "ml"})))
+    assert [c.cluster for c in resp.candidates] == ["clusters/m-local"]
+
+    # More GPUs than any node has: no cluster can ever run it.
+    e = await rpc_error(stub.MatchClusters(pb.MatchClustersRequest(spec=spec(gpus=64))))
+    assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert reason(e) == "NO_MATCHING_CLUSTER"
+    violations = dict(precondition_violations(e))
+    assert set(violations) == {"clusters/m-local", "clusters/m-dead"}
+    assert "GPU" in violations["clusters/m-local"]
+    # An unsupported run mode is refused too.
+    e = await rpc_error(stub.MatchClusters(pb.MatchClustersRequest(
+        spec=spec(mode=job_pb2.RUN_MODE_MPI, cluster="clusters/m-local"))))
+    assert reason(e) == "NO_MATCHING_CLUSTER"
+    # Naming a cluster that does not exist is a bad argument.
+    e = await rpc_error(stub.MatchClusters(pb.MatchClustersRequest(spec=spec(cluster="nope"))))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and reason(e) == "UNKNOWN_CLUSTER"
+    assert fields(e) == ["spec.cluster_selector.cluster"]
+    e = await rpc_error(stub.MatchClusters(pb.MatchClustersRequest()))
+    assert fields(e) == ["spec"]
+    e = await rpc_error(stub.MatchClusters(pb.MatchClustersRequest(spec=spec(replicas=0))))
+    assert fields(e) == ["spec.replica_groups[0].replicas"]
+
+
+@needs_driver
+async def test_monitor_reconfigures_and_delete_removes_from_driver(
+        stub: pb_grpc.ClusterManagerServiceStub, local_driver: ServiceProcess) -> None:
+    # A cluster whose driver is not there, then moved to a live driver.
+    await create(stub, "moving", local_cluster(dead_address()))
+    await wait_state(stub, "clusters/moving", cluster_pb2.CLUSTER_STATE_DRIVER_UNAVAILABLE)
+    await stub.UpdateCluster(pb.UpdateClusterRequest(
+        cluster=cluster_pb2.Cluster(name="clusters/moving", driver_address=local_driver.address),
+        update_mask=field_mask_pb2.FieldMask(paths=["driver_address"])))
+    await wait_state(stub, "clusters/moving", cluster_pb2.CLUSTER_STATE_READY)
+    assert (await driver_info(local_driver, "clusters/moving")).state == \
+        cluster_pb2.CLUSTER_STATE_READY
+
+    # The driver forgets the cluster (as after a restart): it is configured again.
+    async with grpc.aio.insecure_channel(local_driver.address) as ch:
+        d = driver_service_pb2_grpc.DriverServiceStub(ch)
+        await d.RemoveCluster(driver_service_pb2.RemoveClusterRequest(cluster="clusters/moving"))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAIT
+        while True:
+            try:
+                await d.GetClusterInfo(driver_service_pb2.GetClusterInfoRequest(
+                    cluster="clusters/moving"))
+                break
+            except grpc.aio.AioRpcError as e:
+                assert reason(e) == "CLUSTER_NOT_CONFIGURED"
+                assert loop.time() < deadline, "not configured again"
+                await asyncio.sleep(0.1)
+    await wait_state(stub, "clusters/moving", cluster_pb2.CLUSTER_STATE_READY)
+
+    # Deleting the cluster removes it from its driver.
+    await stub.DeleteCluster(pb.DeleteClusterRequest(name="clusters/moving"))
+    await asyncio.sleep(1.0)  # several monitor intervals: nothing configures it again
+    e = await rpc_error(driver_info(local_driver, "clusters/moving"))
+    assert reason(e) == "CLUSTER_NOT_CONFIGURED"
