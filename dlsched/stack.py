@@ -209,8 +209,10 @@ class LocalStack:
 
     async def start(self) -> dict[str, str]:
         self._lock()
-        for d in (self.logs, self.run_dir, self.data / "etcd", self.data / "local"):
+        for d in (self.logs, self.run_dir, self.data / "local"):
             d.mkdir(parents=True, exist_ok=True)
+        (self.data / "etcd").mkdir(mode=0o700, exist_ok=True)
+        (self.data / "etcd").chmod(0o700)
         with contextlib.suppress(FileNotFoundError):
             (self.data / "ready.json").unlink()
         for p in (self.port, self.port + 1):

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Every check CI runs, from a fresh clone: buf lint, import contracts, ruff, pytest.
+#
+#   bash scripts/test.sh            # all checks; exits non-zero if any fails
+#   bash scripts/test.sh -k cli     # extra arguments go to pytest
+#
+# Installs what it needs: python3-venv and npm from Debian (when run as root
+# and missing), .venv with `pip install -e '.[dev]'`, and the buf CLI from npm
+# into .ci/node (ignored by git).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '\n== %s\n' "$*"; }
+
+apt_install() {  # apt_install PACKAGE...: as root on Debian, when something is missing
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+    echo "missing: $* (install them, or run as root on Debian)" >&2
+    return 1
+  fi
+  if [ -z "${_APT_UPDATED:-}" ]; then
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq || return 1
+    _APT_UPDATED=1
+  fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+setup_python() {
+  if [ ! -x .venv/bin/python ]; then
+    log "creating .venv"
+    if ! python3 -m venv .venv 2>/dev/null; then
+      rm -rf .venv
+      apt_install python3-venv python3-pip || return 1
+      python3 -m venv .venv || return 1
+    fi
+  fi
+  log "pip install -e '.[dev]'"
+  PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install -q -e '.[dev]' || return 1
+}
+
+setup_buf() {
+  BUF=.ci/node/node_modules/.bin/buf
+  if [ -x "$BUF" ] && "$BUF" --version >/dev/null 2>&1; then return 0; fi
+  if ! command -v npm >/dev/null; then apt_install nodejs npm || return 1; fi
+  log "npm install @bufbuild/buf into .ci/node"
+  mkdir -p .ci/node
+  npm install --no-save --no-audit --no-fund --loglevel=error --prefix .ci/node @bufbuild/buf \
+    || return 1
+  "$BUF" --version >/dev/null
+}
+
+setup_python || { echo "error: python setup failed" >&2; exit 1; }
+setup_buf || { echo "error: buf setup failed" >&2; exit 1; }
+export PATH="$PWD/.venv/bin:$PWD/.ci/node/node_modules/.bin:$PATH"
+
+failed=()
+run() {  # run NAME COMMAND...
+  log "$1"
+  local name=$1; shift
+  if ! "$@"; then failed+=("$name"); fi
+}
+
+run "buf lint" buf lint
+run "lint-imports" lint-imports
+run "ruff check" ruff check .
+run "pytest" python -m pytest -q "$@"
+
+echo
+if [ ${#failed[@]} -ne 0 ]; then
+  echo "FAILED: ${failed[*]}"
+  exit 1
+fi
+echo "all checks passed"

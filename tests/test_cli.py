@@ -1,0 +1,424 @@
+"""The dlsched CLI end to end: a real stack, the CLI as a subprocess.
+
+One stack (etcd, ClusterManager, local driver, JobManager as processes) serves
+the module; cluster ``local`` is registered through the SDK. The last test
+runs ``dlsched up`` itself and checks it leaves nothing running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import yaml
+
+from dlsched.client import ClusterManagerClient, JobManagerClient
+from dlsched.v1 import cluster_pb2, job_pb2
+from tests.harness import ROOT, EtcdServer, Stack
+
+EXAMPLES = ROOT / "examples"
+
+
+def _uid(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:6]}"
+
+
+async def _register_local(cm_address: str, driver_address: str) -> None:
+    async with ClusterManagerClient(cm_address) as cm:
+        await cm.create_cluster("local", cluster_pb2.Cluster(
+            type=job_pb2.CLUSTER_TYPE_LOCAL, driver_address=driver_address))
+        await cm.wait_cluster_state("local", timeout=30)
+
+
+@pytest.fixture(scope="module")
+def stack(etcd: EtcdServer) -> Iterator[Stack]:
+    s = Stack(etcd, f"/dlsched-cli-{uuid.uuid4().hex[:8]}/")
+    try:
+        s.start()
+        assert s.jm is not None
+        asyncio.run(_register_local(s.cm.address, s.driver.address))
+        yield s
+    finally:
+        s.stop()
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+    for k in ("DLSCHED_SERVER", "DLSCHED_CLUSTER_MANAGER", "DLSCHED_DEBUG"):
+        env.pop(k, None)
+    return env
+
+
+def cli(stack: Stack, *args: str, timeout: float = 90, stdin: str | None = None,
+        ) -> subprocess.CompletedProcess[str]:
+    assert stack.jm is not None
+    r = subprocess.run(
+        [sys.executable, "-m", "dlsched", "--server", stack.jm.address,
+         "--cluster-manager", stack.cm.address, *args],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=_env(), input=stdin)
+    assert "Traceback" not in r.stderr, r.stderr
+    return r
+
+
+def wait_job(stack: Stack, job_id: str, states: set[int], timeout: float = 60) -> job_pb2.Job:
+    async def go() -> job_pb2.Job:
+        assert stack.jm is not None
+        async with JobManagerClient(stack.jm.address) as jm:
+            deadline = time.monotonic() + timeout
+            while True:
+                job = await jm.get_job(job_id)
+                if job.state in states:
+                    return job
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{job_id} is {job_pb2.JobState.Name(job.state)}")
+                await asyncio.sleep(0.1)
+
+    return asyncio.run(go())
+
+
+def write_job(tmp_path: pathlib.Path, doc: dict[str, object]) -> str:
+    p = tmp_path / f"{uuid.uuid4().hex[:6]}.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    return str(p)
+
+
+def single(command: list[str], **group: object) -> dict[str, object]:
+    return {"runMode": "SINGLE_PROCESS", "clusterSelector": {"clusterType": "local"},
+            "replicaGroups": [{"role": "main", "replicas": 1, "command": command,
+                               "workingDir": str(EXAMPLES), **group}]}
+
+
+HELLO_LINES = [f"line {i} of 5" for i in range(1, 6)]
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+def test_submit_follow_streams_logs_and_exits_0_on_success(stack: Stack) -> None:
+    job_id = _uid("hello")
+    r = cli(stack, "submit", "examples/hello.yaml", "--follow", "--id", job_id)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for line in HELLO_LINES:
+        assert line in r.stdout
+    assert "hello: done" in r.stdout
+    last = r.stdout.strip().splitlines()[-1]
+    assert f"jobs/{job_id}" in last and "SUCCEEDED" in last
+    # Logs stream as they are written: the lines come in order.
+    positions = [r.stdout.index(line) for line in HELLO_LINES]
+    assert positions == sorted(positions)
+
+
+def test_submit_follow_of_a_failing_job_exits_non_zero(stack: Stack, tmp_path: pathlib.Path) -> None:
+    job_id = _uid("fail")
+    path = write_job(tmp_path, single(["python3", "programs/fail.py"]))
+    r = cli(stack, "submit", path, "--follow", "--id", job_id)
+    assert r.returncode != 0
+    assert "about to fail" in r.stdout
+    assert "something went wrong" in r.stderr
+    assert "FAILED" in r.stdout.strip().splitlines()[-1]
+    assert "exit_code=3" in r.stdout
+
+    only_err = cli(stack, "logs", job_id, "--stream", "stderr")
+    assert only_err.returncode == 0
+    assert "something went wrong" in only_err.stderr
+    assert "about to fail" not in only_err.stdout + only_err.stderr
+
+
+def test_get_list_and_logs_tail(stack: Stack) -> None:
+    job_id = _uid("hello")
+    r = cli(stack, "submit", "examples/hello.yaml", "--id", job_id)
+    assert r.returncode == 0, r.stderr
+    assert f"jobs/{job_id}" in r.stdout
+    wait_job(stack, job_id, {job_pb2.JOB_STATE_SUCCEEDED})
+
+    got = cli(stack, "get", job_id)
+    assert got.returncode == 0, got.stderr
+    assert f"jobs/{job_id}" in got.stdout and "SUCCEEDED" in got.stdout
+
+    got_json = json.loads(cli(stack, "get", f"jobs/{job_id}", "-o", "json").stdout)
+    assert got_json["name"] == f"jobs/{job_id}"
+    assert got_json["state"] == "JOB_STATE_SUCCEEDED"
+    assert got_json["spec"]["runMode"] == "RUN_MODE_SINGLE_PROCESS"
+
+    listed = cli(stack, "list", "-o", "json")
+    assert listed.returncode == 0, listed.stderr
+    names = [j["name"] for j in json.loads(listed.stdout)["jobs"]]
+    assert f"jobs/{job_id}" in names
+
+    table = cli(stack, "list", "--filter", "state=SUCCEEDED")
+    assert table.returncode == 0, table.stderr
+    assert table.stdout.startswith("NAME")
+    assert f"jobs/{job_id}" in table.stdout
+
+    as_yaml = yaml.safe_load(cli(stack, "list", "-o", "yaml").stdout)
+    assert f"jobs/{job_id}" in [j["name"] for j in as_yaml["jobs"]]
+
+    tail = cli(stack, "logs", job_id, "--tail", "2")
+    assert tail.returncode == 0, tail.stderr
+    assert tail.stdout.splitlines() == ["hello from jobs/" + job_id + ": line 5 of 5", "hello: done"]
+
+    everything = cli(stack, "logs", job_id)
+    assert [ln for ln in everything.stdout.splitlines() if "line" in ln] == [
+        f"hello from jobs/{job_id}: {line}" for line in HELLO_LINES]
+
+    future = cli(stack, "logs", job_id, "--since", "2999-01-01T00:00:00Z")
+    assert future.returncode == 0 and future.stdout == ""
+    recent = cli(stack, "logs", job_id, "--since", "10m")
+    assert "hello: done" in recent.stdout
+
+
+def test_usage_stop_and_delete(stack: Stack, tmp_path: pathlib.Path) -> None:
+    job_id = _uid("sleeper")
+    path = write_job(tmp_path, single(["python3", "-c", "import time; print('up', flush=True); time.sleep(120)"]))
+    assert cli(stack, "submit", path, "--id", job_id).returncode == 0
+    wait_job(stack, job_id, {job_pb2.JOB_STATE_RUNNING})
+
+    usage = cli(stack, "usage", job_id)
+    assert usage.returncode == 0, usage.stderr
+    assert "main/0" in usage.stdout
+    usage_json = json.loads(cli(stack, "usage", job_id, "-o", "json").stdout)
+    assert usage_json["replicas"][0]["role"] == "main"
+
+    stop = cli(stack, "stop", job_id)
+    assert stop.returncode == 0, stop.stderr
+    assert f"jobs/{job_id}" in stop.stdout
+    job = wait_job(stack, job_id, {job_pb2.JOB_STATE_STOPPED}, timeout=30)
+    assert job.state == job_pb2.JOB_STATE_STOPPED
+
+    # Stopping an ended job returns it unchanged.
+    again = cli(stack, "stop", job_id)
+    assert again.returncode == 0 and "STOPPED" in again.stdout
+
+    delete = cli(stack, "delete", job_id)
+    assert delete.returncode == 0, delete.stderr
+    gone = cli(stack, "get", job_id)
+    assert gone.returncode == 1
+    assert gone.stderr.startswith("error: NOT_FOUND JOB_NOT_FOUND:"), gone.stderr
+    assert cli(stack, "delete", job_id, "--allow-missing").returncode == 0
+
+
+def test_dry_run_shows_the_native_spec_and_stores_nothing(stack: Stack) -> None:
+    job_id = _uid("dry")
+    r = cli(stack, "submit", "examples/hello.yaml", "--dry-run", "--id", job_id)
+    assert r.returncode == 0, r.stderr
+    assert "clusters/local" in r.stdout
+    assert "application/json" in r.stdout
+    assert "programs/hello.py" in r.stdout  # the native argv
+    as_json = json.loads(cli(stack, "submit", "examples/hello.yaml", "--dry-run", "--id", job_id,
+                             "-o", "json").stdout)
+    assert as_json["dryRun"]["cluster"] == "clusters/local"
+    assert json.loads(as_json["dryRun"]["nativeSpec"]["content"])
+    assert cli(stack, "get", job_id).returncode == 1
+
+
+def test_invalid_spec_prints_invalid_argument_and_the_field(stack: Stack,
+                                                            tmp_path: pathlib.Path) -> None:
+    path = write_job(tmp_path, single([]))
+    r = cli(stack, "submit", path)
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: INVALID_ARGUMENT "), r.stderr
+    assert "replica_groups[0].command" in r.stderr
+    assert r.stdout == ""
+
+    bad_mode = write_job(tmp_path, {**single(["true"]), "runMode": "SINGLE_PROCESS",
+                                    "replicaGroups": [{"role": "main", "replicas": 2,
+                                                       "command": ["true"]}]})
+    r = cli(stack, "submit", bad_mode)
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: INVALID_ARGUMENT "), r.stderr
+    assert "replica_groups[0].replicas" in r.stderr
+
+
+def test_a_malformed_job_file_is_rejected_before_any_call(tmp_path: pathlib.Path) -> None:
+    p = tmp_path / "bad.yaml"
+    p.write_text("runMode: SINGLE_PROCESS\nreplicaGroups:\n  - role: main\n    memory: 4Gi\n")
+    r = subprocess.run([sys.executable, "-m", "dlsched", "--server", "127.0.0.1:1", "submit", str(p)],
+                       capture_output=True, text=True, timeout=30, cwd=ROOT, env=_env())
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: INVALID_ARGUMENT INVALID_JOB_FILE:"), r.stderr
+    assert "replicaGroups[0].memory" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_unreachable_server_is_an_error_not_a_traceback() -> None:
+    r = subprocess.run([sys.executable, "-m", "dlsched", "--server", "127.0.0.1:1", "list"],
+                       capture_output=True, text=True, timeout=30, cwd=ROOT, env=_env())
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: UNAVAILABLE"), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_multi_process_logs_are_prefixed_by_replica(stack: Stack) -> None:
+    r = cli(stack, "submit", "examples/multi_process.yaml", "--follow", "--id", _uid("mp"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    for rank in range(3):
+        assert f"rank {rank} of 3" in r.stdout
+    prefixed = [ln for ln in r.stdout.splitlines() if ln.startswith("[worker/")]
+    assert {ln.split("]")[0] for ln in prefixed} == {"[worker/0", "[worker/1", "[worker/2"}
+
+
+def test_watch_shows_jobs_and_ctrl_c_exits_130(stack: Stack) -> None:
+    assert stack.jm is not None
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dlsched", "--server", stack.jm.address, "watch"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 30
+        seen = []
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            seen.append(line)
+            if "snapshot complete" in line:
+                break
+        assert any("snapshot complete" in ln for ln in seen), seen
+        assert any(ln.startswith("EXISTING") and "jobs/" in ln for ln in seen), seen
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=15)
+        assert proc.returncode == 130
+        assert "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+# --------------------------------------------------------------------------- clusters
+
+
+def test_cluster_list_and_get(stack: Stack) -> None:
+    r = cli(stack, "cluster", "list")
+    assert r.returncode == 0, r.stderr
+    assert "clusters/local" in r.stdout and "READY" in r.stdout
+    clusters = json.loads(cli(stack, "cluster", "list", "-o", "json").stdout)["clusters"]
+    local = next(c for c in clusters if c["name"] == "clusters/local")
+    assert local["type"] == "CLUSTER_TYPE_LOCAL"
+    assert local["driverAddress"] == stack.driver.address
+    got = yaml.safe_load(cli(stack, "cluster", "get", "local", "-o", "yaml").stdout)
+    assert got["name"] == "clusters/local"
+    assert "credentials" not in got
+    table = cli(stack, "cluster", "get", "clusters/local")
+    assert "Credentials: none" in table.stdout
+
+
+def test_cluster_add_reads_secrets_from_files_and_never_prints_them(
+        stack: Stack, tmp_path: pathlib.Path) -> None:
+    secret = "SECRET-" + uuid.uuid4().hex
+    key = tmp_path / "id_ed25519"
+    key.write_text(f"-----BEGIN OPENSSH PRIVATE KEY-----\n{secret}\n-----END OPENSSH PRIVATE KEY-----\n")
+    name = _uid("slurm")
+    add = cli(stack, "cluster", "add", name, "--type", "slurm", "--driver", "127.0.0.1:9",
+              "--address", "login.example:22", "--ssh-user", "alice", "--ssh-key-file", str(key),
+              "--label", "site=test", "--option", "partition=debug")
+    assert add.returncode == 0, add.stderr
+    outputs = [add.stdout + add.stderr]
+    for args in (("cluster", "get", name), ("cluster", "get", name, "-o", "json"),
+                 ("cluster", "list", "-o", "yaml"), ("cluster", "list")):
+        r = cli(stack, *args)
+        assert r.returncode == 0, r.stderr
+        outputs.append(r.stdout + r.stderr)
+    for out in outputs:
+        assert secret not in out
+        assert "PRIVATE KEY" not in out
+    got = json.loads(outputs[2])
+    assert got["hasCredentials"] is True
+    assert got["labels"] == {"site": "test"}
+    assert got["options"] == {"partition": "debug"}
+
+    upd = cli(stack, "cluster", "update", name, "--label", "site=other")
+    assert upd.returncode == 0, upd.stderr
+    assert json.loads(cli(stack, "cluster", "get", name, "-o", "json").stdout)["labels"] == {
+        "site": "other"}
+
+    rm = cli(stack, "cluster", "remove", name)
+    assert rm.returncode == 0, rm.stderr
+    missing = cli(stack, "cluster", "get", name)
+    assert missing.returncode == 1
+    assert missing.stderr.startswith("error: NOT_FOUND CLUSTER_NOT_FOUND:"), missing.stderr
+
+
+# --------------------------------------------------------------------------- dlsched up
+
+
+def _free_port_pair() -> int:
+    for _ in range(100):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            port = int(a.getsockname()[1])
+            try:
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port pair")
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            raw = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        cmd = raw.replace(b"\0", b" ").decode(errors="replace")
+        if text in cmd:
+            found.append(f"{pid}: {cmd}")
+    return found
+
+
+def test_dlsched_up_runs_the_stack_and_stops_cleanly(tmp_path: pathlib.Path) -> None:
+    data = tmp_path / "data"
+    port = _free_port_pair()
+    out_path = tmp_path / "up.out"
+    with open(out_path, "w") as out:
+        up = subprocess.Popen([sys.executable, "-m", "dlsched", "up", "--data-dir", str(data),
+                               "--port", str(port)],
+                              stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=_env())
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            text = out_path.read_text()
+            if "dlsched is up:" in text or up.poll() is not None:
+                break
+            time.sleep(0.1)
+        text = out_path.read_text()
+        assert "dlsched is up:" in text, text
+        assert f"server=127.0.0.1:{port}" in text
+        assert f"cluster-manager=127.0.0.1:{port + 1}" in text
+        assert (data / "ready.json").exists()
+        assert len(_processes_mentioning(str(data))) >= 4  # etcd + three services
+
+        r = subprocess.run(
+            [sys.executable, "-m", "dlsched", "--server", f"127.0.0.1:{port}", "submit",
+             "examples/hello.yaml", "--follow"],
+            capture_output=True, text=True, timeout=90, cwd=ROOT, env=_env())
+        assert r.returncode == 0, r.stdout + r.stderr + out_path.read_text()
+        assert "hello: done" in r.stdout and "SUCCEEDED" in r.stdout
+
+        t0 = time.monotonic()
+        up.send_signal(signal.SIGINT)
+        assert up.wait(20) == 0, out_path.read_text()
+        assert time.monotonic() - t0 < 15
+        assert "Traceback" not in out_path.read_text()
+        assert not (data / "ready.json").exists()
+        assert _processes_mentioning(str(data)) == []
+        for log in ("etcd", "cluster-manager", "local-driver", "job-manager"):
+            assert (data / "logs" / f"{log}.log").exists()
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        for line in _processes_mentioning(str(data)):
+            os.kill(int(line.split(":")[0]), signal.SIGKILL)
