@@ -491,8 +491,11 @@ async def test_credentials_are_stored_but_never_returned_or_logged(
         assert kv is not None
         creds = cluster_pb2.ClusterCredentials.FromString(kv.value)
         assert creds.token.token == new_tok
-        rec = await client.get(f"{etcd_prefix}clusters/ray-a".encode())
-        assert rec is not None and new_tok.encode() not in rec.value
+        records = list(await client.get_prefix(f"{etcd_prefix}clusters/".encode()))
+        assert [r.key for r in records] == [f"{etcd_prefix}clusters/ray-a".encode()]
+        for rec in records:
+            for secret in (SSH_KEY_MARKER, RAY_TOKEN, new_tok):
+                assert secret.encode() not in rec.value
         # Deleting the cluster deleted its credentials.
         assert await client.get(f"{etcd_prefix}cluster-credentials/slurm-a".encode()) is None
     finally:
@@ -737,7 +740,10 @@ async def test_monitor_reconfigures_and_delete_removes_from_driver(
     assert (await driver_info(local_driver, "clusters/moving")).state == \
         cluster_pb2.CLUSTER_STATE_READY
 
-    # The driver forgets the cluster (as after a restart): it is configured again.
+    # The driver forgets the cluster (as after a restart): it is configured
+    # again at once, without the cluster ever leaving READY.
+    w = Watch(stub)
+    await w.snapshot()
     async with grpc.aio.insecure_channel(local_driver.address) as ch:
         d = driver_service_pb2_grpc.DriverServiceStub(ch)
         await d.RemoveCluster(driver_service_pb2.RemoveClusterRequest(cluster="clusters/moving"))
@@ -753,6 +759,10 @@ async def test_monitor_reconfigures_and_delete_removes_from_driver(
                 assert loop.time() < deadline, "not configured again"
                 await asyncio.sleep(0.1)
     await wait_state(stub, "clusters/moving", cluster_pb2.CLUSTER_STATE_READY)
+    await asyncio.sleep(0.7)
+    flaps = [e for e in w.drain() if e.cluster.state != cluster_pb2.CLUSTER_STATE_READY]
+    assert not flaps, flaps
+    await w.close()
 
     # Deleting the cluster removes it from its driver.
     await stub.DeleteCluster(pb.DeleteClusterRequest(name="clusters/moving"))
