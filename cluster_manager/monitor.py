@@ -74,20 +74,18 @@ class ClusterMonitor:
         self._wake.clear()
 
     async def _run(self) -> None:
-        try:
-            while True:
-                try:
-                    if not await self._once():
-                        return
-                except StoreUnavailable:
-                    await self._sleep(self._cfg.store_retry)
-                    continue
-                await self._sleep(self._cfg.interval)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("monitor of clusters/%s failed", self.cluster_id)
-            raise
+        while True:
+            try:
+                if not await self._once():
+                    return
+            except StoreUnavailable:
+                await self._sleep(self._cfg.store_retry)
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - a monitor must outlive one bad poll
+                log.exception("monitor of clusters/%s failed; retrying", self.cluster_id)
+            await self._sleep(self._cfg.interval)
 
     async def _once(self) -> bool:
         """One poll. False when the cluster is gone."""
@@ -142,7 +140,8 @@ class ClusterMonitor:
         now = self._clock()
         changed = observation_changed(cluster.observation(), obs)
         last = cluster.last_heartbeat_time
-        due = last is None or (now - last).total_seconds() >= self._cfg.heartbeat_interval
+        due = obs.driver_answered and (
+            last is None or (now - last).total_seconds() >= self._cfg.heartbeat_interval)
         if not changed and not due:
             return True
 

@@ -117,6 +117,10 @@ class Observation:
     capacity: Capacity | None = None
     supported_run_modes: tuple[RunMode, ...] = ()
 
+    @property
+    def driver_answered(self) -> bool:
+        return self.state is not ClusterState.DRIVER_UNAVAILABLE
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -147,13 +151,15 @@ class Cluster:
         return Observation(self.state, self.state_message, self.capacity, self.supported_run_modes)
 
     def with_observation(self, obs: Observation, now: datetime) -> Cluster:
+        """The cluster as observed at ``now``. last_heartbeat_time moves only
+        when the driver answered (not for DRIVER_UNAVAILABLE)."""
         return replace(
             self,
             state=obs.state,
             state_message=obs.message,
             capacity=obs.capacity if obs.capacity is not None else self.capacity,
             supported_run_modes=obs.supported_run_modes,
-            last_heartbeat_time=now,
+            last_heartbeat_time=now if obs.driver_answered else self.last_heartbeat_time,
         )
 
 
