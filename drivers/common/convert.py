@@ -1,0 +1,302 @@
+"""Conversion between ``dlsched.v1`` messages and the driver domain, in one place.
+
+Inbound conversion also validates, defensively: JobManager validates jobs
+before they reach a driver, but a driver assumes a hostile client. Ids end up
+in paths and names, so they must match ``ID_RE``; anything wrong raises
+``InvalidArgument`` naming every bad field (``spec.replica_groups[0].role``).
+"""
+
+from __future__ import annotations
+
+import re
+
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from dlsched.errors import FieldViolation, InvalidArgument
+from dlsched.v1 import cluster_pb2, driver_service_pb2, job_pb2
+from drivers.common import base
+
+#: Job ids and cluster ids: they become paths and backend object names.
+ID_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+#: Role names.
+ROLE_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+#: Environment variable names a user may set.
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+MAX_REFS = 1000
+MAX_REPLICAS = 10_000
+MAX_ARG_BYTES = 128 * 1024
+
+
+def _raise(violations: list[FieldViolation]) -> None:
+    if violations:
+        desc = "; ".join(f"{v.field}: {v.description}" for v in violations)
+        raise InvalidArgument(desc, violations)
+
+
+def _has_nul(s: str) -> bool:
+    return "\x00" in s
+
+
+# --------------------------------------------------------------------------- inbound
+
+
+def cluster_name(value: str, field: str = "cluster") -> str:
+    """``"clusters/{id}"`` or ``"{id}"`` -> ``"clusters/{id}"``."""
+    cid = value[len("clusters/"):] if value.startswith("clusters/") else value
+    if not cid:
+        raise InvalidArgument.for_field(field, "required")
+    if not ID_RE.match(cid):
+        raise InvalidArgument.for_field(field, "must be clusters/{id} with id matching [a-z][a-z0-9-]{0,62}")
+    return f"clusters/{cid}"
+
+
+def job_id(value: str, field: str = "job_id") -> str:
+    if not value:
+        raise InvalidArgument.for_field(field, "required")
+    if not ID_RE.match(value):
+        raise InvalidArgument.for_field(field, "must match [a-z][a-z0-9-]{0,62}")
+    return value
+
+
+def backend_job_id(value: str, field: str) -> str:
+    if len(value) > 256 or _has_nul(value):
+        raise InvalidArgument.for_field(field, "too long or contains NUL")
+    return value
+
+
+def job_ref(pb: driver_service_pb2.JobRef, field: str = "job") -> base.JobRef:
+    return base.JobRef(job_id=job_id(pb.job_id, f"{field}.job_id"),
+                       backend_job_id=backend_job_id(pb.backend_job_id, f"{field}.backend_job_id"))
+
+
+def job_refs(pbs: list[driver_service_pb2.JobRef], field: str = "jobs") -> list[base.JobRef]:
+    if len(pbs) > MAX_REFS:
+        raise InvalidArgument.for_field(field, f"at most {MAX_REFS} jobs per call")
+    return [job_ref(pb, f"{field}[{i}]") for i, pb in enumerate(pbs)]
+
+
+def attempt(value: int, field: str = "attempt") -> int:
+    if value < 1:
+        raise InvalidArgument.for_field(field, "must be at least 1")
+    return value
+
+
+def grace_seconds(pb: duration_pb2.Duration, present: bool, field: str = "grace_period") -> float | None:
+    if not present:
+        return None
+    secs = pb.ToNanoseconds() / 1e9
+    if secs < 0:
+        raise InvalidArgument.for_field(field, "must not be negative")
+    return secs
+
+
+def job_spec(pb: job_pb2.JobSpec, present: bool, field: str = "spec") -> base.JobSpec:
+    """Validate and convert a JobSpec (structure only; run-mode rules live in
+    ``drivers.common.env``)."""
+    if not present:
+        raise InvalidArgument.for_field(field, "required")
+    vs: list[FieldViolation] = []
+    try:
+        run_mode = base.RunMode(pb.run_mode)
+    except ValueError:
+        run_mode = base.RunMode.UNSPECIFIED
+    if run_mode is base.RunMode.UNSPECIFIED:
+        vs.append(FieldViolation(f"{field}.run_mode", "required"))
+    if not pb.replica_groups:
+        vs.append(FieldViolation(f"{field}.replica_groups", "at least one replica group"))
+    groups: list[base.ReplicaGroup] = []
+    roles: set[str] = set()
+    for i, g in enumerate(pb.replica_groups):
+        gf = f"{field}.replica_groups[{i}]"
+        if not ROLE_RE.match(g.role):
+            vs.append(FieldViolation(f"{gf}.role", "must match [a-z][a-z0-9-]{0,62}"))
+        elif g.role in roles:
+            vs.append(FieldViolation(f"{gf}.role", f"duplicate role {g.role!r}"))
+        roles.add(g.role)
+        if not 1 <= g.replicas <= MAX_REPLICAS:
+            vs.append(FieldViolation(f"{gf}.replicas", f"must be 1 to {MAX_REPLICAS}"))
+        if not 0 <= g.processes_per_replica <= 1024:
+            vs.append(FieldViolation(f"{gf}.processes_per_replica", "must be 0 to 1024"))
+        if not g.command:
+            vs.append(FieldViolation(f"{gf}.command", "must not be empty"))
+        elif not g.command[0]:
+            vs.append(FieldViolation(f"{gf}.command[0]", "must not be empty"))
+        for name, items in (("command", g.command), ("args", g.args)):
+            for j, a in enumerate(items):
+                if _has_nul(a) or len(a.encode()) > MAX_ARG_BYTES:
+                    vs.append(FieldViolation(f"{gf}.{name}[{j}]", "contains NUL or is too long"))
+        for k, v in g.env.items():
+            if not ENV_NAME_RE.match(k):
+                vs.append(FieldViolation(f"{gf}.env[{k!r}]", "name must match [A-Za-z_][A-Za-z0-9_]*"))
+            elif k.upper().startswith("DLSCHED_"):
+                vs.append(FieldViolation(f"{gf}.env[{k!r}]", "names starting with DLSCHED_ are reserved"))
+            if _has_nul(v):
+                vs.append(FieldViolation(f"{gf}.env[{k!r}]", "value contains NUL"))
+        if _has_nul(g.working_dir):
+            vs.append(FieldViolation(f"{gf}.working_dir", "contains NUL"))
+        r = g.resources
+        if r.cpu < 0 or r.memory_bytes < 0 or r.gpus < 0:
+            vs.append(FieldViolation(f"{gf}.resources", "must not be negative"))
+        groups.append(base.ReplicaGroup(
+            role=g.role,
+            replicas=g.replicas,
+            command=tuple(g.command),
+            args=tuple(g.args),
+            processes_per_replica=g.processes_per_replica,
+            image=g.image,
+            env=dict(g.env),
+            working_dir=g.working_dir,
+            resources=base.Resources(cpu=r.cpu, memory_bytes=r.memory_bytes,
+                                     gpus=r.gpus, gpu_type=r.gpu_type),
+        ))
+    time_limit: float | None = None
+    if pb.HasField("time_limit"):
+        time_limit = pb.time_limit.ToNanoseconds() / 1e9
+        if time_limit <= 0:
+            vs.append(FieldViolation(f"{field}.time_limit", "must be positive"))
+    if not 0 <= pb.max_retries <= 10:
+        vs.append(FieldViolation(f"{field}.max_retries", "must be 0 to 10"))
+    _raise(vs)
+    return base.JobSpec(run_mode=run_mode, replica_groups=tuple(groups), queue=pb.queue,
+                        time_limit_seconds=time_limit, max_retries=pb.max_retries,
+                        labels=dict(pb.labels))
+
+
+def cluster_config(req: driver_service_pb2.ConfigureClusterRequest) -> base.ClusterConfig:
+    name = cluster_name(req.cluster)
+    creds: base.Credentials | None = None
+    kind = req.credentials.WhichOneof("kind") if req.HasField("credentials") else None
+    if kind == "ssh":
+        s = req.credentials.ssh
+        creds = base.SshCredentials(username=s.username, private_key=s.private_key,
+                                    known_host_keys=tuple(s.known_host_keys))
+    elif kind == "kubernetes":
+        k = req.credentials.kubernetes
+        creds = base.KubernetesCredentials(kubeconfig=k.kubeconfig, token=k.token, ca_cert=k.ca_cert)
+    elif kind == "token":
+        creds = base.TokenCredentials(token=req.credentials.token.token)
+    return base.ClusterConfig(name=name, address=req.address, options=dict(req.options),
+                              credentials=creds)
+
+
+def log_query(req: driver_service_pb2.TailJobLogsRequest) -> base.LogQuery:
+    vs: list[FieldViolation] = []
+    if req.tail_lines < 0:
+        vs.append(FieldViolation("tail_lines", "must not be negative"))
+    if req.role and not ROLE_RE.match(req.role):
+        vs.append(FieldViolation("role", "must match [a-z][a-z0-9-]{0,62}"))
+    if req.HasField("replica_index") and req.replica_index < 0:
+        vs.append(FieldViolation("replica_index", "must not be negative"))
+    streams: set[base.LogStream] = set()
+    for i, s in enumerate(req.streams):
+        if s not in (job_pb2.LOG_STREAM_STDOUT, job_pb2.LOG_STREAM_STDERR):
+            vs.append(FieldViolation(f"streams[{i}]", "must be LOG_STREAM_STDOUT or LOG_STREAM_STDERR"))
+        else:
+            streams.add(base.LogStream(s))
+    _raise(vs)
+    since = req.since_time.ToNanoseconds() if req.HasField("since_time") else None
+    return base.LogQuery(
+        follow=req.follow,
+        tail_lines=req.tail_lines,
+        since_ns=since or None,
+        role=req.role,
+        replica_index=req.replica_index if req.HasField("replica_index") else None,
+        streams=frozenset(streams),
+    )
+
+
+# --------------------------------------------------------------------------- outbound
+
+
+def _ts(seconds: float | None) -> timestamp_pb2.Timestamp | None:
+    if seconds is None:
+        return None
+    ts = timestamp_pb2.Timestamp()
+    ts.FromNanoseconds(int(seconds * 1e9))
+    return ts
+
+
+def cluster_info_pb(info: base.ClusterInfo) -> driver_service_pb2.ClusterInfo:
+    c = info.capacity
+    return driver_service_pb2.ClusterInfo(
+        state=int(info.state),  # type: ignore[arg-type]
+        message=info.message,
+        capacity=cluster_pb2.ClusterCapacity(
+            nodes_total=c.nodes_total, nodes_free=c.nodes_free,
+            cpus_total=c.cpus_total, cpus_free=c.cpus_free,
+            memory_bytes_total=c.memory_bytes_total, memory_bytes_free=c.memory_bytes_free,
+            gpus_total=c.gpus_total, gpus_free=c.gpus_free,
+            gpus=[cluster_pb2.GpuInventory(gpu_type=g.gpu_type, total=g.total, free=g.free)
+                  for g in c.gpus],
+            max_cpus_per_node=c.max_cpus_per_node,
+            max_memory_bytes_per_node=c.max_memory_bytes_per_node,
+            max_gpus_per_node=c.max_gpus_per_node,
+        ),
+        supported_run_modes=[int(m) for m in info.supported_run_modes],  # type: ignore[misc]
+        driver_version=info.driver_version,
+    )
+
+
+def native_spec_pb(spec: base.NativeSpec) -> job_pb2.NativeSpec:
+    return job_pb2.NativeSpec(media_type=spec.media_type, content=spec.content)
+
+
+def observation_pb(obs: base.JobObservation) -> driver_service_pb2.JobObservation:
+    pb = driver_service_pb2.JobObservation(job_id=obs.job_id, backend_job_id=obs.backend_job_id,
+                                           found=obs.found)
+    if not obs.found:
+        return pb
+    pb.state = int(obs.state)  # type: ignore[assignment]
+    pb.reason = obs.reason
+    pb.message = obs.message
+    pb.attempt = obs.attempt
+    if obs.exit_code is not None:
+        pb.exit_code = obs.exit_code
+    for r in obs.replicas:
+        rs = pb.replicas.add(role=r.role, index=r.index, state=int(r.state),  # type: ignore[arg-type]
+                             host=r.host, message=r.message)
+        if r.exit_code is not None:
+            rs.exit_code = r.exit_code
+    if (st := _ts(obs.start_time)) is not None:
+        pb.start_time.CopyFrom(st)
+    if (et := _ts(obs.end_time)) is not None:
+        pb.end_time.CopyFrom(et)
+    return pb
+
+
+def launch_response_pb(res: base.LaunchResult) -> driver_service_pb2.LaunchJobResponse:
+    return driver_service_pb2.LaunchJobResponse(
+        backend_job_id=res.backend_job_id,
+        native_spec=native_spec_pb(res.native_spec),
+        observation=observation_pb(res.observation),
+    )
+
+
+def watch_event_pb(ev: base.WatchEvent) -> driver_service_pb2.WatchJobObservationsResponse:
+    if ev.observation is None:
+        return driver_service_pb2.WatchJobObservationsResponse(snapshot_complete=ev.snapshot_complete)
+    return driver_service_pb2.WatchJobObservationsResponse(
+        observation=observation_pb(ev.observation), snapshot_complete=ev.snapshot_complete)
+
+
+def log_entries_pb(entries: list[base.LogEntry]) -> driver_service_pb2.TailJobLogsResponse:
+    out = driver_service_pb2.TailJobLogsResponse()
+    for e in entries:
+        pe = out.entries.add(role=e.role, replica_index=e.replica_index,
+                             stream=int(e.stream), text=e.text)  # type: ignore[arg-type]
+        if e.time_ns is not None:
+            pe.time.FromNanoseconds(e.time_ns)
+    return out
+
+
+def usage_pb(u: base.JobUsage) -> job_pb2.JobUsage:
+    pb = job_pb2.JobUsage(replicas=[
+        job_pb2.ReplicaUsage(role=r.role, replica_index=r.replica_index, cpu_seconds=r.cpu_seconds,
+                             memory_bytes=r.memory_bytes, peak_memory_bytes=r.peak_memory_bytes,
+                             gpu_utilization_percent=r.gpu_utilization_percent,
+                             gpu_memory_bytes=r.gpu_memory_bytes, running=r.running)
+        for r in u.replicas
+    ])
+    if (ts := _ts(u.sample_time)) is not None:
+        pb.sample_time.CopyFrom(ts)
+    return pb

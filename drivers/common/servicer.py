@@ -1,0 +1,120 @@
+"""``DriverServicer``: the one ``dlsched.v1.DriverService`` for every backend.
+
+Transport only: check the request, convert it (``drivers.common.convert``),
+call the ``Driver``, convert back. Errors are ``dlsched.errors`` classes; the
+kit's ``ErrorInterceptor`` turns them into ``google.rpc.Status``. Streaming
+handlers close the driver's iterator in ``finally``, so a client that cancels
+releases its subscription at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from dlsched.v1 import driver_service_pb2 as pb
+from dlsched.v1 import driver_service_pb2_grpc
+from drivers.common import convert
+from drivers.common.base import Driver
+
+
+async def _aclose(it: Any) -> None:
+    aclose = getattr(it, "aclose", None)
+    if aclose is not None:
+        await aclose()
+
+
+class DriverServicer(driver_service_pb2_grpc.DriverServiceServicer):
+    """Exposes any ``Driver`` as ``dlsched.v1.DriverService``."""
+
+    FULL_NAME = "dlsched.v1.DriverService"
+
+    def __init__(self, driver: Driver) -> None:
+        self._driver = driver
+
+    async def ConfigureCluster(self, request: pb.ConfigureClusterRequest,
+                               context: grpc.aio.ServicerContext) -> pb.ConfigureClusterResponse:
+        info = await self._driver.configure_cluster(convert.cluster_config(request))
+        return pb.ConfigureClusterResponse(info=convert.cluster_info_pb(info))
+
+    async def RemoveCluster(self, request: pb.RemoveClusterRequest,
+                            context: grpc.aio.ServicerContext) -> pb.RemoveClusterResponse:
+        await self._driver.remove_cluster(convert.cluster_name(request.cluster))
+        return pb.RemoveClusterResponse()
+
+    async def GetClusterInfo(self, request: pb.GetClusterInfoRequest,
+                             context: grpc.aio.ServicerContext) -> pb.GetClusterInfoResponse:
+        info = await self._driver.cluster_info(convert.cluster_name(request.cluster))
+        return pb.GetClusterInfoResponse(info=convert.cluster_info_pb(info))
+
+    async def RenderJob(self, request: pb.RenderJobRequest,
+                        context: grpc.aio.ServicerContext) -> pb.RenderJobResponse:
+        cluster = convert.cluster_name(request.cluster)
+        job_id = convert.job_id(request.job_id)
+        spec = convert.job_spec(request.spec, request.HasField("spec"))
+        native = await self._driver.render(cluster, job_id, spec)
+        return pb.RenderJobResponse(native_spec=convert.native_spec_pb(native))
+
+    async def LaunchJob(self, request: pb.LaunchJobRequest,
+                        context: grpc.aio.ServicerContext) -> pb.LaunchJobResponse:
+        cluster = convert.cluster_name(request.cluster)
+        job_id = convert.job_id(request.job_id)
+        attempt = convert.attempt(request.attempt)
+        spec = convert.job_spec(request.spec, request.HasField("spec"))
+        res = await self._driver.launch(cluster, job_id, spec, attempt)
+        return convert.launch_response_pb(res)
+
+    async def BatchGetJobObservations(
+        self, request: pb.BatchGetJobObservationsRequest, context: grpc.aio.ServicerContext,
+    ) -> pb.BatchGetJobObservationsResponse:
+        cluster = convert.cluster_name(request.cluster)
+        refs = convert.job_refs(list(request.jobs))
+        obs = await self._driver.observe(cluster, refs)
+        return pb.BatchGetJobObservationsResponse(
+            observations=[convert.observation_pb(o) for o in obs])
+
+    async def WatchJobObservations(
+        self, request: pb.WatchJobObservationsRequest, context: grpc.aio.ServicerContext,
+    ) -> AsyncIterator[pb.WatchJobObservationsResponse]:
+        cluster = convert.cluster_name(request.cluster)
+        it = self._driver.watch(cluster)
+        try:
+            async for ev in it:
+                yield convert.watch_event_pb(ev)
+        finally:
+            await _aclose(it)
+
+    async def TerminateJob(self, request: pb.TerminateJobRequest,
+                           context: grpc.aio.ServicerContext) -> pb.TerminateJobResponse:
+        cluster = convert.cluster_name(request.cluster)
+        ref = convert.job_ref(request.job)
+        grace = convert.grace_seconds(request.grace_period, request.HasField("grace_period"))
+        obs = await self._driver.terminate(cluster, ref, grace)
+        return pb.TerminateJobResponse(observation=convert.observation_pb(obs))
+
+    async def CleanupJob(self, request: pb.CleanupJobRequest,
+                         context: grpc.aio.ServicerContext) -> pb.CleanupJobResponse:
+        cluster = convert.cluster_name(request.cluster)
+        await self._driver.cleanup(cluster, convert.job_ref(request.job))
+        return pb.CleanupJobResponse()
+
+    async def TailJobLogs(self, request: pb.TailJobLogsRequest,
+                          context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TailJobLogsResponse]:
+        cluster = convert.cluster_name(request.cluster)
+        ref = convert.job_ref(request.job)
+        query = convert.log_query(request)
+        it = self._driver.tail_logs(cluster, ref, query)
+        try:
+            async for batch in it:
+                if batch:
+                    yield convert.log_entries_pb(batch)
+        finally:
+            await _aclose(it)
+
+    async def MeasureJobUsage(self, request: pb.MeasureJobUsageRequest,
+                              context: grpc.aio.ServicerContext) -> pb.MeasureJobUsageResponse:
+        cluster = convert.cluster_name(request.cluster)
+        usage = await self._driver.usage(cluster, convert.job_ref(request.job))
+        return pb.MeasureJobUsageResponse(usage=convert.usage_pb(usage))

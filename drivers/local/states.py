@@ -1,0 +1,71 @@
+"""How process outcomes map to dlsched states, in one total table.
+
+A process's exit status becomes an exit code (signal N -> 128+N) and a
+``ReplicaState``: 0 is SUCCEEDED; anything else is STOPPED when dlsched had
+already asked the job to stop (a TerminateJob, the time limit, or the
+success rule stopping the rest after a failure), else FAILED. Anything not
+covered (a status we cannot read) maps to FAILED with reason ``Unknown``,
+the UNKNOWN fallback.
+
+The job's state follows the run mode's success rule (SINGLE_PROCESS and
+MULTI_PROCESS alike: every process must exit 0): see ``job_outcome``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from drivers.common.base import JobState, ReplicaState
+
+REASON_STARTED = "Started"
+REASON_COMPLETED = "Completed"
+REASON_NON_ZERO_EXIT = "NonZeroExit"
+REASON_START_FAILED = "StartFailed"
+REASON_STOPPING = "StopRequested"
+REASON_STOPPED = "Stopped"
+REASON_REPLICA_FAILED = "ReplicaFailed"
+REASON_TIME_LIMIT = "TimeLimitExceeded"
+REASON_DRIVER_RESTARTED = "DriverRestarted"
+REASON_UNKNOWN = "Unknown"
+
+
+def exit_code_of(returncode: int | None) -> int | None:
+    """``Popen.returncode`` -> exit code; killed by signal N -> 128+N."""
+    if returncode is None:
+        return None
+    return returncode if returncode >= 0 else 128 - returncode
+
+
+def replica_state(exit_code: int | None, *, stop_signalled: bool) -> ReplicaState:
+    if exit_code is None:
+        return ReplicaState.FAILED  # the UNKNOWN fallback: no status to read
+    if exit_code == 0:
+        return ReplicaState.SUCCEEDED
+    return ReplicaState.STOPPED if stop_signalled else ReplicaState.FAILED
+
+
+@dataclass(frozen=True)
+class Outcome:
+    state: JobState
+    reason: str
+    message: str
+    exit_code: int | None
+
+
+def job_outcome(*, stop_requested: bool, stop_final: tuple[JobState, str] | None,
+                failure: tuple[str, int, int, str] | None) -> Outcome:
+    """The terminal state once every process has ended.
+
+    ``failure`` is the first failing process (role, index, exit code, reason);
+    ``stop_final`` the state and reason a stop asked for (STOPPED/Stopped for
+    TerminateJob, FAILED/TimeLimitExceeded for the time limit).
+    """
+    if stop_requested and stop_final is not None:
+        state, reason = stop_final
+        return Outcome(state, reason, "stopped on request" if state is JobState.STOPPED
+                       else "the job ran past its time limit", None)
+    if failure is not None:
+        role, index, code, reason = failure
+        how = "could not start" if reason == REASON_START_FAILED else f"exited with code {code}"
+        return Outcome(JobState.FAILED, reason, f"{role}-{index} {how}", code)
+    return Outcome(JobState.SUCCEEDED, REASON_COMPLETED, "every process exited 0", 0)
