@@ -100,8 +100,11 @@ class ClusterMonitor:
         for _ in range(2):
             try:
                 if self._configured != fingerprint:
-                    log.info("configuring clusters/%s on driver %s", self.cluster_id,
-                             cluster.driver_address)
+                    failing = cluster.state in (ClusterState.DRIVER_UNAVAILABLE,
+                                                ClusterState.UNREACHABLE)
+                    log.log(logging.DEBUG if failing else logging.INFO,
+                            "configuring clusters/%s on driver %s", self.cluster_id,
+                            cluster.driver_address)
                     obs = await self._drivers.configure(
                         cluster.driver_address, cluster.name, cluster.address, creds,
                         cluster.options)
