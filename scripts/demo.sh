@@ -19,7 +19,9 @@ if [ ! -x .venv/bin/python ]; then
   fi
 fi
 echo "== pip install -e '.[dev]'"
-PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install -q -e '.[dev]'
+if ! PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install -q -e '.[dev]' >.venv/pip-install.log 2>&1; then
+  cat .venv/pip-install.log >&2; echo "error: pip install failed" >&2; exit 1
+fi
 
 DLSCHED=.venv/bin/dlsched
 DATA=$(mktemp -d /tmp/dlsched-demo.XXXXXX)

@@ -34,7 +34,11 @@ setup_python() {
     fi
   fi
   log "pip install -e '.[dev]'"
-  PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install -q -e '.[dev]' || return 1
+  if ! PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install -q -e '.[dev]' \
+      >.venv/pip-install.log 2>&1; then
+    cat .venv/pip-install.log >&2
+    return 1
+  fi
 }
 
 setup_buf() {
