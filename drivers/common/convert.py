@@ -84,7 +84,7 @@ def attempt(value: int, field: str = "attempt") -> int:
 def grace_seconds(pb: duration_pb2.Duration, present: bool, field: str = "grace_period") -> float | None:
     if not present:
         return None
-    secs = pb.ToNanoseconds() / 1e9
+    secs = float(pb.ToNanoseconds()) / 1e9
     if secs < 0:
         raise InvalidArgument.for_field(field, "must not be negative")
     return secs

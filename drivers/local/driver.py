@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -188,11 +189,11 @@ class _Job:
         """(CPUs, GPUs) the job asks for while it runs."""
         if self.spec is None:
             return 0.0, 0
-        cpu = gpu = 0
+        cpu, gpu = 0.0, 0
         for g in self.spec.replica_groups:
             cpu += g.replicas * (g.resources.cpu if g.resources.cpu > 0 else g.processes)
             gpu += g.replicas * g.resources.gpus
-        return float(cpu), int(gpu)
+        return cpu, gpu
 
 
 class _SlotProtocol(asyncio.SubprocessProtocol):
@@ -201,16 +202,18 @@ class _SlotProtocol(asyncio.SubprocessProtocol):
     def __init__(self, driver: LocalDriver, job: _Job, slot: _Slot) -> None:
         self._driver, self._job, self._slot = driver, job, slot
         self._writers: dict[int, LineWriter | None] = {}
-        for fd, stream in ((1, LogStream.STDOUT), (2, LogStream.STDERR)):
-            try:
-                self._writers[fd] = LineWriter(slot.plan.log_path(stream))
-            except OSError as e:
-                log.warning("cannot open log %s: %s", slot.plan.log_path(stream), e)
-                self._writers[fd] = None
         self._transport: asyncio.SubprocessTransport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # Opened only once the process exists, so a failed spawn leaks nothing.
         self._transport = transport  # type: ignore[assignment]
+        for fd, stream in ((1, LogStream.STDOUT), (2, LogStream.STDERR)):
+            path = self._slot.plan.log_path(stream)
+            try:
+                self._writers[fd] = LineWriter(path)
+            except OSError as e:
+                log.warning("cannot open log %s: %s", path, e)
+                self._writers[fd] = None
 
     def pipe_data_received(self, fd: int, data: bytes | str) -> None:
         w = self._writers.get(fd)
@@ -408,7 +411,7 @@ class LocalDriver(Driver):
             job.open_pipes += 2  # before the spawn: a pipe may close before it returns
             try:
                 transport, _ = await loop.subprocess_exec(
-                    lambda s=slot: _SlotProtocol(self, job, s), *argv,
+                    functools.partial(_SlotProtocol, self, job, slot), *argv,
                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                     stderr=asyncio.subprocess.PIPE, env=env, cwd=p.cwd, start_new_session=True)
             except (OSError, ValueError) as e:

@@ -98,15 +98,25 @@ async def nvidia_gpus(limit_s: float = 5.0) -> list[tuple[str, int]]:
         proc = await asyncio.create_subprocess_exec(
             exe, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL)
+    except OSError:
+        return []
+    try:
         out, _ = await asyncio.wait_for(proc.communicate(), limit_s)
-    except (OSError, TimeoutError):
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
         return []
     if proc.returncode != 0:
         return []
+    return parse_nvidia_smi(out.decode(errors="replace"))
+
+
+def parse_nvidia_smi(text: str) -> list[tuple[str, int]]:
+    """``name, memory.total`` CSV lines (no header, no units) -> [(gpu_type, bytes)]."""
     gpus = []
-    for line in out.decode(errors="replace").splitlines():
+    for line in text.splitlines():
         name, _, mem = line.rpartition(",")
-        if not name:
+        if not name.strip():
             continue
         try:
             mib = int(float(mem.strip()))

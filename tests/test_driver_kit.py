@@ -1,0 +1,143 @@
+"""The driver kit in-process: the observation hub, the planner, the servicer's
+error mapping for optional capabilities, and recorded nvidia-smi output."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+import pytest
+
+from dlsched.errors import InvalidArgument, Unavailable, Unimplemented
+from dlsched.kit.rpc_errors import error_info
+from dlsched.kit.server import Registration, ServerOptions, start_server
+from dlsched.v1 import driver_service_pb2 as dpb
+from dlsched.v1 import driver_service_pb2_grpc
+from drivers.common import base, env
+from drivers.common.hub import ObservationHub
+from drivers.common.servicer import DriverServicer
+from drivers.local import procfs
+
+
+def obs(job_id: str, state: base.JobState = base.JobState.RUNNING) -> base.JobObservation:
+    return base.JobObservation(job_id=job_id, found=True, state=state)
+
+
+async def test_hub_sends_snapshot_marker_then_changes_without_a_gap():
+    hub = ObservationHub()
+    current = [obs("a")]
+    it = hub.subscribe("clusters/c", lambda: list(current))
+    first = await it.__anext__()
+    hub.publish("clusters/c", obs("b"))  # published while the snapshot is being sent
+    hub.publish("clusters/other", obs("x"))
+    marker = await it.__anext__()
+    change = await asyncio.wait_for(it.__anext__(), 1)
+    assert first.observation.job_id == "a"
+    assert marker.snapshot_complete and marker.observation is None
+    assert change.observation.job_id == "b"
+    await it.aclose()
+    assert hub.subscriber_count("clusters/c") == 0
+
+
+async def test_hub_ends_a_slow_subscriber_with_unavailable():
+    hub = ObservationHub(max_pending=3)
+    it = hub.subscribe("clusters/c", list)
+    await it.__anext__()  # marker
+    for i in range(5):
+        hub.publish("clusters/c", obs(f"j{i}"))
+    with pytest.raises(Unavailable) as ei:
+        while True:
+            await asyncio.wait_for(it.__anext__(), 1)
+    assert ei.value.reason == "WATCH_OVERFLOW"
+
+
+def test_planner_ranks_across_nodes():
+    g = base.ReplicaGroup(role="worker", replicas=2, processes_per_replica=2, command=("train",))
+    spec = base.JobSpec(run_mode=base.RunMode.MULTI_PROCESS, replica_groups=(g,))
+    places = [env.Placement("worker", 0, "n0", 0), env.Placement("worker", 1, "n1", 1)]
+    plan = env.plan_processes("j", spec, places, master_port=1234)
+    got = [(p.env["RANK"], p.env["LOCAL_RANK"], p.env["NODE_RANK"], p.env["LOCAL_WORLD_SIZE"],
+            p.env["DLSCHED_REPLICA_INDEX"], p.env["MASTER_ADDR"]) for p in plan]
+    assert got == [("0", "0", "0", "2", "0", "n0"), ("1", "1", "0", "2", "0", "n0"),
+                   ("2", "0", "1", "2", "1", "n0"), ("3", "1", "1", "2", "1", "n0")]
+    assert {p.env["WORLD_SIZE"] for p in plan} == {"4"}
+
+
+def test_planner_checks_run_mode_structure():
+    g = base.ReplicaGroup(role="main", replicas=1, command=("x",))
+    with pytest.raises(InvalidArgument) as ei:
+        env.check_run_mode(base.JobSpec(run_mode=base.RunMode.MULTI_PROCESS, replica_groups=(g,)))
+    assert ei.value.violations[0].field == "spec.replica_groups[0].role"
+    with pytest.raises(Unimplemented):
+        env.check_run_mode(base.JobSpec(run_mode=base.RunMode.PS_WORKER, replica_groups=(g,)))
+
+
+class _MinimalDriver(base.Driver):
+    """Only the required operations: tail_logs and usage stay unsupported."""
+
+    name = "minimal"
+
+    async def configure_cluster(self, config: base.ClusterConfig) -> base.ClusterInfo:
+        return base.ClusterInfo(state=base.ClusterState.READY)
+
+    async def remove_cluster(self, cluster: str) -> None:
+        pass
+
+    async def cluster_info(self, cluster: str) -> base.ClusterInfo:
+        raise base.ClusterNotConfigured(cluster)
+
+    async def render(self, cluster: str, job_id: str, spec: base.JobSpec) -> base.NativeSpec:
+        return base.NativeSpec("text/plain", job_id)
+
+    async def launch(self, cluster: str, job_id: str, spec: base.JobSpec, attempt: int) -> base.LaunchResult:
+        raise NotImplementedError
+
+    async def observe(self, cluster: str, refs: Sequence[base.JobRef]) -> list[base.JobObservation]:
+        return [base.JobObservation.not_found(r) for r in refs]
+
+    async def _watch(self) -> AsyncIterator[base.WatchEvent]:
+        yield base.WatchEvent(snapshot_complete=True)
+
+    def watch(self, cluster: str) -> AsyncIterator[base.WatchEvent]:
+        return self._watch()
+
+    async def terminate(self, cluster: str, ref: base.JobRef, grace_seconds: float | None) -> base.JobObservation:
+        return base.JobObservation.not_found(ref)
+
+    async def cleanup(self, cluster: str, ref: base.JobRef) -> None:
+        pass
+
+
+async def test_servicer_maps_optional_capabilities_to_unimplemented_unsupported():
+    running = await start_server(ServerOptions(), [Registration(
+        driver_service_pb2_grpc.add_DriverServiceServicer_to_server, DriverServicer(_MinimalDriver()),
+        DriverServicer.FULL_NAME)], announce_as="test-driver")
+    try:
+        async with grpc.aio.insecure_channel(running.address) as ch:
+            stub = driver_service_pb2_grpc.DriverServiceStub(ch)
+            ref = dpb.JobRef(job_id="j")
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.MeasureJobUsage(dpb.MeasureJobUsageRequest(cluster="c", job=ref), timeout=5)
+            assert ei.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert error_info(ei.value).reason == "UNSUPPORTED"
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                async for _ in stub.TailJobLogs(dpb.TailJobLogsRequest(cluster="c", job=ref), timeout=5):
+                    pass
+            assert ei.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.GetClusterInfo(dpb.GetClusterInfoRequest(cluster="c"), timeout=5)
+            assert error_info(ei.value).reason == "CLUSTER_NOT_CONFIGURED"
+            assert error_info(ei.value).metadata["cluster"] == "clusters/c"
+            resp = await stub.BatchGetJobObservations(
+                dpb.BatchGetJobObservationsRequest(cluster="c", jobs=[ref]), timeout=5)
+            assert [o.found for o in resp.observations] == [False]
+    finally:
+        await running.stop()
+
+
+def test_nvidia_smi_output_parses_to_gpu_types():
+    recorded = "NVIDIA H200, 143771\nNVIDIA A100-SXM4-80GB, 81920\nNVIDIA GeForce RTX 4090, 24564\n"
+    assert procfs.parse_nvidia_smi(recorded) == [
+        ("h200", 143771 << 20), ("a100", 81920 << 20), ("rtx-4090", 24564 << 20)]
+    assert procfs.parse_nvidia_smi("") == []
