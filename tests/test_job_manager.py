@@ -1,0 +1,485 @@
+# ruff: noqa: ASYNC109, ASYNC110, ASYNC230  -- tests poll real processes and files
+"""JobManager end to end: real etcd, the local driver, ClusterManager and JobManager
+as separate processes (``tests.harness.Stack``), over real gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import tempfile
+import textwrap
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from dlsched.kit.rpc_errors import error_info, field_violations
+from dlsched.v1 import cluster_manager_service_pb2 as cm_pb
+from dlsched.v1 import cluster_manager_service_pb2_grpc as cm_grpc
+from dlsched.v1 import cluster_pb2, job_pb2
+from dlsched.v1 import job_manager_service_pb2 as pb
+from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
+from tests.harness import EtcdServer, ServiceProcess, Stack
+
+S = job_pb2
+PY = sys.executable
+GRACE = 1.0
+TERMINAL = {S.JOB_STATE_SUCCEEDED, S.JOB_STATE_FAILED, S.JOB_STATE_STOPPED}
+
+
+# ---------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def stack(etcd: EtcdServer) -> Iterator[Stack]:
+    st = Stack(etcd, f"/dlsched-jm-{uuid.uuid4().hex[:8]}/",
+               jm_args=["--stop-grace-seconds", str(GRACE), "--log-level", "DEBUG"])
+    try:
+        st.start()
+    except Exception:
+        st.stop()
+        raise
+    yield st
+    st.stop()
+    assert st.jm is not None
+    log = st.jm.log()
+    if os.environ.get("JM_TEST_LOG"):
+        open(os.environ["JM_TEST_LOG"], "w").write(log)
+    # Nothing unhandled while serving (grpc prints a harmless CancelledError
+    # traceback when the etcd watch stream closes at shutdown).
+    serving = log.split("shutting down")[0]
+    assert "Traceback" not in serving and " ERROR " not in serving, serving[-5000:]
+
+
+@pytest.fixture(scope="module")
+async def cluster(stack: Stack) -> str:
+    async with grpc.aio.insecure_channel(stack.cm.address) as ch:
+        cm = cm_grpc.ClusterManagerServiceStub(ch)
+        await cm.CreateCluster(cm_pb.CreateClusterRequest(
+            cluster_id="local", request_id="register-local",
+            cluster=cluster_pb2.Cluster(type=S.CLUSTER_TYPE_LOCAL,
+                                        driver_address=stack.driver.address)))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            got = await cm.GetCluster(cm_pb.GetClusterRequest(name="clusters/local"))
+            if got.cluster.state == cluster_pb2.CLUSTER_STATE_READY:
+                return "clusters/local"
+            await asyncio.sleep(0.2)
+    raise AssertionError(f"clusters/local never READY: {got.cluster}")
+
+
+@pytest.fixture
+async def jm(stack: Stack, cluster: str) -> AsyncIterator[pb_grpc.JobManagerServiceStub]:
+    assert stack.jm is not None
+    async with grpc.aio.insecure_channel(stack.jm.address) as ch:
+        yield pb_grpc.JobManagerServiceStub(ch)
+
+
+# ---------------------------------------------------------------- helpers
+
+def program(code: str) -> list[str]:
+    return [PY, "-u", "-c", textwrap.dedent(code)]
+
+
+def single(code: str, **kw: object) -> job_pb2.JobSpec:
+    return job_pb2.JobSpec(run_mode=S.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+        job_pb2.ReplicaGroup(role="main", replicas=1, command=program(code))], **kw)
+
+
+def multi(code: str, replicas: int = 2, processes: int = 1, **kw: object) -> job_pb2.JobSpec:
+    return job_pb2.JobSpec(run_mode=S.RUN_MODE_MULTI_PROCESS, replica_groups=[
+        job_pb2.ReplicaGroup(role="worker", replicas=replicas, processes_per_replica=processes,
+                             command=program(code))], **kw)
+
+
+async def wait_state(jm: pb_grpc.JobManagerServiceStub, name: str, states: set[int],
+                     timeout: float = 20) -> job_pb2.Job:
+    deadline = time.monotonic() + timeout
+    while True:
+        job = (await jm.GetJob(pb.GetJobRequest(name=name))).job
+        if job.state in states:
+            return job
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name} stuck in {S.JobState.Name(job.state)}: {job}")
+        await asyncio.sleep(0.1)
+
+
+def uniq() -> str:
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+# ---------------------------------------------------------------- tests
+
+async def test_health_and_reflection(stack: Stack) -> None:
+    assert stack.jm is not None
+    async with grpc.aio.insecure_channel(stack.jm.address) as ch:
+        h = await health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="dlsched.v1.JobManagerService"))
+        assert h.status == health_pb2.HealthCheckResponse.SERVING
+        call = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = [s.name async for r in call for s in r.list_services_response.service]
+        assert "dlsched.v1.JobManagerService" in names
+
+
+async def test_single_process_job_runs_to_success(jm: pb_grpc.JobManagerServiceStub) -> None:
+    job = (await jm.SubmitJob(pb.SubmitJobRequest(
+        job_id=uniq(), spec=single("print('hello')", labels={"suite": "jm"})))).job
+    assert job.state in (S.JOB_STATE_PENDING, S.JOB_STATE_QUEUED, S.JOB_STATE_RUNNING,
+                         S.JOB_STATE_SUCCEEDED)
+    assert job.cluster == "clusters/local" and job.attempt == 1 and job.uid
+    assert job.labels["suite"] == "jm" and job.HasField("create_time")
+    done = await wait_state(jm, job.name, TERMINAL)
+    assert done.state == S.JOB_STATE_SUCCEEDED and done.exit_code == 0
+    assert done.backend_job_id and done.HasField("end_time")
+
+
+async def test_failing_job_reports_exit_code(jm: pb_grpc.JobManagerServiceStub) -> None:
+    job = (await jm.SubmitJob(pb.SubmitJobRequest(spec=single("raise SystemExit(3)")))).job
+    assert job.name.startswith("jobs/job-")  # server-generated id
+    done = await wait_state(jm, job.name, TERMINAL)
+    assert done.state == S.JOB_STATE_FAILED and done.exit_code == 3
+
+
+async def test_multi_process_job_runs_to_success(jm: pb_grpc.JobManagerServiceStub) -> None:
+    code = "import time; time.sleep(0.5); print('ok')"
+    job = (await jm.SubmitJob(pb.SubmitJobRequest(job_id=uniq(), spec=multi(code, 2, 2)))).job
+    running = await wait_state(jm, job.name, {S.JOB_STATE_RUNNING} | TERMINAL)
+    assert running.state == S.JOB_STATE_RUNNING
+    done = await wait_state(jm, job.name, TERMINAL)
+    assert done.state == S.JOB_STATE_SUCCEEDED and done.exit_code == 0
+    assert len(done.replicas) in (2, 4)  # per replica or per process, as the driver reports
+    assert all(r.state == S.REPLICA_STATE_SUCCEEDED for r in done.replicas)
+
+
+async def test_logs_follow_line_by_line_and_tail(jm: pb_grpc.JobManagerServiceStub) -> None:
+    code = """
+        import time
+        for i in range(5):
+            print(f"line-{i}", flush=True)
+            time.sleep(0.4)
+    """
+    job = (await jm.SubmitJob(pb.SubmitJobRequest(job_id=uniq(), spec=single(code)))).job
+    got: list[tuple[float, str]] = []
+    t0 = time.monotonic()
+    async for resp in jm.StreamJobLogs(pb.StreamJobLogsRequest(name=job.name, follow=True),
+                                       timeout=30):
+        for e in resp.entries:
+            if e.stream == S.LOG_STREAM_STDOUT:
+                got.append((time.monotonic() - t0, e.text))
+    # The stream ended by itself (no timeout) once the job ended.
+    assert [t for _, t in got] == [f"line-{i}" for i in range(5)]
+    assert got[-1][0] - got[0][0] > 1.0, f"lines arrived in one batch: {got}"
+    done = await wait_state(jm, job.name, TERMINAL, timeout=5)
+    assert done.state == S.JOB_STATE_SUCCEEDED
+    tail = [e.text async for r in jm.StreamJobLogs(
+        pb.StreamJobLogsRequest(name=job.name, tail_lines=2, streams=[S.LOG_STREAM_STDOUT]))
+        for e in r.entries]
+    assert tail == ["line-3", "line-4"]
+
+
+async def test_stop_running_multi_process_job(jm: pb_grpc.JobManagerServiceStub) -> None:
+    pid_dir = tempfile.mkdtemp(prefix="jm-stop-")
+    code = f"""
+        import os, signal, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        open(os.path.join({pid_dir!r}, str(os.getpid())), "w").close()
+        while True:
+            time.sleep(0.1)
+    """
+    job = (await jm.SubmitJob(pb.SubmitJobRequest(job_id=uniq(), spec=multi(code, 2, 2)))).job
+    await wait_state(jm, job.name, {S.JOB_STATE_RUNNING})
+    deadline = time.monotonic() + 10
+    while len(os.listdir(pid_dir)) < 4 and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    pids = [int(p) for p in os.listdir(pid_dir)]
+    assert len(pids) == 4
+    usage = (await jm.GetJobUsage(pb.GetJobUsageRequest(name=job.name))).usage
+    assert usage.replicas and any(r.running for r in usage.replicas)
+    t0 = time.monotonic()
+    stopped = (await jm.StopJob(pb.StopJobRequest(name=job.name))).job
+    assert stopped.state in (S.JOB_STATE_STOPPING, S.JOB_STATE_STOPPED)
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        try:  # a zombie is gone for our purpose
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().split(")")[-1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    while any(alive(p) for p in pids) and time.monotonic() - t0 < GRACE + 1.0:
+        await asyncio.sleep(0.05)
+    elapsed = time.monotonic() - t0
+    assert not [p for p in pids if alive(p)], f"processes outlived grace + 1 s ({elapsed:.2f}s)"
+    print(f"all processes gone {elapsed:.2f}s after StopJob")
+    done = await wait_state(jm, job.name, TERMINAL, timeout=10)
+    assert done.state == S.JOB_STATE_STOPPED
+    again = (await jm.StopJob(pb.StopJobRequest(name=job.name))).job
+    assert again.state == S.JOB_STATE_STOPPED and again.etag == done.etag
+
+
+async def test_failed_attempt_is_retried(jm: pb_grpc.JobManagerServiceStub) -> None:
+    marker = os.path.join(tempfile.mkdtemp(prefix="jm-retry-"), "attempts")
+    code = f"""
+        import os
+        n = len(open({marker!r}).read()) if os.path.exists({marker!r}) else 0
+        open({marker!r}, "a").write("x")
+        raise SystemExit(0 if n >= 1 else 7)
+    """
+    job = (await jm.SubmitJob(pb.SubmitJobRequest(job_id=uniq(),
+                                                  spec=single(code, max_retries=2)))).job
+    done = await wait_state(jm, job.name, TERMINAL)
+    assert done.state == S.JOB_STATE_SUCCEEDED and done.attempt == 2 and done.exit_code == 0
+    assert open(marker).read() == "xx"
+    no_retry = (await jm.SubmitJob(pb.SubmitJobRequest(spec=single("raise SystemExit(5)")))).job
+    failed = await wait_state(jm, no_retry.name, TERMINAL)
+    assert failed.state == S.JOB_STATE_FAILED and failed.attempt == 1
+
+
+async def test_same_request_id_runs_once(jm: pb_grpc.JobManagerServiceStub) -> None:
+    marker = os.path.join(tempfile.mkdtemp(prefix="jm-dedup-"), "runs")
+    spec = single(f"open({marker!r}, 'a').write('ran\\n')")
+    rid = f"req-{uuid.uuid4().hex}"
+    first = (await jm.SubmitJob(pb.SubmitJobRequest(spec=spec, request_id=rid))).job
+    again = (await jm.SubmitJob(pb.SubmitJobRequest(spec=spec, request_id=rid))).job
+    assert again.name == first.name and again.uid == first.uid
+
+    rid2 = f"req-{uuid.uuid4().hex}"
+    marker2 = os.path.join(os.path.dirname(marker), "runs2")
+    spec2 = single(f"open({marker2!r}, 'a').write('ran\\n')")
+    results = await asyncio.gather(*(jm.SubmitJob(pb.SubmitJobRequest(
+        job_id=f"conc-{i}-{uuid.uuid4().hex[:6]}", spec=spec2, request_id=rid2)) for i in range(8)))
+    names = {r.job.name for r in results}
+    assert len(names) == 1
+    for name in (first.name, names.pop()):
+        assert (await wait_state(jm, name, TERMINAL)).state == S.JOB_STATE_SUCCEEDED
+    await asyncio.sleep(0.5)
+    assert open(marker).read() == "ran\n"
+    assert open(marker2).read() == "ran\n"
+
+
+async def _events(call: grpc.aio.UnaryStreamCall, out: list[pb.WatchJobsResponse],
+                  until: callable) -> None:  # type: ignore[valid-type]
+    async for ev in call:
+        out.append(ev)
+        if until(out):
+            return
+
+
+async def test_watch_resume_has_no_gap_and_no_duplicate(
+        jm: pb_grpc.JobManagerServiceStub) -> None:
+    tag = uniq()
+    flt = f"labels.watch={tag}"
+    ids = [f"{tag}-{i}" for i in range(3)]
+
+    def finished(evs: list[pb.WatchJobsResponse]) -> bool:
+        done = {e.job.name for e in evs if e.job.state == S.JOB_STATE_SUCCEEDED}
+        return done >= {f"jobs/{i}" for i in ids}
+
+    cont: list[pb.WatchJobsResponse] = []
+    cont_call = jm.WatchJobs(pb.WatchJobsRequest(filter=flt))
+    cont_task = asyncio.create_task(_events(cont_call, cont, finished))
+    part1: list[pb.WatchJobsResponse] = []
+    call1 = jm.WatchJobs(pb.WatchJobsRequest(filter=flt))
+    while not any(e.type == S.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE for e in cont):
+        await asyncio.sleep(0.05)
+
+    async def first_created() -> None:
+        await _events(call1, part1, lambda evs: any(e.type == S.WATCH_EVENT_TYPE_CREATED
+                                                    for e in evs))
+    reader = asyncio.create_task(first_created())
+    for i in ids:
+        await jm.SubmitJob(pb.SubmitJobRequest(job_id=i, spec=single(
+            "import time; time.sleep(0.3)", labels={"watch": tag})))
+    await asyncio.wait_for(reader, 10)
+    call1.cancel()  # disconnect while events keep happening
+    await asyncio.sleep(1.0)
+    token = part1[-1].resume_token
+    part2: list[pb.WatchJobsResponse] = []
+    call2 = jm.WatchJobs(pb.WatchJobsRequest(filter=flt, resume_token=token))
+    await asyncio.wait_for(_events(call2, part2, lambda evs: finished(part1 + evs)), 30)
+    call2.cancel()
+    await asyncio.wait_for(cont_task, 30)
+    cont_call.cancel()
+
+    def changes(evs: list[pb.WatchJobsResponse]) -> list[tuple[str, int, str]]:
+        return [(e.job.name, e.job.state, e.job.etag) for e in evs
+                if e.type in (S.WATCH_EVENT_TYPE_CREATED, S.WATCH_EVENT_TYPE_UPDATED)]
+
+    resumed = changes(part1) + changes(part2)
+    assert all(e.type != S.WATCH_EVENT_TYPE_EXISTING for e in part2)  # no second snapshot
+    assert len(resumed) == len(set(resumed)), "duplicate events after resume"
+    assert resumed == changes(cont)[:len(resumed)]
+    assert {(n, s) for n, s, _ in resumed} == {(n, s) for n, s, _ in changes(cont)}
+    assert {n for n, _, _ in resumed} == {f"jobs/{i}" for i in ids}
+
+
+async def test_bad_input_is_invalid_argument_and_stores_nothing(
+        jm: pb_grpc.JobManagerServiceStub) -> None:
+    tag = uniq()
+    labels = {"bad": tag}
+    ok = job_pb2.ReplicaGroup(role="main", replicas=1, command=["true"])
+    cases: list[tuple[job_pb2.JobSpec, str]] = [
+        (job_pb2.JobSpec(replica_groups=[ok], labels=labels), "spec.run_mode"),
+        (job_pb2.JobSpec(run_mode=S.RUN_MODE_MULTI_PROCESS, labels=labels, replica_groups=[
+            job_pb2.ReplicaGroup(role="worker", replicas=0, command=["true"])]),
+         "spec.replica_groups[0].replicas"),
+        (job_pb2.JobSpec(run_mode=S.RUN_MODE_MULTI_PROCESS, labels=labels, replica_groups=[
+            job_pb2.ReplicaGroup(role="worker", replicas=-2, command=["true"])]),
+         "spec.replica_groups[0].replicas"),
+        (job_pb2.JobSpec(run_mode=S.RUN_MODE_MULTI_PROCESS, labels=labels, replica_groups=[
+            job_pb2.ReplicaGroup(role="ps", replicas=1, command=["true"])]),
+         "spec.replica_groups[0].role"),
+        (job_pb2.JobSpec(run_mode=S.RUN_MODE_SINGLE_PROCESS, labels=labels, replica_groups=[
+            job_pb2.ReplicaGroup(role="main", replicas=1, command=["true"],
+                                 args=["x" * 1000] * 300)]), "spec"),
+    ]
+    for spec, field in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await jm.SubmitJob(pb.SubmitJobRequest(spec=spec, request_id=uniq()))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+        assert field in [v.field for v in field_violations(ei.value)], field
+
+    unknown = single("pass", labels=labels)
+    unknown.cluster_selector.cluster = "clusters/nope"
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await jm.SubmitJob(pb.SubmitJobRequest(spec=unknown))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert any("cluster" in v.field for v in field_violations(ei.value))
+
+    for call, req in ((jm.GetJob, pb.GetJobRequest(name="job/x")),
+                      (jm.StopJob, pb.StopJobRequest(name="jobs/Not_Valid")),
+                      (jm.DeleteJob, pb.DeleteJobRequest(name="x"))):
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await call(req)  # type: ignore[operator]
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [v.field for v in field_violations(ei.value)] == ["name"]
+
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await jm.ListJobs(pb.ListJobsRequest(filter="colour=red"))
+    assert [v.field for v in field_violations(ei.value)] == ["filter"]
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await jm.GetJob(pb.GetJobRequest(name="jobs/does-not-exist"))
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+    assert error_info(ei.value).reason == "JOB_NOT_FOUND"  # type: ignore[union-attr]
+
+    listed = await jm.ListJobs(pb.ListJobsRequest(filter=f"labels.bad={tag}"))
+    assert list(listed.jobs) == []
+
+
+async def test_too_many_gpus_is_no_matching_cluster(jm: pb_grpc.JobManagerServiceStub) -> None:
+    spec = single("pass")
+    spec.replica_groups[0].resources.gpus = 512
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await jm.SubmitJob(pb.SubmitJobRequest(spec=spec))
+    assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error_info(ei.value).reason == "NO_MATCHING_CLUSTER"  # type: ignore[union-attr]
+
+
+async def test_dry_run_renders_and_stores_nothing(jm: pb_grpc.JobManagerServiceStub) -> None:
+    job_id = uniq()
+    resp = await jm.SubmitJob(pb.SubmitJobRequest(job_id=job_id, spec=single("pass"),
+                                                  dry_run=True, request_id=uniq()))
+    assert resp.dry_run.cluster == "clusters/local"
+    assert resp.dry_run.native_spec.content and resp.dry_run.native_spec.media_type
+    assert resp.dry_run.candidates and resp.dry_run.candidates[0].cluster == "clusters/local"
+    assert resp.job.name == f"jobs/{job_id}"
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await jm.GetJob(pb.GetJobRequest(name=f"jobs/{job_id}"))
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_list_paging_and_delete(jm: pb_grpc.JobManagerServiceStub) -> None:
+    tag = uniq()
+    names = []
+    for i in range(3):
+        j = (await jm.SubmitJob(pb.SubmitJobRequest(job_id=f"{tag}-{i}", spec=single(
+            "pass", labels={"page": tag})))).job
+        names.append(j.name)
+    seen: list[str] = []
+    token = ""
+    while True:
+        r = await jm.ListJobs(pb.ListJobsRequest(page_size=2, page_token=token,
+                                                 filter=f"labels.page={tag}"))
+        seen += [j.name for j in r.jobs]
+        token = r.next_page_token
+        if not token:
+            break
+    assert seen == names[::-1]  # newest first
+    for n in names:
+        await wait_state(jm, n, TERMINAL)
+        last = await jm.DeleteJob(pb.DeleteJobRequest(name=n))
+        assert last.job.name == n
+    assert not (await jm.ListJobs(pb.ListJobsRequest(filter=f"labels.page={tag}"))).jobs
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await jm.DeleteJob(pb.DeleteJobRequest(name=names[0]))
+    assert error_info(ei.value).reason == "JOB_NOT_FOUND"  # type: ignore[union-attr]
+    assert not (await jm.DeleteJob(pb.DeleteJobRequest(name=names[0], allow_missing=True))).HasField("job")
+
+
+async def test_expired_token_is_out_of_range(stack: Stack, cluster: str, etcd: EtcdServer) -> None:
+    # A second JobManager with a 5-event buffer, on a prefix of its own.
+    small = ServiceProcess("job_manager", ["--etcd", etcd.endpoint, "--prefix",
+                                           f"/dlsched-jm-small-{uuid.uuid4().hex[:6]}/",
+                                           "--cluster-manager", stack.cm.address,
+                                           "--watch-buffer", "5"], name="jm-small").start()
+    try:
+        async with grpc.aio.insecure_channel(small.address) as ch:
+            jm = pb_grpc.JobManagerServiceStub(ch)
+            call = jm.WatchJobs(pb.WatchJobsRequest())
+            token = ""
+            async for ev in call:
+                if ev.type == S.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE:
+                    token = ev.resume_token
+                    break
+            call.cancel()
+            for i in range(4):
+                j = (await jm.SubmitJob(pb.SubmitJobRequest(job_id=f"x{i}", spec=single("pass")))).job
+                await jm.StopJob(pb.StopJobRequest(name=j.name))
+                await jm.DeleteJob(pb.DeleteJobRequest(name=j.name, allow_missing=True))
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                async for _ in jm.WatchJobs(pb.WatchJobsRequest(resume_token=token)):
+                    pass
+            assert ei.value.code() == grpc.StatusCode.OUT_OF_RANGE
+            assert error_info(ei.value).reason == "WATCH_TOKEN_EXPIRED"  # type: ignore[union-attr]
+    finally:
+        small.stop()
+
+
+async def test_jobs_survive_job_manager_sigkill(stack: Stack, cluster: str) -> None:
+    assert stack.jm is not None
+    mdir = tempfile.mkdtemp(prefix="jm-restart-")
+    code = f"""
+        import os, sys, time
+        open(os.path.join({mdir!r}, sys.argv[1]), "a").write("start\\n")
+        time.sleep(2.5)
+        print("done")
+    """
+    names = []
+    async with grpc.aio.insecure_channel(stack.jm.address) as ch:
+        jm = pb_grpc.JobManagerServiceStub(ch)
+        for i in range(3):
+            spec = single(code)
+            spec.replica_groups[0].args.append(f"m{i}")
+            names.append((await jm.SubmitJob(pb.SubmitJobRequest(job_id=f"{uniq()}-{i}",
+                                                                 spec=spec))).job.name)
+        for n in names:
+            await wait_state(jm, n, {S.JOB_STATE_RUNNING})
+    stack.restart_jm(kill=True)
+    async with grpc.aio.insecure_channel(stack.jm.address) as ch:
+        jm = pb_grpc.JobManagerServiceStub(ch)
+        for n in names:
+            done = await wait_state(jm, n, TERMINAL, timeout=30)
+            assert done.state == S.JOB_STATE_SUCCEEDED and done.exit_code == 0, done
+            assert done.attempt == 1
+    await asyncio.sleep(0.5)
+    for i in range(3):
+        assert open(os.path.join(mdir, f"m{i}")).read() == "start\n"
