@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import grpc
@@ -102,7 +102,7 @@ class ClusterManagerClient:
             return hit[0]
         resp = await _unary(self._stub.GetCluster(cm_pb2.GetClusterRequest(name=cluster),
                                                   timeout=self._timeout))
-        addr = resp.cluster.driver_address
+        addr = str(resp.cluster.driver_address)
         if not addr:
             raise errors.Unavailable(f"{cluster} has no driver address",
                                      reason="DRIVER_UNAVAILABLE")
@@ -177,7 +177,8 @@ class DriverClient:
             timeout=self._timeout))
 
     async def tail_logs(self, cluster: str, job_id: str, backend_job_id: str,
-                        req: jm_pb2.StreamJobLogsRequest) -> AsyncIterator[list[job_pb2.LogEntry]]:
+                        req: jm_pb2.StreamJobLogsRequest
+                        ) -> AsyncGenerator[list[job_pb2.LogEntry], None]:
         """Log batches, passed through as protos (JobManager only relays them)."""
         treq = drv_pb2.TailJobLogsRequest(
             cluster=cluster, job=drv_pb2.JobRef(job_id=job_id, backend_job_id=backend_job_id),
@@ -199,7 +200,8 @@ class DriverClient:
         resp = await _unary(self._stub.MeasureJobUsage(drv_pb2.MeasureJobUsageRequest(
             cluster=cluster, job=drv_pb2.JobRef(job_id=job_id, backend_job_id=backend_job_id)),
             timeout=self._timeout))
-        return resp.usage
+        usage: job_pb2.JobUsage = resp.usage
+        return usage
 
     async def close(self) -> None:
         await self._channel.close()

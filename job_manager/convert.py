@@ -167,7 +167,8 @@ def job_to_bytes(j: Job) -> bytes:
     """The stored form: the Job proto without its etag (the etag is the mod revision)."""
     p = job_to_proto(j)
     p.etag = ""
-    return p.SerializeToString(deterministic=True)
+    data: bytes = p.SerializeToString(deterministic=True)
+    return data
 
 
 def job_from_bytes(data: bytes, mod_revision: int = 0) -> Job:

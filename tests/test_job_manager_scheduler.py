@@ -1,0 +1,177 @@
+# ruff: noqa: ASYNC109, ASYNC110  -- polling etcd state in tests
+"""The scheduler's launcher and tracker with fake ClusterManager and driver
+clients over a real etcd: retry while the driver is down, refusal, a stop
+that races the launch, a job the backend lost."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from dlsched import errors
+from dlsched.kit.etcd import connect
+from job_manager.domain.model import (
+    Candidate,
+    JobSpec,
+    JobState,
+    NativeSpec,
+    Observation,
+    ReplicaGroup,
+)
+from job_manager.scheduler import Scheduler, SchedulerConfig
+from job_manager.store import JobStore
+from tests.harness import EtcdServer
+
+CLUSTER = "clusters/fake"
+
+
+class FakeCM:
+    async def match(self, spec: JobSpec) -> list[Candidate]:
+        return [Candidate(CLUSTER, eligible=True, driver_address="fake:1")]
+
+    async def driver_address(self, cluster: str) -> str:
+        return "fake:1"
+
+    def forget(self, cluster: str) -> None:
+        pass
+
+
+class FakeDriver:
+    def __init__(self) -> None:
+        self.launch_errors: list[errors.DlschedError] = []
+        self.launches: list[tuple[str, int]] = []
+        self.terminated: list[str] = []
+        self.known: set[str] = set()
+        self.launch_gate: asyncio.Event | None = None
+        self.events: asyncio.Queue[Observation | None] = asyncio.Queue()
+
+    async def launch(self, cluster: str, job_id: str, spec: JobSpec,
+                     attempt: int) -> tuple[str, Observation | None]:
+        if self.launch_gate is not None:
+            await self.launch_gate.wait()
+        if self.launch_errors:
+            raise self.launch_errors.pop(0)
+        self.launches.append((job_id, attempt))
+        self.known.add(job_id)
+        return f"b-{job_id}-{attempt}", Observation(job_id, f"b-{job_id}-{attempt}",
+                                                    state=JobState.QUEUED, attempt=attempt)
+
+    async def render(self, cluster: str, job_id: str, spec: JobSpec) -> NativeSpec:
+        return NativeSpec("application/json", "{}")
+
+    async def terminate(self, cluster: str, job_id: str, backend_job_id: str,
+                        grace_seconds: float) -> Observation | None:
+        self.terminated.append(job_id)
+        return None
+
+    async def batch_get(self, cluster: str, refs: list[tuple[str, str]]) -> list[Observation]:
+        return [Observation(j, b, found=j in self.known, state=JobState.RUNNING, attempt=1)
+                if j in self.known else Observation(j, b, found=False) for j, b in refs]
+
+    async def watch(self, cluster: str) -> AsyncIterator[Observation | None]:
+        yield None  # empty snapshot
+        while True:
+            yield await self.events.get()
+
+    async def cleanup(self, cluster: str, job_id: str, backend_job_id: str) -> None:
+        pass
+
+
+class FakePool:
+    def __init__(self, drv: FakeDriver) -> None:
+        self.drv = drv
+
+    def get(self, address: str) -> Any:
+        return self.drv
+
+
+@pytest.fixture
+async def env(etcd: EtcdServer, etcd_prefix: str) -> AsyncIterator[tuple[Scheduler, FakeDriver]]:
+    client = await connect(etcd.endpoint)
+    drv = FakeDriver()
+    sched = Scheduler(JobStore(client, etcd_prefix), FakeCM(), FakePool(drv),  # type: ignore[arg-type]
+                      SchedulerConfig(retry_initial_seconds=0.05, retry_max_seconds=0.1))
+    yield sched, drv
+    await sched.close()
+    await client.close()
+
+
+SPEC = JobSpec(run_mode=1, replica_groups=[ReplicaGroup(role="m", replicas=1, command=["x"])])
+
+
+async def until(pred: Any, timeout: float = 5) -> None:
+    async with asyncio.timeout(timeout):
+        while not await pred():
+            await asyncio.sleep(0.02)
+
+
+async def test_unreachable_driver_leaves_job_pending_and_retries(env: Any) -> None:
+    sched, drv = env
+    drv.launch_errors = [errors.Unavailable("down"), errors.Unavailable("down")]
+    job, _ = await sched.submit("a", SPEC, "r", dry_run=False, spec_bytes=10)
+    assert job.state == JobState.PENDING and job.reason == "DriverUnavailable"
+    assert not job.launched
+
+    async def launched() -> bool:
+        return (await sched.store.get("a")).launched
+    await until(launched)
+    j = await sched.store.get("a")
+    assert j.state == JobState.QUEUED and j.reason == "" and drv.launches == [("a", 1)]
+    # A retried submit of a launched job launches nothing.
+    again, _ = await sched.submit("", SPEC, "r", dry_run=False, spec_bytes=10)
+    assert again.id == "a" and drv.launches == [("a", 1)]
+
+
+async def test_refused_launch_fails_the_job(env: Any) -> None:
+    sched, drv = env
+    drv.launch_errors = [errors.InvalidArgument("no such mode")]
+    job, _ = await sched.submit("b", SPEC, "", dry_run=False, spec_bytes=10)
+    assert job.state == JobState.FAILED and job.reason == "LaunchRejected"
+    assert drv.launches == []
+
+
+async def test_stop_during_launch_terminates_backend_job(env: Any) -> None:
+    sched, drv = env
+    drv.launch_gate = asyncio.Event()
+    submit = asyncio.create_task(sched.submit("c", SPEC, "", dry_run=False, spec_bytes=10))
+    await asyncio.sleep(0.2)
+    stopped = await sched.stop("c")
+    assert stopped.state == JobState.STOPPED
+    drv.launch_gate.set()
+    job, _ = await submit
+    assert job.state == JobState.STOPPED
+
+    async def terminated() -> bool:
+        return drv.terminated == ["c"]
+    await until(terminated)
+
+
+async def test_driver_losing_a_job_fails_it_after_snapshot(env: Any) -> None:
+    sched, drv = env
+    await sched.submit("d", SPEC, "", dry_run=False, spec_bytes=10)
+    drv.known.discard("d")  # the backend forgot it
+    sched._trackers.pop(CLUSTER).cancel()  # reconnect: a fresh snapshot without "d"
+    sched.ensure_tracking(CLUSTER)
+
+    async def lost() -> bool:
+        return (await sched.store.get("d")).reason == "LostByBackend"
+    await until(lost)
+    assert (await sched.store.get("d")).state == JobState.FAILED
+
+
+async def test_late_observations_never_reopen_a_terminal_job(env: Any) -> None:
+    sched, drv = env
+    await sched.submit("e", SPEC, "", dry_run=False, spec_bytes=10)
+    b = "b-e-1"
+    drv.events.put_nowait(Observation("e", b, state=JobState.SUCCEEDED, exit_code=0, attempt=1))
+    drv.events.put_nowait(Observation("e", b, state=JobState.RUNNING, attempt=1))
+
+    async def drained() -> bool:
+        return drv.events.empty() and (await sched.store.get("e")).state.is_terminal()
+    await until(drained)
+    await asyncio.sleep(0.1)
+    j = await sched.store.get("e")
+    assert j.state == JobState.SUCCEEDED and j.exit_code == 0
