@@ -74,14 +74,16 @@ async def amain(cfg: Config) -> None:
                       JobManagerServicer(scheduler, hub), "dlsched.v1.JobManagerService")],
         announce_as="job-manager")
 
+    async def before_stop() -> None:
+        await hub.stop()  # ends open WatchJobs streams now; clients resume elsewhere
+
     async def on_stop() -> None:
-        await hub.stop()
         await scheduler.close()
         await cm.close()
         await drivers.close()
         await client.close()
 
-    await serve_until_signal(running, on_stop=on_stop)
+    await serve_until_signal(running, before_stop=before_stop, on_stop=on_stop)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -15,8 +15,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import grpc
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from dlsched import errors
 from dlsched.kit.rpc_errors import from_rpc_error
@@ -58,16 +56,7 @@ _CHANNEL_OPTIONS = [
 
 def translate(exc: grpc.RpcError) -> errors.DlschedError:
     """A failed call as the dlsched error it carries, details included."""
-    err = from_rpc_error(exc)
-    if isinstance(err, errors.FailedPrecondition):
-        st = rpc_status.from_call(exc)  # type: ignore[arg-type]
-        if st is not None:
-            for d in st.details:
-                if d.Is(error_details_pb2.PreconditionFailure.DESCRIPTOR):
-                    pf = error_details_pb2.PreconditionFailure()
-                    d.Unpack(pf)
-                    err.violations.extend((v.subject, v.description) for v in pf.violations)
-    return err
+    return from_rpc_error(exc)
 
 
 async def _unary(call: Awaitable[T]) -> T:

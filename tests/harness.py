@@ -41,7 +41,7 @@ class EtcdServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> EtcdServer:
-        log = open(os.path.join(self.dir, "etcd.log"), "wb")
+        log = open(os.path.join(self.dir, "etcd.log"), "wb")  # noqa: SIM115 - held by etcd
         self.proc = subprocess.Popen(
             [
                 find_etcd_binary(),
@@ -62,9 +62,10 @@ class EtcdServer:
             try:
                 with socket.create_connection(("127.0.0.1", self.client_port), timeout=0.2):
                     return self
-            except OSError:
+            except OSError as e:
                 if self.proc.poll() is not None:
-                    raise RuntimeError("etcd exited: " + open(os.path.join(self.dir, "etcd.log")).read())
+                    with open(os.path.join(self.dir, "etcd.log")) as f:
+                        raise RuntimeError("etcd exited: " + f.read()) from e
                 time.sleep(0.05)
         raise RuntimeError("etcd did not start")
 
@@ -96,17 +97,18 @@ class ServiceProcess:
     def start(self, timeout: float = 30) -> ServiceProcess:
         if os.path.exists(self.port_file):
             os.unlink(self.port_file)
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", self.module, "--listen", "127.0.0.1:0",
-             "--port-file", self.port_file, *self.args],
-            stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=str(ROOT),
-            start_new_session=True,
-        )
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", self.module, "--listen", "127.0.0.1:0",
+                 "--port-file", self.port_file, *self.args],
+                stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=str(ROOT),
+                start_new_session=True,
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if os.path.exists(self.port_file):
-                self.address = open(self.port_file).read().strip()
+                with open(self.port_file) as f:
+                    self.address = f.read().strip()
                 return self
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited {self.proc.returncode}:\n{self.log()}")

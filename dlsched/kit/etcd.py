@@ -23,10 +23,10 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-async def connect(endpoint: str, *, timeout: float = 5.0) -> aetcd.Client:
+async def connect(endpoint: str, *, rpc_timeout: float = 5.0) -> aetcd.Client:
     """A connected aetcd client for ``endpoint``."""
     host, port = parse_endpoint(endpoint)
-    client = aetcd.Client(host=host, port=port, timeout=timeout)
+    client = aetcd.Client(host=host, port=port, timeout=rpc_timeout)
     await client.connect()
     return client
 

@@ -201,4 +201,22 @@ def from_rpc_error(exc: grpc.RpcError, *, default_reason: str | None = None) -> 
     if cls is errors.InvalidArgument:
         vs = [errors.FieldViolation(v.field, v.description) for v in field_violations(exc)]
         return errors.InvalidArgument(details or name, vs, reason=reason, metadata=md)
+    if cls is errors.FailedPrecondition:
+        return errors.FailedPrecondition(
+            details or name, precondition_violations(exc), reason=reason, metadata=md
+        )
     return cls(details or name, reason=reason, metadata=md)
+
+
+def precondition_violations(exc: grpc.RpcError) -> list[tuple[str, str]]:
+    """The PreconditionFailure violations of a failed call, as (subject, description)."""
+    st = rpc_status.from_call(exc)  # type: ignore[arg-type]
+    out: list[tuple[str, str]] = []
+    if st is None:
+        return out
+    for d in st.details:
+        if d.Is(error_details_pb2.PreconditionFailure.DESCRIPTOR):
+            pf = error_details_pb2.PreconditionFailure()
+            d.Unpack(pf)
+            out.extend((v.subject, v.description) for v in pf.violations)
+    return out

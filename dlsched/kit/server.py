@@ -61,12 +61,19 @@ class RunningServer:
         self.grace = grace
         self._stopped = False
 
-    async def stop(self) -> None:
+    async def stop(self, before_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+        """Health NOT_SERVING, then ``before_stop`` (e.g. end open streams), then
+        ``server.stop(grace)``: in-flight unary calls get the grace period."""
         if self._stopped:
             return
         self._stopped = True
         for name in [*self.names, ""]:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if before_stop is not None:
+            try:
+                await before_stop()
+            except Exception:  # noqa: BLE001 - shutdown goes on
+                log.exception("before_stop hook failed")
         await self.server.stop(self.grace)
 
 
@@ -117,9 +124,15 @@ def _announce(service: str, address: str, port_file: str | None) -> None:
 async def serve_until_signal(
     running: RunningServer,
     *,
+    before_stop: Callable[[], Awaitable[None]] | None = None,
     on_stop: Callable[[], Awaitable[None]] | None = None,
 ) -> None:
-    """Serve until SIGTERM or SIGINT, then shut down gracefully."""
+    """Serve until SIGTERM or SIGINT, then shut down gracefully.
+
+    ``before_stop`` runs once health is NOT_SERVING and before the grace
+    period (a service ends its long-lived streams there, so clients reconnect
+    at once); ``on_stop`` runs after the server has stopped (close clients).
+    """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -129,7 +142,7 @@ async def serve_until_signal(
     await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
     log.info("shutting down (grace %.1fs)", running.grace)
     try:
-        await running.stop()
+        await running.stop(before_stop)
     finally:
         if on_stop is not None:
             await on_stop()
