@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 import pytest
 
-from dlsched.errors import InvalidArgument, Unavailable, Unimplemented
+from dlsched.errors import InvalidArgument, Unavailable
 from dlsched.kit.rpc_errors import error_info
 from dlsched.kit.server import Registration, ServerOptions, start_server
 from dlsched.v1 import driver_service_pb2 as dpb
@@ -69,8 +69,9 @@ def test_planner_checks_run_mode_structure():
     with pytest.raises(InvalidArgument) as ei:
         env.check_run_mode(base.JobSpec(run_mode=base.RunMode.MULTI_PROCESS, replica_groups=(g,)))
     assert ei.value.violations[0].field == "spec.replica_groups[0].role"
-    with pytest.raises(Unimplemented):
+    with pytest.raises(InvalidArgument) as ei:
         env.check_run_mode(base.JobSpec(run_mode=base.RunMode.PS_WORKER, replica_groups=(g,)))
+    assert ei.value.violations[0].field == "spec.replica_groups[0].role"
 
 
 class _MinimalDriver(base.Driver):

@@ -92,7 +92,7 @@ def grace_seconds(pb: duration_pb2.Duration, present: bool, field: str = "grace_
 
 def job_spec(pb: job_pb2.JobSpec, present: bool, field: str = "spec") -> base.JobSpec:
     """Validate and convert a JobSpec (structure only; run-mode rules live in
-    ``drivers.common.env``)."""
+    ``drivers.common.planner``)."""
     if not present:
         raise InvalidArgument.for_field(field, "required")
     vs: list[FieldViolation] = []

@@ -1,6 +1,6 @@
 """``LocalDriver``: jobs as process groups on the driver's host.
 
-Each process of a job (one per slot, see ``drivers.common.env``) is started in
+Each process of a job (one per slot, see ``drivers.common.planner``) is started in
 exec form (never a shell) in a session of its own (``start_new_session``), so
 its pid is the id of a process group that holds everything it forks. Its
 environment is the driver's, plus the planner's variables, plus the user's.
@@ -11,8 +11,27 @@ pipe closes, and every change is published at once to the watchers through an
 ``ObservationHub``. When a process exits, what is left of its process group
 is killed, so a job's end means all of its processes are gone.
 
-Success rule (SINGLE_PROCESS and MULTI_PROCESS): the job SUCCEEDS when every
-process exits 0. When one fails, the job records it (reason ``NonZeroExit``,
+Run modes: all five, planned by ``drivers.common.planner`` with every
+replica on this host (``127.0.0.1``, node rank 0). At launch the driver picks
+free ports on the host (one ``MASTER_PORT`` per MULTI_PROCESS / MASTER_WORKER
+job, one task port per ps / worker / chief replica of a PS_WORKER job) and,
+for replicas asking for GPUs, distinct GPU indices from ``nvidia-smi`` that no
+running job holds (``CUDA_VISIBLE_DEVICES``; too few is FAILED_PRECONDITION
+``GPUS_UNAVAILABLE``). MPI runs the launcher under the ``mpirun`` found on
+the driver's PATH with ``--oversubscribe --bind-to none`` (plus
+``--allow-run-as-root`` as root) and the hostfile in the attempt directory;
+its workers are placeholders: nothing is started for them (mpirun starts
+every rank on this host), they report RUNNING while the launcher runs and
+end with it. Without ``mpirun`` an MPI launch (or render) is
+FAILED_PRECONDITION ``MPI_NOT_AVAILABLE`` and ``supported_run_modes`` omits
+MPI.
+
+Success rule (the plan's ``SuccessRule``): the job SUCCEEDS once every
+process of the deciding roles exits 0 (every role for SINGLE_PROCESS,
+MULTI_PROCESS and MASTER_WORKER; the workers, or the chief, for PS_WORKER;
+the launcher for MPI); processes of the other roles still running are then
+stopped (SIGTERM, SIGKILL after the grace) and end STOPPED, not failed. A
+process that fails before that fails the job. When one fails, the job records it (reason ``NonZeroExit``,
 its exit code) and stops the others (SIGTERM, SIGKILL after the default
 grace); it reports FAILED once all are gone, so a retry never overlaps the
 failed attempt. ``terminate``: STOPPING, SIGTERM to every process group,
@@ -86,8 +105,14 @@ from drivers.common.base import (
     WatchEvent,
 )
 from drivers.common.convert import ID_RE
-from drivers.common.env import DEFAULT_MASTER_PORT, PLANNED_RUN_MODES
 from drivers.common.hub import ObservationHub
+from drivers.common.planner import (
+    ALL_RUN_MODES,
+    DEFAULT_MASTER_PORT,
+    TORCH_MODES,
+    MpiNotAvailable,
+    assign_gpus,
+)
 from drivers.local import procfs, render, states
 from drivers.local.logfile import LineWriter, LogFileReader
 
@@ -144,8 +169,13 @@ class _Slot:
         self.peak_bytes = 0
 
     @property
+    def placeholder(self) -> bool:
+        return self.plan.placeholder
+
+    @property
     def running(self) -> bool:
-        return self.state is ReplicaState.RUNNING
+        """A started process that has not ended (placeholders have none)."""
+        return self.state is ReplicaState.RUNNING and not self.plan.placeholder
 
 
 class _Job:
@@ -168,6 +198,7 @@ class _Job:
         self.stop_requested = False
         self.stop_final: tuple[JobState, str] | None = None
         self.stop_signalled = False
+        self.succeeding = False  # the deciding roles succeeded; the rest are being stopped
         self.failure: tuple[str, int, int, str] | None = None
         self.kill_handle: asyncio.TimerHandle | None = None
         self.kill_deadline: float | None = None
@@ -184,6 +215,13 @@ class _Job:
 
     def ended(self) -> bool:
         return self.done.is_set() and self.logs_done.is_set()
+
+    def gpus_held(self) -> set[str]:
+        out: set[str] = set()
+        for s in self.slots:
+            if v := s.plan.env.get("CUDA_VISIBLE_DEVICES"):
+                out.update(v.split(","))
+        return out
 
     def requested(self) -> tuple[float, int]:
         """(CPUs, GPUs) the job asks for while it runs."""
@@ -240,10 +278,18 @@ class _SlotProtocol(asyncio.SubprocessProtocol):
         self._driver._process_exited(self._job, self._slot, rc)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((render.LOCAL_HOST, 0))
-        return int(s.getsockname()[1])
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports (all bound at once, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            socks.append(s)
+            s.bind((render.LOCAL_HOST, 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _killpg(pgid: int | None, sig: int) -> None:
@@ -266,6 +312,11 @@ class LocalDriver(Driver):
         self._jobs: dict[str, _Job] = {}
         self._hub = ObservationHub()
         self._gpu_cache: tuple[float, list[tuple[str, int]]] | None = None
+        path = self._base_env.get("PATH", os.defpath)
+        self._mpirun = shutil.which("mpirun", path=path)
+        self._mpirun_args = ["--oversubscribe", "--bind-to", "none"]
+        if os.geteuid() == 0:
+            self._mpirun_args.insert(0, "--allow-run-as-root")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -342,22 +393,48 @@ class LocalDriver(Driver):
             max_gpus_per_node=gpus_total,
         )
         return ClusterInfo(state=ClusterState.READY, capacity=cap,
-                           supported_run_modes=PLANNED_RUN_MODES,
+                           supported_run_modes=self._run_modes(),
                            driver_version=f"local/{__version__}")
 
     # ------------------------------------------------------------------ render / launch
 
-    def _plan(self, job_id: str, spec: JobSpec, attempt: int, master_port: int) -> render.LocalPlan:
+    def _run_modes(self) -> tuple[RunMode, ...]:
+        return tuple(m for m in ALL_RUN_MODES if m is not RunMode.MPI or self._mpirun is not None)
+
+    def _plan(self, job_id: str, spec: JobSpec, attempt: int, *, launch: bool,
+              gpus: Mapping[tuple[str, int], tuple[str, ...]] | None = None) -> render.LocalPlan:
+        if spec.run_mode is RunMode.MPI and self._mpirun is None:
+            raise MpiNotAvailable("no mpirun on the local driver's PATH")
+        master_port, ports = DEFAULT_MASTER_PORT, {}
+        if launch:
+            keys = [(g.role, r) for g in spec.replica_groups for r in range(g.replicas)
+                    if spec.run_mode is RunMode.PS_WORKER and g.role != "evaluator"]
+            free = _free_ports(len(keys) + 1)
+            ports = dict(zip(keys, free[1:], strict=True))
+            if spec.run_mode in TORCH_MODES:
+                master_port = free[0]
         plan = render.plan_job(job_id, spec, attempt=attempt, state_dir=self._state_dir,
-                               master_port=master_port)
+                               master_port=master_port, ports=ports, gpus=gpus,
+                               mpirun=self._mpirun or "mpirun", mpirun_args=self._mpirun_args)
         if len(plan.processes) > MAX_PROCESSES:
             raise InvalidArgument.for_field(
                 "spec.replica_groups", f"the local driver runs at most {MAX_PROCESSES} processes per job")
         return plan
 
+    async def _assign_gpus(self, spec: JobSpec) -> dict[tuple[str, int], tuple[str, ...]]:
+        requests = [(g.role, r, g.resources.gpus) for g in spec.replica_groups for r in range(g.replicas)]
+        if not any(n > 0 for *_, n in requests):
+            return {}
+        inventory = [str(i) for i in range(len(await self._gpus()))]
+        held: set[str] = set()
+        for j in self._jobs.values():
+            if not j.state.is_terminal():
+                held |= j.gpus_held()
+        return assign_gpus(inventory, sorted(held), requests)
+
     async def render(self, cluster: str, job_id: str, spec: JobSpec) -> NativeSpec:
         self._require(cluster)
-        return render.to_native_spec(self._plan(job_id, spec, 1, DEFAULT_MASTER_PORT))
+        return render.to_native_spec(self._plan(job_id, spec, 1, launch=False))
 
     async def launch(self, cluster: str, job_id: str, spec: JobSpec, attempt: int) -> LaunchResult:
         self._require(cluster)
@@ -376,8 +453,11 @@ class LocalDriver(Driver):
                 raise FailedPrecondition(f"attempt {prev.attempt} of job {job_id!r} has not ended",
                                          reason="PREVIOUS_ATTEMPT_ACTIVE",
                                          metadata={"attempt": str(prev.attempt)})
-        multi = spec.run_mode is RunMode.MULTI_PROCESS
-        plan = self._plan(job_id, spec, attempt, _free_port() if multi else DEFAULT_MASTER_PORT)
+        gpus = await self._assign_gpus(spec)
+        prev = self._jobs.get(job_id)  # a concurrent launch may have won during the await
+        if prev is not None and prev.attempt >= attempt:
+            return await self.launch(cluster, job_id, spec, attempt)
+        plan = self._plan(job_id, spec, attempt, launch=True, gpus=gpus)
         job = _Job(cluster, job_id, attempt, spec, plan, render.to_native_spec(plan))
         self._jobs[job_id] = job  # before any await: a concurrent retry finds it
         try:
@@ -394,6 +474,9 @@ class LocalDriver(Driver):
 
     def _prepare(self, job: _Job) -> None:
         os.makedirs(job.dir, exist_ok=True)
+        for name, content in job.plan.files.items():
+            with open(os.path.join(job.dir, name), "w") as f:
+                f.write(content)
         for s in job.slots:
             for stream in (LogStream.STDOUT, LogStream.STDERR):
                 open(s.plan.log_path(stream), "ab").close()
@@ -405,6 +488,10 @@ class LocalDriver(Driver):
             if job.stop_signalled:
                 slot.state = ReplicaState.STOPPED
                 slot.message = "not started: the job is stopping"
+                continue
+            if slot.placeholder:
+                slot.state = ReplicaState.RUNNING
+                slot.message = "placeholder: mpirun starts this host's ranks"
                 continue
             argv, p = slot.plan.argv, slot.plan
             env = {**self._base_env, **p.env}
@@ -460,7 +547,14 @@ class LocalDriver(Driver):
                     job.message = f"{slot.plan.role}-{slot.plan.index} exited with code {code}; stopping the rest"
                     self._signal_stop(job, self._grace)
         elif slot.state is ReplicaState.STOPPED:
-            slot.message = "stopped by dlsched"
+            slot.message = "stopped: the job succeeded" if job.succeeding else "stopped by dlsched"
+        elif (slot.state is ReplicaState.SUCCEEDED and not job.succeeding and job.failure is None
+              and not job.stop_requested and job.plan.decides(slot.plan.role)
+              and all(s.state is ReplicaState.SUCCEEDED for s in job.slots if job.plan.decides(s.plan.role))):
+            job.succeeding = True
+            if any(s.running for s in job.slots):
+                job.message = f"{job.plan.success_description}: stopping the rest"
+                self._signal_stop(job, self._grace)
         self._maybe_finish(job)
 
     def _pipe_closed(self, job: _Job) -> None:
@@ -483,11 +577,16 @@ class LocalDriver(Driver):
         if not job.started.is_set() and any(s.state is ReplicaState.PENDING for s in job.slots):
             self._publish(job)
             return
-        if any(not s.state.is_terminal() for s in job.slots):
+        if any(not s.state.is_terminal() for s in job.slots if not s.placeholder):
             self._publish(job)
             return
         out = states.job_outcome(stop_requested=job.stop_requested, stop_final=job.stop_final,
-                                 failure=job.failure)
+                                 failure=job.failure, success_message=job.plan.success_description)
+        for s in job.slots:
+            if s.placeholder and not s.state.is_terminal():
+                ok = out.state is JobState.SUCCEEDED
+                s.state = ReplicaState.SUCCEEDED if ok else ReplicaState.STOPPED
+                s.message = "placeholder: ended with the launcher"
         job.state, job.reason, job.message, job.exit_code = out.state, out.reason, out.message, out.exit_code
         job.end_time = time.time()
         for h in (job.kill_handle, job.limit_handle):
@@ -520,7 +619,7 @@ class LocalDriver(Driver):
                 _killpg(s.pid, signal.SIGKILL)
 
     def _time_limit(self, job: _Job) -> None:
-        if job.state.is_terminal() or job.stop_requested or job.failure is not None:
+        if job.state.is_terminal() or job.stop_requested or job.failure is not None or job.succeeding:
             return
         job.stop_requested = True
         job.stop_final = (JobState.FAILED, states.REASON_TIME_LIMIT)
@@ -579,8 +678,8 @@ class LocalDriver(Driver):
         job = self._find(cluster, ref)
         if job is None:
             return JobObservation.not_found(ref)
-        if job.state.is_terminal():
-            return self._observe(job)
+        if job.state.is_terminal() or job.succeeding:
+            return self._observe(job)  # a succeeding job is already stopping the rest
         grace = self._grace if grace_seconds is None else grace_seconds
         if not job.stop_requested and job.failure is None:
             job.stop_requested = True
@@ -719,13 +818,7 @@ class LocalDriver(Driver):
         return out
 
     def _job_from_record(self, rec: dict[str, Any]) -> _Job:
-        spec = json.loads(rec["native_spec"])
-        procs = tuple(render.ProcessPlan(
-            role=p["role"], index=p["index"], rank=p["rank"], argv=tuple(p["argv"]), env=p["env"],
-            cwd=p["cwd"], stdout=p["stdout"], stderr=p["stderr"]) for p in spec["processes"])
-        plan = render.LocalPlan(job_id=rec["job_id"], attempt=rec["attempt"],
-                                backend_job_id=rec["backend_job_id"], run_mode=spec["run_mode"],
-                                time_limit_seconds=spec.get("time_limit_seconds"), processes=procs)
+        plan = render.plan_from_json(json.loads(rec["native_spec"]))
         job = _Job(rec["cluster"], rec["job_id"], rec["attempt"], None, plan,
                    NativeSpec(render.MEDIA_TYPE, rec["native_spec"]))
         job.state = JobState[rec["state"]]

@@ -10,13 +10,21 @@ planner's variables (``drivers.common.env``), plus the user's ``env`` (last).
 The JSON lists only the added variables (``"inherit_env": true``), so a
 render never leaks the driver's environment.
 
-``MASTER_PORT``: ``RenderJob`` shows 29500; ``LaunchJob`` picks a free port
-at launch and returns the plan it actually started in
-``LaunchJobResponse.native_spec``.
+Ports: ``RenderJob`` shows ``MASTER_PORT`` 29500 and PS-Worker task ports
+2222; ``LaunchJob`` picks free ports on the host at launch (one master port
+per job; one port per ps / worker / chief replica) and returns the plan it
+actually started in ``LaunchJobResponse.native_spec``.
+
+Run modes beyond "every process must exit 0" add a ``"success"`` object
+(the roles that decide success, the roles stopped after it); MPI adds
+``"files": {"hostfile": ...}``, written to ``attempt-{n}/hostfile`` before
+the launcher starts, and marks its worker processes ``"placeholder": true``
+(hosts for mpirun's ranks: the local driver starts nothing for them).
 
 Files, under the state dir::
 
     jobs/{job_id}/attempt-{n}/record.json         the job's record (driver.py)
+    jobs/{job_id}/attempt-{n}/hostfile            MPI only
     jobs/{job_id}/attempt-{n}/{role}-{index}.stdout|.stderr
 
 Log files hold one line per output line, ``<unix-nanos> <text>\\n``: the
@@ -32,10 +40,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from drivers.common import env as planner
+from drivers.common import planner
 from drivers.common.base import JobSpec, LogStream, NativeSpec
 
 MEDIA_TYPE = "application/json"
@@ -53,6 +62,7 @@ class ProcessPlan:
     cwd: str
     stdout: str
     stderr: str
+    placeholder: bool = False
 
     def log_path(self, stream: LogStream) -> str:
         return self.stdout if stream is LogStream.STDOUT else self.stderr
@@ -66,6 +76,17 @@ class LocalPlan:
     run_mode: str
     time_limit_seconds: float | None
     processes: tuple[ProcessPlan, ...]
+    decisive_roles: frozenset[str] = frozenset()  # empty: every role
+    stopped_after_success: frozenset[str] = frozenset()
+    success_description: str = "every process exited 0"
+    files: Mapping[str, str] = field(default_factory=dict)
+
+    def decides(self, role: str) -> bool:
+        return not self.decisive_roles or role in self.decisive_roles
+
+    @property
+    def hostfile(self) -> str:
+        return os.path.join(os.path.dirname(self.processes[0].stdout), planner.HOSTFILE) if self.processes else ""
 
 
 def backend_job_id(job_id: str, attempt: int) -> str:
@@ -86,27 +107,52 @@ def log_path(state_dir: str, job_id: str, attempt: int, role: str, index: int,
 
 
 def plan_job(job_id: str, spec: JobSpec, *, attempt: int, state_dir: str,
-             master_port: int = planner.DEFAULT_MASTER_PORT) -> LocalPlan:
-    """The launch plan; raises InvalidArgument / Unimplemented for bad run modes."""
-    placements = [planner.Placement(role=g.role, replica_index=r, host=LOCAL_HOST, node_rank=0)
+             master_port: int = planner.DEFAULT_MASTER_PORT,
+             ports: Mapping[tuple[str, int], int] | None = None,
+             gpus: Mapping[tuple[str, int], tuple[str, ...]] | None = None,
+             mpirun: str = planner.MPIRUN, mpirun_args: Sequence[str] = ()) -> LocalPlan:
+    """The launch plan; raises InvalidArgument for specs the run mode rejects.
+
+    Every replica is placed on this host (node rank 0); ``ports`` and
+    ``gpus`` are per (role, replica index).
+    """
+    ports, gpus = ports or {}, gpus or {}
+    placements = [planner.Placement(role=g.role, replica_index=r, host=LOCAL_HOST, node_rank=0,
+                                    port=ports.get((g.role, r), 0), gpus=gpus.get((g.role, r), ()))
                   for g in spec.replica_groups for r in range(g.replicas)]
-    launches = planner.plan_processes(job_id, spec, placements, master_port=master_port)
     adir = attempt_dir(state_dir, job_id, attempt)
+    jp = planner.plan_job(job_id, spec, placements, master_port=master_port,
+                          hostfile_path=os.path.join(adir, planner.HOSTFILE),
+                          mpirun=mpirun, mpirun_args=mpirun_args)
     procs = []
-    for p in launches:
+    for p in jp.processes:
         cwd = os.path.normpath(os.path.join(adir, p.working_dir)) if p.working_dir else adir
         procs.append(ProcessPlan(
             role=p.role, index=p.slot_index, rank=p.rank, argv=p.argv, env=dict(p.env), cwd=cwd,
             stdout=log_path(state_dir, job_id, attempt, p.role, p.slot_index, LogStream.STDOUT),
             stderr=log_path(state_dir, job_id, attempt, p.role, p.slot_index, LogStream.STDERR),
+            placeholder=p.placeholder,
         ))
+    all_roles = frozenset(g.role for g in spec.replica_groups)
+    decisive = jp.success.decisive_roles
     return LocalPlan(job_id=job_id, attempt=attempt, backend_job_id=backend_job_id(job_id, attempt),
                      run_mode=f"RUN_MODE_{spec.run_mode.name}",
-                     time_limit_seconds=spec.time_limit_seconds, processes=tuple(procs))
+                     time_limit_seconds=spec.time_limit_seconds, processes=tuple(procs),
+                     decisive_roles=frozenset() if decisive == all_roles else decisive,
+                     stopped_after_success=jp.success.stopped_after_success,
+                     success_description=jp.success.description, files=dict(jp.files))
+
+
+def _process_json(p: ProcessPlan) -> dict[str, object]:
+    d: dict[str, object] = {"role": p.role, "index": p.index, "rank": p.rank, "argv": list(p.argv),
+                            "env": dict(p.env), "cwd": p.cwd, "stdout": p.stdout, "stderr": p.stderr}
+    if p.placeholder:
+        d["placeholder"] = True
+    return d
 
 
 def plan_to_json(plan: LocalPlan) -> dict[str, object]:
-    return {
+    out: dict[str, object] = {
         "backend_job_id": plan.backend_job_id,
         "job_id": plan.job_id,
         "attempt": plan.attempt,
@@ -114,12 +160,32 @@ def plan_to_json(plan: LocalPlan) -> dict[str, object]:
         "time_limit_seconds": plan.time_limit_seconds,
         "inherit_env": True,
         "log_format": LOG_FORMAT,
-        "processes": [
-            {"role": p.role, "index": p.index, "rank": p.rank, "argv": list(p.argv),
-             "env": dict(p.env), "cwd": p.cwd, "stdout": p.stdout, "stderr": p.stderr}
-            for p in plan.processes
-        ],
+        "processes": [_process_json(p) for p in plan.processes],
     }
+    if plan.decisive_roles:
+        out["success"] = {"decisive_roles": sorted(plan.decisive_roles),
+                          "stopped_after_success": sorted(plan.stopped_after_success),
+                          "description": plan.success_description}
+    if plan.files:
+        out["files"] = dict(plan.files)
+    return out
+
+
+def plan_from_json(doc: Mapping[str, Any]) -> LocalPlan:
+    """The inverse of ``plan_to_json`` (reloading a record after a restart)."""
+    procs = tuple(ProcessPlan(
+        role=p["role"], index=p["index"], rank=p["rank"], argv=tuple(p["argv"]), env=p["env"],
+        cwd=p["cwd"], stdout=p["stdout"], stderr=p["stderr"], placeholder=bool(p.get("placeholder")))
+        for p in doc["processes"])
+    success: Mapping[str, Any] = doc.get("success") or {}
+    return LocalPlan(
+        job_id=doc["job_id"], attempt=doc["attempt"], backend_job_id=doc["backend_job_id"],
+        run_mode=doc["run_mode"], time_limit_seconds=doc.get("time_limit_seconds"), processes=procs,
+        decisive_roles=frozenset(success.get("decisive_roles", ())),
+        stopped_after_success=frozenset(success.get("stopped_after_success", ())),
+        success_description=success.get("description", "every process exited 0"),
+        files=dict(doc.get("files") or {}),
+    )
 
 
 def to_native_spec(plan: LocalPlan) -> NativeSpec:

@@ -7,8 +7,9 @@ success rule stopping the rest after a failure), else FAILED. Anything not
 covered (a status we cannot read) maps to FAILED with reason ``Unknown``,
 the UNKNOWN fallback.
 
-The job's state follows the run mode's success rule (SINGLE_PROCESS and
-MULTI_PROCESS alike: every process must exit 0): see ``job_outcome``.
+The job's state follows the run mode's success rule (the plan's
+``SuccessRule``; the driver stops the non-deciding roles once the deciding
+ones succeeded, and those stops are not failures): see ``job_outcome``.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ class Outcome:
 
 
 def job_outcome(*, stop_requested: bool, stop_final: tuple[JobState, str] | None,
-                failure: tuple[str, int, int, str] | None) -> Outcome:
+                failure: tuple[str, int, int, str] | None,
+                success_message: str = "every process exited 0") -> Outcome:
     """The terminal state once every process has ended.
 
     ``failure`` is the first failing process (role, index, exit code, reason);
@@ -68,4 +70,4 @@ def job_outcome(*, stop_requested: bool, stop_final: tuple[JobState, str] | None
         role, index, code, reason = failure
         how = "could not start" if reason == REASON_START_FAILED else f"exited with code {code}"
         return Outcome(JobState.FAILED, reason, f"{role}-{index} {how}", code)
-    return Outcome(JobState.SUCCEEDED, REASON_COMPLETED, "every process exited 0", 0)
+    return Outcome(JobState.SUCCEEDED, REASON_COMPLETED, success_message, 0)
