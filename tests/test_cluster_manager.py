@@ -4,6 +4,8 @@ real gRPC, and (for monitoring and matching) the real local driver."""
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 
@@ -65,8 +67,9 @@ async def stub(cm: ServiceProcess) -> AsyncIterator[pb_grpc.ClusterManagerServic
 def local_driver() -> Iterator[ServiceProcess]:
     if not HAVE_LOCAL_DRIVER:
         pytest.skip("drivers.local is not built yet")
+    # PATH without mpirun: the driver then leaves RUN_MODE_MPI out, the unsupported mode matched below.
     proc = ServiceProcess("drivers.local", ["--state-dir", tempfile.mkdtemp(prefix="cm-drv-")],
-                          name="local-driver").start()
+                          env={"PATH": os.path.dirname(sys.executable)}, name="local-driver").start()
     yield proc
     proc.stop()
 
