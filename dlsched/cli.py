@@ -608,7 +608,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.func is cmd_up:
-            return cmd_up(args)
+            return int(cmd_up(args))
         return int(asyncio.run(args.func(args)))
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

@@ -25,7 +25,7 @@ import re
 import shlex
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import grpc
 import yaml
@@ -139,7 +139,7 @@ def _precondition_violations(exc: grpc.RpcError) -> list[tuple[str, str]]:
     from google.rpc import error_details_pb2
     from grpc_status import rpc_status
 
-    st = rpc_status.from_call(exc)  # type: ignore[arg-type]
+    st = rpc_status.from_call(exc)
     out: list[tuple[str, str]] = []
     if st is None:
         return out
@@ -270,7 +270,7 @@ class JobManagerClient(_Client):
 
     def __init__(self, address: str = DEFAULT_SERVER, **kw: Any) -> None:
         super().__init__(address, **kw)
-        self.stub = jms_grpc.JobManagerServiceStub(self.channel)
+        self.stub: Any = jms_grpc.JobManagerServiceStub(self.channel)  # type: ignore[no-untyped-call,unused-ignore]
 
     async def submit_job(self, spec: job_pb2.JobSpec, *, job_id: str = "", request_id: str = "",
                          dry_run: bool = False) -> jms.SubmitJobResponse:
@@ -336,9 +336,10 @@ class JobManagerClient(_Client):
         ``since`` is a datetime, a Unix time or a Timestamp; ``streams`` holds
         ``LogStream`` values or ``"stdout"`` / ``"stderr"``.
         """
+        stream_values: list[Any] = [_log_stream(s) for s in streams]
         req = jms.StreamJobLogsRequest(
             name=job_name(name_or_id), follow=follow, tail_lines=tail_lines, role=role,
-            streams=[_log_stream(s) for s in streams])
+            streams=stream_values)
         ts = _timestamp(since)
         if ts is not None:
             req.since_time.CopyFrom(ts)
@@ -399,7 +400,7 @@ class ClusterManagerClient(_Client):
 
     def __init__(self, address: str = DEFAULT_CLUSTER_MANAGER, **kw: Any) -> None:
         super().__init__(address, **kw)
-        self.stub = cms_grpc.ClusterManagerServiceStub(self.channel)
+        self.stub: Any = cms_grpc.ClusterManagerServiceStub(self.channel)  # type: ignore[no-untyped-call,unused-ignore]
 
     async def create_cluster(self, cluster_id: str, cluster: cluster_pb2.Cluster, *,
                              request_id: str = "") -> cluster_pb2.Cluster:
@@ -529,7 +530,7 @@ def _is_repeated(f: descriptor.FieldDescriptor) -> bool:
     rep = getattr(f, "is_repeated", None)
     if rep is not None:
         return bool(rep)
-    return f.label == f.LABEL_REPEATED  # type: ignore[attr-defined]
+    return bool(f.label == f.LABEL_REPEATED)  # type: ignore[attr-defined,unused-ignore]
 
 
 def _is_map(f: descriptor.FieldDescriptor) -> bool:
@@ -559,8 +560,10 @@ def _enum_choices(enum: descriptor.EnumDescriptor) -> str:
 
 def _scalar(f: descriptor.FieldDescriptor, value: object, path: str) -> object:
     if f.type == f.TYPE_ENUM:
+        assert f.enum_type is not None
         return _enum_value(f.enum_type, value, path)
     if f.type == f.TYPE_MESSAGE:
+        assert f.message_type is not None
         full = f.message_type.full_name
         if full == "google.protobuf.Duration":
             try:
@@ -599,11 +602,12 @@ def _normalize(desc: descriptor.Descriptor, data: object, path: str) -> dict[str
     for key, value in data.items():
         key_s = str(key)
         sub = f"{path}.{key_s}" if path else key_s
-        f = by_key.get(aliases.get(key_s, key_s))
-        if f is None:
+        found = by_key.get(aliases.get(key_s, key_s))
+        if found is None:
             raise JobFileError(
                 f"unknown field for {desc.name} (known: "
                 f"{', '.join(sorted(fd.json_name for fd in desc.fields))})", sub)
+        f = found
         if f.json_name in out:
             raise JobFileError("given twice", sub)
         if _is_map(f):
@@ -611,6 +615,7 @@ def _normalize(desc: descriptor.Descriptor, data: object, path: str) -> dict[str
                 value = {}
             if not isinstance(value, dict):
                 raise JobFileError("want a mapping", sub)
+            assert f.message_type is not None
             vf = f.message_type.fields_by_name["value"]
             out[f.json_name] = {str(k): _scalar(vf, v, f"{sub}.{k}") for k, v in value.items()}
         elif _is_repeated(f):
@@ -644,7 +649,7 @@ def parse_job_dict(data: object, *, base_dir: str | None = None) -> tuple[str, j
             raise JobFileError("with a spec key, only jobId/name may stand beside it",
                                next(iter(rest)))
         doc = doc["spec"] or {}
-    body = _normalize(job_pb2.JobSpec.DESCRIPTOR, doc, "")
+    body = _normalize(cast(descriptor.Descriptor, job_pb2.JobSpec.DESCRIPTOR), doc, "")
     spec = job_pb2.JobSpec()
     try:
         json_format.ParseDict(body, spec)

@@ -359,8 +359,10 @@ async def _run(stack: LocalStack) -> int:
                   flush=True)
         return code
     finally:
+        started = bool(stack.children)
         await stack.stop()
-        print("dlsched up: stopped", file=sys.stderr, flush=True)
+        if started:
+            print("dlsched up: stopped", file=sys.stderr, flush=True)
 
 
 def main(*, data_dir: str = "./.dlsched", port: int = 50051, host: str = "127.0.0.1",
