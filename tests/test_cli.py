@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import pytest
 import yaml
 
-from dlsched.client import ClusterManagerClient, JobManagerClient
+from dlsched.client import ClusterManagerClient, JobFileError, JobManagerClient, load_job_file
 from dlsched.v1 import cluster_pb2, job_pb2
 from tests.harness import ROOT, EtcdServer, Stack
 
@@ -99,6 +99,63 @@ def single(command: list[str], **group: object) -> dict[str, object]:
 
 
 HELLO_LINES = [f"line {i} of 5" for i in range(1, 6)]
+
+
+# --------------------------------------------------------------------------- job files
+
+
+def test_job_file_shorthands_parse_into_the_spec(tmp_path: pathlib.Path) -> None:
+    p = tmp_path / "job.yaml"
+    p.write_text(
+        "jobId: train-1\n"
+        "run_mode: multi_process\n"
+        "timeLimit: 1h30m\n"
+        "clusterSelector: {clusterType: local, labels: {zone: 1}}\n"
+        "replicaGroups:\n"
+        "  - role: worker\n"
+        "    replicas: 2\n"
+        "    command: python3 train.py --lr 0.1\n"
+        "    workingDir: code\n"
+        "    env: {SEED: 7, DEBUG: true}\n"
+        "    resources: {cpu: 1.5, memory: 4Gi, gpus: 1}\n")
+    job_id, spec = load_job_file(p)
+    assert job_id == "train-1"
+    assert spec.run_mode == job_pb2.RUN_MODE_MULTI_PROCESS
+    assert spec.time_limit.seconds == 5400
+    assert spec.cluster_selector.cluster_type == job_pb2.CLUSTER_TYPE_LOCAL
+    assert dict(spec.cluster_selector.labels) == {"zone": "1"}
+    g = spec.replica_groups[0]
+    assert list(g.command) == ["python3", "train.py", "--lr", "0.1"]
+    assert g.working_dir == str(tmp_path / "code")
+    assert dict(g.env) == {"SEED": "7", "DEBUG": "true"}
+    assert g.resources.memory_bytes == 4 * 2**30 and g.resources.gpus == 1
+
+    # The proto JSON form itself (what `get -o yaml` prints) reads back the same.
+    p.write_text(yaml.safe_dump({"name": "jobs/train-1", "spec": {
+        "runMode": "RUN_MODE_MULTI_PROCESS", "timeLimit": "5400s",
+        "replicaGroups": [{"role": "worker", "replicas": 2, "command": ["true"],
+                           "resources": {"memoryBytes": "4294967296"}}]}}))
+    job_id, again = load_job_file(p)
+    assert job_id == "train-1"
+    assert again.time_limit.seconds == 5400
+    assert again.replica_groups[0].resources.memory_bytes == 4 * 2**30
+
+
+@pytest.mark.parametrize(("text", "field"), [
+    ("runMode: SOMETIMES\n", "runMode"),
+    ("runMode: SINGLE_PROCESS\nreplicaGroups: [{role: main, memory: 1Gi}]\n",
+     "replicaGroups[0].memory"),
+    ("replicaGroups: [{resources: {memory: 4Xi}}]\n", "replicaGroups[0].resources.memory"),
+    ("timeLimit: soon\n", "timeLimit"),
+    ("replicaGroups: [{env: [A, B]}]\n", "replicaGroups[0].env"),
+])
+def test_job_file_errors_name_the_key(tmp_path: pathlib.Path, text: str, field: str) -> None:
+    p = tmp_path / "bad.yaml"
+    p.write_text(text)
+    with pytest.raises(JobFileError) as info:
+        load_job_file(p)
+    assert info.value.field == field
+    assert info.value.reason == "INVALID_JOB_FILE"
 
 
 # --------------------------------------------------------------------------- jobs
