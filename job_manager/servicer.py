@@ -10,6 +10,7 @@ then resumes with its last token.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 from collections.abc import AsyncIterator
@@ -23,7 +24,7 @@ from dlsched.v1 import job_manager_service_pb2 as pb
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
 from dlsched.v1 import job_pb2
 from job_manager import convert
-from job_manager.domain.errors import JobNotLaunched
+from job_manager.domain.errors import JobNotFound, JobNotLaunched
 from job_manager.domain.filter import Filter, parse_filter
 from job_manager.domain.model import Job, JobState
 from job_manager.domain.validation import job_id_from_name, validate_request_id
@@ -38,6 +39,8 @@ _EVENT_TYPES = {
     EventType.DELETED: job_pb2.WATCH_EVENT_TYPE_DELETED,
 }
 MAX_PAGE = 1000
+# How long a followed log stream waits for the job's state after its attempt's logs end.
+_ATTEMPT_SETTLE_SECONDS = 30.0
 DEFAULT_PAGE = 100
 
 
@@ -168,14 +171,41 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         job = await self._launched(request.name, request.follow)
         if job is None:
             return
-        drv = await self.scheduler.driver_for(job.cluster)
-        stream = drv.tail_logs(job.cluster, job.id, job.backend_job_id, request)
-        try:
-            async for entries in stream:
-                if entries:
-                    yield pb.StreamJobLogsResponse(entries=entries)
-        finally:
-            await stream.aclose()  # cancels the upstream call
+        while True:
+            drv = await self.scheduler.driver_for(job.cluster)
+            stream = drv.tail_logs(job.cluster, job.id, job.backend_job_id, request)
+            try:
+                async for entries in stream:
+                    if entries:
+                        yield pb.StreamJobLogsResponse(entries=entries)
+            finally:
+                await stream.aclose()  # cancels the upstream call
+            if not request.follow:
+                return
+            # The driver's stream ends when its attempt's processes are gone;
+            # the stored state follows a moment later. End only once the job
+            # is terminal, and follow a retry's new attempt if one starts.
+            nxt = await self._after_attempt(job)
+            if nxt is None:
+                return
+            job = nxt
+
+    async def _after_attempt(self, job: Job) -> Job | None:
+        """The job once its attempt has ended: None when terminal (or gone),
+        the job of the next attempt when a retry was launched."""
+        loop_deadline = datetime.now(UTC).timestamp() + _ATTEMPT_SETTLE_SECONDS
+        while datetime.now(UTC).timestamp() < loop_deadline:
+            try:
+                cur = await self.store.get(job.id)
+            except JobNotFound:
+                return None
+            if cur.state.is_terminal():
+                return None
+            if cur.launched and cur.backend_job_id != job.backend_job_id:
+                return cur
+            await asyncio.sleep(0.05)
+        log.warning("job %s: log stream ended but the job is still %s", job.id, job.state.name)
+        return None
 
     async def GetJobUsage(self, request: pb.GetJobUsageRequest,  # noqa: N802
                           context: grpc.aio.ServicerContext) -> pb.GetJobUsageResponse:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The demo, from a fresh clone: set up .venv, start the local stack with
-# `dlsched up` in the background, run examples/hello.yaml with its logs
+# `dlsched up` in the background, run the PyTorch DDP example
+# (examples/ddp/ddp.yaml: 1 master + 2 workers, gloo on CPU) with its logs
 # streamed, print its final state, stop the stack.
 #
 #   bash scripts/demo.sh
@@ -18,11 +19,15 @@ if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
   fi
 fi
+echo "== system packages (Open MPI, for mpi4py)"
+bash scripts/install-system-deps.sh
 echo "== pip install -e '.[dev]'"
 if ! PIP_DISABLE_PIP_VERSION_CHECK=1 .venv/bin/python -m pip install -q -e '.[dev]' >.venv/pip-install.log 2>&1; then
   cat .venv/pip-install.log >&2; echo "error: pip install failed" >&2; exit 1
 fi
 
+# Jobs run `python3` from the driver's PATH: make it the venv's (torch is there).
+export PATH="$PWD/.venv/bin:$PATH"
 DLSCHED=.venv/bin/dlsched
 DATA=$(mktemp -d /tmp/dlsched-demo.XXXXXX)
 PORT=$(.venv/bin/python -c '
@@ -62,9 +67,9 @@ grep -m1 "dlsched is up" "$DATA/up.log" || true
 export DLSCHED_SERVER=127.0.0.1:$PORT DLSCHED_CLUSTER_MANAGER=127.0.0.1:$((PORT + 1))
 echo "== dlsched cluster list"
 $DLSCHED cluster list
-echo "== dlsched submit examples/hello.yaml --follow"
+echo "== dlsched submit examples/ddp/ddp.yaml --follow"
 rc=0
-$DLSCHED submit examples/hello.yaml --follow || rc=$?
+$DLSCHED submit examples/ddp/ddp.yaml --follow || rc=$?
 echo "== dlsched list"
 $DLSCHED list || true
 stop_stack

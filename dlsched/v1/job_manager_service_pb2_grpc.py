@@ -28,7 +28,7 @@ if _version_not_supported:
 class JobManagerServiceStub:
     """JobManagerService is the one entry point for deep-learning jobs on every
     kind of cluster. Errors are google.rpc.Status with an ErrorInfo whose reason
-    (e.g. JOB_NOT_FOUND, INVALID_JOB_SPEC) clients branch on, in domain
+    (e.g. JOB_NOT_FOUND, NO_MATCHING_CLUSTER) clients branch on, in domain
     "dlsched.io"; INVALID_ARGUMENT also carries a BadRequest naming the fields.
     """
 
@@ -83,7 +83,7 @@ class JobManagerServiceStub:
 class JobManagerServiceServicer:
     """JobManagerService is the one entry point for deep-learning jobs on every
     kind of cluster. Errors are google.rpc.Status with an ErrorInfo whose reason
-    (e.g. JOB_NOT_FOUND, INVALID_JOB_SPEC) clients branch on, in domain
+    (e.g. JOB_NOT_FOUND, NO_MATCHING_CLUSTER) clients branch on, in domain
     "dlsched.io"; INVALID_ARGUMENT also carries a BadRequest naming the fields.
     """
 
@@ -215,7 +215,7 @@ def add_JobManagerServiceServicer_to_server(servicer, server):
 class JobManagerService:
     """JobManagerService is the one entry point for deep-learning jobs on every
     kind of cluster. Errors are google.rpc.Status with an ErrorInfo whose reason
-    (e.g. JOB_NOT_FOUND, INVALID_JOB_SPEC) clients branch on, in domain
+    (e.g. JOB_NOT_FOUND, NO_MATCHING_CLUSTER) clients branch on, in domain
     "dlsched.io"; INVALID_ARGUMENT also carries a BadRequest naming the fields.
     """
 
