@@ -1,0 +1,377 @@
+"""Translate a job into an sbatch script: a pure function of (job, cluster options).
+
+``render_job(job_id, spec, attempt, options)`` returns the ``SlurmScript``
+``SlurmDriver.launch`` sends to ``sbatch --parsable`` on stdin (and that
+``RenderJob`` returns). No I/O, no clock; golden-file tested.
+
+Layout. A replica runs on one node; the job asks for
+``nodes = min(replicas, max_nodes)`` nodes (cluster option ``max_nodes``,
+default unbounded) and replica ``q`` of the job (in the planner's layout
+order) runs on node ``q * nodes // replicas`` of the allocation. The node
+names are read at run time from the allocation (``scontrol show hostnames
+"$SLURM_JOB_NODELIST"``; node 0 is its first line) and handed to the
+planner as late-resolving hosts, so ``MASTER_ADDR``, ``TF_CONFIG`` and the
+MPI hostfile name the allocation's real nodes.
+
+Allocation (``#SBATCH``): ``--nodes``, ``--ntasks-per-node`` (the most
+processes one node runs), ``--cpus-per-task`` (the largest
+``ceil(cpu / processes)`` of any group, at least 1), ``--mem`` (the most
+memory one node's replicas ask for, MiB, rounded up), ``--gres=gpu[:type]:N``
+(the most GPUs one node's replicas ask for; every group asking for GPUs must
+name the same type), ``--partition`` (``spec.queue``, else cluster option
+``partition``), ``--time`` (the time limit, rounded up to whole seconds),
+``--job-name=dlsched-<job_id>`` and ``--comment=dlsched-<job_id>.<attempt>``
+(how a retried launch finds an earlier submission), and the batch script's
+own output in ``batch.stdout`` / ``batch.stderr``.
+
+Steps. Every process of the plan is one ``srun --nodes=1 --ntasks=1
+--relative=<node> --overlap`` step (``--overlap``: steps share the job's
+CPUs, memory and GPUs, so concurrent steps never wait on each other; a
+replica's processes see all of its node's GPUs and pick one by
+``LOCAL_RANK``), started in a subshell that exports the planner's variables
+and the user's ``env`` and redirects the step's output to
+``<role>-<index>.stdout`` / ``.stderr`` in the attempt directory. PS_WORKER
+uses the same steps, one per task, each with its own ``TF_CONFIG`` and a
+task port ``2222 + <replica position>`` so tasks sharing a node never
+collide (one step per task keeps per-task environments and log files
+simple, where ``--multi-prog`` would need a wrapper for both). MPI runs the
+launcher's ``mpirun -np N --hostfile <attempt dir>/hostfile ...`` in the
+batch script itself (on the allocation's first node; Open MPI launches its
+daemons through Slurm) after writing the hostfile from the node list; the
+workers are hosts only, nothing is started for them.
+
+Success rule (the plan's ``SuccessRule``), in the script: it waits for the
+steps one by one (``wait -n``), writes each exit status to
+``<role>-<index>.exit``; the first failing process ends the job with its
+exit code after stopping the rest (SIGTERM to the other sruns, which forward
+it to their tasks); once every deciding process exited 0 the rest are
+stopped and the script exits 0. So Slurm's own state (COMPLETED / FAILED)
+and ``ExitCode`` are the job's.
+
+Quoting. Every user value that reaches the script (command, args, env
+values, working directory) is shell-quoted by ``sh_quote``: printable ASCII
+in single quotes (``shlex.quote``), anything else (newlines, control bytes,
+non-ASCII) as bash ``$'...'`` with every other byte ``\\xHH``, so each value
+is one line, no ``#SBATCH`` line can be smuggled in, and the program gets
+its argv and environment byte for byte. Values that land in ``#SBATCH``
+lines (job id, attempt, partition, GPU type) are validated instead; a bad one
+is INVALID_ARGUMENT naming the field. Env names are validated upstream
+(``drivers.common.convert``) and again here.
+
+Files, relative to the SSH user's home (the submit directory, which is the
+job's working directory by default)::
+
+    <state_dir>/<job_id>/attempt-<n>/batch.stdout|batch.stderr
+    <state_dir>/<job_id>/attempt-<n>/<role>-<index>.stdout|.stderr|.exit
+    <state_dir>/<job_id>/attempt-<n>/hostfile          MPI only
+
+``state_dir`` is cluster option ``state_dir`` (default ``.dlsched/slurm``);
+it must be on a file system the compute nodes and the login node share.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from dlsched.errors import FieldViolation, InvalidArgument
+from drivers.common import planner
+from drivers.common.base import JobSpec, LogStream, NativeSpec, RunMode
+from drivers.common.convert import ENV_NAME_RE, ID_RE
+
+MEDIA_TYPE = "text/x-shellscript"
+DEFAULT_STATE_DIR = ".dlsched/slurm"
+NAME_PREFIX = "dlsched-"
+TASK_PORT_BASE = 2222
+#: Values that land in #SBATCH lines or paths: validated, never quoted.
+PARTITION_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}(,[A-Za-z0-9_.-]{1,64}){0,15}$")
+GPU_TYPE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+STATE_DIR_RE = re.compile(r"^(?!-)[A-Za-z0-9_./-]{1,255}$")
+_NODE_TOKEN = "@DLSCHED_NODE_{}@"
+_NODE_TOKEN_RE = re.compile(r"@DLSCHED_NODE_(\d+)@")
+_PRINTABLE = re.compile(r"^[\x20-\x7e]*$")
+
+
+def sh_quote(value: str) -> str:
+    """One shell word that bash reads back as exactly ``value``, on one line."""
+    if _PRINTABLE.match(value):
+        return shlex.quote(value)
+    out = []
+    for b in value.encode("utf-8", "surrogatepass"):
+        c = chr(b)
+        if c in "\\'":
+            out.append("\\" + c)
+        elif 0x20 <= b <= 0x7E:
+            out.append(c)
+        else:
+            out.append(f"\\x{b:02x}")
+    return "$'" + "".join(out) + "'"
+
+
+def _dq_with_nodes(value: str) -> str:
+    """A planner value with node tokens -> a double-quoted word naming the nodes."""
+    parts = []
+    pos = 0
+    for m in _NODE_TOKEN_RE.finditer(value):
+        parts.append(_dq_literal(value[pos:m.start()]))
+        parts.append("${DLSCHED_NODES[" + m.group(1) + "]}")
+        pos = m.end()
+    parts.append(_dq_literal(value[pos:]))
+    return '"' + "".join(parts) + '"'
+
+
+def _dq_literal(s: str) -> str:
+    if not _PRINTABLE.match(s):
+        raise ValueError("planner values are printable ASCII")
+    return re.sub(r'([\\$`"])', r"\\\1", s)
+
+
+@dataclass(frozen=True)
+class StepFiles:
+    """Where one process's output goes."""
+
+    role: str
+    index: int
+    stdout: str
+    stderr: str
+
+    def log_path(self, stream: LogStream) -> str:
+        return self.stdout if stream is LogStream.STDOUT else self.stderr
+
+
+@dataclass(frozen=True)
+class SlurmScript:
+    job_id: str
+    attempt: int
+    job_name: str
+    comment: str
+    dir: str
+    script: str
+    steps: tuple[StepFiles, ...]
+
+    def native_spec(self) -> NativeSpec:
+        return NativeSpec(media_type=MEDIA_TYPE, content=self.script)
+
+
+def job_name(job_id: str) -> str:
+    return f"{NAME_PREFIX}{job_id}"
+
+
+def job_comment(job_id: str, attempt: int) -> str:
+    return f"{NAME_PREFIX}{job_id}.{attempt}"
+
+
+def parse_comment(comment: str) -> tuple[str, int] | None:
+    """``dlsched-<job_id>.<attempt>`` -> (job_id, attempt); anything else None."""
+    if not comment.startswith(NAME_PREFIX):
+        return None
+    job_id, sep, attempt = comment[len(NAME_PREFIX):].rpartition(".")
+    if not sep or not attempt.isdigit() or not ID_RE.match(job_id):
+        return None
+    return job_id, int(attempt)
+
+
+def state_dir_of(options: Mapping[str, str]) -> str:
+    d = options.get("state_dir", "") or DEFAULT_STATE_DIR
+    if not STATE_DIR_RE.match(d) or ".." in d.split("/"):
+        raise InvalidArgument.for_field("cluster.options[state_dir]",
+                                        "must match [A-Za-z0-9_./-]+ without '..' or a leading '-'")
+    return d.rstrip("/") or "/"
+
+
+def attempt_dir(options: Mapping[str, str], job_id: str, attempt: int) -> str:
+    return f"{state_dir_of(options)}/{job_id}/attempt-{attempt}"
+
+
+def _time(seconds: float) -> str:
+    s = max(1, math.ceil(seconds))
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    return f"{d}-{h:02d}:{m:02d}:{s:02d}"
+
+
+def render_job(job_id: str, spec: JobSpec, attempt: int,
+               options: Mapping[str, str] | None = None) -> SlurmScript:
+    """The sbatch script; raises InvalidArgument for specs Slurm cannot take."""
+    options = options or {}
+    vs: list[FieldViolation] = []
+    if not ID_RE.match(job_id):
+        vs.append(FieldViolation("job_id", "must match [a-z][a-z0-9-]{0,62}"))
+    if attempt < 1:
+        vs.append(FieldViolation("attempt", "must be at least 1"))
+    partition = spec.queue or options.get("partition", "")
+    if partition and not PARTITION_RE.match(partition):
+        field = "spec.queue" if spec.queue else "cluster.options[partition]"
+        vs.append(FieldViolation(field, "must be a Slurm partition name [A-Za-z0-9_.-] (comma-separated)"))
+    max_nodes_opt = options.get("max_nodes", "")
+    if max_nodes_opt and not (max_nodes_opt.isdigit() and int(max_nodes_opt) >= 1):
+        vs.append(FieldViolation("cluster.options[max_nodes]", "must be a positive integer"))
+    gpu_types = set()
+    for i, g in enumerate(spec.replica_groups):
+        gf = f"spec.replica_groups[{i}]"
+        if g.resources.gpus and g.resources.gpu_type:
+            if not GPU_TYPE_RE.match(g.resources.gpu_type):
+                vs.append(FieldViolation(f"{gf}.resources.gpu_type", "must match [A-Za-z0-9_.-]{1,64}"))
+            gpu_types.add(g.resources.gpu_type)
+        for k in g.env:
+            if not ENV_NAME_RE.match(k):
+                vs.append(FieldViolation(f"{gf}.env[{k!r}]", "name must match [A-Za-z_][A-Za-z0-9_]*"))
+        if g.image:
+            vs.append(FieldViolation(f"{gf}.image", "the Slurm driver runs no container images"))
+    if len(gpu_types) > 1:
+        vs.append(FieldViolation("spec.replica_groups", "every group asking for GPUs must name the same gpu_type"))
+    if vs:
+        raise InvalidArgument("; ".join(f"{v.field}: {v.description}" for v in vs), vs)
+    state_dir_of(options)
+
+    # ---- placement: replica q of the layout order -> node q * nodes // R
+    ordered = [g for _, g in planner._groups_in_order(spec)]
+    replicas = [(g, r) for g in ordered for r in range(g.replicas)]
+    total = len(replicas)
+    nodes = min(total, int(max_nodes_opt)) if max_nodes_opt else total
+    node_of = {(g.role, r): q * nodes // total for q, (g, r) in enumerate(replicas)}
+    placements = [planner.Placement(role=g.role, replica_index=r,
+                                    host=_NODE_TOKEN.format(node_of[(g.role, r)]),
+                                    node_rank=node_of[(g.role, r)],
+                                    port=TASK_PORT_BASE + q if spec.run_mode is RunMode.PS_WORKER else 0)
+                  for q, (g, r) in enumerate(replicas)]
+    adir = attempt_dir(options, job_id, attempt)
+    hostfile = f"{adir}/{planner.HOSTFILE}"
+    plan = planner.plan_job(job_id, spec, placements, hostfile_path=hostfile)
+
+    # ---- allocation, per node
+    procs_on = [0] * nodes
+    mem_on = [0] * nodes
+    gpus_on = [0] * nodes
+    for g, r in replicas:
+        n = node_of[(g.role, r)]
+        procs_on[n] += g.processes  # MPI workers: mpirun's ranks, in the allocation too
+        mem_on[n] += g.resources.memory_bytes
+        gpus_on[n] += g.resources.gpus
+    cpt = max([math.ceil(g.resources.cpu / g.processes) if g.resources.cpu > 0 else 1 for g in ordered] + [1])
+    name, comment = job_name(job_id), job_comment(job_id, attempt)
+    h = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name={name}",
+        f"#SBATCH --comment={comment}",
+    ]
+    if partition:
+        h.append(f"#SBATCH --partition={partition}")
+    if spec.time_limit_seconds:
+        h.append(f"#SBATCH --time={_time(spec.time_limit_seconds)}")
+    h += [
+        f"#SBATCH --nodes={nodes}",
+        f"#SBATCH --ntasks-per-node={max(procs_on)}",
+        f"#SBATCH --cpus-per-task={cpt}",
+    ]
+    if max(mem_on) > 0:
+        h.append(f"#SBATCH --mem={math.ceil(max(mem_on) / (1 << 20))}M")
+    if max(gpus_on) > 0:
+        t = next(iter(gpu_types), "")
+        h.append(f"#SBATCH --gres=gpu:{t + ':' if t else ''}{max(gpus_on)}")
+    h += [
+        f"#SBATCH --output={adir}/batch.stdout",
+        f"#SBATCH --error={adir}/batch.stderr",
+        "",
+        f"# dlsched job {job_id}, attempt {attempt}: {spec.run_mode.name}, "
+        f"{len(plan.processes)} process(es) on {nodes} node(s)",
+        f"# success: {plan.success.description}",
+        "set -u",
+        f"DLSCHED_DIR={shlex.quote(adir)}",
+        'mapfile -t DLSCHED_NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        'if [ "${#DLSCHED_NODES[@]}" -lt ' + str(nodes) + ' ]; then',
+        f'  echo "dlsched: the allocation has ${{#DLSCHED_NODES[@]}} node(s), {nodes} needed" >&2',
+        "  exit 1",
+        "fi",
+        "declare -A DLSCHED_NAME=() DLSCHED_DECIDES=()",
+    ]
+    if planner.HOSTFILE in plan.files:
+        lines = plan.files[planner.HOSTFILE].splitlines()
+        h.append("{")
+        for ln in lines:
+            h.append(f"  printf '%s\\n' {_dq_with_nodes(ln)}")
+        h.append(f'}} > "$DLSCHED_DIR/{planner.HOSTFILE}"')
+    steps: list[StepFiles] = []
+    decisive = plan.success.decisive_roles
+    for p in plan.processes:
+        if p.placeholder:
+            continue
+        label = f"{p.role}-{p.slot_index}"
+        files = StepFiles(p.role, p.slot_index, f"{adir}/{label}.stdout", f"{adir}/{label}.stderr")
+        steps.append(files)
+        user_env = _group_env(spec, p.role)
+        h.append(f"# {label}: rank {p.rank}")
+        h.append("(")
+        for k, v in p.env.items():
+            if not ENV_NAME_RE.match(k):
+                raise InvalidArgument.for_field("spec.replica_groups.env", f"bad variable name {k!r}")
+            val = sh_quote(v) if k in user_env else _dq_with_nodes(v)
+            h.append(f"  export {k}={val}")
+        argv = " ".join(sh_quote(a) for a in p.argv)
+        launcher = spec.run_mode is RunMode.MPI and p.role == "launcher"
+        if launcher:
+            if p.working_dir:
+                h.append(f"  cd -- {sh_quote(p.working_dir)} || exit 126")
+            h.append(f"  exec {argv}")
+        else:
+            node = node_of[(p.role, p.replica_index)]
+            opts = [f"--job-name={label}", "--nodes=1", "--ntasks=1", f"--relative={node}",
+                    f"--cpus-per-task={cpt}", "--overlap", "--export=ALL", "--kill-on-bad-exit=1"]
+            if p.working_dir:
+                opts.append(f"--chdir={sh_quote(p.working_dir)}")
+            h.append(f"  exec srun {' '.join(opts)} -- {argv}")
+        h.append(f') >"$DLSCHED_DIR/{label}.stdout" 2>"$DLSCHED_DIR/{label}.stderr" </dev/null &')
+        h.append(f"DLSCHED_NAME[$!]={label}")
+        if p.role in decisive:
+            h.append("DLSCHED_DECIDES[$!]=1")
+    n_decisive = sum(1 for p in plan.processes if not p.placeholder and p.role in decisive)
+    h += _WAIT_LOOP.format(decisive=n_decisive).splitlines()
+    script = "\n".join(h) + "\n"
+    return SlurmScript(job_id=job_id, attempt=attempt, job_name=name, comment=comment, dir=adir,
+                       script=script, steps=tuple(steps))
+
+
+def _group_env(spec: JobSpec, role: str) -> Mapping[str, str]:
+    for g in spec.replica_groups:
+        if g.role == role:
+            return g.env
+    return {}
+
+
+_WAIT_LOOP = r"""
+# the success rule: the first failure ends the job; the deciding processes' success ends it too
+dlsched_left={decisive}
+dlsched_rc=0
+dlsched_done=0
+dlsched_stop() {{
+  local p
+  for p in "${{!DLSCHED_NAME[@]}}"; do kill -TERM "$p" 2>/dev/null; done
+}}
+while [ "${{#DLSCHED_NAME[@]}}" -gt 0 ]; do
+  dlsched_pid=""
+  wait -n -p dlsched_pid
+  dlsched_status=$?
+  [ -n "$dlsched_pid" ] || break
+  dlsched_label=${{DLSCHED_NAME[$dlsched_pid]}}
+  unset "DLSCHED_NAME[$dlsched_pid]"
+  printf '%s\n' "$dlsched_status" >"$DLSCHED_DIR/$dlsched_label.exit"
+  [ "$dlsched_done" = 0 ] || continue
+  if [ "$dlsched_status" != 0 ]; then
+    echo "dlsched: $dlsched_label exited with code $dlsched_status; stopping the rest" >&2
+    dlsched_rc=$dlsched_status
+    dlsched_done=1
+    dlsched_stop
+  elif [ -n "${{DLSCHED_DECIDES[$dlsched_pid]:-}}" ]; then
+    dlsched_left=$((dlsched_left - 1))
+    if [ "$dlsched_left" -le 0 ]; then
+      dlsched_done=1
+      dlsched_stop
+    fi
+  fi
+done
+exit "$dlsched_rc"
+"""

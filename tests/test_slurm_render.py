@@ -1,0 +1,179 @@
+"""The sbatch script: golden files per run mode, validation, and hostile specs run for real.
+
+The hostile tests run the rendered script with ``bash`` in a temp dir, with
+``srun`` and ``scontrol`` replaced on PATH by tiny scripts (``srun`` drops
+its options up to ``--``, honours ``--chdir`` and execs the program), so
+what reaches the program is exactly what the script hands to ``srun``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from dlsched.errors import InvalidArgument
+from drivers.common.base import JobSpec, ReplicaGroup, Resources, RunMode
+from drivers.slurm import render
+
+GOLDEN = pathlib.Path(__file__).parent / "golden" / "slurm"
+UPDATE = os.environ.get("DLSCHED_UPDATE_GOLDEN") == "1"
+PY = sys.executable
+
+
+def g(role: str, replicas: int = 1, ppr: int = 0, *, command: tuple[str, ...] = ("train",),
+      args: tuple[str, ...] = (), env: dict[str, str] | None = None, **res: object) -> ReplicaGroup:
+    return ReplicaGroup(role=role, replicas=replicas, processes_per_replica=ppr, command=command,
+                        args=args, env=env or {}, resources=Resources(**res))  # type: ignore[arg-type]
+
+
+SPECS: dict[str, tuple[JobSpec, dict[str, str]]] = {
+    "single_process": (JobSpec(RunMode.SINGLE_PROCESS, (g("main", args=("--lr", "0.1"), env={"A": "1"},
+                                                          cpu=4, memory_bytes=6 << 30),),
+                               queue="debug", time_limit_seconds=90.5), {}),
+    "multi_process": (JobSpec(RunMode.MULTI_PROCESS, (g("worker", 2, 2, cpu=8, memory_bytes=16 << 30,
+                                                        gpus=2, gpu_type="a100"),),
+                              time_limit_seconds=86400 * 2 + 3661), {"partition": "gpu"}),
+    "master_worker": (JobSpec(RunMode.MASTER_WORKER, (g("worker", 2), g("master"))), {"max_nodes": "2"}),
+    "ps_worker": (JobSpec(RunMode.PS_WORKER, (g("chief"), g("ps", 2), g("worker", 2))),
+                  {"max_nodes": "1", "state_dir": "/shared/dlsched"}),
+    "mpi": (JobSpec(RunMode.MPI, (g("launcher", command=("./hello",)), g("worker", 2, 2))), {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_golden(name):
+    spec, options = SPECS[name]
+    out = render.render_job("golden-1", spec, 3, options)
+    path = GOLDEN / f"{name}.sbatch"
+    if UPDATE:
+        path.write_text(out.script)
+    assert out.script == path.read_text(), f"update with DLSCHED_UPDATE_GOLDEN=1 ({path})"
+    assert out.native_spec().media_type == render.MEDIA_TYPE
+    assert out.job_name == "dlsched-golden-1" and render.parse_comment(out.comment) == ("golden-1", 3)
+
+
+def test_bash_accepts_every_golden_script():
+    for name in SPECS:
+        subprocess.run(["bash", "-n", str(GOLDEN / f"{name}.sbatch")], check=True)
+
+
+@pytest.mark.parametrize(("spec", "options", "field"), [
+    (JobSpec(RunMode.SINGLE_PROCESS, (g("main"),), queue="gpu\n#SBATCH --x"), {}, "spec.queue"),
+    (JobSpec(RunMode.SINGLE_PROCESS, (g("main"),), queue="$(touch x)"), {}, "spec.queue"),
+    (JobSpec(RunMode.SINGLE_PROCESS, (g("main"),)), {"partition": "a b"}, "cluster.options[partition]"),
+    (JobSpec(RunMode.SINGLE_PROCESS, (g("main", gpus=1, gpu_type="a100;rm"),)), {},
+     "spec.replica_groups[0].resources.gpu_type"),
+    (JobSpec(RunMode.SINGLE_PROCESS, (g("main"),)), {"state_dir": "../etc"}, "cluster.options[state_dir]"),
+    (JobSpec(RunMode.SINGLE_PROCESS, (g("main"),)), {"state_dir": "-x"}, "cluster.options[state_dir]"),
+    (JobSpec(RunMode.SINGLE_PROCESS, (g("main"),)), {"max_nodes": "0"}, "cluster.options[max_nodes]"),
+    (JobSpec(RunMode.SINGLE_PROCESS, (g("main", env={"A B": "1"}),)), {}, "spec.replica_groups[0].env['A B']"),
+])
+def test_values_in_sbatch_lines_are_validated(spec, options, field):
+    with pytest.raises(InvalidArgument) as e:
+        render.render_job("job-1", spec, 1, options)
+    assert field in [v.field for v in e.value.violations]
+
+
+HOSTILE = [
+    "$(touch CANARY)", "`touch CANARY`", "'; touch CANARY; '", '"; touch CANARY; "', "; touch CANARY",
+    "a\n#SBATCH --wrap='touch CANARY'\ntouch CANARY", "-rf", "--", "--help", "trailing newline\n",
+    "tab\there", "cr\rhere", "back\\slash", "%j %x %u", "!!", "$HOME ${PATH} $1", "ünï©ødé ✓", "",
+    "\x01\x7f\x1b[31m", "*", "~", "a' \"b", "|| touch CANARY &", "> CANARY",
+]
+
+PROBE = ("import json, os, sys; json.dump({'argv': sys.argv[1:], "
+         "'env': {k: os.environ.get(k) for k in sorted(os.environ) if k.startswith('H_')}, "
+         "'cwd': os.getcwd(), 'rank': os.environ.get('RANK'), 'master': os.environ.get('MASTER_ADDR')}, "
+         "sys.stdout)")
+
+FAKE_SRUN = """#!/bin/bash
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --chdir=*) cd -- "${1#--chdir=}" || exit 126 ;;
+    --) shift; break ;;
+  esac
+  shift
+done
+exec "$@"
+"""
+FAKE_SCONTROL = """#!/bin/bash
+[ "$1 $2" = "show hostnames" ] || exit 2
+printf 'node-a\\nnode-b\\n'
+"""
+
+
+@pytest.fixture
+def sandbox(tmp_path: pathlib.Path) -> pathlib.Path:
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    for name, body in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bindir / name).write_text(body)
+        (bindir / name).chmod(0o755)
+    return tmp_path
+
+
+def run_script(sandbox: pathlib.Path, out: render.SlurmScript, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    (sandbox / out.dir).mkdir(parents=True, exist_ok=True)
+    env = {"PATH": f"{sandbox / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[a-b]",
+           "HOME": str(sandbox)}
+    return subprocess.run(["bash", "-s"], input=out.script, cwd=sandbox, env=env, text=True,
+                          capture_output=True, timeout=timeout)
+
+
+def test_hostile_values_never_run_and_arrive_byte_for_byte(sandbox):
+    env = {f"H_{i}": v for i, v in enumerate(HOSTILE)}
+    wd = "dir with 'quotes' $(touch CANARY) and\nnewline"
+    (sandbox / wd).mkdir()
+    spec = JobSpec(RunMode.SINGLE_PROCESS, (ReplicaGroup(
+        role="main", replicas=1, command=(PY, "-c", PROBE), args=tuple(HOSTILE), env=env,
+        working_dir=str(sandbox / wd)),))
+    out = render.render_job("hostile-1", spec, 1, {})
+    header = [ln for ln in out.script.splitlines() if ln.startswith("#SBATCH")]
+    assert len(header) == out.script.count("\n#SBATCH")  # every #SBATCH line is ours
+    assert "CANARY" not in "\n".join(header)
+    res = run_script(sandbox, out)
+    assert res.returncode == 0, res.stderr
+    assert not list(sandbox.rglob("CANARY")), "a hostile value ran as shell code"
+    got = json.loads((sandbox / out.dir / "main-0.stdout").read_text())
+    assert got["argv"] == HOSTILE
+    assert got["env"] == env
+    assert got["cwd"] == str(sandbox / wd)
+    assert (sandbox / out.dir / "main-0.exit").read_text() == "0\n"
+
+
+def test_multi_process_gets_rendezvous_from_the_node_list(sandbox):
+    spec = JobSpec(RunMode.MULTI_PROCESS, (g("worker", 2, command=(PY, "-c", PROBE)),))
+    out = render.render_job("mp-1", spec, 1, {})
+    res = run_script(sandbox, out)
+    assert res.returncode == 0, res.stderr
+    seen = [json.loads((sandbox / out.dir / f"worker-{i}.stdout").read_text()) for i in range(2)]
+    assert [s["rank"] for s in seen] == ["0", "1"]
+    assert {s["master"] for s in seen} == {"node-a"}  # the allocation's first node
+
+
+def test_first_failure_ends_the_job_with_its_code_and_stops_the_rest(sandbox):
+    spec = JobSpec(RunMode.MASTER_WORKER, (
+        g("master", command=(PY, "-c", "import time; time.sleep(60)")),
+        g("worker", command=(PY, "-c", "import sys; sys.exit(3)"))))
+    out = render.render_job("fail-1", spec, 1, {})
+    res = run_script(sandbox, out)
+    assert res.returncode == 3
+    assert (sandbox / out.dir / "worker-0.exit").read_text() == "3\n"
+    assert (sandbox / out.dir / "master-0.exit").read_text() != "0\n"
+
+
+def test_ps_worker_succeeds_when_the_workers_do_and_stops_the_ps(sandbox):
+    tf = "import json, os; print(json.loads(os.environ['TF_CONFIG'])['task'])"
+    spec = JobSpec(RunMode.PS_WORKER, (
+        g("ps", command=(PY, "-c", "import time; time.sleep(60)")),
+        g("worker", 2, command=(PY, "-c", tf))))
+    out = render.render_job("ps-1", spec, 1, {"max_nodes": "1"})
+    res = run_script(sandbox, out)
+    assert res.returncode == 0, res.stderr
+    assert "'index': 1" in (sandbox / out.dir / "worker-1.stdout").read_text()
+    assert (sandbox / out.dir / "ps-0.exit").read_text() != "0\n"  # stopped after success
