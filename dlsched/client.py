@@ -118,7 +118,7 @@ class DlschedRpcError(errors.DlschedError):
             info = rpc_errors.error_info(exc)
             fvs = [errors.FieldViolation(v.field, v.description)
                    for v in rpc_errors.field_violations(exc)]
-            pvs = _precondition_violations(exc)
+            pvs = rpc_errors.precondition_violations(exc)
         except Exception:  # noqa: BLE001 - a malformed status must not hide the error
             info, fvs, pvs = None, [], []
         return cls(
@@ -133,22 +133,6 @@ class DlschedRpcError(errors.DlschedError):
 
     def __str__(self) -> str:
         return f"{self.code} {self.reason}: {self.message}"
-
-
-def _precondition_violations(exc: grpc.RpcError) -> list[tuple[str, str]]:
-    from google.rpc import error_details_pb2
-    from grpc_status import rpc_status
-
-    st = rpc_status.from_call(exc)
-    out: list[tuple[str, str]] = []
-    if st is None:
-        return out
-    for d in st.details:
-        if d.Is(error_details_pb2.PreconditionFailure.DESCRIPTOR):
-            pf = error_details_pb2.PreconditionFailure()
-            d.Unpack(pf)
-            out.extend((v.subject, v.description) for v in pf.violations)
-    return out
 
 
 class JobFileError(errors.InvalidArgument):
