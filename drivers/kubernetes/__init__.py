@@ -1,0 +1,1 @@
+"""The Kubernetes backend: jobs as plain Pods and a headless Service, through the REST API."""

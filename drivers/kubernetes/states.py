@@ -1,0 +1,189 @@
+"""Pod status -> unified replica state, and replicas -> job state, in one total map.
+
+``replica_of(pod)`` reads a pod as the API returns it (the JSON dict: phase,
+container states, conditions, reason) and gives a ``PodView``: the
+``ReplicaState``, a reason in UpperCamelCase, a message, the exit code and
+the node. Pods restart nothing (``restartPolicy: Never``), so:
+
+=====================================  ==========  ==============================
+pod                                    replica     reason
+=====================================  ==========  ==============================
+Pending, PodScheduled False            PENDING     the condition's (Unschedulable)
+Pending, a container waiting           PENDING     the waiting reason (ImagePullBackOff,
+                                                   ErrImagePull, CreateContainerConfigError, ...)
+Pending otherwise                      PENDING     Scheduled / Pending
+Running, a container waiting           RUNNING     its reason (CrashLoopBackOff)
+Running                                RUNNING     Running
+Succeeded                              SUCCEEDED   Completed, exit 0
+Failed, pod reason set                 FAILED      it (Evicted, DeadlineExceeded, ...)
+Failed, a container terminated != 0    FAILED      its reason (OOMKilled, Error), exit code
+Failed otherwise                       FAILED      Failed
+Unknown or anything else               UNSPECIFIED Unknown (the UNKNOWN fallback)
+=====================================  ==========  ==============================
+
+A pod the driver deleted (stop, or the success rule stopping the rest) is
+STOPPED; one that vanished on its own (preemption, a ``kubectl delete``) is
+FAILED with reason ``PodDeleted``; one not seen yet is PENDING
+(``Submitted``).
+
+``job_state`` applies the run mode's ``SuccessRule``: a failing replica
+fails the job (reason and message name it), every replica of the deciding
+roles SUCCEEDED succeeds it, any running replica makes it RUNNING, else it
+is PENDING with the first waiting replica's reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from drivers.common.base import JobState, ReplicaState
+from drivers.common.planner import SuccessRule
+
+REASON_SUBMITTED = "Submitted"
+REASON_PENDING = "Pending"
+REASON_SCHEDULED = "Scheduled"
+REASON_RUNNING = "Running"
+REASON_COMPLETED = "Completed"
+REASON_FAILED = "Failed"
+REASON_UNKNOWN = "Unknown"
+REASON_POD_DELETED = "PodDeleted"
+REASON_STOPPING = "StopRequested"
+REASON_STOPPED = "Stopped"
+REASON_STALE = "BackendStale"
+
+
+@dataclass(frozen=True)
+class PodView:
+    state: ReplicaState
+    reason: str
+    message: str = ""
+    exit_code: int | None = None
+    node: str = ""
+    start_time: float | None = None
+    end_time: float | None = None
+
+
+def parse_time(value: Any) -> float | None:
+    if not value:
+        return None
+    if isinstance(value, datetime):
+        return value.timestamp()
+    try:
+        return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _containers(status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    return [*(status.get("initContainerStatuses") or ()), *(status.get("containerStatuses") or ())]
+
+
+def _waiting(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    for c in _containers(status):
+        w = (c.get("state") or {}).get("waiting")
+        if w and w.get("reason") and w.get("reason") != "ContainerCreating":
+            return {**w, "container": c.get("name", "")}
+    return None
+
+
+def _terminated(status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    out = []
+    for c in status.get("containerStatuses") or ():
+        t = (c.get("state") or {}).get("terminated")
+        if t is not None:
+            out.append({**t, "container": c.get("name", "")})
+    return out
+
+
+def replica_of(pod: Mapping[str, Any]) -> PodView:
+    """One pod's replica state (total: any input gives a view)."""
+    status = pod.get("status") or {}
+    phase = status.get("phase") or "Pending"
+    node = (pod.get("spec") or {}).get("nodeName") or ""
+    start = parse_time(status.get("startTime"))
+    terms = _terminated(status)
+    end = max((t for t in (parse_time(x.get("finishedAt")) for x in terms) if t is not None), default=None)
+    if phase == "Pending":
+        for cond in status.get("conditions") or ():
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+                return PodView(ReplicaState.PENDING, cond.get("reason") or "Unschedulable",
+                               cond.get("message") or "", node=node)
+        w = _waiting(status)
+        if w is not None:
+            return PodView(ReplicaState.PENDING, w["reason"],
+                           f"{w['container']}: {w.get('message') or w['reason']}", node=node)
+        return PodView(ReplicaState.PENDING, REASON_SCHEDULED if node else REASON_PENDING, node=node)
+    if phase == "Running":
+        w = _waiting(status)
+        if w is not None:
+            return PodView(ReplicaState.RUNNING, w["reason"],
+                           f"{w['container']}: {w.get('message') or w['reason']}", node=node,
+                           start_time=start)
+        return PodView(ReplicaState.RUNNING, REASON_RUNNING, node=node, start_time=start)
+    if phase == "Succeeded":
+        return PodView(ReplicaState.SUCCEEDED, REASON_COMPLETED, exit_code=0, node=node,
+                       start_time=start, end_time=end)
+    if phase == "Failed":
+        bad = [t for t in terms if t.get("exitCode", 0) != 0]
+        code = int(bad[0]["exitCode"]) if bad else None
+        if status.get("reason"):
+            return PodView(ReplicaState.FAILED, status["reason"], status.get("message") or "",
+                           exit_code=code, node=node, start_time=start, end_time=end)
+        if bad:
+            t = bad[0]
+            reason = t.get("reason") or REASON_FAILED
+            msg = f"{t['container']}: exited with code {code}"
+            if t.get("message"):
+                msg += f": {t['message']}"
+            return PodView(ReplicaState.FAILED, reason, msg, exit_code=code, node=node,
+                           start_time=start, end_time=end)
+        return PodView(ReplicaState.FAILED, REASON_FAILED, status.get("message") or "", node=node,
+                       start_time=start, end_time=end)
+    return PodView(ReplicaState.UNSPECIFIED, REASON_UNKNOWN,
+                   status.get("message") or f"pod phase {phase!r}", node=node, start_time=start)
+
+
+def missing(*, deleted_by_us: bool, seen: bool) -> PodView:
+    """A pod the watch does not (or no longer) have."""
+    if deleted_by_us:
+        return PodView(ReplicaState.STOPPED, REASON_STOPPED, "pod deleted by dlsched")
+    if seen:
+        return PodView(ReplicaState.FAILED, REASON_POD_DELETED, "the pod was deleted outside dlsched")
+    return PodView(ReplicaState.PENDING, REASON_SUBMITTED, "created; not observed yet")
+
+
+@dataclass(frozen=True)
+class JobView:
+    state: JobState
+    reason: str
+    message: str
+    exit_code: int | None = None
+
+
+def job_state(replicas: Sequence[tuple[str, int, PodView]], rule: SuccessRule, *,
+              stop_requested: bool = False) -> JobView:
+    """The job's state from its replicas ``(role, index, view)`` per the success rule."""
+    if stop_requested:
+        if all(v.state.is_terminal() or v.state is ReplicaState.PENDING and v.reason == REASON_SUBMITTED
+               for *_, v in replicas):
+            return JobView(JobState.STOPPED, REASON_STOPPED, "stopped on request")
+        return JobView(JobState.STOPPING, REASON_STOPPING, "deleting the pods")
+    decisive = [(r, i, v) for r, i, v in replicas if r in rule.decisive_roles]
+    if decisive and all(v.state is ReplicaState.SUCCEEDED for *_, v in decisive):
+        return JobView(JobState.SUCCEEDED, REASON_COMPLETED, rule.description, 0)
+    for role, index, v in replicas:
+        if v.state is ReplicaState.FAILED:
+            msg = f"{role}-{index}: {v.reason}" + (f": {v.message}" if v.message else "")
+            return JobView(JobState.FAILED, v.reason, msg, v.exit_code)
+    if any(v.state is ReplicaState.RUNNING for *_, v in replicas):
+        return JobView(JobState.RUNNING, REASON_RUNNING, "")
+    for role, index, v in replicas:
+        if v.state is ReplicaState.PENDING and v.reason not in (REASON_PENDING, REASON_SCHEDULED,
+                                                                 REASON_SUBMITTED):
+            return JobView(JobState.PENDING, v.reason, f"{role}-{index}: {v.message or v.reason}")
+    if any(v.state is ReplicaState.UNSPECIFIED for *_, v in replicas):
+        return JobView(JobState.RUNNING, REASON_UNKNOWN, "a pod's state is unknown")
+    return JobView(JobState.PENDING, REASON_PENDING, "")

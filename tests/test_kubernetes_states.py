@@ -1,0 +1,99 @@
+"""Pod status as the API reports it -> replica state and reason; replicas -> job state."""
+
+from __future__ import annotations
+
+import pytest
+
+from drivers.common.base import JobState, ReplicaState
+from drivers.common.planner import SuccessRule
+from drivers.kubernetes import states
+
+
+def pod(phase: str, *, reason: str = "", conditions: list | None = None,
+        containers: list | None = None, node: str = "n1") -> dict:
+    st: dict = {"phase": phase, "conditions": conditions or [], "containerStatuses": containers or []}
+    if reason:
+        st["reason"] = reason
+        st["message"] = f"because {reason}"
+    return {"spec": {"nodeName": node}, "status": st}
+
+
+def waiting(reason: str) -> dict:
+    return {"name": "main", "state": {"waiting": {"reason": reason, "message": "m"}}}
+
+
+def terminated(code: int, reason: str) -> dict:
+    return {"name": "main", "state": {"terminated": {"exitCode": code, "reason": reason,
+                                                     "finishedAt": "2026-01-01T00:00:05Z"}}}
+
+
+CASES = [
+    (pod("Pending", node="", conditions=[{"type": "PodScheduled", "status": "False",
+                                          "reason": "Unschedulable", "message": "0/3 nodes"}]),
+     ReplicaState.PENDING, "Unschedulable", None),
+    (pod("Pending", containers=[waiting("ImagePullBackOff")]), ReplicaState.PENDING, "ImagePullBackOff", None),
+    (pod("Pending", containers=[waiting("ErrImagePull")]), ReplicaState.PENDING, "ErrImagePull", None),
+    (pod("Pending", containers=[waiting("ContainerCreating")]), ReplicaState.PENDING, "Scheduled", None),
+    (pod("Pending", node=""), ReplicaState.PENDING, "Pending", None),
+    (pod("Running"), ReplicaState.RUNNING, "Running", None),
+    (pod("Running", containers=[waiting("CrashLoopBackOff")]), ReplicaState.RUNNING, "CrashLoopBackOff", None),
+    (pod("Succeeded", containers=[terminated(0, "Completed")]), ReplicaState.SUCCEEDED, "Completed", 0),
+    (pod("Failed", containers=[terminated(137, "OOMKilled")]), ReplicaState.FAILED, "OOMKilled", 137),
+    (pod("Failed", containers=[terminated(3, "Error")]), ReplicaState.FAILED, "Error", 3),
+    (pod("Failed", reason="Evicted"), ReplicaState.FAILED, "Evicted", None),
+    (pod("Failed", reason="DeadlineExceeded"), ReplicaState.FAILED, "DeadlineExceeded", None),
+    (pod("Failed"), ReplicaState.FAILED, "Failed", None),
+    (pod("Unknown"), ReplicaState.UNSPECIFIED, "Unknown", None),
+    (pod("Bogus"), ReplicaState.UNSPECIFIED, "Unknown", None),
+    ({}, ReplicaState.PENDING, "Pending", None),
+]
+
+
+@pytest.mark.parametrize(("p", "state", "reason", "code"), CASES)
+def test_replica_of(p: dict, state: ReplicaState, reason: str, code: int | None) -> None:
+    v = states.replica_of(p)
+    assert (v.state, v.reason, v.exit_code) == (state, reason, code)
+
+
+def test_times_and_node() -> None:
+    p = pod("Succeeded", containers=[terminated(0, "Completed")])
+    p["status"]["startTime"] = "2026-01-01T00:00:00Z"
+    v = states.replica_of(p)
+    assert v.end_time is not None and v.start_time is not None and v.end_time - v.start_time == 5
+    assert v.node == "n1"
+
+
+def test_missing_pods() -> None:
+    assert states.missing(deleted_by_us=True, seen=True).state is ReplicaState.STOPPED
+    assert states.missing(deleted_by_us=False, seen=True).reason == "PodDeleted"
+    assert states.missing(deleted_by_us=False, seen=False).state is ReplicaState.PENDING
+
+
+def v(state: ReplicaState, reason: str = "", code: int | None = None) -> states.PodView:
+    return states.PodView(state, reason, exit_code=code)
+
+
+ALL = SuccessRule(frozenset({"worker"}))
+PS = SuccessRule(frozenset({"worker"}), frozenset({"ps"}))
+R, S, F, P, X = (ReplicaState.RUNNING, ReplicaState.SUCCEEDED, ReplicaState.FAILED, ReplicaState.PENDING,
+                 ReplicaState.STOPPED)
+
+
+def test_job_state_follows_the_success_rule() -> None:
+    j = states.job_state([("worker", 0, v(S)), ("worker", 1, v(R))], ALL)
+    assert j.state is JobState.RUNNING
+    j = states.job_state([("worker", 0, v(S)), ("worker", 1, v(S))], ALL)
+    assert (j.state, j.exit_code) == (JobState.SUCCEEDED, 0)
+    j = states.job_state([("ps", 0, v(R)), ("worker", 0, v(S)), ("worker", 1, v(S))], PS)
+    assert j.state is JobState.SUCCEEDED
+    j = states.job_state([("ps", 0, v(X, "Stopped")), ("worker", 0, v(S))], PS)
+    assert j.state is JobState.SUCCEEDED
+    j = states.job_state([("worker", 0, v(R)), ("worker", 1, v(F, "OOMKilled", 137))], ALL)
+    assert (j.state, j.reason, j.exit_code) == (JobState.FAILED, "OOMKilled", 137)
+    assert "worker-1" in j.message
+    j = states.job_state([("worker", 0, v(P, "Unschedulable")), ("worker", 1, v(P, "Pending"))], ALL)
+    assert (j.state, j.reason) == (JobState.PENDING, "Unschedulable")
+    j = states.job_state([("worker", 0, v(R)), ("worker", 1, v(P, "Submitted"))], ALL, stop_requested=True)
+    assert j.state is JobState.STOPPING
+    j = states.job_state([("worker", 0, v(X)), ("worker", 1, v(P, "Submitted"))], ALL, stop_requested=True)
+    assert j.state is JobState.STOPPED
