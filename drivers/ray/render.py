@@ -1,0 +1,209 @@
+"""Translate a job into a Ray Jobs submission: a pure function of (job, attempt, cluster options).
+
+``render_submission(job_id, spec, attempt, options)`` returns the JSON body
+``RayDriver.launch`` POSTs to ``/api/jobs/`` (and ``RenderJob`` returns, as
+``application/json`` with sorted keys, so it is golden-file tested). No I/O,
+no clock.
+
+The submission:
+
+- ``submission_id`` is ``dlsched-{job_id}-{attempt}``: Ray refuses a second
+  submission with the same id, so a retried launch can never start a second
+  job. ``metadata`` carries ``dlsched_job_id`` and ``dlsched_attempt``; the
+  poller knows our jobs by them.
+- ``entrypoint`` is the one shell command line Ray runs (``/bin/sh -c``).
+  Every user value in it (command, args, working directory) is quoted by
+  ``shlex.quote``; nothing user-supplied reaches the shell unquoted.
+- ``runtime_env.env_vars``: the planner's variables (``drivers.common.planner``)
+  and the user's ``env`` (last). ``runtime_env.working_dir`` only when the
+  group's working directory is a URI Ray fetches (``s3://``, ``gs://``,
+  ``https://...zip``, ``gcs://``); a plain path is a directory on the
+  cluster's nodes, entered with ``cd -- <dir> &&`` before the command.
+- ``entrypoint_num_cpus`` / ``entrypoint_num_gpus`` / ``entrypoint_memory``:
+  what the entrypoint's processes ask for (a resource left 0 is omitted: Ray's
+  default).
+
+Run modes:
+
+- SINGLE_PROCESS: the entrypoint is the command.
+- MULTI_PROCESS: the entrypoint is the launcher (``drivers.ray.launcher``) in
+  ``local`` mode: it starts every process of the plan on the entrypoint's node
+  (``MASTER_ADDR`` 127.0.0.1) and reports the first failure; resources are the
+  sum over replicas.
+- MASTER_WORKER, PS_WORKER: the launcher in ``placement-group`` mode: it
+  reserves one bundle per replica (the replica's CPUs, GPUs, memory) in a
+  placement group (strategy: cluster option ``placement_strategy``, default
+  ``PACK``), learns each bundle's node address and a free port there, plans
+  the job with those placements through ``drivers.common.planner`` (so
+  ``MASTER_ADDR``/``RANK`` and ``TF_CONFIG`` are exactly those of every other
+  backend) and runs one task per replica that starts its processes.
+  The entrypoint itself asks for nothing.
+- MPI: refused, FAILED_PRECONDITION ``MPI_NOT_SUPPORTED``.
+
+The launcher gets the job as JSON in the ``DLSCHED_RAY_JOB`` variable (so
+the entrypoint stays ``<python> -m drivers.ray.launcher``, with no user value
+in it); ``<python>`` is cluster option ``python`` (default ``python``), an
+interpreter on the cluster that can import ``dlsched[ray]``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dlsched.errors import FailedPrecondition, InvalidArgument
+from drivers.common import planner
+from drivers.common.base import JobSpec, NativeSpec, ReplicaGroup, RunMode
+
+MEDIA_TYPE = "application/json"
+LAUNCHER_MODULE = "drivers.ray.launcher"
+JOB_ENV = "DLSCHED_RAY_JOB"
+META_JOB_ID = "dlsched_job_id"
+META_ATTEMPT = "dlsched_attempt"
+LOCAL_HOST = "127.0.0.1"
+URI_RE = re.compile(r"^[a-z][a-z0-9+.-]*://")
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+SUPPORTED_RUN_MODES = (RunMode.SINGLE_PROCESS, RunMode.MULTI_PROCESS, RunMode.PS_WORKER,
+                       RunMode.MASTER_WORKER)
+
+
+class MpiNotSupported(FailedPrecondition):
+    """The Ray backend does not run MPI jobs."""
+
+    reason = "MPI_NOT_SUPPORTED"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "RUN_MODE_MPI is not supported on Ray clusters: Ray Jobs starts one entrypoint "
+            "process and Ray tasks, not an mpirun with a hostfile of its nodes and their sshd "
+            "or PMIx launcher; run MPI jobs on a Slurm or local cluster, or use "
+            "RUN_MODE_MASTER_WORKER (torch.distributed) on Ray",
+            metadata={"run_mode": "RUN_MODE_MPI"})
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """Cluster options the Ray driver reads (``Cluster.options``)."""
+
+    python: str = "python"
+    placement_strategy: str = "PACK"
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, str]) -> RayOptions:
+        o = cls(python=options.get("python", cls.python),
+                placement_strategy=options.get("placement_strategy", cls.placement_strategy))
+        if not o.python:
+            raise InvalidArgument.for_field("cluster.options[python]", "must not be empty")
+        if o.placement_strategy not in STRATEGIES:
+            raise InvalidArgument.for_field("cluster.options[placement_strategy]",
+                                            "one of " + ", ".join(STRATEGIES))
+        return o
+
+
+def submission_id(job_id: str, attempt: int) -> str:
+    return f"dlsched-{job_id}-{attempt}"
+
+
+def is_uri(path: str) -> bool:
+    return bool(URI_RE.match(path))
+
+
+def command_line(argv: tuple[str, ...], working_dir: str = "") -> str:
+    """``argv`` as one ``sh`` line, every word quoted; ``cd`` first for a plain directory."""
+    line = shlex.join(argv)
+    if working_dir and not is_uri(working_dir):
+        return f"cd -- {shlex.quote(working_dir)} && exec {line}"
+    return line
+
+
+def _resources(groups: tuple[ReplicaGroup, ...]) -> dict[str, float | int]:
+    cpu = sum(g.replicas * g.resources.cpu for g in groups)
+    gpus = sum(g.replicas * g.resources.gpus for g in groups)
+    mem = sum(g.replicas * g.resources.memory_bytes for g in groups)
+    out: dict[str, float | int] = {}
+    if cpu > 0:
+        out["entrypoint_num_cpus"] = cpu
+    if gpus > 0:
+        out["entrypoint_num_gpus"] = gpus
+    if mem > 0:
+        out["entrypoint_memory"] = mem
+    return out
+
+
+def _runtime_env(env_vars: Mapping[str, str], working_dir: str) -> dict[str, Any]:
+    rt: dict[str, Any] = {"env_vars": dict(env_vars)}
+    if working_dir and is_uri(working_dir):
+        rt["working_dir"] = working_dir
+    return rt
+
+
+def _group_json(g: ReplicaGroup) -> dict[str, Any]:
+    d = asdict(g)
+    d["command"], d["args"], d["env"] = list(g.command), list(g.args), dict(g.env)
+    return d
+
+
+def spec_to_json(spec: JobSpec) -> dict[str, Any]:
+    """The parts of the spec the launcher needs, as JSON."""
+    return {"run_mode": spec.run_mode.name, "replica_groups": [_group_json(g) for g in spec.replica_groups]}
+
+
+def spec_from_json(doc: Mapping[str, Any]) -> JobSpec:
+    from drivers.common.base import Resources
+
+    groups = []
+    for g in doc["replica_groups"]:
+        groups.append(ReplicaGroup(
+            role=g["role"], replicas=g["replicas"], command=tuple(g["command"]), args=tuple(g["args"]),
+            processes_per_replica=g["processes_per_replica"], image=g.get("image", ""),
+            env=dict(g["env"]), working_dir=g.get("working_dir", ""),
+            resources=Resources(**g["resources"])))
+    return JobSpec(run_mode=RunMode[doc["run_mode"]], replica_groups=tuple(groups))
+
+
+def render_submission(job_id: str, spec: JobSpec, attempt: int,
+                      options: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The ``POST /api/jobs/`` body. Raises InvalidArgument / ``MpiNotSupported``."""
+    opts = RayOptions.from_mapping(options or {})
+    if spec.run_mode is RunMode.MPI:
+        raise MpiNotSupported()
+    planner.check_run_mode(spec)
+    sid = submission_id(job_id, attempt)
+    body: dict[str, Any] = {
+        "submission_id": sid,
+        "metadata": {META_JOB_ID: job_id, META_ATTEMPT: str(attempt),
+                     "dlsched_run_mode": f"RUN_MODE_{spec.run_mode.name}"},
+    }
+    if spec.run_mode is RunMode.SINGLE_PROCESS:
+        g = spec.replica_groups[0]
+        [proc] = planner.plan_job(job_id, spec, [planner.Placement(g.role, 0, LOCAL_HOST)]).processes
+        body["entrypoint"] = command_line(proc.argv, proc.working_dir)
+        body["runtime_env"] = _runtime_env(proc.env, proc.working_dir)
+        body.update(_resources(spec.replica_groups))
+        return body
+    launcher = {
+        "job_id": job_id,
+        "attempt": attempt,
+        "mode": "local" if spec.run_mode is RunMode.MULTI_PROCESS else "placement-group",
+        "placement_strategy": opts.placement_strategy,
+        "spec": spec_to_json(spec),
+    }
+    body["entrypoint"] = shlex.join([opts.python, "-m", LAUNCHER_MODULE])
+    uris = {g.working_dir for g in spec.replica_groups if g.working_dir and is_uri(g.working_dir)}
+    body["runtime_env"] = _runtime_env(
+        {JOB_ENV: json.dumps(launcher, sort_keys=True, separators=(",", ":"))},
+        next(iter(uris)) if len(uris) == 1 else "")
+    if len(uris) > 1:
+        raise InvalidArgument.for_field("spec.replica_groups.working_dir",
+                                        "Ray takes one working_dir URI per job")
+    if spec.run_mode is RunMode.MULTI_PROCESS:
+        body.update(_resources(spec.replica_groups))
+    return body
+
+
+def to_native_spec(body: Mapping[str, Any]) -> NativeSpec:
+    return NativeSpec(media_type=MEDIA_TYPE, content=json.dumps(body, indent=2, sort_keys=True) + "\n")
