@@ -1,11 +1,12 @@
-"""The Slurm state map is total: every state maps, unknown ones never crash or end a job."""
+"""The Slurm state map is total (unknown states never crash or end a job), and the parsers of
+recorded squeue / scontrol output."""
 
 from __future__ import annotations
 
 import pytest
 
 from drivers.common.base import JobState, ReplicaState
-from drivers.slurm import states
+from drivers.slurm import poller, states
 
 CASES = [
     ("PENDING", "Resources", JobState.QUEUED, "Resources"),
@@ -74,3 +75,53 @@ def test_replica_state_follows_the_job():
     assert states.replica_state(JobState.QUEUED) is ReplicaState.PENDING
     assert states.replica_state(JobState.RUNNING) is ReplicaState.RUNNING
     assert states.replica_state(JobState.STOPPED) is ReplicaState.STOPPED
+
+
+# --------------------------------------------------------------------------- recorded Slurm output
+
+SQUEUE = (
+    "1|FAILED|768|2026-12-02T14:34:08|2026-12-02T14:34:08|vm|dlsched-x|NonZeroExitCode|dlsched-x.1|\n"
+    "2|RUNNING|0|2026-12-02T14:34:08|NONE|vm|wrap|None|(null)|\n"
+    "3|PENDING|0|N/A|N/A||dlsched-y|Resources|a|b|c|\n"
+)
+SCONTROL_JOB = (
+    "JobId=7 JobName=dlsched-z UserId=root(0) JobState=CANCELLED Reason=None ExitCode=0:15 "
+    "StartTime=2026-12-02T14:32:39 EndTime=2026-12-02T14:32:40 NodeList=vm Comment=dlsched-z.2 "
+    "Command=(null) WorkDir=/root with space\n"
+)
+SCONTROL_NODES = (
+    "NodeName=vm Arch=x86_64 CoresPerSocket=1  CPUAlloc=1 CPUEfctv=2 CPUTot=2 CPULoad=0.29 "
+    "Gres=gpu:a100:4(S:0-1) NodeAddr=127.0.0.1 RealMemory=1000 AllocMem=250 FreeMem=23604 "
+    "State=MIXED CfgTRES=cpu=2,mem=1000M,billing=2 AllocTRES=cpu=1,gres/gpu=1\n"
+    "NodeName=vm2 CPUAlloc=0 CPUTot=4 Gres=(null) RealMemory=2000 AllocMem=0 State=DOWN+DRAIN AllocTRES=\n"
+)
+
+
+def test_parse_squeue():
+    jobs = poller.parse_squeue(SQUEUE)
+    assert jobs["1"].exit_status == 3 and jobs["1"].comment == "dlsched-x.1"
+    assert jobs["1"].end_time == jobs["1"].start_time and jobs["1"].start_time is not None
+    assert jobs["2"].end_time is None and jobs["2"].state == "RUNNING"
+    assert jobs["3"].comment == "a|b|c" and jobs["3"].reason == "Resources"
+
+
+def test_parse_scontrol_job():
+    j = poller.parse_scontrol_jobs(SCONTROL_JOB)["7"]
+    assert (j.state, j.exit_status, j.comment, j.name) == ("CANCELLED", 143, "dlsched-z.2", "dlsched-z")
+
+
+def test_wait_status_decoding():
+    assert poller.decode_wait_status("0") == 0
+    assert poller.decode_wait_status("768") == 3
+    assert poller.decode_wait_status("9") == 137
+    assert poller.decode_wait_status("") is None
+
+
+def test_capacity_from_scontrol_nodes():
+    slurm_driver = pytest.importorskip("drivers.slurm.driver", reason="needs asyncssh (the slurm extra)")
+    cap = slurm_driver.capacity(SCONTROL_NODES)
+    assert (cap.nodes_total, cap.nodes_free) == (2, 1)
+    assert (cap.cpus_total, cap.cpus_free) == (6, 1)  # the drained node offers nothing
+    assert cap.memory_bytes_total == 3000 << 20 and cap.memory_bytes_free == 750 << 20
+    assert (cap.gpus_total, cap.gpus_free, cap.max_gpus_per_node) == (4, 3, 4)
+    assert cap.max_cpus_per_node == 4

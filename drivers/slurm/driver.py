@@ -1,0 +1,574 @@
+"""``SlurmDriver``: jobs as sbatch submissions on a login node reached over SSH.
+
+A cluster's address is the login node ``host[:port]``; its credentials are
+``SshCredentials`` (user, private key, pinned host keys). Options: upper-case
+names (``SLURM_CONF``, ``PATH`` ...) are exported before every remote
+command; ``partition`` (the default partition), ``state_dir`` (where job
+scripts write their logs; default ``.dlsched/slurm`` under the SSH user's
+home; must be shared with the compute nodes) and ``max_nodes`` go to
+``render``.
+
+Launch (exactly once): the script from ``render.render_job`` goes to
+``mkdir -p <attempt dir> && sbatch --parsable`` on stdin. Before submitting,
+and again after any failed or ambiguous ``sbatch`` (an error exit, a dead
+connection, a timeout), the driver looks the attempt up by its job name and
+comment (``squeue --states=all --name=dlsched-<job_id>``, comment
+``dlsched-<job_id>.<attempt>``) and adopts what it finds; only when Slurm
+holds no such job does it submit (again). An ``sbatch`` that fails with no
+job behind it is FAILED_PRECONDITION reason ``SBATCH_REJECTED`` with Slurm's
+message (an unknown partition, more CPUs than any node has).
+
+State: one ``Poller`` per cluster (one ``squeue`` per interval for all
+tracked jobs, one ``scontrol`` follow-up only for jobs missing from it), see
+``poller.py``; ``states.py`` maps Slurm states. While a round fails (SSH or
+slurmctld down) every job keeps its last known state, with reason
+``BackendStale`` and the error in the message: nothing turns FAILED on an
+outage. A tracked job that both squeue and scontrol no longer know, while
+the controller answers, ends FAILED reason ``LeftSlurm`` (or keeps its
+terminal state if one was seen). A job Slurm requeues (``Restarts``) stays
+the same dlsched attempt; its state goes back to QUEUED.
+
+Jobs the driver does not know (after a driver restart) are adopted on the
+first observation that names them: one poll round answers for all of them.
+
+Logs: ``<role>-<index>.stdout|.stderr`` in the attempt directory (render);
+a tail reads them with one remote command per poll (``tail -c +N`` per file,
+framed by byte counts), so a follower costs one channel at a time. Lines
+carry no time stamps; ``since_time`` is not applied.
+
+Stop: ``scancel`` (Slurm sends SIGTERM, then SIGKILL after KillWait);
+stopping an ended or unknown job is fine. CANCELLED maps to STOPPED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import shlex
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from dlsched import __version__
+from dlsched.errors import DlschedError, FailedPrecondition, InvalidArgument, Unavailable
+from drivers.common.base import (
+    ClusterCapacity,
+    ClusterConfig,
+    ClusterInfo,
+    ClusterNotConfigured,
+    ClusterState,
+    Driver,
+    GpuInventory,
+    JobNotFound,
+    JobObservation,
+    JobRef,
+    JobSpec,
+    JobState,
+    LaunchResult,
+    LogEntry,
+    LogQuery,
+    LogStream,
+    NativeSpec,
+    ReplicaStatus,
+    SshCredentials,
+    WatchEvent,
+)
+from drivers.common.hub import ObservationHub
+from drivers.common.planner import ALL_RUN_MODES
+from drivers.slurm import poller as poll
+from drivers.slurm import render, states
+from drivers.slurm.render import SlurmScript
+from drivers.slurm.ssh import ENV_RE, HostKeyMismatch, SshClient
+
+log = logging.getLogger("dlsched.driver.slurm")
+
+SUBMIT_TRIES = 3
+LOG_LINE_RE = re.compile(r"^([a-z][a-z0-9-]{0,62})-(\d+)\.(stdout|stderr)$")
+MAX_LOG_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class SlurmConfig:
+    """The Slurm driver's flags."""
+
+    poll_interval: float = field(default=2.0, metadata={
+        "help": f"seconds between squeue rounds per cluster (at least {poll.MIN_INTERVAL})"})
+    command_timeout: float = field(default=30.0, metadata={"help": "timeout of one remote command"})
+    max_channels: int = field(default=8, metadata={
+        "help": "concurrent SSH channels per cluster (keep below the server's MaxSessions, 10)"})
+
+
+class SbatchRejected(FailedPrecondition):
+    reason = "SBATCH_REJECTED"
+
+
+class _Job:
+    def __init__(self, cluster: str, job_id: str, attempt: int, backend_job_id: str, adir: str,
+                 native: NativeSpec | None) -> None:
+        self.cluster = cluster
+        self.job_id = job_id
+        self.attempt = attempt
+        self.backend_job_id = backend_job_id
+        self.dir = adir
+        self.native = native
+        self.state = JobState.QUEUED
+        self.reason = states.REASON_SUBMITTED
+        self.message = "submitted to Slurm"
+        self.exit_code: int | None = None
+        self.start_time: float | None = None
+        self.end_time: float | None = None
+        self.nodes = ""
+        self.stale = False
+        self.stop_requested = False
+        self.seen = False  # Slurm has answered about it at least once
+        self.roles: tuple[tuple[str, int], ...] = ()
+
+
+class _Cluster:
+    def __init__(self, config: ClusterConfig, ssh: SshClient, driver: SlurmDriver) -> None:
+        self.config = config
+        self.name = config.name
+        self.ssh = ssh
+        self.options = {k: v for k, v in config.options.items() if not ENV_RE.match(k)}
+        self.jobs: dict[str, _Job] = {}
+        self.locks: dict[str, asyncio.Lock] = {}
+        self.last_error: str | None = None
+        self.poller = poll.Poller(self.run, ssh.username, driver._cfg.poll_interval, self.tracked,
+                                  lambda jobs, err, complete: driver._on_round(self, jobs, err, complete))
+
+    async def run(self, command: str, input: str | None = None) -> tuple[int, str, str]:
+        r = await self.ssh.run(command, input=input, time_limit=self.driver_timeout)
+        return r.exit_status, r.stdout, r.stderr
+
+    driver_timeout = 30.0
+
+    def tracked(self) -> list[str]:
+        return [j.backend_job_id for j in self.jobs.values() if not j.state.is_terminal()]
+
+
+def _same(a: ClusterConfig, b: ClusterConfig) -> bool:
+    return a.address == b.address and dict(a.options) == dict(b.options) and a.credentials == b.credentials
+
+
+class SlurmDriver(Driver):
+    name = "slurm"
+
+    def __init__(self, config: SlurmConfig | None = None) -> None:
+        self._cfg = config or SlurmConfig()
+        self._clusters: dict[str, _Cluster] = {}
+        self._hub = ObservationHub()
+
+    async def close(self) -> None:
+        for c in list(self._clusters.values()):
+            await self._drop_cluster(c)
+
+    # ------------------------------------------------------------------ clusters
+
+    def _require(self, cluster: str) -> _Cluster:
+        c = self._clusters.get(cluster)
+        if c is None:
+            raise ClusterNotConfigured(cluster)
+        return c
+
+    async def configure_cluster(self, config: ClusterConfig) -> ClusterInfo:
+        old = self._clusters.get(config.name)
+        if old is not None and _same(old.config, config):
+            return await self._info(old)
+        creds = config.credentials
+        if not isinstance(creds, SshCredentials):
+            raise InvalidArgument.for_field("credentials", "a Slurm cluster needs ssh credentials")
+        if not config.address:
+            raise InvalidArgument.for_field("address", "the login node, host[:port]")
+        env = {k: v for k, v in config.options.items() if ENV_RE.match(k)}
+        render.state_dir_of(config.options)
+        ssh = SshClient(config.address, creds.username, creds.private_key, creds.known_host_keys, env=env,
+                        max_channels=max(1, min(9, self._cfg.max_channels)))
+        c = _Cluster(config, ssh, self)
+        c.driver_timeout = self._cfg.command_timeout
+        try:
+            await ssh.run("true", time_limit=self._cfg.command_timeout)
+        except HostKeyMismatch:
+            await ssh.close()
+            raise
+        except DlschedError as e:
+            log.info("cluster %s not reachable yet: %s", config.name, e.message)
+        if old is not None:
+            c.jobs, c.locks = old.jobs, old.locks
+            await old.poller.stop()
+            await old.ssh.close()
+        self._clusters[config.name] = c
+        c.poller.start()
+        return await self._info(c)
+
+    async def _drop_cluster(self, c: _Cluster) -> None:
+        await c.poller.stop()
+        await c.ssh.close()
+
+    async def remove_cluster(self, cluster: str) -> None:
+        c = self._clusters.pop(cluster, None)
+        if c is not None:
+            await self._drop_cluster(c)
+            self._hub.close_cluster(cluster, ClusterNotConfigured(cluster))
+
+    async def cluster_info(self, cluster: str) -> ClusterInfo:
+        return await self._info(self._require(cluster))
+
+    async def _info(self, c: _Cluster) -> ClusterInfo:
+        version = f"slurm/{__version__}"
+        try:
+            rc, out, err = await c.run("scontrol --oneliner show nodes")
+        except DlschedError as e:
+            return ClusterInfo(state=ClusterState.UNREACHABLE, message=f"{e.reason}: {e.message}",
+                               supported_run_modes=ALL_RUN_MODES, driver_version=version)
+        if rc != 0:
+            return ClusterInfo(state=ClusterState.UNREACHABLE, message=f"scontrol: {err.strip()[:300]}",
+                               supported_run_modes=ALL_RUN_MODES, driver_version=version)
+        return ClusterInfo(state=ClusterState.READY, capacity=capacity(out),
+                           supported_run_modes=ALL_RUN_MODES, driver_version=version)
+
+    # ------------------------------------------------------------------ render / launch
+
+    async def render(self, cluster: str, job_id: str, spec: JobSpec) -> NativeSpec:
+        c = self._require(cluster)
+        return render.render_job(job_id, spec, 1, c.options).native_spec()
+
+    async def launch(self, cluster: str, job_id: str, spec: JobSpec, attempt: int) -> LaunchResult:
+        c = self._require(cluster)
+        script = render.render_job(job_id, spec, attempt, c.options)
+        lock = c.locks.setdefault(job_id, asyncio.Lock())
+        async with lock:
+            prev = c.jobs.get(job_id)
+            if prev is not None:
+                if prev.attempt == attempt:
+                    return LaunchResult(prev.backend_job_id, prev.native or script.native_spec(),
+                                        self._observe(prev))
+                if attempt < prev.attempt:
+                    raise FailedPrecondition(f"job {job_id!r} is already at attempt {prev.attempt}",
+                                             reason="STALE_ATTEMPT", metadata={"attempt": str(prev.attempt)})
+                if not prev.state.is_terminal():
+                    raise FailedPrecondition(f"attempt {prev.attempt} of job {job_id!r} has not ended",
+                                             reason="PREVIOUS_ATTEMPT_ACTIVE",
+                                             metadata={"attempt": str(prev.attempt)})
+            backend_id = await self._submit_once(c, script)
+            job = _Job(cluster, job_id, attempt, backend_id, script.dir, script.native_spec())
+            job.roles = tuple((s.role, s.index) for s in script.steps)
+            c.jobs[job_id] = job
+            self._publish(job)
+            c.poller.wake()
+            return LaunchResult(backend_id, script.native_spec(), self._observe(job))
+
+    async def _lookup(self, c: _Cluster, script: SlurmScript) -> str | None:
+        """The Slurm job id of this attempt, if Slurm holds one; raises when it cannot tell."""
+        rc, out, err = await c.run(poll.squeue_command(c.ssh.username, script.job_name))
+        if rc != 0:
+            raise Unavailable(f"squeue failed: {err.strip()[:300]}", reason="BACKEND_UNAVAILABLE")
+        found = [j.job_id for j in poll.parse_squeue(out).values() if j.comment == script.comment]
+        return sorted(found, key=lambda s: int(s) if s.isdigit() else 0)[0] if found else None
+
+    async def _submit_once(self, c: _Cluster, script: SlurmScript) -> str:
+        existing = await self._lookup(c, script)
+        if existing is not None:
+            log.info("adopting Slurm job %s for %s", existing, script.comment)
+            return existing
+        cmd = f"mkdir -p -- {shlex.quote(script.dir)} && sbatch --parsable"
+        last = ""
+        for attempt in range(SUBMIT_TRIES):
+            if attempt:
+                await asyncio.sleep(0.5 * attempt)
+            rc, out, err = 255, "", ""
+            try:
+                rc, out, err = await c.run(cmd, input=script.script)
+            except DlschedError as e:
+                last = f"{e.reason}: {e.message}"
+            if rc == 0 and (jid := out.strip().split(";")[0].strip()).isdigit():
+                return jid
+            # Failed or ambiguous: Slurm may hold the job anyway. Look before any retry.
+            try:
+                existing = await self._lookup(c, script)
+            except DlschedError as e:
+                last = f"{e.reason}: {e.message}"
+                continue
+            if existing is not None:
+                log.warning("sbatch for %s reported failure but submitted job %s; adopting it",
+                            script.comment, existing)
+                return existing
+            if rc not in (0, 255) and err.strip():
+                raise SbatchRejected(f"sbatch refused the job: {err.strip()[:500]}",
+                                     metadata={"job_id": script.job_id})
+            last = last or f"sbatch exited {rc}: {err.strip()[:300]}"
+        raise Unavailable(f"could not submit to Slurm: {last}", reason="BACKEND_UNAVAILABLE")
+
+    # ------------------------------------------------------------------ polling
+
+    def _on_round(self, c: _Cluster, jobs: dict[str, poll.SlurmJob], error: str | None,
+                  complete: bool) -> None:
+        if self._clusters.get(c.name) is not c:
+            return
+        c.last_error = error
+        for job in list(c.jobs.values()):
+            if job.state.is_terminal():
+                continue
+            before = (job.state, job.reason, job.message, job.exit_code, job.stale, job.start_time,
+                      job.end_time, job.nodes)
+            if error is not None:
+                job.stale = True
+            else:
+                job.stale = False
+                sj = jobs.get(job.backend_job_id)
+                if sj is not None:
+                    self._apply(job, sj)
+                elif complete and job.seen:
+                    job.state, job.reason = JobState.FAILED, states.REASON_LOST
+                    job.message = "Slurm no longer knows the job and its end was never seen"
+                    job.end_time = time.time()
+            after = (job.state, job.reason, job.message, job.exit_code, job.stale, job.start_time,
+                     job.end_time, job.nodes)
+            if before != after:
+                self._publish(job)
+
+    def _apply(self, job: _Job, sj: poll.SlurmJob) -> None:
+        job.seen = True
+        m = states.job_state(sj.state, sj.reason)
+        job.state, job.reason, job.message = m.state, m.reason, m.message
+        if job.stop_requested and not m.state.is_terminal():
+            job.state, job.reason = JobState.STOPPING, "StopRequested"
+        if m.state in (JobState.RUNNING, JobState.STOPPING) or m.state.is_terminal():
+            job.start_time = sj.start_time or job.start_time
+        job.nodes = sj.nodes if sj.nodes not in ("", "(null)") else job.nodes
+        if m.state.is_terminal():
+            job.exit_code = sj.exit_status
+            job.end_time = sj.end_time or time.time()
+            if m.state is JobState.FAILED and sj.exit_status:
+                job.message = f"{m.message}; exit code {sj.exit_status}"
+
+    def _observe(self, job: _Job) -> JobObservation:
+        reason, message = job.reason, job.message
+        if job.stale and not job.state.is_terminal():
+            c = self._clusters.get(job.cluster)
+            err = c.last_error if c is not None else ""
+            reason, message = states.REASON_STALE, f"last known: {job.reason} ({job.message}); {err}"
+        rstate = states.replica_state(job.state)
+        replicas = tuple(ReplicaStatus(role=r, index=i, state=rstate, host=job.nodes,
+                                       exit_code=job.exit_code if job.state.is_terminal() else None)
+                         for r, i in job.roles)
+        return JobObservation(job_id=job.job_id, backend_job_id=job.backend_job_id, found=True,
+                              state=job.state, reason=reason, message=message, exit_code=job.exit_code,
+                              replicas=replicas, start_time=job.start_time, end_time=job.end_time,
+                              attempt=job.attempt)
+
+    def _publish(self, job: _Job) -> None:
+        self._hub.publish(job.cluster, self._observe(job))
+
+    def _find(self, c: _Cluster, ref: JobRef) -> _Job | None:
+        job = c.jobs.get(ref.job_id)
+        if job is None or (ref.backend_job_id and ref.backend_job_id != job.backend_job_id):
+            return None
+        return job
+
+    async def observe(self, cluster: str, refs: Sequence[JobRef]) -> list[JobObservation]:
+        c = self._require(cluster)
+        unknown = [r for r in refs if r.job_id not in c.jobs and r.backend_job_id.isdigit()]
+        if unknown:
+            await self._adopt(c, unknown)
+        out = []
+        for ref in refs:
+            job = self._find(c, ref)
+            out.append(self._observe(job) if job is not None else JobObservation.not_found(ref))
+        return out
+
+    async def _adopt(self, c: _Cluster, refs: Sequence[JobRef]) -> None:
+        """Track jobs submitted before this driver started (one squeue for all of them)."""
+        try:
+            rc, out, _ = await c.run(poll.squeue_command(c.ssh.username))
+        except DlschedError:
+            return
+        if rc != 0:
+            return
+        jobs = poll.parse_squeue(out)
+        for ref in refs:
+            sj = jobs.get(ref.backend_job_id)
+            parsed = render.parse_comment(sj.comment) if sj is not None else None
+            if sj is None or parsed is None or parsed[0] != ref.job_id or ref.job_id in c.jobs:
+                continue
+            job = _Job(c.name, ref.job_id, parsed[1], sj.job_id,
+                       render.attempt_dir(c.options, ref.job_id, parsed[1]), None)
+            self._apply(job, sj)
+            c.jobs[ref.job_id] = job
+
+    def watch(self, cluster: str) -> AsyncIterator[WatchEvent]:
+        return self._watch(cluster)
+
+    async def _watch(self, cluster: str) -> AsyncIterator[WatchEvent]:
+        c = self._require(cluster)
+
+        def snapshot() -> list[JobObservation]:
+            return [self._observe(j) for j in c.jobs.values()]
+
+        async with contextlib.aclosing(self._hub.subscribe(cluster, snapshot)) as events:  # type: ignore[type-var]
+            async for ev in events:
+                yield ev
+
+    # ------------------------------------------------------------------ stop / cleanup
+
+    async def terminate(self, cluster: str, ref: JobRef, grace_seconds: float | None) -> JobObservation:
+        c = self._require(cluster)
+        job = self._find(c, ref)
+        if job is None:
+            return JobObservation.not_found(ref)
+        if job.state.is_terminal():
+            return self._observe(job)
+        rc, _, err = await c.run(f"scancel {shlex.quote(job.backend_job_id)}")
+        if rc != 0 and "already" not in err and "Invalid job id" not in err:
+            raise Unavailable(f"scancel failed: {err.strip()[:300]}", reason="BACKEND_UNAVAILABLE")
+        job.stop_requested = True
+        job.state, job.reason, job.message = JobState.STOPPING, "StopRequested", "scancel sent"
+        self._publish(job)
+        c.poller.wake()
+        return self._observe(job)
+
+    async def cleanup(self, cluster: str, ref: JobRef) -> None:
+        c = self._require(cluster)
+        job = self._find(c, ref)
+        if job is None:
+            return
+        if not job.state.is_terminal():
+            await self.terminate(cluster, ref, None)
+        jdir = job.dir.rsplit("/", 1)[0]
+        await c.run(f"rm -rf -- {shlex.quote(jdir)}")
+        c.jobs.pop(job.job_id, None)
+
+    # ------------------------------------------------------------------ logs
+
+    def tail_logs(self, cluster: str, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
+        return self._tail(cluster, ref, query)
+
+    async def _tail(self, cluster: str, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
+        c = self._require(cluster)
+        job = self._find(c, ref)
+        if job is None:
+            raise JobNotFound(ref.job_id)
+        offsets: dict[str, int] = {}
+        partial: dict[str, str] = {}
+        first = True
+        while True:
+            ended = job.state.is_terminal()
+            chunks = await self._read_logs(c, job.dir, offsets)
+            batch: list[LogEntry] = []
+            for name, data in chunks:
+                m = LOG_LINE_RE.match(name)
+                if m is None:
+                    continue
+                role, index, stream = m.group(1), int(m.group(2)), LogStream[m.group(3).upper()]
+                if not (query.wants_replica(role, index) and query.wants_stream(stream)):
+                    continue
+                text = partial.pop(name, "") + data
+                lines = text.split("\n")
+                if lines[-1] and not ended:
+                    partial[name] = lines[-1]
+                lines = lines[:-1] if not lines[-1] else lines
+                if first and query.tail_lines:
+                    lines = lines[-query.tail_lines:]
+                batch.extend(LogEntry(role=role, replica_index=index, stream=stream, text=t) for t in lines)
+            first = False
+            if batch:
+                yield batch
+                continue
+            if not query.follow or ended or c.jobs.get(job.job_id) is not job:
+                return
+            await asyncio.sleep(max(poll.MIN_INTERVAL, min(1.0, self._cfg.poll_interval)))
+
+    async def _read_logs(self, c: _Cluster, adir: str, offsets: dict[str, int]) -> list[tuple[str, str]]:
+        """New bytes of every log file in ``adir``, in one remote command."""
+        q = shlex.quote(adir)
+        known = " ".join(f"{shlex.quote(n)}={o}" for n, o in sorted(offsets.items()))
+        script = (f"cd -- {q} 2>/dev/null || exit 0; declare -A off=(); "
+               f"for kv in {known}; do off[${{kv%%=*}}]=${{kv#*=}}; done; "
+               "for f in *.stdout *.stderr; do [ -f \"$f\" ] || continue; "
+               "case \"$f\" in batch.*) continue;; esac; "
+               "s=$(stat -c %s -- \"$f\"); o=${off[$f]:-0}; "
+               f"[ \"$s\" -gt \"$o\" ] || continue; n=$((s - o)); [ $n -le {MAX_LOG_CHUNK} ] || n={MAX_LOG_CHUNK}; "
+               "printf '%s %s\\n' \"$n\" \"$f\"; tail -c +$((o + 1)) -- \"$f\" | head -c \"$n\"; done")
+        rc, out, _ = await c.run(f"bash -c {shlex.quote(script)}")
+        res: list[tuple[str, str]] = []
+        data = out.encode("utf-8", "surrogateescape")
+        pos = 0
+        while pos < len(data):
+            nl = data.find(b"\n", pos)
+            if nl < 0:
+                break
+            head = data[pos:nl].decode()
+            n_s, _, name = head.partition(" ")
+            if not n_s.isdigit():
+                break
+            n = int(n_s)
+            body = data[nl + 1:nl + 1 + n]
+            pos = nl + 1 + n
+            offsets[name] = offsets.get(name, 0) + len(body)
+            res.append((name, body.decode("utf-8", "replace")))
+        return res
+
+
+# --------------------------------------------------------------------------- capacity
+
+
+def _mib(value: str) -> int:
+    return int(value) << 20 if value.isdigit() else 0
+
+
+def _gres_gpus(gres: str) -> list[tuple[str, int]]:
+    """``gpu:a100:4(S:0-1),gpu:2`` -> [("a100", 4), ("", 2)]."""
+    out = []
+    for item in gres.split(","):
+        parts = item.split("(")[0].split(":")
+        if parts[0] != "gpu" or len(parts) < 2:
+            continue
+        count = parts[-1]
+        if count.isdigit():
+            out.append((parts[1] if len(parts) > 2 else "", int(count)))
+    return out
+
+
+def capacity(scontrol_nodes: str) -> ClusterCapacity:
+    """``scontrol --oneliner show nodes`` -> capacity (CPUs, memory, GPUs, allocated vs total)."""
+    nodes = [poll._key_values(line) for line in scontrol_nodes.splitlines() if line.startswith("NodeName=")]
+    cpus_t = cpus_f = 0.0
+    mem_t = mem_f = 0
+    gpus_t = gpus_f = 0
+    nodes_free = 0
+    max_cpu, max_mem, max_gpu = 0.0, 0, 0
+    inventory: dict[str, list[int]] = {}
+    for n in nodes:
+        state = n.get("State", "").upper()
+        usable = not any(s in state for s in ("DOWN", "DRAIN", "FAIL", "NOT_RESPONDING", "FUTURE"))
+        total = float(n.get("CPUTot", "0") or 0)
+        alloc = float(n.get("CPUAlloc", "0") or 0)
+        mem = _mib(n.get("RealMemory", "0"))
+        amem = _mib(n.get("AllocMem", "0"))
+        g = _gres_gpus(n.get("Gres", ""))
+        gtot = sum(c for _, c in g)
+        galloc = 0
+        m = re.search(r"gres/gpu=(\d+)", n.get("AllocTRES", ""))
+        if m:
+            galloc = int(m.group(1))
+        cpus_t += total
+        mem_t += mem
+        gpus_t += gtot
+        if usable:
+            cpus_f += max(0.0, total - alloc)
+            mem_f += max(0, mem - amem)
+            gpus_f += max(0, gtot - galloc)
+            if alloc < total:
+                nodes_free += 1
+        max_cpu, max_mem, max_gpu = max(max_cpu, total), max(max_mem, mem), max(max_gpu, gtot)
+        for t, cnt in g:
+            inv = inventory.setdefault(t, [0, 0])
+            inv[0] += cnt
+            inv[1] += cnt if usable and not galloc else 0
+    return ClusterCapacity(
+        nodes_total=len(nodes), nodes_free=nodes_free, cpus_total=cpus_t, cpus_free=cpus_f,
+        memory_bytes_total=mem_t, memory_bytes_free=mem_f, gpus_total=gpus_t, gpus_free=gpus_f,
+        gpus=tuple(GpuInventory(gpu_type=t, total=v[0], free=v[1]) for t, v in sorted(inventory.items())),
+        max_cpus_per_node=max_cpu, max_memory_bytes_per_node=max_mem, max_gpus_per_node=max_gpu,
+    )

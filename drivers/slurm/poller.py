@@ -1,0 +1,218 @@
+"""One poller per cluster: ONE ``squeue`` per interval for every tracked job.
+
+Each round runs ``squeue --states=all --user=<ssh user> -O ...`` once (every
+job of the user, finished ones included while slurmctld still holds them,
+``MinJobAge``), and, only when some tracked job is not in that answer, one
+``scontrol --oneliner show job`` (all jobs the controller holds) as the
+follow-up. ``sacct`` is never needed (accounting may be off). Watchers,
+observations and log tails read the poller's results; they add no calls.
+
+A failed round (SSH down, slurmctld down: non-zero exit) changes no state:
+the driver keeps every job's last known state and marks it stale. The
+parsers below are pure and tested on recorded output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import calendar
+import contextlib
+import logging
+import shlex
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+
+from dlsched.errors import DlschedError
+
+log = logging.getLogger("dlsched.driver.slurm.poller")
+
+MIN_INTERVAL = 0.2
+#: squeue -O fields; the comment goes last so a '|' in someone's comment cannot shift ours.
+SQUEUE_FIELDS = ("JobID", "State", "exit_code", "StartTime", "EndTime", "NodeList", "Name", "Reason",
+                 "Comment")
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """One job as Slurm reports it."""
+
+    job_id: str
+    state: str
+    reason: str = ""
+    exit_status: int | None = None  # raw wait status (squeue exit_code) already decoded to a code
+    start_time: float | None = None
+    end_time: float | None = None
+    nodes: str = ""
+    name: str = ""
+    comment: str = ""
+
+
+def squeue_command(user: str, name: str | None = None) -> str:
+    fmt = ",".join(f"{f}:|" for f in SQUEUE_FIELDS)
+    cmd = f"squeue --noheader --states=all --user={shlex.quote(user)} -O {shlex.quote(fmt)}"
+    if name:
+        cmd += f" --name={shlex.quote(name)}"
+    return cmd
+
+
+def scontrol_command() -> str:
+    return "scontrol --oneliner show job"
+
+
+def parse_time(value: str) -> float | None:
+    v = value.strip()
+    if not v or v in ("N/A", "NONE", "Unknown", "None", "(null)"):
+        return None
+    try:
+        return float(calendar.timegm(time.strptime(v, "%Y-%m-%dT%H:%M:%S")))
+    except ValueError:
+        return None
+
+
+def decode_wait_status(value: str) -> int | None:
+    """squeue's ``exit_code`` is a raw wait status: 768 -> 3; killed by signal 9 -> 137."""
+    v = value.strip()
+    if not v.isdigit():
+        return None
+    status = int(v)
+    sig = status & 0x7F
+    return 128 + sig if sig else (status >> 8) & 0xFF
+
+
+def parse_squeue(text: str) -> dict[str, SlurmJob]:
+    out: dict[str, SlurmJob] = {}
+    n = len(SQUEUE_FIELDS)
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        parts = line.split("|")
+        if len(parts) < n:
+            continue
+        jid, state, code, start, end, nodes, name, reason = (p.strip() for p in parts[:n - 1])
+        comment = "|".join(parts[n - 1:])
+        comment = comment[:-1] if comment.endswith("|") else comment
+        if not jid:
+            continue
+        out[jid] = SlurmJob(job_id=jid, state=state, reason=reason, exit_status=decode_wait_status(code),
+                            start_time=parse_time(start), end_time=parse_time(end), nodes=nodes,
+                            name=name, comment=comment.strip())
+    return out
+
+
+def parse_scontrol_jobs(text: str) -> dict[str, SlurmJob]:
+    """``scontrol --oneliner show job`` output: one ``Key=Value ...`` line per job."""
+    out: dict[str, SlurmJob] = {}
+    for line in text.splitlines():
+        kv = _key_values(line)
+        jid = kv.get("JobId", "")
+        if not jid:
+            continue
+        code, _, sig = kv.get("ExitCode", "").partition(":")
+        exit_code = None
+        if code.isdigit():
+            exit_code = 128 + int(sig) if sig.isdigit() and int(sig) and not int(code) else int(code)
+        out[jid] = SlurmJob(job_id=jid, state=kv.get("JobState", ""), reason=kv.get("Reason", ""),
+                            exit_status=exit_code, start_time=parse_time(kv.get("StartTime", "")),
+                            end_time=parse_time(kv.get("EndTime", "")), nodes=kv.get("NodeList", ""),
+                            name=kv.get("JobName", ""), comment=kv.get("Comment", ""))
+    return out
+
+
+def _key_values(line: str) -> dict[str, str]:
+    """Split ``A=1 B=x y C=2`` (values may hold spaces) into a dict."""
+    out: dict[str, str] = {}
+    key = None
+    for tok in line.strip().split(" "):
+        k, sep, v = tok.partition("=")
+        if sep and k and k.replace("/", "").replace(":", "").isalnum():
+            key = k
+            out[key] = v
+        elif key is not None and tok:
+            out[key] += " " + tok
+    return out
+
+
+RunFn = Callable[[str], Awaitable[tuple[int, str, str]]]
+
+
+class Poller:
+    """Polls one cluster; ``on_round(jobs, error, complete)`` gets each round's answer.
+
+    ``error`` is set when the round failed (nothing is known); ``complete``
+    is false when the follow-up failed, so jobs missing from ``jobs`` are
+    not known to be gone.
+
+    ``tracked()`` names the Slurm job ids that need news; with none the
+    poller sleeps. ``poll_now()`` runs a round at once (a launch, an
+    observation of an unknown job) and returns when it is done.
+    """
+
+    def __init__(self, run: RunFn, user: str, interval: float,
+                 tracked: Callable[[], Iterable[str]],
+                 on_round: Callable[[dict[str, SlurmJob], str | None, bool], None]) -> None:
+        self._run = run
+        self._user = user
+        self.interval = max(MIN_INTERVAL, interval)
+        self._tracked = tracked
+        self._on_round = on_round
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._round_lock = asyncio.Lock()
+        self.rounds = 0
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name=f"slurm-poller-{self._user}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    async def poll_now(self) -> None:
+        await self._round()
+
+    async def _loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval)
+            self._wake.clear()
+            if not list(self._tracked()):
+                continue
+            try:
+                await self._round()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bad round must never end the poller
+                log.exception("poll round failed")
+
+    async def _round(self) -> None:
+        async with self._round_lock:
+            wanted = set(self._tracked())
+            self.rounds += 1
+            try:
+                rc, out, err = await self._run(squeue_command(self._user))
+            except DlschedError as e:
+                self._on_round({}, f"{e.reason}: {e.message}", False)
+                return
+            if rc != 0:
+                self._on_round({}, f"squeue exited {rc}: {err.strip()[:300]}", False)
+                return
+            jobs = parse_squeue(out)
+            complete = True
+            if wanted - set(jobs):
+                try:
+                    rc2, out2, _ = await self._run(scontrol_command())
+                except DlschedError:
+                    rc2, out2 = 1, ""
+                complete = rc2 == 0
+                for jid, j in parse_scontrol_jobs(out2).items():
+                    if jid in wanted and jid not in jobs:
+                        jobs[jid] = j
+            self._on_round(jobs, None, complete)

@@ -1,0 +1,193 @@
+"""One persistent asyncssh connection per cluster, with pinned host keys.
+
+``SshClient.run(command, input=...)`` runs one command on the login node in a
+channel of the cluster's single connection. The connection opens on first
+use and reopens after it dies, with exponential backoff between failed
+attempts (``Unavailable``, reason ``BACKEND_UNAVAILABLE``, while backing
+off); keepalives find a dead peer. A semaphore bounds the channels open at
+once (default 8, below OpenSSH's ``MaxSessions`` 10: an 11th concurrent
+session fails).
+
+Host keys: only the keys pinned in the credentials (``known_host_keys``, in
+known_hosts or authorized_keys line form) are trusted; none pinned, or a
+server key that is not among them, is FAILED_PRECONDITION reason
+``HOST_KEY_MISMATCH``. There is no trust on first use.
+
+Commands are strings run by the login shell; every caller quotes what it
+puts in them (``shlex.quote``). ``env`` (from the cluster's upper-case
+options, e.g. ``SLURM_CONF``) is exported before each command, plus
+``TZ=UTC`` so Slurm prints times in UTC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import shlex
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import asyncssh
+
+from dlsched.errors import FailedPrecondition, InvalidArgument, Unavailable
+
+log = logging.getLogger("dlsched.driver.slurm.ssh")
+
+MAX_CHANNELS = 8
+ENV_RE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+
+
+class HostKeyMismatch(FailedPrecondition):
+    reason = "HOST_KEY_MISMATCH"
+
+
+class BackendUnavailable(Unavailable):
+    reason = "BACKEND_UNAVAILABLE"
+
+
+@dataclass(frozen=True)
+class Result:
+    exit_status: int
+    stdout: str
+    stderr: str
+
+
+def parse_host_keys(lines: Sequence[str]) -> list[asyncssh.SSHKey]:
+    """Pinned keys from known_hosts (``host key-type base64``) or bare public-key lines."""
+    keys = []
+    for i, line in enumerate(lines):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        parts = text.split()
+        if parts[0].startswith("@"):
+            raise InvalidArgument.for_field(f"credentials.ssh.known_host_keys[{i}]",
+                                            "markers (@cert-authority, @revoked) are not supported")
+        if not _looks_like_key_type(parts[0]) and len(parts) >= 3:
+            parts = parts[1:]  # known_hosts: drop the host pattern
+        try:
+            keys.append(asyncssh.import_public_key(" ".join(parts[:2])))
+        except (asyncssh.KeyImportError, ValueError) as e:
+            raise InvalidArgument.for_field(f"credentials.ssh.known_host_keys[{i}]",
+                                            "not a public key line") from e
+    return keys
+
+
+def _looks_like_key_type(s: str) -> bool:
+    return s.startswith(("ssh-", "ecdsa-", "sk-", "rsa-sha2-"))
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        return address, 22
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgument.for_field("address", "must be host[:port]")
+    return host.strip("[]"), int(port)
+
+
+class SshClient:
+    def __init__(self, address: str, username: str, private_key: str, known_host_keys: Sequence[str], *,
+                 env: Mapping[str, str] | None = None, max_channels: int = MAX_CHANNELS,
+                 connect_timeout: float = 10.0, keepalive: float = 10.0,
+                 backoff_max: float = 30.0) -> None:
+        self.host, self.port = parse_address(address)
+        if not username:
+            raise InvalidArgument.for_field("credentials.ssh.username", "required")
+        self.username = username
+        self._keys = parse_host_keys(known_host_keys)
+        try:
+            self._client_key = asyncssh.import_private_key(private_key) if private_key else None
+        except (asyncssh.KeyImportError, ValueError) as e:
+            raise InvalidArgument.for_field("credentials.ssh.private_key", "not a private key") from e
+        for k in env or {}:
+            if not ENV_RE.match(k):
+                raise InvalidArgument.for_field(f"options[{k}]", "environment names must be upper case")
+        prefix = ["export TZ=UTC"] + [f"export {k}={shlex.quote(v)}" for k, v in sorted((env or {}).items())]
+        self._prefix = "; ".join(prefix) + "; "
+        self._sem = asyncio.Semaphore(max_channels)
+        self._lock = asyncio.Lock()
+        self._conn: asyncssh.SSHClientConnection | None = None
+        self._connect_timeout = connect_timeout
+        self._keepalive = keepalive
+        self._backoff = 0.0
+        self._backoff_max = backoff_max
+        self._next_try = 0.0
+        self._last_error: Exception | None = None
+        self._closed = False
+        self.commands = 0  # commands issued, for tests and benchmarks
+
+    async def _connection(self) -> asyncssh.SSHClientConnection:
+        conn = self._conn
+        if conn is not None and not conn.is_closed():
+            return conn
+        async with self._lock:
+            if self._conn is not None and not self._conn.is_closed():
+                return self._conn
+            if self._closed:
+                raise BackendUnavailable("the SSH client is closed")
+            if not self._keys:
+                raise HostKeyMismatch("no host key is pinned for this cluster; refusing to trust on first use",
+                                      metadata={"host": self.host})
+            now = time.monotonic()
+            if now < self._next_try and self._last_error is not None:
+                raise self._as_error(self._last_error)
+            try:
+                self._conn = await asyncio.wait_for(asyncssh.connect(
+                    self.host, self.port, username=self.username,
+                    client_keys=[self._client_key] if self._client_key is not None else None,
+                    known_hosts=(self._keys, [], []), agent_path=None, config=[],
+                    keepalive_interval=self._keepalive, keepalive_count_max=3,
+                    login_timeout=self._connect_timeout, connect_timeout=self._connect_timeout,
+                ), timeout=self._connect_timeout + 5)
+            except (OSError, asyncssh.Error, TimeoutError) as e:
+                self._backoff = min(self._backoff_max, max(0.5, self._backoff * 2))
+                self._next_try = time.monotonic() + self._backoff
+                self._last_error = e
+                raise self._as_error(e) from e
+            self._backoff, self._last_error = 0.0, None
+            log.info("connected to %s:%d as %s", self.host, self.port, self.username)
+            return self._conn
+
+    def _as_error(self, e: Exception) -> Exception:
+        if isinstance(e, asyncssh.HostKeyNotVerifiable):
+            return HostKeyMismatch(f"the host key of {self.host}:{self.port} is not the pinned one",
+                                   metadata={"host": self.host})
+        return BackendUnavailable(f"cannot reach {self.host}:{self.port} over SSH: {type(e).__name__}: {e}")
+
+    async def run(self, command: str, *, input: str | None = None, time_limit: float = 30.0) -> Result:
+        """Run ``command``; a non-zero exit is a ``Result``, transport failures raise."""
+        conn = await self._connection()
+        async with self._sem:
+            self.commands += 1
+            try:
+                r = await conn.run(self._prefix + command, input=input, check=False, timeout=time_limit)
+            except asyncssh.TimeoutError as e:
+                raise BackendUnavailable(f"command timed out after {time_limit:g}s") from e
+            except (OSError, asyncssh.Error) as e:
+                if self._conn is conn:
+                    self._conn = None
+                conn.abort()
+                raise self._as_error(e) from e
+        out = r.stdout if isinstance(r.stdout, str) else (r.stdout or b"").decode("utf-8", "replace")
+        err = r.stderr if isinstance(r.stderr, str) else (r.stderr or b"").decode("utf-8", "replace")
+        status = r.exit_status if r.exit_status is not None else (128 + 9 if r.exit_signal else 255)
+        return Result(status, out or "", err or "")
+
+    def drop(self) -> None:
+        """Forget the connection (tests: simulate a dead one)."""
+        if self._conn is not None:
+            self._conn.abort()
+            self._conn = None
+
+    async def close(self) -> None:
+        self._closed = True
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+            try:
+                await asyncio.wait_for(conn.wait_closed(), 5)
+            except (TimeoutError, OSError, asyncssh.Error):
+                pass

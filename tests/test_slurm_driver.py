@@ -1,0 +1,187 @@
+"""The Slurm driver as a real process over real gRPC, against a real Slurm behind a real sshd.
+
+Skips (never fails) where the cluster cannot run: not root, or Debian's
+``slurmctld slurmd slurm-client munge openssh-server`` missing
+(``bash scripts/install-slurm.sh``), or asyncssh missing (``pip install -e '.[slurm]'``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+
+import grpc
+import pytest
+
+from dlsched.kit.rpc_errors import error_info
+from dlsched.v1 import cluster_pb2, driver_service_pb2_grpc, job_pb2
+from dlsched.v1 import driver_service_pb2 as dpb
+from tests import slurm_cluster
+from tests.harness import ServiceProcess
+
+asyncssh = pytest.importorskip("asyncssh")
+if why := slurm_cluster.available():
+    pytest.skip(why, allow_module_level=True)
+
+PY = sys.executable
+CLUSTER = "clusters/slurm"
+TERMINAL = (job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_STOPPED)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[slurm_cluster.SlurmCluster]:
+    c = slurm_cluster.SlurmCluster().start()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def driver(cluster: slurm_cluster.SlurmCluster) -> Iterator[ServiceProcess]:
+    svc = ServiceProcess("drivers.slurm", ["--poll-interval", "0.3"], name="slurm-driver").start()
+    yield svc
+    svc.stop()
+
+
+def configure_request(c: slurm_cluster.SlurmCluster, name: str = CLUSTER,
+                      host_keys: Sequence[str] | None = None) -> dpb.ConfigureClusterRequest:
+    return dpb.ConfigureClusterRequest(
+        cluster=name, address=c.address, options=c.options(),
+        credentials=cluster_pb2.ClusterCredentials(ssh=cluster_pb2.SshCredentials(
+            username=c.user, private_key=c.user_key,
+            known_host_keys=list(host_keys if host_keys is not None else [c.host_key_pub]))))
+
+
+@pytest.fixture
+async def stub(driver: ServiceProcess, cluster: slurm_cluster.SlurmCluster
+               ) -> AsyncIterator[driver_service_pb2_grpc.DriverServiceStub]:
+    async with grpc.aio.insecure_channel(driver.address) as ch:
+        s = driver_service_pb2_grpc.DriverServiceStub(ch)
+        await s.ConfigureCluster(configure_request(cluster), timeout=30)
+        yield s
+
+
+_n = iter(range(10**6))
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{os.getpid()}-{next(_n)}"
+
+
+def single(code: str, **kw: object) -> job_pb2.JobSpec:
+    return job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+        job_pb2.ReplicaGroup(role="main", replicas=1, command=[PY, "-u", "-c"], args=[code], **kw)])  # type: ignore[arg-type]
+
+
+async def launch(stub, job_id: str, spec: job_pb2.JobSpec, attempt: int = 1) -> dpb.LaunchJobResponse:
+    return await stub.LaunchJob(dpb.LaunchJobRequest(cluster=CLUSTER, job_id=job_id, spec=spec,
+                                                     attempt=attempt), timeout=60)
+
+
+async def observe(stub, job_id: str) -> dpb.JobObservation:
+    resp = await stub.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
+        cluster=CLUSTER, jobs=[dpb.JobRef(job_id=job_id)]), timeout=30)
+    return resp.observations[0]
+
+
+async def wait_state(stub, job_id: str, states: Sequence[int] = TERMINAL, within: float = 60.0
+                     ) -> dpb.JobObservation:
+    deadline = time.monotonic() + within
+    while True:
+        obs = await observe(stub, job_id)
+        if obs.state in states:
+            return obs
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{job_id} still {job_pb2.JobState.Name(obs.state)}: {obs}")
+        await asyncio.sleep(0.2)
+
+
+async def logs(stub, job_id: str, **kw: object) -> list[job_pb2.LogEntry]:
+    out: list[job_pb2.LogEntry] = []
+    req = dpb.TailJobLogsRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=job_id), **kw)  # type: ignore[arg-type]
+    async for resp in stub.TailJobLogs(req, timeout=60):
+        out.extend(resp.entries)
+    return out
+
+
+async def test_cluster_info_reports_the_node(stub):
+    info = (await stub.GetClusterInfo(dpb.GetClusterInfoRequest(cluster=CLUSTER), timeout=30)).info
+    assert info.state == cluster_pb2.CLUSTER_STATE_READY, info.message
+    assert info.capacity.nodes_total == 1
+    assert info.capacity.cpus_total == 2
+    assert info.capacity.memory_bytes_total > 0
+
+
+async def test_single_process_succeeds_with_its_output(stub):
+    jid = new_id("single")
+    args = ["a b", "$(touch CANARY)", "-x", "line\nbreak"]
+    code = "import os, sys; print('hello', os.environ['DLSCHED_JOB_ID']); print(repr(sys.argv[1:]))"
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+        job_pb2.ReplicaGroup(role="main", replicas=1, command=[PY, "-u", "-c", code], args=args)])
+    first = await launch(stub, jid, spec)
+    assert first.backend_job_id.isdigit()
+    assert "#SBATCH --job-name=dlsched-" + jid in first.native_spec.content
+    again = await launch(stub, jid, spec)
+    assert again.backend_job_id == first.backend_job_id  # idempotent: one Slurm job
+    obs = await wait_state(stub, jid)
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
+    assert obs.exit_code == 0
+    lines = [e.text for e in await logs(stub, jid) if e.stream == job_pb2.LOG_STREAM_STDOUT]
+    assert lines == [f"hello {jid}", repr(args)]
+
+
+async def test_multi_process_succeeds_with_ranks(stub):
+    jid = new_id("multi")
+    code = "import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], os.environ['MASTER_ADDR'])"
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MULTI_PROCESS, replica_groups=[
+        job_pb2.ReplicaGroup(role="worker", replicas=1, processes_per_replica=2,
+                             command=[PY, "-u", "-c", code])])
+    await launch(stub, jid, spec)
+    obs = await wait_state(stub, jid)
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
+    entries = await logs(stub, jid)
+    by_index = {e.replica_index: e.text for e in entries if e.stream == job_pb2.LOG_STREAM_STDOUT}
+    node = slurm_cluster.socket.gethostname().split(".")[0]
+    assert by_index == {0: f"rank 0 of 2 {node}", 1: f"rank 1 of 2 {node}"}
+
+
+async def test_failure_is_failed_with_the_exit_code(stub):
+    jid = new_id("fail")
+    await launch(stub, jid, single("import sys; sys.exit(3)"))
+    obs = await wait_state(stub, jid)
+    assert obs.state == job_pb2.JOB_STATE_FAILED
+    assert obs.exit_code == 3
+
+
+async def test_stop_ends_a_running_job_as_stopped(stub):
+    jid = new_id("stop")
+    await launch(stub, jid, single("import time; print('up', flush=True); time.sleep(300)"))
+    await wait_state(stub, jid, [job_pb2.JOB_STATE_RUNNING])
+    ref = dpb.JobRef(job_id=jid)
+    await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=ref), timeout=30)
+    obs = await wait_state(stub, jid)
+    assert obs.state == job_pb2.JOB_STATE_STOPPED, obs
+    again = await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=ref), timeout=30)
+    assert again.observation.state == job_pb2.JOB_STATE_STOPPED  # idempotent
+
+
+async def test_unknown_partition_is_refused_at_submit(stub):
+    spec = single("print(1)")
+    spec.queue = "no-such-partition"
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await launch(stub, new_id("nopart"), spec)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error_info(e.value).reason == "SBATCH_REJECTED"
+
+
+async def test_a_host_key_that_is_not_the_pinned_one_is_refused(stub, cluster):
+    other = asyncssh.generate_private_key("ssh-ed25519").export_public_key().decode().strip()
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.ConfigureCluster(configure_request(cluster, "clusters/slurm-mitm", [other]), timeout=30)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error_info(e.value).reason == "HOST_KEY_MISMATCH"
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await stub.ConfigureCluster(configure_request(cluster, "clusters/slurm-tofu", []), timeout=30)
+    assert error_info(e.value).reason == "HOST_KEY_MISMATCH"
