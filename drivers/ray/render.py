@@ -9,7 +9,7 @@ The submission:
 
 - ``submission_id`` is ``dlsched-{job_id}-{attempt}``: Ray refuses a second
   submission with the same id, so a retried launch can never start a second
-  job. ``metadata`` carries ``dlsched_job_id`` and ``dlsched_attempt``; the
+  job. ``metadata`` carries ``dlsched_job_id``, ``dlsched_attempt`` and ``dlsched_role``; the
   poller knows our jobs by them.
 - ``entrypoint`` is the one shell command line Ray runs (``/bin/sh -c``).
   Every user value in it (command, args, working directory) is quoted by
@@ -64,6 +64,8 @@ LAUNCHER_MODULE = "drivers.ray.launcher"
 JOB_ENV = "DLSCHED_RAY_JOB"
 META_JOB_ID = "dlsched_job_id"
 META_ATTEMPT = "dlsched_attempt"
+META_ROLE = "dlsched_role"  # whose lines the untagged log lines are: the single role, or "launcher"
+LAUNCHER_ROLE = "launcher"
 LOCAL_HOST = "127.0.0.1"
 URI_RE = re.compile(r"^[a-z][a-z0-9+.-]*://")
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
@@ -176,7 +178,9 @@ def render_submission(job_id: str, spec: JobSpec, attempt: int,
     body: dict[str, Any] = {
         "submission_id": sid,
         "metadata": {META_JOB_ID: job_id, META_ATTEMPT: str(attempt),
-                     "dlsched_run_mode": f"RUN_MODE_{spec.run_mode.name}"},
+                     "dlsched_run_mode": f"RUN_MODE_{spec.run_mode.name}",
+                     META_ROLE: spec.replica_groups[0].role if spec.run_mode is RunMode.SINGLE_PROCESS
+                     else LAUNCHER_ROLE},
     }
     if spec.run_mode is RunMode.SINGLE_PROCESS:
         g = spec.replica_groups[0]
