@@ -215,7 +215,7 @@ LogLevel ERROR
         self._wait(lambda: _connects(self.ssh_port), "sshd", 15)
 
     def options(self) -> dict[str, str]:
-        return {"SLURM_CONF": self.conf, "state_dir": self.path("home", "dlsched")}
+        return {"SLURM_CONF": self.conf, "state_dir": self.path("home", "dlsched"), "max_nodes": "1"}
 
     def run(self, *argv: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:
         try:

@@ -8,6 +8,7 @@ Skips (never fails) where the cluster cannot run: not root, or Debian's
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import time
@@ -185,3 +186,100 @@ async def test_a_host_key_that_is_not_the_pinned_one_is_refused(stub, cluster):
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await stub.ConfigureCluster(configure_request(cluster, "clusters/slurm-tofu", []), timeout=30)
     assert error_info(e.value).reason == "HOST_KEY_MISMATCH"
+
+
+async def test_master_worker_succeeds_with_rank_zero_on_the_master(stub):
+    jid = new_id("mw")
+    code = "import os; print(os.environ['DLSCHED_ROLE'], os.environ['RANK'], os.environ['MASTER_ADDR'])"
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MASTER_WORKER, replica_groups=[
+        job_pb2.ReplicaGroup(role=r, replicas=1, command=[PY, "-u", "-c", code]) for r in ("worker", "master")])
+    await launch(stub, jid, spec)
+    obs = await wait_state(stub, jid)
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
+    node = slurm_cluster.socket.gethostname().split(".")[0]
+    out = {(e.role, e.text) for e in await logs(stub, jid) if e.stream == job_pb2.LOG_STREAM_STDOUT}
+    assert out == {("master", f"master 0 {node}"), ("worker", f"worker 1 {node}")}
+
+
+async def test_ps_worker_succeeds_when_the_worker_does(stub):
+    jid = new_id("ps")
+    worker = "import json, os; t = json.loads(os.environ['TF_CONFIG']); print(t['task'], len(t['cluster']['ps']))"
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_PS_WORKER, replica_groups=[
+        job_pb2.ReplicaGroup(role="ps", replicas=1, command=[PY, "-c", "import time; time.sleep(300)"]),
+        job_pb2.ReplicaGroup(role="worker", replicas=1, command=[PY, "-u", "-c", worker])])
+    await launch(stub, jid, spec)
+    obs = await wait_state(stub, jid)
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
+    lines = [e.text for e in await logs(stub, jid, role="worker")]
+    assert lines == ["{'index': 0, 'type': 'worker'} 1"]
+
+
+async def test_hostile_env_arrives_byte_for_byte_and_runs_nothing(stub, cluster):
+    jid = new_id("hostile")
+    canary = os.path.join(cluster.home, "CANARY")
+    env = {"H1": f"$(touch {canary})", "H2": f"`touch {canary}`", "H3": f"a\n#SBATCH --wrap=touch {canary}\n",
+           "H4": "'; touch CANARY; '", "H5": "ünï ✓ \t\r"}
+    code = "import json, os; print(json.dumps({k: os.environ[k] for k in sorted(os.environ) if k[:1] == 'H' and k[1:].isdigit()}))"
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+        job_pb2.ReplicaGroup(role="main", replicas=1, command=[PY, "-u", "-c", code], env=env)])
+    await launch(stub, jid, spec)
+    obs = await wait_state(stub, jid)
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
+    lines = [e.text for e in await logs(stub, jid) if e.stream == job_pb2.LOG_STREAM_STDOUT]
+    assert json.loads(lines[0]) == env
+    assert not await asyncio.to_thread(os.path.exists, canary)
+
+
+async def test_logs_stream_while_the_job_runs(stub):
+    jid = new_id("follow")
+    code = "import time\nfor i in range(4):\n    print('tick', i, flush=True)\n    time.sleep(0.7)"
+    await launch(stub, jid, single(code))
+    got: list[str] = []
+    seen_running = False
+    req = dpb.TailJobLogsRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=jid), follow=True)
+    async for resp in stub.TailJobLogs(req, timeout=60):
+        got.extend(e.text for e in resp.entries)
+        if got and not seen_running:
+            seen_running = (await observe(stub, jid)).state == job_pb2.JOB_STATE_RUNNING
+    assert got == [f"tick {i}" for i in range(4)]
+    assert seen_running  # the first lines came while it still ran
+    assert (await observe(stub, jid)).state == job_pb2.JOB_STATE_SUCCEEDED
+
+
+async def test_sbatch_that_submits_then_fails_yields_one_job(stub, cluster, tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "sbatch").write_text("#!/bin/bash\n/usr/bin/sbatch \"$@\" >/dev/null\n"
+                                   "echo 'sbatch: error: Batch job submission failed: Socket timed out' >&2\n"
+                                   "exit 1\n")
+    (bindir / "sbatch").chmod(0o755)
+    req = configure_request(cluster, "clusters/slurm-flaky")
+    req.options["PATH"] = f"{bindir}:/usr/bin:/bin"
+    await stub.ConfigureCluster(req, timeout=30)
+    jid = new_id("flaky")
+    resp = await stub.LaunchJob(dpb.LaunchJobRequest(cluster="clusters/slurm-flaky", job_id=jid,
+                                                     spec=single("print(1)"), attempt=1), timeout=60)
+    assert resp.backend_job_id.isdigit()
+    out = cluster.run("squeue", "--noheader", "--states=all", f"--name=dlsched-{jid}", "-o", "%i").stdout
+    assert out.split() == [resp.backend_job_id]
+    await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/slurm-flaky"), timeout=30)
+
+
+async def test_controller_outage_keeps_the_last_state_and_recovers(stub, cluster):
+    jid = new_id("outage")
+    await launch(stub, jid, single("import time; time.sleep(6)"))
+    await wait_state(stub, jid, [job_pb2.JOB_STATE_RUNNING])
+    await asyncio.to_thread(cluster.stop_slurmctld)
+    try:
+        deadline = time.monotonic() + 40
+        while True:
+            obs = await observe(stub, jid)
+            assert obs.state == job_pb2.JOB_STATE_RUNNING, obs  # never FAILED on an outage
+            if obs.reason == "BackendStale":
+                break
+            assert time.monotonic() < deadline, obs
+            await asyncio.sleep(0.3)
+    finally:
+        await asyncio.to_thread(cluster.start_slurmctld)
+    obs = await wait_state(stub, jid, within=90)
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
