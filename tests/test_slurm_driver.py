@@ -265,6 +265,21 @@ async def test_sbatch_that_submits_then_fails_yields_one_job(stub, cluster, tmp_
     await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/slurm-flaky"), timeout=30)
 
 
+async def test_more_cpus_than_any_node_has_stays_pending_with_slurms_reason(stub):
+    jid = new_id("toobig")
+    spec = single("print(1)")
+    spec.replica_groups[0].resources.cpu = 64
+    await launch(stub, jid, spec)
+    deadline = time.monotonic() + 30
+    while (obs := await observe(stub, jid)).reason in ("Submitted", "Pending"):
+        assert time.monotonic() < deadline, obs
+        await asyncio.sleep(0.2)
+    assert obs.state == job_pb2.JOB_STATE_QUEUED
+    assert obs.reason == "PartitionConfig"  # never silent: Slurm's own "why pending"
+    await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=jid)), timeout=30)
+    assert (await wait_state(stub, jid)).state == job_pb2.JOB_STATE_STOPPED
+
+
 async def test_controller_outage_keeps_the_last_state_and_recovers(stub, cluster):
     jid = new_id("outage")
     await launch(stub, jid, single("import time; time.sleep(6)"))

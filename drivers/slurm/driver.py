@@ -14,7 +14,9 @@ and again after any failed or ambiguous ``sbatch`` (an error exit, a dead
 connection, a timeout), the driver looks the attempt up by its job name and
 comment (``squeue --states=all --name=dlsched-<job_id>``, comment
 ``dlsched-<job_id>.<attempt>``) and adopts what it finds; only when Slurm
-holds no such job does it submit (again). An ``sbatch`` that fails with no
+holds no such job does it submit (again); should a timed-out ``sbatch`` land
+after that look-up, the retry finds two jobs, keeps the oldest and cancels
+the other before anything is reported. An ``sbatch`` that fails with no
 job behind it is FAILED_PRECONDITION reason ``SBATCH_REJECTED`` with Slurm's
 message (an unknown partition, more CPUs than any node has).
 
@@ -259,13 +261,32 @@ class SlurmDriver(Driver):
             c.poller.wake()
             return LaunchResult(backend_id, script.native_spec(), self._observe(job))
 
-    async def _lookup(self, c: _Cluster, script: SlurmScript) -> str | None:
-        """The Slurm job id of this attempt, if Slurm holds one; raises when it cannot tell."""
+    async def _lookup_all(self, c: _Cluster, script: SlurmScript) -> list[str]:
+        """Slurm job ids of this attempt, oldest first; raises when Slurm cannot tell."""
         rc, out, err = await c.run(poll.squeue_command(c.ssh.username, script.job_name))
         if rc != 0:
             raise Unavailable(f"squeue failed: {err.strip()[:300]}", reason="BACKEND_UNAVAILABLE")
         found = [j.job_id for j in poll.parse_squeue(out).values() if j.comment == script.comment]
-        return sorted(found, key=lambda s: int(s) if s.isdigit() else 0)[0] if found else None
+        return sorted(found, key=lambda s: int(s) if s.isdigit() else 0)
+
+    async def _lookup(self, c: _Cluster, script: SlurmScript) -> str | None:
+        found = await self._lookup_all(c, script)
+        return found[0] if found else None
+
+    async def _converge(self, c: _Cluster, script: SlurmScript, submitted: str) -> str:
+        """After a retried sbatch: if an earlier, ambiguous sbatch also made a job
+        (it landed after our look-up), keep the oldest and cancel the others."""
+        try:
+            found = await self._lookup_all(c, script)
+        except DlschedError:
+            return submitted
+        if len(found) <= 1:
+            return found[0] if found else submitted
+        extra = " ".join(shlex.quote(j) for j in found[1:])
+        log.warning("duplicate Slurm jobs %s for %s; keeping %s", found[1:], script.comment, found[0])
+        with contextlib.suppress(DlschedError):
+            await c.run(f"scancel {extra}")
+        return found[0]
 
     async def _submit_once(self, c: _Cluster, script: SlurmScript) -> str:
         existing = await self._lookup(c, script)
@@ -283,7 +304,7 @@ class SlurmDriver(Driver):
             except DlschedError as e:
                 last = f"{e.reason}: {e.message}"
             if rc == 0 and (jid := out.strip().split(";")[0].strip()).isdigit():
-                return jid
+                return jid if not attempt else await self._converge(c, script, jid)
             # Failed or ambiguous: Slurm may hold the job anyway. Look before any retry.
             try:
                 existing = await self._lookup(c, script)
