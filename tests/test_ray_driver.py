@@ -1,4 +1,4 @@
-# ruff: noqa: ASYNC109, ASYNC110  -- tests poll a real Ray head
+# ruff: noqa: ASYNC109, ASYNC110, ASYNC240  -- tests poll a real Ray head and /proc
 """The Ray driver, as a real process over real gRPC, against a real Ray head (tests/ray_head.py)."""
 
 from __future__ import annotations
@@ -184,3 +184,119 @@ async def test_mpi_is_refused(stub):
         await launch(stub, new_id("mpi"), spec)
     assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert error_info(ei.value).reason == "MPI_NOT_SUPPORTED"
+
+
+PROBE = """
+import json, os, sys
+out = sys.argv[1]
+name = f"{os.environ['DLSCHED_ROLE']}-{os.environ['DLSCHED_REPLICA_INDEX']}-{os.environ.get('RANK', '')}"
+with open(os.path.join(out, name + '.json'), 'w') as f:
+    json.dump({**os.environ, 'PROBE_PID': str(os.getpid())}, f)
+print('probe', name, flush=True)
+if os.environ.get('PROBE_FOREVER') == os.environ['DLSCHED_ROLE']:
+    import time
+    while True:
+        time.sleep(1)
+"""
+
+
+def probe_group(role: str, out, replicas: int = 1, ppr: int = 0, **env: str) -> S.ReplicaGroup:
+    return S.ReplicaGroup(role=role, replicas=replicas, processes_per_replica=ppr,
+                          command=[PY, "-c", PROBE, str(out)], env=env)
+
+
+def probes(out) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+
+
+async def test_multi_process_runs_every_rank_on_the_entrypoint_node(stub, tmp_path):
+    job_id = new_id("multi")
+    spec = S.JobSpec(run_mode=S.RUN_MODE_MULTI_PROCESS, replica_groups=[probe_group("worker", tmp_path, replicas=2, ppr=2)])
+    await launch(stub, job_id, spec)
+    obs = await wait_state(stub, job_id)
+    assert obs.state == S.JOB_STATE_SUCCEEDED, obs
+    envs = probes(tmp_path)
+    assert sorted(int(e["RANK"]) for e in envs) == [0, 1, 2, 3]
+    assert {e["WORLD_SIZE"] for e in envs} == {"4"} and {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"}
+    assert len({e["MASTER_PORT"] for e in envs}) == 1
+    assert "DLSCHED_RAY_JOB" not in envs[0]
+    entries = await logs(stub, job_id, replica_index=3)
+    assert [(e.role, e.replica_index, e.text) for e in entries] == [("worker", 3, "probe worker-1-3")]
+
+
+ALL_REDUCE = """
+import os, torch, torch.distributed as dist
+dist.init_process_group('gloo')
+t = torch.tensor([float(os.environ['RANK']) + 1])
+dist.all_reduce(t)
+print('sum', int(t.item()), 'rank', os.environ['RANK'], 'world', dist.get_world_size(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+async def test_master_worker_gloo_all_reduce_across_placement_group_replicas(stub):
+    job_id = new_id("mw")
+    group = lambda role, n: S.ReplicaGroup(role=role, replicas=n, command=[PY, "-c", ALL_REDUCE])  # noqa: E731
+    spec = S.JobSpec(run_mode=S.RUN_MODE_MASTER_WORKER, replica_groups=[group("worker", 2), group("master", 1)])
+    await launch(stub, job_id, spec)
+    obs = await wait_state(stub, job_id, within=120)
+    entries = await logs(stub, job_id)
+    assert obs.state == S.JOB_STATE_SUCCEEDED, "\n".join(e.text for e in entries)
+    sums = sorted((e.role, e.replica_index, e.text) for e in entries if e.text.startswith("sum "))
+    assert sums == [("master", 0, "sum 6 rank 0 world 3"), ("worker", 0, "sum 6 rank 1 world 3"),
+                    ("worker", 1, "sum 6 rank 2 world 3")]
+
+
+async def test_ps_worker_tf_config_and_ps_stopped_after_workers(stub, tmp_path):
+    job_id = new_id("ps")
+    spec = S.JobSpec(run_mode=S.RUN_MODE_PS_WORKER, replica_groups=[
+        probe_group("ps", tmp_path, PROBE_FOREVER="ps"), probe_group("worker", tmp_path, replicas=2)])
+    await launch(stub, job_id, spec)
+    obs = await wait_state(stub, job_id, within=120)
+    assert obs.state == S.JOB_STATE_SUCCEEDED, obs
+    configs = {(e["DLSCHED_ROLE"], int(e["DLSCHED_REPLICA_INDEX"])): json.loads(e["TF_CONFIG"])
+               for e in probes(tmp_path)}
+    assert sorted(configs) == [("ps", 0), ("worker", 0), ("worker", 1)]
+    cluster = configs[("ps", 0)]["cluster"]
+    assert [len(cluster["ps"]), len(cluster["worker"])] == [1, 2]
+    for (role, index), c in configs.items():
+        assert c == {"cluster": cluster, "task": {"type": role, "index": index}}
+    [ps] = [e for e in probes(tmp_path) if e["DLSCHED_ROLE"] == "ps"]
+    deadline = time.monotonic() + 20
+    while os.path.exists(f"/proc/{ps['PROBE_PID']}"):  # the ps is stopped once the workers are done
+        assert time.monotonic() < deadline, "the ps process outlived its job"
+        await asyncio.sleep(0.2)
+
+
+async def test_unreachable_head_keeps_last_state_as_backend_stale(stub, head):
+    from tests.harness import free_port
+    cluster = f"clusters/{new_id('stale')}"
+    await stub.ConfigureCluster(dpb.ConfigureClusterRequest(cluster=cluster, address=head.address), timeout=20)
+    job_id = new_id("stale")
+    await stub.LaunchJob(dpb.LaunchJobRequest(cluster=cluster, job_id=job_id, attempt=1,
+                                              spec=single("import time; time.sleep(300)")), timeout=30)
+    ref = dpb.JobRef(job_id=job_id)
+
+    async def obs() -> dpb.JobObservation:
+        r = await stub.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(cluster=cluster, jobs=[ref]),
+                                               timeout=10)
+        return r.observations[0]
+
+    deadline = time.monotonic() + 60
+    while (await obs()).state != S.JOB_STATE_RUNNING:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    await stub.ConfigureCluster(dpb.ConfigureClusterRequest(
+        cluster=cluster, address=f"http://127.0.0.1:{free_port()}"), timeout=20)
+    deadline = time.monotonic() + 10
+    while (o := await obs()).reason != "BackendStale":
+        assert time.monotonic() < deadline, o
+        await asyncio.sleep(0.1)
+    assert o.state == S.JOB_STATE_RUNNING and o.found
+    await stub.ConfigureCluster(dpb.ConfigureClusterRequest(cluster=cluster, address=head.address), timeout=20)
+    await stub.TerminateJob(dpb.TerminateJobRequest(cluster=cluster, job=ref), timeout=20)
+    deadline = time.monotonic() + 60
+    while (o := await obs()).state != S.JOB_STATE_STOPPED:
+        assert time.monotonic() < deadline, o
+        await asyncio.sleep(0.1)

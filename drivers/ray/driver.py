@@ -127,7 +127,8 @@ class _Cluster:
         self.submissions: dict[str, set[str]] = {}  # job id -> every submission id seen
         self.roles: dict[str, str] = {}  # job id -> first role (log attribution)
         self.polled = asyncio.Event()
-        self.ok = False
+        self.ok = False  # the last poll answered
+        self.known = False  # some poll answered: the cache is the cluster's, if maybe stale
         self.error = ""
         self.task: asyncio.Task[None] | None = None
         self.wake = asyncio.Event()
@@ -183,6 +184,7 @@ class RayDriver(Driver):
         old = self._clusters.get(config.name)
         if old is not None:  # keep what was observed; swap address, credentials, session
             new.jobs, new.submissions, new.roles = old.jobs, old.submissions, old.roles
+            new.known = old.known
             await self._drop(old)
         self._clusters[config.name] = new
         new.task = asyncio.create_task(self._poll_loop(config.name, new), name=f"ray-poll-{config.name}")
@@ -219,15 +221,15 @@ class RayDriver(Driver):
                 if not isinstance(items, list):
                     raise _Http(200, "the job list is not a JSON list")
                 self._apply(name, c, items)
-                c.ok, c.error = True, ""
+                c.ok, c.known, c.error = True, True, ""
             except (_Http, Unavailable) as e:
-                c.error = str(e)
+                c.ok, c.error = False, str(e)
                 self._mark_stale(name, c)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # never let the poller die
                 log.exception("poll of %s failed", name)
-                c.error = f"{type(e).__name__}: {e}"
+                c.ok, c.error = False, f"{type(e).__name__}: {e}"
                 self._mark_stale(name, c)
             c.polled.set()
             c.wake.clear()
@@ -278,7 +280,7 @@ class RayDriver(Driver):
 
     async def _ready(self, c: _Cluster) -> None:
         await c.polled.wait()
-        if not c.ok:
+        if not c.known:
             raise Unavailable(c.error or "the Ray head has not answered yet", reason="BACKEND_UNAVAILABLE")
 
     # ------------------------------------------------------------------ jobs

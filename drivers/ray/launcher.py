@@ -153,7 +153,9 @@ def run_placement_group(job: dict[str, Any], spec: JobSpec) -> int:  # pragma: n
 
     @ray.remote(num_cpus=0)
     def probe() -> tuple[str, int, int]:
-        return ray.util.get_node_ip_address(), _free_port(), _free_port()
+        from drivers.ray import launcher
+
+        return ray.util.get_node_ip_address(), launcher._free_port(), launcher._free_port()
 
     found = ray.get([probe.options(scheduling_strategy=in_bundle(i)).remote() for i in range(len(layout))])
     node_rank: dict[str, int] = {}
@@ -165,7 +167,10 @@ def run_placement_group(job: dict[str, Any], spec: JobSpec) -> int:  # pragma: n
 
     @ray.remote
     def replica(procs: list[planner.ProcessLaunch]) -> int:
-        return run_processes(procs, lambda role: True)
+        # By module name: run as __main__, this module would be pickled by value.
+        from drivers.ray import launcher
+
+        return launcher.run_processes(procs, lambda role: True)
 
     refs = {}
     for i, (role, r) in enumerate(layout):
