@@ -28,13 +28,14 @@ TERMINAL = (S.JOB_STATE_SUCCEEDED, S.JOB_STATE_FAILED, S.JOB_STATE_STOPPED)
 # Until the dev extra installs Ray, a missing Ray skips; DLSCHED_REQUIRE_RAY=1 makes it fail instead.
 REQUIRE = os.environ.get("DLSCHED_REQUIRE_RAY") == "1"
 
-pytestmark = pytest.mark.skipif(
-    (not ray_available() or importlib.util.find_spec("aiohttp") is None) and not REQUIRE,
-    reason="ray[default] and aiohttp are not installed (pip install -e '.[ray]' 'ray[default]')")
+if importlib.util.find_spec("aiohttp") is None and not REQUIRE:
+    pytest.skip("aiohttp is not installed (pip install -e '.[ray]')", allow_module_level=True)
 
 
 @pytest.fixture(scope="module")
 def head() -> Iterator[RayHead]:
+    if not ray_available() and not REQUIRE:
+        pytest.skip("ray[default] is not installed (pip install 'ray[default]')")
     h = RayHead().start()
     try:
         yield h
@@ -300,3 +301,122 @@ async def test_unreachable_head_keeps_last_state_as_backend_stale(stub, head):
     while (o := await obs()).state != S.JOB_STATE_STOPPED:
         assert time.monotonic() < deadline, o
         await asyncio.sleep(0.1)
+
+
+# --------------------------------------------------------------------------- a fake head: edges a real one will not show
+
+
+class FakeHead:
+    """Ray's job endpoints as canned answers, recording every request."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str, str]] = []  # method, path, Authorization
+        self.jobs: dict[str, dict] = {}
+        self.list_jobs = True  # False: the list lags behind (the job is only found by id)
+        self.runner = None
+        self.address = ""
+
+    async def start(self) -> FakeHead:
+        from aiohttp import web
+
+        async def handle(req: web.Request) -> web.Response:
+            self.requests.append((req.method, req.path, req.headers.get("Authorization", "")))
+            if req.method == "GET" and req.path == "/api/jobs/":
+                return web.json_response(list(self.jobs.values()) if self.list_jobs else [])
+            if req.method == "POST" and req.path == "/api/jobs/":
+                body = await req.json()
+                sid = body["submission_id"]
+                if sid in self.jobs:
+                    return web.Response(status=500, text=f"ValueError: Job with submission_id {sid} already exists.")
+                self.jobs[sid] = {"type": "SUBMISSION", "submission_id": sid, "status": "RUNNING",
+                                  "metadata": body["metadata"], "message": "running", "start_time": 1000}
+                return web.json_response({"submission_id": sid})
+            if req.method == "GET" and req.path.startswith("/api/jobs/"):
+                job = self.jobs.get(req.path.split("/")[3])
+                return web.json_response(job) if job else web.Response(status=404, text="no such job")
+            if req.path == "/api/cluster_status":
+                return web.json_response({"data": {"clusterStatus": {"loadMetricsReport": {
+                    "usage": {"CPU": [1.0, 4.0], "memory": [0.0, 8e9], "GPU": [1.0, 2.0]},
+                    "usageByNode": {"n1": {"CPU": [1.0, 4.0], "memory": [0.0, 8e9], "GPU": [1.0, 2.0]}}}}}})
+            return web.Response(status=404, text="not here")
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.address = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        return self
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeHead]:
+    h = await FakeHead().start()
+    yield h
+    await h.stop()
+
+
+def _spec():
+    from drivers.common.base import JobSpec, ReplicaGroup, RunMode
+    return JobSpec(RunMode.SINGLE_PROCESS, (ReplicaGroup(role="main", replicas=1, command=("true",)),))
+
+
+async def test_token_is_sent_as_bearer_on_every_call_and_never_logged(fake, caplog):
+    from drivers.common.base import ClusterConfig, TokenCredentials
+    from drivers.ray.driver import RayConfig, RayDriver
+
+    caplog.set_level("DEBUG")
+    d = RayDriver(RayConfig(poll_interval=0.05))
+    try:
+        info = await d.configure_cluster(ClusterConfig("clusters/t", fake.address,
+                                                       credentials=TokenCredentials("s3cret-token")))
+        assert (info.capacity.cpus_total, info.capacity.cpus_free, info.capacity.gpus_free) == (4.0, 3.0, 1)
+        await d.launch("clusters/t", "tok", _spec(), 1)
+        await asyncio.sleep(0.2)
+    finally:
+        await d.close()
+    assert {m for m, *_ in fake.requests} >= {"GET", "POST"}
+    assert {a for *_, a in fake.requests} == {"Bearer s3cret-token"}
+    assert "s3cret" not in caplog.text
+
+
+async def test_refused_resubmit_is_the_first_submission(fake):
+    from drivers.common.base import ClusterConfig, JobState
+    from drivers.ray.driver import RayConfig, RayDriver
+
+    fake.list_jobs = False  # the driver cannot know from its poll that the job exists
+    first = RayDriver(RayConfig(poll_interval=0.05))
+    second = RayDriver(RayConfig(poll_interval=0.05))  # a restarted driver, knowing nothing
+    try:
+        for d in (first, second):
+            await d.configure_cluster(ClusterConfig("clusters/t", fake.address))
+        a = await first.launch("clusters/t", "dup", _spec(), 1)
+        b = await second.launch("clusters/t", "dup", _spec(), 1)
+    finally:
+        await first.close()
+        await second.close()
+    assert a.backend_job_id == b.backend_job_id == "dlsched-dup-1"
+    assert b.observation.state is JobState.RUNNING and b.observation.found
+    assert len(fake.jobs) == 1 and [m for m, p, _ in fake.requests if p == "/api/jobs/"].count("POST") == 2
+
+
+async def test_head_never_reached_is_unavailable_not_not_found():
+    from dlsched.errors import Unavailable
+    from drivers.common.base import ClusterConfig, ClusterState, JobRef
+    from drivers.ray.driver import RayConfig, RayDriver
+    from tests.harness import free_port
+
+    d = RayDriver(RayConfig(poll_interval=0.05, request_timeout=2))
+    try:
+        info = await d.configure_cluster(ClusterConfig("clusters/t", f"http://127.0.0.1:{free_port()}"))
+        assert info.state is ClusterState.UNREACHABLE
+        with pytest.raises(Unavailable) as e:
+            await d.observe("clusters/t", [JobRef("x")])
+        assert e.value.reason == "BACKEND_UNAVAILABLE"
+    finally:
+        await d.close()
