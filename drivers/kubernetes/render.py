@@ -25,7 +25,10 @@ DNS-1123 label by ``dns_label``):
 
 Every object carries the labels ``dlsched.io/job-id``, ``dlsched.io/attempt``
 and (pods) ``dlsched.io/role`` and ``dlsched.io/replica-index``; the driver's
-one watch selects ``dlsched.io/job-id``. Pods have an owner reference to the
+one watch selects ``dlsched.io/job-id``. Pods are annotated with the success
+rule (``dlsched.io/decisive-roles``, ``dlsched.io/stopped-after-success``)
+and the replica counts (``dlsched.io/replicas``), so a restarted driver
+rebuilds every job from the watch alone. Pods have an owner reference to the
 Service, so deleting the Service removes the whole attempt. The Service's
 uid exists only once it is created: the rendered owner reference carries
 ``uid: ""`` and ``launch`` fills in the real uid (``with_owner_uid``)
@@ -70,6 +73,10 @@ LABEL_JOB = "dlsched.io/job-id"
 LABEL_ATTEMPT = "dlsched.io/attempt"
 LABEL_ROLE = "dlsched.io/role"
 LABEL_INDEX = "dlsched.io/replica-index"
+#: Pod annotations that let a restarted driver rebuild a job from its pods alone.
+ANN_DECISIVE = "dlsched.io/decisive-roles"
+ANN_STOPPED_AFTER = "dlsched.io/stopped-after-success"
+ANN_REPLICAS = "dlsched.io/replicas"
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 DEFAULT_NAMESPACE = "default"
@@ -253,6 +260,11 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
     owner = {"apiVersion": "v1", "kind": "Service", "name": svc, "uid": "",
              "blockOwnerDeletion": True}
     pull = [{"name": s} for s in _pull_secrets(options)]
+    annotations = {
+        ANN_DECISIVE: ",".join(sorted(plan.success.decisive_roles)),
+        ANN_STOPPED_AFTER: ",".join(sorted(plan.success.stopped_after_success)),
+        ANN_REPLICAS: ",".join(f"{g.role}={g.replicas}" for g in layout),
+    }
     manifests: list[dict[str, Any]] = [service]
     pods: list[PodInfo] = []
     for (role, index), procs in by_replica.items():
@@ -299,6 +311,7 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
             "metadata": {
                 "name": name, "namespace": ns,
                 "labels": {**base_labels, LABEL_ROLE: role, LABEL_INDEX: str(index)},
+                "annotations": dict(annotations),
                 "ownerReferences": [dict(owner)],
             },
             "spec": pod_spec,

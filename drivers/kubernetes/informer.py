@@ -1,0 +1,199 @@
+"""One list + watch per cluster over the dlsched pods (the informer pattern), and the request budget.
+
+``PodInformer`` runs in a daemon thread (the official client blocks): it
+lists the pods with label ``dlsched.io/job-id`` in the cluster's namespace,
+hands the whole set to ``on_sync``, then watches from the list's
+``resourceVersion`` and hands each event to ``on_event``. A watch that ends
+(``timeout_seconds``, a read timeout, a dropped connection) resumes from the
+last resourceVersion seen (bookmarks included); ``410 Gone`` (the version
+was compacted away) re-lists. Any failure to reach the API server (connection
+refused, 5xx) calls ``on_stale`` and retries with capped exponential backoff;
+the next successful list calls ``on_sync`` again. So status needs one
+long-lived request per cluster, however many jobs it runs: no per-job GETs.
+
+Callbacks run on the informer thread; the driver hops them onto its event
+loop (``loop.call_soon_threadsafe``). Events are plain JSON dicts (the
+client's ``deserialize=False``), the same shape ``states.replica_of`` reads.
+
+``RequestBudget`` is the client-side QPS/burst token bucket every API call
+of the driver takes a token from (the informer's long-lived watch takes one
+per (re)connect), so a busy driver stays polite to the API server.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger("dlsched.driver.kubernetes")
+
+
+class RequestBudget:
+    """A token bucket: ``qps`` tokens a second, at most ``burst`` saved up. Thread-safe."""
+
+    def __init__(self, qps: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self._qps = max(qps, 0.001)
+        self._burst = max(1, burst)
+        self._tokens = float(self._burst)
+        self._clock = clock
+        self._last = clock()
+        self._lock = threading.Lock()
+
+    def acquire(self) -> None:
+        while True:
+            with self._lock:
+                now = self._clock()
+                self._tokens = min(self._burst, self._tokens + (now - self._last) * self._qps)
+                self._last = now
+                if self._tokens >= 1:
+                    self._tokens -= 1
+                    return
+                wait = (1 - self._tokens) / self._qps
+            time.sleep(wait)
+
+
+def is_unreachable(exc: BaseException) -> bool:
+    """Connection problems and 5xx: the API server is not answering."""
+    status = getattr(exc, "status", None)
+    if isinstance(status, int) and status > 0:
+        return status >= 500 or status == 429
+    return True
+
+
+class PodInformer:
+    """List + watch of the dlsched pods of one namespace, in a daemon thread."""
+
+    def __init__(self, core: Any, namespace: str, label_selector: str, budget: RequestBudget, *,
+                 on_sync: Callable[[list[dict[str, Any]]], None],
+                 on_event: Callable[[str, dict[str, Any]], None],
+                 on_stale: Callable[[str], None],
+                 watch_timeout: int = 300, read_timeout: float = 330.0,
+                 request_timeout: float = 10.0, max_backoff: float = 10.0) -> None:
+        self._core = core
+        self._ns = namespace
+        self._selector = label_selector
+        self._budget = budget
+        self._on_sync, self._on_event, self._on_stale = on_sync, on_event, on_stale
+        self._watch_timeout = watch_timeout
+        self._read_timeout = read_timeout
+        self._request_timeout = request_timeout
+        self._max_backoff = max_backoff
+        self._stop = threading.Event()
+        self._watch: Any = None
+        self._thread = threading.Thread(target=self._run, name=f"informer-{namespace}", daemon=True)
+        self.resource_version = ""
+        self.lists = 0
+        self.watches = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        w = self._watch
+        if w is not None:
+            w.stop()
+            resp = getattr(w, "_resp", None)
+            if resp is not None:
+                try:
+                    resp.close()
+                except Exception:  # noqa: BLE001 - best effort from another thread
+                    pass
+
+    def _list(self) -> None:
+        self._budget.acquire()
+        resp = self._core.list_namespaced_pod(self._ns, label_selector=self._selector,
+                                              _preload_content=False,
+                                              _request_timeout=self._request_timeout)
+        try:
+            doc = json.loads(resp.data)
+        finally:
+            resp.release_conn()
+        self.lists += 1
+        self.resource_version = (doc.get("metadata") or {}).get("resourceVersion") or ""
+        self._on_sync(list(doc.get("items") or ()))
+
+    def _watch_once(self) -> bool:
+        """Watch until the stream ends; False when the resourceVersion is gone (re-list)."""
+        from kubernetes import watch
+
+        self._budget.acquire()
+        w = watch.Watch()
+        self._watch = w
+        self.watches += 1
+        kwargs: dict[str, Any] = {
+            "label_selector": self._selector, "allow_watch_bookmarks": True,
+            "timeout_seconds": self._watch_timeout, "deserialize": False,
+            "_request_timeout": (self._request_timeout, self._read_timeout),
+        }
+        if self.resource_version:
+            kwargs["resource_version"] = self.resource_version
+        try:
+            for ev in w.stream(self._core.list_namespaced_pod, self._ns, **kwargs):
+                if self._stop.is_set():
+                    return True
+                kind = ev.get("type")
+                obj = ev.get("object") or {}
+                if kind == "ERROR":
+                    if obj.get("code") == 410:
+                        return False
+                    raise RuntimeError(f"watch error {obj.get('code')}: {obj.get('reason')}")
+                rv = (obj.get("metadata") or {}).get("resourceVersion")
+                if rv:
+                    self.resource_version = rv
+                if kind in ("ADDED", "MODIFIED", "DELETED"):
+                    self._on_event(kind, obj)
+        except Exception as e:
+            if getattr(e, "status", None) == 410:
+                return False
+            raise
+        finally:
+            self._watch = None
+        return True
+
+    def _run(self) -> None:
+        backoff = 0.2
+        need_list = True
+        while not self._stop.is_set():
+            try:
+                if need_list:
+                    self._list()
+                    need_list = False
+                    backoff = 0.2
+                if not self._watch_once():
+                    log.info("watch of %s: resourceVersion gone (410); re-listing", self._ns)
+                    need_list = True
+            except Exception as e:  # noqa: BLE001 - the informer never dies
+                if self._stop.is_set():
+                    return
+                if _is_read_timeout(e):
+                    continue  # an idle watch: resume from the last resourceVersion
+                msg = _describe(e)
+                log.warning("list/watch of pods in %s failed: %s", self._ns, msg)
+                self._on_stale(msg)
+                need_list = True
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, self._max_backoff)
+
+
+def _is_read_timeout(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    for _ in range(6):
+        if seen is None:
+            return False
+        if type(seen).__name__ in ("ReadTimeoutError", "TimeoutError", "timeout"):
+            return True
+        seen = seen.__cause__ or seen.__context__ or (seen.args[0] if seen.args and
+                                                       isinstance(seen.args[0], BaseException) else None)
+    return False
+
+
+def _describe(exc: BaseException) -> str:
+    status = getattr(exc, "status", None)
+    if isinstance(status, int) and status:
+        return f"HTTP {status} {getattr(exc, 'reason', '') or ''}".strip()
+    return type(exc).__name__

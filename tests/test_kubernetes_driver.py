@@ -1,0 +1,458 @@
+"""The Kubernetes driver as a real process over real gRPC, against kmock's API emulator over real HTTP.
+
+The emulator runs in the test process (``Emulator``: kmock's stateful
+``KubernetesEmulator`` plus a small front that normalises ``watch=True`` to
+``watch=true``, kmock 0.8 recognising only the latter, serves the pod log
+endpoint from ``Emulator.logs`` and counts requests). The test plays the
+kubelet: it moves pods through phases by patching ``pods/<name>/status``
+over HTTP, as a kubelet does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
+
+import grpc
+import pytest
+
+kmock = pytest.importorskip("kmock")
+pytest.importorskip("kubernetes")
+
+import aiohttp  # noqa: E402 - a kmock dependency
+import aiohttp.web  # noqa: E402
+
+from dlsched.kit.rpc_errors import error_info  # noqa: E402
+from dlsched.v1 import cluster_pb2, driver_service_pb2_grpc, job_pb2  # noqa: E402
+from dlsched.v1 import driver_service_pb2 as dpb  # noqa: E402
+from drivers.kubernetes import render  # noqa: E402
+from tests.harness import ServiceProcess  # noqa: E402
+
+NS = "dl"
+TOKEN = "sekrit-token-8f3a"
+TERMINAL = (job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_STOPPED)
+PODS = kmock.resource("v1/pods")
+SERVICES = kmock.resource("v1/services")
+
+
+class Emulator(kmock.KubernetesEmulator):
+    """kmock's emulator with the watch quirk normalised, a pod log endpoint and a request count."""
+
+    def setup(self) -> Emulator:
+        self.count = 0
+        self.paths: list[str] = []
+        self.auth: set[str] = set()
+        self.watches: set[asyncio.Task[Any]] = set()
+        self.logs: dict[tuple[str, str], list[str]] = {}
+        self.log_event = asyncio.Event()
+        for r in ("v1/pods", "v1/services", "v1/nodes"):
+            self.resources[r] = {}
+        return self
+
+    async def __call__(self, raw: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        self.count += 1
+        self.paths.append(f"{raw.method} {raw.rel_url}")
+        self.auth.add(raw.headers.get("Authorization", ""))
+        if raw.rel_url.query.get("watch") in ("True", "1"):
+            raw = raw.clone(rel_url=raw.rel_url.update_query(watch="true"))
+        if raw.rel_url.query.get("watch") == "true" or raw.rel_url.query.get("follow") == "true":
+            task = asyncio.current_task()
+            assert task is not None
+            self.watches.add(task)
+            task.add_done_callback(self.watches.discard)
+        return await super().__call__(raw)
+
+    def drop_streams(self) -> None:
+        """End every open watch and log stream (the server then shuts down at once)."""
+        for t in list(self.watches):
+            t.cancel()
+
+    async def _handle(self, request: Any) -> aiohttp.web.StreamResponse:
+        if request.subresource == "log" and request.name:
+            return await self._serve_log(request)
+        return await super()._handle(request)
+
+    def phase(self, name: str) -> str:
+        key = (PODS, NS, name)
+        if key not in self.objects or self.objects[key].deleted:
+            return ""
+        obj = self.objects[key]
+        return str((obj.raw.get("status") or {}).get("phase", "Pending"))
+
+    async def _serve_log(self, request: Any) -> aiohttp.web.StreamResponse:
+        raw = request._raw_request
+        q = raw.rel_url.query
+        key = (request.name, q.get("container", "main"))
+        if self.phase(request.name) in ("", "Pending"):
+            return aiohttp.web.json_response({"kind": "Status", "code": 400, "reason": "BadRequest",
+                                              "message": "container is waiting to start"}, status=400)
+        resp = aiohttp.web.StreamResponse()
+        resp.content_type = "text/plain"
+        await resp.prepare(raw)
+        lines = self.logs.setdefault(key, [])
+        pos = max(0, len(lines) - int(q["tailLines"])) if q.get("tailLines") else 0
+        while True:
+            while pos < len(lines):
+                await resp.write(lines[pos].encode() + b"\n")
+                pos += 1
+            if q.get("follow") not in ("true", "True") or self.phase(request.name) in ("Succeeded", "Failed", ""):
+                break
+            self.log_event.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.log_event.wait(), 0.5)
+        await resp.write_eof()
+        return resp
+
+    def write_log(self, pod: str, text: str, container: str = "main") -> None:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + ".123456789Z"
+        self.logs.setdefault((pod, container), []).append(f"{stamp} {text}")
+        self.log_event.set()
+
+
+@contextlib.asynccontextmanager
+async def emulator() -> AsyncIterator[tuple[Emulator, str]]:
+    emu = Emulator().setup()
+    async with emu, kmock.Server(emu) as srv:
+        try:
+            yield emu, str(srv.url).rstrip("/")
+        finally:
+            emu.drop_streams()
+
+
+@pytest.fixture(scope="module")
+async def emu() -> AsyncIterator[tuple[Emulator, str]]:
+    async with emulator() as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def driver(emu: tuple[Emulator, str]) -> Iterator[ServiceProcess]:  # stopped before the emulator
+    svc = ServiceProcess("drivers.kubernetes", ["--request-timeout", "3", "--watch-read-timeout", "60",
+                                                "--qps", "500", "--burst", "1000", "--grace-seconds", "1"],
+                         name="kubernetes-driver").start()
+    yield svc
+    svc.stop()
+    assert TOKEN not in svc.log()
+
+
+_n = iter(range(10**6))
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{next(_n)}"
+
+
+async def configure(stub: Any, cluster: str, url: str) -> dpb.ConfigureClusterResponse:
+    return await stub.ConfigureCluster(dpb.ConfigureClusterRequest(
+        cluster=cluster, address=url, options={"namespace": NS, "default_image": "python:3.11-slim"},
+        credentials=cluster_pb2.ClusterCredentials(kubernetes=cluster_pb2.KubernetesCredentials(token=TOKEN))),
+        timeout=15)
+
+
+@pytest.fixture
+async def stub(driver: ServiceProcess, emu: tuple[Emulator, str]) -> AsyncIterator[Any]:
+    async with grpc.aio.insecure_channel(driver.address) as ch:
+        s = driver_service_pb2_grpc.DriverServiceStub(ch)
+        await configure(s, "clusters/k8s", emu[1])
+        yield s
+
+
+def group(role: str, replicas: int = 1, ppr: int = 0) -> job_pb2.ReplicaGroup:
+    return job_pb2.ReplicaGroup(role=role, replicas=replicas, processes_per_replica=ppr,
+                                command=["python", "-c"], args=["print('hi')"],
+                                resources=job_pb2.Resources(cpu=1, memory_bytes=1 << 30))
+
+
+MODES = {
+    "single_process": (job_pb2.RUN_MODE_SINGLE_PROCESS, [group("main")]),
+    "multi_process": (job_pb2.RUN_MODE_MULTI_PROCESS, [group("worker", 2, 2)]),
+    "master_worker": (job_pb2.RUN_MODE_MASTER_WORKER, [group("master"), group("worker", 2)]),
+    "ps_worker": (job_pb2.RUN_MODE_PS_WORKER, [group("ps", 1), group("worker", 2)]),
+}
+
+
+def spec(mode: str) -> job_pb2.JobSpec:
+    m, groups = MODES[mode]
+    return job_pb2.JobSpec(run_mode=m, replica_groups=groups)
+
+
+async def launch(stub: Any, job_id: str, sp: job_pb2.JobSpec, attempt: int = 1,
+                 cluster: str = "clusters/k8s") -> dpb.LaunchJobResponse:
+    return await stub.LaunchJob(dpb.LaunchJobRequest(cluster=cluster, job_id=job_id, spec=sp,
+                                                     attempt=attempt), timeout=15)
+
+
+async def observe(stub: Any, job_id: str, cluster: str = "clusters/k8s") -> dpb.JobObservation:
+    resp = await stub.BatchGetJobObservations(
+        dpb.BatchGetJobObservationsRequest(cluster=cluster, jobs=[dpb.JobRef(job_id=job_id)]), timeout=10)
+    return resp.observations[0]
+
+
+async def wait_for(stub: Any, job_id: str, states: Sequence[int], reason: str = "", within: float = 15,
+                   cluster: str = "clusters/k8s") -> dpb.JobObservation:
+    deadline = time.monotonic() + within
+    while True:
+        obs = await observe(stub, job_id, cluster)
+        if obs.state in states and (not reason or obs.reason == reason):
+            return obs
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{job_id}: {obs}")
+        await asyncio.sleep(0.05)
+
+
+async def eventually(pred: Any, within: float = 10) -> None:
+    for _ in range(int(within / 0.05)):
+        if pred():
+            return
+        await asyncio.sleep(0.05)
+    assert pred()
+
+
+async def kubelet(url: str, pod: str, phase: str, **status: Any) -> None:
+    """Patch a pod's status as a kubelet does."""
+    body = {"status": {"phase": phase, **status}}
+    if phase in ("Running", "Succeeded", "Failed"):
+        body["spec"] = {"nodeName": "node-1"}
+        body["status"].setdefault("startTime", "2026-01-01T00:00:00Z")
+    async with aiohttp.ClientSession() as s, s.patch(
+            f"{url}/api/v1/namespaces/{NS}/pods/{pod}/status", json=body,
+            headers={"Content-Type": "application/merge-patch+json"}) as r:
+        assert r.status == 200, await r.text()
+
+
+def exited(code: int, reason: str) -> dict[str, Any]:
+    return {"containerStatuses": [{"name": "main", "state": {"terminated": {
+        "exitCode": code, "reason": reason, "finishedAt": "2026-01-01T00:01:00Z"}}}]}
+
+
+def pods_of(e: Emulator, job_id: str) -> dict[str, dict[str, Any]]:
+    out = {}
+    for (res, _ns, name), obj in list(e.objects.items()):
+        if res == PODS and not obj.deleted and (obj.raw["metadata"].get("labels") or {}).get(
+                render.LABEL_JOB) == job_id:
+            out[name] = obj.raw
+    return out
+
+
+def has_service(e: Emulator, name: str) -> bool:
+    key = (SERVICES, NS, name)
+    return key in e.objects and not e.objects[key].deleted
+
+
+# --------------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+async def test_each_mode_runs_to_success(stub: Any, emu: tuple[Emulator, str], mode: str) -> None:
+    e, url = emu
+    job = new_id(mode.replace("_", "-"))
+    res = await launch(stub, job, spec(mode))
+    assert res.backend_job_id == f"{NS}/{job}-1"
+    assert res.native_spec.media_type == "application/yaml"
+    pods = pods_of(e, job)
+    assert has_service(e, f"{job}-1")
+    assert len(pods) == sum(g.replicas for g in MODES[mode][1])
+    for p in pods.values():
+        assert p["spec"]["subdomain"] == f"{job}-1" and p["spec"]["restartPolicy"] == "Never"
+        assert p["metadata"]["ownerReferences"][0]["name"] == f"{job}-1"
+    for name in pods:
+        await kubelet(url, name, "Running")
+    obs = await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
+    assert all(r.state == job_pb2.REPLICA_STATE_RUNNING and r.host == "node-1" for r in obs.replicas)
+    deciding = [n for n, p in pods.items() if not (mode == "ps_worker" and "-ps-" in n)]
+    for name in deciding:
+        await kubelet(url, name, "Succeeded", **exited(0, "Completed"))
+    obs = await wait_for(stub, job, TERMINAL)
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
+    if mode == "ps_worker":  # the parameter server is stopped once the workers are done
+        await eventually(lambda: not any("-ps-" in n for n in pods_of(e, job)))
+        obs = await observe(stub, job)
+        assert obs.state == job_pb2.JOB_STATE_SUCCEEDED
+        ps = [r for r in obs.replicas if r.role == "ps"]
+        assert ps[0].state == job_pb2.REPLICA_STATE_STOPPED
+
+
+async def test_a_failed_worker_fails_the_job_with_its_replica_and_reason(stub: Any,
+                                                                         emu: tuple[Emulator, str]) -> None:
+    e, url = emu
+    job = new_id("oom")
+    await launch(stub, job, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MULTI_PROCESS,
+                                            replica_groups=[group("worker", 2)]))
+    await kubelet(url, f"{job}-1-worker-0", "Running")
+    await kubelet(url, f"{job}-1-worker-1", "Failed", **exited(137, "OOMKilled"))
+    obs = await wait_for(stub, job, TERMINAL)
+    assert (obs.state, obs.reason, obs.exit_code) == (job_pb2.JOB_STATE_FAILED, "OOMKilled", 137)
+    assert "worker-1" in obs.message
+    bad = [r for r in obs.replicas if r.index == 1][0]
+    assert bad.state == job_pb2.REPLICA_STATE_FAILED and bad.exit_code == 137
+    await eventually(lambda: f"{job}-1-worker-0" not in pods_of(e, job))  # the rest is stopped
+    assert (await observe(stub, job)).state == job_pb2.JOB_STATE_FAILED  # latched
+
+
+async def test_pending_reasons_and_idempotent_launch(stub: Any, emu: tuple[Emulator, str]) -> None:
+    e, url = emu
+    job = new_id("pend")
+    before = sum(1 for p in e.paths if p.startswith("POST"))
+    first = await launch(stub, job, spec("single_process"))
+    again = await launch(stub, job, spec("single_process"))
+    assert again.backend_job_id == first.backend_job_id
+    assert sum(1 for p in e.paths if p.startswith("POST")) - before == 2  # one Service, one Pod
+    pod = f"{job}-1-main-0"
+    await kubelet(url, pod, "Pending", conditions=[{"type": "PodScheduled", "status": "False",
+                                                    "reason": "Unschedulable", "message": "0/3 nodes"}])
+    obs = await wait_for(stub, job, [job_pb2.JOB_STATE_PENDING], reason="Unschedulable")
+    assert "0/3 nodes" in obs.message
+    await kubelet(url, pod, "Pending", conditions=[], containerStatuses=[
+        {"name": "main", "state": {"waiting": {"reason": "ImagePullBackOff", "message": "no such image"}}}])
+    await wait_for(stub, job, [job_pb2.JOB_STATE_PENDING], reason="ImagePullBackOff")
+    # Not started yet: the log says so instead of failing.
+    out = []
+    async for r in stub.TailJobLogs(dpb.TailJobLogsRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job)),
+                                    timeout=10):
+        out.extend(r.entries)
+    assert len(out) == 1 and "has not started" in out[0].text
+
+
+async def test_logs_follow_a_replica_until_the_job_ends(stub: Any, emu: tuple[Emulator, str]) -> None:
+    e, url = emu
+    job = new_id("logs")
+    await launch(stub, job, spec("single_process"))
+    pod = f"{job}-1-main-0"
+    got: list[str] = []
+
+    async def follow() -> None:
+        req = dpb.TailJobLogsRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job), follow=True)
+        async for r in stub.TailJobLogs(req, timeout=30):
+            got.extend(x.text for x in r.entries)
+
+    task = asyncio.create_task(follow())
+    await asyncio.sleep(0.3)
+    await kubelet(url, pod, "Running")
+    e.write_log(pod, "epoch 1")
+    await eventually(lambda: "epoch 1" in got)
+    assert got == ["epoch 1"]
+    e.write_log(pod, "epoch 2")
+    await kubelet(url, pod, "Succeeded", **exited(0, "Completed"))
+    await asyncio.wait_for(task, 15)
+    assert got == ["epoch 1", "epoch 2"]
+    tail = []
+    async for r in stub.TailJobLogs(dpb.TailJobLogsRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job),
+                                                           tail_lines=1), timeout=10):
+        tail.extend(r.entries)
+    assert [t.text for t in tail] == ["epoch 2"] and tail[0].time.seconds > 0
+
+
+async def test_stop_and_delete_remove_the_right_objects(stub: Any, emu: tuple[Emulator, str]) -> None:
+    e, url = emu
+    job, other = new_id("stop"), new_id("keep")
+    await launch(stub, job, spec("master_worker"))
+    await launch(stub, other, spec("single_process"))
+    for name in pods_of(e, job):
+        await kubelet(url, name, "Running")
+    await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
+    ref = dpb.JobRef(job_id=job)
+    resp = await stub.TerminateJob(dpb.TerminateJobRequest(cluster="clusters/k8s", job=ref), timeout=10)
+    assert resp.observation.state in (job_pb2.JOB_STATE_STOPPING, job_pb2.JOB_STATE_STOPPED)
+    obs = await wait_for(stub, job, [job_pb2.JOB_STATE_STOPPED])
+    assert all(r.state == job_pb2.REPLICA_STATE_STOPPED for r in obs.replicas)
+    assert pods_of(e, job) == {} and has_service(e, f"{job}-1")  # the record is kept
+    await stub.TerminateJob(dpb.TerminateJobRequest(cluster="clusters/k8s", job=ref), timeout=10)
+    await stub.CleanupJob(dpb.CleanupJobRequest(cluster="clusters/k8s", job=ref), timeout=10)
+    assert not has_service(e, f"{job}-1")
+    await stub.CleanupJob(dpb.CleanupJobRequest(cluster="clusters/k8s", job=ref), timeout=10)
+    assert not (await observe(stub, job)).found
+    assert len(pods_of(e, other)) == 1 and has_service(e, f"{other}-1")  # untouched
+
+
+async def test_status_of_many_jobs_comes_from_one_watch(driver: ServiceProcess) -> None:
+    n = 1000
+    ids = [f"bulk-{i}" for i in range(n)]
+    async with grpc.aio.insecure_channel(driver.address) as ch, emulator() as (e, url):
+        stub = driver_service_pb2_grpc.DriverServiceStub(ch)
+        for j in ids:  # pods the driver did not create: it adopts them from its list + watch
+            pod = dict(render.render_job(j, render_spec(), 1, {"namespace": NS, "default_image": "x"}).manifests[1])
+            pod["status"] = {"phase": "Running"}
+            e.objects["v1/pods", NS, pod["metadata"]["name"]] = pod
+        await configure(stub, "clusters/bulk", url)
+        refs = [dpb.JobRef(job_id=j) for j in ids]
+
+        async def batch() -> list[dpb.JobObservation]:
+            resp = await stub.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
+                cluster="clusters/bulk", jobs=refs), timeout=10)
+            return list(resp.observations)
+
+        for _ in range(100):
+            if all(o.state == job_pb2.JOB_STATE_RUNNING for o in await batch()):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the list did not deliver every pod")
+        driver_requests = lambda: sum(1 for p in e.paths if not p.startswith("PATCH"))  # noqa: E731
+        before = driver_requests()
+        for i in range(5):  # five status intervals over 1,000 jobs, one job finishing in each
+            await kubelet(url, f"bulk-{i}-1-main-0", "Succeeded", **exited(0, "Completed"))
+            await wait_for(stub, f"bulk-{i}", [job_pb2.JOB_STATE_SUCCEEDED], cluster="clusters/bulk")
+            obs = await batch()
+            assert len(obs) == n and all(o.found for o in obs)
+        assert driver_requests() - before <= 1  # at most a watch reconnect; never a request per job
+        await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/bulk"), timeout=10)
+
+
+def render_spec() -> Any:
+    from drivers.common.base import JobSpec, ReplicaGroup, RunMode
+
+    return JobSpec(RunMode.SINGLE_PROCESS, (ReplicaGroup(role="main", replicas=1, command=("true",)),))
+
+
+async def test_capacity_usage_and_mpi(stub: Any, emu: tuple[Emulator, str]) -> None:
+    e, url = emu
+    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-1", "labels": {
+        render.GPU_PRODUCT_LABEL: "H100"}}, "status": {"allocatable": {"cpu": "8", "memory": "32Gi",
+                                                                        render.GPU_RESOURCE: "4"}}}
+    async with aiohttp.ClientSession() as s, s.post(f"{url}/api/v1/nodes", json=node) as r:
+        assert r.status == 200
+    job = new_id("cap")
+    await launch(stub, job, spec("single_process"))
+    await kubelet(url, f"{job}-1-main-0", "Running")
+    await kubelet(url, f"{job}-1-main-0", "Running", conditions=[])  # nodeName set by the first patch
+    e.objects[PODS, NS, f"{job}-1-main-0"].raw["spec"]["nodeName"] = "gpu-1"
+    info = (await stub.GetClusterInfo(dpb.GetClusterInfoRequest(cluster="clusters/k8s"), timeout=10)).info
+    assert info.state == cluster_pb2.CLUSTER_STATE_READY
+    c = info.capacity
+    assert (c.cpus_total, c.gpus_total, c.memory_bytes_total) == (8, 4, 32 << 30)
+    assert c.cpus_free == 7 and c.memory_bytes_free == 31 << 30 and c.gpus[0].gpu_type == "H100"
+    assert job_pb2.RUN_MODE_MPI not in info.supported_run_modes
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.MeasureJobUsage(dpb.MeasureJobUsageRequest(cluster="clusters/k8s",
+                                                              job=dpb.JobRef(job_id=job)), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    mpi = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MPI, replica_groups=[group("launcher"), group("worker", 2)])
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await launch(stub, new_id("mpi"), mpi)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error_info(err.value).reason == "MPI_NOT_AVAILABLE"
+
+
+async def test_an_unreachable_api_server_never_fails_jobs(driver: ServiceProcess) -> None:
+    async with grpc.aio.insecure_channel(driver.address) as ch:
+        stub = driver_service_pb2_grpc.DriverServiceStub(ch)
+        cluster = "clusters/flaky"
+        async with emulator() as (e, url):
+            await configure(stub, cluster, url)
+            job = new_id("flaky")
+            await launch(stub, job, spec("single_process"), cluster=cluster)
+            await kubelet(url, f"{job}-1-main-0", "Running")
+            await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING], cluster=cluster)
+            assert f"Bearer {TOKEN}" in e.auth  # the token reached the API server (and no log line)
+        # The emulator is gone: connection refused.
+        obs = await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING], reason="BackendStale", cluster=cluster)
+        assert obs.state == job_pb2.JOB_STATE_RUNNING
+        info = (await stub.GetClusterInfo(dpb.GetClusterInfoRequest(cluster=cluster), timeout=15)).info
+        assert info.state == cluster_pb2.CLUSTER_STATE_UNREACHABLE
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await launch(stub, new_id("flaky"), spec("single_process"), cluster=cluster)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=cluster), timeout=10)
