@@ -46,6 +46,8 @@ class Emulator(kmock.KubernetesEmulator):
         self.paths: list[str] = []
         self.auth: set[str] = set()
         self.watches: set[asyncio.Task[Any]] = set()
+        self.gone = False
+        self.gone_at = 0
         self.logs: dict[tuple[str, str], list[str]] = {}
         self.log_event = asyncio.Event()
         for r in ("v1/pods", "v1/services", "v1/nodes"):
@@ -58,6 +60,12 @@ class Emulator(kmock.KubernetesEmulator):
         self.auth.add(raw.headers.get("Authorization", ""))
         if raw.rel_url.query.get("watch") in ("True", "1"):
             raw = raw.clone(rel_url=raw.rel_url.update_query(watch="true"))
+        if raw.rel_url.query.get("watch") == "true" and self.gone:
+            self.gone = False  # the resourceVersion was compacted away: the client must re-list
+            self.gone_at = len(self.paths)
+            return aiohttp.web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                                              "code": 410, "reason": "Expired",
+                                              "message": "too old resource version"}, status=410)
         if raw.rel_url.query.get("watch") == "true" or raw.rel_url.query.get("follow") == "true":
             task = asyncio.current_task()
             assert task is not None
@@ -409,16 +417,14 @@ def render_spec() -> Any:
 
 async def test_capacity_usage_and_mpi(stub: Any, emu: tuple[Emulator, str]) -> None:
     e, url = emu
-    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-1", "labels": {
+    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-1", "labels": {
         render.GPU_PRODUCT_LABEL: "H100"}}, "status": {"allocatable": {"cpu": "8", "memory": "32Gi",
                                                                         render.GPU_RESOURCE: "4"}}}
     async with aiohttp.ClientSession() as s, s.post(f"{url}/api/v1/nodes", json=node) as r:
         assert r.status == 200
     job = new_id("cap")
     await launch(stub, job, spec("single_process"))
-    await kubelet(url, f"{job}-1-main-0", "Running")
-    await kubelet(url, f"{job}-1-main-0", "Running", conditions=[])  # nodeName set by the first patch
-    e.objects[PODS, NS, f"{job}-1-main-0"].raw["spec"]["nodeName"] = "gpu-1"
+    await kubelet(url, f"{job}-1-main-0", "Running")  # scheduled on node-1: its requests count
     info = (await stub.GetClusterInfo(dpb.GetClusterInfoRequest(cluster="clusters/k8s"), timeout=10)).info
     assert info.state == cluster_pb2.CLUSTER_STATE_READY
     c = info.capacity
@@ -456,3 +462,18 @@ async def test_an_unreachable_api_server_never_fails_jobs(driver: ServiceProcess
             await launch(stub, new_id("flaky"), spec("single_process"), cluster=cluster)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=cluster), timeout=10)
+
+
+async def test_a_410_gone_watch_relists(stub: Any, emu: tuple[Emulator, str]) -> None:
+    e, url = emu
+    job = new_id("gone")
+    await launch(stub, job, spec("single_process"))
+    def relisted() -> bool:
+        return e.gone_at > 0 and any(p.startswith("GET /api/v1/namespaces/dl/pods?") and "watch" not in p
+                                     for p in e.paths[e.gone_at:])
+
+    e.gone, e.gone_at = True, 0
+    e.drop_streams()  # the watch breaks; the next one is answered 410 Gone
+    await eventually(relisted)
+    await kubelet(url, f"{job}-1-main-0", "Running")
+    await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])  # watching again after the re-list

@@ -559,7 +559,12 @@ class KubernetesDriver(Driver):
     def _spawn(self, coro: Any) -> None:
         t = asyncio.ensure_future(coro)
         self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
+        t.add_done_callback(self._task_done)
+
+    def _task_done(self, t: asyncio.Task[Any]) -> None:
+        self._tasks.discard(t)
+        if not t.cancelled() and (exc := t.exception()) is not None:
+            log.warning("background pod deletion failed: %s", exc)
 
     async def _delete_pods(self, c: _Cluster, job: _Job, names: Sequence[str], grace: float) -> None:
         for name in names:
