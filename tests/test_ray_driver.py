@@ -135,10 +135,30 @@ async def test_single_process_succeeds_with_env_and_followed_logs(stub):
         got.extend((time.monotonic(), e.text) for e in r.entries)
     texts = [t for _, t in got]
     assert f"start {job_id} bar baz" in texts and "end" in texts
+    arrived = dict((t, at) for at, t in got)
+    assert arrived["end"] - arrived[f"start {job_id} bar baz"] > 0.7  # streamed while it ran
     obs = await wait_state(stub, job_id)
     assert obs.state == S.JOB_STATE_SUCCEEDED and obs.exit_code == 0 and obs.attempt == 1
     assert obs.start_time.seconds > 0 and obs.end_time.seconds > 0
     assert [e.text for e in await logs(stub, job_id, tail_lines=1)] == ["end"]
+
+
+async def test_watch_sends_snapshot_marker_then_changes(stub):
+    job_id = new_id("watch")
+    call = stub.WatchJobObservations(dpb.WatchJobObservationsRequest(cluster=CLUSTER))
+    it = call.__aiter__()
+    while not (await asyncio.wait_for(it.__anext__(), 20)).snapshot_complete:
+        pass
+    await launch(stub, job_id, single("print('hi')"))
+    seen = []
+    try:
+        while not seen or seen[-1] not in TERMINAL:
+            ev = await asyncio.wait_for(it.__anext__(), 60)
+            if ev.observation.job_id == job_id:
+                seen.append(ev.observation.state)
+    finally:
+        call.cancel()
+    assert seen[0] in (S.JOB_STATE_PENDING, S.JOB_STATE_RUNNING) and seen[-1] == S.JOB_STATE_SUCCEEDED
 
 
 async def test_failing_entrypoint_is_failed_with_rays_message(stub):
@@ -420,3 +440,24 @@ async def test_head_never_reached_is_unavailable_not_not_found():
         assert e.value.reason == "BACKEND_UNAVAILABLE"
     finally:
         await d.close()
+
+
+async def test_one_list_call_per_interval_serves_every_job(fake):
+    from drivers.common.base import ClusterConfig, JobRef
+    from drivers.ray.driver import RayConfig, RayDriver
+
+    d = RayDriver(RayConfig(poll_interval=0.1))
+    try:
+        await d.configure_cluster(ClusterConfig("clusters/t", fake.address))
+        for i in range(20):
+            await d.launch("clusters/t", f"j{i}", _spec(), 1)
+        fake.requests.clear()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 1.0:
+            obs = await d.observe("clusters/t", [JobRef(f"j{i}") for i in range(20)])
+            assert all(o.found for o in obs)
+            await asyncio.sleep(0.01)
+    finally:
+        await d.close()
+    assert {(m, p) for m, p, _ in fake.requests} == {("GET", "/api/jobs/")}
+    assert 5 <= len(fake.requests) <= 12
