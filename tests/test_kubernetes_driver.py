@@ -477,3 +477,25 @@ async def test_a_410_gone_watch_relists(stub: Any, emu: tuple[Emulator, str]) ->
     await eventually(relisted)
     await kubelet(url, f"{job}-1-main-0", "Running")
     await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])  # watching again after the re-list
+
+
+async def test_render_and_watch_observations(stub: Any, emu: tuple[Emulator, str]) -> None:
+    e, url = emu
+    job = new_id("watched")
+    rendered = await stub.RenderJob(dpb.RenderJobRequest(cluster="clusters/k8s", job_id=job,
+                                                         spec=spec("master_worker")), timeout=10)
+    assert rendered.native_spec.media_type == "application/yaml"
+    assert f"master-0.{job}-1.{NS}.svc" in rendered.native_spec.content
+    assert pods_of(e, job) == {}  # a dry run creates nothing
+    call = stub.WatchJobObservations(dpb.WatchJobObservationsRequest(cluster="clusters/k8s"), timeout=20)
+    try:
+        async for ev in call:
+            if ev.snapshot_complete:
+                break
+        await launch(stub, job, spec("single_process"))
+        await kubelet(url, f"{job}-1-main-0", "Running")
+        async for ev in call:
+            if ev.observation.job_id == job and ev.observation.state == job_pb2.JOB_STATE_RUNNING:
+                break
+    finally:
+        call.cancel()

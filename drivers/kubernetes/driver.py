@@ -106,6 +106,7 @@ from drivers.common.base import (
 from drivers.common.hub import ObservationHub
 from drivers.kubernetes import render, states
 from drivers.kubernetes.informer import PodInformer, RequestBudget, is_unreachable
+from drivers.kubernetes.render import Rendered
 
 log = logging.getLogger("dlsched.driver.kubernetes")
 BATCH_ENTRIES = 500
@@ -233,7 +234,8 @@ def _api_client(config: ClusterConfig) -> tuple[Any, str | None]:
 
         try:
             doc = yaml.safe_load(creds.kubeconfig)
-            kconfig.load_kube_config_from_dict(doc, client_configuration=cfg, persist_config=False)
+            kconfig.load_kube_config_from_dict(doc, client_configuration=cfg,  # type: ignore[no-untyped-call]
+                                               persist_config=False)
         except Exception as e:  # noqa: BLE001 - never echo the kubeconfig
             raise InvalidArgument.for_field("credentials.kubernetes.kubeconfig",
                                             f"cannot be loaded ({type(e).__name__})") from None
@@ -264,7 +266,7 @@ def _parse_quantity(value: Any) -> float:
     from kubernetes.utils import parse_quantity
 
     try:
-        return float(parse_quantity(str(value)))
+        return float(parse_quantity(str(value)))  # type: ignore[no-untyped-call]
     except (ValueError, TypeError, ArithmeticError):
         return 0.0
 
@@ -643,7 +645,7 @@ class KubernetesDriver(Driver):
             self._hub.publish(cluster, obs)
         return LaunchResult(rendered.backend_job_id, native, obs)
 
-    async def _existing_service(self, c: _Cluster, rendered: render.Rendered) -> dict[str, Any]:
+    async def _existing_service(self, c: _Cluster, rendered: Rendered) -> dict[str, Any]:
         try:
             svc: dict[str, Any] = await self._json(c, c.core.read_namespaced_service, rendered.service,
                                                    c.namespace)

@@ -122,7 +122,7 @@ class PodInformer:
         from kubernetes import watch
 
         self._budget.acquire()
-        w = watch.Watch()
+        w = watch.Watch()  # type: ignore[no-untyped-call]
         self._watch = w
         self.watches += 1
         kwargs: dict[str, Any] = {
@@ -133,7 +133,7 @@ class PodInformer:
         if self.resource_version:
             kwargs["resource_version"] = self.resource_version
         try:
-            for ev in w.stream(self._core.list_namespaced_pod, self._ns, **kwargs):
+            for ev in w.stream(self._core.list_namespaced_pod, self._ns, **kwargs):  # type: ignore[no-untyped-call]
                 if self._stop.is_set():
                     return True
                 kind = ev.get("type")

@@ -90,7 +90,7 @@ def _waiting(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
 
 
 def _terminated(status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
-    out = []
+    out: list[Mapping[str, Any]] = []
     for c in status.get("containerStatuses") or ():
         t = (c.get("state") or {}).get("terminated")
         if t is not None:
