@@ -185,6 +185,16 @@ async def test_stop_ends_a_running_job_stopped_and_cleanup_is_idempotent(stub, h
     assert not (await wait_state(stub, job_id, (S.JOB_STATE_UNSPECIFIED,))).found
 
 
+async def test_time_limit_stops_the_job_and_fails_it(stub):
+    job_id = new_id("limit")
+    spec = single("import time; time.sleep(300)")
+    spec.time_limit.FromSeconds(2)
+    await launch(stub, job_id, spec)
+    obs = await wait_state(stub, job_id, within=60)
+    assert obs.state == S.JOB_STATE_FAILED and obs.reason == "TimeLimitExceeded", obs
+    assert 2 <= obs.end_time.seconds - obs.start_time.seconds < 30
+
+
 async def test_retried_launch_makes_one_ray_submission(stub, head):
     job_id = new_id("dedup")
     spec = single("print('once')")

@@ -30,7 +30,7 @@ SPECS = {
     "single_process": JobSpec(RunMode.SINGLE_PROCESS, (ReplicaGroup(
         role="main", replicas=1, command=("python3", "train.py"), args=("--lr", "0.1"),
         env={"USER_VAR": "x y"}, working_dir="/data/project",
-        resources=Resources(cpu=1.5, memory_bytes=1 << 30, gpus=1)),)),
+        resources=Resources(cpu=1.5, memory_bytes=1 << 30, gpus=1)),), time_limit_seconds=3600),
     "multi_process": JobSpec(RunMode.MULTI_PROCESS, (g("worker", replicas=2, ppr=2, cpu=1),)),
     "master_worker": JobSpec(RunMode.MASTER_WORKER, (g("master", cpu=1), g("worker", replicas=2, cpu=0.5))),
     "ps_worker": JobSpec(RunMode.PS_WORKER, (g("ps"), g("worker", replicas=2), g("chief"))),

@@ -24,6 +24,11 @@ error in the message; nothing is reported FAILED for it. ``observe`` answers
 from that cache (after the cluster's first poll; until one succeeded it is
 UNAVAILABLE ``BACKEND_UNAVAILABLE`` rather than "not found").
 
+Time limit: Ray has none; the poller stops a RUNNING job that ran past its
+``dlsched_time_limit_seconds`` (metadata, so it survives a driver restart),
+and a STOPPED job whose run reached its limit is reported FAILED, reason
+``TimeLimitExceeded``.
+
 Stop: ``POST /api/jobs/{id}/stop`` (Ray sends SIGTERM, then SIGKILL after its
 own ``RAY_JOB_STOP_WAIT_TIME_S``, set on the cluster; a request's grace
 period is not honoured per job). Cleanup: ``DELETE /api/jobs/{id}`` for every
@@ -31,8 +36,9 @@ attempt, stopping a still-running one first. Unknown jobs succeed.
 
 Logs: ``GET /api/jobs/{id}/logs`` (the entrypoint's combined stdout and
 stderr, so every entry is STDOUT). A follow re-reads it every
-``--log-poll-interval`` (0.1 s by default, where Ray's own tail sleeps 1 s)
-and sends what was appended; it ends once the poller saw the job end and a
+``--log-poll-interval`` (0.1 s by default, where Ray's own tail sleeps 1 s;
+longer for a log of many MB, since Ray sends all of it each time) and sends
+what was appended; it ends once the poller saw the job end and a
 last read drained it. Lines the launcher tagged ``[dlsched role-index
 stream]`` (MULTI_PROCESS, MASTER_WORKER, PS_WORKER) are attributed to that
 replica and stream; other lines belong to the job's first role, replica 0.
@@ -132,6 +138,7 @@ class _Cluster:
         self.error = ""
         self.task: asyncio.Task[None] | None = None
         self.wake = asyncio.Event()
+        self.stopping: set[str] = set()  # time-limit stops in flight
 
     async def request(self, method: str, path: str, body: Any = None) -> Any:
         try:
@@ -264,13 +271,25 @@ class RayDriver(Driver):
             prev = c.jobs.get(job_id)
             if prev is not None and prev.attempt > attempt:
                 continue  # a launch the list does not show yet
-            self._set(name, c, observation(job_id, attempt, it))
+            obs = observation(job_id, attempt, it)
+            if obs.state is JobState.RUNNING and over_time_limit(it, time.time()):
+                self._stop_later(c, obs.backend_job_id)
+            self._set(name, c, obs)
         c.submissions = {**{k: v for k, v in c.submissions.items() if k in seen}, **seen}
         for job_id in [j for j in c.jobs if j not in newest]:
             obs = c.jobs[job_id]
             if obs.reason != REASON_SUBMITTED:  # a fresh launch may race the list; others were deleted
                 del c.jobs[job_id]
                 self._hub.publish(name, JobObservation.not_found(JobRef(job_id, obs.backend_job_id)))
+
+    def _stop_later(self, c: _Cluster, sid: str) -> None:
+        async def stop() -> None:
+            with contextlib.suppress(_Http, Unavailable):
+                await c.request("POST", f"/api/jobs/{sid}/stop")
+        if sid not in c.stopping:
+            c.stopping.add(sid)
+            task = asyncio.create_task(stop())
+            task.add_done_callback(lambda _: c.stopping.discard(sid))
 
     def _mark_stale(self, name: str, c: _Cluster) -> None:
         for obs in list(c.jobs.values()):
@@ -457,7 +476,8 @@ class RayDriver(Driver):
                 yield entries
             if done:
                 return
-            await asyncio.sleep(self._cfg.log_poll_interval)
+            # Ray sends the whole log each time: read a big one less often (about 20 MB/s at most).
+            await asyncio.sleep(min(2.0, max(self._cfg.log_poll_interval, len(text) / 20e6)))
 
 
 def _entry(line: str, role: str, now: int | None) -> LogEntry:
@@ -480,8 +500,36 @@ def _last_line(text: str) -> str:
     return (lines[-1] if lines else text)[:500]
 
 
+def _time_limit(it: Mapping[str, Any]) -> float | None:
+    try:
+        return float((it.get("metadata") or {})[render.META_TIME_LIMIT])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def over_time_limit(it: Mapping[str, Any], now: float, end_ms: float | None = None) -> bool:
+    """Whether the job ran (until ``end_ms``, or ``now``) past its ``dlsched_time_limit_seconds``."""
+    limit, start = _time_limit(it), it.get("start_time")
+    if limit is None or not start:
+        return False
+    end = end_ms / 1000 if end_ms else now
+    return end - start / 1000 >= limit
+
+
 def observation(job_id: str, attempt: int, it: Mapping[str, Any]) -> JobObservation:
-    """One Ray job (``GET /api/jobs/`` entry) as an observation."""
+    """One Ray job (``GET /api/jobs/`` entry) as an observation.
+
+    A job Ray reports STOPPED that had run past its time limit is FAILED,
+    reason ``TimeLimitExceeded``: the driver stopped it for that.
+    """
+    state, reason = states.map_status(it.get("status"), it.get("error_type"))
+    if state is JobState.STOPPED and it.get("end_time") and over_time_limit(it, 0, it["end_time"]):
+        return replace(_observation(job_id, attempt, it), state=JobState.FAILED, reason="TimeLimitExceeded",
+                       message=f"stopped after its time limit of {_time_limit(it)} s")
+    return _observation(job_id, attempt, it)
+
+
+def _observation(job_id: str, attempt: int, it: Mapping[str, Any]) -> JobObservation:
     state, reason = states.map_status(it.get("status"), it.get("error_type"))
     exit_code = it.get("driver_exit_code")
     start, end = it.get("start_time"), it.get("end_time")

@@ -64,6 +64,7 @@ LAUNCHER_MODULE = "drivers.ray.launcher"
 JOB_ENV = "DLSCHED_RAY_JOB"
 META_JOB_ID = "dlsched_job_id"
 META_ATTEMPT = "dlsched_attempt"
+META_TIME_LIMIT = "dlsched_time_limit_seconds"  # the driver stops the job after it (Ray has no limit)
 META_ROLE = "dlsched_role"  # whose lines the untagged log lines are: the single role, or "launcher"
 LAUNCHER_ROLE = "launcher"
 LOCAL_HOST = "127.0.0.1"
@@ -182,6 +183,8 @@ def render_submission(job_id: str, spec: JobSpec, attempt: int,
                      META_ROLE: spec.replica_groups[0].role if spec.run_mode is RunMode.SINGLE_PROCESS
                      else LAUNCHER_ROLE},
     }
+    if spec.time_limit_seconds:
+        body["metadata"][META_TIME_LIMIT] = repr(float(spec.time_limit_seconds))
     if spec.run_mode is RunMode.SINGLE_PROCESS:
         g = spec.replica_groups[0]
         [proc] = planner.plan_job(job_id, spec, [planner.Placement(g.role, 0, LOCAL_HOST)]).processes
