@@ -14,6 +14,7 @@ Needs Debian's ``slurmctld slurmd slurm-client munge openssh-server``
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import os
 import shutil
@@ -204,6 +205,22 @@ LogLevel ERROR
         self._start("sshd", ["/usr/sbin/sshd", "-D", "-e", "-f", cfg])
         self._wait(lambda: _connects(self.ssh_port), "sshd", 15)
 
+    def stop_sshd(self) -> None:
+        """Kill sshd and every connection it serves (an SSH outage).
+
+        Each connection's sshd is a child of the listener in a session of its
+        own, so it is found by its parent pid and killed by its pid."""
+        p = self.procs.get("sshd")
+        children = _children(p.pid) if p is not None else []
+        self._stop("sshd")
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def start_sshd(self) -> None:
+        self._start("sshd", ["/usr/sbin/sshd", "-D", "-e", "-f", self.path("ssh", "sshd_config")])
+        self._wait(lambda: _connects(self.ssh_port), "sshd", 15)
+
     def rotate_host_key(self) -> None:
         """Restart sshd with a new host key (a man in the middle, as far as a client can tell)."""
         self._stop("sshd")
@@ -257,6 +274,21 @@ LogLevel ERROR
         for name in ("sshd", "slurmd", "slurmctld", "munged"):
             self._stop(name)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _children(ppid: int) -> list[int]:
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == ppid:
+            out.append(int(name))
+    return out
 
 
 def _connects(port: int) -> bool:

@@ -280,6 +280,47 @@ async def test_more_cpus_than_any_node_has_stays_pending_with_slurms_reason(stub
     assert (await wait_state(stub, jid)).state == job_pb2.JOB_STATE_STOPPED
 
 
+async def test_many_concurrent_commands_stay_below_the_session_limit(stub):
+    jid = new_id("fanout")
+    await launch(stub, jid, single("print('x')"))
+    await wait_state(stub, jid)
+    results = await asyncio.gather(*[logs(stub, jid) for _ in range(24)])  # sshd allows 10 sessions
+    assert all([e.text for e in r] == ["x"] for r in results)
+
+
+async def test_ssh_outage_keeps_the_last_state_and_reconnects(stub, cluster):
+    jid = new_id("sshdown")
+    await launch(stub, jid, single("import time; time.sleep(4)"))
+    await wait_state(stub, jid, [job_pb2.JOB_STATE_RUNNING])
+    await asyncio.to_thread(cluster.stop_sshd)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            obs = await observe(stub, jid)
+            assert obs.state == job_pb2.JOB_STATE_RUNNING, obs
+            if obs.reason == "BackendStale":
+                break
+            assert time.monotonic() < deadline, obs
+            await asyncio.sleep(0.3)
+        info = (await stub.GetClusterInfo(dpb.GetClusterInfoRequest(cluster=CLUSTER), timeout=30)).info
+        assert info.state == cluster_pb2.CLUSTER_STATE_UNREACHABLE
+    finally:
+        await asyncio.to_thread(cluster.start_sshd)
+    obs = await wait_state(stub, jid, within=60)  # reconnected (with backoff) and caught up
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
+    info = (await stub.GetClusterInfo(dpb.GetClusterInfoRequest(cluster=CLUSTER), timeout=30)).info
+    assert info.state == cluster_pb2.CLUSTER_STATE_READY
+
+
+async def test_follow_keeps_odd_bytes_and_an_unterminated_last_line(stub):
+    jid = new_id("bytes")
+    code = ("import sys, time\nsys.stdout.buffer.write(b'a\\xff\\n'); sys.stdout.flush(); time.sleep(1)\n"
+            "sys.stdout.write('end'); sys.stdout.flush(); time.sleep(1)")
+    await launch(stub, jid, single(code))
+    lines = [e.text for e in await logs(stub, jid, follow=True) if e.stream == job_pb2.LOG_STREAM_STDOUT]
+    assert lines == ["a\ufffd", "end"]
+
+
 async def test_controller_outage_keeps_the_last_state_and_recovers(stub, cluster):
     jid = new_id("outage")
     await launch(stub, jid, single("import time; time.sleep(6)"))

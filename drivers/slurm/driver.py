@@ -471,7 +471,7 @@ class SlurmDriver(Driver):
         if job is None:
             raise JobNotFound(ref.job_id)
         offsets: dict[str, int] = {}
-        partial: dict[str, str] = {}
+        partial: dict[str, bytes] = {}
         first = True
         while True:
             ended = job.state.is_terminal()
@@ -484,14 +484,22 @@ class SlurmDriver(Driver):
                 role, index, stream = m.group(1), int(m.group(2)), LogStream[m.group(3).upper()]
                 if not (query.wants_replica(role, index) and query.wants_stream(stream)):
                     continue
-                text = partial.pop(name, "") + data
-                lines = text.split("\n")
-                if lines[-1] and not ended:
-                    partial[name] = lines[-1]
-                lines = lines[:-1] if not lines[-1] else lines
+                raw = (partial.pop(name, b"") + data).split(b"\n")
+                if raw[-1] and not ended:
+                    partial[name] = raw[-1]  # an unfinished line (or UTF-8 sequence) waits for the rest
+                raw = raw[:-1] if not raw[-1] or not ended else raw
                 if first and query.tail_lines:
-                    lines = lines[-query.tail_lines:]
-                batch.extend(LogEntry(role=role, replica_index=index, stream=stream, text=t) for t in lines)
+                    raw = raw[-query.tail_lines:]
+                batch.extend(LogEntry(role=role, replica_index=index, stream=stream,
+                                      text=t.decode("utf-8", "replace")) for t in raw)
+            if ended:  # an unterminated last line read before the end is a line now
+                for name, rest in sorted(partial.items()):
+                    m = LOG_LINE_RE.match(name)
+                    if m is not None and rest:
+                        batch.append(LogEntry(role=m.group(1), replica_index=int(m.group(2)),
+                                              stream=LogStream[m.group(3).upper()],
+                                              text=rest.decode("utf-8", "replace")))
+                partial.clear()
             first = False
             if batch:
                 yield batch
@@ -500,20 +508,19 @@ class SlurmDriver(Driver):
                 return
             await asyncio.sleep(max(poll.MIN_INTERVAL, min(1.0, self._cfg.poll_interval)))
 
-    async def _read_logs(self, c: _Cluster, adir: str, offsets: dict[str, int]) -> list[tuple[str, str]]:
-        """New bytes of every log file in ``adir``, in one remote command."""
+    async def _read_logs(self, c: _Cluster, adir: str, offsets: dict[str, int]) -> list[tuple[str, bytes]]:
+        """New bytes of every log file in ``adir``, in one remote POSIX sh command
+        (framed: ``<n> <name>\\n`` then exactly n bytes)."""
         q = shlex.quote(adir)
-        known = " ".join(f"{shlex.quote(n)}={o}" for n, o in sorted(offsets.items()))
-        script = (f"cd -- {q} 2>/dev/null || exit 0; declare -A off=(); "
-               f"for kv in {known}; do off[${{kv%%=*}}]=${{kv#*=}}; done; "
-               "for f in *.stdout *.stderr; do [ -f \"$f\" ] || continue; "
-               "case \"$f\" in batch.*) continue;; esac; "
-               "s=$(stat -c %s -- \"$f\"); o=${off[$f]:-0}; "
-               f"[ \"$s\" -gt \"$o\" ] || continue; n=$((s - o)); [ $n -le {MAX_LOG_CHUNK} ] || n={MAX_LOG_CHUNK}; "
-               "printf '%s %s\\n' \"$n\" \"$f\"; tail -c +$((o + 1)) -- \"$f\" | head -c \"$n\"; done")
-        rc, out, _ = await c.run(f"bash -c {shlex.quote(script)}")
-        res: list[tuple[str, str]] = []
-        data = out.encode("utf-8", "surrogateescape")
+        cases = "".join(f"{shlex.quote(n)}) emit \"$f\" {o};; " for n, o in sorted(offsets.items()))
+        script = (f"cd -- {q} 2>/dev/null || exit 0; "
+                  "emit() { s=$(stat -c %s -- \"$1\") || return 0; [ \"$s\" -gt \"$2\" ] || return 0; "
+                  f"n=$((s - $2)); [ $n -le {MAX_LOG_CHUNK} ] || n={MAX_LOG_CHUNK}; "
+                  "printf '%s %s\\n' \"$n\" \"$1\"; tail -c +$(($2 + 1)) -- \"$1\" | head -c \"$n\"; }; "
+                  "for f in *.stdout *.stderr; do [ -f \"$f\" ] || continue; "
+                  f"case \"$f\" in batch.*) ;; {cases}*) emit \"$f\" 0;; esac; done")
+        data = (await c.ssh.run_bytes(script, time_limit=c.driver_timeout)).stdout
+        res: list[tuple[str, bytes]] = []
         pos = 0
         while pos < len(data):
             nl = data.find(b"\n", pos)
@@ -527,7 +534,7 @@ class SlurmDriver(Driver):
             body = data[nl + 1:nl + 1 + n]
             pos = nl + 1 + n
             offsets[name] = offsets.get(name, 0) + len(body)
-            res.append((name, body.decode("utf-8", "replace")))
+            res.append((name, body))
         return res
 
 

@@ -54,6 +54,13 @@ class Result:
     stderr: str
 
 
+@dataclass(frozen=True)
+class BytesResult:
+    exit_status: int
+    stdout: bytes
+    stderr: bytes
+
+
 def parse_host_keys(lines: Sequence[str]) -> list[asyncssh.SSHKey]:
     """Pinned keys from known_hosts (``host key-type base64``) or bare public-key lines."""
     keys = []
@@ -158,12 +165,22 @@ class SshClient:
         return BackendUnavailable(f"cannot reach {self.host}:{self.port} over SSH: {type(e).__name__}: {e}")
 
     async def run(self, command: str, *, input: str | None = None, time_limit: float = 30.0) -> Result:
-        """Run ``command``; a non-zero exit is a ``Result``, transport failures raise."""
+        """Run ``command``; a non-zero exit is a ``Result``, transport failures raise.
+        Output is decoded as UTF-8 with undecodable bytes replaced."""
+        r = await self._run(command, input.encode() if input is not None else None, time_limit)
+        return Result(r.exit_status, r.stdout.decode("utf-8", "replace"), r.stderr.decode("utf-8", "replace"))
+
+    async def run_bytes(self, command: str, *, time_limit: float = 30.0) -> BytesResult:
+        """``run`` with the output as raw bytes (log files)."""
+        return await self._run(command, None, time_limit)
+
+    async def _run(self, command: str, input: bytes | None, time_limit: float) -> BytesResult:
         conn = await self._connection()
         async with self._sem:
             self.commands += 1
             try:
-                r = await conn.run(self._prefix + command, input=input, check=False, timeout=time_limit)
+                r = await conn.run(self._prefix + command, input=input, check=False, timeout=time_limit,
+                                   encoding=None)
             except asyncssh.TimeoutError as e:
                 raise BackendUnavailable(f"command timed out after {time_limit:g}s") from e
             except (OSError, asyncssh.Error) as e:
@@ -171,10 +188,10 @@ class SshClient:
                     self._conn = None
                 conn.abort()
                 raise self._as_error(e) from e
-        out = r.stdout if isinstance(r.stdout, str) else (r.stdout or b"").decode("utf-8", "replace")
-        err = r.stderr if isinstance(r.stderr, str) else (r.stderr or b"").decode("utf-8", "replace")
+        out = r.stdout if isinstance(r.stdout, bytes) else (r.stdout or "").encode()
+        err = r.stderr if isinstance(r.stderr, bytes) else (r.stderr or "").encode()
         status = r.exit_status if r.exit_status is not None else (128 + 9 if r.exit_signal else 255)
-        return Result(status, out or "", err or "")
+        return BytesResult(status, out, err)
 
     def drop(self) -> None:
         """Forget the connection (tests: simulate a dead one)."""
