@@ -195,6 +195,14 @@ async def test_time_limit_stops_the_job_and_fails_it(stub):
     assert 2 <= obs.end_time.seconds - obs.start_time.seconds < 30
 
 
+async def test_cleanup_of_a_running_job_stops_and_removes_it(stub, head):
+    job_id = new_id("clean")
+    await launch(stub, job_id, single("import time; time.sleep(300)"))
+    await wait_state(stub, job_id, (S.JOB_STATE_RUNNING,))
+    await stub.CleanupJob(dpb.CleanupJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=job_id)), timeout=60)
+    assert not [j for j in ray_jobs(head) if (j.get("metadata") or {}).get("dlsched_job_id") == job_id]
+
+
 async def test_retried_launch_makes_one_ray_submission(stub, head):
     job_id = new_id("dedup")
     spec = single("print('once')")
@@ -331,6 +339,56 @@ async def test_unreachable_head_keeps_last_state_as_backend_stale(stub, head):
     while (o := await obs()).state != S.JOB_STATE_STOPPED:
         assert time.monotonic() < deadline, o
         await asyncio.sleep(0.1)
+
+
+# --------------------------------------------------------------------------- the whole stack
+
+
+async def test_retried_submit_through_the_services_is_one_job_and_one_ray_submission(etcd, head, tmp_path):
+    from dlsched.v1 import cluster_manager_service_pb2 as cm_pb
+    from dlsched.v1 import cluster_manager_service_pb2_grpc as cm_grpc
+    from dlsched.v1 import cluster_pb2
+    from dlsched.v1 import job_manager_service_pb2 as jpb
+    from dlsched.v1 import job_manager_service_pb2_grpc as jm_grpc
+
+    prefix = f"/dlsched-ray-{uuid.uuid4().hex[:8]}/"
+    procs = [ServiceProcess("drivers.ray", ["--poll-interval", "0.2"], name="ray-driver-stack"),
+             ServiceProcess("cluster_manager", ["--etcd", etcd.endpoint, "--prefix", prefix,
+                                                "--monitor-interval", "0.5"], name="cm-ray")]
+    try:
+        for p in procs:
+            p.start()
+        jm_proc = ServiceProcess("job_manager", ["--etcd", etcd.endpoint, "--prefix", prefix,
+                                                 "--cluster-manager", procs[1].address], name="jm-ray")
+        procs.append(jm_proc)
+        jm_proc.start()
+        async with grpc.aio.insecure_channel(procs[1].address) as ch:
+            cm = cm_grpc.ClusterManagerServiceStub(ch)
+            await cm.CreateCluster(cm_pb.CreateClusterRequest(cluster_id="ray", cluster=cluster_pb2.Cluster(
+                type=S.CLUSTER_TYPE_RAY, address=head.address, driver_address=procs[0].address,
+                options={"python": PY})), timeout=20)
+            deadline = time.monotonic() + 60
+            while (c := (await cm.GetCluster(cm_pb.GetClusterRequest(name=CLUSTER))).cluster).state != \
+                    cluster_pb2.CLUSTER_STATE_READY:
+                assert time.monotonic() < deadline, c
+                await asyncio.sleep(0.3)
+        async with grpc.aio.insecure_channel(jm_proc.address) as ch:
+            jm = jm_grpc.JobManagerServiceStub(ch)
+            req = jpb.SubmitJobRequest(spec=single("print('through the stack')"), request_id=new_id("req"))
+            a, b = await asyncio.gather(jm.SubmitJob(req, timeout=30), jm.SubmitJob(req, timeout=30))
+            c = await jm.SubmitJob(req, timeout=30)
+            assert a.job.name == b.job.name == c.job.name
+            deadline = time.monotonic() + 90
+            while (job := (await jm.GetJob(jpb.GetJobRequest(name=a.job.name), timeout=10)).job).state \
+                    not in TERMINAL:
+                assert time.monotonic() < deadline, job
+                await asyncio.sleep(0.2)
+            assert job.state == S.JOB_STATE_SUCCEEDED and job.cluster == CLUSTER, job
+        job_id = a.job.name.split("/", 1)[1]
+        assert len([j for j in ray_jobs(head) if (j.get("metadata") or {}).get("dlsched_job_id") == job_id]) == 1
+    finally:
+        for p in reversed(procs):
+            p.stop()
 
 
 # --------------------------------------------------------------------------- a fake head: edges a real one will not show

@@ -422,7 +422,8 @@ class RayDriver(Driver):
             except _Http as e:
                 if e.status == 404:
                     return
-                if stopped or e.status != 400:
+                not_ended = e.status == 400 or "non-terminal" in e.text  # 500 on Ray 2.x
+                if stopped or not not_ended:
                     raise Unavailable(f"Ray could not delete {sid}: {_last_line(e.text)}",
                                       reason="BACKEND_UNAVAILABLE") from e
             # Not ended yet: stop it and wait for the end (Ray kills after its stop timeout).
@@ -496,7 +497,7 @@ def _wanted(e: LogEntry, q: LogQuery) -> bool:
 
 
 def _last_line(text: str) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    lines = [ln for ln in text.strip().splitlines() if any(ch.isalnum() for ch in ln)]
     return (lines[-1] if lines else text)[:500]
 
 
@@ -513,7 +514,7 @@ def over_time_limit(it: Mapping[str, Any], now: float, end_ms: float | None = No
     if limit is None or not start:
         return False
     end = end_ms / 1000 if end_ms else now
-    return end - start / 1000 >= limit
+    return end - float(start) / 1000 >= limit
 
 
 def observation(job_id: str, attempt: int, it: Mapping[str, Any]) -> JobObservation:

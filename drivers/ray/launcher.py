@@ -155,7 +155,7 @@ def run_placement_group(job: dict[str, Any], spec: JobSpec) -> int:  # pragma: n
     def probe() -> tuple[str, int, int]:
         from drivers.ray import launcher
 
-        return ray.util.get_node_ip_address(), launcher._free_port(), launcher._free_port()
+        return ray.util.get_node_ip_address(), launcher._free_port(), launcher._free_port()  # type: ignore[no-untyped-call]
 
     found = ray.get([probe.options(scheduling_strategy=in_bundle(i)).remote() for i in range(len(layout))])
     node_rank: dict[str, int] = {}
