@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -319,6 +320,21 @@ async def test_follow_keeps_odd_bytes_and_an_unterminated_last_line(stub):
     await launch(stub, jid, single(code))
     lines = [e.text for e in await logs(stub, jid, follow=True) if e.stream == job_pb2.LOG_STREAM_STDOUT]
     assert lines == ["a\ufffd", "end"]
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (bash scripts/install-system-deps.sh)")
+async def test_mpi_runs_mpirun_inside_the_allocation(stub):
+    jid = new_id("mpi")
+    code = "import os; print('rank', os.environ['OMPI_COMM_WORLD_RANK'], 'of', os.environ['OMPI_COMM_WORLD_SIZE'])"
+    root_ok = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MPI, replica_groups=[
+        job_pb2.ReplicaGroup(role="launcher", replicas=1, command=[PY, "-u", "-c", code], env=root_ok),
+        job_pb2.ReplicaGroup(role="worker", replicas=1, processes_per_replica=2, command=["unused"])])
+    await launch(stub, jid, spec)
+    obs = await wait_state(stub, jid)
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
+    lines = sorted(e.text for e in await logs(stub, jid) if e.stream == job_pb2.LOG_STREAM_STDOUT)
+    assert lines == ["rank 0 of 2", "rank 1 of 2"]
 
 
 async def test_controller_outage_keeps_the_last_state_and_recovers(stub, cluster):

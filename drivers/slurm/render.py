@@ -14,7 +14,8 @@ planner as late-resolving hosts, so ``MASTER_ADDR``, ``TF_CONFIG`` and the
 MPI hostfile name the allocation's real nodes.
 
 Allocation (``#SBATCH``): ``--nodes``, ``--ntasks-per-node`` (the most
-processes one node runs), ``--cpus-per-task`` (the largest
+processes one node runs; for MPI the worker ranks, the launcher being the
+batch script itself), ``--cpus-per-task`` (the largest
 ``ceil(cpu / processes)`` of any group, at least 1), ``--mem`` (the most
 memory one node's replicas ask for, MiB, rounded up), ``--gres=gpu[:type]:N``
 (the most GPUs one node's replicas ask for; every group asking for GPUs must
@@ -249,7 +250,8 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
     gpus_on = [0] * nodes
     for g, r in replicas:
         n = node_of[(g.role, r)]
-        procs_on[n] += g.processes  # MPI workers: mpirun's ranks, in the allocation too
+        launcher = spec.run_mode is RunMode.MPI and g.role == "launcher"
+        procs_on[n] += 0 if launcher else g.processes  # MPI: the tasks are mpirun's ranks
         mem_on[n] += g.resources.memory_bytes
         gpus_on[n] += g.resources.gpus
     cpt = max([math.ceil(g.resources.cpu / g.processes) if g.resources.cpu > 0 else 1 for g in ordered] + [1])
