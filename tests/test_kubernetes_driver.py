@@ -142,7 +142,9 @@ def driver(emu: tuple[Emulator, str]) -> Iterator[ServiceProcess]:  # stopped be
                                                 "--qps", "500", "--burst", "1000", "--grace-seconds", "1"],
                          name="kubernetes-driver").start()
     yield svc
+    t0 = time.monotonic()
     svc.stop()
+    assert time.monotonic() - t0 < 10, "the driver hung on SIGTERM (a log follow left a reader behind?)"
     assert TOKEN not in svc.log()
 
 
@@ -219,11 +221,11 @@ async def eventually(pred: Any, within: float = 10) -> None:
     assert pred()
 
 
-async def kubelet(url: str, pod: str, phase: str, **status: Any) -> None:
-    """Patch a pod's status as a kubelet does."""
+async def kubelet(url: str, pod: str, phase: str, node: str = "node-1", **status: Any) -> None:
+    """Patch a pod's status as a kubelet does (the scheduler's nodeName with it)."""
     body = {"status": {"phase": phase, **status}}
     if phase in ("Running", "Succeeded", "Failed"):
-        body["spec"] = {"nodeName": "node-1"}
+        body["spec"] = {"nodeName": node}
         body["status"].setdefault("startTime", "2026-01-01T00:00:00Z")
     async with aiohttp.ClientSession() as s, s.patch(
             f"{url}/api/v1/namespaces/{NS}/pods/{pod}/status", json=body,
@@ -351,6 +353,15 @@ async def test_logs_follow_a_replica_until_the_job_ends(stub: Any, emu: tuple[Em
                                                            tail_lines=1), timeout=10):
         tail.extend(r.entries)
     assert [t.text for t in tail] == ["epoch 2"] and tail[0].time.seconds > 0
+    # A client that cancels a follow of a silent replica leaves no reader behind (see the fixture).
+    quiet = new_id("quiet")
+    await launch(stub, quiet, spec("single_process"))
+    await kubelet(url, f"{quiet}-1-main-0", "Running")
+    await wait_for(stub, quiet, [job_pb2.JOB_STATE_RUNNING])
+    call = stub.TailJobLogs(dpb.TailJobLogsRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=quiet),
+                                                   follow=True), timeout=30)
+    await asyncio.sleep(0.5)
+    call.cancel()
 
 
 async def test_stop_and_delete_remove_the_right_objects(stub: Any, emu: tuple[Emulator, str]) -> None:
@@ -417,14 +428,14 @@ def render_spec() -> Any:
 
 async def test_capacity_usage_and_mpi(stub: Any, emu: tuple[Emulator, str]) -> None:
     e, url = emu
-    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-1", "labels": {
+    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-1", "labels": {
         render.GPU_PRODUCT_LABEL: "H100"}}, "status": {"allocatable": {"cpu": "8", "memory": "32Gi",
                                                                         render.GPU_RESOURCE: "4"}}}
     async with aiohttp.ClientSession() as s, s.post(f"{url}/api/v1/nodes", json=node) as r:
         assert r.status == 200
     job = new_id("cap")
     await launch(stub, job, spec("single_process"))
-    await kubelet(url, f"{job}-1-main-0", "Running")  # scheduled on node-1: its requests count
+    await kubelet(url, f"{job}-1-main-0", "Running", node="gpu-1")  # its requests count
     info = (await stub.GetClusterInfo(dpb.GetClusterInfoRequest(cluster="clusters/k8s"), timeout=10)).info
     assert info.state == cluster_pb2.CLUSTER_STATE_READY
     c = info.capacity

@@ -62,6 +62,7 @@ import json
 import logging
 import math
 import os
+import socket
 import tempfile
 import threading
 import time
@@ -707,7 +708,7 @@ class KubernetesDriver(Driver):
         targets = [(r, k, cname) for r in job.replicas for k, cname in enumerate(r.containers or ("",))
                    if query.wants_replica(r.role, r.index * max(1, len(r.containers)) + k)]
         queue: asyncio.Queue[list[LogEntry] | BaseException | None] = asyncio.Queue()
-        stops: list[threading.Event] = []
+        stops: list[_LogStream] = []
         tasks = [asyncio.ensure_future(self._tail_one(c, job, r, k, cname, query, queue, stops))
                  for r, k, cname in targets]
         remaining = len(tasks)
@@ -722,8 +723,8 @@ class KubernetesDriver(Driver):
                 for i in range(0, len(batch), BATCH_ENTRIES):
                     yield batch[i:i + BATCH_ENTRIES]
         finally:
-            for ev in stops:
-                ev.set()
+            for st in stops:
+                st.close()
             for t in tasks:
                 t.cancel()
             for t in tasks:
@@ -732,7 +733,7 @@ class KubernetesDriver(Driver):
 
     async def _tail_one(self, c: _Cluster, job: _Job, r: _Replica, k: int, container: str,
                         query: LogQuery, queue: asyncio.Queue[list[LogEntry] | BaseException | None],
-                        stops: list[threading.Event]) -> None:
+                        stops: list[_LogStream]) -> None:
         index = r.index * max(1, len(r.containers)) + k
         try:
             while True:
@@ -750,7 +751,7 @@ class KubernetesDriver(Driver):
                 changed = job.changed
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(changed.wait(), timeout=5)
-            stop = threading.Event()
+            stop = _LogStream()
             stops.append(stop)
             loop = asyncio.get_running_loop()
             kwargs: dict[str, Any] = {"timestamps": True, "follow": query.follow}
@@ -768,6 +769,10 @@ class KubernetesDriver(Driver):
                                                                         FOLLOW_READ_TIMEOUT)
                                                       if query.follow else self._cfg.request_timeout,
                                                       **kwargs)
+                if not stop.attach(resp):
+                    with contextlib.suppress(Exception):
+                        resp.close()
+                    return
                 try:
                     if not 200 <= resp.status <= 299:
                         from kubernetes.client.exceptions import ApiException
@@ -787,13 +792,19 @@ class KubernetesDriver(Driver):
                         if entries:
                             loop.call_soon_threadsafe(queue.put_nowait, entries)
                 finally:
-                    resp.release_conn()
+                    if stop.is_set():  # the socket was shut down: never back into the pool
+                        with contextlib.suppress(Exception):
+                            resp.close()
+                    else:
+                        resp.release_conn()
 
             try:
                 await asyncio.to_thread(read)
             except DlschedError:
                 raise
             except Exception as e:  # noqa: BLE001
+                if stop.is_set():
+                    return  # closed by the consumer
                 if _status(e) in (400, 404):
                     await queue.put([LogEntry(role=r.role, replica_index=index, stream=LogStream.STDERR,
                                               text=f"dlsched: no log for pod {r.pod} ({_status_text(e)})")])
@@ -836,6 +847,40 @@ class KubernetesDriver(Driver):
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+class _LogStream:
+    """One open pod log response, closable from the event loop while a thread reads it."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._resp: Any = None
+
+    def is_set(self) -> bool:
+        return self._stop.is_set()
+
+    def attach(self, resp: Any) -> bool:
+        with self._lock:
+            if self._stop.is_set():
+                return False
+            self._resp = resp
+            return True
+
+    def close(self) -> None:
+        """Stop the reader without blocking the caller (the event loop).
+
+        Closing the response here would wait for the reading thread's buffer
+        lock; shutting the socket down instead ends a read blocked on a silent
+        follow at once, and the reader closes the response itself.
+        """
+        with self._lock:
+            self._stop.set()
+            resp, self._resp = self._resp, None
+        sock = getattr(getattr(resp, "connection", None), "sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
 
 def _attempt_of(pod: Mapping[str, Any]) -> int:
