@@ -248,8 +248,8 @@ def _api_client(config: ClusterConfig) -> tuple[Any, str | None]:
         cfg.host = config.address.rstrip("/")
         if isinstance(creds, KubernetesCredentials):
             if creds.token:
-                cfg.api_key = {"BearerToken": creds.token}
-                cfg.api_key_prefix = {"BearerToken": "Bearer"}
+                cfg.api_key = {"authorization": creds.token}  # the key name every client version reads
+                cfg.api_key_prefix = {"authorization": "Bearer"}
             if creds.ca_cert:
                 fd, ca_file = tempfile.mkstemp(prefix="dlsched-k8s-ca-", suffix=".pem")
                 with os.fdopen(fd, "w") as f:
