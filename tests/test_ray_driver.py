@@ -229,8 +229,9 @@ PROBE = """
 import json, os, sys
 out = sys.argv[1]
 name = f"{os.environ['DLSCHED_ROLE']}-{os.environ['DLSCHED_REPLICA_INDEX']}-{os.environ.get('RANK', '')}"
-with open(os.path.join(out, name + '.json'), 'w') as f:
+with open(os.path.join(out, name + '.tmp'), 'w') as f:
     json.dump({**os.environ, 'PROBE_PID': str(os.getpid())}, f)
+os.replace(os.path.join(out, name + '.tmp'), os.path.join(out, name + '.json'))
 print('probe', name, flush=True)
 if os.environ.get('PROBE_FOREVER') == os.environ['DLSCHED_ROLE']:
     import time
@@ -305,6 +306,25 @@ async def test_ps_worker_tf_config_and_ps_stopped_after_workers(stub, tmp_path):
     deadline = time.monotonic() + 20
     while os.path.exists(f"/proc/{ps['PROBE_PID']}"):  # the ps is stopped once the workers are done
         assert time.monotonic() < deadline, "the ps process outlived its job"
+        await asyncio.sleep(0.2)
+
+
+async def test_stop_of_a_placement_group_job_ends_every_replica_process(stub, tmp_path):
+    job_id = new_id("mwstop")
+    spec = S.JobSpec(run_mode=S.RUN_MODE_MASTER_WORKER, replica_groups=[
+        probe_group("master", tmp_path, PROBE_FOREVER="master"), probe_group("worker", tmp_path, PROBE_FOREVER="worker")])
+    await launch(stub, job_id, spec)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("*.json"))) < 2:
+        assert time.monotonic() < deadline, "the replicas never started"
+        await asyncio.sleep(0.2)
+    pids = [e["PROBE_PID"] for e in probes(tmp_path)]
+    await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=job_id)), timeout=20)
+    obs = await wait_state(stub, job_id, within=60)
+    assert obs.state == S.JOB_STATE_STOPPED, obs
+    deadline = time.monotonic() + 30
+    while alive := [p for p in pids if os.path.exists(f"/proc/{p}")]:
+        assert time.monotonic() < deadline, f"replica processes {alive} outlived the stop"
         await asyncio.sleep(0.2)
 
 
