@@ -337,6 +337,26 @@ async def test_mpi_runs_mpirun_inside_the_allocation(stub):
     assert lines == ["rank 0 of 2", "rank 1 of 2"]
 
 
+async def test_usage_of_a_running_job_is_plausible_and_kept_after_it_ends(stub):
+    jid = new_id("usage")
+    code = "import time\nx = bytearray(64 << 20)\nt = time.time()\nwhile time.time() - t < 5: pass"
+    await launch(stub, jid, single(code))
+    await wait_state(stub, jid, [job_pb2.JOB_STATE_RUNNING])
+    req = dpb.MeasureJobUsageRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=jid))
+    deadline = time.monotonic() + 20
+    while True:
+        u = (await stub.MeasureJobUsage(req, timeout=30)).usage.replicas[0]
+        if u.running and u.cpu_seconds >= 1 and u.peak_memory_bytes >= 64 << 20:
+            break
+        assert time.monotonic() < deadline, u
+        await asyncio.sleep(0.5)
+    assert (u.role, u.replica_index) == ("main", 0)
+    assert u.cpu_seconds < 30 and u.peak_memory_bytes < 1 << 30
+    await wait_state(stub, jid)
+    after = (await stub.MeasureJobUsage(req, timeout=30)).usage.replicas[0]
+    assert not after.running and after.cpu_seconds >= u.cpu_seconds
+
+
 async def test_controller_outage_keeps_the_last_state_and_recovers(stub, cluster):
     jid = new_id("outage")
     await launch(stub, jid, single("import time; time.sleep(6)"))

@@ -125,3 +125,11 @@ def test_capacity_from_scontrol_nodes():
     assert cap.memory_bytes_total == 3000 << 20 and cap.memory_bytes_free == 750 << 20
     assert (cap.gpus_total, cap.gpus_free, cap.max_gpus_per_node) == (4, 3, 4)
     assert cap.max_cpus_per_node == 4
+
+
+def test_sstat_durations_and_sizes():
+    d = pytest.importorskip("drivers.slurm.driver", reason="needs asyncssh (the slurm extra)")
+    assert d._duration("00:00:01") == 1 and d._duration("01:02.500") == 62.5
+    assert d._duration("1-00:00:10") == 86410 and d._duration("junk") == 0
+    assert d._size("64608K") == 64608 << 10 and d._size("1.5M") == 3 << 19 and d._size("7") == 7
+    assert d._size("") == 0

@@ -68,12 +68,14 @@ from drivers.common.base import (
     JobRef,
     JobSpec,
     JobState,
+    JobUsage,
     LaunchResult,
     LogEntry,
     LogQuery,
     LogStream,
     NativeSpec,
     ReplicaStatus,
+    ReplicaUsage,
     SshCredentials,
     WatchEvent,
 )
@@ -126,6 +128,7 @@ class _Job:
         self.stop_requested = False
         self.seen = False  # Slurm has answered about it at least once
         self.roles: tuple[tuple[str, int], ...] = ()
+        self.usage: dict[tuple[str, int], ReplicaUsage] = {}  # last sample per replica
 
 
 class _Cluster:
@@ -460,6 +463,60 @@ class SlurmDriver(Driver):
         await c.run(f"rm -rf -- {shlex.quote(jdir)}")
         c.jobs.pop(job.job_id, None)
 
+    # ------------------------------------------------------------------ usage
+
+    async def usage(self, cluster: str, ref: JobRef) -> JobUsage:
+        """``sstat`` of the running steps (one per process, named ``<role>-<index>``;
+        the MPI launcher is the batch step), in one remote command with ``squeue
+        -s`` for the step names. Without accounting nothing is kept after a job
+        ends, so a finished job reports its last sample, ``running`` false."""
+        c = self._require(cluster)
+        job = self._find(c, ref)
+        if job is None:
+            raise JobNotFound(ref.job_id)
+        if not job.state.is_terminal():
+            jid = shlex.quote(job.backend_job_id)
+            rc, out, _ = await c.run(
+                f"sstat --noheader --parsable2 --allsteps -j {jid} -o JobID,AveCPU,MaxRSS,AveRSS; "
+                f"echo '--- steps'; squeue --noheader --steps --jobs={jid} -o '%i|%j'")
+            stats, _, names = out.partition("--- steps\n")
+            step_label = {}
+            for line in names.splitlines():
+                sid, _, label = line.partition("|")
+                step_label[sid.strip()] = label.strip()
+            launcher = next(((r, i) for r, i in job.roles if r == "launcher"), None)
+            for u in list(job.usage.values()):
+                job.usage[(u.role, u.replica_index)] = ReplicaUsage(
+                    role=u.role, replica_index=u.replica_index, cpu_seconds=u.cpu_seconds,
+                    memory_bytes=0, peak_memory_bytes=u.peak_memory_bytes, running=False)
+            for line in stats.splitlines():
+                parts = line.split("|")
+                if len(parts) < 4:
+                    continue
+                sid = parts[0].strip()
+                key: tuple[str, int] | None = None
+                if sid.endswith(".batch"):
+                    key = launcher
+                elif (m := LOG_LINE_RE.match(step_label.get(sid, "") + ".stdout")) is not None:
+                    key = (m.group(1), int(m.group(2)))
+                if key is None:
+                    continue
+                prev = job.usage.get(key)
+                job.usage[key] = ReplicaUsage(
+                    role=key[0], replica_index=key[1],
+                    cpu_seconds=max(_duration(parts[1]), prev.cpu_seconds if prev else 0.0),
+                    memory_bytes=_size(parts[3]),
+                    peak_memory_bytes=max(_size(parts[2]), prev.peak_memory_bytes if prev else 0),
+                    running=True)
+        else:
+            for k, u in list(job.usage.items()):
+                if u.running:
+                    job.usage[k] = ReplicaUsage(role=u.role, replica_index=u.replica_index,
+                                                cpu_seconds=u.cpu_seconds, memory_bytes=0,
+                                                peak_memory_bytes=u.peak_memory_bytes, running=False)
+        out_list = [job.usage.get((r, i), ReplicaUsage(role=r, replica_index=i)) for r, i in job.roles]
+        return JobUsage(replicas=tuple(out_list), sample_time=time.time())
+
     # ------------------------------------------------------------------ logs
 
     def tail_logs(self, cluster: str, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
@@ -536,6 +593,36 @@ class SlurmDriver(Driver):
             offsets[name] = offsets.get(name, 0) + len(body)
             res.append((name, body))
         return res
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _duration(value: str) -> float:
+    """sstat times: ``[D-][HH:]MM:SS[.mmm]`` -> seconds."""
+    v = value.strip()
+    days = 0
+    if "-" in v:
+        d, _, v = v.partition("-")
+        days = int(d) if d.isdigit() else 0
+    secs = 0.0
+    try:
+        for part in v.split(":"):
+            secs = secs * 60 + float(part)
+    except ValueError:
+        return 0.0
+    return days * 86400 + secs
+
+
+def _size(value: str) -> int:
+    """``64608K`` / ``1.5M`` / ``2G`` / ``123`` -> bytes."""
+    v = value.strip()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(v[-1:].upper(), 1)
+    num = v[:-1] if mult != 1 else v
+    try:
+        return int(float(num) * mult)
+    except ValueError:
+        return 0
 
 
 # --------------------------------------------------------------------------- capacity
