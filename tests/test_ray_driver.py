@@ -175,9 +175,13 @@ async def test_stop_ends_a_running_job_stopped_and_cleanup_is_idempotent(stub, h
     await launch(stub, job_id, single("import time; print('up', flush=True); time.sleep(300)"))
     await wait_state(stub, job_id, (S.JOB_STATE_RUNNING,))
     ref = dpb.JobRef(job_id=job_id)
-    await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=ref), timeout=20)
-    obs = await wait_state(stub, job_id, within=60)
-    assert obs.state == S.JOB_STATE_STOPPED
+    resp = await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=ref), timeout=20)
+    assert resp.observation.state == S.JOB_STATE_STOPPING
+    seen = []
+    while not seen or seen[-1] not in TERMINAL:
+        seen.append((await wait_state(stub, job_id, tuple(S.JobState.values()))).state)  # whatever it is now
+        await asyncio.sleep(0.05)
+    assert seen[-1] == S.JOB_STATE_STOPPED and set(seen) <= {S.JOB_STATE_STOPPING, S.JOB_STATE_STOPPED}
     await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=ref), timeout=20)
     for _ in range(2):
         await stub.CleanupJob(dpb.CleanupJobRequest(cluster=CLUSTER, job=ref), timeout=60)

@@ -139,6 +139,7 @@ class _Cluster:
         self.task: asyncio.Task[None] | None = None
         self.wake = asyncio.Event()
         self.stopping: set[str] = set()  # time-limit stops in flight
+        self.stop_requested: set[str] = set()  # submissions a TerminateJob stopped: STOPPING until they end
 
     async def request(self, method: str, path: str, body: Any = None) -> Any:
         try:
@@ -191,7 +192,7 @@ class RayDriver(Driver):
         old = self._clusters.get(config.name)
         if old is not None:  # keep what was observed; swap address, credentials, session
             new.jobs, new.submissions, new.roles = old.jobs, old.submissions, old.roles
-            new.known = old.known
+            new.known, new.stop_requested = old.known, old.stop_requested
             await self._drop(old)
         self._clusters[config.name] = new
         new.task = asyncio.create_task(self._poll_loop(config.name, new), name=f"ray-poll-{config.name}")
@@ -274,6 +275,9 @@ class RayDriver(Driver):
             obs = observation(job_id, attempt, it)
             if obs.state is JobState.RUNNING and over_time_limit(it, time.time()):
                 self._stop_later(c, obs.backend_job_id)
+            if not obs.state.is_terminal() and obs.backend_job_id in c.stop_requested:
+                obs = replace(obs, state=JobState.STOPPING, reason="StopRequested",
+                              message="stop sent to Ray")  # until Ray reports the end
             self._set(name, c, obs)
         c.submissions = {**{k: v for k, v in c.submissions.items() if k in seen}, **seen}
         for job_id in [j for j in c.jobs if j not in newest]:
@@ -394,6 +398,7 @@ class RayDriver(Driver):
                 raise Unavailable(f"Ray could not stop {sid}: {_last_line(e.text)}",
                                   reason="BACKEND_UNAVAILABLE") from e
             return obs or JobObservation.not_found(ref)
+        c.stop_requested.add(sid)
         c.wake.set()
         if obs is None:
             return JobObservation(job_id=ref.job_id, backend_job_id=sid, found=True,
