@@ -123,6 +123,7 @@ class RayHead:
 
 
 if __name__ == "__main__":  # manual exploration: start a head, print its address, wait
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # so ``finally`` stops the head
     head = RayHead().start()
     print(head.address, head.dir, flush=True)
     try:
