@@ -54,6 +54,8 @@ setup_buf() {
 
 log "system packages (Open MPI for the MPI run mode and mpi4py)"
 bash scripts/install-system-deps.sh || { echo "error: system packages failed" >&2; exit 1; }
+log "system packages (Slurm, munge and sshd for the Slurm driver's test cluster)"
+bash scripts/install-slurm.sh || { echo "error: Slurm packages failed" >&2; exit 1; }
 setup_python || { echo "error: python setup failed" >&2; exit 1; }
 setup_buf || { echo "error: buf setup failed" >&2; exit 1; }
 export PATH="$PWD/.venv/bin:$PWD/.ci/node/node_modules/.bin:$PATH"
