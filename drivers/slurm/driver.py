@@ -18,7 +18,9 @@ holds no such job does it submit (again); should a timed-out ``sbatch`` land
 after that look-up, the retry finds two jobs, keeps the oldest and cancels
 the other before anything is reported. An ``sbatch`` that fails with no
 job behind it is FAILED_PRECONDITION reason ``SBATCH_REJECTED`` with Slurm's
-message (an unknown partition, more CPUs than any node has).
+message (an unknown partition), unless the message says the controller was
+unreachable or slow (``TRANSIENT_RE``): that is retried, and after the last
+try UNAVAILABLE reason ``BACKEND_UNAVAILABLE``.
 
 State: one ``Poller`` per cluster (one ``squeue`` per interval for all
 tracked jobs, one ``scontrol`` follow-up only for jobs missing from it), see
@@ -91,6 +93,9 @@ log = logging.getLogger("dlsched.driver.slurm")
 SUBMIT_TRIES = 3
 LOG_LINE_RE = re.compile(r"^([a-z][a-z0-9-]{0,62})-(\d+)\.(stdout|stderr)$")
 MAX_LOG_CHUNK = 1 << 20
+#: sbatch errors that say nothing about the job itself: retried (after a look-up), never a refusal.
+TRANSIENT_RE = re.compile(r"Socket timed out|Unable to contact slurm controller|temporarily unavailable|"
+                          r"Slurm temporarily unable|Connection refused|Zero Bytes were transmitted")
 
 
 @dataclass(frozen=True)
@@ -318,7 +323,7 @@ class SlurmDriver(Driver):
                 log.warning("sbatch for %s reported failure but submitted job %s; adopting it",
                             script.comment, existing)
                 return existing
-            if rc not in (0, 255) and err.strip():
+            if rc not in (0, 255) and err.strip() and not TRANSIENT_RE.search(err):
                 raise SbatchRejected(f"sbatch refused the job: {err.strip()[:500]}",
                                      metadata={"job_id": script.job_id})
             last = last or f"sbatch exited {rc}: {err.strip()[:300]}"
