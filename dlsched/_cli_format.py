@@ -18,6 +18,7 @@ import yaml
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
+from dlsched.kit import timeutil
 from dlsched.v1 import cluster_pb2, job_pb2
 
 FORMATS = ("table", "json", "yaml")
@@ -71,9 +72,7 @@ def table(rows: Sequence[Sequence[str]], headers: Sequence[str], out: TextIO | N
 
 
 def _ts(ts: Any) -> datetime | None:
-    if ts is None or (ts.seconds == 0 and ts.nanos == 0):
-        return None
-    return ts.ToDatetime(tzinfo=UTC)  # type: ignore[no-any-return]
+    return timeutil.from_timestamp(ts)
 
 
 def age(ts: Any, now: datetime | None = None) -> str:

@@ -32,7 +32,7 @@ import yaml
 from google.protobuf import descriptor, field_mask_pb2, json_format, timestamp_pb2
 
 from dlsched import errors
-from dlsched.kit import rpc_errors
+from dlsched.kit import rpc_errors, timeutil
 from dlsched.v1 import (
     cluster_manager_service_pb2 as cms,
 )
@@ -227,14 +227,7 @@ class _Client:
 def _timestamp(value: datetime | float | timestamp_pb2.Timestamp | None) -> timestamp_pb2.Timestamp | None:
     if value is None or isinstance(value, timestamp_pb2.Timestamp):
         return value
-    ts = timestamp_pb2.Timestamp()
-    if isinstance(value, datetime):
-        if value.tzinfo is None:
-            value = value.astimezone()
-        ts.FromDatetime(value)
-    else:
-        ts.FromNanoseconds(int(value * 1e9))
-    return ts
+    return timeutil.to_timestamp(value)
 
 
 def _log_stream(value: int | str) -> int:

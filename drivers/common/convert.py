@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import re
 
-from google.protobuf import duration_pb2, timestamp_pb2
+from google.protobuf import duration_pb2
 
 from dlsched.errors import FieldViolation, InvalidArgument
+from dlsched.kit.timeutil import to_timestamp
 from dlsched.v1 import cluster_pb2, driver_service_pb2, job_pb2
 from drivers.common import base
 
@@ -208,14 +209,6 @@ def log_query(req: driver_service_pb2.TailJobLogsRequest) -> base.LogQuery:
 # --------------------------------------------------------------------------- outbound
 
 
-def _ts(seconds: float | None) -> timestamp_pb2.Timestamp | None:
-    if seconds is None:
-        return None
-    ts = timestamp_pb2.Timestamp()
-    ts.FromNanoseconds(int(seconds * 1e9))
-    return ts
-
-
 def cluster_info_pb(info: base.ClusterInfo) -> driver_service_pb2.ClusterInfo:
     c = info.capacity
     return driver_service_pb2.ClusterInfo(
@@ -257,9 +250,9 @@ def observation_pb(obs: base.JobObservation) -> driver_service_pb2.JobObservatio
                              host=r.host, message=r.message)
         if r.exit_code is not None:
             rs.exit_code = r.exit_code
-    if (st := _ts(obs.start_time)) is not None:
+    if (st := to_timestamp(obs.start_time)) is not None:
         pb.start_time.CopyFrom(st)
-    if (et := _ts(obs.end_time)) is not None:
+    if (et := to_timestamp(obs.end_time)) is not None:
         pb.end_time.CopyFrom(et)
     return pb
 
@@ -297,6 +290,6 @@ def usage_pb(u: base.JobUsage) -> job_pb2.JobUsage:
                              gpu_memory_bytes=r.gpu_memory_bytes, running=r.running)
         for r in u.replicas
     ])
-    if (ts := _ts(u.sample_time)) is not None:
+    if (ts := to_timestamp(u.sample_time)) is not None:
         pb.sample_time.CopyFrom(ts)
     return pb
