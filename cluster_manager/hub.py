@@ -13,14 +13,13 @@ not decode is InvalidArgument on ``resume_token``.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import logging
 from collections import deque
 from dataclasses import dataclass
 
 from dlsched.errors import DlschedError, InvalidArgument, Unavailable, WatchTokenExpired
+from dlsched.kit import tokens
 
 from .store import ClusterStore, StoreEvent
 
@@ -34,17 +33,13 @@ class ResumeToken:
 
     def encode(self) -> str:
         raw = f"{'s1' if self.in_snapshot else 'c1'}:{self.revision}"
-        return base64.urlsafe_b64encode(raw.encode()).decode().rstrip("=")
+        return tokens.encode(raw)
 
     @staticmethod
     def decode(token: str) -> ResumeToken:
-        try:
-            raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
-            kind, _, rev = raw.partition(":")
-            if kind in ("c1", "s1") and rev.isdigit():
-                return ResumeToken(int(rev), kind == "s1")
-        except (binascii.Error, UnicodeDecodeError, ValueError):
-            pass
+        kind, _, rev = (tokens.decode(token) or "").partition(":")
+        if kind in ("c1", "s1") and rev.isdigit():
+            return ResumeToken(int(rev), kind == "s1")
         raise InvalidArgument.for_field("resume_token", "not a resume_token of WatchClusters")
 
 

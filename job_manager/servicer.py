@@ -11,7 +11,6 @@ then resumes with its last token.
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
@@ -19,6 +18,7 @@ from datetime import UTC, datetime
 import grpc
 
 from dlsched.errors import InvalidArgument
+from dlsched.kit import tokens
 from dlsched.kit.timeutil import to_timestamp
 from dlsched.v1 import job_manager_service_pb2 as pb
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
@@ -51,13 +51,12 @@ def _sort_key(j: Job) -> tuple[float, str]:
 
 def _encode_page(j: Job) -> str:
     ct = j.create_time.timestamp() if j.create_time else 0.0
-    return base64.urlsafe_b64encode(f"p1:{ct!r}:{j.id}".encode()).decode().rstrip("=")
+    return tokens.encode(f"p1:{ct!r}:{j.id}")
 
 
 def _decode_page(token: str) -> tuple[float, str]:
     try:
-        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
-        tag, ct, job_id = raw.split(":", 2)
+        tag, ct, job_id = (tokens.decode(token) or "").split(":", 2)
         if tag != "p1":
             raise ValueError(tag)
         return (-float(ct), job_id)

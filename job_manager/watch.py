@@ -18,7 +18,6 @@ last token and resumes from the buffer while the buffer still covers it.
 from __future__ import annotations
 
 import asyncio
-import base64
 import collections
 import enum
 import logging
@@ -28,6 +27,7 @@ import aetcd
 import aetcd.exceptions
 
 from dlsched.errors import DlschedError, InvalidArgument, Unavailable, WatchTokenExpired
+from dlsched.kit import tokens
 from job_manager.convert import job_from_bytes
 from job_manager.domain.model import Job
 
@@ -37,12 +37,12 @@ _TOKEN_PREFIX = "j1:"
 
 
 def encode_token(revision: int) -> str:
-    return base64.urlsafe_b64encode(f"{_TOKEN_PREFIX}{revision}".encode()).decode().rstrip("=")
+    return tokens.encode(f"{_TOKEN_PREFIX}{revision}")
 
 
 def decode_token(token: str, field: str = "resume_token") -> int:
     try:
-        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+        raw = tokens.decode(token) or ""
         if not raw.startswith(_TOKEN_PREFIX):
             raise ValueError(raw)
         rev = int(raw[len(_TOKEN_PREFIX):])

@@ -9,12 +9,11 @@ field ``filter``.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import re
 from dataclasses import dataclass
 
 from dlsched.errors import InvalidArgument
+from dlsched.kit import tokens
 
 from .models import Cluster, ClusterState, ClusterType
 from .validation import CLUSTER_ID_RE
@@ -94,15 +93,12 @@ _PAGE_PREFIX = "p1:"
 
 
 def encode_page_token(last_cluster_id: str) -> str:
-    return base64.urlsafe_b64encode((_PAGE_PREFIX + last_cluster_id).encode()).decode().rstrip("=")
+    return tokens.encode(_PAGE_PREFIX + last_cluster_id)
 
 
 def decode_page_token(token: str) -> str:
     """The last cluster id of the previous page; InvalidArgument ``page_token`` if garbage."""
-    try:
-        raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
-    except (binascii.Error, UnicodeDecodeError, ValueError):
-        raw = ""
+    raw = tokens.decode(token) or ""
     last = raw[len(_PAGE_PREFIX):] if raw.startswith(_PAGE_PREFIX) else ""
     if not CLUSTER_ID_RE.match(last):
         raise InvalidArgument.for_field("page_token", "not a next_page_token of ListClusters")

@@ -1,0 +1,24 @@
+"""Opaque tokens (page tokens, watch resume tokens): unpadded base64url of a
+short versioned text such as ``j1:1234``.
+
+Each service keeps its own prefix and parsing; this only owns the encoding, so
+every token a dlsched server issues looks and decodes the same way.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+
+
+def encode(text: str) -> str:
+    """The opaque token for ``text``."""
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+def decode(token: str) -> str | None:
+    """The text inside ``token``, or None when it is not a token we could have issued."""
+    try:
+        return base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
+    except (binascii.Error, UnicodeDecodeError, ValueError):
+        return None
