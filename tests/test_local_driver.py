@@ -531,3 +531,17 @@ async def test_restarted_driver_keeps_ended_jobs_and_fails_lost_ones(tmp_path):
         assert marker.read_text() == "ran\n"
     finally:
         svc.stop()
+
+
+async def test_health_serving_and_reflection_lists_the_driver_service(driver: ServiceProcess):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    async with grpc.aio.insecure_channel(driver.address) as ch:
+        h = await health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="dlsched.v1.DriverService"), timeout=10)
+        assert h.status == health_pb2.HealthCheckResponse.SERVING
+        call = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = [s.name async for r in call for s in r.list_services_response.service]
+        assert "dlsched.v1.DriverService" in names
