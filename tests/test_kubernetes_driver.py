@@ -242,7 +242,7 @@ def pods_of(e: Emulator, job_id: str) -> dict[str, dict[str, Any]]:
     out = {}
     for (res, _ns, name), obj in list(e.objects.items()):
         if res == PODS and not obj.deleted and (obj.raw["metadata"].get("labels") or {}).get(
-                render.LABEL_JOB) == job_id:
+                render.LABEL_JOB) == render.job_label(job_id):
             out[name] = obj.raw
     return out
 
@@ -300,6 +300,33 @@ async def test_a_failed_worker_fails_the_job_with_its_replica_and_reason(stub: A
     assert bad.state == job_pb2.REPLICA_STATE_FAILED and bad.exit_code == 137
     await eventually(lambda: f"{job}-1-worker-0" not in pods_of(e, job))  # the rest is stopped
     assert (await observe(stub, job)).state == job_pb2.JOB_STATE_FAILED  # latched
+
+
+@pytest.mark.parametrize("job", ["odd--id", "trailing-"])
+async def test_job_ids_that_are_not_labels_are_tracked_by_their_label(stub: Any, emu: tuple[Emulator, str],
+                                                                      job: str) -> None:
+    e, url = emu
+    job = f"{job}{next(_n)}" if job.endswith("--id") else f"{job}{next(_n)}-"
+    label = render.job_label(job)
+    assert label != job and render.is_dns_label(label)  # validation accepts the id; the label differs
+    res = await launch(stub, job, spec("master_worker"))
+    pods = pods_of(e, job)
+    assert len(pods) == 3 and res.backend_job_id == f"{NS}/{render.service_name(job, 1)}"
+    for name in pods:
+        await kubelet(url, name, "Running")
+    obs = await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
+    assert obs.job_id == job and all(r.state == job_pb2.REPLICA_STATE_RUNNING for r in obs.replicas)
+    before = len(e.paths)
+    with pytest.raises(grpc.aio.AioRpcError):  # no metrics.k8s.io here; the query still names the label
+        await stub.MeasureJobUsage(dpb.MeasureJobUsageRequest(cluster="clusters/k8s",
+                                                              job=dpb.JobRef(job_id=job)), timeout=10)
+    assert any("metrics.k8s.io" in p and f"job-id%3D{label}" in p for p in e.paths[before:]), e.paths[before:]
+    for name in pods:
+        await kubelet(url, name, "Succeeded", **exited(0, "Completed"))
+    obs = await wait_for(stub, job, TERMINAL)
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
+    await stub.CleanupJob(dpb.CleanupJobRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job)), timeout=10)
+    assert pods_of(e, job) == {} and not has_service(e, render.service_name(job, 1))
 
 
 async def test_pending_reasons_and_idempotent_launch(stub: Any, emu: tuple[Emulator, str]) -> None:

@@ -17,7 +17,9 @@ FAILED_PRECONDITION ``NAME_COLLISION``), so a retried launch creates nothing
 twice. ``backend_job_id`` is ``<namespace>/<service>``.
 
 Status: one ``PodInformer`` per cluster (list + watch of the pods labelled
-``dlsched.io/job-id``); no per-job GETs. Each pod event updates that job's
+``dlsched.io/job-id``); no per-job GETs. Jobs are keyed by that label's value,
+``render.job_label(job_id)`` (not the raw id, which may differ: ``a--b``),
+and a request's job id is looked up through the same function. Each pod event updates that job's
 replicas (``states.replica_of``) and its state (``states.job_state`` with
 the run mode's success rule, read back from the pod annotations), and every
 change is published to the watchers. Terminal states are latched. When the
@@ -219,7 +221,7 @@ class _Cluster:
         self.informer: PodInformer | None = None
         self.stale: str | None = "not synced yet"
         self.synced = asyncio.Event()
-        self.jobs: dict[str, _Job] = {}
+        self.jobs: dict[str, _Job] = {}  # by render.job_label(job_id), the pods' job label
 
 
 def _api_client(config: ClusterConfig) -> tuple[Any, str | None]:
@@ -319,15 +321,14 @@ class KubernetesDriver(Driver):
 
     # ------------------------------------------------------------------ calls
 
-    async def _call(self, c: _Cluster, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        def run() -> Any:
-            c.budget.acquire()
-            kwargs.setdefault("_request_timeout", self._cfg.request_timeout)
-            return fn(*args, **kwargs)
-
-        return await asyncio.to_thread(run)
-
     async def _json(self, c: _Cluster, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """One API call in a worker thread; the response as plain JSON.
+
+        Never through the client's model classes: a response they cannot
+        deserialize (a pod status missing a field they require) must not
+        turn a delete that worked into an error.
+        """
+
         def run() -> Any:
             c.budget.acquire()
             kwargs.setdefault("_request_timeout", self._cfg.request_timeout)
@@ -422,8 +423,8 @@ class KubernetesDriver(Driver):
                 self._adopt(c, pod)
                 name = pod["metadata"].get("name", "")
                 by_job.setdefault(labels[render.LABEL_JOB], {})[name] = pod
-        for job in list(c.jobs.values()):
-            fresh = {n: p for n, p in by_job.get(job.job_id, {}).items() if job.by_pod(n) is not None
+        for key, job in list(c.jobs.items()):
+            fresh = {n: p for n, p in by_job.get(key, {}).items() if job.by_pod(n) is not None
                      and _attempt_of(p) == job.attempt}
             job.pods = fresh
             job.seen.update(fresh)
@@ -465,13 +466,13 @@ class KubernetesDriver(Driver):
     def _adopt(self, c: _Cluster, pod: dict[str, Any]) -> None:
         """A pod of a job this process does not know: rebuild the job from its pods' metadata."""
         meta = pod.get("metadata") or {}
-        labels = meta.get("labels") or {}
-        job_id = labels.get(render.LABEL_JOB, "")
-        attempt = _attempt_of(pod)
-        known = c.jobs.get(job_id)
-        if known is not None and known.attempt >= attempt or attempt < 1:
-            return
+        key = (meta.get("labels") or {}).get(render.LABEL_JOB, "")
         ann = meta.get("annotations") or {}
+        job_id = ann.get(render.ANN_JOB) or key  # pods made before the annotation: label == id
+        attempt = _attempt_of(pod)
+        known = c.jobs.get(key)
+        if known is not None and known.attempt >= attempt or attempt < 1 or render.job_label(job_id) != key:
+            return
         counts = [part.partition("=") for part in ann.get(render.ANN_REPLICAS, "").split(",") if part]
         replicas = [_Replica(role, i, render.pod_name(job_id, attempt, role, i), ())
                     for role, _, n in counts if n.isdigit() for i in range(int(n))]
@@ -483,7 +484,7 @@ class KubernetesDriver(Driver):
         after = frozenset(r for r in ann.get(render.ANN_STOPPED_AFTER, "").split(",") if r)
         rule = SuccessRule(decisive or frozenset(r.role for r in replicas), after)
         ns = meta.get("namespace") or c.namespace
-        c.jobs[job_id] = _Job(c.config.name, job_id, attempt, render.backend_job_id(ns, job_id, attempt),
+        c.jobs[key] = _Job(c.config.name, job_id, attempt, render.backend_job_id(ns, job_id, attempt),
                               render.service_name(job_id, attempt), replicas, rule, None)
 
     # ------------------------------------------------------------------ observations
@@ -572,7 +573,7 @@ class KubernetesDriver(Driver):
     async def _delete_pods(self, c: _Cluster, job: _Job, names: Sequence[str], grace: float) -> None:
         for name in names:
             try:
-                await self._call(c, c.core.delete_namespaced_pod, name, c.namespace,
+                await self._json(c, c.core.delete_namespaced_pod, name, c.namespace,
                                  grace_period_seconds=max(0, math.ceil(grace)))
             except Exception as e:  # noqa: BLE001
                 if _status(e) != 404:
@@ -580,8 +581,9 @@ class KubernetesDriver(Driver):
                     raise _api_error(e, f"deleting pod {name}") from None
 
     def _find(self, c: _Cluster, ref: JobRef) -> _Job | None:
-        job = c.jobs.get(ref.job_id)
-        if job is None or (ref.backend_job_id and ref.backend_job_id != job.backend_job_id):
+        job = c.jobs.get(render.job_label(ref.job_id))
+        if job is None or job.job_id != ref.job_id or (
+                ref.backend_job_id and ref.backend_job_id != job.backend_job_id):
             return None
         return job
 
@@ -616,7 +618,10 @@ class KubernetesDriver(Driver):
         c = self._get(cluster)
         rendered = render.render_job(job_id, spec, attempt, c.config.options)
         native = rendered.native_spec()
-        job = c.jobs.get(job_id)
+        key = render.job_label(job_id)
+        job = c.jobs.get(key)
+        if job is not None and job.job_id != job_id:
+            raise NameCollision(f"job {job_id!r} and job {job.job_id!r} have the same Kubernetes label {key!r}")
         if job is not None and job.attempt == attempt:
             return LaunchResult(job.backend_job_id, job.native or native, self._observe(c, job))
         if job is not None and job.attempt > attempt:
@@ -633,7 +638,7 @@ class KubernetesDriver(Driver):
         job = _Job(cluster, job_id, attempt, rendered.backend_job_id, rendered.service,
                    [_Replica(p.role, p.index, p.name, p.containers) for p in rendered.pods],
                    rendered.success, native)
-        c.jobs[job_id] = job
+        c.jobs[key] = job
         for pod in pods:
             try:
                 await self._json(c, c.core.create_namespaced_pod, c.namespace, render.with_owner_uid(pod, uid))
@@ -653,7 +658,7 @@ class KubernetesDriver(Driver):
         except Exception as e:  # noqa: BLE001
             raise _api_error(e, f"reading service {rendered.service}") from None
         labels = (svc.get("metadata") or {}).get("labels") or {}
-        if labels.get(render.LABEL_JOB) != render.dns_label(rendered.job_id) or \
+        if labels.get(render.LABEL_JOB) != render.job_label(rendered.job_id) or \
                 labels.get(render.LABEL_ATTEMPT) != str(rendered.attempt):
             raise NameCollision(f"service {c.namespace}/{rendered.service} exists and belongs to another job")
         return svc
@@ -685,13 +690,14 @@ class KubernetesDriver(Driver):
         job.deleted.update(r.pod for r in job.replicas)
         await self._delete_pods(c, job, [r.pod for r in job.replicas], 0)
         try:
-            await self._call(c, c.core.delete_namespaced_service, job.service, c.namespace,
+            await self._json(c, c.core.delete_namespaced_service, job.service, c.namespace,
                              propagation_policy="Background")
         except Exception as e:  # noqa: BLE001
             if _status(e) != 404:
                 raise _api_error(e, f"deleting service {job.service}") from None
-        if c.jobs.get(job.job_id) is job:
-            del c.jobs[job.job_id]
+        key = render.job_label(job.job_id)
+        if c.jobs.get(key) is job:
+            del c.jobs[key]
 
     # ------------------------------------------------------------------ logs
 
@@ -827,7 +833,8 @@ class KubernetesDriver(Driver):
         custom = client.CustomObjectsApi(c.api)
         try:
             doc = await self._json(c, custom.list_namespaced_custom_object, "metrics.k8s.io", "v1beta1",
-                                   c.namespace, "pods", label_selector=f"{render.LABEL_JOB}={job.job_id}")
+                                   c.namespace, "pods", label_selector=f"{render.LABEL_JOB}={render.job_label(job.job_id)},"
+                                                  f"{render.LABEL_ATTEMPT}={job.attempt}")
         except Exception as e:  # noqa: BLE001
             if _status(e) in (404, 503):
                 raise Unimplemented("metrics.k8s.io not available") from None

@@ -23,10 +23,12 @@ DNS-1123 label by ``dns_label``):
   ``activeDeadlineSeconds`` from the time limit (the kubelet ends the pod
   with reason ``DeadlineExceeded``).
 
-Every object carries the labels ``dlsched.io/job-id``, ``dlsched.io/attempt``
-and (pods) ``dlsched.io/role`` and ``dlsched.io/replica-index``; the driver's
-one watch selects ``dlsched.io/job-id``. Pods are annotated with the success
-rule (``dlsched.io/decisive-roles``, ``dlsched.io/stopped-after-success``)
+Every object carries the labels ``dlsched.io/job-id`` (``job_label``: the
+job id made a DNS-1123 label, so an id such as ``a--b`` or ``ab-`` becomes a
+hashed label), ``dlsched.io/attempt`` and (pods) ``dlsched.io/role`` and
+``dlsched.io/replica-index``; the driver's one watch selects
+``dlsched.io/job-id`` and keys its jobs by ``job_label``. Pods are annotated
+with the job id verbatim (``dlsched.io/job-id``), the success rule (``dlsched.io/decisive-roles``, ``dlsched.io/stopped-after-success``)
 and the replica counts (``dlsched.io/replicas``), so a restarted driver
 rebuilds every job from the watch alone. Pods have an owner reference to the
 Service, so deleting the Service removes the whole attempt. The Service's
@@ -74,6 +76,7 @@ LABEL_ATTEMPT = "dlsched.io/attempt"
 LABEL_ROLE = "dlsched.io/role"
 LABEL_INDEX = "dlsched.io/replica-index"
 #: Pod annotations that let a restarted driver rebuild a job from its pods alone.
+ANN_JOB = "dlsched.io/job-id"  # the job id verbatim (the label is ``job_label(job_id)``)
 ANN_DECISIVE = "dlsched.io/decisive-roles"
 ANN_STOPPED_AFTER = "dlsched.io/stopped-after-success"
 ANN_REPLICAS = "dlsched.io/replicas"
@@ -107,6 +110,11 @@ def dns_label(text: str, max_len: int = MAX_LABEL) -> str:
 
 def is_dns_label(name: str) -> bool:
     return len(name) <= MAX_LABEL and bool(_LABEL_RE.match(name))
+
+
+def job_label(job_id: str) -> str:
+    """The ``dlsched.io/job-id`` label value of a job's objects; the driver keys its jobs by it."""
+    return dns_label(job_id)
 
 
 def service_name(job_id: str, attempt: int) -> str:
@@ -238,7 +246,7 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
     ns = namespace_of(options)
     _check(job_id, spec, attempt, options)
     svc = service_name(job_id, attempt)
-    base_labels = {LABEL_JOB: dns_label(job_id), LABEL_ATTEMPT: str(attempt)}
+    base_labels = {LABEL_JOB: job_label(job_id), LABEL_ATTEMPT: str(attempt)}
     # One pod per replica: each is a node of its own, numbered in the planner's layout order.
     order = planner.ROLES.get(spec.run_mode, ())
     layout = sorted(spec.replica_groups, key=lambda g: order.index(g.role) if g.role in order else len(order))
@@ -261,6 +269,7 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
              "blockOwnerDeletion": True}
     pull = [{"name": s} for s in _pull_secrets(options)]
     annotations = {
+        ANN_JOB: job_id,
         ANN_DECISIVE: ",".join(sorted(plan.success.decisive_roles)),
         ANN_STOPPED_AFTER: ",".join(sorted(plan.success.stopped_after_success)),
         ANN_REPLICAS: ",".join(f"{g.role}={g.replicas}" for g in layout),
