@@ -274,6 +274,7 @@ dist.init_process_group('gloo')
 t = torch.tensor([float(os.environ['RANK']) + 1])
 dist.all_reduce(t)
 print('sum', int(t.item()), 'rank', os.environ['RANK'], 'world', dist.get_world_size(), flush=True)
+dist.barrier()  # leave together, or gloo may abort a rank mid-teardown (exit 134)
 dist.destroy_process_group()
 """
 

@@ -53,4 +53,8 @@ if out := os.environ.get("EXAMPLE_OUT"):
                    "params_identical": same, "final_loss": loss.item()}, f)
 print(f"rank {rank}/{world} ({os.environ.get('DLSCHED_ROLE')}): all-reduce sum {t.item():g} ok; "
       f"final loss {loss.item():.4f}", flush=True)
+# Leave together: without this barrier a rank that is still finishing its
+# last collective can lose its peers mid-teardown, and gloo aborts it
+# ("terminate called without an active exception", exit 134).
+dist.barrier()
 dist.destroy_process_group()
