@@ -129,12 +129,17 @@ async def wait_state(stub: driver_service_pb2_grpc.DriverServiceStub, job_id: st
         await asyncio.sleep(0.1)
 
 
-async def stdout_of(stub: driver_service_pb2_grpc.DriverServiceStub, job_id: str) -> list[str]:
+async def stdout_of(stub: driver_service_pb2_grpc.DriverServiceStub, job_id: str,
+                    stream: int = S.LOG_STREAM_STDOUT) -> list[str]:
     out: list[str] = []
     req = dpb.TailJobLogsRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=job_id))
     async for resp in stub.TailJobLogs(req, timeout=20):
-        out.extend(e.text for e in resp.entries if e.stream == S.LOG_STREAM_STDOUT)
+        out.extend(e.text for e in resp.entries if e.stream == stream)
     return out
+
+
+async def stderr_of(stub: driver_service_pb2_grpc.DriverServiceStub, job_id: str) -> list[str]:
+    return await stdout_of(stub, job_id, S.LOG_STREAM_STDERR)
 
 
 def states_by_replica(obs: dpb.JobObservation) -> dict[tuple[str, int], int]:
@@ -282,7 +287,7 @@ async def test_ddp_example_all_reduces_across_master_and_workers(stub, tmp_path)
     job = new_id("ddp")
     await launch(stub, job, example("ddp/ddp.yaml", tmp_path, DDP_STEPS="3"))
     obs = await wait_state(stub, job, within=180)
-    assert obs.state == S.JOB_STATE_SUCCEEDED, (obs, await stdout_of(stub, job))
+    assert obs.state == S.JOB_STATE_SUCCEEDED, (obs.reason, obs.message, await stderr_of(stub, job))
     got = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank-*.json"))]
     assert sorted(int(g["env"]["RANK"]) for g in got) == [0, 1, 2]
     assert [g["env"]["DLSCHED_ROLE"] for g in got if g["env"]["RANK"] == "0"] == ["master"]
@@ -328,9 +333,12 @@ async def test_mpi_example_allreduces_over_four_ranks(stub, tmp_path):
 # --------------------------------------------------------------------------- the whole stack
 
 
+STACK_GRACE = 2.0
+
+
 @pytest.fixture(scope="module")
 def stack(etcd: EtcdServer) -> Iterator[Stack]:
-    st = Stack(etcd, f"/dlsched-modes-{uuid.uuid4().hex[:8]}/")
+    st = Stack(etcd, f"/dlsched-modes-{uuid.uuid4().hex[:8]}/", jm_args=["--stop-grace-seconds", str(STACK_GRACE)])
     try:
         st.start()
     except Exception:
@@ -380,9 +388,89 @@ _STACK_CASES = [
 ]
 
 
+def _records(out: pathlib.Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+
+
+def _check_master_worker(recs: dict[str, dict]) -> None:
+    assert sorted(recs) == ["rank-0", "rank-1", "rank-2"]
+    assert recs["rank-0"]["env"]["DLSCHED_ROLE"] == "master"
+    assert {r["env"]["WORLD_SIZE"] for r in recs.values()} == {"3"}
+    assert len({(r["env"]["MASTER_ADDR"], r["env"]["MASTER_PORT"]) for r in recs.values()}) == 1
+    assert {r["allreduce_sum"] for r in recs.values()} == {6.0}
+    assert all(r["params_identical"] for r in recs.values())
+
+
+def _check_ps_worker(recs: dict[str, dict]) -> None:
+    assert sorted(recs) == ["ps-0", "ps-1", "worker-0", "worker-1"]
+    assert len({json.dumps(r["tf_config"]["cluster"], sort_keys=True) for r in recs.values()}) == 1
+    for name, r in recs.items():
+        role, index = name.split("-")
+        assert r["tf_config"]["task"] == {"type": role, "index": int(index)}
+
+
+def _check_mpi(recs: dict[str, dict]) -> None:
+    assert sorted(r["rank"] for r in recs.values()) == [0, 1, 2, 3]
+    assert {r["size"] for r in recs.values()} == {4}
+    assert {r["sum"] for r in recs.values()} == {10}
+
+
+# What the ranks saw, checked after each example ran through the services
+# (the examples without distributed state record nothing).
+_STACK_CHECKS = {"ddp/ddp.yaml": _check_master_worker, "ps_worker/ps_worker.yaml": _check_ps_worker,
+                 "mpi/mpi.yaml": _check_mpi}
+
+
 @pytest.mark.parametrize("path", _STACK_CASES)
 async def test_every_mode_succeeds_through_the_services(jm, tmp_path, path):
     env = {"DDP_STEPS": "2", "PS_STEPS": "10"}
     job = await submit_and_wait(jm, example(path, tmp_path, **env))
     assert job.state == S.JOB_STATE_SUCCEEDED, job
     assert job.cluster == CLUSTER
+    assert {r.state for r in job.replicas} <= {S.REPLICA_STATE_SUCCEEDED, S.REPLICA_STATE_STOPPED}, job
+    if check := _STACK_CHECKS.get(path):
+        check(_records(tmp_path))
+
+
+# Every process of the job writes a file named by its pid, then ignores
+# SIGTERM and runs until it is killed: only the group kill after the grace ends it.
+STUBBORN = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+open(os.path.join(sys.argv[1], f"{os.getpid()}.pid"), "w").close()
+while True:
+    time.sleep(0.1)
+"""
+
+
+def _stubborn(role: str, out: pathlib.Path, replicas: int = 1, ppr: int = 0) -> S.ReplicaGroup:
+    return S.ReplicaGroup(role=role, replicas=replicas, processes_per_replica=ppr,
+                          command=[PY, "-c", textwrap.dedent(STUBBORN), str(out)])
+
+
+_STOP_CASES = [
+    pytest.param(S.RUN_MODE_MASTER_WORKER, [("master", 1, 0), ("worker", 2, 2)], 5, id="master_worker"),
+    pytest.param(S.RUN_MODE_PS_WORKER, [("ps", 2, 0), ("worker", 2, 0), ("chief", 1, 0)], 5, id="ps_worker"),
+    pytest.param(S.RUN_MODE_MPI, [("launcher", 1, 0), ("worker", 2, 2)], 4, id="mpi", marks=needs_mpirun),
+]
+
+
+@pytest.mark.parametrize(("mode", "groups", "processes"), _STOP_CASES)
+async def test_stop_job_through_the_services_ends_every_process_of_every_role(jm, tmp_path, mode, groups,
+                                                                                processes):
+    spec = S.JobSpec(run_mode=mode, replica_groups=[_stubborn(role, tmp_path, n, ppr) for role, n, ppr in groups])
+    job = (await jm.SubmitJob(jpb.SubmitJobRequest(job_id=new_id("stack-stop"), spec=spec), timeout=20)).job
+    deadline = time.monotonic() + 60
+    while len(pids := [int(p.stem) for p in tmp_path.glob("*.pid")]) < processes:
+        assert time.monotonic() < deadline, f"only {len(pids)} of {processes} processes started"
+        await asyncio.sleep(0.1)
+    t0 = time.monotonic()
+    await jm.StopJob(jpb.StopJobRequest(name=job.name), timeout=10)
+    while [p for p in pids if pid_alive(p)] and time.monotonic() - t0 < STACK_GRACE + 1.0:
+        await asyncio.sleep(0.05)
+    assert not [p for p in pids if pid_alive(p)], f"processes outlived grace + 1 s: {pids}"
+    while (job := (await jm.GetJob(jpb.GetJobRequest(name=job.name), timeout=10)).job).state not in TERMINAL:
+        assert time.monotonic() - t0 < 30, job
+        await asyncio.sleep(0.1)
+    assert job.state == S.JOB_STATE_STOPPED, job
+    assert {r.state for r in job.replicas} == {S.REPLICA_STATE_STOPPED}, job

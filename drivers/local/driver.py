@@ -292,11 +292,18 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
-def _killpg(pgid: int | None, sig: int) -> None:
+def _signal_session(pgid: int | None, sig: int) -> None:
+    """Signal a replica: its process group, and every other process of the
+    session it leads. Each replica starts a session of its own, and a process
+    that leaves the group (mpirun puts every rank in a group of its own) stays
+    in the session, so a stop or an exit leaves no orphan running."""
     if pgid is None:
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
+    for pid in procfs.session_members(pgid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
 
 
 class LocalDriver(Driver):
@@ -519,7 +526,7 @@ class LocalDriver(Driver):
             st = procfs.read_stat(slot.pid)
             slot.start_ticks = st.start_ticks if st is not None else 0
             if job.stop_signalled:
-                _killpg(slot.pid, signal.SIGTERM)
+                _signal_session(slot.pid, signal.SIGTERM)
             if job.state is JobState.PENDING:
                 job.state, job.reason = JobState.RUNNING, states.REASON_STARTED
                 job.start_time = time.time()
@@ -533,7 +540,7 @@ class LocalDriver(Driver):
     # ------------------------------------------------------------------ process events
 
     def _process_exited(self, job: _Job, slot: _Slot, returncode: int | None) -> None:
-        _killpg(slot.pid, signal.SIGKILL)  # whatever the process left in its group
+        _signal_session(slot.pid, signal.SIGKILL)  # whatever the process left behind in its session
         code = states.exit_code_of(returncode)
         slot.exit_code = code
         slot.state = states.replica_state(code, stop_signalled=job.stop_signalled)
@@ -604,7 +611,7 @@ class LocalDriver(Driver):
         job.stop_signalled = True
         for s in job.slots:
             if s.running:
-                _killpg(s.pid, signal.SIGTERM)
+                _signal_session(s.pid, signal.SIGTERM)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, grace)
         if job.kill_deadline is None or deadline < job.kill_deadline:
@@ -616,7 +623,7 @@ class LocalDriver(Driver):
     def _kill_all(self, job: _Job) -> None:
         for s in job.slots:
             if s.running:
-                _killpg(s.pid, signal.SIGKILL)
+                _signal_session(s.pid, signal.SIGKILL)
 
     def _time_limit(self, job: _Job) -> None:
         if job.state.is_terminal() or job.stop_requested or job.failure is not None or job.succeeding:
@@ -831,7 +838,7 @@ class LocalDriver(Driver):
             for s in job.slots:
                 if s.pid and s.start_ticks and (st := procfs.read_stat(s.pid)) is not None \
                         and st.start_ticks == s.start_ticks and st.pgrp == s.pid:
-                    _killpg(s.pid, signal.SIGKILL)
+                    _signal_session(s.pid, signal.SIGKILL)
                 if not s.state.is_terminal():
                     s.state, s.message = ReplicaState.FAILED, "lost when the driver restarted"
             job.state, job.reason = JobState.FAILED, states.REASON_DRIVER_RESTARTED

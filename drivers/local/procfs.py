@@ -50,6 +50,12 @@ def all_stats() -> list[ProcStat]:
     return out
 
 
+def session_members(session: int) -> list[int]:
+    """Pids of every live process in ``session``: also those a program moved
+    to process groups of their own (mpirun puts each rank in its own group)."""
+    return [st.pid for st in all_stats() if st.session == session]
+
+
 def vm_hwm_bytes(pid: int) -> int:
     """Peak resident memory of a live process (VmHWM), 0 when unknown."""
     try:
