@@ -324,6 +324,63 @@ def test_multi_process_logs_are_prefixed_by_replica(stack: Stack) -> None:
     assert {ln.split("]")[0] for ln in prefixed} == {"[worker/0", "[worker/1", "[worker/2"}
 
 
+def test_logs_follow_one_replica_until_the_job_ends(stack: Stack, tmp_path: pathlib.Path) -> None:
+    """``logs -f --replica worker/1`` attached while the job runs prints that
+    replica's lines as they come, unprefixed, and exits 0 when the job ends."""
+    code = ("import os, time\n"
+            "for i in range(4):\n"
+            "    print(f\"r{os.environ['RANK']} tick {i}\", flush=True)\n"
+            "    time.sleep(0.5)\n")
+    job_id = _uid("follow")
+    doc = {"runMode": "MULTI_PROCESS", "clusterSelector": {"clusterType": "local"},
+           "replicaGroups": [{"role": "worker", "replicas": 3, "command": [sys.executable, "-c", code]}]}
+    r = cli(stack, "submit", write_job(tmp_path, doc), "--id", job_id)
+    assert r.returncode == 0, r.stderr
+    wait_job(stack, job_id, {job_pb2.JOB_STATE_RUNNING, job_pb2.JOB_STATE_SUCCEEDED})
+    follow = cli(stack, "logs", job_id, "-f", "--replica", "worker/1", timeout=60)
+    assert follow.returncode == 0, follow.stderr
+    assert follow.stdout.splitlines() == [f"r1 tick {i}" for i in range(4)]
+    assert wait_job(stack, job_id, {job_pb2.JOB_STATE_SUCCEEDED}).state == job_pb2.JOB_STATE_SUCCEEDED
+    role = cli(stack, "logs", job_id, "--replica", "worker")
+    assert sorted(role.stdout.splitlines()) == sorted(f"[worker/{r}] r{r} tick {i}" for r in range(3)
+                                                      for i in range(4))
+
+
+def test_cluster_watch_shows_adds_and_removes(stack: Stack) -> None:
+    assert stack.jm is not None
+    name = _uid("watched")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dlsched", "--cluster-manager", stack.cm.address, "cluster", "watch"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
+
+    def read_until(text: str, event: str = "") -> list[str]:
+        assert proc.stdout is not None
+        seen: list[str] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            seen.append(line)
+            if text in line and line.startswith(event):
+                return seen
+        raise AssertionError(f"no {event} {text!r} in {seen}")
+
+    try:
+        snapshot = read_until("snapshot complete")
+        assert any(ln.startswith("EXISTING") and "clusters/local" in ln for ln in snapshot), snapshot
+        added = cli(stack, "cluster", "add", name, "--type", "local", "--driver", stack.driver.address)
+        assert added.returncode == 0, added.stderr
+        read_until(f"clusters/{name}", "CREATED")
+        assert cli(stack, "cluster", "remove", name).returncode == 0
+        read_until(f"clusters/{name}", "DELETED")
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=15)
+        assert proc.returncode == 130 and "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_watch_shows_jobs_and_ctrl_c_exits_130(stack: Stack) -> None:
     assert stack.jm is not None
     proc = subprocess.Popen(

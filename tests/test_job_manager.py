@@ -115,15 +115,24 @@ def uniq() -> str:
 # ---------------------------------------------------------------- tests
 
 async def test_health_and_reflection(stack: Stack) -> None:
+    """Every server of the stack is SERVING, overall and for its service, and
+    reflection lists the three dlsched services between them."""
     assert stack.jm is not None
-    async with grpc.aio.insecure_channel(stack.jm.address) as ch:
-        h = await health_pb2_grpc.HealthStub(ch).Check(
-            health_pb2.HealthCheckRequest(service="dlsched.v1.JobManagerService"))
-        assert h.status == health_pb2.HealthCheckResponse.SERVING
-        call = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
-            iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
-        names = [s.name async for r in call for s in r.list_services_response.service]
-        assert "dlsched.v1.JobManagerService" in names
+    listed: set[str] = set()
+    for proc, service in ((stack.jm, "dlsched.v1.JobManagerService"),
+                          (stack.cm, "dlsched.v1.ClusterManagerService"),
+                          (stack.driver, "dlsched.v1.DriverService")):
+        async with grpc.aio.insecure_channel(proc.address) as ch:
+            for name in ("", service):
+                h = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=name))
+                assert h.status == health_pb2.HealthCheckResponse.SERVING, (proc.address, name)
+            call = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+            names = {s.name async for r in call for s in r.list_services_response.service}
+            assert service in names and "grpc.health.v1.Health" in names, names
+            listed |= names
+    assert {"dlsched.v1.JobManagerService", "dlsched.v1.ClusterManagerService",
+            "dlsched.v1.DriverService"} <= listed
 
 
 async def test_single_process_job_runs_to_success(jm: pb_grpc.JobManagerServiceStub) -> None:
@@ -342,11 +351,35 @@ async def test_bad_input_is_invalid_argument_and_stores_nothing(
             job_pb2.ReplicaGroup(role="main", replicas=1, command=["true"],
                                  args=["x" * 1000] * 300)]), "spec"),
     ]
+    def group(role: str, replicas: int = 1) -> job_pb2.ReplicaGroup:
+        return job_pb2.ReplicaGroup(role=role, replicas=replicas, command=["true"])
+
+    cases += [  # the roles each distributed mode allows and needs
+        (job_pb2.JobSpec(run_mode=S.RUN_MODE_MASTER_WORKER, labels=labels,
+                         replica_groups=[group("master", 2), group("worker")]), "spec.replica_groups[0].replicas"),
+        (job_pb2.JobSpec(run_mode=S.RUN_MODE_MASTER_WORKER, labels=labels,
+                         replica_groups=[group("worker", 2)]), "spec.replica_groups"),
+        (job_pb2.JobSpec(run_mode=S.RUN_MODE_PS_WORKER, labels=labels,
+                         replica_groups=[group("worker", 2)]), "spec.replica_groups"),
+        (job_pb2.JobSpec(run_mode=S.RUN_MODE_PS_WORKER, labels=labels,
+                         replica_groups=[group("ps"), group("worker"), group("master")]),
+         "spec.replica_groups[2].role"),
+        (job_pb2.JobSpec(run_mode=S.RUN_MODE_MPI, labels=labels,
+                         replica_groups=[group("launcher", 2), group("worker")]), "spec.replica_groups[0].replicas"),
+        (job_pb2.JobSpec(run_mode=S.RUN_MODE_MPI, labels=labels,
+                         replica_groups=[group("worker", 2)]), "spec.replica_groups"),
+    ]
     for spec, field in cases:
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await jm.SubmitJob(pb.SubmitJobRequest(spec=spec, request_id=uniq()))
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
         assert field in [v.field for v in field_violations(ei.value)], field
+
+    for bad_id in ("Upper", "has_underscore", "-leading", "x" * 64, "jobs/x", "a b"):
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await jm.SubmitJob(pb.SubmitJobRequest(job_id=bad_id, spec=single("pass", labels=labels)))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad_id
+        assert [v.field for v in field_violations(ei.value)] == ["job_id"], bad_id
 
     unknown = single("pass", labels=labels)
     unknown.cluster_selector.cluster = "clusters/nope"
