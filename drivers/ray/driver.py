@@ -36,18 +36,29 @@ attempt, stopping a still-running one first. Unknown jobs succeed.
 
 Logs: ``GET /api/jobs/{id}/logs`` (the entrypoint's combined stdout and
 stderr, so every entry is STDOUT). A follow re-reads it every
-``--log-poll-interval`` (0.1 s by default, where Ray's own tail sleeps 1 s;
-longer for a log of many MB, since Ray sends all of it each time) and sends
-what was appended; it ends once the poller saw the job end and a
-last read drained it. Lines the launcher tagged ``[dlsched role-index
-stream]`` (MULTI_PROCESS, MASTER_WORKER, PS_WORKER) are attributed to that
-replica and stream; other lines belong to the job's first role, replica 0.
+``--log-poll-interval`` (0.1 s by default; longer for a log of many MB, since
+Ray sends all of it each time) and sends what was appended. Not Ray's
+``/api/jobs/{id}/logs/tail`` websocket (what ``ray job logs --follow`` uses):
+its file tail sleeps 1 s at end of file and its job manager another 1 s, so a
+line waits about 1 s (bench/bench_ray.py: p50 ~1 s there, ~65 ms here). A
+follow ends once the poller saw the job end and a last read drained it.
+Lines the launcher tagged ``[dlsched role-index stream]`` (MULTI_PROCESS,
+MASTER_WORKER, PS_WORKER) are attributed to that replica and stream; other lines belong to the job's first role, replica 0.
 Ray's lines carry no time: history entries have none, followed ones the
 time they were read, and ``since_time`` only filters the followed ones.
 
 Capacity: ``GET /api/cluster_status`` (the autoscaler's load report: total
-and used CPU, GPU, memory, per node). Usage: Ray reports none per job through
-these APIs; ``usage`` is UNIMPLEMENTED.
+and used CPU, GPU, memory, per node).
+
+Usage is UNIMPLEMENTED: Ray measures no process of a job. Its reporter
+(``/nodes/{node_id}`` ``workers``) samples only the processes the raylet
+registered (workers, agents), each alone; a job's entrypoint is a subprocess
+of its ``JobSupervisor`` actor and the launcher's replica processes are
+subprocesses of its tasks, so neither appears there, nor in ``/api/v0/tasks``,
+``/api/v0/actors`` or ``/api/v0/workers`` (checked on Ray 2.60: a busy 200 MB
+entrypoint showed in none of them). What Ray does hold per job, the requested
+entrypoint resources and placement-group bundles, is a request, not a
+measurement, so it is not reported as usage.
 """
 
 from __future__ import annotations
