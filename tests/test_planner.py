@@ -250,6 +250,7 @@ def test_missing_placement_is_a_driver_bug():
 
 
 GOLDEN_CASES = {
+    "single_process": spec(RunMode.SINGLE_PROCESS, grp("main", env={"SEED": "1"})),
     "multi_process": spec(RunMode.MULTI_PROCESS, grp("worker", 2, 2)),
     "master_worker": spec(RunMode.MASTER_WORKER, grp("master"), grp("worker", 2, env={"GLOO_SOCKET_IFNAME": "lo"})),
     "ps_worker": spec(RunMode.PS_WORKER, grp("chief"), grp("ps", 2), grp("worker", 2)),
