@@ -25,7 +25,6 @@ pytest.importorskip("kubernetes")
 import aiohttp  # noqa: E402 - a kmock dependency
 import aiohttp.web  # noqa: E402
 
-from dlsched.kit.rpc_errors import error_info  # noqa: E402
 from dlsched.v1 import cluster_pb2, driver_service_pb2_grpc, job_pb2  # noqa: E402
 from dlsched.v1 import driver_service_pb2 as dpb  # noqa: E402
 from drivers.kubernetes import render  # noqa: E402
@@ -36,6 +35,8 @@ TOKEN = "sekrit-token-8f3a"
 TERMINAL = (job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_STOPPED)
 PODS = kmock.resource("v1/pods")
 SERVICES = kmock.resource("v1/services")
+SECRETS = kmock.resource("v1/secrets")
+CONFIG_MAPS = kmock.resource("v1/configmaps")
 
 
 class Emulator(kmock.KubernetesEmulator):
@@ -50,7 +51,7 @@ class Emulator(kmock.KubernetesEmulator):
         self.gone_at = 0
         self.logs: dict[tuple[str, str], list[str]] = {}
         self.log_event = asyncio.Event()
-        for r in ("v1/pods", "v1/services", "v1/nodes"):
+        for r in ("v1/pods", "v1/services", "v1/nodes", "v1/secrets", "v1/configmaps"):
             self.resources[r] = {}
         return self
 
@@ -181,7 +182,10 @@ MODES = {
     "multi_process": (job_pb2.RUN_MODE_MULTI_PROCESS, [group("worker", 2, 2)]),
     "master_worker": (job_pb2.RUN_MODE_MASTER_WORKER, [group("master"), group("worker", 2)]),
     "ps_worker": (job_pb2.RUN_MODE_PS_WORKER, [group("ps", 1), group("worker", 2)]),
+    "mpi": (job_pb2.RUN_MODE_MPI, [group("launcher"), group("worker", 2, 2)]),
 }
+#: Roles that keep running until the deciding ones are done; the driver stops them.
+STOPPED_AFTER = {"ps_worker": "ps", "mpi": "worker"}
 
 
 def spec(mode: str) -> job_pb2.JobSpec:
@@ -248,7 +252,11 @@ def pods_of(e: Emulator, job_id: str) -> dict[str, dict[str, Any]]:
 
 
 def has_service(e: Emulator, name: str) -> bool:
-    key = (SERVICES, NS, name)
+    return has(e, SERVICES, name)
+
+
+def has(e: Emulator, resource: Any, name: str) -> bool:
+    key = (resource, NS, name)
     return key in e.objects and not e.objects[key].deleted
 
 
@@ -272,17 +280,19 @@ async def test_each_mode_runs_to_success(stub: Any, emu: tuple[Emulator, str], m
         await kubelet(url, name, "Running")
     obs = await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
     assert all(r.state == job_pb2.REPLICA_STATE_RUNNING and r.host == "node-1" for r in obs.replicas)
-    deciding = [n for n, p in pods.items() if not (mode == "ps_worker" and "-ps-" in n)]
+    rest = STOPPED_AFTER.get(mode)
+    role_of = {n: p["metadata"]["labels"][render.LABEL_ROLE] for n, p in pods.items()}
+    deciding = [n for n in pods if role_of[n] != rest]
     for name in deciding:
         await kubelet(url, name, "Succeeded", **exited(0, "Completed"))
     obs = await wait_for(stub, job, TERMINAL)
     assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
-    if mode == "ps_worker":  # the parameter server is stopped once the workers are done
-        await eventually(lambda: not any("-ps-" in n for n in pods_of(e, job)))
+    if rest:  # the parameter servers / MPI workers are stopped once the deciding roles are done
+        await eventually(lambda: not any(role_of[n] == rest for n in pods_of(e, job)))
         obs = await observe(stub, job)
         assert obs.state == job_pb2.JOB_STATE_SUCCEEDED
-        ps = [r for r in obs.replicas if r.role == "ps"]
-        assert ps[0].state == job_pb2.REPLICA_STATE_STOPPED
+        stopped = [r for r in obs.replicas if r.role == rest]
+        assert stopped and all(r.state == job_pb2.REPLICA_STATE_STOPPED for r in stopped)
 
 
 async def test_a_failed_worker_fails_the_job_with_its_replica_and_reason(stub: Any,
@@ -327,6 +337,72 @@ async def test_job_ids_that_are_not_labels_are_tracked_by_their_label(stub: Any,
     assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
     await stub.CleanupJob(dpb.CleanupJobRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job)), timeout=10)
     assert pods_of(e, job) == {} and not has_service(e, render.service_name(job, 1))
+
+
+async def test_mpi_runs_with_a_per_attempt_ssh_key(stub: Any, emu: tuple[Emulator, str],
+                                                   driver: ServiceProcess) -> None:
+    e, url = emu
+    job = new_id("mpi-key")
+    res = await launch(stub, job, spec("mpi"))
+    secret, config_map = f"{job}-1-ssh", f"{job}-1-mpi"
+    assert has(e, SECRETS, secret) and has(e, CONFIG_MAPS, config_map)
+    keys = e.objects[SECRETS, NS, secret].raw["stringData"]
+    private = keys["ssh-privatekey"]
+    assert private.startswith("-----BEGIN OPENSSH PRIVATE KEY-----")
+    assert keys["known_hosts"] == f"*.{job}-1.{NS}.svc {keys['ssh-publickey']}"
+    assert "PRIVATE KEY-----\n" not in res.native_spec.content  # the reported spec is the rendered one
+    assert private not in driver.log()
+    hostfile = e.objects[CONFIG_MAPS, NS, config_map].raw["data"]["hostfile"]
+    assert hostfile == f"worker-0.{job}-1.{NS}.svc slots=2\nworker-1.{job}-1.{NS}.svc slots=2\n"
+    again = await launch(stub, new_id("mpi-key"), spec("mpi"))  # every attempt has its own key
+    other = e.objects[SECRETS, NS, f"{again.backend_job_id.split('/')[1]}-ssh"].raw["stringData"]
+    assert other["ssh-privatekey"] != private
+    pods = pods_of(e, job)
+    launcher = pods[f"{job}-1-launcher-0"]
+    assert [c["name"] for c in launcher["spec"]["initContainers"]] == ["wait-for-workers"]
+    for name in pods:
+        await kubelet(url, name, "Running")
+    await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
+    await kubelet(url, f"{job}-1-launcher-0", "Succeeded", **exited(0, "Completed"))
+    obs = await wait_for(stub, job, TERMINAL)
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED  # the launcher's state, the workers still up
+    await eventually(lambda: list(pods_of(e, job)) == [f"{job}-1-launcher-0"])  # workers stopped
+    ref = dpb.JobRef(job_id=job)
+    await stub.CleanupJob(dpb.CleanupJobRequest(cluster="clusters/k8s", job=ref), timeout=10)
+    assert not has(e, SECRETS, secret) and not has(e, CONFIG_MAPS, config_map)
+    assert not has_service(e, f"{job}-1") and pods_of(e, job) == {}
+
+
+async def test_an_adopted_mpi_job_is_cleaned_up_whole(driver: ServiceProcess) -> None:
+    """A driver that finds an MPI job on the watch (after a restart) still deletes its Secret and ConfigMap."""
+    async with grpc.aio.insecure_channel(driver.address) as ch, emulator() as (e, url):
+        stub = driver_service_pb2_grpc.DriverServiceStub(ch)
+        await configure(stub, "clusters/first", url)
+        job = new_id("mpi-adopt")
+        await launch(stub, job, spec("mpi"), cluster="clusters/first")
+        await configure(stub, "clusters/second", url)  # knows the job from its pods alone
+        obs = await wait_for(stub, job, [job_pb2.JOB_STATE_PENDING], cluster="clusters/second")
+        assert obs.backend_job_id == f"{NS}/{job}-1" and len(obs.replicas) == 3
+        await stub.CleanupJob(dpb.CleanupJobRequest(cluster="clusters/second", job=dpb.JobRef(job_id=job)),
+                              timeout=10)
+        assert not has(e, SECRETS, f"{job}-1-ssh") and not has(e, CONFIG_MAPS, f"{job}-1-mpi")
+        assert not has_service(e, f"{job}-1") and pods_of(e, job) == {}
+        for cluster in ("clusters/first", "clusters/second"):
+            await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=cluster), timeout=10)
+
+
+async def test_a_failed_mpi_launcher_fails_the_job(stub: Any, emu: tuple[Emulator, str]) -> None:
+    e, url = emu
+    job = new_id("mpi-fail")
+    await launch(stub, job, spec("mpi"))
+    for name in pods_of(e, job):
+        await kubelet(url, name, "Running")
+    await kubelet(url, f"{job}-1-launcher-0", "Failed", **exited(1, "Error"))
+    obs = await wait_for(stub, job, TERMINAL)
+    assert (obs.state, obs.reason, obs.exit_code) == (job_pb2.JOB_STATE_FAILED, "Error", 1)
+    assert obs.message.startswith("launcher-0: ")
+    await eventually(lambda: list(pods_of(e, job)) == [f"{job}-1-launcher-0"])  # workers stopped
+    assert (await observe(stub, job)).state == job_pb2.JOB_STATE_FAILED
 
 
 async def test_pending_reasons_and_idempotent_launch(stub: Any, emu: tuple[Emulator, str]) -> None:
@@ -468,16 +544,13 @@ async def test_capacity_usage_and_mpi(stub: Any, emu: tuple[Emulator, str]) -> N
     c = info.capacity
     assert (c.cpus_total, c.gpus_total, c.memory_bytes_total) == (8, 4, 32 << 30)
     assert c.cpus_free == 7 and c.memory_bytes_free == 31 << 30 and c.gpus[0].gpu_type == "H100"
-    assert job_pb2.RUN_MODE_MPI not in info.supported_run_modes
+    assert set(info.supported_run_modes) == {job_pb2.RUN_MODE_SINGLE_PROCESS, job_pb2.RUN_MODE_MULTI_PROCESS,
+                                             job_pb2.RUN_MODE_MASTER_WORKER, job_pb2.RUN_MODE_PS_WORKER,
+                                             job_pb2.RUN_MODE_MPI}
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await stub.MeasureJobUsage(dpb.MeasureJobUsageRequest(cluster="clusters/k8s",
                                                               job=dpb.JobRef(job_id=job)), timeout=10)
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    mpi = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MPI, replica_groups=[group("launcher"), group("worker", 2)])
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await launch(stub, new_id("mpi"), mpi)
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert error_info(err.value).reason == "MPI_NOT_AVAILABLE"
 
 
 async def test_an_unreachable_api_server_never_fails_jobs(driver: ServiceProcess) -> None:

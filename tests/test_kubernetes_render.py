@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -34,6 +37,9 @@ SPECS: dict[str, JobSpec] = {
                                                        image="pytorch/pytorch:2.4.0"),)),
     "master_worker": JobSpec(RunMode.MASTER_WORKER, (g("worker", 2), g("master"))),
     "ps_worker": JobSpec(RunMode.PS_WORKER, (g("chief"), g("ps", 2), g("worker", 2))),
+    "mpi": JobSpec(RunMode.MPI, (g("worker", 2, 4, command=("unused",), cpu=4, memory_bytes=8 << 30),
+                                 g("launcher", command=("python", "allreduce.py"), args=("--n", "10"),
+                                   cpu=1))),
 }
 
 
@@ -47,17 +53,20 @@ def test_golden(name: str) -> None:
     assert native.content == path.read_text(), f"update with DLSCHED_UPDATE_GOLDEN=1 ({path})"
     assert native.media_type == "application/yaml"
     docs = list(yaml.safe_load_all(native.content))
-    assert [d["kind"] for d in docs] == ["Service"] + ["Pod"] * len(out.pods)
+    others = ["Secret", "ConfigMap"] if name == "mpi" else []
+    assert [d["kind"] for d in docs] == ["Service", *others] + ["Pod"] * len(out.pods)
     svc = docs[0]
     assert svc["spec"]["clusterIP"] == "None" and svc["metadata"]["name"] == "golden-3"
-    for pod in docs[1:]:
+    for obj in docs[1:]:
+        assert obj["metadata"]["ownerReferences"][0]["name"] == "golden-3"
+    for pod in docs[1 + len(others):]:
         labels = pod["metadata"]["labels"]
         assert labels[render.LABEL_JOB] == "golden" and labels[render.LABEL_ATTEMPT] == "3"
         assert pod["spec"]["subdomain"] == "golden-3" and pod["spec"]["restartPolicy"] == "Never"
         assert pod["metadata"]["ownerReferences"][0]["name"] == "golden-3"
         assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}, {"name": "other"}]
         for c in pod["spec"]["containers"]:
-            assert "sh" not in c["command"][0]
+            assert os.path.basename(c["command"][0]) not in ("sh", "bash")
 
 
 def test_rendezvous_names_the_headless_service() -> None:
@@ -119,11 +128,76 @@ def test_missing_image_and_bad_options_are_invalid_argument() -> None:
         render.render_job("j", SPECS["single_process"], 1, {**OPTS, "namespace": "Not_OK"})
 
 
-def test_mpi_is_refused_as_failed_precondition() -> None:
-    spec = JobSpec(RunMode.MPI, (g("launcher"), g("worker", 2)))
+def test_mpi_launcher_reaches_worker_sshd_with_the_attempt_key() -> None:
+    out = render.render_job("golden", SPECS["mpi"], 3, OPTS)
+    objs = {(m["kind"], m["metadata"]["name"]): m for m in out.manifests}
+    assert out.others == (("ConfigMap", "golden-3-mpi"), ("Secret", "golden-3-ssh"))
+    assert out.success.decisive_roles == {"launcher"} and out.success.stopped_after_success == {"worker"}
+    cm = objs["ConfigMap", "golden-3-mpi"]["data"]
+    assert cm["hostfile"] == "worker-0.golden-3.ml.svc slots=4\nworker-1.golden-3.ml.svc slots=4\n"
+    assert "Host *.golden-3.ml.svc" in cm["ssh_config"] and "StrictHostKeyChecking yes" in cm["ssh_config"]
+    assert "PasswordAuthentication no" in cm["sshd_config"]
+    secret = objs["Secret", "golden-3-ssh"]
+    assert set(secret["stringData"].values()) == {""}  # rendering is pure: the key is made at launch
+    launcher = objs["Pod", "golden-3-launcher-0"]["spec"]
+    main = launcher["containers"][0]
+    assert main["command"] == ["mpirun", "-np", "8", "--hostfile", "/etc/dlsched/mpi/hostfile",
+                               "python", "allreduce.py", "--n", "10"]
+    env = {e["name"]: e["value"] for e in main["env"]}
+    assert env["DLSCHED_MPI_HOSTFILE"] == "/etc/dlsched/mpi/hostfile" and env["OMPI_ALLOW_RUN_AS_ROOT"] == "1"
+    (wait,) = launcher["initContainers"]
+    assert wait["command"][:3] == ["sh", "-c", render.WAIT_SCRIPT]  # a constant script;
+    assert wait["command"][4:] == ["worker-0.golden-3.ml.svc", "worker-1.golden-3.ml.svc"]  # names as args
+    assert wait["resources"] == main["resources"]  # no larger pod request, same QoS
+    for role in ("launcher", "worker"):
+        spec = objs["Pod", f"golden-3-{role}-0"]["spec"]
+        assert {v["name"] for v in spec["volumes"]} == {"dlsched-ssh", "dlsched-mpi"}
+        assert all(c["volumeMounts"] == render.MPI_MOUNTS for c in spec["containers"])
+    worker = objs["Pod", "golden-3-worker-1"]["spec"]
+    (sshd,) = worker["containers"]  # one container whatever processes_per_replica: a host for 4 ranks
+    assert sshd["command"] == ["/usr/sbin/sshd", "-De", "-f", "/root/.ssh/sshd_config"]
+    assert sshd["resources"]["limits"] == {"cpu": "4", "memory": str(8 << 30)}
+    assert [(p.role, p.containers) for p in out.pods] == [("launcher", ("main",)), ("worker", ("sshd",)),
+                                                          ("worker", ("sshd",))]
+
+
+def test_with_ssh_key_pins_the_key_for_the_service_names() -> None:
+    secret = render.render_job("golden", SPECS["mpi"], 3, OPTS).manifests[1]
+    filled = render.with_ssh_key(secret, "-----BEGIN OPENSSH PRIVATE KEY-----\nx\n-----END OPENSSH PRIVATE KEY-----",
+                                 "ssh-ed25519 AAAAC3 dlsched\n")
+    assert filled["stringData"] == {
+        "ssh-privatekey": "-----BEGIN OPENSSH PRIVATE KEY-----\nx\n-----END OPENSSH PRIVATE KEY-----\n",
+        "ssh-publickey": "ssh-ed25519 AAAAC3 dlsched\n",
+        "known_hosts": "*.golden-3.ml.svc ssh-ed25519 AAAAC3 dlsched\n",
+    }
+    assert set(secret["stringData"].values()) == {""}  # the rendered manifest is untouched
+
+
+def test_the_driver_makes_a_fresh_openssh_key_pair(tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("cryptography")
+    from drivers.kubernetes.driver import ssh_keypair
+
+    private, public = ssh_keypair()
+    assert private.startswith("-----BEGIN OPENSSH PRIVATE KEY-----") and public.startswith("ssh-ed25519 ")
+    assert ssh_keypair() != (private, public)
+    keygen = shutil.which("ssh-keygen")
+    if keygen:  # OpenSSH reads the private key and derives the same public key
+        key = tmp_path / "id"
+        key.write_text(private)
+        key.chmod(0o600)
+        derived = subprocess.run([keygen, "-y", "-f", str(key)], check=True, capture_output=True, text=True)
+        assert derived.stdout.split()[:2] == public.split()[:2]
+
+
+def test_without_cryptography_mpi_is_not_offered(monkeypatch: pytest.MonkeyPatch) -> None:
+    from drivers.kubernetes import driver
+
+    monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.asymmetric.ed25519", None)
     with pytest.raises(FailedPrecondition) as e:
-        render.render_job("j", spec, 1, OPTS)
+        driver.ssh_keypair()
     assert e.value.reason == "MPI_NOT_AVAILABLE"
+    monkeypatch.setattr(driver.importlib.util, "find_spec", lambda name: None)
+    assert RunMode.MPI not in driver._run_modes() and RunMode.MASTER_WORKER in driver._run_modes()
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
@@ -132,5 +206,7 @@ def test_manifests_round_trip_through_the_client_models(name: str) -> None:
     client = k8s.client.ApiClient()
 
     for m in render.render_job("golden", SPECS[name], 1, OPTS).manifests:
+        if m["kind"] == "Secret":
+            m = render.with_ssh_key(m, "-----BEGIN OPENSSH PRIVATE KEY-----\n", "ssh-ed25519 AAAA")
         model = client.deserialize(json.dumps(m), f"V1{m['kind']}", "application/json")
         assert client.sanitize_for_serialization(model) == m

@@ -10,8 +10,13 @@ call goes through the official ``kubernetes`` client in a worker thread
 ``RequestBudget`` (``--qps`` / ``--burst``).
 
 Rendering: ``render.render_job`` (pure; ``RenderJob`` returns it as YAML).
-Launch creates the Service, then each Pod with an owner reference to the
-Service's uid. Idempotent: ``409 AlreadyExists`` means already submitted (the
+Launch creates the Service, then every other object (MPI: the Secret, with
+a fresh Ed25519 key pair from ``ssh_keypair`` filled in, and the ConfigMap;
+then the Pods) with an owner reference to the Service's uid. The key pair
+needs the ``cryptography`` package; without it MPI is left out of
+``supported_run_modes`` and an MPI launch is FAILED_PRECONDITION
+``MPI_NOT_AVAILABLE``. The native spec a launch returns is the rendered
+one: it never carries the private key. Idempotent: ``409 AlreadyExists`` means already submitted (the
 existing Service must carry the same job id and attempt labels, else
 FAILED_PRECONDITION ``NAME_COLLISION``), so a retried launch creates nothing
 twice. ``backend_job_id`` is ``<namespace>/<service>``.
@@ -37,8 +42,9 @@ job. Launch, stop and delete then fail with UNAVAILABLE
 
 Stop deletes the job's pods (grace period from the request); the job is
 STOPPING until the watch shows them gone, then STOPPED; the Service stays,
-so the record is kept. Cleanup deletes every pod and the Service (and with
-it, on a real cluster, anything the garbage collector finds owned by it).
+so the record is kept. Cleanup deletes every pod, the other objects (MPI's
+Secret and ConfigMap) and the Service (and with it, on a real cluster,
+anything the garbage collector finds owned by it).
 Both are idempotent (404 is success).
 
 Logs: the pod log API per replica container (``timestamps=true`` for line
@@ -60,6 +66,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import logging
 import math
@@ -104,14 +111,18 @@ from drivers.common.base import (
     ReplicaState,
     ReplicaStatus,
     ReplicaUsage,
+    RunMode,
     WatchEvent,
 )
 from drivers.common.hub import ObservationHub
+from drivers.common.planner import MpiNotAvailable
 from drivers.kubernetes import render, states
 from drivers.kubernetes.informer import PodInformer, RequestBudget, is_unreachable
 from drivers.kubernetes.render import Rendered
 
 log = logging.getLogger("dlsched.driver.kubernetes")
+#: The kinds an attempt may own besides its Service and Pods, and the CoreV1Api call deleting one.
+_OTHER_KINDS = {"Secret": "delete_namespaced_secret", "ConfigMap": "delete_namespaced_config_map"}
 BATCH_ENTRIES = 500
 FOLLOW_READ_TIMEOUT = 24 * 3600.0  # a followed log may stay silent for long
 
@@ -183,8 +194,10 @@ class _Replica:
 
 class _Job:
     def __init__(self, cluster: str, job_id: str, attempt: int, backend_job_id: str, service: str,
-                 replicas: list[_Replica], rule: Any, native: NativeSpec | None) -> None:
+                 replicas: list[_Replica], rule: Any, native: NativeSpec | None,
+                 others: Sequence[tuple[str, str]] = ()) -> None:
         self.cluster = cluster
+        self.others = tuple(others)  # (kind, name) besides the Service and the Pods
         self.job_id = job_id
         self.attempt = attempt
         self.backend_job_id = backend_job_id
@@ -263,6 +276,28 @@ def _api_client(config: ClusterConfig) -> tuple[Any, str | None]:
         cfg.verify_ssl = False
     api = client.ApiClient(cfg)
     return api, ca_file
+
+
+def ssh_keypair() -> tuple[str, str]:
+    """A fresh Ed25519 key pair for one MPI attempt: (OpenSSH private key, ``ssh-ed25519 ...`` line)."""
+    try:
+        from cryptography.hazmat.primitives import serialization
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    except ImportError:
+        raise MpiNotAvailable("the Kubernetes driver needs the 'cryptography' package to make "
+                              "each MPI job's SSH key") from None
+    key = Ed25519PrivateKey.generate()
+    private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                serialization.NoEncryption()).decode()
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH,
+                                           serialization.PublicFormat.OpenSSH).decode()
+    return private, f"{public} dlsched"
+
+
+def _run_modes() -> tuple[RunMode, ...]:
+    if importlib.util.find_spec("cryptography") is None:
+        return tuple(m for m in render.SUPPORTED_RUN_MODES if m is not RunMode.MPI)
+    return render.SUPPORTED_RUN_MODES
 
 
 def _parse_quantity(value: Any) -> float:
@@ -405,9 +440,9 @@ class KubernetesDriver(Driver):
         except Exception as e:  # noqa: BLE001 - any failure is "unreachable"
             return ClusterInfo(state=ClusterState.UNREACHABLE, driver_version=version,
                                message=f"Kubernetes API server: {_status_text(e)}",
-                               supported_run_modes=render.SUPPORTED_RUN_MODES)
+                               supported_run_modes=_run_modes())
         return ClusterInfo(state=ClusterState.READY, capacity=_capacity(nodes, pods),
-                           supported_run_modes=render.SUPPORTED_RUN_MODES, driver_version=version,
+                           supported_run_modes=_run_modes(), driver_version=version,
                            message=f"stale: {c.stale}" if c.stale and c.synced.is_set() else "")
 
     # ------------------------------------------------------------------ informer callbacks
@@ -483,9 +518,12 @@ class KubernetesDriver(Driver):
         decisive = frozenset(r for r in ann.get(render.ANN_DECISIVE, "").split(",") if r)
         after = frozenset(r for r in ann.get(render.ANN_STOPPED_AFTER, "").split(",") if r)
         rule = SuccessRule(decisive or frozenset(r.role for r in replicas), after)
+        others = [(kind, name) for kind, _, name in (part.partition("/") for part in
+                                                     ann.get(render.ANN_OBJECTS, "").split(",") if part)
+                  if kind in _OTHER_KINDS and name]
         ns = meta.get("namespace") or c.namespace
         c.jobs[key] = _Job(c.config.name, job_id, attempt, render.backend_job_id(ns, job_id, attempt),
-                              render.service_name(job_id, attempt), replicas, rule, None)
+                           render.service_name(job_id, attempt), replicas, rule, None, others)
 
     # ------------------------------------------------------------------ observations
 
@@ -627,7 +665,8 @@ class KubernetesDriver(Driver):
         if job is not None and job.attempt > attempt:
             raise FailedPrecondition(f"job {job_id!r} already runs attempt {job.attempt}",
                                      reason="STALE_ATTEMPT", metadata={"attempt": str(job.attempt)})
-        service, *pods = rendered.manifests
+        service, *rest = rendered.manifests
+        key_pair = ssh_keypair() if any(m["kind"] == "Secret" for m in rest) else None
         try:
             created = await self._json(c, c.core.create_namespaced_service, c.namespace, service)
         except Exception as e:  # noqa: BLE001
@@ -637,14 +676,20 @@ class KubernetesDriver(Driver):
         uid = str((created.get("metadata") or {}).get("uid") or "")
         job = _Job(cluster, job_id, attempt, rendered.backend_job_id, rendered.service,
                    [_Replica(p.role, p.index, p.name, p.containers) for p in rendered.pods],
-                   rendered.success, native)
+                   rendered.success, native, rendered.others)
         c.jobs[key] = job
-        for pod in pods:
+        for m in rest:
+            kind, name = m["kind"], m["metadata"]["name"]
+            body = render.with_owner_uid(m, uid)
+            if kind == "Secret" and key_pair is not None:
+                body = render.with_ssh_key(body, *key_pair)
+            create = {"Pod": c.core.create_namespaced_pod, "Secret": c.core.create_namespaced_secret,
+                      "ConfigMap": c.core.create_namespaced_config_map}[kind]
             try:
-                await self._json(c, c.core.create_namespaced_pod, c.namespace, render.with_owner_uid(pod, uid))
-            except Exception as e:  # noqa: BLE001
+                await self._json(c, create, c.namespace, body)
+            except Exception as e:  # noqa: BLE001 - 409: created by an earlier try of this launch
                 if _status(e) != 409:
-                    raise _api_error(e, f"creating pod {pod['metadata']['name']}") from None
+                    raise _api_error(e, f"creating {kind.lower()} {name}") from None
         obs = self._observe(c, job)
         if obs != job.last:
             job.last = obs
@@ -689,6 +734,12 @@ class KubernetesDriver(Driver):
             job.stop_requested = True
         job.deleted.update(r.pod for r in job.replicas)
         await self._delete_pods(c, job, [r.pod for r in job.replicas], 0)
+        for kind, name in job.others:
+            try:
+                await self._json(c, getattr(c.core, _OTHER_KINDS[kind]), name, c.namespace)
+            except Exception as e:  # noqa: BLE001
+                if _status(e) != 404:
+                    raise _api_error(e, f"deleting {kind.lower()} {name}") from None
         try:
             await self._json(c, c.core.delete_namespaced_service, job.service, c.namespace,
                              propagation_policy="Background")

@@ -28,13 +28,15 @@ job id made a DNS-1123 label, so an id such as ``a--b`` or ``ab-`` becomes a
 hashed label), ``dlsched.io/attempt`` and (pods) ``dlsched.io/role`` and
 ``dlsched.io/replica-index``; the driver's one watch selects
 ``dlsched.io/job-id`` and keys its jobs by ``job_label``. Pods are annotated
-with the job id verbatim (``dlsched.io/job-id``), the success rule (``dlsched.io/decisive-roles``, ``dlsched.io/stopped-after-success``)
-and the replica counts (``dlsched.io/replicas``), so a restarted driver
-rebuilds every job from the watch alone. Pods have an owner reference to the
+with the job id verbatim (``dlsched.io/job-id``), the success rule
+(``dlsched.io/decisive-roles``, ``dlsched.io/stopped-after-success``), the
+replica counts (``dlsched.io/replicas``) and (MPI) the other objects of the
+attempt (``dlsched.io/objects``), so a restarted driver rebuilds every job
+from the watch alone. Every other object has an owner reference to the
 Service, so deleting the Service removes the whole attempt. The Service's
 uid exists only once it is created: the rendered owner reference carries
 ``uid: ""`` and ``launch`` fills in the real uid (``with_owner_uid``)
-before creating the pods.
+before creating the rest.
 
 Containers: one per process of the replica (``processes_per_replica``; the
 planner gives each its own ``RANK`` / ``LOCAL_RANK``), named ``main`` when
@@ -50,9 +52,39 @@ containers, as equal requests and limits (Guaranteed QoS); GPUs as the
 Cluster options: ``namespace`` (default ``default``), ``default_image``,
 ``image_pull_secrets`` (comma-separated Secret names), ``service_account``.
 
-MPI is refused (FAILED_PRECONDITION ``MPI_NOT_AVAILABLE``): a launcher needs
-a way into the workers (MPI Operator v2 generates a per-job SSH key Secret
-and runs sshd in the workers) and no such path is built yet.
+MPI (as MPI Operator v2 does it, with built-in objects only): the launcher
+reaches the workers over SSH with a key made for the attempt.
+
+- a Secret ``<base>-ssh`` (``kubernetes.io/ssh-auth``): ``ssh-privatekey``,
+  ``ssh-publickey`` and ``known_hosts``. Rendering is pure, so the rendered
+  Secret (and the dry run, and the native spec the driver reports) carries
+  empty values; ``launch`` makes a fresh Ed25519 key pair and fills them in
+  (``with_ssh_key``) just before creating it. The private key goes to the
+  API server only. The same key is every worker's sshd host key, so
+  ``known_hosts`` pins it for ``*.<base>.<namespace>.svc`` and the client
+  checks host keys strictly.
+- a ConfigMap ``<base>-mpi``: the planner's ``hostfile`` (worker DNS names,
+  ``slots`` = processes per worker), the ssh client ``config`` and the
+  ``sshd_config``.
+- every MPI pod mounts them: the Secret's keys and the two ssh files at
+  ``/root/.ssh`` (a projected volume; private key mode 0400), the
+  hostfile at ``/etc/dlsched/mpi/hostfile`` (``DLSCHED_MPI_HOSTFILE``).
+- worker pods run one container, ``sshd -De -f /root/.ssh/sshd_config``
+  (the image's; the group's command is not run: workers are hosts for
+  mpirun), with the whole replica's resources.
+- the launcher pod runs the planner's ``mpirun -np <slots> --hostfile ...
+  <command>`` after an init container, ``wait-for-workers``, that retries
+  ``ssh <worker> true`` until every worker's name resolves and its sshd
+  lets the job's key in. The init container's ``sh -c`` script is a
+  constant; the worker names are its arguments, never part of the script.
+- the job's state is the launcher's: the success rule's decisive role is
+  ``launcher``; the workers are stopped once it ends.
+
+The images must be able to run this: ``sshd`` (openssh-server, with
+``/run/sshd`` present) in the workers, ``ssh`` and ``sh`` in the launcher,
+the MPI runtime on the default PATH of an ssh session, and root as the
+user (sshd on port 22, keys under ``/root/.ssh``; Open MPI's refusal to run
+as root is lifted with ``OMPI_ALLOW_RUN_AS_ROOT``).
 """
 
 from __future__ import annotations
@@ -80,11 +112,28 @@ ANN_JOB = "dlsched.io/job-id"  # the job id verbatim (the label is ``job_label(j
 ANN_DECISIVE = "dlsched.io/decisive-roles"
 ANN_STOPPED_AFTER = "dlsched.io/stopped-after-success"
 ANN_REPLICAS = "dlsched.io/replicas"
+ANN_OBJECTS = "dlsched.io/objects"  # "<Kind>/<name>,..." the attempt's objects besides Service and Pods
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 DEFAULT_NAMESPACE = "default"
 SUPPORTED_RUN_MODES = (RunMode.SINGLE_PROCESS, RunMode.MULTI_PROCESS, RunMode.PS_WORKER,
-                       RunMode.MASTER_WORKER)
+                       RunMode.MASTER_WORKER, RunMode.MPI)
+#: MPI: where the pods find the SSH files and the hostfile.
+SSH_DIR = "/root/.ssh"
+MPI_DIR = "/etc/dlsched/mpi"
+HOSTFILE_PATH = f"{MPI_DIR}/{planner.HOSTFILE}"
+SSH_KEY_FILE = "id_ed25519"
+SSHD = "/usr/sbin/sshd"
+#: The launcher's init container: retry ``ssh <host> true`` for every worker name given as an argument.
+WAIT_SCRIPT = (
+    'for h in "$@"; do\n'
+    '  until ssh -F /root/.ssh/config -o ConnectTimeout=5 "$h" true; do\n'
+    '    echo "dlsched: waiting for $h"; sleep 2\n'
+    '  done\n'
+    'done\n'
+)
+#: OpenMPI refuses to run as root without these; the MPI pods run as root (sshd, /root/.ssh).
+MPI_LAUNCHER_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 MAX_LABEL = 63
 _LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _LABEL_VALUE_RE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
@@ -129,6 +178,14 @@ def pod_name(job_id: str, attempt: int, role: str, index: int) -> str:
     return dns_label(f"{job_id}-{attempt}-{role}-{index}")
 
 
+def secret_name(job_id: str, attempt: int) -> str:
+    return dns_label(f"{job_id}-{attempt}-ssh")
+
+
+def config_map_name(job_id: str, attempt: int) -> str:
+    return dns_label(f"{job_id}-{attempt}-mpi")
+
+
 def replica_host(job_id: str, attempt: int, role: str, index: int, namespace: str) -> str:
     """The replica's stable DNS name through the headless Service."""
     return f"{hostname(role, index)}.{service_name(job_id, attempt)}.{namespace}.svc"
@@ -171,14 +228,28 @@ class Rendered:
     manifests: tuple[dict[str, Any], ...]
     pods: tuple[PodInfo, ...]
     success: planner.SuccessRule
+    #: (kind, name) of the objects besides the Service and the Pods (MPI: the Secret, the ConfigMap).
+    others: tuple[tuple[str, str], ...] = ()
 
     def native_spec(self) -> NativeSpec:
         return to_native_spec(self.manifests)
 
 
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (MPI's hostfile and ssh configs) as ``|`` blocks, readable in a dry run."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value.rstrip("\n") or value.endswith("\n") and len(value) > 1 else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
 def to_native_spec(manifests: Sequence[Mapping[str, Any]]) -> NativeSpec:
-    text = yaml.safe_dump_all(list(manifests), sort_keys=True, default_flow_style=False,
-                              allow_unicode=True)
+    text = yaml.dump_all(list(manifests), Dumper=_Dumper, sort_keys=True, default_flow_style=False,
+                         allow_unicode=True)
     return NativeSpec(media_type=MEDIA_TYPE, content=text)
 
 
@@ -187,6 +258,71 @@ def with_owner_uid(manifest: Mapping[str, Any], uid: str) -> dict[str, Any]:
     meta = dict(manifest["metadata"])
     meta["ownerReferences"] = [{**r, "uid": uid} for r in meta.get("ownerReferences", ())]
     return {**manifest, "metadata": meta}
+
+
+def with_ssh_key(secret: Mapping[str, Any], private_key: str, public_key: str) -> dict[str, Any]:
+    """A copy of the rendered MPI Secret carrying the attempt's key pair (OpenSSH format).
+
+    ``known_hosts`` pins the key (every worker's host key) for the names
+    under the headless Service, the Secret's owner.
+    """
+    meta = secret["metadata"]
+    service = meta["ownerReferences"][0]["name"]
+    public = public_key.strip()
+    data = {
+        "ssh-privatekey": private_key if private_key.endswith("\n") else private_key + "\n",
+        "ssh-publickey": public + "\n",
+        "known_hosts": f"*.{service}.{meta['namespace']}.svc {public}\n",
+    }
+    return {**secret, "stringData": data}
+
+
+def _ssh_config(svc: str, ns: str) -> str:
+    return (f"Host *.{svc}.{ns}.svc\n"
+            f"  IdentityFile {SSH_DIR}/{SSH_KEY_FILE}\n"
+            "  IdentitiesOnly yes\n"
+            f"  UserKnownHostsFile {SSH_DIR}/known_hosts\n"
+            "  StrictHostKeyChecking yes\n"
+            "  CheckHostIP no\n"
+            "  BatchMode yes\n"
+            "  Port 22\n"
+            "  LogLevel ERROR\n")
+
+
+def _sshd_config() -> str:
+    return ("Port 22\n"
+            f"HostKey {SSH_DIR}/{SSH_KEY_FILE}\n"
+            f"AuthorizedKeysFile {SSH_DIR}/authorized_keys\n"
+            "PermitRootLogin prohibit-password\n"
+            "PubkeyAuthentication yes\n"
+            "PasswordAuthentication no\n"
+            "KbdInteractiveAuthentication no\n"
+            "UsePAM no\n"
+            "StrictModes no\n"  # the projected volume's directory is not the user's own ~/.ssh
+            "PrintMotd no\n")
+
+
+def _mpi_volumes(secret: str, config_map: str) -> list[dict[str, Any]]:
+    return [
+        {"name": "dlsched-ssh", "projected": {"defaultMode": 0o444, "sources": [
+            {"secret": {"name": secret, "items": [
+                {"key": "ssh-privatekey", "path": SSH_KEY_FILE, "mode": 0o400},
+                {"key": "ssh-publickey", "path": f"{SSH_KEY_FILE}.pub"},
+                {"key": "ssh-publickey", "path": "authorized_keys"},
+                {"key": "known_hosts", "path": "known_hosts"},
+            ]}},
+            {"configMap": {"name": config_map, "items": [
+                {"key": "ssh_config", "path": "config"},
+                {"key": "sshd_config", "path": "sshd_config"},
+            ]}},
+        ]}},
+        {"name": "dlsched-mpi", "configMap": {"name": config_map, "defaultMode": 0o444, "items": [
+            {"key": planner.HOSTFILE, "path": planner.HOSTFILE}]}},
+    ]
+
+
+MPI_MOUNTS = [{"name": "dlsched-ssh", "mountPath": SSH_DIR, "readOnly": True},
+              {"name": "dlsched-mpi", "mountPath": MPI_DIR, "readOnly": True}]
 
 
 def _split(total: float, parts: int) -> float:
@@ -210,15 +346,13 @@ def _check(job_id: str, spec: JobSpec, attempt: int, options: Mapping[str, str])
         vs.append(FieldViolation("job_id", "required"))
     if attempt < 1:
         vs.append(FieldViolation("attempt", "must be at least 1"))
-    if spec.run_mode is RunMode.MPI:
-        raise planner.MpiNotAvailable("the Kubernetes driver does not run MPI jobs yet "
-                                      "(no launcher-to-worker access is built)")
     default_image = options.get("default_image", "")
     for i, g in enumerate(spec.replica_groups):
         gf = f"spec.replica_groups[{i}]"
         if not (g.image or default_image):
             vs.append(FieldViolation(f"{gf}.image", "required: the cluster has no default_image option"))
-        if g.resources.gpus and g.resources.gpus % g.processes:
+        one_container = spec.run_mode is RunMode.MPI  # an MPI worker is one sshd container
+        if g.resources.gpus and g.resources.gpus % g.processes and not one_container:
             vs.append(FieldViolation(f"{gf}.resources.gpus",
                                      "must divide evenly over processes_per_replica (one container each)"))
         if g.resources.gpu_type and not (len(g.resources.gpu_type) <= MAX_LABEL
@@ -239,12 +373,34 @@ def _pull_secrets(options: Mapping[str, str]) -> list[str]:
     return [s.strip() for s in options.get("image_pull_secrets", "").split(",") if s.strip()]
 
 
+def _container(name: str, image: str, argv: Sequence[str], command: Sequence[str],
+               env: Mapping[str, str], working_dir: str,
+               resources: dict[str, dict[str, str]]) -> dict[str, Any]:
+    """Exec form: ``command`` is the group's command and ``args`` the rest, when argv starts with it."""
+    argv, cmd = list(argv), list(command)
+    c: dict[str, Any] = {
+        "name": name,
+        "image": image,
+        "command": cmd if argv[:len(cmd)] == cmd else argv,
+    }
+    if env:
+        c["env"] = [{"name": k, "value": v} for k, v in env.items()]
+    if argv[:len(cmd)] == cmd and argv[len(cmd):]:
+        c["args"] = argv[len(cmd):]
+    if working_dir:
+        c["workingDir"] = working_dir
+    if resources:
+        c["resources"] = {k: dict(v) for k, v in resources.items()}  # no shared dicts (YAML anchors)
+    return c
+
+
 def render_job(job_id: str, spec: JobSpec, attempt: int,
                options: Mapping[str, str] | None = None) -> Rendered:
     """The manifests of one attempt; raises InvalidArgument / FailedPrecondition."""
     options = options or {}
     ns = namespace_of(options)
     _check(job_id, spec, attempt, options)
+    mpi = spec.run_mode is RunMode.MPI
     svc = service_name(job_id, attempt)
     base_labels = {LABEL_JOB: job_label(job_id), LABEL_ATTEMPT: str(attempt)}
     # One pod per replica: each is a node of its own, numbered in the planner's layout order.
@@ -253,7 +409,7 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
     placements = [planner.Placement(role=g.role, replica_index=r,
                                     host=replica_host(job_id, attempt, g.role, r, ns), node_rank=q)
                   for q, (g, r) in enumerate((g, r) for g in layout for r in range(g.replicas))]
-    plan = planner.plan_job(job_id, spec, placements)
+    plan = planner.plan_job(job_id, spec, placements, hostfile_path=HOSTFILE_PATH)
     by_replica: dict[tuple[str, int], list[planner.ProcessLaunch]] = {}
     for p in plan.processes:
         by_replica.setdefault((p.role, p.replica_index), []).append(p)
@@ -267,6 +423,24 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
     }
     owner = {"apiVersion": "v1", "kind": "Service", "name": svc, "uid": "",
              "blockOwnerDeletion": True}
+    manifests: list[dict[str, Any]] = [service]
+    others: list[tuple[str, str]] = []
+    if mpi:
+        secret, config_map = secret_name(job_id, attempt), config_map_name(job_id, attempt)
+        others = [("ConfigMap", config_map), ("Secret", secret)]
+        manifests.append({
+            "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/ssh-auth",
+            "metadata": {"name": secret, "namespace": ns, "labels": dict(base_labels),
+                         "ownerReferences": [dict(owner)]},
+            "stringData": {"ssh-privatekey": "", "ssh-publickey": "", "known_hosts": ""},  # with_ssh_key
+        })
+        manifests.append({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": config_map, "namespace": ns, "labels": dict(base_labels),
+                         "ownerReferences": [dict(owner)]},
+            "data": {planner.HOSTFILE: plan.files[planner.HOSTFILE], "ssh_config": _ssh_config(svc, ns),
+                     "sshd_config": _sshd_config()},
+        })
     pull = [{"name": s} for s in _pull_secrets(options)]
     annotations = {
         ANN_JOB: job_id,
@@ -274,31 +448,32 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
         ANN_STOPPED_AFTER: ",".join(sorted(plan.success.stopped_after_success)),
         ANN_REPLICAS: ",".join(f"{g.role}={g.replicas}" for g in layout),
     }
-    manifests: list[dict[str, Any]] = [service]
+    if others:
+        annotations[ANN_OBJECTS] = ",".join(f"{kind}/{name}" for kind, name in others)
+    worker_hosts = [p.host for p in placements if p.role == "worker"]
     pods: list[PodInfo] = []
     for (role, index), procs in by_replica.items():
         g = groups[role]
-        n = len(procs)
-        containers = []
-        for p in procs:
-            cname = "main" if n == 1 else f"proc-{p.process_index}"
-            argv = list(p.argv)
-            cmd = list(g.command)
-            c: dict[str, Any] = {
-                "name": cname,
-                "image": g.image or options["default_image"],
-                "command": cmd if argv[:len(cmd)] == cmd else argv,
-                "env": [{"name": k, "value": v} for k, v in p.env.items()],
-            }
-            if argv[:len(cmd)] == cmd and argv[len(cmd):]:
-                c["args"] = argv[len(cmd):]
-            if p.working_dir:
-                c["workingDir"] = p.working_dir
-            res = _resources(_split(g.resources.cpu, n), int(_split(g.resources.memory_bytes, n)),
-                             g.resources.gpus // n)
-            if res:
-                c["resources"] = res
-            containers.append(c)
+        image = g.image or options["default_image"]
+        res = g.resources
+        init: list[dict[str, Any]] = []
+        if mpi and procs[0].placeholder:  # an MPI worker: a host for mpirun's ranks
+            sshd = [SSHD, "-De", "-f", f"{SSH_DIR}/sshd_config"]
+            containers = [_container("sshd", image, sshd, sshd, procs[0].env, "",
+                                     _resources(res.cpu, res.memory_bytes, res.gpus))]
+        else:
+            n = len(procs)
+            share = _resources(_split(res.cpu, n), int(_split(res.memory_bytes, n)), res.gpus // n)
+            extra_env = MPI_LAUNCHER_ENV if mpi else {}
+            containers = [_container("main" if n == 1 else f"proc-{p.process_index}", image, p.argv,
+                                     g.command, {**extra_env, **p.env}, p.working_dir, share)
+                          for p in procs]
+            if mpi:  # the launcher starts once every worker's sshd lets the job's key in
+                wait = ["sh", "-c", WAIT_SCRIPT, "wait-for-workers", *worker_hosts]
+                init = [_container("wait-for-workers", image, wait, wait, {}, "", share)]
+        if mpi:
+            for c in init + containers:
+                c["volumeMounts"] = [dict(m) for m in MPI_MOUNTS]
         name = pod_name(job_id, attempt, role, index)
         pod_spec: dict[str, Any] = {
             "restartPolicy": "Never",
@@ -307,14 +482,18 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
             "enableServiceLinks": False,
             "containers": containers,
         }
+        if init:
+            pod_spec["initContainers"] = init
+        if mpi:
+            pod_spec["volumes"] = _mpi_volumes(secret, config_map)
         if spec.time_limit_seconds:
             pod_spec["activeDeadlineSeconds"] = max(1, math.ceil(spec.time_limit_seconds))
         if pull:
             pod_spec["imagePullSecrets"] = pull
         if options.get("service_account"):
             pod_spec["serviceAccountName"] = options["service_account"]
-        if g.resources.gpus and g.resources.gpu_type:
-            pod_spec["nodeSelector"] = {GPU_PRODUCT_LABEL: g.resources.gpu_type}
+        if res.gpus and res.gpu_type:
+            pod_spec["nodeSelector"] = {GPU_PRODUCT_LABEL: res.gpu_type}
         manifests.append({
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {
@@ -329,4 +508,4 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
                             containers=tuple(c["name"] for c in containers)))
     return Rendered(job_id=job_id, attempt=attempt, namespace=ns, service=svc,
                     backend_job_id=backend_job_id(ns, job_id, attempt), manifests=tuple(manifests),
-                    pods=tuple(pods), success=plan.success)
+                    pods=tuple(pods), success=plan.success, others=tuple(others))
