@@ -295,21 +295,28 @@ async def test_each_mode_runs_to_success(stub: Any, emu: tuple[Emulator, str], m
         assert stopped and all(r.state == job_pb2.REPLICA_STATE_STOPPED for r in stopped)
 
 
-async def test_a_failed_worker_fails_the_job_with_its_replica_and_reason(stub: Any,
-                                                                         emu: tuple[Emulator, str]) -> None:
+@pytest.mark.parametrize("mode", ["multi_process", "master_worker", "ps_worker"])
+async def test_a_failed_worker_fails_the_job_with_its_replica_and_reason(stub: Any, emu: tuple[Emulator, str],
+                                                                         mode: str) -> None:
     e, url = emu
-    job = new_id("oom")
-    await launch(stub, job, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MULTI_PROCESS,
-                                            replica_groups=[group("worker", 2)]))
-    await kubelet(url, f"{job}-1-worker-0", "Running")
-    await kubelet(url, f"{job}-1-worker-1", "Failed", **exited(137, "OOMKilled"))
+    job = new_id(f"oom-{mode.replace('_', '-')}")
+    groups = [group("worker", 2)] if mode == "multi_process" else MODES[mode][1]
+    await launch(stub, job, job_pb2.JobSpec(run_mode=MODES[mode][0], replica_groups=groups))
+    failing = f"{job}-1-worker-1"
+    for name in pods_of(e, job):
+        if name != failing:
+            await kubelet(url, name, "Running")
+    await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
+    await kubelet(url, failing, "Failed", **exited(137, "OOMKilled"))
     obs = await wait_for(stub, job, TERMINAL)
     assert (obs.state, obs.reason, obs.exit_code) == (job_pb2.JOB_STATE_FAILED, "OOMKilled", 137)
-    assert "worker-1" in obs.message
-    bad = [r for r in obs.replicas if r.index == 1][0]
-    assert bad.state == job_pb2.REPLICA_STATE_FAILED and bad.exit_code == 137
-    await eventually(lambda: f"{job}-1-worker-0" not in pods_of(e, job))  # the rest is stopped
-    assert (await observe(stub, job)).state == job_pb2.JOB_STATE_FAILED  # latched
+    assert obs.message.startswith("worker-1: OOMKilled"), obs.message
+    (bad,) = [r for r in obs.replicas if r.state == job_pb2.REPLICA_STATE_FAILED]
+    assert (bad.role, bad.index, bad.exit_code) == ("worker", 1, 137)
+    await eventually(lambda: list(pods_of(e, job)) == [failing])  # the rest (master, ps, chief) is stopped
+    obs = await observe(stub, job)
+    assert obs.state == job_pb2.JOB_STATE_FAILED and obs.reason == "OOMKilled"  # latched
+    assert all(r.state == job_pb2.REPLICA_STATE_STOPPED for r in obs.replicas if (r.role, r.index) != ("worker", 1))
 
 
 @pytest.mark.parametrize("job", ["odd--id", "trailing-"])
