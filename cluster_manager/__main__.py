@@ -33,6 +33,7 @@ class Config:
     driver_timeout: float
     grace_seconds: float
     log_level: str
+    metrics_listen: str | None = None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
@@ -52,13 +53,15 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
                    help="deadline of each DriverService call, seconds")
     p.add_argument("--grace", type=float, default=5.0, help="shutdown grace, seconds")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve Prometheus /metrics here")
     a = p.parse_args(argv)
     if a.monitor_interval <= 0 or a.heartbeat_interval <= 0 or a.driver_timeout <= 0:
         p.error("intervals and timeouts must be positive")
     if a.watch_buffer < 1:
         p.error("--watch-buffer must be at least 1")
     return Config(a.listen, a.port_file, a.etcd, a.prefix, a.monitor_interval,
-                  a.heartbeat_interval, a.watch_buffer, a.driver_timeout, a.grace, a.log_level)
+                  a.heartbeat_interval, a.watch_buffer, a.driver_timeout, a.grace, a.log_level,
+                  a.metrics_listen)
 
 
 async def serve(cfg: Config) -> None:
@@ -72,7 +75,8 @@ async def serve(cfg: Config) -> None:
     monitors.start()
     servicer = ClusterManagerServicer(store, hub, monitors)
     running = await start_server(
-        ServerOptions(listen=cfg.listen, port_file=cfg.port_file, grace_seconds=cfg.grace_seconds),
+        ServerOptions(listen=cfg.listen, port_file=cfg.port_file, grace_seconds=cfg.grace_seconds,
+                      metrics_listen=cfg.metrics_listen),
         [Registration(pb_grpc.add_ClusterManagerServiceServicer_to_server, servicer,
                       "dlsched.v1.ClusterManagerService")],
         announce_as="cluster-manager",

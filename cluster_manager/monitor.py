@@ -27,9 +27,10 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 from dlsched.errors import DlschedError, StoreUnavailable
+from dlsched.kit.metrics import CLUSTERS
 
 from .domain.errors import ClusterNotFound
-from .domain.models import Cluster, ClusterState, Observation, observation_changed
+from .domain.models import Cluster, ClusterState, ClusterType, Observation, observation_changed
 from .drivers import DriverClients, is_not_configured, is_unreachable
 from .hub import WatchHub
 from .store import ClusterStore, EventKind
@@ -206,7 +207,9 @@ class MonitorManager:
                 try:
                     clusters, rev = await self._store.list_all()
                     sub.skip_through = rev
-                    present = {c.cluster_id for c in clusters}
+                    known = {c.cluster_id: c for c in clusters}
+                    _count(known)
+                    present = set(known)
                     for cid in list(self._monitors):
                         if cid not in present:
                             await self.stop_monitor(cid)
@@ -215,6 +218,11 @@ class MonitorManager:
                     while True:
                         ev = await sub.next()
                         cid = ev.cluster.cluster_id
+                        if ev.kind is EventKind.DELETED:
+                            known.pop(cid, None)
+                        else:
+                            known[cid] = ev.cluster
+                        _count(known)
                         if ev.kind is EventKind.DELETED:
                             await self.stop_monitor(cid)
                         elif ev.kind is EventKind.CREATED or cid not in self._monitors:
@@ -234,6 +242,17 @@ class MonitorManager:
                 await self._task
         for cid in list(self._monitors):
             await self.stop_monitor(cid)
+
+
+def _count(clusters: dict[str, Cluster]) -> None:
+    """Set ``dlsched_clusters{type,state}`` from the registry as this process sees it."""
+    counts: dict[tuple[ClusterType, ClusterState], int] = {}
+    for c in clusters.values():
+        counts[(c.type, c.state)] = counts.get((c.type, c.state), 0) + 1
+    for t in ClusterType:
+        for st in ClusterState:
+            if t.name != "UNSPECIFIED" and st.name != "UNSPECIFIED":
+                CLUSTERS.labels(t.name, st.name).set(counts.get((t, st), 0))
 
 
 def _config_of(c: Cluster) -> tuple[object, ...]:

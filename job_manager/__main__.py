@@ -12,6 +12,7 @@ from dlsched.kit import etcd, logs
 from dlsched.kit.server import Registration, ServerOptions, serve_until_signal, start_server
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
 from job_manager.clients import ClusterManagerClient, DriverPool
+from job_manager.job_metrics import JobStateGauge
 from job_manager.scheduler import Scheduler, SchedulerConfig
 from job_manager.servicer import JobManagerServicer
 from job_manager.store import JobStore
@@ -31,6 +32,7 @@ class Config:
     watch_history: int = 5000
     stop_grace_seconds: float = 10.0
     log_level: str = "INFO"
+    metrics_listen: str | None = None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
@@ -46,13 +48,15 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
                    help="revisions back the job watch starts at, so tokens survive a restart")
     p.add_argument("--stop-grace-seconds", type=float, default=10.0)
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve Prometheus /metrics here")
     a = p.parse_args(argv)
     if a.watch_buffer < 1:
         p.error("--watch-buffer must be at least 1")
     return Config(listen=a.listen, port_file=a.port_file, etcd=a.etcd,
                   cluster_manager=a.cluster_manager, prefix=a.prefix,
                   watch_buffer=a.watch_buffer, watch_history=a.watch_history,
-                  stop_grace_seconds=a.stop_grace_seconds, log_level=a.log_level)
+                  stop_grace_seconds=a.stop_grace_seconds, log_level=a.log_level,
+                  metrics_listen=a.metrics_listen)
 
 
 async def amain(cfg: Config) -> None:
@@ -68,13 +72,18 @@ async def amain(cfg: Config) -> None:
         await asyncio.wait_for(scheduler.reconcile(), 30)
     except Exception:  # noqa: BLE001 - serve anyway; the trackers keep trying
         log.exception("reconcile failed")
+    gauge = JobStateGauge(store, hub)
+    if cfg.metrics_listen:
+        gauge.start()
     running = await start_server(
-        ServerOptions(listen=cfg.listen, port_file=cfg.port_file, grace_seconds=5.0),
+        ServerOptions(listen=cfg.listen, port_file=cfg.port_file, grace_seconds=5.0,
+                      metrics_listen=cfg.metrics_listen),
         [Registration(pb_grpc.add_JobManagerServiceServicer_to_server,
                       JobManagerServicer(scheduler, hub), "dlsched.v1.JobManagerService")],
         announce_as="job-manager")
 
     async def before_stop() -> None:
+        await gauge.close()
         await hub.stop()  # ends open WatchJobs streams now; clients resume elsewhere
 
     async def on_stop() -> None:

@@ -3,7 +3,8 @@
 ``run_server`` builds a grpc.aio server with the error interceptor, health
 checking (grpc.health.v1) and reflection, binds the configured address (port 0
 picks a free port), announces the bound address, serves until SIGTERM/SIGINT,
-then flips health to NOT_SERVING and stops with a grace period.
+then flips health to NOT_SERVING and stops with a grace period. With
+``metrics_listen`` it also serves Prometheus ``/metrics`` (``kit.metrics``).
 
 The bound address is announced two ways so tests and supervisors never need a
 fixed port: a line ``DLSCHED_LISTENING <service> <host:port>`` on stdout, and,
@@ -24,6 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from dlsched.kit.metrics import MetricsEndpoint, MetricsInterceptor, serve_metrics
 from dlsched.kit.rpc_errors import ErrorInterceptor
 
 log = logging.getLogger("dlsched.server")
@@ -37,6 +39,7 @@ class ServerOptions:
     port_file: str | None = None
     grace_seconds: float = 10.0
     max_message_bytes: int = 8 * 1024 * 1024
+    metrics_listen: str | None = None  # HOST:PORT for /metrics; None serves none
     extra_options: Sequence[tuple[str, Any]] = field(default_factory=tuple)
 
 
@@ -53,12 +56,14 @@ class RunningServer:
     """A started server: its bound address, and a way to stop it."""
 
     def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
-                 address: str, names: list[str], grace: float) -> None:
+                 address: str, names: list[str], grace: float,
+                 metrics: MetricsEndpoint | None = None) -> None:
         self.server = server
         self.health = health_servicer
         self.address = address
         self.names = names
         self.grace = grace
+        self.metrics = metrics
         self._stopped = False
 
     async def stop(self, before_stop: Callable[[], Awaitable[None]] | None = None) -> None:
@@ -75,6 +80,8 @@ class RunningServer:
             except Exception:  # noqa: BLE001 - shutdown goes on
                 log.exception("before_stop hook failed")
         await self.server.stop(self.grace)
+        if self.metrics is not None:
+            await asyncio.to_thread(self.metrics.close)
 
 
 async def start_server(opts: ServerOptions, registrations: Sequence[Registration],
@@ -88,7 +95,8 @@ async def start_server(opts: ServerOptions, registrations: Sequence[Registration
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         *opts.extra_options,
     ]
-    server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=options)
+    # Metrics outside the error mapping, so they count the code the client sees.
+    server = grpc.aio.server(interceptors=[MetricsInterceptor(), ErrorInterceptor()], options=options)
     names = []
     for r in registrations:
         r.add_to_server(r.servicer, server)
@@ -107,9 +115,12 @@ async def start_server(opts: ServerOptions, registrations: Sequence[Registration
     address = f"{host or '127.0.0.1'}:{bound}"
     for name in [*names, ""]:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    metrics = None
+    if opts.metrics_listen:
+        metrics = serve_metrics(opts.metrics_listen, announce_as, opts.port_file)
     _announce(announce_as, address, opts.port_file)
     log.info("%s listening on %s", announce_as, address)
-    return RunningServer(server, health_servicer, address, names, opts.grace_seconds)
+    return RunningServer(server, health_servicer, address, names, opts.grace_seconds, metrics)
 
 
 def _announce(service: str, address: str, port_file: str | None) -> None:

@@ -39,6 +39,7 @@ class ServeConfig:
     listen: str = "127.0.0.1:0"
     port_file: str | None = None
     log_level: str = "INFO"
+    metrics_listen: str | None = None
 
 
 def _flag(name: str) -> str:
@@ -60,6 +61,7 @@ def build_parser(name: str, config_type: type[Any] | None) -> argparse.ArgumentP
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to bind; port 0 picks one")
     p.add_argument("--port-file", default=None, help="write the bound HOST:PORT here")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve Prometheus /metrics here")
     if config_type is not None:
         hints = typing.get_type_hints(config_type)
         for f in dataclasses.fields(config_type):
@@ -81,7 +83,8 @@ def build_parser(name: str, config_type: type[Any] | None) -> argparse.ArgumentP
 def parse_config(name: str, argv: Sequence[str] | None,
                  config_type: type[C] | None) -> tuple[ServeConfig, C | None]:
     ns = build_parser(name, config_type).parse_args(argv)
-    serve = ServeConfig(listen=ns.listen, port_file=ns.port_file, log_level=ns.log_level)
+    serve = ServeConfig(listen=ns.listen, port_file=ns.port_file, log_level=ns.log_level,
+                        metrics_listen=ns.metrics_listen)
     if config_type is None:
         return serve, None
     values = {f.name: getattr(ns, f"cfg_{f.name}") for f in dataclasses.fields(config_type)}  # type: ignore[arg-type]
@@ -92,7 +95,7 @@ async def serve_driver(driver: Driver, serve: ServeConfig, *, name: str) -> None
     await driver.start()
     try:
         running = await start_server(
-            ServerOptions(listen=serve.listen, port_file=serve.port_file),
+            ServerOptions(listen=serve.listen, port_file=serve.port_file, metrics_listen=serve.metrics_listen),
             [Registration(driver_service_pb2_grpc.add_DriverServiceServicer_to_server,
                           DriverServicer(driver), DriverServicer.FULL_NAME)],
             announce_as=f"driver-{name}",
