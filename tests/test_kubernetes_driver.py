@@ -412,6 +412,30 @@ async def test_a_failed_mpi_launcher_fails_the_job(stub: Any, emu: tuple[Emulato
     assert (await observe(stub, job)).state == job_pb2.JOB_STATE_FAILED
 
 
+async def test_a_messy_job_name_still_gives_valid_objects(stub: Any, emu: tuple[Emulator, str]) -> None:
+    """Capitals, dots, unicode, 200 characters in the job's name label: every object the API gets is valid."""
+    from tests.test_kubernetes_render import MESSY, assert_valid_metadata
+
+    e, url = emu
+    job = f"m{next(_n)}-" + "a-" * 28 + "-"  # the longest, oddest id validation lets through
+    assert len(job) <= 63
+    sp = spec("mpi")  # the mode with the most kinds of objects
+    sp.labels.update({"name": MESSY, "Team.Name": "Vision.ML", "bad key!": "x"})
+    await launch(stub, job, sp)
+    mine = [obj.raw for (_res, _ns, _name), obj in list(e.objects.items()) if not obj.deleted and
+            (obj.raw.get("metadata", {}).get("labels") or {}).get(render.LABEL_JOB) == render.job_label(job)]
+    assert sorted(m["kind"] for m in mine) == ["ConfigMap", "Pod", "Pod", "Pod", "Secret", "Service"]
+    for m in mine:
+        assert_valid_metadata(m)
+        assert m["metadata"]["labels"]["Team.Name"] == "Vision.ML"
+    pods = pods_of(e, job)
+    for name in pods:
+        await kubelet(url, name, "Running")
+    await kubelet(url, render.pod_name(job, 1, "launcher", 0), "Succeeded", **exited(0, "Completed"))
+    obs = await wait_for(stub, job, TERMINAL)
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED and obs.job_id == job
+
+
 async def test_pending_reasons_and_idempotent_launch(stub: Any, emu: tuple[Emulator, str]) -> None:
     e, url = emu
     job = new_id("pend")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -31,7 +33,7 @@ def g(role: str, replicas: int = 1, ppr: int = 0, *, command: tuple[str, ...] = 
 SPECS: dict[str, JobSpec] = {
     "single_process": JobSpec(RunMode.SINGLE_PROCESS, (g("main", args=("--lr", "0.1"), env={"A": "1"},
                                                          cpu=0.5, memory_bytes=6 << 30),),
-                              time_limit_seconds=90.5),
+                              time_limit_seconds=90.5, labels={"team": "Vision.ML", "name": "Früh Lauf 1"}),
     "multi_process": JobSpec(RunMode.MULTI_PROCESS, (g("worker", 2, 2, cpu=8, memory_bytes=16 << 30,
                                                        gpus=2, gpu_type="NVIDIA-A100-SXM4-80GB",
                                                        image="pytorch/pytorch:2.4.0"),)),
@@ -101,6 +103,52 @@ def test_dns_labels_from_any_text(text: str) -> None:
     assert render.dns_label(text) == name
     if render.is_dns_label(text) and text[:1].isalpha():
         assert name == text
+
+
+#: What the Kubernetes API accepts (apimachinery's validation), written out independently of render.
+K8S_NAME = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+K8S_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+K8S_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
+MESSY = "My.Job.NAME: Überprüfung " + "日本語 " * 10 + "x" * 200
+
+
+def assert_valid_metadata(m: dict) -> None:
+    """Names, label keys and values of one object as the API server validates them."""
+    meta = m["metadata"]
+    assert len(meta["name"]) <= 63 and K8S_NAME.match(meta["name"]), meta["name"]
+    for k, v in meta.get("labels", {}).items():
+        prefix, _, name = k.rpartition("/")
+        assert len(prefix) <= 253 and len(name) <= 63 and K8S_LABEL_NAME.match(name), k
+        assert len(v) <= 63 and K8S_LABEL_VALUE.match(v), (k, v)
+    if m["kind"] == "Pod":
+        for f in ("hostname", "subdomain"):
+            assert len(m["spec"][f]) <= 63 and K8S_NAME.match(m["spec"][f])
+
+
+@pytest.mark.parametrize("mode", sorted(SPECS))
+def test_a_messy_job_name_gives_valid_names_and_labels(mode: str) -> None:
+    labels = {"name": MESSY, "Team.Name": "Vision.ML", "app.kubernetes.io/part-of": "A B",
+              "not a key!": "kept in the annotation", "dlsched.io/job-id": "spoof"}
+    job = "j" + "a-" * 31  # the longest, oddest id validation lets through
+    out = render.render_job(job, dataclasses.replace(SPECS[mode], labels=labels), 12, OPTS)
+    for m in out.manifests:
+        assert_valid_metadata(m)
+        got = m["metadata"]["labels"]
+        assert got[render.LABEL_JOB] == render.job_label(job) and got["Team.Name"] == "Vision.ML"
+        assert got["name"].startswith("My.Job.NAME-") and "not a key!" not in got
+        assert json.loads(m["metadata"]["annotations"][render.ANN_LABELS]) == labels
+    assert out.manifests[0]["spec"]["selector"] == {render.LABEL_JOB: render.job_label(job),
+                                                    render.LABEL_ATTEMPT: "12"}
+    assert len({(m["kind"], m["metadata"]["name"]) for m in out.manifests}) == len(out.manifests)
+
+
+@pytest.mark.parametrize("text", [MESSY, "Vision.ML", "", "-x-", "日本語", "a" * 64, "_lead", "trail."])
+def test_label_values_from_any_text(text: str) -> None:
+    value = render.label_value(text)
+    assert len(value) <= 63 and K8S_LABEL_VALUE.match(value), value
+    if len(text) <= 63 and K8S_LABEL_VALUE.match(text):
+        assert value == text
+    assert len({render.label_value(t) for t in (MESSY, MESSY + "!", MESSY.upper())}) == 3
 
 
 def test_distinct_texts_give_distinct_labels() -> None:

@@ -38,6 +38,14 @@ uid exists only once it is created: the rendered owner reference carries
 ``uid: ""`` and ``launch`` fills in the real uid (``with_owner_uid``)
 before creating the rest.
 
+The job's own labels (``spec.labels``) go on every object too, under
+ours: a key that is not a valid Kubernetes label key (or is in the
+reserved ``dlsched.io/`` prefix) is left off, and a value that is not a
+valid label value (capitals and dots are; unicode, spaces, more than 63
+characters are not) is made one by ``label_value`` (the rest becomes
+``-``, a hash of the original keeps distinct values distinct). The labels
+exactly as given are kept in the annotation ``dlsched.io/labels`` (JSON).
+
 Containers: one per process of the replica (``processes_per_replica``; the
 planner gives each its own ``RANK`` / ``LOCAL_RANK``), named ``main`` when
 there is one, else ``proc-<k>``. The command is exec form: ``command`` is the
@@ -90,6 +98,7 @@ as root is lifted with ``OMPI_ALLOW_RUN_AS_ROOT``).
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -112,6 +121,7 @@ ANN_JOB = "dlsched.io/job-id"  # the job id verbatim (the label is ``job_label(j
 ANN_DECISIVE = "dlsched.io/decisive-roles"
 ANN_STOPPED_AFTER = "dlsched.io/stopped-after-success"
 ANN_REPLICAS = "dlsched.io/replicas"
+ANN_LABELS = "dlsched.io/labels"  # the job's labels verbatim (JSON), when it has any
 ANN_OBJECTS = "dlsched.io/objects"  # "<Kind>/<name>,..." the attempt's objects besides Service and Pods
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
@@ -138,6 +148,8 @@ MAX_LABEL = 63
 _LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _LABEL_VALUE_RE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
 _SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_NAME_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+RESERVED_PREFIX = "dlsched.io"
 
 
 def dns_label(text: str, max_len: int = MAX_LABEL) -> str:
@@ -155,6 +167,38 @@ def dns_label(text: str, max_len: int = MAX_LABEL) -> str:
     digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
     head = clean[:max_len - 9].rstrip("-")
     return f"{head}-{digest}" if head else f"x-{digest}"
+
+
+def label_value(text: str) -> str:
+    """A valid Kubernetes label value from any text; valid values are kept as they are.
+
+    Every run of other characters becomes ``-``; when that changed or
+    shortened the text, ``<prefix>-<8 hex>`` (a hash of the original)
+    within 63 characters keeps distinct texts distinct.
+    """
+    if len(text) <= MAX_LABEL and _LABEL_VALUE_RE.match(text):
+        return text
+    clean = re.sub(r"[^A-Za-z0-9_.-]+", "-", text)
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    head = re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", clean[:MAX_LABEL - 9])
+    return f"{head}-{digest}" if head else digest
+
+
+def is_label_key(key: str) -> bool:
+    prefix, slash, name = key.rpartition("/")
+    if slash and not (len(prefix) <= 253 and _SUBDOMAIN_RE.match(prefix)):
+        return False
+    return len(name) <= MAX_LABEL and bool(_LABEL_NAME_RE.match(name))
+
+
+def user_labels(labels: Mapping[str, str]) -> dict[str, str]:
+    """The job's labels that can be Kubernetes labels, values made valid; reserved keys left off."""
+    out = {}
+    for k, v in sorted(labels.items()):
+        prefix = k.rpartition("/")[0]
+        if is_label_key(k) and prefix != RESERVED_PREFIX and not prefix.endswith("." + RESERVED_PREFIX):
+            out[k] = label_value(v)
+    return out
 
 
 def is_dns_label(name: str) -> bool:
@@ -403,6 +447,9 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
     mpi = spec.run_mode is RunMode.MPI
     svc = service_name(job_id, attempt)
     base_labels = {LABEL_JOB: job_label(job_id), LABEL_ATTEMPT: str(attempt)}
+    labels = {**user_labels(spec.labels), **base_labels}  # every object's; the selector is ours alone
+    job_annotations = ({ANN_LABELS: json.dumps(dict(spec.labels), sort_keys=True, ensure_ascii=False)}
+                       if spec.labels else {})
     # One pod per replica: each is a node of its own, numbered in the planner's layout order.
     order = planner.ROLES.get(spec.run_mode, ())
     layout = sorted(spec.replica_groups, key=lambda g: order.index(g.role) if g.role in order else len(order))
@@ -417,7 +464,7 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
 
     service = {
         "apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": svc, "namespace": ns, "labels": dict(base_labels)},
+        "metadata": {"name": svc, "namespace": ns, "labels": dict(labels)},
         "spec": {"clusterIP": "None", "publishNotReadyAddresses": True,
                  "selector": dict(base_labels)},
     }
@@ -430,24 +477,28 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
         others = [("ConfigMap", config_map), ("Secret", secret)]
         manifests.append({
             "apiVersion": "v1", "kind": "Secret", "type": "kubernetes.io/ssh-auth",
-            "metadata": {"name": secret, "namespace": ns, "labels": dict(base_labels),
+            "metadata": {"name": secret, "namespace": ns, "labels": dict(labels),
                          "ownerReferences": [dict(owner)]},
             "stringData": {"ssh-privatekey": "", "ssh-publickey": "", "known_hosts": ""},  # with_ssh_key
         })
         manifests.append({
             "apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": {"name": config_map, "namespace": ns, "labels": dict(base_labels),
+            "metadata": {"name": config_map, "namespace": ns, "labels": dict(labels),
                          "ownerReferences": [dict(owner)]},
             "data": {planner.HOSTFILE: plan.files[planner.HOSTFILE], "ssh_config": _ssh_config(svc, ns),
                      "sshd_config": _sshd_config()},
         })
     pull = [{"name": s} for s in _pull_secrets(options)]
     annotations = {
+        **job_annotations,
         ANN_JOB: job_id,
         ANN_DECISIVE: ",".join(sorted(plan.success.decisive_roles)),
         ANN_STOPPED_AFTER: ",".join(sorted(plan.success.stopped_after_success)),
         ANN_REPLICAS: ",".join(f"{g.role}={g.replicas}" for g in layout),
     }
+    if job_annotations:
+        for m in manifests:  # the Service, MPI's Secret and ConfigMap
+            m["metadata"]["annotations"] = dict(job_annotations)
     if others:
         annotations[ANN_OBJECTS] = ",".join(f"{kind}/{name}" for kind, name in others)
     worker_hosts = [p.host for p in placements if p.role == "worker"]
@@ -498,7 +549,7 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {
                 "name": name, "namespace": ns,
-                "labels": {**base_labels, LABEL_ROLE: role, LABEL_INDEX: str(index)},
+                "labels": {**labels, LABEL_ROLE: role, LABEL_INDEX: str(index)},
                 "annotations": dict(annotations),
                 "ownerReferences": [dict(owner)],
             },
