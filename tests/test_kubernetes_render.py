@@ -8,6 +8,7 @@ import os
 import pathlib
 import re
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -235,6 +236,58 @@ def test_the_driver_makes_a_fresh_openssh_key_pair(tmp_path: pathlib.Path) -> No
         key.chmod(0o600)
         derived = subprocess.run([keygen, "-y", "-f", str(key)], check=True, capture_output=True, text=True)
         assert derived.stdout.split()[:2] == public.split()[:2]
+
+
+def test_the_rendered_ssh_files_let_the_launcher_into_a_worker(tmp_path: pathlib.Path) -> None:
+    """A real sshd and ssh with exactly the files the MPI pods mount (paths and port moved, names aliased).
+
+    The worker names resolve to 127.0.0.1 here (``HostName`` with ``HostKeyAlias``, so host keys are
+    still checked under the worker's name); everything else is the rendered configuration.
+    """
+    sshd, ssh = shutil.which("sshd", path="/usr/sbin:/usr/bin"), shutil.which("ssh")
+    if not (sshd and ssh and os.geteuid() == 0):
+        pytest.skip("needs sshd, ssh and root")
+    pytest.importorskip("cryptography")
+    from drivers.kubernetes.driver import ssh_keypair
+
+    out = render.render_job("sshcheck", SPECS["mpi"], 1, OPTS)
+    objs = {m["kind"]: m for m in out.manifests if m["kind"] != "Pod"}
+    data = {"Secret": render.with_ssh_key(objs["Secret"], *ssh_keypair())["stringData"],
+            "ConfigMap": objs["ConfigMap"]["data"]}
+    launcher = next(m["spec"] for m in out.manifests if m["metadata"]["name"] == "sshcheck-1-launcher-0")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    d = tmp_path / "ssh"
+    d.mkdir()
+
+    def moved(text: str) -> str:
+        return text.replace(render.SSH_DIR, str(d)).replace("Port 22\n", f"Port {port}\n")
+
+    for src in launcher["volumes"][0]["projected"]["sources"]:  # the projection as rendered
+        kind, ref = next(iter(src.items()))
+        for item in ref["items"]:
+            f = d / item["path"]
+            f.write_text(moved(data["Secret" if kind == "secret" else "ConfigMap"][item["key"]]))
+            f.chmod(item.get("mode", 0o444))
+    workers = [f"worker-{i}.sshcheck-1.ml.svc" for i in range(2)]
+    aliases = "".join(f"Host {h}\n  HostName 127.0.0.1\n  HostKeyAlias {h}\n  Port {port}\n"
+                      for h in [*workers, "worker-0.other-1.ml.svc"])
+    (d / "config").chmod(0o644)
+    (d / "config").write_text(aliases + (d / "config").read_text())
+    with open(d / "sshd_config", "a") as f:
+        f.write(f"PidFile {d}/sshd.pid\nListenAddress 127.0.0.1\n")
+    server = subprocess.Popen([sshd, "-De", "-f", str(d / "sshd_config")], stderr=subprocess.DEVNULL)
+    try:
+        wait = [moved(a) for a in launcher["initContainers"][0]["command"]]
+        assert wait[4:] == workers
+        subprocess.run(wait, check=True, timeout=60, capture_output=True)  # the init container's wait ends
+        other = subprocess.run([ssh, "-F", str(d / "config"), "worker-0.other-1.ml.svc", "true"],
+                               timeout=30, capture_output=True, text=True)
+        assert other.returncode == 255 and "Host key verification failed" in other.stderr  # pinned names
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 def test_without_cryptography_mpi_is_not_offered(monkeypatch: pytest.MonkeyPatch) -> None:
