@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from dlsched.kit import etcd, logs
+from dlsched.kit.election import Leadership
 from dlsched.kit.server import Registration, ServerOptions, serve_until_signal, start_server
 from dlsched.v1 import cluster_manager_service_pb2_grpc as pb_grpc
 
@@ -34,6 +37,7 @@ class Config:
     grace_seconds: float
     log_level: str
     metrics_listen: str | None = None
+    leader_ttl: int = 5
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
@@ -54,14 +58,18 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--grace", type=float, default=5.0, help="shutdown grace, seconds")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve Prometheus /metrics here")
+    p.add_argument("--leader-ttl", type=int, default=5,
+                   help="seconds a dead leader's lease outlives it before another replica takes over")
     a = p.parse_args(argv)
     if a.monitor_interval <= 0 or a.heartbeat_interval <= 0 or a.driver_timeout <= 0:
         p.error("intervals and timeouts must be positive")
     if a.watch_buffer < 1:
         p.error("--watch-buffer must be at least 1")
+    if a.leader_ttl < 2:
+        p.error("--leader-ttl must be at least 2")
     return Config(a.listen, a.port_file, a.etcd, a.prefix, a.monitor_interval,
                   a.heartbeat_interval, a.watch_buffer, a.driver_timeout, a.grace, a.log_level,
-                  a.metrics_listen)
+                  a.metrics_listen, a.leader_ttl)
 
 
 async def serve(cfg: Config) -> None:
@@ -72,7 +80,6 @@ async def serve(cfg: Config) -> None:
     drivers = DriverClients(timeout=cfg.driver_timeout)
     monitors = MonitorManager(hub, store, drivers, MonitorConfig(
         interval=cfg.monitor_interval, heartbeat_interval=cfg.heartbeat_interval))
-    monitors.start()
     servicer = ClusterManagerServicer(store, hub, monitors)
     running = await start_server(
         ServerOptions(listen=cfg.listen, port_file=cfg.port_file, grace_seconds=cfg.grace_seconds,
@@ -81,9 +88,22 @@ async def serve(cfg: Config) -> None:
                       "dlsched.v1.ClusterManagerService")],
         announce_as="cluster-manager",
     )
+    # Every replica serves the API; only the leader monitors the clusters.
+    election = Leadership(client, f"{cfg.prefix}leaders/cluster-manager".encode(),
+                          f"{socket.gethostname()}/{os.getpid()}/{running.address}",
+                          ttl=cfg.leader_ttl)
+
+    async def lead() -> None:
+        monitors.start()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await monitors.close()
+
+    election.start(lead)
 
     async def on_stop() -> None:
-        await monitors.close()
+        await election.close()
         await hub.close()
         await drivers.close()
         await store.close()

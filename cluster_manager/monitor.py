@@ -242,6 +242,7 @@ class MonitorManager:
                 await self._task
         for cid in list(self._monitors):
             await self.stop_monitor(cid)
+        CLUSTERS.clear()  # a replica that no longer leads reports no cluster counts
 
 
 def _count(clusters: dict[str, Cluster]) -> None:

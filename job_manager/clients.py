@@ -51,6 +51,9 @@ _CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    # A target naming several replicas (ipv4:a,b or a headless Service's
+    # dns:///name) spreads calls over them and skips one that died.
+    ("grpc.lb_policy_name", "round_robin"),
 ]
 
 

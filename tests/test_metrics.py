@@ -130,7 +130,7 @@ async def test_every_service_counts_its_calls_jobs_clusters_and_streams(stack: S
     drv_text, d = scrape(stack.driver)
     dsvc = "dlsched.v1.DriverService"
     assert value(d, "dlsched_rpc_requests_total", service=dsvc, method="LaunchJob", code="OK") == 1
-    assert value(d, "dlsched_rpc_requests_total", service=dsvc, method="GetClusterInfo", code="OK") >= 1
+    assert value(d, "dlsched_rpc_requests_total", service=dsvc, method="ConfigureCluster", code="OK") >= 1
     # JobManager follows the cluster with one observation stream, open now.
     assert value(d, "dlsched_rpc_streams_active", service=dsvc, method="WatchJobObservations") >= 1
 
