@@ -4,9 +4,10 @@
 #   bash scripts/test.sh            # all checks; exits non-zero if any fails
 #   bash scripts/test.sh -k cli     # extra arguments go to pytest
 #
-# Installs what it needs: python3-venv and npm from Debian (when run as root
-# and missing), .venv with `pip install -e '.[dev]'`, and the buf CLI from npm
-# into .ci/node (ignored by git).
+# Installs what it needs: python3-venv, nodejs, npm and protobuf-compiler from
+# Debian (when run as root and missing), .venv with `pip install -e '.[dev]'`,
+# the buf CLI from npm into .ci/node and the Node client example's packages
+# into examples/node (both ignored by git).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,7 +45,6 @@ setup_python() {
 setup_buf() {
   BUF=.ci/node/node_modules/.bin/buf
   if [ -x "$BUF" ] && "$BUF" --version >/dev/null 2>&1; then return 0; fi
-  if ! command -v npm >/dev/null; then apt_install nodejs npm || return 1; fi
   log "npm install @bufbuild/buf into .ci/node"
   mkdir -p .ci/node
   npm install --no-save --no-audit --no-fund --loglevel=error --prefix .ci/node @bufbuild/buf \
@@ -56,8 +56,27 @@ log "system packages (Open MPI for the MPI run mode and mpi4py)"
 bash scripts/install-system-deps.sh || { echo "error: system packages failed" >&2; exit 1; }
 log "system packages (Slurm, munge and sshd for the Slurm driver's test cluster)"
 bash scripts/install-slurm.sh || { echo "error: Slurm packages failed" >&2; exit 1; }
+setup_node_tools() {  # node + npm (buf, the Node client example) and plain protoc (the protos compile test)
+  local need=()
+  command -v node >/dev/null || need+=(nodejs)
+  command -v npm >/dev/null || need+=(npm)
+  command -v protoc >/dev/null || need+=(protobuf-compiler)
+  if [ ${#need[@]} -ne 0 ]; then
+    log "system packages: ${need[*]}"
+    apt_install "${need[@]}" || return 1
+  fi
+}
+
+setup_node_example() {  # the Node.js client example's pinned dependencies (package-lock.json)
+  if [ -d examples/node/node_modules/@grpc/grpc-js ]; then return 0; fi
+  log "npm ci in examples/node"
+  npm ci --no-audit --no-fund --loglevel=error --prefix examples/node
+}
+
 setup_python || { echo "error: python setup failed" >&2; exit 1; }
+setup_node_tools || { echo "error: node/protoc setup failed" >&2; exit 1; }
 setup_buf || { echo "error: buf setup failed" >&2; exit 1; }
+setup_node_example || { echo "error: npm ci in examples/node failed" >&2; exit 1; }
 export PATH="$PWD/.venv/bin:$PWD/.ci/node/node_modules/.bin:$PATH"
 
 failed=()
