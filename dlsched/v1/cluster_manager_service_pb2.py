@@ -24,10 +24,11 @@ _sym_db = _symbol_database.Default()
 
 from dlsched.v1 import cluster_pb2 as dlsched_dot_v1_dot_cluster__pb2
 from dlsched.v1 import job_pb2 as dlsched_dot_v1_dot_job__pb2
+from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 from google.protobuf import field_mask_pb2 as google_dot_protobuf_dot_field__mask__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(dlsched/v1/cluster_manager_service.proto\x12\ndlsched.v1\x1a\x18\x64lsched/v1/cluster.proto\x1a\x14\x64lsched/v1/job.proto\x1a google/protobuf/field_mask.proto\"d\n\x14\x43reateClusterRequest\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12$\n\x07\x63luster\x18\x02 \x01(\x0b\x32\x13.dlsched.v1.Cluster\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"=\n\x15\x43reateClusterResponse\x12$\n\x07\x63luster\x18\x01 \x01(\x0b\x32\x13.dlsched.v1.Cluster\"!\n\x11GetClusterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\":\n\x12GetClusterResponse\x12$\n\x07\x63luster\x18\x01 \x01(\x0b\x32\x13.dlsched.v1.Cluster\"L\n\x13ListClustersRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x0e\n\x06\x66ilter\x18\x03 \x01(\t\"V\n\x14ListClustersResponse\x12%\n\x08\x63lusters\x18\x01 \x03(\x0b\x32\x13.dlsched.v1.Cluster\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"{\n\x14UpdateClusterRequest\x12$\n\x07\x63luster\x18\x01 \x01(\x0b\x32\x13.dlsched.v1.Cluster\x12/\n\x0bupdate_mask\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.FieldMask\x12\x0c\n\x04\x65tag\x18\x03 \x01(\t\"=\n\x15UpdateClusterResponse\x12$\n\x07\x63luster\x18\x01 \x01(\x0b\x32\x13.dlsched.v1.Cluster\";\n\x14\x44\x65leteClusterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rallow_missing\x18\x02 \x01(\x08\"=\n\x15\x44\x65leteClusterResponse\x12$\n\x07\x63luster\x18\x01 \x01(\x0b\x32\x13.dlsched.v1.Cluster\"<\n\x14WatchClustersRequest\x12\x0e\n\x06\x66ilter\x18\x01 \x01(\t\x12\x14\n\x0cresume_token\x18\x02 \x01(\t\"}\n\x15WatchClustersResponse\x12(\n\x04type\x18\x01 \x01(\x0e\x32\x1a.dlsched.v1.WatchEventType\x12$\n\x07\x63luster\x18\x02 \x01(\x0b\x32\x13.dlsched.v1.Cluster\x12\x14\n\x0cresume_token\x18\x03 \x01(\t\"9\n\x14MatchClustersRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.dlsched.v1.JobSpec\"I\n\x15MatchClustersResponse\x12\x30\n\ncandidates\x18\x01 \x03(\x0b\x32\x1c.dlsched.v1.ClusterCandidate2\xe7\x04\n\x15\x43lusterManagerService\x12T\n\rCreateCluster\x12 .dlsched.v1.CreateClusterRequest\x1a!.dlsched.v1.CreateClusterResponse\x12K\n\nGetCluster\x12\x1d.dlsched.v1.GetClusterRequest\x1a\x1e.dlsched.v1.GetClusterResponse\x12Q\n\x0cListClusters\x12\x1f.dlsched.v1.ListClustersRequest\x1a .dlsched.v1.ListClustersResponse\x12T\n\rUpdateCluster\x12 .dlsched.v1.UpdateClusterRequest\x1a!.dlsched.v1.UpdateClusterResponse\x12T\n\rDeleteCluster\x12 .dlsched.v1.DeleteClusterRequest\x1a!.dlsched.v1.DeleteClusterResponse\x12V\n\rWatchClusters\x12 .dlsched.v1.WatchClustersRequest\x1a!.dlsched.v1.WatchClustersResponse0\x01\x12T\n\rMatchClusters\x12 .dlsched.v1.MatchClustersRequest\x1a!.dlsched.v1.MatchClustersResponseB\x93\x01\n\rio.dlsched.v1B\x1a\x43lusterManagerServiceProtoP\x01Z6github.com/dlsched/dlsched/gen/go/dlsched/v1;dlschedv1\xa2\x02\x03\x44LS\xaa\x02\nDlsched.V1\xca\x02\nDlsched\\V1\xea\x02\x0b\x44lsched::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n(dlsched/v1/cluster_manager_service.proto\x12\ndlsched.v1\x1a\x18\x64lsched/v1/cluster.proto\x1a\x14\x64lsched/v1/job.proto\x1a\x1cgoogle/api/annotations.proto\x1a google/protobuf/field_mask.proto\"d\n\x14\x43reateClusterRequest\x12\x12\n\ncluster_id\x18\x01 \x01(\t\x12$\n\x07\x63luster\x18\x02 \x01(\x0b\x32\x13.dlsched.v1.Cluster\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"=\n\x15\x43reateClusterResponse\x12$\n\x07\x63luster\x18\x01 \x01(\x0b\x32\x13.dlsched.v1.Cluster\"!\n\x11GetClusterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\":\n\x12GetClusterResponse\x12$\n\x07\x63luster\x18\x01 \x01(\x0b\x32\x13.dlsched.v1.Cluster\"L\n\x13ListClustersRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x0e\n\x06\x66ilter\x18\x03 \x01(\t\"V\n\x14ListClustersResponse\x12%\n\x08\x63lusters\x18\x01 \x03(\x0b\x32\x13.dlsched.v1.Cluster\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"{\n\x14UpdateClusterRequest\x12$\n\x07\x63luster\x18\x01 \x01(\x0b\x32\x13.dlsched.v1.Cluster\x12/\n\x0bupdate_mask\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.FieldMask\x12\x0c\n\x04\x65tag\x18\x03 \x01(\t\"=\n\x15UpdateClusterResponse\x12$\n\x07\x63luster\x18\x01 \x01(\x0b\x32\x13.dlsched.v1.Cluster\";\n\x14\x44\x65leteClusterRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rallow_missing\x18\x02 \x01(\x08\"=\n\x15\x44\x65leteClusterResponse\x12$\n\x07\x63luster\x18\x01 \x01(\x0b\x32\x13.dlsched.v1.Cluster\"<\n\x14WatchClustersRequest\x12\x0e\n\x06\x66ilter\x18\x01 \x01(\t\x12\x14\n\x0cresume_token\x18\x02 \x01(\t\"}\n\x15WatchClustersResponse\x12(\n\x04type\x18\x01 \x01(\x0e\x32\x1a.dlsched.v1.WatchEventType\x12$\n\x07\x63luster\x18\x02 \x01(\x0b\x32\x13.dlsched.v1.Cluster\x12\x14\n\x0cresume_token\x18\x03 \x01(\t\"9\n\x14MatchClustersRequest\x12!\n\x04spec\x18\x01 \x01(\x0b\x32\x13.dlsched.v1.JobSpec\"I\n\x15MatchClustersResponse\x12\x30\n\ncandidates\x18\x01 \x03(\x0b\x32\x1c.dlsched.v1.ClusterCandidate2\xc6\x06\n\x15\x43lusterManagerService\x12s\n\rCreateCluster\x12 .dlsched.v1.CreateClusterRequest\x1a!.dlsched.v1.CreateClusterResponse\"\x1d\x82\xd3\xe4\x93\x02\x17\"\x0c/v1/clusters:\x07\x63luster\x12j\n\nGetCluster\x12\x1d.dlsched.v1.GetClusterRequest\x1a\x1e.dlsched.v1.GetClusterResponse\"\x1d\x82\xd3\xe4\x93\x02\x17\x12\x15/v1/{name=clusters/*}\x12g\n\x0cListClusters\x12\x1f.dlsched.v1.ListClustersRequest\x1a .dlsched.v1.ListClustersResponse\"\x14\x82\xd3\xe4\x93\x02\x0e\x12\x0c/v1/clusters\x12\x84\x01\n\rUpdateCluster\x12 .dlsched.v1.UpdateClusterRequest\x1a!.dlsched.v1.UpdateClusterResponse\".\x82\xd3\xe4\x93\x02(2\x1d/v1/{cluster.name=clusters/*}:\x07\x63luster\x12s\n\rDeleteCluster\x12 .dlsched.v1.DeleteClusterRequest\x1a!.dlsched.v1.DeleteClusterResponse\"\x1d\x82\xd3\xe4\x93\x02\x17*\x15/v1/{name=clusters/*}\x12r\n\rWatchClusters\x12 .dlsched.v1.WatchClustersRequest\x1a!.dlsched.v1.WatchClustersResponse\"\x1a\x82\xd3\xe4\x93\x02\x14\x12\x12/v1/clusters:watch0\x01\x12s\n\rMatchClusters\x12 .dlsched.v1.MatchClustersRequest\x1a!.dlsched.v1.MatchClustersResponse\"\x1d\x82\xd3\xe4\x93\x02\x17\"\x12/v1/clusters:match:\x01*B\x93\x01\n\rio.dlsched.v1B\x1a\x43lusterManagerServiceProtoP\x01Z6github.com/dlsched/dlsched/gen/go/dlsched/v1;dlschedv1\xa2\x02\x03\x44LS\xaa\x02\nDlsched.V1\xca\x02\nDlsched\\V1\xea\x02\x0b\x44lsched::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,34 +36,48 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'dlsched.v1.cluster_manager_
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\rio.dlsched.v1B\032ClusterManagerServiceProtoP\001Z6github.com/dlsched/dlsched/gen/go/dlsched/v1;dlschedv1\242\002\003DLS\252\002\nDlsched.V1\312\002\nDlsched\\V1\352\002\013Dlsched::V1'
-  _globals['_CREATECLUSTERREQUEST']._serialized_start=138
-  _globals['_CREATECLUSTERREQUEST']._serialized_end=238
-  _globals['_CREATECLUSTERRESPONSE']._serialized_start=240
-  _globals['_CREATECLUSTERRESPONSE']._serialized_end=301
-  _globals['_GETCLUSTERREQUEST']._serialized_start=303
-  _globals['_GETCLUSTERREQUEST']._serialized_end=336
-  _globals['_GETCLUSTERRESPONSE']._serialized_start=338
-  _globals['_GETCLUSTERRESPONSE']._serialized_end=396
-  _globals['_LISTCLUSTERSREQUEST']._serialized_start=398
-  _globals['_LISTCLUSTERSREQUEST']._serialized_end=474
-  _globals['_LISTCLUSTERSRESPONSE']._serialized_start=476
-  _globals['_LISTCLUSTERSRESPONSE']._serialized_end=562
-  _globals['_UPDATECLUSTERREQUEST']._serialized_start=564
-  _globals['_UPDATECLUSTERREQUEST']._serialized_end=687
-  _globals['_UPDATECLUSTERRESPONSE']._serialized_start=689
-  _globals['_UPDATECLUSTERRESPONSE']._serialized_end=750
-  _globals['_DELETECLUSTERREQUEST']._serialized_start=752
-  _globals['_DELETECLUSTERREQUEST']._serialized_end=811
-  _globals['_DELETECLUSTERRESPONSE']._serialized_start=813
-  _globals['_DELETECLUSTERRESPONSE']._serialized_end=874
-  _globals['_WATCHCLUSTERSREQUEST']._serialized_start=876
-  _globals['_WATCHCLUSTERSREQUEST']._serialized_end=936
-  _globals['_WATCHCLUSTERSRESPONSE']._serialized_start=938
-  _globals['_WATCHCLUSTERSRESPONSE']._serialized_end=1063
-  _globals['_MATCHCLUSTERSREQUEST']._serialized_start=1065
-  _globals['_MATCHCLUSTERSREQUEST']._serialized_end=1122
-  _globals['_MATCHCLUSTERSRESPONSE']._serialized_start=1124
-  _globals['_MATCHCLUSTERSRESPONSE']._serialized_end=1197
-  _globals['_CLUSTERMANAGERSERVICE']._serialized_start=1200
-  _globals['_CLUSTERMANAGERSERVICE']._serialized_end=1815
+  _globals['_CLUSTERMANAGERSERVICE'].methods_by_name['CreateCluster']._loaded_options = None
+  _globals['_CLUSTERMANAGERSERVICE'].methods_by_name['CreateCluster']._serialized_options = b'\202\323\344\223\002\027\"\014/v1/clusters:\007cluster'
+  _globals['_CLUSTERMANAGERSERVICE'].methods_by_name['GetCluster']._loaded_options = None
+  _globals['_CLUSTERMANAGERSERVICE'].methods_by_name['GetCluster']._serialized_options = b'\202\323\344\223\002\027\022\025/v1/{name=clusters/*}'
+  _globals['_CLUSTERMANAGERSERVICE'].methods_by_name['ListClusters']._loaded_options = None
+  _globals['_CLUSTERMANAGERSERVICE'].methods_by_name['ListClusters']._serialized_options = b'\202\323\344\223\002\016\022\014/v1/clusters'
+  _globals['_CLUSTERMANAGERSERVICE'].methods_by_name['UpdateCluster']._loaded_options = None
+  _globals['_CLUSTERMANAGERSERVICE'].methods_by_name['UpdateCluster']._serialized_options = b'\202\323\344\223\002(2\035/v1/{cluster.name=clusters/*}:\007cluster'
+  _globals['_CLUSTERMANAGERSERVICE'].methods_by_name['DeleteCluster']._loaded_options = None
+  _globals['_CLUSTERMANAGERSERVICE'].methods_by_name['DeleteCluster']._serialized_options = b'\202\323\344\223\002\027*\025/v1/{name=clusters/*}'
+  _globals['_CLUSTERMANAGERSERVICE'].methods_by_name['WatchClusters']._loaded_options = None
+  _globals['_CLUSTERMANAGERSERVICE'].methods_by_name['WatchClusters']._serialized_options = b'\202\323\344\223\002\024\022\022/v1/clusters:watch'
+  _globals['_CLUSTERMANAGERSERVICE'].methods_by_name['MatchClusters']._loaded_options = None
+  _globals['_CLUSTERMANAGERSERVICE'].methods_by_name['MatchClusters']._serialized_options = b'\202\323\344\223\002\027\"\022/v1/clusters:match:\001*'
+  _globals['_CREATECLUSTERREQUEST']._serialized_start=168
+  _globals['_CREATECLUSTERREQUEST']._serialized_end=268
+  _globals['_CREATECLUSTERRESPONSE']._serialized_start=270
+  _globals['_CREATECLUSTERRESPONSE']._serialized_end=331
+  _globals['_GETCLUSTERREQUEST']._serialized_start=333
+  _globals['_GETCLUSTERREQUEST']._serialized_end=366
+  _globals['_GETCLUSTERRESPONSE']._serialized_start=368
+  _globals['_GETCLUSTERRESPONSE']._serialized_end=426
+  _globals['_LISTCLUSTERSREQUEST']._serialized_start=428
+  _globals['_LISTCLUSTERSREQUEST']._serialized_end=504
+  _globals['_LISTCLUSTERSRESPONSE']._serialized_start=506
+  _globals['_LISTCLUSTERSRESPONSE']._serialized_end=592
+  _globals['_UPDATECLUSTERREQUEST']._serialized_start=594
+  _globals['_UPDATECLUSTERREQUEST']._serialized_end=717
+  _globals['_UPDATECLUSTERRESPONSE']._serialized_start=719
+  _globals['_UPDATECLUSTERRESPONSE']._serialized_end=780
+  _globals['_DELETECLUSTERREQUEST']._serialized_start=782
+  _globals['_DELETECLUSTERREQUEST']._serialized_end=841
+  _globals['_DELETECLUSTERRESPONSE']._serialized_start=843
+  _globals['_DELETECLUSTERRESPONSE']._serialized_end=904
+  _globals['_WATCHCLUSTERSREQUEST']._serialized_start=906
+  _globals['_WATCHCLUSTERSREQUEST']._serialized_end=966
+  _globals['_WATCHCLUSTERSRESPONSE']._serialized_start=968
+  _globals['_WATCHCLUSTERSRESPONSE']._serialized_end=1093
+  _globals['_MATCHCLUSTERSREQUEST']._serialized_start=1095
+  _globals['_MATCHCLUSTERSREQUEST']._serialized_end=1152
+  _globals['_MATCHCLUSTERSRESPONSE']._serialized_start=1154
+  _globals['_MATCHCLUSTERSRESPONSE']._serialized_end=1227
+  _globals['_CLUSTERMANAGERSERVICE']._serialized_start=1230
+  _globals['_CLUSTERMANAGERSERVICE']._serialized_end=2068
 # @@protoc_insertion_point(module_scope)

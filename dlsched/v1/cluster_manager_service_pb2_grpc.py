@@ -30,6 +30,9 @@ class ClusterManagerServiceStub:
     health and capacity through their drivers, and matches jobs to clusters.
     Errors are google.rpc.Status with an ErrorInfo reason (CLUSTER_NOT_FOUND,
     CLUSTER_ALREADY_EXISTS, NO_MATCHING_CLUSTER, ...), domain "dlsched.io".
+    Every RPC is also an HTTP/JSON route, declared in its google.api.http
+    option (gateway/ and Envoy's gRPC-JSON transcoder serve them); the error
+    body is the same google.rpc.Status in its JSON form.
     """
 
     def __init__(self, channel):
@@ -80,6 +83,9 @@ class ClusterManagerServiceServicer:
     health and capacity through their drivers, and matches jobs to clusters.
     Errors are google.rpc.Status with an ErrorInfo reason (CLUSTER_NOT_FOUND,
     CLUSTER_ALREADY_EXISTS, NO_MATCHING_CLUSTER, ...), domain "dlsched.io".
+    Every RPC is also an HTTP/JSON route, declared in its google.api.http
+    option (gateway/ and Envoy's gRPC-JSON transcoder serve them); the error
+    body is the same google.rpc.Status in its JSON form.
     """
 
     def CreateCluster(self, request, context):
@@ -191,6 +197,9 @@ class ClusterManagerService:
     health and capacity through their drivers, and matches jobs to clusters.
     Errors are google.rpc.Status with an ErrorInfo reason (CLUSTER_NOT_FOUND,
     CLUSTER_ALREADY_EXISTS, NO_MATCHING_CLUSTER, ...), domain "dlsched.io".
+    Every RPC is also an HTTP/JSON route, declared in its google.api.http
+    option (gateway/ and Envoy's gRPC-JSON transcoder serve them); the error
+    body is the same google.rpc.Status in its JSON form.
     """
 
     @staticmethod

@@ -2,6 +2,7 @@ import datetime
 
 from dlsched.v1 import cluster_pb2 as _cluster_pb2
 from dlsched.v1 import job_pb2 as _job_pb2
+from google.api import annotations_pb2 as _annotations_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor

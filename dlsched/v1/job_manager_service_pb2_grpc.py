@@ -30,6 +30,9 @@ class JobManagerServiceStub:
     kind of cluster. Errors are google.rpc.Status with an ErrorInfo whose reason
     (e.g. JOB_NOT_FOUND, NO_MATCHING_CLUSTER) clients branch on, in domain
     "dlsched.io"; INVALID_ARGUMENT also carries a BadRequest naming the fields.
+    Every RPC is also an HTTP/JSON route, declared in its google.api.http
+    option (gateway/ and Envoy's gRPC-JSON transcoder serve them); the error
+    body is the same google.rpc.Status in its JSON form.
     """
 
     def __init__(self, channel):
@@ -85,6 +88,9 @@ class JobManagerServiceServicer:
     kind of cluster. Errors are google.rpc.Status with an ErrorInfo whose reason
     (e.g. JOB_NOT_FOUND, NO_MATCHING_CLUSTER) clients branch on, in domain
     "dlsched.io"; INVALID_ARGUMENT also carries a BadRequest naming the fields.
+    Every RPC is also an HTTP/JSON route, declared in its google.api.http
+    option (gateway/ and Envoy's gRPC-JSON transcoder serve them); the error
+    body is the same google.rpc.Status in its JSON form.
     """
 
     def SubmitJob(self, request, context):
@@ -217,6 +223,9 @@ class JobManagerService:
     kind of cluster. Errors are google.rpc.Status with an ErrorInfo whose reason
     (e.g. JOB_NOT_FOUND, NO_MATCHING_CLUSTER) clients branch on, in domain
     "dlsched.io"; INVALID_ARGUMENT also carries a BadRequest naming the fields.
+    Every RPC is also an HTTP/JSON route, declared in its google.api.http
+    option (gateway/ and Envoy's gRPC-JSON transcoder serve them); the error
+    body is the same google.rpc.Status in its JSON form.
     """
 
     @staticmethod
