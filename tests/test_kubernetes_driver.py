@@ -140,7 +140,8 @@ async def emu() -> AsyncIterator[tuple[Emulator, str]]:
 @pytest.fixture(scope="module")
 def driver(emu: tuple[Emulator, str]) -> Iterator[ServiceProcess]:  # stopped before the emulator
     svc = ServiceProcess("drivers.kubernetes", ["--request-timeout", "3", "--watch-read-timeout", "60",
-                                                "--qps", "500", "--burst", "1000", "--grace-seconds", "1"],
+                                                "--qps", "500", "--burst", "1000", "--grace-seconds", "1",
+                                                "--metrics-listen", "127.0.0.1:0"],
                          name="kubernetes-driver").start()
     yield svc
     t0 = time.monotonic()
@@ -529,6 +530,7 @@ async def test_status_of_many_jobs_comes_from_one_watch(driver: ServiceProcess) 
             pod = dict(render.render_job(j, render_spec(), 1, {"namespace": NS, "default_image": "x"}).manifests[1])
             pod["status"] = {"phase": "Running"}
             e.objects["v1/pods", NS, pod["metadata"]["name"]] = pod
+        counted_before = backend_calls(driver)
         await configure(stub, "clusters/bulk", url)
         refs = [dpb.JobRef(job_id=j) for j in ids]
 
@@ -551,7 +553,21 @@ async def test_status_of_many_jobs_comes_from_one_watch(driver: ServiceProcess) 
             obs = await batch()
             assert len(obs) == n and all(o.found for o in obs)
         assert driver_requests() - before <= 1  # at most a watch reconnect; never a request per job
+        # /metrics counts exactly the API calls the emulator saw from the driver.
+        assert backend_calls(driver) - counted_before == driver_requests()
         await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/bulk"), timeout=10)
+
+
+def backend_calls(driver: ServiceProcess) -> float:
+    """The driver's ``dlsched_backend_calls_total`` for Kubernetes, from its /metrics."""
+    import urllib.request
+
+    with open(driver.port_file + ".metrics") as f:
+        url = f"http://{f.read().strip()}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("dlsched_backend_calls_total{") and 'backend="kubernetes"' in line)
 
 
 def render_spec() -> Any:

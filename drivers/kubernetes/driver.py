@@ -88,6 +88,7 @@ from dlsched.errors import (
     Unavailable,
     Unimplemented,
 )
+from dlsched.kit import metrics
 from drivers.common.base import (
     ClusterCapacity,
     ClusterConfig,
@@ -367,15 +368,21 @@ class KubernetesDriver(Driver):
         def run() -> Any:
             c.budget.acquire()
             kwargs.setdefault("_request_timeout", self._cfg.request_timeout)
-            resp = fn(*args, _preload_content=False, **kwargs)
+            ok = False
             try:
-                if not 200 <= resp.status <= 299:
-                    from kubernetes.client.exceptions import ApiException
+                resp = fn(*args, _preload_content=False, **kwargs)
+                try:
+                    if not 200 <= resp.status <= 299:
+                        from kubernetes.client.exceptions import ApiException
 
-                    raise ApiException(http_resp=resp)
-                return json.loads(resp.data)
+                        raise ApiException(http_resp=resp)
+                    out = json.loads(resp.data)
+                    ok = True
+                    return out
+                finally:
+                    resp.release_conn()
             finally:
-                resp.release_conn()
+                metrics.backend_call("kubernetes", getattr(fn, "__name__", "call"), ok)
 
         return await asyncio.to_thread(run)
 
@@ -821,6 +828,7 @@ class KubernetesDriver(Driver):
 
             def read() -> None:
                 c.budget.acquire()
+                metrics.backend_call("kubernetes", "read_namespaced_pod_log")
                 resp = c.core.read_namespaced_pod_log(r.pod, c.namespace, _preload_content=False,
                                                       _request_timeout=(self._cfg.request_timeout,
                                                                         FOLLOW_READ_TIMEOUT)

@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dlsched.kit import metrics
+
 log = logging.getLogger("dlsched.driver.kubernetes")
 
 
@@ -106,6 +108,7 @@ class PodInformer:
 
     def _list(self) -> None:
         self._budget.acquire()
+        metrics.backend_call("kubernetes", "list_namespaced_pod")
         resp = self._core.list_namespaced_pod(self._ns, label_selector=self._selector,
                                               _preload_content=False,
                                               _request_timeout=self._request_timeout)
@@ -122,6 +125,7 @@ class PodInformer:
         from kubernetes import watch
 
         self._budget.acquire()
+        metrics.backend_call("kubernetes", "watch_namespaced_pod")
         w = watch.Watch()  # type: ignore[no-untyped-call]
         self._watch = w
         self.watches += 1

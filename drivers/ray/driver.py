@@ -76,6 +76,7 @@ import aiohttp
 
 from dlsched import __version__
 from dlsched.errors import FailedPrecondition, InvalidArgument, Unavailable
+from dlsched.kit import metrics
 from drivers.common.base import (
     ClusterCapacity,
     ClusterConfig,
@@ -153,17 +154,30 @@ class _Cluster:
         self.stop_requested: set[str] = set()  # submissions a TerminateJob stopped: STOPPING until they end
 
     async def request(self, method: str, path: str, body: Any = None) -> Any:
+        ok = False
         try:
             async with self.session.request(method, self.base + path, json=body) as r:
                 text = await r.text()
                 if r.status >= 300:
                     raise _Http(r.status, text)
                 ctype = r.headers.get("Content-Type", "")
-                return await r.json(content_type=None) if "json" in ctype or text[:1] in "[{" else text
+                out = await r.json(content_type=None) if "json" in ctype or text[:1] in "[{" else text
+                ok = True
+                return out
         except _Http:
             raise
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             raise _unavailable(self.base, e) from e
+        finally:
+            metrics.backend_call("ray", _call_name(method, path), ok)
+
+
+def _call_name(method: str, path: str) -> str:
+    """A bounded metric label for a call: ``GET /api/jobs/{id}/logs``, never the id itself."""
+    parts = path.split("?", 1)[0].strip("/").split("/")
+    if len(parts) > 2 and parts[:2] == ["api", "jobs"]:
+        parts[2] = "{id}"
+    return f"{method} /{'/'.join(parts[:4])}"
 
 
 class RayDriver(Driver):
@@ -235,6 +249,7 @@ class RayDriver(Driver):
 
     async def _poll_loop(self, name: str, c: _Cluster) -> None:
         while True:
+            started = time.perf_counter()
             try:
                 items = await c.request("GET", "/api/jobs/")
                 if not isinstance(items, list):
@@ -250,6 +265,7 @@ class RayDriver(Driver):
                 log.exception("poll of %s failed", name)
                 c.ok, c.error = False, f"{type(e).__name__}: {e}"
                 self._mark_stale(name, c)
+            metrics.POLL_DURATION.labels("ray").observe(time.perf_counter() - started)
             c.polled.set()
             c.wake.clear()
             with contextlib.suppress(TimeoutError):
