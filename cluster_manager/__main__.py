@@ -10,9 +10,15 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dlsched.kit import etcd, logs
+from dlsched.kit import etcd, logs, tracing
 from dlsched.kit.election import Leadership
-from dlsched.kit.server import Registration, ServerOptions, serve_until_signal, start_server
+from dlsched.kit.server import (
+    Registration,
+    ServerOptions,
+    add_observability_flags,
+    serve_until_signal,
+    start_server,
+)
 from dlsched.v1 import cluster_manager_service_pb2_grpc as pb_grpc
 
 from .drivers import DriverClients
@@ -38,6 +44,7 @@ class Config:
     log_level: str
     metrics_listen: str | None = None
     leader_ttl: int = 5
+    trace_export: str | None = None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
@@ -57,7 +64,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
                    help="deadline of each DriverService call, seconds")
     p.add_argument("--grace", type=float, default=5.0, help="shutdown grace, seconds")
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve Prometheus /metrics here")
+    add_observability_flags(p)
     p.add_argument("--leader-ttl", type=int, default=5,
                    help="seconds a dead leader's lease outlives it before another replica takes over")
     a = p.parse_args(argv)
@@ -69,7 +76,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         p.error("--leader-ttl must be at least 2")
     return Config(a.listen, a.port_file, a.etcd, a.prefix, a.monitor_interval,
                   a.heartbeat_interval, a.watch_buffer, a.driver_timeout, a.grace, a.log_level,
-                  a.metrics_listen, a.leader_ttl)
+                  a.metrics_listen, a.leader_ttl, a.trace_export)
 
 
 async def serve(cfg: Config) -> None:
@@ -114,6 +121,7 @@ async def serve(cfg: Config) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     cfg = parse_args(argv)
     logs.setup(cfg.log_level, "cluster-manager")
+    tracing.setup(cfg.trace_export, "cluster-manager")
     asyncio.run(serve(cfg))
 
 

@@ -8,8 +8,14 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from dlsched.kit import etcd, logs
-from dlsched.kit.server import Registration, ServerOptions, serve_until_signal, start_server
+from dlsched.kit import etcd, logs, tracing
+from dlsched.kit.server import (
+    Registration,
+    ServerOptions,
+    add_observability_flags,
+    serve_until_signal,
+    start_server,
+)
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
 from job_manager.clients import ClusterManagerClient, DriverPool
 from job_manager.job_metrics import JobStateGauge
@@ -33,6 +39,7 @@ class Config:
     stop_grace_seconds: float = 10.0
     log_level: str = "INFO"
     metrics_listen: str | None = None
+    trace_export: str | None = None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
@@ -48,7 +55,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
                    help="revisions back the job watch starts at, so tokens survive a restart")
     p.add_argument("--stop-grace-seconds", type=float, default=10.0)
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve Prometheus /metrics here")
+    add_observability_flags(p)
     a = p.parse_args(argv)
     if a.watch_buffer < 1:
         p.error("--watch-buffer must be at least 1")
@@ -56,7 +63,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
                   cluster_manager=a.cluster_manager, prefix=a.prefix,
                   watch_buffer=a.watch_buffer, watch_history=a.watch_history,
                   stop_grace_seconds=a.stop_grace_seconds, log_level=a.log_level,
-                  metrics_listen=a.metrics_listen)
+                  metrics_listen=a.metrics_listen, trace_export=a.trace_export)
 
 
 async def amain(cfg: Config) -> None:
@@ -98,6 +105,7 @@ async def amain(cfg: Config) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     cfg = parse_args(argv)
     logs.setup(cfg.log_level, "job-manager")
+    tracing.setup(cfg.trace_export, "job-manager")
     asyncio.run(amain(cfg))
 
 

@@ -13,6 +13,7 @@ when ``port_file`` is set, the ``host:port`` written atomically to that file.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import os
@@ -29,6 +30,14 @@ from dlsched.kit.metrics import MetricsEndpoint, MetricsInterceptor, serve_metri
 from dlsched.kit.rpc_errors import ErrorInterceptor
 
 log = logging.getLogger("dlsched.server")
+
+
+def add_observability_flags(p: argparse.ArgumentParser) -> None:
+    """``--metrics-listen`` and ``--trace-export``, the same on every service."""
+    p.add_argument("--metrics-listen", metavar="HOST:PORT",
+                   help="serve Prometheus /metrics here (port 0 picks one)")
+    p.add_argument("--trace-export", metavar="otlp|console|file:PATH",
+                   help="OpenTelemetry tracing (default: env DLSCHED_TRACE_EXPORT, else off)")
 
 
 @dataclass(frozen=True)

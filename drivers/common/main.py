@@ -22,8 +22,14 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from dlsched.kit import logs
-from dlsched.kit.server import Registration, ServerOptions, serve_until_signal, start_server
+from dlsched.kit import logs, tracing
+from dlsched.kit.server import (
+    Registration,
+    ServerOptions,
+    add_observability_flags,
+    serve_until_signal,
+    start_server,
+)
 from dlsched.v1 import driver_service_pb2_grpc
 from drivers.common.base import Driver
 from drivers.common.servicer import DriverServicer
@@ -40,6 +46,7 @@ class ServeConfig:
     port_file: str | None = None
     log_level: str = "INFO"
     metrics_listen: str | None = None
+    trace_export: str | None = None
 
 
 def _flag(name: str) -> str:
@@ -61,7 +68,7 @@ def build_parser(name: str, config_type: type[Any] | None) -> argparse.ArgumentP
     p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to bind; port 0 picks one")
     p.add_argument("--port-file", default=None, help="write the bound HOST:PORT here")
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("--metrics-listen", metavar="HOST:PORT", help="serve Prometheus /metrics here")
+    add_observability_flags(p)
     if config_type is not None:
         hints = typing.get_type_hints(config_type)
         for f in dataclasses.fields(config_type):
@@ -84,7 +91,7 @@ def parse_config(name: str, argv: Sequence[str] | None,
                  config_type: type[C] | None) -> tuple[ServeConfig, C | None]:
     ns = build_parser(name, config_type).parse_args(argv)
     serve = ServeConfig(listen=ns.listen, port_file=ns.port_file, log_level=ns.log_level,
-                        metrics_listen=ns.metrics_listen)
+                        metrics_listen=ns.metrics_listen, trace_export=ns.trace_export)
     if config_type is None:
         return serve, None
     values = {f.name: getattr(ns, f"cfg_{f.name}") for f in dataclasses.fields(config_type)}  # type: ignore[arg-type]
@@ -110,6 +117,7 @@ def run_driver(driver_factory: Callable[[Any], Driver], argv: Sequence[str] | No
     """Parse flags, build the config and the driver, serve until SIGTERM. Returns the exit code."""
     serve, cfg = parse_config(name, argv, config_type)
     logs.setup(serve.log_level, service=f"driver-{name}")
+    tracing.setup(serve.trace_export, f"driver-{name}")
 
     async def _main() -> None:
         # Built inside the loop, so the driver may create tasks and loop objects.
