@@ -45,6 +45,7 @@ class Config:
     metrics_listen: str | None = None
     leader_ttl: int = 5
     trace_export: str | None = None
+    log_format: str = "text"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
@@ -76,7 +77,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         p.error("--leader-ttl must be at least 2")
     return Config(a.listen, a.port_file, a.etcd, a.prefix, a.monitor_interval,
                   a.heartbeat_interval, a.watch_buffer, a.driver_timeout, a.grace, a.log_level,
-                  a.metrics_listen, a.leader_ttl, a.trace_export)
+                  a.metrics_listen, a.leader_ttl, a.trace_export, a.log_format)
 
 
 async def serve(cfg: Config) -> None:
@@ -120,7 +121,7 @@ async def serve(cfg: Config) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     cfg = parse_args(argv)
-    logs.setup(cfg.log_level, "cluster-manager")
+    logs.setup(cfg.log_level, "cluster-manager", cfg.log_format)
     tracing.setup(cfg.trace_export, "cluster-manager")
     asyncio.run(serve(cfg))
 

@@ -40,6 +40,7 @@ class Config:
     log_level: str = "INFO"
     metrics_listen: str | None = None
     trace_export: str | None = None
+    log_format: str = "text"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
@@ -63,7 +64,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
                   cluster_manager=a.cluster_manager, prefix=a.prefix,
                   watch_buffer=a.watch_buffer, watch_history=a.watch_history,
                   stop_grace_seconds=a.stop_grace_seconds, log_level=a.log_level,
-                  metrics_listen=a.metrics_listen, trace_export=a.trace_export)
+                  metrics_listen=a.metrics_listen, trace_export=a.trace_export,
+                  log_format=a.log_format)
 
 
 async def amain(cfg: Config) -> None:
@@ -104,7 +106,7 @@ async def amain(cfg: Config) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     cfg = parse_args(argv)
-    logs.setup(cfg.log_level, "job-manager")
+    logs.setup(cfg.log_level, "job-manager", cfg.log_format)
     tracing.setup(cfg.trace_export, "job-manager")
     asyncio.run(amain(cfg))
 

@@ -32,6 +32,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from dlsched import errors
+from dlsched.kit import logs
 from job_manager.clients import ClusterManagerClient, DriverClient, DriverPool
 from job_manager.domain import states
 from job_manager.domain.errors import JobNotFound, NoMatchingCluster
@@ -123,6 +124,7 @@ class Scheduler:
         job = Job(id=job_id or f"job-{uuid.uuid4().hex[:12]}", spec=spec,
                   uid=str(uuid.uuid4()), state=JobState.PENDING, cluster=chosen.cluster,
                   attempt=1, create_time=now, update_time=now, labels=dict(spec.labels))
+        logs.JOB_ID.set(job.id)  # this handler's task: its records name the job
         if dry_run:
             native = await self.drivers.get(chosen.driver_address).render(
                 chosen.cluster, job.id, spec)
@@ -152,6 +154,10 @@ class Scheduler:
 
     async def _try_launch(self, job_id: str) -> tuple[Job, bool]:
         """One launch attempt: (the job, whether no further attempt is needed)."""
+        with logs.job_context(job_id):
+            return await self._try_launch_locked(job_id)
+
+    async def _try_launch_locked(self, job_id: str) -> tuple[Job, bool]:
         async with self._locks[job_id]:
             job = await self.store.get(job_id)
             if job.state != JobState.PENDING or job.launched:
@@ -312,15 +318,16 @@ class Scheduler:
                 return states.plan_retry(j, obs, self._clock())
             return states.apply_observation(j, obs, self._clock())
 
-        try:
-            job = await self.store.update(obs.job_id, change)
-        except JobNotFound:
-            return None
-        if retry and job.state == JobState.PENDING:
-            log.info("job %s failed (attempt %d); retrying as attempt %d", job.id,
-                     job.attempt - 1, job.attempt)
-            self._spawn(self.launch(job.id), name=f"relaunch-{job.id}")
-        return job
+        with logs.job_context(obs.job_id):
+            try:
+                job = await self.store.update(obs.job_id, change)
+            except JobNotFound:
+                return None
+            if retry and job.state == JobState.PENDING:
+                log.info("job %s failed (attempt %d); retrying as attempt %d", job.id,
+                         job.attempt - 1, job.attempt)
+                self._spawn(self.launch(job.id), name=f"relaunch-{job.id}")
+            return job
 
     def ensure_tracking(self, cluster: str) -> None:
         if self._closed or not cluster:

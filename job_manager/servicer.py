@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 import grpc
 
 from dlsched.errors import InvalidArgument
-from dlsched.kit import tokens
+from dlsched.kit import logs, tokens
 from dlsched.kit.timeutil import to_timestamp
 from dlsched.v1 import job_manager_service_pb2 as pb
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
@@ -110,12 +110,14 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
     async def StopJob(self, request: pb.StopJobRequest,  # noqa: N802
                       context: grpc.aio.ServicerContext) -> pb.StopJobResponse:
         job_id = job_id_from_name(request.name)
+        logs.JOB_ID.set(job_id)  # this handler's task: its records name the job
         validate_request_id(request.request_id)
         return pb.StopJobResponse(job=convert.job_to_proto(await self.scheduler.stop(job_id)))
 
     async def DeleteJob(self, request: pb.DeleteJobRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> pb.DeleteJobResponse:
         job_id = job_id_from_name(request.name)
+        logs.JOB_ID.set(job_id)
         last = await self.scheduler.delete(job_id, request.allow_missing)
         resp = pb.DeleteJobResponse()
         if last is not None:

@@ -1,9 +1,11 @@
-"""OpenTelemetry tracing across JobManager -> ClusterManager -> driver.
+"""OpenTelemetry tracing across JobManager -> ClusterManager -> driver, and JSON logs.
 
-The stack's three services run with ``--trace-export file:PATH``; one SubmitJob
-must be one trace: the JobManager's server span, its client calls, and the
-server spans they cause in ClusterManager (MatchClusters) and in the driver
-(LaunchJob), each the child of the call that made it.
+The stack's three services run with ``--trace-export file:PATH`` and
+``--log-format json``; one SubmitJob must be one trace: the JobManager's
+server span, its client calls, and the server spans they cause in
+ClusterManager (MatchClusters) and in the driver (LaunchJob), each the child
+of the call that made it. The logs are JSON lines naming the job they are
+about, and never hold a credential.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ from dlsched.v1 import job_manager_service_pb2 as pb
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
 from tests.harness import EtcdServer, Stack
 
+SECRET = f"tok-{uuid.uuid4().hex}"
+
 
 @pytest.fixture(scope="module")
 def traced(etcd: EtcdServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, pathlib.Path]]:
     out = tmp_path_factory.mktemp("traces")
 
     def flag(name: str) -> list[str]:
-        return ["--trace-export", f"file:{out / name}.jsonl"]
+        return ["--trace-export", f"file:{out / name}.jsonl", "--log-format", "json"]
 
     st = Stack(etcd, f"/dlsched-trace-{uuid.uuid4().hex[:8]}/", jm_args=flag("jm"), cm_args=flag("cm"),
                driver_args=flag("driver"))
@@ -60,6 +64,9 @@ async def test_one_submit_is_one_trace_across_the_three_services(traced) -> None
         cm = cm_grpc.ClusterManagerServiceStub(ch)
         await cm.CreateCluster(cm_pb.CreateClusterRequest(cluster_id="local", cluster=cluster_pb2.Cluster(
             type=job_pb2.CLUSTER_TYPE_LOCAL, driver_address=stack.driver.address)))
+        await cm.CreateCluster(cm_pb.CreateClusterRequest(cluster_id="secretive", cluster=cluster_pb2.Cluster(
+            type=job_pb2.CLUSTER_TYPE_RAY, address="http://127.0.0.1:1", driver_address=stack.driver.address,
+            credentials=cluster_pb2.ClusterCredentials(token=cluster_pb2.TokenCredentials(token=SECRET)))))
         deadline = time.monotonic() + 30
         while (await cm.GetCluster(cm_pb.GetClusterRequest(name="clusters/local"))).cluster.state != \
                 cluster_pb2.CLUSTER_STATE_READY:
@@ -68,7 +75,7 @@ async def test_one_submit_is_one_trace_across_the_three_services(traced) -> None
     async with grpc.aio.insecure_channel(stack.jm.address) as ch:
         spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
             job_pb2.ReplicaGroup(role="main", replicas=1, command=["true"])])
-        await pb_grpc.JobManagerServiceStub(ch).SubmitJob(pb.SubmitJobRequest(spec=spec))
+        submitted = (await pb_grpc.JobManagerServiceStub(ch).SubmitJob(pb.SubmitJobRequest(spec=spec))).job
 
     def submit_trace() -> list[dict]:
         all_spans = spans(out)
@@ -99,3 +106,16 @@ async def test_one_submit_is_one_trace_across_the_three_services(traced) -> None
         assert caller["_service"] == "job-manager" and caller["kind"] == "SpanKind.CLIENT"
         assert caller["name"].endswith("/" + method)
     assert not [s for s in spans(out) if "grpc.health" in s["name"]]  # health checks stay untraced
+
+    # JSON logs: every line an object; the job's records carry its id, in the
+    # JobManager and in the driver; no credential anywhere.
+    job_id = submitted.name.removeprefix("jobs/")
+    for proc, service in ((stack.jm, "job-manager"), (stack.driver, "driver-local"), (stack.cm, "cluster-manager")):
+        text = proc.log()
+        assert SECRET not in text
+        if service == "cluster-manager":
+            continue
+        records = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        assert records and all(r["service"] == service for r in records)
+        about = [r for r in records if r.get("job_id") == job_id]
+        assert any(job_id in r["message"] for r in about), (service, records[-5:])

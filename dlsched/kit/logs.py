@@ -2,13 +2,36 @@
 
 Services never log credentials in the first place; the redacting filter is a
 second line of defence for values that look like keys or tokens.
+
+Two formats: ``text`` (the default, for people) and ``json`` (one JSON object
+per line, for log pipelines: time, level, service, logger, message, and the
+``job_id`` of the job the record is about). Code that works on one job wraps
+it in ``job_context(job_id)``; every record logged inside, in that task and
+the tasks it starts, carries the id.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import json
 import logging
 import re
 import sys
+from collections.abc import Iterator
+from datetime import UTC, datetime
+
+JOB_ID: contextvars.ContextVar[str] = contextvars.ContextVar("dlsched_job_id", default="")
+
+
+@contextlib.contextmanager
+def job_context(job_id: str) -> Iterator[None]:
+    """Records logged inside carry ``job_id``."""
+    token = JOB_ID.set(job_id)
+    try:
+        yield
+    finally:
+        JOB_ID.reset(token)
 
 _SECRET_PATTERNS = [
     re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?-----END [A-Z ]*PRIVATE KEY-----", re.S),
@@ -35,11 +58,31 @@ def redact(text: str) -> str:
     return text
 
 
-def setup(level: str = "INFO", service: str = "dlsched") -> None:
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record (after redaction)."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self._service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {"time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+               "level": record.levelname, "service": self._service, "logger": record.name,
+               "message": record.getMessage()}
+        job_id = getattr(record, "job_id", "") or JOB_ID.get()
+        if job_id:
+            doc["job_id"] = job_id
+        if record.exc_info:
+            doc["exception"] = redact(self.formatException(record.exc_info))
+        return json.dumps(doc, ensure_ascii=False)
+
+
+def setup(level: str = "INFO", service: str = "dlsched", fmt: str = "text") -> None:
+    if fmt not in ("text", "json"):
+        raise ValueError(f"log format: want text or json, got {fmt!r}")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        logging.Formatter(f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s")
-    )
+    handler.setFormatter(JsonFormatter(service) if fmt == "json" else
+                         logging.Formatter(f"%(asctime)s %(levelname)s {service} %(name)s: %(message)s"))
     handler.addFilter(RedactingFilter())
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -33,7 +33,9 @@ log = logging.getLogger("dlsched.server")
 
 
 def add_observability_flags(p: argparse.ArgumentParser) -> None:
-    """``--metrics-listen`` and ``--trace-export``, the same on every service."""
+    """``--log-format``, ``--metrics-listen`` and ``--trace-export``, the same on every service."""
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="json: one object per line with the job id (default text)")
     p.add_argument("--metrics-listen", metavar="HOST:PORT",
                    help="serve Prometheus /metrics here (port 0 picks one)")
     p.add_argument("--trace-export", metavar="otlp|console|file:PATH",

@@ -47,6 +47,7 @@ class ServeConfig:
     log_level: str = "INFO"
     metrics_listen: str | None = None
     trace_export: str | None = None
+    log_format: str = "text"
 
 
 def _flag(name: str) -> str:
@@ -91,7 +92,8 @@ def parse_config(name: str, argv: Sequence[str] | None,
                  config_type: type[C] | None) -> tuple[ServeConfig, C | None]:
     ns = build_parser(name, config_type).parse_args(argv)
     serve = ServeConfig(listen=ns.listen, port_file=ns.port_file, log_level=ns.log_level,
-                        metrics_listen=ns.metrics_listen, trace_export=ns.trace_export)
+                        metrics_listen=ns.metrics_listen, trace_export=ns.trace_export,
+                        log_format=ns.log_format)
     if config_type is None:
         return serve, None
     values = {f.name: getattr(ns, f"cfg_{f.name}") for f in dataclasses.fields(config_type)}  # type: ignore[arg-type]
@@ -116,7 +118,7 @@ def run_driver(driver_factory: Callable[[Any], Driver], argv: Sequence[str] | No
                config_type: type[Any] | None = None) -> int:
     """Parse flags, build the config and the driver, serve until SIGTERM. Returns the exit code."""
     serve, cfg = parse_config(name, argv, config_type)
-    logs.setup(serve.log_level, service=f"driver-{name}")
+    logs.setup(serve.log_level, service=f"driver-{name}", fmt=serve.log_format)
     tracing.setup(serve.trace_export, f"driver-{name}")
 
     async def _main() -> None:

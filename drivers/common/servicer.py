@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 
+from dlsched.kit import logs
 from dlsched.v1 import driver_service_pb2 as pb
 from dlsched.v1 import driver_service_pb2_grpc
 from drivers.common import convert
@@ -61,6 +62,7 @@ class DriverServicer(driver_service_pb2_grpc.DriverServiceServicer):
                         context: grpc.aio.ServicerContext) -> pb.LaunchJobResponse:
         cluster = convert.cluster_name(request.cluster)
         job_id = convert.job_id(request.job_id)
+        logs.JOB_ID.set(job_id)  # this handler's task: its records name the job
         attempt = convert.attempt(request.attempt)
         spec = convert.job_spec(request.spec, request.HasField("spec"))
         res = await self._driver.launch(cluster, job_id, spec, attempt)
@@ -90,6 +92,7 @@ class DriverServicer(driver_service_pb2_grpc.DriverServiceServicer):
                            context: grpc.aio.ServicerContext) -> pb.TerminateJobResponse:
         cluster = convert.cluster_name(request.cluster)
         ref = convert.job_ref(request.job)
+        logs.JOB_ID.set(ref.job_id)
         grace = convert.grace_seconds(request.grace_period, request.HasField("grace_period"))
         obs = await self._driver.terminate(cluster, ref, grace)
         return pb.TerminateJobResponse(observation=convert.observation_pb(obs))

@@ -477,6 +477,8 @@ class LocalDriver(Driver):
             await self._spawn_all(job)
         finally:
             job.started.set()
+        log.info("job %s attempt %d launched as %s: %d process(es), %s", job_id, attempt, job.backend_job_id,
+                 len(job.slots), job.state.name)
         return LaunchResult(job.backend_job_id, job.native, self._observe(job))
 
     def _prepare(self, job: _Job) -> None:
