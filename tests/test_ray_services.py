@@ -1,0 +1,407 @@
+# ruff: noqa: ASYNC109, ASYNC110, ASYNC230, ASYNC240  -- tests poll a real Ray head, files and /proc
+"""Ray jobs through the services only: a real Ray head (tests/ray_head.py), the Ray
+driver as a process, ClusterManager and JobManager over a real etcd, cluster
+``ray`` registered with CreateCluster; every job is submitted, watched, tailed
+and stopped through JobManagerService alone.
+
+The Ray head runs on this machine, so the replicas' probes write what they saw
+as JSON files into the test's tmp dir (the #3 contract, docs/ENVIRONMENT.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import pathlib
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+import pytest
+
+from dlsched.kit.rpc_errors import error_info, precondition_violations
+from dlsched.v1 import cluster_manager_service_pb2 as cm_pb
+from dlsched.v1 import cluster_manager_service_pb2_grpc as cm_grpc
+from dlsched.v1 import cluster_pb2, job_pb2
+from dlsched.v1 import job_manager_service_pb2 as jpb
+from dlsched.v1 import job_manager_service_pb2_grpc as jm_grpc
+from tests.harness import EtcdServer, ServiceProcess, Stack
+from tests.ray_head import RayHead, ray_available
+
+S = job_pb2
+PY = sys.executable
+CLUSTER = "clusters/ray"
+TERMINAL = (S.JOB_STATE_SUCCEEDED, S.JOB_STATE_FAILED, S.JOB_STATE_STOPPED)
+JOB_TIMEOUT = 120.0  # the Ray head is slow on 2 cores; a placement group job with torch takes ~20 s
+IN_CI = os.environ.get("CI") == "true"
+
+
+def needs(module: str) -> pytest.MarkDecorator:
+    """Skip when ``module`` is missing, except in CI, where a missing one fails."""
+    missing = importlib.util.find_spec(module) is None
+    return pytest.mark.skipif(missing and not IN_CI, reason=f"{module} is not installed")
+
+
+pytestmark = needs("aiohttp")  # the Ray driver's HTTP client (pip install -e '.[ray]')
+
+
+# --------------------------------------------------------------------------- fixtures: one head, one stack
+
+
+@pytest.fixture(scope="module")
+def head() -> Iterator[RayHead]:
+    if not ray_available() and not IN_CI:
+        pytest.skip("ray[default] is not installed (pip install 'ray[default]')")
+    h = RayHead().start()
+    try:
+        yield h
+    finally:
+        h.stop()
+
+
+@pytest.fixture(scope="module")
+def ray_driver(head: RayHead) -> Iterator[ServiceProcess]:
+    svc = ServiceProcess("drivers.ray", ["--poll-interval", "0.2", "--log-poll-interval", "0.05"],
+                         name="ray-driver-services").start()
+    try:
+        yield svc
+    finally:
+        svc.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(etcd: EtcdServer, head: RayHead, ray_driver: ServiceProcess) -> Iterator[Stack]:
+    """ClusterManager + JobManager (and the local driver Stack brings) with ``clusters/ray`` READY."""
+    st = Stack(etcd, f"/dlsched-ray-services-{uuid.uuid4().hex[:8]}/", jm_args=["--stop-grace-seconds", "2"])
+    try:
+        st.start()
+        with grpc.insecure_channel(st.cm.address) as ch:
+            cm = cm_grpc.ClusterManagerServiceStub(ch)
+            cm.CreateCluster(cm_pb.CreateClusterRequest(
+                cluster_id="ray", request_id=f"register-ray-{uuid.uuid4().hex[:8]}",
+                cluster=cluster_pb2.Cluster(type=S.CLUSTER_TYPE_RAY, address=head.address,
+                                            driver_address=ray_driver.address, options={"python": PY})),
+                timeout=20)
+            deadline = time.monotonic() + 60
+            while (c := cm.GetCluster(cm_pb.GetClusterRequest(name=CLUSTER), timeout=10).cluster).state != \
+                    cluster_pb2.CLUSTER_STATE_READY:
+                assert time.monotonic() < deadline, f"{CLUSTER} never READY: {c}"
+                time.sleep(0.3)
+            assert c.type == S.CLUSTER_TYPE_RAY and S.RUN_MODE_MPI not in c.supported_run_modes, c
+    except BaseException:
+        st.stop()
+        raise
+    yield st
+    st.stop()
+
+
+@pytest.fixture
+async def jm(stack: Stack) -> AsyncIterator[jm_grpc.JobManagerServiceStub]:
+    assert stack.jm is not None
+    async with grpc.aio.insecure_channel(stack.jm.address) as ch:
+        yield jm_grpc.JobManagerServiceStub(ch)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
+
+
+def on_ray(mode: int, *groups: S.ReplicaGroup) -> S.JobSpec:
+    """A spec whose selector names the Ray cluster (the local cluster could run it too)."""
+    return S.JobSpec(run_mode=mode, replica_groups=list(groups),
+                     cluster_selector=S.ClusterSelector(cluster="ray"))
+
+
+def single(code: str, *args: str) -> S.JobSpec:
+    return on_ray(S.RUN_MODE_SINGLE_PROCESS, S.ReplicaGroup(
+        role="main", replicas=1, command=[PY, "-u", "-c", textwrap.dedent(code)], args=list(args)))
+
+
+class Run:
+    """One job, submitted through JobManager with a WatchJobs stream on it opened first."""
+
+    def __init__(self, jm: jm_grpc.JobManagerServiceStub, spec: S.JobSpec) -> None:
+        self.jm = jm
+        self.spec = spec
+        self.id = new_id("ray-svc")
+        self.name = f"jobs/{self.id}"
+        self.spec.labels["t"] = self.id
+        self.states: list[int] = []  # every state the watch showed, in order
+        self.job: S.Job | None = None
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._it: AsyncIterator[jpb.WatchJobsResponse] | None = None
+
+    async def submit(self) -> S.Job:
+        self._call = self.jm.WatchJobs(jpb.WatchJobsRequest(filter=f'labels.t="{self.id}"'))
+        self._it = self._call.__aiter__()
+        while (await asyncio.wait_for(self._it.__anext__(), 20)).type != \
+                S.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE:
+            pass
+        resp = await self.jm.SubmitJob(jpb.SubmitJobRequest(job_id=self.id, spec=self.spec,
+                                                            request_id=new_id("req")), timeout=30)
+        assert resp.job.name == self.name and resp.job.cluster == CLUSTER, resp.job
+        return resp.job
+
+    async def until(self, states: tuple[int, ...] = TERMINAL, within: float = JOB_TIMEOUT) -> S.Job:
+        """Reads the watch until the job is in one of ``states``; returns it."""
+        assert self._it is not None
+        if self.states and self.states[-1] in states:
+            assert self.job is not None
+            return self.job
+        deadline = time.monotonic() + within
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0, f"{self.name} still {S.JobState.Name(self.states[-1] if self.states else 0)}"
+            ev = await asyncio.wait_for(self._it.__anext__(), left)
+            if ev.job.name != self.name:
+                continue
+            self.job = ev.job
+            if not self.states or self.states[-1] != ev.job.state:
+                self.states.append(ev.job.state)
+            if ev.job.state in states:
+                return ev.job
+
+    async def get(self) -> S.Job:
+        return (await self.jm.GetJob(jpb.GetJobRequest(name=self.name), timeout=10)).job
+
+    async def logs(self, **kw: object) -> list[S.LogEntry]:
+        out: list[S.LogEntry] = []
+        req = jpb.StreamJobLogsRequest(name=self.name, **kw)  # type: ignore[arg-type]
+        async for r in self.jm.StreamJobLogs(req, timeout=JOB_TIMEOUT):
+            out.extend(r.entries)
+        return out
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+
+
+@pytest.fixture
+async def runs(jm: jm_grpc.JobManagerServiceStub) -> AsyncIterator[list[Run]]:
+    """Runs made by a test; their watches are closed and unfinished jobs stopped after it."""
+    made: list[Run] = []
+    yield made
+    for r in made:
+        r.close()
+        if r.job is None or r.job.state not in TERMINAL:
+            try:
+                await jm.StopJob(jpb.StopJobRequest(name=r.name), timeout=20)
+            except grpc.aio.AioRpcError:
+                pass
+
+
+async def run_to_end(jm: jm_grpc.JobManagerServiceStub, runs: list[Run], spec: S.JobSpec) -> tuple[Run, S.Job]:
+    r = Run(jm, spec)
+    runs.append(r)
+    await r.submit()
+    job = await r.until()
+    assert (await r.get()).state == job.state  # the store holds what the watch said
+    return r, job
+
+
+# Every process writes what it saw (its environment, its pid) to <out>/<role>-<index>-<rank>.json;
+# PROBE_<ROLE>=forever keeps it running until it is stopped.
+PROBE = """
+import json, os, sys, time
+out = sys.argv[1]
+name = f"{os.environ['DLSCHED_ROLE']}-{os.environ['DLSCHED_REPLICA_INDEX']}-{os.environ.get('RANK', '')}"
+with open(os.path.join(out, name + '.tmp'), 'w') as f:
+    json.dump({'env': dict(os.environ), 'pid': os.getpid()}, f)
+os.replace(os.path.join(out, name + '.tmp'), os.path.join(out, name + '.json'))
+print('probe', name, flush=True)
+if os.environ.get('PROBE_' + os.environ['DLSCHED_ROLE'].upper()) == 'forever':
+    while True:
+        time.sleep(1)
+"""
+
+
+def probe_group(role: str, out: pathlib.Path, replicas: int = 1, ppr: int = 0, **env: str) -> S.ReplicaGroup:
+    return S.ReplicaGroup(role=role, replicas=replicas, processes_per_replica=ppr,
+                          command=[PY, "-c", textwrap.dedent(PROBE), str(out)], env=env)
+
+
+def probes(out: pathlib.Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+async def wait_dead(pids: list[int], within: float = 20.0) -> None:
+    deadline = time.monotonic() + within
+    while alive := [p for p in pids if pid_alive(p)]:
+        assert time.monotonic() < deadline, f"processes outlived their job: {alive}"
+        await asyncio.sleep(0.2)
+
+
+def assert_one_torch_world(envs: list[dict], size: int) -> None:
+    assert sorted(int(e["RANK"]) for e in envs) == list(range(size))  # every rank once
+    for key in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DLSCHED_JOB_ID"):
+        assert len({e[key] for e in envs}) == 1, key
+    assert envs[0]["WORLD_SIZE"] == str(size)
+
+
+# --------------------------------------------------------------------------- the run modes
+
+
+async def test_single_process_succeeds_with_the_job_environment(jm, runs, tmp_path):
+    r, job = await run_to_end(jm, runs, on_ray(S.RUN_MODE_SINGLE_PROCESS, probe_group("main", tmp_path)))
+    assert job.state == S.JOB_STATE_SUCCEEDED and job.exit_code == 0, job
+    assert job.cluster == CLUSTER and job.backend_job_id == f"dlsched-{r.id}-1" and job.attempt == 1
+    assert r.states[0] == S.JOB_STATE_PENDING and r.states[-1] == S.JOB_STATE_SUCCEEDED, r.states
+    [env] = [p["env"] for p in probes(tmp_path)]
+    assert (env["DLSCHED_JOB_ID"], env["DLSCHED_JOB_NAME"]) == (r.id, r.name)
+    assert (env["DLSCHED_ROLE"], env["DLSCHED_REPLICA_INDEX"], env["DLSCHED_NUM_REPLICAS"]) == ("main", "0", "1")
+    assert "probe main-0-" in [e.text for e in await r.logs()]
+
+
+async def test_multi_process_every_rank_distinct_in_one_world(jm, runs, tmp_path):
+    spec = on_ray(S.RUN_MODE_MULTI_PROCESS, probe_group("worker", tmp_path, replicas=2, ppr=2))
+    r, job = await run_to_end(jm, runs, spec)
+    assert job.state == S.JOB_STATE_SUCCEEDED, job
+    envs = [p["env"] for p in probes(tmp_path)]
+    assert len(envs) == 4
+    assert_one_torch_world(envs, 4)
+    assert {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"}  # every process on the entrypoint's node
+    entries = await r.logs(replica_index=3)
+    assert [(e.role, e.replica_index, e.text) for e in entries] == [("worker", 3, "probe worker-1-3")]
+
+
+# Each rank records what it saw and the all-reduced sum of (rank + 1) over the world.
+ALL_REDUCE = """
+import json, os, sys, torch, torch.distributed as dist
+dist.init_process_group('gloo')
+t = torch.tensor([float(os.environ['RANK']) + 1])
+dist.all_reduce(t)
+out = os.path.join(sys.argv[1], f"rank-{os.environ['RANK']}")
+with open(out + '.tmp', 'w') as f:
+    json.dump({'env': dict(os.environ), 'sum': t.item(), 'world': dist.get_world_size()}, f)
+os.replace(out + '.tmp', out + '.json')
+print('sum', int(t.item()), 'rank', os.environ['RANK'], flush=True)
+dist.barrier()  # leave together, or gloo may abort a rank mid-teardown (exit 134)
+dist.destroy_process_group()
+"""
+
+
+@needs("torch")
+async def test_master_worker_gloo_all_reduce_across_replicas(jm, runs, tmp_path):
+    def group(role: str, n: int) -> S.ReplicaGroup:
+        return S.ReplicaGroup(role=role, replicas=n, command=[PY, "-c", textwrap.dedent(ALL_REDUCE), str(tmp_path)])
+
+    r, job = await run_to_end(jm, runs, on_ray(S.RUN_MODE_MASTER_WORKER, group("worker", 2), group("master", 1)))
+    if job.state != S.JOB_STATE_SUCCEEDED:
+        pytest.fail(f"{job}\n" + "\n".join(e.text for e in await r.logs()))
+    recs = probes(tmp_path)
+    envs = [p["env"] for p in recs]
+    assert len(envs) == 3
+    assert_one_torch_world(envs, 3)
+    assert [e["DLSCHED_ROLE"] for e in envs if e["RANK"] == "0"] == ["master"]  # the master holds rank 0
+    assert {(p["sum"], p["world"]) for p in recs} == {(6.0, 3)}  # 1 + 2 + 3, reduced across the replicas
+    sums = sorted((e.role, e.replica_index, e.text) for e in await r.logs() if e.text.startswith("sum "))
+    assert sums == [("master", 0, "sum 6 rank 0"), ("worker", 0, "sum 6 rank 1"), ("worker", 1, "sum 6 rank 2")]
+
+
+async def test_ps_worker_tf_config_and_parameter_servers_stopped_after_workers(jm, runs, tmp_path):
+    spec = on_ray(S.RUN_MODE_PS_WORKER, probe_group("ps", tmp_path, replicas=2, PROBE_PS="forever"),
+                  probe_group("worker", tmp_path, replicas=2))
+    _, job = await run_to_end(jm, runs, spec)
+    assert job.state == S.JOB_STATE_SUCCEEDED and job.exit_code == 0, job
+    got = probes(tmp_path)
+    configs = {(p["env"]["DLSCHED_ROLE"], int(p["env"]["DLSCHED_REPLICA_INDEX"])): json.loads(p["env"]["TF_CONFIG"])
+               for p in got}
+    assert sorted(configs) == [("ps", 0), ("ps", 1), ("worker", 0), ("worker", 1)]
+    cluster = configs[("ps", 0)]["cluster"]
+    assert sorted(cluster) == ["ps", "worker"] and [len(cluster["ps"]), len(cluster["worker"])] == [2, 2]
+    addrs = [a for tasks in cluster.values() for a in tasks]
+    assert len(set(addrs)) == len(addrs)  # a port of its own per task
+    for (role, index), c in configs.items():
+        assert c == {"cluster": cluster, "task": {"type": role, "index": index}}  # same cluster, own task
+    # The parameter servers never exit by themselves: the job succeeded on the workers and they were stopped.
+    await wait_dead([p["pid"] for p in got])
+
+
+async def test_mpi_is_refused_at_submit_and_nothing_is_stored(jm, tmp_path):
+    spec = on_ray(S.RUN_MODE_MPI, probe_group("launcher", tmp_path), probe_group("worker", tmp_path))
+    job_id = new_id("ray-mpi")
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await jm.SubmitJob(jpb.SubmitJobRequest(job_id=job_id, spec=spec), timeout=30)
+    assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    info = error_info(ei.value)
+    assert info is not None and info.reason == "NO_MATCHING_CLUSTER", info
+    [(subject, why)] = precondition_violations(ei.value)  # the one cluster the selector names, and why not
+    assert subject == CLUSTER and "MPI" in why, why
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await jm.GetJob(jpb.GetJobRequest(name=f"jobs/{job_id}"), timeout=10)
+    assert error_info(ei.value).reason == "JOB_NOT_FOUND"
+
+
+# --------------------------------------------------------------------------- logs, stop, failure
+
+
+async def test_followed_logs_arrive_while_the_job_runs_and_end_after_it(jm, runs, tmp_path):
+    go = tmp_path / "go"
+    code = """
+    import os, sys, time
+    print('ready', flush=True)
+    while not os.path.exists(sys.argv[1]):  # the test lets the job end only after it saw 'ready'
+        time.sleep(0.05)
+    print('done', flush=True)
+    """
+    r = Run(jm, single(code, str(go)))
+    runs.append(r)
+    await r.submit()
+    texts: list[str] = []
+    req = jpb.StreamJobLogsRequest(name=r.name, follow=True)
+    async for resp in jm.StreamJobLogs(req, timeout=JOB_TIMEOUT):
+        for e in resp.entries:
+            texts.append(e.text)
+            if e.text == "ready":
+                assert (await r.get()).state not in TERMINAL  # a line of a job that has not ended
+                go.touch()
+    # The stream ended OK, after the job's last line (Ray's own runtime-env lines come first).
+    assert [t for t in texts if t in ("ready", "done")] == ["ready", "done"], texts
+    job = await r.until()
+    assert job.state == S.JOB_STATE_SUCCEEDED, job
+
+
+async def test_stop_job_ends_a_running_job_stopped(jm, runs, tmp_path):
+    r = Run(jm, on_ray(S.RUN_MODE_SINGLE_PROCESS, probe_group("main", tmp_path, PROBE_MAIN="forever")))
+    runs.append(r)
+    await r.submit()
+    await r.until((S.JOB_STATE_RUNNING,))
+    deadline = time.monotonic() + 60
+    while not (got := probes(tmp_path)):
+        assert time.monotonic() < deadline, "the job's process never started"
+        await asyncio.sleep(0.1)
+    stopped = (await jm.StopJob(jpb.StopJobRequest(name=r.name), timeout=20)).job
+    assert stopped.state in (S.JOB_STATE_STOPPING, S.JOB_STATE_STOPPED), stopped
+    job = await r.until()
+    assert job.state == S.JOB_STATE_STOPPED, job
+    assert set(r.states) <= {S.JOB_STATE_PENDING, S.JOB_STATE_RUNNING, S.JOB_STATE_STOPPING,
+                             S.JOB_STATE_STOPPED}, r.states
+    await wait_dead([p["pid"] for p in got])
+    again = (await jm.StopJob(jpb.StopJobRequest(name=r.name), timeout=20)).job  # ended: unchanged
+    assert again.state == S.JOB_STATE_STOPPED
+
+
+async def test_failing_entrypoint_is_failed_with_rays_message(jm, runs):
+    spec = single("import sys; print('boom', file=sys.stderr); sys.exit(3)")
+    r, job = await run_to_end(jm, runs, spec)
+    assert job.state == S.JOB_STATE_FAILED and job.exit_code == 3, job
+    assert job.reason == "JobEntrypointCommandError", job
+    assert "exit code 3" in job.message, job.message  # Ray's own words for it
+    assert S.JOB_STATE_SUCCEEDED not in r.states
+    assert "boom" in [e.text for e in await r.logs()]
