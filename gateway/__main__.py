@@ -1,0 +1,128 @@
+"""``python -m gateway``: read the routes from the descriptors, bind, serve.
+
+    python -m gateway --listen HOST:PORT --port-file F \\
+        --job-manager HOST:PORT --cluster-manager HOST:PORT
+
+Port 0 picks a free port, announced as ``DLSCHED_LISTENING gateway
+<host:port>`` on stdout and written to ``--port-file``, like every dlsched
+service. SIGTERM or SIGINT: /healthz turns 503, open streams end with an
+UNAVAILABLE line, in-flight calls get ``--grace`` seconds, then it exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from dlsched.kit import logs
+from dlsched.v1 import cluster_manager_service_pb2, job_manager_service_pb2
+
+from .app import Gateway
+from .rules import routes_for
+
+log = logging.getLogger("gateway")
+
+JOB_MANAGER = job_manager_service_pb2.DESCRIPTOR.services_by_name["JobManagerService"]
+CLUSTER_MANAGER = cluster_manager_service_pb2.DESCRIPTOR.services_by_name["ClusterManagerService"]
+
+
+@dataclass(frozen=True)
+class Config:
+    listen: str
+    port_file: str | None
+    job_manager: str
+    cluster_manager: str
+    rpc_timeout: float = 30.0
+    grace_seconds: float = 5.0
+    max_message_bytes: int = 8 * 1024 * 1024
+    log_level: str = "INFO"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Config:
+    p = argparse.ArgumentParser(prog="python -m gateway",
+                                description="dlsched HTTP/JSON gateway")
+    p.add_argument("--listen", default="127.0.0.1:0", help="host:port; port 0 picks one")
+    p.add_argument("--port-file", default=None, help="write the bound host:port here")
+    p.add_argument("--job-manager", required=True, help="JobManager host:port")
+    p.add_argument("--cluster-manager", required=True, help="ClusterManager host:port")
+    p.add_argument("--rpc-timeout", type=float, default=30.0,
+                   help="deadline of each unary call, seconds (streams have none)")
+    p.add_argument("--grace", type=float, default=5.0, help="shutdown grace, seconds")
+    p.add_argument("--max-message-bytes", type=int, default=8 * 1024 * 1024,
+                   help="largest request body and gRPC message")
+    p.add_argument("--log-level", default="INFO")
+    a = p.parse_args(argv)
+    if a.rpc_timeout <= 0 or a.grace < 0:
+        p.error("--rpc-timeout must be positive and --grace not negative")
+    return Config(a.listen, a.port_file, a.job_manager, a.cluster_manager, a.rpc_timeout,
+                  a.grace, a.max_message_bytes, a.log_level)
+
+
+def _bind(listen: str) -> socket.socket:
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]") or "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, int(port)))
+    return sock
+
+
+def _announce(address: str, port_file: str | None) -> None:
+    # The same announcement as dlsched.kit.server's, so supervisors and tests
+    # treat the gateway like every other service.
+    print(f"DLSCHED_LISTENING gateway {address}", flush=True)
+    if port_file:
+        tmp = f"{port_file}.tmp"
+        with open(tmp, "w") as f:
+            f.write(address)
+        os.replace(tmp, port_file)
+
+
+async def amain(cfg: Config) -> None:
+    routes = routes_for([JOB_MANAGER, CLUSTER_MANAGER])
+    gateway = Gateway(routes, {JOB_MANAGER.full_name: cfg.job_manager,
+                               CLUSTER_MANAGER.full_name: cfg.cluster_manager},
+                      rpc_timeout=cfg.rpc_timeout, max_message_bytes=cfg.max_message_bytes)
+    # handler_cancellation: a client that disconnects cancels its handler,
+    # and with it the upstream gRPC stream.
+    runner = web.AppRunner(gateway.app(), access_log=None, handler_cancellation=True,
+                           shutdown_timeout=cfg.grace_seconds)
+    await runner.setup()
+    sock = _bind(cfg.listen)
+    await web.SockSite(runner, sock).start()
+    host, port = sock.getsockname()[:2]
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    log.info("gateway listening on %s: %d routes, job-manager %s, cluster-manager %s",
+             address, len(routes), cfg.job_manager, cfg.cluster_manager)
+    _announce(address, cfg.port_file)
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down (grace %.1fs)", cfg.grace_seconds)
+    await gateway.end_streams()
+    try:
+        await runner.cleanup()
+    finally:
+        await gateway.close()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    cfg = parse_args(argv)
+    logs.setup(cfg.log_level, "gateway")
+    asyncio.run(amain(cfg))
+
+
+if __name__ == "__main__":
+    main()

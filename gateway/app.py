@@ -1,0 +1,286 @@
+"""The aiohttp application: match a route, transcode, call gRPC, answer JSON.
+
+One catch-all handler matches the raw path against the routes read from the
+descriptors (``rules.routes_for``), builds the request message
+(``transcode.build_request``), calls the upstream service over one grpc.aio
+channel per address with serializers taken from the descriptors (no
+generated stubs, no hand-written route table), and prints the response with
+protobuf's JSON mapping.
+
+Server-streaming RPCs answer newline-delimited JSON, one message per line
+(``application/x-ndjson``), or server-sent events when the client sends
+``Accept: text/event-stream``. The gateway waits for the first message before
+it sends headers, so a call that fails at once (NOT_FOUND, an expired watch
+token) gets its real HTTP status; a later error arrives as a last line
+``{"error": <google.rpc.Status>}`` (SSE: an ``error`` event). The response
+ends when the gRPC stream ends. A client that goes away cancels the gRPC call
+(``handler_cancellation``); at shutdown open streams end with an UNAVAILABLE
+line so clients reconnect with their last resume token.
+
+Logs name the method, path (never the query), status and duration; never a
+body, so credentials in CreateCluster pass through without being logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import grpc
+from aiohttp import web
+from google.protobuf import message
+from google.rpc import code_pb2, status_pb2
+
+from dlsched import errors
+from dlsched.kit import rpc_errors
+
+from . import status, transcode
+from .openapi import build_openapi
+from .rules import Route
+
+log = logging.getLogger("gateway")
+
+NDJSON = "application/x-ndjson"
+SSE = "text/event-stream"
+JSON = "application/json"
+
+
+class RouteNotFound(errors.NotFound):
+    """No route has this path."""
+
+    reason = "ROUTE_NOT_FOUND"
+
+
+class MethodNotAllowed(errors.Unimplemented):
+    """The path exists, but not with this HTTP method."""
+
+    reason = "METHOD_NOT_ALLOWED"
+
+
+class Gateway:
+    """Routes, upstream channels and the open streams of one gateway process."""
+
+    def __init__(self, routes: Sequence[Route], upstreams: Mapping[str, str], *,
+                 rpc_timeout: float = 30.0, max_message_bytes: int = 8 * 1024 * 1024) -> None:
+        missing = {r.service for r in routes} - set(upstreams)
+        if missing:
+            raise ValueError(f"no upstream address for {sorted(missing)}")
+        self.routes = list(routes)
+        self.rpc_timeout = rpc_timeout
+        self.max_message_bytes = max_message_bytes
+        options = [("grpc.max_receive_message_length", max_message_bytes),
+                   ("grpc.max_send_message_length", max_message_bytes),
+                   ("grpc.keepalive_time_ms", 30_000),
+                   ("grpc.keepalive_permit_without_calls", 1)]
+        self._channels = {addr: grpc.aio.insecure_channel(addr, options=options)
+                          for addr in set(upstreams.values())}
+        self._upstream = dict(upstreams)
+        self._callables: dict[str, Any] = {}
+        self._streams: set[grpc.aio.Call] = set()
+        self.draining = False
+        self.openapi = build_openapi(self.routes)
+
+    # ---------------------------------------------------------------- app
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=self.max_message_bytes,
+                              middlewares=[self._access_log])
+        app.router.add_get("/openapi.json", self._openapi)
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        return app
+
+    @web.middleware
+    async def _access_log(self, request: web.Request,
+                          handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                          ) -> web.StreamResponse:
+        start = time.monotonic()
+        code = 500
+        try:
+            resp = await handler(request)
+            code = resp.status
+            return resp
+        except asyncio.CancelledError:
+            code = 499
+            raise
+        finally:
+            # The path only: query strings and bodies are never logged.
+            log.info("%s %s -> %d (%.0f ms)", request.method, request.path, code,
+                     (time.monotonic() - start) * 1000)
+
+    async def _openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(self.openapi)
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return web.json_response({"status": "NOT_SERVING"}, status=503)
+        return web.json_response({"status": "SERVING"})
+
+    async def close(self) -> None:
+        for ch in self._channels.values():
+            await ch.close()
+
+    async def end_streams(self) -> None:
+        """Shutdown: cancel every open upstream stream; each handler then
+        writes an UNAVAILABLE line, so its client reconnects elsewhere."""
+        self.draining = True
+        for call in list(self._streams):
+            call.cancel()
+
+    # ---------------------------------------------------------------- dispatch
+
+    def match(self, method: str, raw_path: str) -> tuple[Route, dict[str, str]]:
+        allowed: list[str] = []
+        for route in self.routes:
+            values = route.template.match(raw_path)
+            if values is None:
+                continue
+            if route.http_method == method:
+                return route, values
+            allowed.append(route.http_method)
+        if allowed:
+            raise MethodNotAllowed(f"{method} is not allowed here; use {', '.join(allowed)}",
+                                   metadata={"allow": ",".join(sorted(set(allowed)))})
+        raise RouteNotFound(f"no route for {raw_path}")
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        try:
+            route, values = self.match(request.method, request.rel_url.raw_path)
+            body = await request.read() if route.body else b""
+            msg = transcode.build_request(route, values, request.rel_url.query.items(), body)
+            if route.server_streaming:
+                return await self._stream(request, route, msg)
+            resp = await self._unary(route)(msg, timeout=self.rpc_timeout)
+            return _json(200, transcode.response_json(route, resp))
+        except grpc.aio.AioRpcError as e:
+            return _error(status.from_rpc_error(e))
+        except errors.DlschedError as e:
+            out = _error(status.from_error(e))
+            if isinstance(e, MethodNotAllowed):
+                out.set_status(405)
+                out.headers["Allow"] = e.metadata["allow"]
+            return out
+        except web.HTTPException:
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - never a traceback to the client
+            err, cid = rpc_errors.internal_error()
+            log.exception("unhandled error on %s %s (correlation id %s)",
+                          request.method, request.path, cid)
+            return _error(status.from_error(err))
+
+    def _channel(self, route: Route) -> grpc.aio.Channel:
+        return self._channels[self._upstream[route.service]]
+
+    def _unary(self, route: Route) -> Any:
+        key = route.grpc_path
+        if key not in self._callables:
+            out_cls = transcode.message_class(route.method.output_type)
+            self._callables[key] = self._channel(route).unary_unary(
+                route.grpc_path, request_serializer=_serialize,
+                response_deserializer=out_cls.FromString)
+        return self._callables[key]
+
+    def _server_stream(self, route: Route) -> Any:
+        key = route.grpc_path
+        if key not in self._callables:
+            out_cls = transcode.message_class(route.method.output_type)
+            self._callables[key] = self._channel(route).unary_stream(
+                route.grpc_path, request_serializer=_serialize,
+                response_deserializer=out_cls.FromString)
+        return self._callables[key]
+
+    # ---------------------------------------------------------------- streams
+
+    async def _stream(self, request: web.Request, route: Route,
+                      msg: message.Message) -> web.StreamResponse:
+        sse = SSE in request.headers.get("Accept", "")
+        call = self._server_stream(route)(msg)
+        self._streams.add(call)
+        resp: web.StreamResponse | None = None
+        try:
+            it = call.__aiter__()
+            try:
+                first: message.Message | None = await it.__anext__()
+            except StopAsyncIteration:
+                first = None
+            resp = web.StreamResponse(status=200, headers={
+                "Content-Type": SSE if sse else NDJSON, "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no"})
+            await resp.prepare(request)
+            if first is not None:
+                await resp.write(_frame(transcode.response_json(route, first), sse))
+                async for item in it:
+                    await resp.write(_frame(transcode.response_json(route, item), sse))
+            await resp.write_eof()
+            return resp
+        except grpc.aio.AioRpcError as e:
+            st = status.from_rpc_error(e)
+            if resp is None:
+                return _error(st)
+            await _end_with_error(resp, st, sse)
+            return resp
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self.draining and task is not None and not task.cancelling():
+                # Our shutdown cancelled the call, not the client: say so.
+                st = status_pb2.Status(code=code_pb2.UNAVAILABLE,
+                                       message="gateway shutting down; reconnect")
+                if resp is None:
+                    return _error(st)
+                await _end_with_error(resp, st, sse)
+                return resp
+            log.info("%s %s: client went away; cancelling %s", request.method, request.path,
+                     route.grpc_path)
+            raise
+        except ConnectionError as e:
+            # Writing to a closed connection: the client has gone.
+            log.info("%s %s: client went away (%s); cancelling %s", request.method,
+                     request.path, type(e).__name__, route.grpc_path)
+            return resp if resp is not None else web.Response(status=499)
+        except Exception:
+            if resp is None:
+                raise  # handle() answers a plain error
+            err, cid = rpc_errors.internal_error()
+            log.exception("stream %s failed (correlation id %s)", route.grpc_path, cid)
+            await _end_with_error(resp, status.from_error(err), sse)
+            return resp
+        finally:
+            call.cancel()
+            self._streams.discard(call)
+
+
+def _serialize(msg: message.Message) -> bytes:
+    return msg.SerializeToString()
+
+
+def _json(code: int, data: Any) -> web.Response:
+    return web.Response(status=code, body=transcode.dumps(data), content_type=JSON)
+
+
+def _error(st: status_pb2.Status) -> web.Response:
+    return _json(status.http_status(st.code), status.to_json(st))
+
+
+def _frame(data: Any, sse: bool, event: str | None = None) -> bytes:
+    payload = transcode.dumps(data)
+    if not sse:
+        return payload + b"\n"
+    head = f"event: {event}\n".encode() if event else b""
+    return head + b"data: " + payload + b"\n\n"
+
+
+async def _end_with_error(resp: web.StreamResponse, st: status_pb2.Status, sse: bool) -> None:
+    body = status.to_json(st)
+    try:
+        if sse:
+            await resp.write(_frame(body, True, event="error"))
+        else:
+            await resp.write(_frame({"error": body}, False))
+        await resp.write_eof()
+    except ConnectionError:
+        pass  # the client has gone; nothing left to tell it

@@ -1,0 +1,218 @@
+"""HTTP request → request message, response message → JSON, by protobuf's JSON mapping.
+
+``build_request`` follows ``google/api/http.proto``: the body (the whole
+request for ``body: "*"``, else the one field it names), then query
+parameters for every field neither the path nor the body binds (dotted paths
+into nested messages, a repeated field by repeating the parameter, proto or
+JSON field names, well-known types in their JSON string form), then the path
+variables, which win. Anything that does not fit raises ``InvalidArgument``
+naming the parameter, so it reaches the client as a 400 with a BadRequest.
+Pure protobuf; no HTTP server here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from google.protobuf import descriptor, json_format, message, message_factory
+
+from dlsched import errors
+
+from .rules import Route, RuleError, is_repeated, resolve_field_path
+
+FD = descriptor.FieldDescriptor
+
+# Well-known message types whose JSON form is a string (or a scalar), so a
+# query parameter can carry them: since_time=2024-01-02T03:04:05Z.
+_SCALAR_WKT = {
+    "google.protobuf.Timestamp", "google.protobuf.Duration", "google.protobuf.FieldMask",
+    "google.protobuf.StringValue", "google.protobuf.BytesValue", "google.protobuf.Int32Value",
+    "google.protobuf.Int64Value", "google.protobuf.UInt32Value", "google.protobuf.UInt64Value",
+    "google.protobuf.DoubleValue", "google.protobuf.FloatValue", "google.protobuf.BoolValue",
+}
+_FLOATS = {FD.TYPE_DOUBLE, FD.TYPE_FLOAT}
+
+
+def message_class(desc: descriptor.Descriptor) -> type[message.Message]:
+    return message_factory.GetMessageClass(desc)
+
+
+def _invalid(field: str, description: str) -> errors.InvalidArgument:
+    return errors.InvalidArgument(f"invalid request: {field or 'body'}: {description}",
+                                  [errors.FieldViolation(field, description)])
+
+
+def build_request(route: Route, path_values: Mapping[str, str],
+                  query: Iterable[tuple[str, str]], body: bytes) -> message.Message:
+    """The request message for one HTTP request on ``route``."""
+    msg = message_class(route.method.input_type)()
+    _apply_body(route, msg, body)
+    pairs = list(query)
+    if pairs:
+        _apply_query(route, msg, pairs)
+    for path, value in path_values.items():
+        _set_path_field(msg, path, value)
+    return msg
+
+
+def _apply_body(route: Route, msg: message.Message, body: bytes) -> None:
+    if not route.body:
+        return
+    if not body.strip():
+        return  # an empty body is an empty message: POST jobs/x:stop needs none
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _invalid(_body_field(route), f"not JSON: {e}") from e
+    if route.body != "*":
+        data = {route.body: data}
+    elif not isinstance(data, dict):
+        raise _invalid("", "the body must be a JSON object")
+    try:
+        json_format.ParseDict(data, msg)
+    except json_format.ParseError as e:
+        raise _invalid(_parse_error_field(str(e), route), str(e)) from e
+
+
+def _body_field(route: Route) -> str:
+    return "" if route.body == "*" else route.body
+
+
+# json_format names the place of the error: ... has no field named "x" at
+# "SubmitJobRequest.spec", or: Failed to parse spec field: ...
+_NO_FIELD = re.compile(r'no field named "([^"]+)" at "([^"]+)"')
+_BAD_FIELD = re.compile(r"Failed to parse (\w+) field")
+
+
+def _parse_error_field(text: str, route: Route) -> str:
+    """The request field a json_format error is about, as a dotted path; else
+    the body field (or "" for a whole-request body)."""
+    m = _NO_FIELD.search(text)
+    if m:
+        at = m.group(2).split(".")[1:]  # drop the root message's name
+        return ".".join([*at, m.group(1)])
+    chain = _BAD_FIELD.findall(text)  # outermost first: spec, then maxRetries
+    if chain:
+        return ".".join(chain if route.body == "*" else [route.body, *chain])
+    return _body_field(route)
+
+
+def _apply_query(route: Route, msg: message.Message, pairs: list[tuple[str, str]]) -> None:
+    if route.body == "*":
+        raise _invalid(pairs[0][0], "query parameters are not accepted here: "
+                                    "the JSON body holds the whole request")
+    grouped: dict[str, list[str]] = {}
+    for key, value in pairs:
+        grouped.setdefault(key, []).append(value)
+    tree: dict[str, Any] = {}
+    inp = route.method.input_type
+    bound = route.path_fields
+    for key, values in grouped.items():
+        try:
+            fields = resolve_field_path(inp, key.split("."))
+        except RuleError as e:
+            raise _invalid(key, f"unknown query parameter ({e})") from e
+        proto_path = ".".join(f.name for f in fields)
+        if proto_path in bound or any(p.startswith(proto_path + ".") for p in bound):
+            raise _invalid(key, "set by the URL path, not the query")
+        if route.body and fields[0].name == route.body:
+            raise _invalid(key, "set by the request body, not the query")
+        for f in fields[:-1]:
+            if f.type != FD.TYPE_MESSAGE or is_repeated(f):
+                raise _invalid(key, f"{f.name} is not a singular message")
+        leaf = fields[-1]
+        if leaf.message_type is not None and leaf.message_type.GetOptions().map_entry:
+            raise _invalid(key, "map fields cannot be set from the query; use the body")
+        if leaf.type == FD.TYPE_MESSAGE and leaf.message_type.full_name not in _SCALAR_WKT:
+            raise _invalid(key, "a message field cannot be set from the query; "
+                                "name one of its fields (a.b=…)")
+        repeated = is_repeated(leaf)
+        if not repeated and len(values) > 1:
+            raise _invalid(key, "given more than once")
+        try:
+            converted = [_query_value(leaf, v) for v in values]
+        except ValueError as e:
+            raise _invalid(key, str(e)) from e
+        node = tree
+        for f in fields[:-1]:
+            node = node.setdefault(f.name, {})
+        node[leaf.name] = converted if repeated else converted[0]
+    try:
+        parsed = message_class(inp)()
+        json_format.ParseDict(tree, parsed)
+    except json_format.ParseError as e:
+        raise _invalid(next(iter(grouped)), str(e)) from e
+    msg.MergeFrom(parsed)
+
+
+def _query_value(f: descriptor.FieldDescriptor, text: str) -> Any:
+    """A query string value as the JSON value json_format expects for ``f``."""
+    kind = f.type
+    if kind == FD.TYPE_MESSAGE:  # a scalar well-known type
+        inner = f.message_type.fields_by_name.get("value")
+        if f.message_type.full_name == "google.protobuf.BoolValue" or (
+                inner is not None and inner.type == FD.TYPE_BOOL):
+            return _bool(text)
+        if inner is not None and inner.type in _FLOATS:
+            return float(text)
+        return text
+    if kind == FD.TYPE_BOOL:
+        return _bool(text)
+    if kind in _FLOATS:
+        return float(text)
+    return text  # ints (json_format takes strings), strings, enums (name or number), bytes
+
+
+def _bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("true", "1"):
+        return True
+    if low in ("false", "0"):
+        return False
+    raise ValueError("expected true or false")
+
+
+def _set_path_field(msg: message.Message, path: str, value: str) -> None:
+    fields = resolve_field_path(msg.DESCRIPTOR, path.split("."))
+    target = msg
+    for f in fields[:-1]:
+        target = getattr(target, f.name)
+    leaf = fields[-1]
+    try:
+        if leaf.type == FD.TYPE_STRING:
+            converted: Any = value
+        elif leaf.type == FD.TYPE_BOOL:
+            converted = _bool(value)
+        elif leaf.type in _FLOATS:
+            converted = float(value)
+        elif leaf.type == FD.TYPE_ENUM:
+            ev = leaf.enum_type.values_by_name.get(value)
+            converted = ev.number if ev is not None else int(value)
+        else:
+            converted = int(value)
+        setattr(target, leaf.name, converted)
+    except (ValueError, TypeError) as e:
+        raise _invalid(path, f"bad path value: {e}") from e
+
+
+def to_json_dict(msg: message.Message) -> dict[str, Any]:
+    """Protobuf's canonical JSON mapping (lowerCamelCase names, defaults omitted),
+    the same as Envoy's transcoder prints."""
+    out: dict[str, Any] = json_format.MessageToDict(msg)
+    return out
+
+
+def response_json(route: Route, msg: message.Message) -> Any:
+    """The JSON body for a response: the whole message or its ``response_body`` field."""
+    if not route.response_body:
+        return to_json_dict(msg)
+    wrapper = to_json_dict(msg)
+    f = msg.DESCRIPTOR.fields_by_name[route.response_body]
+    return wrapper.get(f.json_name)
+
+
+def dumps(data: Any) -> bytes:
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode()

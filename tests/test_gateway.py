@@ -1,0 +1,421 @@
+"""The HTTP/JSON gateway end to end: real etcd, ClusterManager, the local driver and
+JobManager as processes (``tests.harness.Stack``), the gateway as a process, and
+plain HTTP (urllib, and curl where it exists) as the client.
+
+The routes, the OpenAPI document and the error bodies are checked against the
+descriptors' ``google.api.http`` annotations and the gRPC services themselves,
+so a drift between the two APIs fails here.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import openapi_spec_validator
+import pytest
+from google.api import annotations_pb2
+from google.protobuf import json_format
+
+from dlsched.kit.rpc_errors import error_info, field_violations
+from dlsched.v1 import cluster_manager_service_pb2, job_manager_service_pb2
+from dlsched.v1 import job_manager_service_pb2_grpc as jm_grpc
+from tests.harness import EtcdServer, ServiceProcess, Stack
+
+SERVICES = [job_manager_service_pb2.DESCRIPTOR.services_by_name["JobManagerService"],
+            cluster_manager_service_pb2.DESCRIPTOR.services_by_name["ClusterManagerService"]]
+TERMINAL = {"JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED", "JOB_STATE_STOPPED"}
+SECRET = "s3cr3t-ray-token-" + uuid.uuid4().hex
+
+
+# ---------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def stack(etcd: EtcdServer) -> Iterator[Stack]:
+    st = Stack(etcd, f"/dlsched-gw-{uuid.uuid4().hex[:8]}/", jm_args=["--stop-grace-seconds", "1"])
+    try:
+        st.start()
+    except Exception:
+        st.stop()
+        raise
+    yield st
+    st.stop()
+
+
+def _gateway_process(stack: Stack) -> ServiceProcess:
+    assert stack.jm is not None
+    return ServiceProcess("gateway", ["--job-manager", stack.jm.address,
+                                      "--cluster-manager", stack.cm.address,
+                                      "--grace", "2"], name="gateway")
+
+
+@pytest.fixture(scope="module")
+def gateway(stack: Stack) -> Iterator[ServiceProcess]:
+    gw = _gateway_process(stack).start()
+    yield gw
+    code = gw.stop()
+    log = gw.log()
+    assert code == 0, f"gateway exited {code} on SIGTERM:\n{log[-3000:]}"
+    assert "Traceback" not in log, log[-5000:]
+    assert SECRET not in log, "a credential reached the gateway's log"
+
+
+@pytest.fixture(scope="module")
+def base(gateway: ServiceProcess) -> str:
+    return f"http://{gateway.address}"
+
+
+@pytest.fixture(scope="module")
+def local_cluster(stack: Stack, base: str) -> str:
+    """clusters/local, registered through the gateway (CreateCluster over REST)."""
+    code, body = call(base, "POST", "/v1/clusters?clusterId=local&requestId=gw-register-local",
+                      {"type": "CLUSTER_TYPE_LOCAL", "driverAddress": stack.driver.address})
+    assert code == 200, body
+    assert body["cluster"]["name"] == "clusters/local"
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        code, body = call(base, "GET", "/v1/clusters/local")
+        if code == 200 and body["cluster"].get("state") == "CLUSTER_STATE_READY":
+            return "clusters/local"
+        time.sleep(0.2)
+    raise AssertionError(f"clusters/local never READY: {body}")
+
+
+# ---------------------------------------------------------------- helpers
+
+def call(base: str, method: str, path: str, body: Any = None, *,
+         headers: dict[str, str] | None = None, raw: bytes | None = None,
+         timeout: float = 30) -> tuple[int, Any]:
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(base + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as e:
+        text = e.read()
+        assert e.headers.get_content_type() == "application/json", text
+        return e.code, json.loads(text)
+
+
+def reason(body: dict[str, Any]) -> str | None:
+    for d in body.get("details", []):
+        if d["@type"].endswith("/google.rpc.ErrorInfo"):
+            return str(d["reason"])
+    return None
+
+
+def violations(body: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    for d in body.get("details", []):
+        if d["@type"].endswith("/google.rpc.BadRequest"):
+            out.extend(v["field"] for v in d.get("fieldViolations", []))
+    return out
+
+
+def program(code: str) -> list[str]:
+    return [sys.executable, "-u", "-c", textwrap.dedent(code)]
+
+
+def spec(code: str, label: str = "") -> dict[str, Any]:
+    return {"runMode": "RUN_MODE_SINGLE_PROCESS",
+            "replicaGroups": [{"role": "main", "replicas": 1, "command": program(code)}],
+            "labels": {"test": label} if label else {}}
+
+
+def uniq() -> str:
+    return f"g{uuid.uuid4().hex[:10]}"
+
+
+def wait_state(base: str, name: str, states: set[str], timeout: float = 30) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        code, body = call(base, "GET", f"/v1/{name}")
+        assert code == 200, body
+        if body["job"].get("state") in states:
+            return dict(body["job"])
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{name} never reached {states}: {body}")
+        time.sleep(0.1)
+
+
+def stream_lines(base: str, path: str, *, headers: dict[str, str] | None = None,
+                 timeout: float = 60) -> Iterator[bytes]:
+    """The raw lines of a streamed response, until the server ends it."""
+    req = urllib.request.Request(base + path, headers=headers or {})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        assert resp.status == 200
+        yield resp.headers.get_content_type().encode()
+        while line := resp.readline():
+            yield line
+
+
+def annotated() -> list[tuple[str, str, str, str]]:
+    """(service, method, HTTP method, template) straight from the descriptors."""
+    out = []
+    for svc in SERVICES:
+        for m in svc.methods:
+            rule = m.GetOptions().Extensions[annotations_pb2.http]
+            kind = rule.WhichOneof("pattern")
+            assert kind is not None, f"{m.full_name} has no google.api.http option"
+            out.append((svc.name, m.name, kind, getattr(rule, kind)))
+    return out
+
+
+# ---------------------------------------------------------------- tests
+
+def test_every_rpc_is_annotated_and_the_openapi_document_lists_it(base: str) -> None:
+    code, doc = call(base, "GET", "/openapi.json")
+    assert code == 200 and doc["openapi"].startswith("3.")
+    openapi_spec_validator.validate(doc)
+    ops = {(op["operationId"], verb): path
+           for path, item in doc["paths"].items() for verb, op in item.items()}
+    rules = annotated()
+    assert len(ops) == len(rules)
+    for svc, method, verb, template in rules:
+        path = ops.get((f"{svc}_{method}", verb))
+        assert path is not None, f"{verb.upper()} {template} ({method}) missing from OpenAPI"
+        # The OpenAPI path is the template with its variables as parameters:
+        # fill both with "x" and they must be the same URL.
+        filled_template = re.sub(r"\{[\w.]+=([^}]*)\}",
+                                 lambda m: m.group(1).replace("*", "x"), template)
+        filled_template = re.sub(r"\{[\w.]+\}", "x", filled_template)
+        assert re.sub(r"\{\w+\}", "x", path) == filled_template, (path, template)
+    schemas = doc["components"]["schemas"]
+    job = schemas["dlsched.v1.Job"]["properties"]
+    assert job["state"] == {"$ref": "#/components/schemas/dlsched.v1.JobState"}
+    assert "JOB_STATE_RUNNING" in schemas["dlsched.v1.JobState"]["enum"]
+    assert job["createTime"]["format"] == "date-time"
+    submit = doc["paths"]["/v1/jobs"]["post"]
+    assert submit["requestBody"]["content"]["application/json"]["schema"] == {
+        "$ref": "#/components/schemas/dlsched.v1.SubmitJobRequest"}
+    logs = doc["paths"]["/v1/jobs/{jobsId}/logs"]["get"]
+    assert {p["name"] for p in logs["parameters"]} >= {"jobsId", "follow", "tail_lines",
+                                                      "since_time", "streams"}
+    assert "application/x-ndjson" in logs["responses"]["200"]["content"]
+
+
+def test_submit_get_list_stop_delete_over_rest(base: str, local_cluster: str) -> None:
+    job_id, label = uniq(), uniq()
+    code, body = call(base, "POST", "/v1/jobs", {
+        "jobId": job_id, "requestId": f"req-{job_id}",
+        "spec": spec("import time; print('up', flush=True); time.sleep(60)", label)})
+    assert code == 200, body
+    name = f"jobs/{job_id}"
+    assert body["job"]["name"] == name and body["job"]["spec"]["labels"] == {"test": label}
+    # A retry with the same request id returns the same job.
+    code, again = call(base, "POST", "/v1/jobs", {
+        "jobId": job_id, "requestId": f"req-{job_id}",
+        "spec": spec("import time; time.sleep(60)", label)})
+    assert code == 200 and again["job"]["uid"] == body["job"]["uid"]
+
+    running = wait_state(base, name, {"JOB_STATE_RUNNING"})
+    assert running["cluster"] == local_cluster
+    code, usage = call(base, "GET", f"/v1/{name}:usage")
+    assert code == 200 and usage["usage"]["replicas"][0]["role"] == "main", usage
+
+    code, listed = call(base, "GET", f"/v1/jobs?filter=labels.test%3D{label}&pageSize=10")
+    assert code == 200, listed
+    assert [j["name"] for j in listed["jobs"]] == [name]
+
+    code, stopped = call(base, "POST", f"/v1/{name}:stop")
+    assert code == 200, stopped
+    assert stopped["job"]["state"] in {"JOB_STATE_STOPPING", "JOB_STATE_STOPPED"}
+    assert wait_state(base, name, TERMINAL)["state"] == "JOB_STATE_STOPPED"
+
+    code, deleted = call(base, "DELETE", f"/v1/{name}")
+    assert code == 200 and deleted["job"]["name"] == name
+    code, gone = call(base, "GET", f"/v1/{name}")
+    assert code == 404 and reason(gone) == "JOB_NOT_FOUND"
+    code, again = call(base, "DELETE", f"/v1/{name}?allowMissing=true")
+    assert code == 200 and again == {}
+
+
+def test_unknown_job_is_404_with_job_not_found(base: str) -> None:
+    code, body = call(base, "GET", "/v1/jobs/no-such-job")
+    assert code == 404
+    assert body["code"] == grpc.StatusCode.NOT_FOUND.value[0]
+    assert reason(body) == "JOB_NOT_FOUND"
+    info = next(d for d in body["details"] if d["@type"].endswith("ErrorInfo"))
+    assert info["domain"] == "dlsched.io"
+
+
+async def test_bad_request_is_400_with_the_grpc_reason_and_field(
+        base: str, stack: Stack, local_cluster: str) -> None:
+    bad = {"runMode": "RUN_MODE_SINGLE_PROCESS",
+           "replicaGroups": [{"role": "main", "replicas": 1, "command": []}]}
+    code, body = call(base, "POST", "/v1/jobs", {"spec": bad})
+    assert code == 400
+    # Exactly what the gRPC service says for the same request.
+    assert stack.jm is not None
+    async with grpc.aio.insecure_channel(stack.jm.address) as ch:
+        request = job_manager_service_pb2.SubmitJobRequest()
+        json_format.ParseDict({"spec": bad}, request)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await jm_grpc.JobManagerServiceStub(ch).SubmitJob(request)
+    assert body["code"] == e.value.code().value[0] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    grpc_info = error_info(e.value)
+    assert grpc_info is not None and reason(body) == grpc_info.reason
+    assert violations(body) == [v.field for v in field_violations(e.value)]
+    assert "spec.replica_groups[0].command" in violations(body)
+    assert "Traceback" not in json.dumps(body)
+
+
+def test_gateway_side_errors_are_status_json(base: str) -> None:
+    code, body = call(base, "POST", "/v1/jobs", raw=b"{not json")
+    assert code == 400 and body["code"] == 3 and reason(body) == "INVALID_ARGUMENT"
+    code, body = call(base, "POST", "/v1/jobs", {"spec": {"noSuchField": 1}})
+    assert code == 400 and violations(body) == ["spec.noSuchField"]
+    code, body = call(base, "POST", "/v1/jobs", {"spec": {"maxRetries": "many"}})
+    assert code == 400 and violations(body) == ["spec.maxRetries"]
+    code, body = call(base, "GET", "/v1/jobs?pageSize=abc")
+    assert code == 400 and violations(body) == ["pageSize"]
+    code, body = call(base, "GET", "/v1/jobs?bogus=1")
+    assert code == 400 and violations(body) == ["bogus"]
+    code, body = call(base, "GET", "/v1/nothing-here")
+    assert code == 404 and reason(body) == "ROUTE_NOT_FOUND"
+    code, body = call(base, "PUT", "/v1/jobs")
+    assert code == 405 and reason(body) == "METHOD_NOT_ALLOWED"
+
+
+def test_logs_stream_ndjson_until_the_job_ends(base: str, local_cluster: str) -> None:
+    job_id = uniq()
+    code, body = call(base, "POST", "/v1/jobs", {"jobId": job_id, "spec": spec(
+        "import time\nfor i in range(5):\n    print(f'line {i}', flush=True); time.sleep(0.2)")})
+    assert code == 200, body
+    lines = stream_lines(base, f"/v1/jobs/{job_id}/logs?follow=true&streams=LOG_STREAM_STDOUT")
+    assert next(lines) == b"application/x-ndjson"
+    texts = []
+    for raw in lines:  # ends when the gRPC stream ends: the job is over
+        msg = json.loads(raw)
+        assert "error" not in msg, msg
+        texts.extend(e["text"].rstrip("\n") for e in msg.get("entries", []))
+    assert texts == [f"line {i}" for i in range(5)]
+    assert wait_state(base, f"jobs/{job_id}", TERMINAL, 5)["state"] == "JOB_STATE_SUCCEEDED"
+
+    # Server-sent events on request; without follow the stream ends at once.
+    events = list(stream_lines(base, f"/v1/jobs/{job_id}/logs?tailLines=2",
+                               headers={"Accept": "text/event-stream"}))
+    assert events[0] == b"text/event-stream"
+    data = [json.loads(e[len(b"data: "):]) for e in events[1:] if e.startswith(b"data: ")]
+    assert [e["text"].rstrip("\n") for d in data for e in d["entries"]] == ["line 3", "line 4"]
+
+    # A stream that fails before its first message gets the real HTTP status.
+    code, body = call(base, "GET", "/v1/jobs/no-such-job/logs")
+    assert code == 404 and reason(body) == "JOB_NOT_FOUND"
+
+
+def test_watch_streams_the_job_to_its_end_and_a_disconnect_cancels_it(
+        base: str, gateway: ServiceProcess, local_cluster: str) -> None:
+    job_id, label = uniq(), uniq()
+    code, body = call(base, "POST", "/v1/jobs", {"jobId": job_id, "spec": spec(
+        "import time; time.sleep(1)", label)})
+    assert code == 200, body
+    host, port = gateway.address.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("GET", f"/v1/jobs:watch?filter=labels.test%3D{label}")
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.getheader("Content-Type") == "application/x-ndjson"
+    events = []
+    while True:
+        line = resp.readline()
+        assert line, f"watch ended early after {events}"
+        ev = json.loads(line)
+        events.append(ev["type"])
+        assert ev["resumeToken"]
+        if ev.get("job", {}).get("state") in TERMINAL:
+            assert ev["job"]["state"] == "JOB_STATE_SUCCEEDED"
+            break
+    assert events[0] == "WATCH_EVENT_TYPE_EXISTING"
+    assert "WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE" in events
+    # The client hangs up: the gateway cancels the gRPC watch.
+    conn.close()
+    deadline = time.monotonic() + 10
+    while "client went away; cancelling /dlsched.v1.JobManagerService/WatchJobs" not in gateway.log():
+        assert time.monotonic() < deadline, gateway.log()[-3000:]
+        time.sleep(0.1)
+
+
+def test_clusters_create_list_and_credentials_pass_through_unlogged(
+        base: str, local_cluster: str) -> None:
+    cid = uniq()
+    cluster = {"type": "CLUSTER_TYPE_RAY", "address": "http://127.0.0.1:9",
+               "driverAddress": "127.0.0.1:9", "labels": {"team": "gw"},
+               "credentials": {"token": {"token": SECRET}}}
+    code, body = call(base, "POST", f"/v1/clusters?clusterId={cid}", cluster)
+    assert code == 200, body
+    assert body["cluster"]["name"] == f"clusters/{cid}"
+    assert body["cluster"]["hasCredentials"] is True
+    assert SECRET not in json.dumps(body)
+    code, dup = call(base, "POST", f"/v1/clusters?clusterId={cid}", cluster)
+    assert code == 409 and reason(dup) == "CLUSTER_ALREADY_EXISTS"
+
+    code, listed = call(base, "GET", "/v1/clusters")
+    assert code == 200
+    assert {"clusters/local", f"clusters/{cid}"} <= {c["name"] for c in listed["clusters"]}
+
+    code, patched = call(base, "PATCH", f"/v1/clusters/{cid}?updateMask=labels",
+                         {"labels": {"team": "gw2"}})
+    assert code == 200 and patched["cluster"]["labels"] == {"team": "gw2"}
+
+    code, matched = call(base, "POST", "/v1/clusters:match", {"spec": spec("pass")})
+    assert code == 200 and any(c["cluster"] == "clusters/local" for c in matched["candidates"])
+
+    code, body = call(base, "DELETE", f"/v1/clusters/{cid}")
+    assert code == 200, body
+    code, body = call(base, "GET", f"/v1/clusters/{cid}")
+    assert code == 404 and reason(body) == "CLUSTER_NOT_FOUND"
+
+
+def test_curl_gets_a_job(base: str, local_cluster: str) -> None:
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("no curl")
+    job_id = uniq()
+    r = subprocess.run([curl, "-sS", "-X", "POST", "-H", "Content-Type: application/json",
+                        "-d", json.dumps({"jobId": job_id, "spec": spec("pass")}),
+                        "-w", "\n%{http_code}", f"{base}/v1/jobs"],
+                       capture_output=True, text=True, timeout=30)
+    text, _, status = r.stdout.rpartition("\n")
+    assert status == "200", r.stdout + r.stderr
+    assert json.loads(text)["job"]["name"] == f"jobs/{job_id}"
+    r = subprocess.run([curl, "-sS", "-w", "\n%{http_code}", f"{base}/v1/jobs/{job_id}"],
+                       capture_output=True, text=True, timeout=30)
+    text, _, status = r.stdout.rpartition("\n")
+    assert status == "200" and json.loads(text)["job"]["name"] == f"jobs/{job_id}"
+
+
+def test_sigterm_ends_open_streams_with_unavailable_and_exits_0(stack: Stack,
+                                                                local_cluster: str) -> None:
+    gw = _gateway_process(stack).start()
+    try:
+        host, port = gw.address.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        conn.request("GET", "/v1/clusters:watch")
+        resp = conn.getresponse()
+        assert resp.status == 200
+        first = json.loads(resp.readline())
+        assert first["type"] == "WATCH_EVENT_TYPE_EXISTING"
+        assert gw.proc is not None
+        gw.proc.send_signal(signal.SIGTERM)
+        last = first
+        while line := resp.readline():
+            last = json.loads(line)
+        assert last["error"]["code"] == grpc.StatusCode.UNAVAILABLE.value[0], last
+        assert gw.proc.wait(15) == 0
+        conn.close()
+    finally:
+        gw.stop()
