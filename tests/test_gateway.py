@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import pathlib
 import re
 import shutil
 import signal
@@ -27,13 +28,14 @@ from typing import Any
 import grpc
 import openapi_spec_validator
 import pytest
+import yaml
 from google.api import annotations_pb2
-from google.protobuf import json_format
+from google.protobuf import descriptor_pb2, descriptor_pool, json_format
 
 from dlsched.kit.rpc_errors import error_info, field_violations
 from dlsched.v1 import cluster_manager_service_pb2, job_manager_service_pb2
 from dlsched.v1 import job_manager_service_pb2_grpc as jm_grpc
-from tests.harness import EtcdServer, ServiceProcess, Stack
+from tests.harness import ROOT, EtcdServer, ServiceProcess, Stack
 
 SERVICES = [job_manager_service_pb2.DESCRIPTOR.services_by_name["JobManagerService"],
             cluster_manager_service_pb2.DESCRIPTOR.services_by_name["ClusterManagerService"]]
@@ -419,3 +421,58 @@ def test_sigterm_ends_open_streams_with_unavailable_and_exits_0(stack: Stack,
         conn.close()
     finally:
         gw.stop()
+
+
+# ---------------------------------------------------------------- Envoy (deploy/envoy)
+
+def test_envoy_descriptor_set_and_config_match_the_annotations(tmp_path: pathlib.Path) -> None:
+    """Envoy cannot run here; check what it would load: the descriptor set that
+    build_descriptor.py makes (protoc --include_imports) and envoy.yaml."""
+    out = tmp_path / "dlsched.pb"
+    subprocess.run([sys.executable, str(ROOT / "deploy" / "envoy" / "build_descriptor.py"),
+                    "--out", str(out)], check=True, capture_output=True, timeout=120)
+    fds = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
+    files = {f.name: f for f in fds.file}
+    assert {"google/api/annotations.proto", "google/rpc/status.proto",
+            "google/rpc/error_details.proto"} <= set(files)
+    pool = descriptor_pool.DescriptorPool()
+    for f in fds.file:  # --include_imports lists dependencies first
+        pool.Add(f)
+    assert pool.FindMessageTypeByName("google.rpc.ErrorInfo")
+    assert pool.FindMessageTypeByName("google.rpc.BadRequest")
+    for svc in SERVICES:
+        in_set = next(s for f in fds.file if f.package == "dlsched.v1" for s in f.service
+                      if s.name == svc.name)
+        assert [m.name for m in in_set.method] == [m.name for m in svc.methods]
+        for m, stub in zip(in_set.method, svc.methods, strict=True):
+            # Options of a file-set proto carry the extension as known bytes.
+            got = m.options.Extensions[annotations_pb2.http]
+            assert got == stub.GetOptions().Extensions[annotations_pb2.http], m.name
+
+    config = yaml.safe_load((ROOT / "deploy" / "envoy" / "envoy.yaml").read_text())
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    hcm_conf = hcm["typed_config"]
+    filters = hcm_conf["http_filters"]
+    transcoder = next(f["typed_config"] for f in filters
+                      if f["name"] == "envoy.filters.http.grpc_json_transcoder")
+    assert filters[-1]["name"] == "envoy.filters.http.router"
+    assert transcoder["services"] == [s.full_name for s in SERVICES]
+    assert pathlib.PurePosixPath(transcoder["proto_descriptor"]).name == "dlsched.pb"
+    assert transcoder["convert_grpc_status"] is True
+    assert transcoder["print_options"]["stream_newline_delimited"] is True
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    routes = hcm_conf["route_config"]["virtual_hosts"][0]["routes"]
+    want = {"JobManagerService": "job-manager", "ClusterManagerService": "cluster-manager"}
+    for svc in SERVICES:
+        for m in svc.methods:
+            path = f"/{svc.full_name}/{m.name}"
+            route = next(r["route"] for r in routes
+                         if r["match"].get("path") == path
+                         or path.startswith(r["match"].get("prefix", "\0")))
+            assert route["cluster"] == want[svc.name], path
+            assert (route["timeout"] == "0s") == m.server_streaming, path
+            assert route["cluster"] in clusters
+    for c in clusters.values():
+        opts = c["typed_extension_protocol_options"][
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
+        assert "http2_protocol_options" in opts["explicit_http_config"], c["name"]
