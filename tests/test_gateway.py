@@ -29,12 +29,13 @@ import grpc
 import openapi_spec_validator
 import pytest
 import yaml
-from google.api import annotations_pb2
+from google.api import annotations_pb2, http_pb2
 from google.protobuf import descriptor_pb2, descriptor_pool, json_format
 
 from dlsched.kit.rpc_errors import error_info, field_violations
 from dlsched.v1 import cluster_manager_service_pb2, job_manager_service_pb2
 from dlsched.v1 import job_manager_service_pb2_grpc as jm_grpc
+from gateway import rules
 from tests.harness import ROOT, EtcdServer, ServiceProcess, Stack
 
 SERVICES = [job_manager_service_pb2.DESCRIPTOR.services_by_name["JobManagerService"],
@@ -476,3 +477,47 @@ def test_envoy_descriptor_set_and_config_match_the_annotations(tmp_path: pathlib
         opts = c["typed_extension_protocol_options"][
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"]
         assert "http2_protocol_options" in opts["explicit_http_config"], c["name"]
+
+
+# ---------------------------------------------------------------- templates (no processes)
+
+def test_path_templates_match_decode_and_order() -> None:
+    t = rules.parse_template("/v1/{name=jobs/*}:stop")
+    assert t.match("/v1/jobs/a%20b:stop") == {"name": "jobs/a b"}
+    assert t.match("/v1/jobs/a/b:stop") is None and t.match("/v1/jobs/a") is None
+    # A multi-segment variable keeps %2F, so a decoded "/" never forges a segment.
+    assert t.match("/v1/jobs/a%2Fb:stop") == {"name": "jobs/a%2Fb"}
+    single = rules.parse_template("/v1/things/{id}")
+    assert single.match("/v1/things/a%2Fb") == {"id": "a/b"}
+    deep = rules.parse_template("/v1/{path=files/**}")
+    assert deep.match("/v1/files/a/b/c") == {"path": "files/a/b/c"}
+    for bad in ("v1/jobs", "/v1/{name=jobs/*", "/v1/{9x}", "/v1/**/x", "/v1/a:b:c"):
+        with pytest.raises(rules.RuleError):
+            rules.parse_template(bad)
+    # A verb route is tried before a verb-less one whose variable could take it.
+    order = [(r.http_method, r.template.text) for r in rules.routes_for(SERVICES)]
+    assert order.index(("GET", "/v1/{name=jobs/*}:usage")) < order.index(("GET", "/v1/{name=jobs/*}"))
+
+
+def _service_with_rule(rule: http_pb2.HttpRule) -> Any:
+    fdp = descriptor_pb2.FileDescriptorProto(name=f"t{uuid.uuid4().hex}.proto", package="t",
+                                             syntax="proto3")
+    fdp.message_type.add(name="Req").field.add(
+        name="name", number=1, type=descriptor_pb2.FieldDescriptorProto.TYPE_STRING,
+        label=descriptor_pb2.FieldDescriptorProto.LABEL_OPTIONAL)
+    fdp.message_type.add(name="Resp")
+    m = fdp.service.add(name="Svc").method.add(name="Get", input_type=".t.Req",
+                                                 output_type=".t.Resp")
+    m.options.Extensions[annotations_pb2.http].CopyFrom(rule)
+    pool = descriptor_pool.DescriptorPool()
+    return pool.AddSerializedFile(fdp.SerializeToString()).services_by_name["Svc"]
+
+
+def test_an_annotation_naming_a_missing_field_stops_start_up() -> None:
+    ok = _service_with_rule(http_pb2.HttpRule(get="/v1/{name=things/*}"))
+    assert [r.template.text for r in rules.routes_for([ok])] == ["/v1/{name=things/*}"]
+    for bad in (http_pb2.HttpRule(get="/v1/{nope=things/*}"),
+                http_pb2.HttpRule(post="/v1/things", body="nope"),
+                http_pb2.HttpRule(get="/v1/things", response_body="nope")):
+        with pytest.raises(rules.RuleError):
+            rules.routes_for([_service_with_rule(bad)])
