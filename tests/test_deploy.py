@@ -35,6 +35,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -239,8 +240,9 @@ def test_services_and_probes(kustomization: str) -> None:
         assert d["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
         assert c["securityContext"]["readOnlyRootFilesystem"] is True
         # A dlsched pod behind a Service's load balancer must be replaceable;
-        # singletons are recreated rather than rolled.
-        if c["args"][0] != "job_manager":
+        # singletons (the drivers) are recreated rather than rolled; the
+        # managers run several replicas and roll.
+        if c["args"][0] not in ("job_manager", "cluster_manager"):
             assert d["spec"]["strategy"]["type"] == "Recreate", name
 
 
@@ -289,8 +291,8 @@ def test_replicas(kustomization: str) -> None:
         assert set(replicas.values()) == {1}, replicas
     else:
         assert replicas["job-manager"] >= 2
-        # One ClusterManager until it elects a leader (issue 7, part 5); one per driver.
-        assert replicas["cluster-manager"] == 1
+        # Several ClusterManagers (one leader monitors, through an etcd lease); one per driver.
+        assert replicas["cluster-manager"] >= 2
         assert all(replicas[n] == 1 for n in replicas if n.startswith("driver-"))
 
 
@@ -595,7 +597,7 @@ def test_image_entry_points_serve(image: Path, local_etcd: EtcdServer, tmp_path:
                         assert a == c["args"][0] or a.startswith("--"), a
                         args.append(a)
                         continue
-                    if flag == "--listen":
+                    if flag in ("--listen", "--metrics-listen"):
                         value = "127.0.0.1:0"
                     elif m := re.fullmatch(r"([a-z0-9-]+)(?:\.[a-z0-9.-]+)?:(\d+)", value):
                         assert (m.group(1), int(m.group(2))) in ports, f"{a}: no such Service port"
@@ -624,6 +626,10 @@ def test_image_entry_points_serve(image: Path, local_etcd: EtcdServer, tmp_path:
                 service = c[probe]["grpc"].get("service", "")
                 assert health(proc.address, service) == health_pb2.HealthCheckResponse.SERVING, \
                     f"{proc.args[0]} {probe} {service!r}:\n{proc.log()}"
+            if any(a.startswith("--metrics-listen=") for a in c["args"]):
+                metrics_at = Path(f"{proc.port_file}.metrics").read_text().strip()
+                with urllib.request.urlopen(f"http://{metrics_at}/metrics", timeout=10) as r:
+                    assert b"dlsched_rpc_requests_total" in r.read(), proc.args[0]
         # The Kubernetes SDK is imported only once a cluster is configured (the
         # other backends' at start-up): configure one at a closed loopback port.
         (k8s,) = [p for p, _ in started if p.args[0] == "drivers.kubernetes"]
