@@ -30,16 +30,21 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import grpc
+import prometheus_client
 from aiohttp import web
 from google.protobuf import message
 from google.rpc import code_pb2, status_pb2
 
 from dlsched import errors
-from dlsched.kit import rpc_errors
+from dlsched.kit import metrics, rpc_errors
 
 from . import status, transcode
 from .openapi import build_openapi
 from .rules import Route
+
+HTTP_REQUESTS = prometheus_client.Counter(
+    "dlsched_http_requests", "gateway HTTP requests, by the RPC they reach and the HTTP status",
+    ["rpc", "method", "code"])
 
 log = logging.getLogger("gateway")
 
@@ -90,6 +95,7 @@ class Gateway:
                               middlewares=[self._access_log])
         app.router.add_get("/openapi.json", self._openapi)
         app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_route("*", "/{tail:.*}", self.handle)
         return app
 
@@ -107,12 +113,19 @@ class Gateway:
             code = 499
             raise
         finally:
+            # Labelled by the RPC a route reaches, never by the path (ids are unbounded).
+            HTTP_REQUESTS.labels(request.get("rpc", "none"), request.method if request.get("rpc") else "-",
+                                 str(code)).inc()
             # The path only: query strings and bodies are never logged.
             log.info("%s %s -> %d (%.0f ms)", request.method, request.path, code,
                      (time.monotonic() - start) * 1000)
 
     async def _openapi(self, request: web.Request) -> web.Response:
         return web.json_response(self.openapi)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=prometheus_client.generate_latest(metrics.REGISTRY),
+                            headers={"Content-Type": prometheus_client.CONTENT_TYPE_LATEST})
 
     async def _healthz(self, request: web.Request) -> web.Response:
         if self.draining:
@@ -149,6 +162,7 @@ class Gateway:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         try:
             route, values = self.match(request.method, request.rel_url.raw_path)
+            request["rpc"] = route.grpc_path
             body = await request.read() if route.body else b""
             msg = transcode.build_request(route, values, request.rel_url.query.items(), body)
             if route.server_streaming:

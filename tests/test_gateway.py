@@ -256,6 +256,19 @@ def test_unknown_job_is_404_with_job_not_found(base: str) -> None:
     assert info["domain"] == "dlsched.io"
 
 
+def test_metrics_count_requests_by_rpc_and_status(base: str) -> None:
+    def count() -> float:
+        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        want = 'dlsched_http_requests_total{code="404",method="GET",rpc="/dlsched.v1.JobManagerService/GetJob"}'
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(want))
+
+    before = count()
+    for _ in range(3):
+        assert call(base, "GET", "/v1/jobs/not-there-either")[0] == 404
+    assert count() == before + 3
+
+
 async def test_bad_request_is_400_with_the_grpc_reason_and_field(
         base: str, stack: Stack, local_cluster: str) -> None:
     bad = {"runMode": "RUN_MODE_SINGLE_PROCESS",
