@@ -23,6 +23,7 @@ import asyncio
 import os
 import re
 import shlex
+import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar, cast
@@ -32,6 +33,7 @@ import yaml
 from google.protobuf import descriptor, field_mask_pb2, json_format, timestamp_pb2
 
 from dlsched import errors
+from dlsched.kit import channel as kit_channel
 from dlsched.kit import rpc_errors, timeutil
 from dlsched.v1 import (
     cluster_manager_service_pb2 as cms,
@@ -174,6 +176,11 @@ def cluster_name(id_or_name: str) -> str:
     return _resource_name("clusters", id_or_name)
 
 
+def _request_id() -> str:
+    """A fresh request id: a retried call (the channel retries UNAVAILABLE) returns the first result."""
+    return f"sdk-{uuid.uuid4().hex}"
+
+
 def short_id(name: str) -> str:
     """``"jobs/myjob"`` -> ``"myjob"``."""
     return name.rpartition("/")[2]
@@ -189,11 +196,8 @@ class _Client:
                  timeout: float | None = 30.0) -> None:
         self.address = address
         self._own_channel = channel is None
-        self.channel = channel if channel is not None else grpc.aio.insecure_channel(
-            address,
-            options=[("grpc.max_receive_message_length", 8 * 1024 * 1024),
-                     ("grpc.enable_retries", 1)],
-        )
+        # The shipped service config: reads retry on UNAVAILABLE, deadlines, keepalive.
+        self.channel = channel if channel is not None else kit_channel.insecure_channel(address)
         self.timeout = timeout
 
     async def __aenter__(self: _T) -> _T:
@@ -251,9 +255,12 @@ class JobManagerClient(_Client):
 
     async def submit_job(self, spec: job_pb2.JobSpec, *, job_id: str = "", request_id: str = "",
                          dry_run: bool = False) -> jms.SubmitJobResponse:
-        """Submits (or, with ``dry_run``, plans) a job; the response has ``job`` and ``dry_run``."""
+        """Submits (or, with ``dry_run``, plans) a job; the response has ``job`` and ``dry_run``.
+
+        Without ``request_id`` one is made up, so the channel's retry of an
+        UNAVAILABLE submit can never make a second job."""
         req = jms.SubmitJobRequest(job_id=short_id(job_id) if job_id else "", spec=spec,
-                                   request_id=request_id, dry_run=dry_run)
+                                   request_id=request_id or _request_id(), dry_run=dry_run)
         resp: jms.SubmitJobResponse = await self._unary(self.stub.SubmitJob, req)
         return resp
 
@@ -382,7 +389,7 @@ class ClusterManagerClient(_Client):
     async def create_cluster(self, cluster_id: str, cluster: cluster_pb2.Cluster, *,
                              request_id: str = "") -> cluster_pb2.Cluster:
         resp = await self._unary(self.stub.CreateCluster, cms.CreateClusterRequest(
-            cluster_id=short_id(cluster_id), cluster=cluster, request_id=request_id))
+            cluster_id=short_id(cluster_id), cluster=cluster, request_id=request_id or _request_id()))
         return resp.cluster  # type: ignore[no-any-return]
 
     async def get_cluster(self, name_or_id: str) -> cluster_pb2.Cluster:

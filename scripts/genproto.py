@@ -35,7 +35,10 @@ def generate(out: pathlib.Path) -> list[pathlib.Path]:
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
-    return sorted((out / "dlsched" / "v1").glob("*_pb2*.py*"))
+    # The gRPC service config ships with the protos; clients load it from the package.
+    config = PROTO_ROOT / "dlsched" / "v1" / "service_config.json"
+    (out / "dlsched" / "v1" / config.name).write_text(config.read_text())
+    return sorted((out / "dlsched" / "v1").glob("*_pb2*.py*")) + [out / "dlsched" / "v1" / config.name]
 
 
 def main() -> None:

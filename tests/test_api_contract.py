@@ -37,8 +37,9 @@ def _tool(name: str) -> str | None:
 def test_generated_stubs_are_not_stale(tmp_path: pathlib.Path) -> None:
     subprocess.run([sys.executable, str(ROOT / "scripts" / "genproto.py"), "--out", str(tmp_path)],
                    check=True, cwd=ROOT, capture_output=True)
-    fresh = sorted(p.name for p in (tmp_path / "dlsched" / "v1").glob("*_pb2*.py*"))
-    committed = sorted(p.name for p in (ROOT / "dlsched" / "v1").glob("*_pb2*.py*"))
+    generated = ("*_pb2*.py*", "service_config.json")
+    fresh = sorted(p.name for g in generated for p in (tmp_path / "dlsched" / "v1").glob(g))
+    committed = sorted(p.name for g in generated for p in (ROOT / "dlsched" / "v1").glob(g))
     assert fresh, "genproto made no files"
     assert fresh == committed, "stub files differ: run python scripts/genproto.py"
     stale = [n for n in fresh

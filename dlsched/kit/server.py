@@ -102,6 +102,12 @@ async def start_server(opts: ServerOptions, registrations: Sequence[Registration
         ("grpc.max_receive_message_length", opts.max_message_bytes),
         ("grpc.max_send_message_length", opts.max_message_bytes),
         ("grpc.so_reuseport", 0),
+        # Ping idle connections every 30 s, so a watch or log stream that is
+        # quiet for minutes is not cut by a load balancer's idle timeout, and
+        # a dead peer is noticed within 40 s; clients may ping every 10 s.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         *opts.extra_options,

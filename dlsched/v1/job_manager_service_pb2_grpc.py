@@ -33,6 +33,14 @@ class JobManagerServiceStub:
     Every RPC is also an HTTP/JSON route, declared in its google.api.http
     option (gateway/ and Envoy's gRPC-JSON transcoder serve them); the error
     body is the same google.rpc.Status in its JSON form.
+
+    Client conventions: load service_config.json (next to this file) as the
+    channel's service config: unary calls get deadlines; reads retry on
+    UNAVAILABLE; SubmitJob retries too, so always set its request_id; DeleteJob
+    never retries; streams retry only before their first message. Messages are
+    limited to 8 MiB each way. Servers ping idle connections every 30 s, so a
+    quiet WatchJobs or StreamJobLogs stream stays open behind load balancers;
+    clients may ping every 10 s at most.
     """
 
     def __init__(self, channel):
@@ -91,6 +99,14 @@ class JobManagerServiceServicer:
     Every RPC is also an HTTP/JSON route, declared in its google.api.http
     option (gateway/ and Envoy's gRPC-JSON transcoder serve them); the error
     body is the same google.rpc.Status in its JSON form.
+
+    Client conventions: load service_config.json (next to this file) as the
+    channel's service config: unary calls get deadlines; reads retry on
+    UNAVAILABLE; SubmitJob retries too, so always set its request_id; DeleteJob
+    never retries; streams retry only before their first message. Messages are
+    limited to 8 MiB each way. Servers ping idle connections every 30 s, so a
+    quiet WatchJobs or StreamJobLogs stream stays open behind load balancers;
+    clients may ping every 10 s at most.
     """
 
     def SubmitJob(self, request, context):
@@ -226,6 +242,14 @@ class JobManagerService:
     Every RPC is also an HTTP/JSON route, declared in its google.api.http
     option (gateway/ and Envoy's gRPC-JSON transcoder serve them); the error
     body is the same google.rpc.Status in its JSON form.
+
+    Client conventions: load service_config.json (next to this file) as the
+    channel's service config: unary calls get deadlines; reads retry on
+    UNAVAILABLE; SubmitJob retries too, so always set its request_id; DeleteJob
+    never retries; streams retry only before their first message. Messages are
+    limited to 8 MiB each way. Servers ping idle connections every 30 s, so a
+    quiet WatchJobs or StreamJobLogs stream stays open behind load balancers;
+    clients may ping every 10 s at most.
     """
 
     @staticmethod
