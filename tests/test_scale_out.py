@@ -1,6 +1,6 @@
 """Scale-out over one etcd: two JobManagers and two ClusterManagers.
 
-A job submitted through one JobManager is watched through the other; the
+A job submitted through one JobManager is watched and tailed through the other; the
 ClusterManager leader (the one that monitors clusters) is SIGKILLed and the
 other takes over: a cluster registered afterwards still becomes READY, and
 jobs submitted afterwards still run to their end, their states flowing to
@@ -143,6 +143,10 @@ async def test_two_of_each_share_jobs_and_survive_the_cluster_manager_leader(pai
         assert seen_a == seen_b and seen_a[-1] == job_pb2.JOB_STATE_SUCCEEDED
         got = (await jms[1].GetJob(pb.GetJobRequest(name=first.name))).job
         assert got.state == job_pb2.JOB_STATE_SUCCEEDED
+        # ... and its logs tail to the end through the other one too.
+        lines = [e.text async for r in jms[1].StreamJobLogs(pb.StreamJobLogsRequest(name=first.name, follow=True))
+                 for e in r.entries]
+        assert lines == ["done"]
 
         # Exactly one ClusterManager leads; SIGKILL it.
         leader = await leader_of(pair)
