@@ -15,13 +15,14 @@ and every service in the image's ``io.dlsched.services`` label is started as
 ``python -m`` plus the args its manifest gives it, from an empty directory and
 without this checkout on the path. Addresses of in-cluster Services become the
 local peers' addresses, ``--listen`` becomes ``127.0.0.1:0``; every other flag
-is passed as written. Each must answer the health checks its probes make with
-SERVING, and stop on SIGTERM with exit code 0 within its
-terminationGracePeriodSeconds.
+is passed as written. Each must answer the health checks its probes make
+(gRPC health SERVING; the gateway's HTTP /healthz 200), serve /metrics, and
+stop on SIGTERM with exit code 0 within its terminationGracePeriodSeconds.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import importlib.metadata
 import importlib.util
 import inspect
@@ -35,6 +36,7 @@ import sys
 import sysconfig
 import tempfile
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,7 +58,8 @@ NAMESPACE = "dlsched"
 JOBS_NAMESPACE = "dlsched-jobs"
 #: Kubernetes versions the objects must validate against: gRPC probes are GA since 1.27.
 K8S_VERSIONS = ("1.27", "1.37")
-#: The gRPC service each module serves (besides grpc.health.v1 and reflection).
+#: The gRPC service each gRPC module serves (besides grpc.health.v1 and reflection);
+#: its port, Service port and appProtocol are named `grpc`, its probes are gRPC probes.
 SERVES = {
     "job_manager": "dlsched.v1.JobManagerService",
     "cluster_manager": "dlsched.v1.ClusterManagerService",
@@ -65,6 +68,14 @@ SERVES = {
     "drivers.kubernetes": "dlsched.v1.DriverService",
     "drivers.ray": "dlsched.v1.DriverService",
 }
+#: The path each HTTP module's probes GET; its port, Service port and appProtocol
+#: are named `http`, and it serves /metrics on that port.
+HTTP_HEALTH = {"gateway": "/healthz"}
+#: Every module the image runs.
+MODULES = set(SERVES) | set(HTTP_HEALTH)
+#: Modules that run as one replica and are recreated, not rolled (ClusterManager
+#: configures the driver behind a Service; two at once would each hold half the clusters).
+SINGLETONS = {m for m in MODULES if m.startswith("drivers.")}
 ISTIO_GROUPS = ("security.istio.io/", "networking.istio.io/")
 
 
@@ -132,9 +143,15 @@ def container(workload: dict[str, Any]) -> dict[str, Any]:
     return workload["spec"]["template"]["spec"]["containers"][0]
 
 
-def grpc_port(c: dict[str, Any]) -> int:
-    ports = [p["containerPort"] for p in c.get("ports", []) if p.get("name") == "grpc"]
-    assert len(ports) == 1, f"container {c['name']}: one port named grpc expected"
+def protocol(module: str) -> str:
+    """What a module's API port speaks, and so its port's and appProtocol's name."""
+    assert module in MODULES, f"{module}: add it to SERVES or HTTP_HEALTH"
+    return "http" if module in HTTP_HEALTH else "grpc"
+
+
+def named_port(c: dict[str, Any], name: str) -> int:
+    ports = [p["containerPort"] for p in c.get("ports", []) if p.get("name") == name]
+    assert len(ports) == 1, f"container {c['name']}: one port named {name} expected"
     return int(ports[0])
 
 
@@ -153,6 +170,9 @@ def prestop_sleep(c: dict[str, Any]) -> float:
 def server_grace(args: list[str]) -> float:
     """The shutdown grace (``server.stop(grace)``) of the service these args start."""
     module = args[0]
+    if module == "gateway":
+        from gateway.__main__ import parse_args as gateway_args
+        return float(gateway_args(args[1:]).grace_seconds)  # aiohttp's shutdown_timeout
     if module == "cluster_manager":
         from cluster_manager.__main__ import parse_args
         return float(parse_args(args[1:]).grace_seconds)
@@ -206,33 +226,45 @@ def test_renders_and_validates(kustomization: str) -> None:
 @needs_kubectl
 @pytest.mark.parametrize("kustomization", KUSTOMIZATIONS)
 def test_services_and_probes(kustomization: str) -> None:
-    """Each dlsched Deployment: one Service with port `grpc` / appProtocol grpc in
-    front of it, gRPC probes on that port (readiness for the service it serves),
-    a preStop sleep, and a grace period that covers preStop + the server's grace."""
+    """Each dlsched Deployment: one Service in front of it whose port and
+    appProtocol name what it speaks (`grpc`, the gateway's `http`), probes of
+    that kind on that port (gRPC: readiness for the service it serves; HTTP: a
+    GET of its health path), a preStop sleep, and a grace period that covers
+    preStop + the server's grace."""
     objs = render(kustomization)
     services = of_kind(objs, "Service")
     for svc in services:
         for p in svc["spec"]["ports"]:
             # Istio's protocol selection: `<protocol>[-suffix]` names.
             assert re.fullmatch(r"(grpc|tcp|http2?)(-[a-z0-9-]+)?", p["name"]), p
-            if p["name"].startswith("grpc"):
-                assert p.get("appProtocol") == "grpc", f"{svc['metadata']['name']}: {p}"
+            if p["name"].split("-")[0] in ("grpc", "http"):
+                assert p.get("appProtocol") == p["name"].split("-")[0], f"{svc['metadata']['name']}: {p}"
     deployments = dlsched_deployments(objs)
-    assert {container(d)["args"][0] for d in deployments} == set(SERVES)
+    assert {container(d)["args"][0] for d in deployments} == MODULES
     for d in deployments:
         name, c = d["metadata"]["name"], container(d)
+        module, proto = c["args"][0], protocol(c["args"][0])
         assert "command" not in c, f"{name}: the image's ENTRYPOINT runs the service"
-        port = grpc_port(c)
+        port = named_port(c, proto)
         fronts = [s for s in services if selects(s, d)]
         assert len(fronts) == 1, f"{name}: {len(fronts)} Services select it"
         (sp,) = fronts[0]["spec"]["ports"]
-        assert (sp["name"], sp["appProtocol"], sp["targetPort"]) == ("grpc", "grpc", "grpc")
+        assert (sp["name"], sp["appProtocol"], sp["targetPort"]) == (proto, proto, proto), name
         listen = [a for a in c["args"] if a.startswith("--listen=")]
         assert listen == [f"--listen=[::]:{port}"], f"{name}: {listen}"
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert c[probe]["grpc"]["port"] == port, f"{name}.{probe}"
-        assert c["readinessProbe"]["grpc"]["service"] == SERVES[c["args"][0]]
-        assert c["livenessProbe"]["grpc"].get("service", "") == ""
+            if proto == "grpc":
+                assert "httpGet" not in c[probe], f"{name}.{probe}"
+                assert c[probe]["grpc"]["port"] == port, f"{name}.{probe}"
+            else:
+                assert "grpc" not in c[probe], f"{name}.{probe}"
+                get = c[probe]["httpGet"]
+                assert get["port"] in (port, proto), f"{name}.{probe}: {get}"
+                assert get["path"] == HTTP_HEALTH[module], f"{name}.{probe}: {get}"
+                assert get.get("scheme", "HTTP") == "HTTP", f"{name}.{probe}: {get}"
+        if proto == "grpc":
+            assert c["readinessProbe"]["grpc"]["service"] == SERVES[module]
+            assert c["livenessProbe"]["grpc"].get("service", "") == ""
         grace = d["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
         need = prestop_sleep(c) + server_grace(c["args"])
         # Enough for preStop + server.stop(grace), plus a little to close clients; no more.
@@ -241,9 +273,9 @@ def test_services_and_probes(kustomization: str) -> None:
         assert c["securityContext"]["readOnlyRootFilesystem"] is True
         # A dlsched pod behind a Service's load balancer must be replaceable;
         # singletons (the drivers) are recreated rather than rolled; the
-        # managers run several replicas and roll.
-        if c["args"][0] not in ("job_manager", "cluster_manager"):
-            assert d["spec"]["strategy"]["type"] == "Recreate", name
+        # managers and the gateway run several replicas and roll.
+        strategy = d["spec"].get("strategy", {}).get("type", "RollingUpdate")
+        assert strategy == ("Recreate" if module in SINGLETONS else "RollingUpdate"), name
 
 
 def _etcd_config(objs: list[dict[str, Any]]) -> str:
@@ -293,6 +325,7 @@ def test_replicas(kustomization: str) -> None:
         assert replicas["job-manager"] >= 2
         # Several ClusterManagers (one leader monitors, through an etcd lease); one per driver.
         assert replicas["cluster-manager"] >= 2
+        assert replicas["gateway"] >= 2   # stateless: the HTTP API survives a pod
         assert all(replicas[n] == 1 for n in replicas if n.startswith("driver-"))
 
 
@@ -310,6 +343,11 @@ def test_istio_overlay() -> None:
     assert dr["apiVersion"] == "networking.istio.io/v1"
     assert dr["spec"]["host"] == f"*.{NAMESPACE}.svc.cluster.local"
     assert dr["spec"]["trafficPolicy"]["tls"]["mode"] == "ISTIO_MUTUAL"
+    # The rule covers every Service in the namespace, the gateway's included.
+    hosts = [f"{s['metadata']['name']}.{NAMESPACE}.svc.cluster.local" for s in of_kind(objs, "Service")
+             if s["metadata"]["namespace"] == NAMESPACE]
+    assert "gateway.dlsched.svc.cluster.local" in hosts
+    assert [h for h in hosts if not fnmatch.fnmatchcase(h, dr["spec"]["host"])] == []
     for w in workloads(objs):
         cfg = yaml.safe_load(w["spec"]["template"]["metadata"]["annotations"]["proxy.istio.io/config"])
         assert cfg["holdApplicationUntilProxyStarts"] is True
@@ -405,8 +443,8 @@ def parse_dockerfile() -> dict[str, Any]:
 def test_dockerfile_entry_points_match_the_manifests() -> None:
     df = parse_dockerfile()
     assert df["entrypoint"] == ["python", "-m"]
-    assert set(df["services"]) == set(SERVES)
-    assert {"slurm", "kubernetes", "ray"} <= set(df["extras"])
+    assert set(df["services"]) == MODULES
+    assert {"slurm", "kubernetes", "ray", "gateway"} <= set(df["extras"])
     if KUBECTL is not None or IN_CI:
         started = [container(d)["args"][0] for d in dlsched_deployments(render("base"))]
         assert sorted(started) == sorted(df["services"])
@@ -539,6 +577,63 @@ def health(address: str, service: str) -> int:
         return int(resp.status)
 
 
+def http_get(url: str) -> tuple[int, bytes]:
+    """Status and body of a GET (an HTTP error status is an answer, not an exception)."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def check_probes(proc: ImageProcess, c: dict[str, Any]) -> None:
+    """Make each probe's check against the process, as the kubelet would."""
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        if "grpc" in c[probe]:
+            service = c[probe]["grpc"].get("service", "")
+            assert health(proc.address, service) == health_pb2.HealthCheckResponse.SERVING, \
+                f"{proc.args[0]} {probe} {service!r}:\n{proc.log()}"
+        else:
+            path = c[probe]["httpGet"]["path"]
+            code, body = http_get(f"http://{proc.address}{path}")
+            # The kubelet counts 200-399 as success; /healthz says 200 SERVING.
+            assert (code, json.loads(body)) == (200, {"status": "SERVING"}), \
+                f"{proc.args[0]} {probe} {path}: {code} {body!r}:\n{proc.log()}"
+
+
+def check_metrics(proc: ImageProcess, c: dict[str, Any]) -> None:
+    """/metrics on --metrics-listen (gRPC services) or on the HTTP port (the gateway)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if any(a.startswith("--metrics-listen=") for a in c["args"]):
+        metrics_at = Path(f"{proc.port_file}.metrics").read_text().strip()
+        family, counted = "dlsched_rpc_requests", None
+    else:
+        assert protocol(proc.args[0]) == "http", f"{proc.args[0]}: no --metrics-listen"
+        metrics_at = proc.address
+        # The probes' GETs above are counted: no RPC, HTTP 200.
+        family, counted = "dlsched_http_requests", {"rpc": "none", "method": "-", "code": "200"}
+    code, body = http_get(f"http://{metrics_at}/metrics")
+    assert code == 200, f"{proc.args[0]}: /metrics {code}"
+    families = {f.name: f for f in text_string_to_metric_families(body.decode())}
+    assert family in families, f"{proc.args[0]}: no {family} in\n{body.decode()}"
+    if counted is not None:
+        values = [s.value for s in families[family].samples
+                  if s.name == f"{family}_total" and s.labels == counted]
+        assert len(values) == 1 and values[0] >= 1, f"{family} {counted}:\n{body.decode()}"
+
+
+def check_gateway_upstreams(address: str) -> None:
+    """The gateway built from the wheel serves its routes and reaches the locally
+    started JobManager and ClusterManager its (rewritten) flags name."""
+    code, body = http_get(f"http://{address}/openapi.json")
+    assert code == 200 and "/v1/jobs" in json.loads(body)["paths"], body[:500]
+    for path, field in (("/v1/jobs", "jobs"), ("/v1/clusters", "clusters")):
+        code, body = http_get(f"http://{address}{path}")
+        assert code == 200, f"GET {path}: {code} {body!r}"
+        assert json.loads(body).get(field, []) == [], f"GET {path}: {body!r}"
+
+
 def _env_of(c: dict[str, Any], objs: list[dict[str, Any]]) -> dict[str, str]:
     env: dict[str, str] = {}
     for e in c.get("env", []):
@@ -621,15 +716,10 @@ def test_image_entry_points_serve(image: Path, local_etcd: EtcdServer, tmp_path:
             assert progressed, f"unresolvable dependencies: {[d['metadata']['name'] for d in pending]}"
         assert sorted(p.args[0] for p, _ in started) == sorted(df["services"])
         for proc, d in started:
-            c = container(d)
-            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-                service = c[probe]["grpc"].get("service", "")
-                assert health(proc.address, service) == health_pb2.HealthCheckResponse.SERVING, \
-                    f"{proc.args[0]} {probe} {service!r}:\n{proc.log()}"
-            if any(a.startswith("--metrics-listen=") for a in c["args"]):
-                metrics_at = Path(f"{proc.port_file}.metrics").read_text().strip()
-                with urllib.request.urlopen(f"http://{metrics_at}/metrics", timeout=10) as r:
-                    assert b"dlsched_rpc_requests_total" in r.read(), proc.args[0]
+            check_probes(proc, container(d))
+            check_metrics(proc, container(d))
+        (gw,) = [p for p, _ in started if p.args[0] == "gateway"]
+        check_gateway_upstreams(gw.address)
         # The Kubernetes SDK is imported only once a cluster is configured (the
         # other backends' at start-up): configure one at a closed loopback port.
         (k8s,) = [p for p, _ in started if p.args[0] == "drivers.kubernetes"]
@@ -645,8 +735,9 @@ def test_image_entry_points_serve(image: Path, local_etcd: EtcdServer, tmp_path:
 
 
 def test_image_python_has_no_checkout_on_path(image: Path) -> None:
-    out = subprocess.run([str(image), "-c", "import sys, job_manager, drivers.ray; "
-                          "print(job_manager.__file__); print(drivers.ray.__file__); print(sys.path)"],
+    out = subprocess.run([str(image), "-c", "import sys, job_manager, drivers.ray, gateway; "
+                          "print(job_manager.__file__); print(drivers.ray.__file__); "
+                          "print(gateway.__file__); print(sys.path)"],
                          capture_output=True, text=True, cwd=tempfile.gettempdir(),
                          env={"PATH": os.environ.get("PATH", "")})
     assert out.returncode == 0, out.stderr
