@@ -44,6 +44,7 @@ class Config:
     grace_seconds: float = 5.0
     max_message_bytes: int = 8 * 1024 * 1024
     log_level: str = "INFO"
+    log_format: str = "text"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
@@ -59,11 +60,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--max-message-bytes", type=int, default=8 * 1024 * 1024,
                    help="largest request body and gRPC message")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="json: one object per line (default text)")
     a = p.parse_args(argv)
     if a.rpc_timeout <= 0 or a.grace < 0:
         p.error("--rpc-timeout must be positive and --grace not negative")
     return Config(a.listen, a.port_file, a.job_manager, a.cluster_manager, a.rpc_timeout,
-                  a.grace, a.max_message_bytes, a.log_level)
+                  a.grace, a.max_message_bytes, a.log_level, a.log_format)
 
 
 def _bind(listen: str) -> socket.socket:
@@ -120,7 +123,7 @@ async def amain(cfg: Config) -> None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     cfg = parse_args(argv)
-    logs.setup(cfg.log_level, "gateway")
+    logs.setup(cfg.log_level, "gateway", cfg.log_format)
     asyncio.run(amain(cfg))
 
 

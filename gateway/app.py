@@ -79,7 +79,10 @@ class Gateway:
         options = [("grpc.max_receive_message_length", max_message_bytes),
                    ("grpc.max_send_message_length", max_message_bytes),
                    ("grpc.keepalive_time_ms", 30_000),
-                   ("grpc.keepalive_permit_without_calls", 1)]
+                   ("grpc.keepalive_permit_without_calls", 1),
+                   # Several replicas behind one name (a headless Service's
+                   # dns:///job-manager:50051) share the calls; a dead one is skipped.
+                   ("grpc.lb_policy_name", "round_robin")]
         self._channels = {addr: grpc.aio.insecure_channel(addr, options=options)
                           for addr in set(upstreams.values())}
         self._upstream = dict(upstreams)
