@@ -35,13 +35,19 @@ log = logging.getLogger("dlsched.driver.kubernetes")
 
 
 class RequestBudget:
-    """A token bucket: ``qps`` tokens a second, at most ``burst`` saved up. Thread-safe."""
+    """A token bucket: ``qps`` tokens a second, at most ``burst`` saved up. Thread-safe.
 
-    def __init__(self, qps: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+    ``acquire`` blocks (``sleep``) until a token is there: a full bucket lets
+    ``burst`` requests through at once, then one every ``1/qps`` seconds.
+    """
+
+    def __init__(self, qps: float, burst: int, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self._qps = max(qps, 0.001)
         self._burst = max(1, burst)
         self._tokens = float(self._burst)
         self._clock = clock
+        self._sleep = sleep
         self._last = clock()
         self._lock = threading.Lock()
 
@@ -51,11 +57,11 @@ class RequestBudget:
                 now = self._clock()
                 self._tokens = min(self._burst, self._tokens + (now - self._last) * self._qps)
                 self._last = now
-                if self._tokens >= 1:
-                    self._tokens -= 1
+                if self._tokens >= 1 - 1e-9:  # a token earned by the last sleep, rounding aside
+                    self._tokens = max(0.0, self._tokens - 1)
                     return
                 wait = (1 - self._tokens) / self._qps
-            time.sleep(wait)
+            self._sleep(wait)
 
 
 def is_unreachable(exc: BaseException) -> bool:
