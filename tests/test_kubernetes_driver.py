@@ -3,9 +3,12 @@
 The emulator runs in the test process (``Emulator``: kmock's stateful
 ``KubernetesEmulator`` plus a small front that normalises ``watch=True`` to
 ``watch=true``, kmock 0.8 recognising only the latter, serves the pod log
-endpoint from ``Emulator.logs`` and counts requests). The test plays the
-kubelet: it moves pods through phases by patching ``pods/<name>/status``
-over HTTP, as a kubelet does.
+endpoint from ``Emulator.logs`` and, when ``Emulator.pod_metrics`` is set,
+``metrics.k8s.io`` pod metrics, counts and timestamps requests, and can
+answer every request with a 5xx (``fail_with``) or some paths with 403
+(``forbidden``), as an API server under trouble or RBAC would). The test
+plays the kubelet: it moves pods through phases by patching
+``pods/<name>/status`` over HTTP, as a kubelet does.
 """
 
 from __future__ import annotations
@@ -51,6 +54,11 @@ class Emulator(kmock.KubernetesEmulator):
         self.gone_at = 0
         self.logs: dict[tuple[str, str], list[str]] = {}
         self.log_event = asyncio.Event()
+        self.stamps: list[tuple[float, str]] = []  # (monotonic arrival, "METHOD path")
+        self.fail_with: int | None = None  # answer every request with this status (5xx)
+        self.failed = 0
+        self.forbidden: set[str] = set()  # paths answered 403 (RBAC)
+        self.pod_metrics: dict[str, dict[str, Any]] | None = None  # pod -> PodMetrics' timestamp/window/containers
         for r in ("v1/pods", "v1/services", "v1/nodes", "v1/secrets", "v1/configmaps"):
             self.resources[r] = {}
         return self
@@ -59,6 +67,14 @@ class Emulator(kmock.KubernetesEmulator):
         self.count += 1
         self.paths.append(f"{raw.method} {raw.rel_url}")
         self.auth.add(raw.headers.get("Authorization", ""))
+        self.stamps.append((time.monotonic(), f"{raw.method} {raw.path}"))
+        if self.fail_with is not None:
+            self.failed += 1
+            return status_response(self.fail_with, "ServiceUnavailable", "etcdserver: request timed out")
+        if raw.path in self.forbidden:
+            return status_response(403, "Forbidden", f"cannot {raw.method} {raw.path} at the cluster scope")
+        if raw.path.startswith("/apis/metrics.k8s.io/") and self.pod_metrics is not None:
+            return self._serve_metrics(raw)
         if raw.rel_url.query.get("watch") in ("True", "1"):
             raw = raw.clone(rel_url=raw.rel_url.update_query(watch="true"))
         if raw.rel_url.query.get("watch") == "true" and self.gone:
@@ -73,6 +89,25 @@ class Emulator(kmock.KubernetesEmulator):
             self.watches.add(task)
             task.add_done_callback(self.watches.discard)
         return await super().__call__(raw)
+
+    def _serve_metrics(self, raw: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
+        """``GET /apis/metrics.k8s.io/v1beta1/namespaces/{ns}/pods``: a PodMetricsList, as metrics-server
+        serves it (pod labels copied, the selector applied), for the pods in ``pod_metrics``."""
+        parts = raw.path.split("/")
+        assert parts[3:5] == ["v1beta1", "namespaces"] and parts[6:] == ["pods"], raw.path
+        ns = parts[5]
+        want = dict(kv.split("=", 1) for kv in raw.rel_url.query.get("labelSelector", "").split(",") if kv)
+        items = []
+        for name, sample in (self.pod_metrics or {}).items():
+            key = (PODS, ns, name)
+            if key not in self.objects or self.objects[key].deleted:
+                continue
+            labels = self.objects[key].raw["metadata"].get("labels") or {}
+            if all(labels.get(k) == v for k, v in want.items()):
+                items.append({"kind": "PodMetrics", "apiVersion": "metrics.k8s.io/v1beta1",
+                              "metadata": {"name": name, "namespace": ns, "labels": labels}, **sample})
+        return aiohttp.web.json_response({"kind": "PodMetricsList", "apiVersion": "metrics.k8s.io/v1beta1",
+                                          "metadata": {}, "items": items})
 
     def drop_streams(self) -> None:
         """End every open watch and log stream (the server then shuts down at once)."""
@@ -103,9 +138,11 @@ class Emulator(kmock.KubernetesEmulator):
         await resp.prepare(raw)
         lines = self.logs.setdefault(key, [])
         pos = max(0, len(lines) - int(q["tailLines"])) if q.get("tailLines") else 0
+        cutoff = time.time() - int(q["sinceSeconds"]) if q.get("sinceSeconds") else None
         while True:
             while pos < len(lines):
-                await resp.write(lines[pos].encode() + b"\n")
+                if cutoff is None or stamp_time(lines[pos]) >= cutoff:
+                    await resp.write(lines[pos].encode() + b"\n")
                 pos += 1
             if q.get("follow") not in ("true", "True") or self.phase(request.name) in ("Succeeded", "Failed", ""):
                 break
@@ -115,10 +152,30 @@ class Emulator(kmock.KubernetesEmulator):
         await resp.write_eof()
         return resp
 
-    def write_log(self, pod: str, text: str, container: str = "main") -> None:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + ".123456789Z"
+    def write_log(self, pod: str, text: str, container: str = "main", at: float | None = None) -> None:
+        stamp = rfc3339(at) if at is not None else time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + ".123456789Z"
         self.logs.setdefault((pod, container), []).append(f"{stamp} {text}")
         self.log_event.set()
+
+
+def status_response(code: int, reason: str, message: str) -> aiohttp.web.Response:
+    return aiohttp.web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code,
+                                      "reason": reason, "message": message}, status=code)
+
+
+def rfc3339(t: float) -> str:
+    """Unix seconds -> the log API's ``2026-01-01T00:00:00.123456789Z``."""
+    ns = round(t * 1e9)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ns // 10**9)) + f".{ns % 10**9:09d}Z"
+
+
+def stamp_time(line: str) -> float:
+    """A log line's ``<RFC3339Nano> `` prefix -> unix seconds."""
+    from datetime import datetime
+
+    stamp = line.split(" ", 1)[0].rstrip("Z")
+    whole, _, frac = stamp.partition(".")
+    return datetime.fromisoformat(whole + "+00:00").timestamp() + float(f"0.{frac or 0}")
 
 
 @contextlib.asynccontextmanager
@@ -657,3 +714,199 @@ async def test_render_and_watch_observations(stub: Any, emu: tuple[Emulator, str
                 break
     finally:
         call.cancel()
+
+
+# --------------------------------------------------------------------------- usage, capacity, trouble, budget
+
+
+async def measure(stub: Any, job_id: str, cluster: str = "clusters/k8s") -> dict[tuple[str, int], Any]:
+    resp = await stub.MeasureJobUsage(dpb.MeasureJobUsageRequest(cluster=cluster, job=dpb.JobRef(job_id=job_id)),
+                                      timeout=10)
+    return {(r.role, r.replica_index): r for r in resp.usage.replicas}
+
+
+async def test_usage_comes_from_metrics_k8s_io(stub: Any, emu: tuple[Emulator, str]) -> None:
+    """Memory as served; CPU seconds integrated from the served rate (cores) over the time each sample covers."""
+    e, url = emu
+    job = new_id("usage")
+    await launch(stub, job, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MULTI_PROCESS,
+                                            replica_groups=[group("worker", 2, 2)]))  # two containers a pod
+    w0, w1 = f"{job}-1-worker-0", f"{job}-1-worker-1"
+    for pod in (w0, w1):
+        await kubelet(url, pod, "Running")  # startTime 2026-01-01T00:00:00Z
+    await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
+
+    def sample(at: str, *usage: tuple[str, str]) -> dict[str, Any]:
+        return {"timestamp": at, "window": "15s", "containers": [
+            {"name": f"main-{i}", "usage": {"cpu": cpu, "memory": mem}} for i, (cpu, mem) in enumerate(usage)]}
+
+    e.pod_metrics = {w0: sample("2026-01-01T00:01:40Z", ("250m", "64Mi"), ("1500000n", "123456Ki")),
+                     w1: sample("2026-01-01T00:01:40Z", ("2", "1Gi"), ("0", "0"))}
+    try:
+        u = await measure(stub, job)
+        assert set(u) == {("worker", 0), ("worker", 1)} and all(r.running for r in u.values())
+        assert u["worker", 0].memory_bytes == (64 << 20) + 123456 * 1024 == u["worker", 0].peak_memory_bytes
+        assert u["worker", 1].memory_bytes == 1 << 30
+        # 0.2515 and 2 cores for the 100 s since the pods started
+        assert u["worker", 0].cpu_seconds == pytest.approx(25.15)
+        assert u["worker", 1].cpu_seconds == pytest.approx(200)
+        assert (await measure(stub, job)) == u  # the same sample again adds nothing
+        # 15 s later worker-0 runs at 0.5 cores with less memory; worker-1 has ended (no metrics).
+        e.pod_metrics = {w0: sample("2026-01-01T00:01:55Z", ("500m", "32Mi"))}
+        await kubelet(url, w1, "Succeeded", **exited(0, "Completed"))
+        u2 = await measure(stub, job)
+        assert u2["worker", 0].cpu_seconds == pytest.approx(25.15 + 7.5)
+        assert u2["worker", 0].memory_bytes == 32 << 20
+        assert u2["worker", 0].peak_memory_bytes == (64 << 20) + 123456 * 1024
+        ended = u2["worker", 1]
+        assert not ended.running and ended.memory_bytes == 0
+        assert ended.cpu_seconds == pytest.approx(200) and ended.peak_memory_bytes == 1 << 30
+    finally:
+        e.pod_metrics = None
+
+
+async def put_node(url: str, name: str, cpu: str, gpus: str = "", product: str = "") -> None:
+    alloc = {"cpu": cpu, "memory": "64Gi", **({render.GPU_RESOURCE: gpus} if gpus else {})}
+    labels = {render.GPU_PRODUCT_LABEL: product} if product else {}
+    node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels},
+            "status": {"allocatable": alloc}}
+    async with aiohttp.ClientSession() as s, s.post(f"{url}/api/v1/nodes", json=node) as r:
+        assert r.status == 200, await r.text()
+
+
+def foreign_pod(e: Emulator, ns: str, name: str, node: str, phase: str, gpus: int) -> None:
+    """A pod dlsched did not make (another namespace, another user), GPUs in its limits only."""
+    e.objects[PODS, ns, name] = {
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
+        "spec": {"nodeName": node, "containers": [{"name": "c", "image": "x", "resources": {
+            "limits": {render.GPU_RESOURCE: str(gpus)}}}]},
+        "status": {"phase": phase}}
+
+
+async def test_gpu_capacity_and_a_namespace_scoped_credential(driver: ServiceProcess) -> None:
+    """Free GPUs = allocatable - requests of scheduled pods that have not ended, cluster-wide; a credential
+    that may not list pods cluster-wide (403) still leaves the cluster READY with the nodes' capacity."""
+    cluster = "clusters/gpus"
+    async with grpc.aio.insecure_channel(driver.address) as ch, emulator() as (e, url):
+        stub = driver_service_pb2_grpc.DriverServiceStub(ch)
+        await put_node(url, "a100-1", "32", "8", "A100")
+        await put_node(url, "h100-1", "32", "4", "H100")
+        await put_node(url, "cpu-1", "16")
+        await configure(stub, cluster, url)
+        job = new_id("gpu")
+        gpu_group = job_pb2.ReplicaGroup(role="worker", replicas=2, processes_per_replica=2, command=["python"],
+                                         resources=job_pb2.Resources(cpu=2, memory_bytes=1 << 30, gpus=2))
+        await launch(stub, job, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MULTI_PROCESS,
+                                                replica_groups=[gpu_group]), cluster=cluster)
+        for pod in pods_of(e, job):
+            await kubelet(url, pod, "Running", node="a100-1")  # 2 x 2 GPUs on the A100 node
+        foreign_pod(e, "other", "training", "h100-1", "Running", 1)  # counts: another namespace
+        foreign_pod(e, "other", "done", "h100-1", "Succeeded", 4)  # ended: holds nothing
+        foreign_pod(e, "other", "queued", "", "Pending", 4)  # not scheduled: holds nothing
+
+        async def info() -> Any:
+            return (await stub.GetClusterInfo(dpb.GetClusterInfoRequest(cluster=cluster), timeout=10)).info
+
+        i = await info()
+        assert i.state == cluster_pb2.CLUSTER_STATE_READY
+        c = i.capacity
+        assert (c.gpus_total, c.gpus_free, c.max_gpus_per_node) == (12, 12 - 4 - 1, 8)
+        assert {(g.gpu_type, g.total, g.free) for g in c.gpus} == {("A100", 8, 4), ("H100", 4, 3)}
+        assert (c.cpus_total, c.cpus_free, c.nodes_total, c.nodes_free) == (80, 76, 3, 1)
+
+        e.forbidden.add("/api/v1/pods")  # namespace-scoped RBAC: no cluster-wide pod list
+        i = await info()
+        assert i.state == cluster_pb2.CLUSTER_STATE_READY, i
+        c = i.capacity
+        assert (c.gpus_total, c.cpus_total, c.max_gpus_per_node) == (12, 80, 8)  # the nodes, all there
+        assert c.gpus_free == 12 - 4  # only namespace dl's pods are seen
+        assert "forbidden" in i.message  # says why free capacity is partial
+        tried = sum(1 for _, p in e.stamps if p == "GET /api/v1/pods")
+        await info()
+        assert sum(1 for _, p in e.stamps if p == "GET /api/v1/pods") == tried  # not asked again each interval
+        assert (await observe(stub, job, cluster)).state == job_pb2.JOB_STATE_RUNNING
+        await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=cluster), timeout=10)
+
+
+async def test_an_api_server_answering_5xx_never_fails_jobs(driver: ServiceProcess) -> None:
+    cluster = "clusters/five-xx"
+    async with grpc.aio.insecure_channel(driver.address) as ch, emulator() as (e, url):
+        stub = driver_service_pb2_grpc.DriverServiceStub(ch)
+        await configure(stub, cluster, url)
+        job = new_id("five-xx")
+        await launch(stub, job, spec("single_process"), cluster=cluster)
+        pod = f"{job}-1-main-0"
+        await kubelet(url, pod, "Running")
+        await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING], cluster=cluster)
+
+        e.fail_with = 503
+        e.drop_streams()  # the watch breaks; every request after it is answered 503
+        await eventually(lambda: e.failed >= 2)  # the informer's re-list was refused, and retried
+        await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING], reason="BackendStale", cluster=cluster)
+        info = (await stub.GetClusterInfo(dpb.GetClusterInfoRequest(cluster=cluster), timeout=10)).info
+        assert info.state == cluster_pb2.CLUSTER_STATE_UNREACHABLE
+        for call in (launch(stub, new_id("five-xx"), spec("single_process"), cluster=cluster), measure(stub, job, cluster)):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        for _ in range(5):  # the last state is kept, never FAILED
+            obs = await observe(stub, job, cluster)
+            assert (obs.state, obs.reason) == (job_pb2.JOB_STATE_RUNNING, "BackendStale")
+            await asyncio.sleep(0.1)
+
+        e.fail_with = None  # the API server is well again: the informer re-lists and the job is current
+        await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING], reason="Running", within=20, cluster=cluster)
+        info = (await stub.GetClusterInfo(dpb.GetClusterInfoRequest(cluster=cluster), timeout=10)).info
+        assert info.state == cluster_pb2.CLUSTER_STATE_READY
+        await kubelet(url, pod, "Succeeded", **exited(0, "Completed"))
+        await wait_for(stub, job, [job_pb2.JOB_STATE_SUCCEEDED], cluster=cluster)
+        await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=cluster), timeout=10)
+
+
+async def test_the_request_budget_paces_api_requests() -> None:
+    """--qps 5 --burst 5: 20 concurrent launches (40 creates) reach the API server paced, not all at once."""
+    qps, burst = 5, 5
+    svc = ServiceProcess("drivers.kubernetes", ["--qps", str(qps), "--burst", str(burst), "--request-timeout", "5"],
+                         name="kubernetes-paced").start()
+    try:
+        async with grpc.aio.insecure_channel(svc.address) as ch, emulator() as (e, url):
+            stub = driver_service_pb2_grpc.DriverServiceStub(ch)
+            await configure(stub, "clusters/paced", url)
+            before = len(e.stamps)
+            ids = [new_id("paced") for _ in range(20)]
+            await asyncio.gather(*(stub.LaunchJob(dpb.LaunchJobRequest(
+                cluster="clusters/paced", job_id=j, spec=spec("single_process"), attempt=1), timeout=60)
+                for j in ids))
+            posts = [t for t, p in e.stamps[before:] if p.startswith("POST ")]
+            assert len(posts) == 40  # a Service and a Pod each
+            # A bucket of 5 lets 5 through at once, then one every 0.2 s: 35 more take 7 s (allow 5).
+            assert posts[-1] - posts[0] >= (len(posts) - burst) / qps * 0.7, posts[-1] - posts[0]
+            # No second ever sees more than burst + qps of them (plus slack for arrival jitter).
+            assert max(sum(1 for u in posts if t <= u < t + 1) for t in posts) <= burst + qps + 2
+            await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/paced"), timeout=10)
+    finally:
+        svc.stop()
+
+
+async def test_logs_since_a_time_ask_the_pod_log_api_for_since_seconds(stub: Any, emu: tuple[Emulator, str]) -> None:
+    e, url = emu
+    job = new_id("since")
+    await launch(stub, job, spec("single_process"))
+    pod = f"{job}-1-main-0"
+    await kubelet(url, pod, "Running")
+    since = time.time() - 60
+    e.write_log(pod, "long before", at=since - 3600)
+    e.write_log(pod, "just before", at=since - 0.5)  # inside the API's whole-second rounding: the driver drops it
+    e.write_log(pod, "at the time", at=since + 0.001)
+    e.write_log(pod, "now")
+    before = len(e.paths)
+    req = dpb.TailJobLogsRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job))
+    req.since_time.FromNanoseconds(int(since * 1e9))
+    got = [x.text async for r in stub.TailJobLogs(req, timeout=10) for x in r.entries]
+    assert got == ["at the time", "now"]
+    (asked,) = [p for p in e.paths[before:] if f"/pods/{pod}/log?" in p]
+    from urllib.parse import parse_qs, urlsplit
+
+    q = parse_qs(urlsplit(asked.split(" ", 1)[1]).query)
+    assert 60 <= int(q["sinceSeconds"][0]) <= 63, asked  # rounded up, never short
+    assert q["timestamps"] == ["true"]

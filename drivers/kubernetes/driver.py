@@ -54,11 +54,22 @@ every line is reported as STDOUT. A pod that has not started yet gives one
 line saying so (without follow), or is waited for (with follow); a follow
 ends once every replica's stream has ended and the job is terminal.
 
-Usage: ``metrics.k8s.io/v1beta1`` pod metrics (memory, and CPU as cores in
-use, not CPU seconds) when the cluster serves it; otherwise UNIMPLEMENTED
-``metrics.k8s.io not available``. Capacity: nodes' allocatable CPU, memory
-and ``nvidia.com/gpu`` minus the requests of the pods scheduled on them
-that have not ended; GPU types from the ``nvidia.com/gpu.product`` label.
+Usage: ``metrics.k8s.io/v1beta1`` pod metrics when the cluster serves them
+(404, or 503 while the API server itself answers: UNIMPLEMENTED
+``metrics.k8s.io not available``). Memory is the sum of the containers'
+working sets; peak memory the highest the driver has seen. The API serves
+CPU as a rate (cores over a window), not a counter, so ``cpu_seconds`` is an
+estimate: the rate integrated over the time each sample covers (since the
+previous one; the first since the pod started), kept per replica so it never
+goes back, and still reported once the replica has ended (``running`` false).
+
+Capacity: nodes' allocatable CPU, memory and ``nvidia.com/gpu`` minus the
+requests of the pods scheduled on them that have not ended, cluster-wide;
+GPU types from the ``nvidia.com/gpu.product`` label. A namespace-scoped
+credential (403 on the cluster-wide pod list) leaves the cluster READY: free
+capacity then counts only the namespace's pods, and the message says so. 403
+on nodes: READY with capacity unknown (zero). Only an API server that does
+not answer, answers 5xx or rejects the credentials (401) is UNREACHABLE.
 """
 
 from __future__ import annotations
@@ -71,6 +82,7 @@ import json
 import logging
 import math
 import os
+import re
 import socket
 import tempfile
 import threading
@@ -126,6 +138,7 @@ log = logging.getLogger("dlsched.driver.kubernetes")
 _OTHER_KINDS = {"Secret": "delete_namespaced_secret", "ConfigMap": "delete_namespaced_config_map"}
 BATCH_ENTRIES = 500
 FOLLOW_READ_TIMEOUT = 24 * 3600.0  # a followed log may stay silent for long
+FORBIDDEN_RETRY = 300.0  # seconds before a 403'd cluster-wide pod list is tried again
 
 
 @dataclass(frozen=True)
@@ -215,12 +228,22 @@ class _Job:
         self.start_time: float | None = None
         self.end_time: float | None = None
         self.changed = asyncio.Event()
+        self.usage: dict[str, _Sampled] = {}  # by pod: what metrics.k8s.io said so far
 
     def by_pod(self, name: str) -> _Replica | None:
         for r in self.replicas:
             if r.pod == name:
                 return r
         return None
+
+
+@dataclass
+class _Sampled:
+    """One replica's usage as accumulated from its metrics.k8s.io samples."""
+
+    time: float  # the last sample's timestamp
+    cpu_seconds: float
+    peak_memory_bytes: int
 
 
 class _Cluster:
@@ -236,6 +259,7 @@ class _Cluster:
         self.stale: str | None = "not synced yet"
         self.synced = asyncio.Event()
         self.jobs: dict[str, _Job] = {}  # by render.job_label(job_id), the pods' job label
+        self.pods_forbidden_until = 0.0  # monotonic: skip the cluster-wide pod list (403) until then
 
 
 def _api_client(config: ClusterConfig) -> tuple[Any, str | None]:
@@ -440,17 +464,45 @@ class KubernetesDriver(Driver):
 
     async def _info(self, c: _Cluster) -> ClusterInfo:
         version = f"{self.name}/{__version__}"
+        modes = _run_modes()
+        notes = [f"stale: {c.stale}"] if c.stale and c.synced.is_set() else []
         try:
             nodes = await self._json(c, c.core.list_node)
-            pods = await self._json(c, c.core.list_pod_for_all_namespaces,
-                                    field_selector="status.phase!=Succeeded,status.phase!=Failed")
-        except Exception as e:  # noqa: BLE001 - any failure is "unreachable"
+        except Exception as e:  # noqa: BLE001
+            if _status(e) != 403:  # down, 5xx, or credentials rejected (401): unreachable
+                return ClusterInfo(state=ClusterState.UNREACHABLE, driver_version=version,
+                                   message=f"Kubernetes API server: {_status_text(e)}", supported_run_modes=modes)
+            # Reachable, but RBAC hides the nodes: capacity unknown (zero), not an outage.
+            notes.append("capacity unknown: listing nodes is forbidden (HTTP 403); grant nodes list")
+            return ClusterInfo(state=ClusterState.READY, driver_version=version, message="; ".join(notes),
+                               supported_run_modes=modes)
+        try:
+            pods = await self._scheduled_pods(c, notes)
+        except Exception as e:  # noqa: BLE001
             return ClusterInfo(state=ClusterState.UNREACHABLE, driver_version=version,
-                               message=f"Kubernetes API server: {_status_text(e)}",
-                               supported_run_modes=_run_modes())
-        return ClusterInfo(state=ClusterState.READY, capacity=_capacity(nodes, pods),
-                           supported_run_modes=_run_modes(), driver_version=version,
-                           message=f"stale: {c.stale}" if c.stale and c.synced.is_set() else "")
+                               message=f"Kubernetes API server: {_status_text(e)}", supported_run_modes=modes)
+        return ClusterInfo(state=ClusterState.READY, capacity=_capacity(nodes, pods), supported_run_modes=modes,
+                           driver_version=version, message="; ".join(notes))
+
+    async def _scheduled_pods(self, c: _Cluster, notes: list[str]) -> Any:
+        """Every pod that may hold resources, cluster-wide; the namespace's only when RBAC forbids that.
+
+        A namespace-scoped credential gets 403 on the cluster-wide list: free
+        capacity then counts only this namespace's pods (an overestimate the
+        message states), and the cluster-wide list is retried only every
+        ``FORBIDDEN_RETRY`` seconds, not every interval.
+        """
+        selector = "status.phase!=Succeeded,status.phase!=Failed"
+        if time.monotonic() >= c.pods_forbidden_until:
+            try:
+                return await self._json(c, c.core.list_pod_for_all_namespaces, field_selector=selector)
+            except Exception as e:  # noqa: BLE001
+                if _status(e) != 403:
+                    raise
+                c.pods_forbidden_until = time.monotonic() + FORBIDDEN_RETRY
+        notes.append(f"free capacity counts only namespace {c.namespace}'s pods: listing pods in all "
+                     "namespaces is forbidden (HTTP 403)")
+        return await self._json(c, c.core.list_namespaced_pod, c.namespace, field_selector=selector)
 
     # ------------------------------------------------------------------ informer callbacks
 
@@ -895,20 +947,30 @@ class KubernetesDriver(Driver):
                                    c.namespace, "pods", label_selector=f"{render.LABEL_JOB}={render.job_label(job.job_id)},"
                                                   f"{render.LABEL_ATTEMPT}={job.attempt}")
         except Exception as e:  # noqa: BLE001
-            if _status(e) in (404, 503):
+            # 404: no metrics API; 503: its APIService is down (the API server itself answers).
+            if _status(e) == 404 or _status(e) == 503 and c.stale is None:
                 raise Unimplemented("metrics.k8s.io not available") from None
             raise _api_error(e, "reading pod metrics") from None
         by_pod = {(m.get("metadata") or {}).get("name"): m for m in doc.get("items") or ()}
         out = []
         for r in job.replicas:
             m = by_pod.get(r.pod)
-            mem = cpu = 0.0
-            for cont in (m or {}).get("containers") or ():
+            prev = job.usage.get(r.pod)
+            if m is None:  # ended (or not started): what was seen while it ran
+                out.append(ReplicaUsage(role=r.role, replica_index=r.index,
+                                        cpu_seconds=prev.cpu_seconds if prev else 0.0,
+                                        peak_memory_bytes=prev.peak_memory_bytes if prev else 0))
+                continue
+            mem = cores = 0.0
+            for cont in m.get("containers") or ():
                 u = cont.get("usage") or {}
                 mem += _parse_quantity(u.get("memory", 0))
-                cpu += _parse_quantity(u.get("cpu", 0))
-            out.append(ReplicaUsage(role=r.role, replica_index=r.index, memory_bytes=int(mem),
-                                    peak_memory_bytes=int(mem), running=m is not None))
+                cores += _parse_quantity(u.get("cpu", 0))
+            sampled = _integrate(prev, m, cores, int(mem), job.pods.get(r.pod))
+            job.usage[r.pod] = sampled
+            out.append(ReplicaUsage(role=r.role, replica_index=r.index, cpu_seconds=sampled.cpu_seconds,
+                                    memory_bytes=int(mem), peak_memory_bytes=sampled.peak_memory_bytes,
+                                    running=True))
         return JobUsage(replicas=tuple(out), sample_time=time.time())
 
 
@@ -966,6 +1028,35 @@ def _entries(role: str, index: int, lines: list[bytes], query: LogQuery) -> list
             continue
         out.append(LogEntry(role=role, replica_index=index, stream=LogStream.STDOUT, text=text, time_ns=ns))
     return out
+
+
+_GO_DURATION = re.compile(r"(\d+(?:\.\d*)?)(ns|us|µs|ms|s|m|h)")
+_GO_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def _go_duration(value: Any) -> float:
+    """A Go duration as metrics.k8s.io writes ``window`` ("15s", "1m0.5s") -> seconds; 0 if unreadable."""
+    return sum(float(n) * _GO_UNITS[u] for n, u in _GO_DURATION.findall(str(value or "")))
+
+
+def _integrate(prev: _Sampled | None, metrics_item: Mapping[str, Any], cores: float, memory: int,
+               pod: Mapping[str, Any] | None) -> _Sampled:
+    """Fold one PodMetrics sample into a replica's running CPU-seconds estimate.
+
+    metrics.k8s.io serves a rate (cores, averaged over ``window`` up to
+    ``timestamp``), not a counter, so CPU seconds are estimated: each sample
+    stands for the time since the one before (exact when samples come at the
+    metrics resolution), the first for the time since the pod started (or
+    its window, when the start is unknown). A sample seen before adds nothing.
+    """
+    ts = states.parse_time(metrics_item.get("timestamp")) or time.time()
+    if prev is not None:
+        if ts <= prev.time:
+            return _Sampled(prev.time, prev.cpu_seconds, max(prev.peak_memory_bytes, memory))
+        return _Sampled(ts, prev.cpu_seconds + cores * (ts - prev.time), max(prev.peak_memory_bytes, memory))
+    start = states.replica_of(pod).start_time if pod is not None else None
+    span = ts - start if start is not None and start <= ts else _go_duration(metrics_item.get("window"))
+    return _Sampled(ts, cores * span, memory)
 
 
 def _capacity(nodes: Mapping[str, Any], pods: Mapping[str, Any]) -> ClusterCapacity:
