@@ -174,3 +174,16 @@ class Stack:
         for p in (self.jm, self.cm, self.driver):
             if p is not None:
                 p.stop()
+
+    async def register_local(self, cluster_id: str = "local", within: float = 30) -> str:
+        """``clusters/{cluster_id}`` on this stack's local driver, registered
+        through ClusterManager (idempotently) and READY; returns its name."""
+        from dlsched.client import ClusterManagerClient
+        from dlsched.v1 import cluster_pb2, job_pb2
+
+        async with ClusterManagerClient(self.cm.address) as cm:
+            await cm.create_cluster(cluster_id, cluster_pb2.Cluster(
+                type=job_pb2.CLUSTER_TYPE_LOCAL, driver_address=self.driver.address),
+                request_id=f"register-{cluster_id}")
+            await cm.wait_cluster_state(cluster_id, timeout=within)
+        return f"clusters/{cluster_id}"

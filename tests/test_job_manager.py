@@ -19,11 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from dlsched.kit.rpc_errors import error_info, field_violations
-from dlsched.v1 import cluster_manager_service_pb2 as cm_pb
-from dlsched.v1 import cluster_manager_service_pb2_grpc as cm_grpc
-from dlsched.v1 import cluster_pb2, job_pb2
 from dlsched.v1 import job_manager_service_pb2 as pb
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
+from dlsched.v1 import job_pb2
 from tests.harness import EtcdServer, ServiceProcess, Stack
 
 S = job_pb2
@@ -57,19 +55,7 @@ def stack(etcd: EtcdServer) -> Iterator[Stack]:
 
 @pytest.fixture(scope="module")
 async def cluster(stack: Stack) -> str:
-    async with grpc.aio.insecure_channel(stack.cm.address) as ch:
-        cm = cm_grpc.ClusterManagerServiceStub(ch)
-        await cm.CreateCluster(cm_pb.CreateClusterRequest(
-            cluster_id="local", request_id="register-local",
-            cluster=cluster_pb2.Cluster(type=S.CLUSTER_TYPE_LOCAL,
-                                        driver_address=stack.driver.address)))
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            got = await cm.GetCluster(cm_pb.GetClusterRequest(name="clusters/local"))
-            if got.cluster.state == cluster_pb2.CLUSTER_STATE_READY:
-                return "clusters/local"
-            await asyncio.sleep(0.2)
-    raise AssertionError(f"clusters/local never READY: {got.cluster}")
+    return await stack.register_local()
 
 
 @pytest.fixture

@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Iterator
 import grpc_tools
 import pytest
 
-from dlsched.client import ClusterManagerClient, JobManagerClient
+from dlsched.client import JobManagerClient
 from dlsched.v1 import (
     cluster_manager_service_pb2,
     cluster_pb2,
@@ -94,11 +94,7 @@ def stack(etcd: EtcdServer) -> Iterator[Stack]:
 @pytest.fixture(scope="module")
 async def server(stack: Stack) -> str:
     """The JobManager's address, with clusters/local registered and READY."""
-    async with ClusterManagerClient(stack.cm.address) as cm:
-        await cm.create_cluster("local", cluster_pb2.Cluster(
-            type=job_pb2.CLUSTER_TYPE_LOCAL, driver_address=stack.driver.address),
-            request_id="register-local")
-        await cm.wait_cluster_state("local", timeout=20)
+    await stack.register_local()
     assert stack.jm is not None
     return stack.jm.address
 

@@ -24,10 +24,8 @@ import pytest
 
 from dlsched.client import load_job_file
 from dlsched.kit.rpc_errors import error_info
-from dlsched.v1 import cluster_manager_service_pb2 as cm_pb
-from dlsched.v1 import cluster_manager_service_pb2_grpc as cm_grpc
-from dlsched.v1 import cluster_pb2, driver_service_pb2_grpc, job_pb2
 from dlsched.v1 import driver_service_pb2 as dpb
+from dlsched.v1 import driver_service_pb2_grpc, job_pb2
 from dlsched.v1 import job_manager_service_pb2 as jpb
 from dlsched.v1 import job_manager_service_pb2_grpc as jm_grpc
 from tests.harness import ROOT, EtcdServer, ServiceProcess, Stack
@@ -350,19 +348,7 @@ def stack(etcd: EtcdServer) -> Iterator[Stack]:
 
 @pytest.fixture
 async def jm(stack: Stack) -> AsyncIterator[jm_grpc.JobManagerServiceStub]:
-    async with grpc.aio.insecure_channel(stack.cm.address) as ch:
-        cm = cm_grpc.ClusterManagerServiceStub(ch)
-        try:
-            await cm.CreateCluster(cm_pb.CreateClusterRequest(
-                cluster_id="local", request_id="register-local-modes",
-                cluster=cluster_pb2.Cluster(type=S.CLUSTER_TYPE_LOCAL, driver_address=stack.driver.address)))
-        except grpc.aio.AioRpcError as e:
-            assert e.code() == grpc.StatusCode.ALREADY_EXISTS
-        deadline = time.monotonic() + 20
-        while (await cm.GetCluster(cm_pb.GetClusterRequest(name=CLUSTER))).cluster.state != \
-                cluster_pb2.CLUSTER_STATE_READY:
-            assert time.monotonic() < deadline, "clusters/local never READY"
-            await asyncio.sleep(0.2)
+    assert await stack.register_local() == CLUSTER
     assert stack.jm is not None
     async with grpc.aio.insecure_channel(stack.jm.address) as ch:
         yield jm_grpc.JobManagerServiceStub(ch)

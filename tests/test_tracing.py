@@ -60,18 +60,12 @@ def spans(out: pathlib.Path) -> list[dict]:
 async def test_one_submit_is_one_trace_across_the_three_services(traced) -> None:
     stack, out = traced
     assert stack.jm is not None
+    await stack.register_local()
     async with grpc.aio.insecure_channel(stack.cm.address) as ch:
-        cm = cm_grpc.ClusterManagerServiceStub(ch)
-        await cm.CreateCluster(cm_pb.CreateClusterRequest(cluster_id="local", cluster=cluster_pb2.Cluster(
-            type=job_pb2.CLUSTER_TYPE_LOCAL, driver_address=stack.driver.address)))
-        await cm.CreateCluster(cm_pb.CreateClusterRequest(cluster_id="secretive", cluster=cluster_pb2.Cluster(
+        # A second cluster with a credential that must never show up anywhere.
+        await cm_grpc.ClusterManagerServiceStub(ch).CreateCluster(cm_pb.CreateClusterRequest(cluster_id="secretive", cluster=cluster_pb2.Cluster(
             type=job_pb2.CLUSTER_TYPE_RAY, address="http://127.0.0.1:1", driver_address=stack.driver.address,
             credentials=cluster_pb2.ClusterCredentials(token=cluster_pb2.TokenCredentials(token=SECRET)))))
-        deadline = time.monotonic() + 30
-        while (await cm.GetCluster(cm_pb.GetClusterRequest(name="clusters/local"))).cluster.state != \
-                cluster_pb2.CLUSTER_STATE_READY:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.2)
     async with grpc.aio.insecure_channel(stack.jm.address) as ch:
         spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
             job_pb2.ReplicaGroup(role="main", replicas=1, command=["true"])])
