@@ -5,7 +5,11 @@ and slurmd (config in the temp dir; free ports; ``SLURM_CONF`` and the munge
 socket pointed there) and an sshd on 127.0.0.1 on a free port with a
 generated host key and user key. The SSH user is the one running the tests
 (root in CI); the driver finds the cluster's config through the cluster
-option ``SLURM_CONF`` (``options()``), exported before every command.
+option ``SLURM_CONF`` (``options()``), exported before every command. The
+sshd sets ``SHLVL=1`` so bash does not source the user's ``~/.bashrc`` for
+each command (it does for commands run by sshd): a developer's bashrc (pyenv
+init, conda) costs hundreds of milliseconds a command, which is the machine,
+not the driver, and would swamp what the tests and bench/bench_slurm.py time.
 
 Needs Debian's ``slurmctld slurmd slurm-client munge openssh-server``
 (``scripts/install-slurm.sh``) and root (slurmd runs jobs as their user);
@@ -17,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import getpass
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -201,6 +206,7 @@ UsePAM no
 MaxSessions 10
 MaxStartups 100
 LogLevel ERROR
+SetEnv SHLVL=1
 """)
         os.makedirs("/run/sshd", exist_ok=True)
         self._start("sshd", ["/usr/sbin/sshd", "-D", "-e", "-f", cfg])
@@ -275,6 +281,38 @@ LogLevel ERROR
         for name in ("sshd", "slurmd", "slurmctld", "munged"):
             self._stop(name)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def command_log_path(bindir: str, logfile: str, commands: tuple[str, ...] = ("squeue", "scontrol")) -> str:
+    """Writes wrappers of ``commands`` into ``bindir`` that append ``<unix time> <name> <args>``
+    to ``logfile`` and exec the real command; returns a remote ``PATH`` (cluster option) that
+    puts them first. Counts what a driver issues, as the login node sees it."""
+    os.makedirs(bindir, exist_ok=True)
+    for name in commands:
+        real = shutil.which(name)
+        if real is None:
+            raise RuntimeError(f"{name} not found")
+        path = os.path.join(bindir, name)
+        with open(path, "w") as f:
+            f.write(f"#!/bin/sh\nprintf '%s %s %s\\n' \"$(date +%s.%N)\" {name} \"$*\" >> {shlex.quote(logfile)}\n"
+                    f"exec {shlex.quote(real)} \"$@\"\n")
+        os.chmod(path, 0o755)
+    return f"{bindir}:/usr/local/bin:/usr/bin:/bin"
+
+
+def read_command_log(logfile: str) -> list[tuple[float, str, str]]:
+    """``(time, command, args)`` per logged call, in order (missing file: none)."""
+    try:
+        with open(logfile) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in lines:
+        t, _, rest = line.partition(" ")
+        name, _, args = rest.partition(" ")
+        out.append((float(t), name, args))
+    return out
 
 
 def _children(ppid: int) -> list[int]:

@@ -8,6 +8,7 @@ Skips (never fails) where the cluster cannot run: not root, or Debian's
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ import pytest
 from dlsched.kit.rpc_errors import error_info
 from dlsched.v1 import cluster_pb2, driver_service_pb2_grpc, job_pb2
 from dlsched.v1 import driver_service_pb2 as dpb
+from drivers.slurm.poller import MIN_INTERVAL
 from tests import slurm_cluster
 from tests.harness import ServiceProcess
 
@@ -375,3 +377,87 @@ async def test_controller_outage_keeps_the_last_state_and_recovers(stub, cluster
         await asyncio.to_thread(cluster.start_slurmctld)
     obs = await wait_state(stub, jid, within=90)
     assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
+
+
+async def test_one_squeue_per_round_for_many_jobs_however_many_launches_and_stops(stub, cluster, tmp_path):
+    """Against the real Slurm: squeue/scontrol wrappers on the remote PATH log every call.
+    A burst of launches and stops (each wakes the poller) adds no round; each round is one
+    squeue for every tracked job; once a round has listed the user's jobs, a launch is one
+    sbatch with no look-up."""
+    interval = max(0.3, MIN_INTERVAL)  # the driver fixture asks for 0.3; the floor wins
+    calls = str(tmp_path / "calls.log")
+    req = configure_request(cluster, "clusters/slurm-count")
+    req.options["PATH"] = slurm_cluster.command_log_path(str(tmp_path / "bin"), calls)
+    await stub.ConfigureCluster(req, timeout=30)
+
+    async def launch_pending(jid: str) -> None:
+        spec = single("print(1)")
+        spec.replica_groups[0].resources.cpu = 64  # never starts: stays tracked, PENDING
+        await stub.LaunchJob(dpb.LaunchJobRequest(cluster="clusters/slurm-count", job_id=jid, spec=spec,
+                                                  attempt=1), timeout=60)
+
+    async def observed(ids: list[str]) -> list[dpb.JobObservation]:
+        resp = await stub.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
+            cluster="clusters/slurm-count", jobs=[dpb.JobRef(job_id=j) for j in ids]), timeout=30)
+        return list(resp.observations)
+
+    ids = [new_id("many") for _ in range(40)]
+    try:
+        await asyncio.gather(*(launch_pending(j) for j in ids[:30]))
+        deadline = time.monotonic() + 30
+        while any(o.reason != "PartitionConfig" for o in await observed(ids[:30])):  # rounds cover all
+            assert time.monotonic() < deadline, await observed(ids[:30])
+            await asyncio.sleep(0.3)
+        settled = time.time()
+        await asyncio.gather(*(launch_pending(j) for j in ids[30:]))  # after a round: no look-ups
+        await asyncio.gather(*(stub.TerminateJob(dpb.TerminateJobRequest(
+            cluster="clusters/slurm-count", job=dpb.JobRef(job_id=j)), timeout=30) for j in ids[:10]))
+        await asyncio.sleep(3 * interval)
+        log = slurm_cluster.read_command_log(calls)
+        rounds = [t for t, name, args in log if name == "squeue" and "--name" not in args]
+        gaps = [b - a for a, b in zip(rounds, rounds[1:], strict=False)]
+        # Rounds start `interval` apart in the driver (test_slurm_poller.py pins that exactly);
+        # as the login node sees them a start can lag (a free channel, a loaded host), so count
+        # the rounds in every window, with room for a lag of 2.5 intervals. A round per wake
+        # would put dozens in a few seconds.
+        assert len(rounds) >= 3
+        for i, j in itertools.combinations(range(len(rounds)), 2):
+            assert j - i <= (rounds[j] - rounds[i]) / interval + 2.5, gaps
+        for a, b in zip(rounds, rounds[1:] + [float("inf")], strict=False):
+            follow_ups = [t for t, name, args in log if name == "scontrol" and "show job" in args and a < t < b]
+            assert len(follow_ups) <= 1
+        assert not [args for t, name, args in log if "--name" in args and t > settled]
+        assert len(await observed(ids)) == 40
+    finally:
+        await asyncio.gather(*(stub.TerminateJob(dpb.TerminateJobRequest(
+            cluster="clusters/slurm-count", job=dpb.JobRef(job_id=j)), timeout=30) for j in ids),
+            return_exceptions=True)
+        await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/slurm-count"), timeout=30)
+
+
+async def test_a_new_driver_process_adopts_earlier_jobs_and_never_submits_them_again(stub, cluster):
+    """A restarted driver knows nothing: a relaunch before its first poll round is looked up, an
+    observation naming a Slurm job adopts it from the next round, and a relaunch after a round
+    is answered from that round's listing. Each dlsched attempt stays one Slurm job."""
+    before_round, observed_only, after_round = (new_id("adopt") for _ in range(3))
+    first = {j: (await launch(stub, j, single("import time; time.sleep(2)"))).backend_job_id
+             for j in (before_round, observed_only, after_round)}
+    other = ServiceProcess("drivers.slurm", ["--poll-interval", "0.3"], name="slurm-driver-2").start()
+    try:
+        async with grpc.aio.insecure_channel(other.address) as ch:
+            fresh = driver_service_pb2_grpc.DriverServiceStub(ch)
+            await fresh.ConfigureCluster(configure_request(cluster), timeout=30)
+            again = await launch(fresh, before_round, single("import time; time.sleep(2)"))
+            assert again.backend_job_id == first[before_round]
+            ref = dpb.JobRef(job_id=observed_only, backend_job_id=first[observed_only])
+            obs = (await fresh.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
+                cluster=CLUSTER, jobs=[ref]), timeout=30)).observations[0]
+            assert obs.found and obs.backend_job_id == first[observed_only] and obs.attempt == 1
+            again = await launch(fresh, after_round, single("import time; time.sleep(2)"))
+            assert again.backend_job_id == first[after_round]
+            assert (await wait_state(fresh, observed_only)).state == job_pb2.JOB_STATE_SUCCEEDED
+    finally:
+        other.stop()
+    for jid, backend in first.items():
+        out = cluster.run("squeue", "--noheader", "--states=all", f"--name=dlsched-{jid}", "-o", "%i").stdout
+        assert out.split() == [backend]

@@ -9,22 +9,31 @@ home; must be shared with the compute nodes) and ``max_nodes`` go to
 ``render``.
 
 Launch (exactly once): the script from ``render.render_job`` goes to
-``mkdir -p <attempt dir> && sbatch --parsable`` on stdin. Before submitting,
-and again after any failed or ambiguous ``sbatch`` (an error exit, a dead
-connection, a timeout), the driver looks the attempt up by its job name and
-comment (``squeue --states=all --name=dlsched-<job_id>``, comment
-``dlsched-<job_id>.<attempt>``) and adopts what it finds; only when Slurm
-holds no such job does it submit (again); should a timed-out ``sbatch`` land
-after that look-up, the retry finds two jobs, keeps the oldest and cancels
-the other before anything is reported. An ``sbatch`` that fails with no
-job behind it is FAILED_PRECONDITION reason ``SBATCH_REJECTED`` with Slurm's
-message (an unknown partition), unless the message says the controller was
-unreachable or slow (``TRANSIENT_RE``): that is retried, and after the last
-try UNAVAILABLE reason ``BACKEND_UNAVAILABLE``.
+``sbatch --parsable`` on stdin (the first launch of a cluster configuration
+also makes the state dir: ``mkdir -p <state dir> && sbatch ...``; the
+script makes its attempt dir itself, see render). Whether Slurm may
+already hold the attempt (comment ``dlsched-<job_id>.<attempt>``) is known
+without a call in the common case: the last poll round listed every job of
+the user (``--states=all``), so an attempt it did not list, that this
+process never sent an unanswered ``sbatch`` for, is submitted straight
+away, and one it listed is adopted. Only before this process's first round
+(a restart: an earlier process may have submitted it) and after a failed or
+ambiguous ``sbatch`` (an error exit, a dead connection, a timeout) does the
+driver look the attempt up (``squeue --states=all --name=dlsched-<job_id>``)
+and adopt what it finds; only when Slurm holds no such job does it submit
+(again); should a timed-out ``sbatch`` land after that look-up, the retry
+finds two jobs, keeps the oldest and cancels the other before anything is
+reported. So a launch costs what a bare ``sbatch`` on the open connection
+costs: one channel, one process, one controller RPC. An ``sbatch`` that
+fails with no job behind it is FAILED_PRECONDITION reason ``SBATCH_REJECTED``
+with Slurm's message (an unknown partition), unless the message says the
+controller was unreachable or slow (``TRANSIENT_RE``): that is retried, and
+after the last try UNAVAILABLE reason ``BACKEND_UNAVAILABLE``.
 
 State: one ``Poller`` per cluster (one ``squeue`` per interval for all
-tracked jobs, one ``scontrol`` follow-up only for jobs missing from it), see
-``poller.py``; ``states.py`` maps Slurm states. While a round fails (SSH or
+tracked jobs, one ``scontrol`` follow-up only for jobs missing from it; a
+launch or stop never adds a round), see ``poller.py``; ``states.py`` maps
+Slurm states. While a round fails (SSH or
 slurmctld down) every job keeps its last known state, with reason
 ``BackendStale`` and the error in the message: nothing turns FAILED on an
 outage. A tracked job that both squeue and scontrol no longer know, while
@@ -33,7 +42,8 @@ terminal state if one was seen). A job Slurm requeues (``Restarts``) stays
 the same dlsched attempt; its state goes back to QUEUED.
 
 Jobs the driver does not know (after a driver restart) are adopted on the
-first observation that names them: one poll round answers for all of them.
+first observation that names them: the next poll round answers for all of
+them, with no call of its own.
 
 Logs: ``<role>-<index>.stdout|.stderr`` in the attempt directory (render);
 a tail reads them with one remote command per poll (``tail -c +N`` per file,
@@ -91,6 +101,8 @@ from drivers.slurm.ssh import ENV_RE, HostKeyMismatch, SshClient
 log = logging.getLogger("dlsched.driver.slurm")
 
 SUBMIT_TRIES = 3
+#: Log tails read files on the login node, not the controller: their own, lower floor.
+LOG_POLL_FLOOR = 0.2
 LOG_LINE_RE = re.compile(r"^([a-z][a-z0-9-]{0,62})-(\d+)\.(stdout|stderr)$")
 MAX_LOG_CHUNK = 1 << 20
 #: sbatch errors that say nothing about the job itself: retried (after a look-up), never a refusal.
@@ -103,7 +115,7 @@ class SlurmConfig:
     """The Slurm driver's flags."""
 
     poll_interval: float = field(default=2.0, metadata={
-        "help": f"seconds between squeue rounds per cluster (at least {poll.MIN_INTERVAL})"})
+        "help": f"seconds between squeue rounds per cluster (at least {poll.MIN_INTERVAL:g})"})
     command_timeout: float = field(default=30.0, metadata={"help": "timeout of one remote command"})
     max_channels: int = field(default=8, metadata={
         "help": "concurrent SSH channels per cluster (keep below the server's MaxSessions, 10)"})
@@ -145,6 +157,11 @@ class _Cluster:
         self.jobs: dict[str, _Job] = {}
         self.locks: dict[str, asyncio.Lock] = {}
         self.last_error: str | None = None
+        #: comment -> Slurm job id of every dlsched job the last good round listed; None before one.
+        self.listed: dict[str, str] | None = None
+        #: comments of attempts whose sbatch may have landed unseen (look them up before submitting).
+        self.unsure: set[str] = set()
+        self.state_dir_made = False
         self.poller = poll.Poller(self.run, ssh.username, driver._cfg.poll_interval, self.tracked,
                                   lambda jobs, err, complete: driver._on_round(self, jobs, err, complete))
 
@@ -205,7 +222,7 @@ class SlurmDriver(Driver):
         except DlschedError as e:
             log.info("cluster %s not reachable yet: %s", config.name, e.message)
         if old is not None:
-            c.jobs, c.locks = old.jobs, old.locks
+            c.jobs, c.locks, c.unsure = old.jobs, old.locks, old.unsure
             await old.poller.stop()
             await old.ssh.close()
         self._clusters[config.name] = c
@@ -297,12 +314,19 @@ class SlurmDriver(Driver):
         return found[0]
 
     async def _submit_once(self, c: _Cluster, script: SlurmScript) -> str:
-        existing = await self._lookup(c, script)
+        if c.listed is None or script.comment in c.unsure:
+            existing = await self._lookup(c, script)  # Slurm may hold it and no round has said so
+        else:
+            existing = c.listed.get(script.comment)
         if existing is not None:
             log.info("adopting Slurm job %s for %s", existing, script.comment)
+            c.unsure.discard(script.comment)
             return existing
-        cmd = f"mkdir -p -- {shlex.quote(script.dir)} && sbatch --parsable"
+        cmd = "exec sbatch --parsable"  # exec: the shell never forks, sbatch replaces it
+        if not c.state_dir_made:  # the batch output goes there; it must exist before the job starts
+            cmd = f"mkdir -p -- {shlex.quote(render.state_dir_of(c.options))} && {cmd}"
         last = ""
+        c.unsure.add(script.comment)  # until sbatch answers (a cancelled launch leaves it here)
         for attempt in range(SUBMIT_TRIES):
             if attempt:
                 await asyncio.sleep(0.5 * attempt)
@@ -312,7 +336,10 @@ class SlurmDriver(Driver):
             except DlschedError as e:
                 last = f"{e.reason}: {e.message}"
             if rc == 0 and (jid := out.strip().split(";")[0].strip()).isdigit():
-                return jid if not attempt else await self._converge(c, script, jid)
+                c.state_dir_made = True
+                jid = jid if not attempt else await self._converge(c, script, jid)
+                c.unsure.discard(script.comment)
+                return jid
             # Failed or ambiguous: Slurm may hold the job anyway. Look before any retry.
             try:
                 existing = await self._lookup(c, script)
@@ -322,8 +349,10 @@ class SlurmDriver(Driver):
             if existing is not None:
                 log.warning("sbatch for %s reported failure but submitted job %s; adopting it",
                             script.comment, existing)
+                c.unsure.discard(script.comment)
                 return existing
             if rc not in (0, 255) and err.strip() and not TRANSIENT_RE.search(err):
+                c.unsure.discard(script.comment)  # refused, and the look-up found nothing
                 raise SbatchRejected(f"sbatch refused the job: {err.strip()[:500]}",
                                      metadata={"job_id": script.job_id})
             last = last or f"sbatch exited {rc}: {err.strip()[:300]}"
@@ -336,6 +365,12 @@ class SlurmDriver(Driver):
         if self._clusters.get(c.name) is not c:
             return
         c.last_error = error
+        if error is None:
+            listed: dict[str, str] = {}
+            for sj in sorted(jobs.values(), key=lambda j: -int(j.job_id) if j.job_id.isdigit() else 0):
+                if sj.comment.startswith("dlsched-"):
+                    listed[sj.comment] = sj.job_id  # the oldest job of an attempt wins
+            c.listed = listed
         for job in list(c.jobs.values()):
             if job.state.is_terminal():
                 continue
@@ -408,14 +443,10 @@ class SlurmDriver(Driver):
         return out
 
     async def _adopt(self, c: _Cluster, refs: Sequence[JobRef]) -> None:
-        """Track jobs submitted before this driver started (one squeue for all of them)."""
-        try:
-            rc, out, _ = await c.run(poll.squeue_command(c.ssh.username))
-        except DlschedError:
+        """Track jobs submitted before this driver started, from the next poll round's answer."""
+        jobs = await c.poller.fresh(r.backend_job_id for r in refs)
+        if jobs is None:
             return
-        if rc != 0:
-            return
-        jobs = poll.parse_squeue(out)
         for ref in refs:
             sj = jobs.get(ref.backend_job_id)
             parsed = render.parse_comment(sj.comment) if sj is not None else None
@@ -465,7 +496,8 @@ class SlurmDriver(Driver):
         if not job.state.is_terminal():
             await self.terminate(cluster, ref, None)
         jdir = job.dir.rsplit("/", 1)[0]
-        await c.run(f"rm -rf -- {shlex.quote(jdir)}")
+        batch = shlex.quote(f"{render.state_dir_of(c.options)}/{job.job_id}.")  # ids hold no dot
+        await c.run(f"rm -rf -- {shlex.quote(jdir)} {batch}*.batch.stdout {batch}*.batch.stderr")
         c.jobs.pop(job.job_id, None)
 
     # ------------------------------------------------------------------ usage
@@ -568,7 +600,7 @@ class SlurmDriver(Driver):
                 continue
             if not query.follow or ended or c.jobs.get(job.job_id) is not job:
                 return
-            await asyncio.sleep(max(poll.MIN_INTERVAL, min(1.0, self._cfg.poll_interval)))
+            await asyncio.sleep(max(LOG_POLL_FLOOR, min(1.0, self._cfg.poll_interval)))
 
     async def _read_logs(self, c: _Cluster, adir: str, offsets: dict[str, int]) -> list[tuple[str, bytes]]:
         """New bytes of every log file in ``adir``, in one remote POSIX sh command

@@ -1,11 +1,25 @@
 """One poller per cluster: ONE ``squeue`` per interval for every tracked job.
 
-Each round runs ``squeue --states=all --user=<ssh user> -O ...`` once (every
-job of the user, finished ones included while slurmctld still holds them,
-``MinJobAge``), and, only when some tracked job is not in that answer, one
-``scontrol --oneliner show job`` (all jobs the controller holds) as the
-follow-up. ``sacct`` is never needed (accounting may be off). Watchers,
+Each round runs ``squeue --all --states=all --user=<ssh user> -O ...`` once
+(every job of the user, finished ones included while slurmctld still holds
+them, ``MinJobAge``; ``--all`` so that jobs in hidden partitions are not
+mistaken for gone), and, only when some wanted job is not in that answer,
+one ``scontrol --all --oneliner show job`` (all jobs the controller holds)
+as the follow-up. ``sacct`` is never needed (accounting may be off). Watchers,
 observations and log tails read the poller's results; they add no calls.
+
+Pacing: round starts are at least ``interval`` apart, always, and the
+interval is at least ``MIN_INTERVAL``, 2 s. Sites may hold each user to
+about 2 controller RPCs per second (Slurm's ``rl_enable`` token bucket), and
+one squeue costs slurmctld two (the job table, then the partition table;
+sdiag shows it, ``--all`` or not), three with the follow-up; at 2 s the
+poller takes 1 RPC/s (1.5 with a follow-up) whatever the number of jobs,
+and leaves the rest to sbatch, scancel and the user's own commands.
+``wake()`` (a launch, a stop) never adds a round: a poller with nothing to
+do starts its next round at once, one that is polling keeps its schedule,
+and any number of wakes before a round coalesce into it. ``fresh()`` waits
+for the answer of the next round (adopting jobs after a restart), again
+without a round of its own.
 
 A failed round (SSH down, slurmctld down: non-zero exit) changes no state:
 the driver keeps every job's last known state and marks it stale. The
@@ -27,7 +41,8 @@ from dlsched.errors import DlschedError
 
 log = logging.getLogger("dlsched.driver.slurm.poller")
 
-MIN_INTERVAL = 0.2
+#: The shortest interval between two rounds' starts, in seconds (see the module docstring).
+MIN_INTERVAL = 2.0
 #: squeue -O fields; the comment goes last so a '|' in someone's comment cannot shift ours.
 SQUEUE_FIELDS = ("JobID", "State", "exit_code", "StartTime", "EndTime", "NodeList", "Name", "Reason",
                  "Comment")
@@ -50,14 +65,14 @@ class SlurmJob:
 
 def squeue_command(user: str, name: str | None = None) -> str:
     fmt = ",".join(f"{f}:|" for f in SQUEUE_FIELDS)
-    cmd = f"squeue --noheader --states=all --user={shlex.quote(user)} -O {shlex.quote(fmt)}"
+    cmd = f"squeue --noheader --all --states=all --user={shlex.quote(user)} -O {shlex.quote(fmt)}"
     if name:
         cmd += f" --name={shlex.quote(name)}"
     return cmd
 
 
 def scontrol_command() -> str:
-    return "scontrol --oneliner show job"
+    return "scontrol --all --oneliner show job"
 
 
 def parse_time(value: str) -> float | None:
@@ -92,8 +107,8 @@ def parse_squeue(text: str) -> dict[str, SlurmJob]:
         jid, state, code, start, end, nodes, name, reason = (p.strip() for p in parts[:n - 1])
         comment = "|".join(parts[n - 1:])
         comment = comment[:-1] if comment.endswith("|") else comment
-        if not jid:
-            continue
+        if not jid or (jid in out and state.startswith("REVOKED")):
+            continue  # --all lists a federated job's revoked sibling too; the live one wins
         out[jid] = SlurmJob(job_id=jid, state=state, reason=reason, exit_status=decode_wait_status(code),
                             start_time=parse_time(start), end_time=parse_time(end), nodes=nodes,
                             name=name, comment=comment.strip())
@@ -134,6 +149,7 @@ def _key_values(line: str) -> dict[str, str]:
 
 
 RunFn = Callable[[str], Awaitable[tuple[int, str, str]]]
+Jobs = dict[str, SlurmJob]
 
 
 class Poller:
@@ -141,25 +157,34 @@ class Poller:
 
     ``error`` is set when the round failed (nothing is known); ``complete``
     is false when the follow-up failed, so jobs missing from ``jobs`` are
-    not known to be gone.
+    not known to be gone. ``jobs`` holds every job of the user squeue
+    listed, plus what the follow-up found of the wanted ones.
 
-    ``tracked()`` names the Slurm job ids that need news; with none the
-    poller sleeps. ``poll_now()`` runs a round at once (a launch, an
-    observation of an unknown job) and returns when it is done.
+    ``tracked()`` names the Slurm job ids that need news; with none (and no
+    ``fresh()`` waiting) the poller issues nothing. ``interval`` is raised
+    to ``floor``; tests pass a smaller floor and their own ``clock``.
+    ``rounds`` and ``last_round_commands`` count what the poller issued.
     """
 
     def __init__(self, run: RunFn, user: str, interval: float,
                  tracked: Callable[[], Iterable[str]],
-                 on_round: Callable[[dict[str, SlurmJob], str | None, bool], None]) -> None:
+                 on_round: Callable[[Jobs, str | None, bool], None], *,
+                 floor: float = MIN_INTERVAL, clock: Callable[[], float] = time.monotonic) -> None:
         self._run = run
         self._user = user
-        self.interval = max(MIN_INTERVAL, interval)
+        if interval < floor:
+            log.info("poll interval %gs raised to the floor, %gs", interval, floor)
+        self.interval = max(floor, interval)
         self._tracked = tracked
         self._on_round = on_round
+        self._clock = clock
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._round_lock = asyncio.Lock()
+        self._last_start: float | None = None
+        self._want: set[str] = set()
+        self._waiters: list[asyncio.Future[Jobs | None]] = []
         self.rounds = 0
+        self.last_round_commands = 0
 
     def start(self) -> None:
         if self._task is None:
@@ -171,48 +196,81 @@ class Poller:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        self._resolve(self._waiters, None)
+        self._waiters = []
 
     def wake(self) -> None:
+        """There is news to fetch: poll as soon as the pacing allows (never sooner)."""
         self._wake.set()
 
-    async def poll_now(self) -> None:
-        await self._round()
+    async def fresh(self, ids: Iterable[str] = ()) -> Jobs | None:
+        """The answer of the next round that starts after this call (``ids`` join its
+        follow-up); None when that round failed or the poller stopped."""
+        if self._task is None:
+            return None
+        fut: asyncio.Future[Jobs | None] = asyncio.get_running_loop().create_future()
+        self._want.update(ids)
+        self._waiters.append(fut)
+        self._wake.set()
+        return await fut
+
+    def _busy(self) -> bool:
+        return bool(self._waiters) or any(True for _ in self._tracked())
 
     async def _loop(self) -> None:
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.interval)
             self._wake.clear()
-            if not list(self._tracked()):
+            if not self._busy():
+                # Idle: nothing is issued. A wake (or a look every interval) ends the wait.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.interval)
                 continue
+            if self._last_start is not None:
+                delay = self._last_start + self.interval - self._clock()
+                if delay > 0:
+                    await asyncio.sleep(delay)  # wakes meanwhile coalesce into the round below
+            self._last_start = self._clock()
+            waiters, self._waiters = self._waiters, []
+            want, self._want = self._want, set()
+            jobs: Jobs | None = None
             try:
-                await self._round()
+                jobs = await self._round(want)
             except asyncio.CancelledError:
+                self._waiters = waiters + self._waiters
                 raise
             except Exception:  # a bad round must never end the poller
                 log.exception("poll round failed")
+            self._resolve(waiters, jobs)
 
-    async def _round(self) -> None:
-        async with self._round_lock:
-            wanted = set(self._tracked())
-            self.rounds += 1
+    @staticmethod
+    def _resolve(waiters: list[asyncio.Future[Jobs | None]], jobs: Jobs | None) -> None:
+        for w in waiters:
+            if not w.done():
+                w.set_result(jobs)
+
+    async def _round(self, want: set[str]) -> Jobs | None:
+        wanted = set(self._tracked()) | want
+        self.rounds += 1
+        self.last_round_commands = 1
+        try:
+            rc, out, err = await self._run(squeue_command(self._user))
+        except DlschedError as e:
+            self._on_round({}, f"{e.reason}: {e.message}", False)
+            return None
+        if rc != 0:
+            self._on_round({}, f"squeue exited {rc}: {err.strip()[:300]}", False)
+            return None
+        jobs = parse_squeue(out)
+        complete = True
+        if wanted - set(jobs):
+            self.last_round_commands = 2
             try:
-                rc, out, err = await self._run(squeue_command(self._user))
-            except DlschedError as e:
-                self._on_round({}, f"{e.reason}: {e.message}", False)
-                return
-            if rc != 0:
-                self._on_round({}, f"squeue exited {rc}: {err.strip()[:300]}", False)
-                return
-            jobs = parse_squeue(out)
-            complete = True
-            if wanted - set(jobs):
-                try:
-                    rc2, out2, _ = await self._run(scontrol_command())
-                except DlschedError:
-                    rc2, out2 = 1, ""
-                complete = rc2 == 0
-                for jid, j in parse_scontrol_jobs(out2).items():
-                    if jid in wanted and jid not in jobs:
-                        jobs[jid] = j
-            self._on_round(jobs, None, complete)
+                rc2, out2, _ = await self._run(scontrol_command())
+            except DlschedError:
+                rc2, out2 = 1, ""
+            complete = rc2 == 0
+            for jid, j in parse_scontrol_jobs(out2).items():
+                if jid in wanted and jid not in jobs:
+                    jobs[jid] = j
+        self._on_round(jobs, None, complete)
+        return jobs

@@ -23,7 +23,11 @@ name the same type), ``--partition`` (``spec.queue``, else cluster option
 ``partition``), ``--time`` (the time limit, rounded up to whole seconds),
 ``--job-name=dlsched-<job_id>`` and ``--comment=dlsched-<job_id>.<attempt>``
 (how a retried launch finds an earlier submission), and the batch script's
-own output in ``batch.stdout`` / ``batch.stderr``.
+own output (and Slurm's notes on the job: cancelled, time limit) in
+``<job_id>.<attempt>.batch.stdout|stderr`` directly in the state dir. That
+directory exists before any job of the cluster (the driver creates it once),
+the attempt directory does not: the script makes it first thing, so a submit
+is ``sbatch`` alone, with no ``mkdir`` process in front of it.
 
 Steps. Every process of the plan is one ``srun --nodes=1 --ntasks=1
 --relative=<node> --overlap`` step (``--overlap``: steps share the job's
@@ -62,7 +66,7 @@ is INVALID_ARGUMENT naming the field. Env names are validated upstream
 Files, relative to the SSH user's home (the submit directory, which is the
 job's working directory by default)::
 
-    <state_dir>/<job_id>/attempt-<n>/batch.stdout|batch.stderr
+    <state_dir>/<job_id>.<n>.batch.stdout|.batch.stderr
     <state_dir>/<job_id>/attempt-<n>/<role>-<index>.stdout|.stderr|.exit
     <state_dir>/<job_id>/attempt-<n>/hostfile          MPI only
 
@@ -187,6 +191,11 @@ def attempt_dir(options: Mapping[str, str], job_id: str, attempt: int) -> str:
     return f"{state_dir_of(options)}/{job_id}/attempt-{attempt}"
 
 
+def batch_output(options: Mapping[str, str], job_id: str, attempt: int, stream: LogStream) -> str:
+    """The batch script's own stdout/stderr file (in the state dir, which exists at submit)."""
+    return f"{state_dir_of(options)}/{job_id}.{attempt}.batch.{stream.name.lower()}"
+
+
 def _time(seconds: float) -> str:
     s = max(1, math.ceil(seconds))
     d, s = divmod(s, 86400)
@@ -276,14 +285,15 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
         t = next(iter(gpu_types), "")
         h.append(f"#SBATCH --gres=gpu:{t + ':' if t else ''}{max(gpus_on)}")
     h += [
-        f"#SBATCH --output={adir}/batch.stdout",
-        f"#SBATCH --error={adir}/batch.stderr",
+        f"#SBATCH --output={batch_output(options, job_id, attempt, LogStream.STDOUT)}",
+        f"#SBATCH --error={batch_output(options, job_id, attempt, LogStream.STDERR)}",
         "",
         f"# dlsched job {job_id}, attempt {attempt}: {spec.run_mode.name}, "
         f"{len(plan.processes)} process(es) on {nodes} node(s)",
         f"# success: {plan.success.description}",
         "set -u",
         f"DLSCHED_DIR={shlex.quote(adir)}",
+        'mkdir -p -- "$DLSCHED_DIR" || exit 1',
         'mapfile -t DLSCHED_NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
         'if [ "${#DLSCHED_NODES[@]}" -lt ' + str(nodes) + ' ]; then',
         f'  echo "dlsched: the allocation has ${{#DLSCHED_NODES[@]}} node(s), {nodes} needed" >&2',

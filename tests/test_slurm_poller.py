@@ -1,0 +1,169 @@
+"""The Slurm poller's pacing, on a recorded fake login node: one squeue per round whatever the
+number of tracked jobs, at most one follow-up, and no round added by wakes or ``fresh()``.
+
+Intervals are short here (``floor`` lowered); the same rules against the real Slurm, through
+the driver process, are in test_slurm_driver.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from dlsched.errors import Unavailable
+from drivers.slurm import poller
+from drivers.slurm.poller import Poller
+
+INTERVAL = 0.15
+FIELDS = len(poller.SQUEUE_FIELDS)
+
+
+def squeue_line(jid: str, state: str = "PENDING") -> str:
+    values = [jid, state, "0", "N/A", "N/A", "", f"dlsched-j{jid}", "Priority", f"dlsched-j{jid}.1"]
+    assert len(values) == FIELDS
+    return "|".join(values) + "|"
+
+
+class FakeLogin:
+    """Answers squeue with the jobs in ``queue`` and scontrol with those in ``gone``;
+    records (start time, command) of every call."""
+
+    def __init__(self) -> None:
+        self.queue: set[str] = set()
+        self.gone: set[str] = set()
+        self.calls: list[tuple[float, str]] = []
+        self.fail = False
+
+    async def run(self, command: str) -> tuple[int, str, str]:
+        self.calls.append((time.monotonic(), command.split()[0]))
+        await asyncio.sleep(0.01)
+        if self.fail:
+            raise Unavailable("ssh down", reason="BACKEND_UNAVAILABLE")
+        if command.startswith("squeue"):
+            return 0, "".join(squeue_line(j) + "\n" for j in sorted(self.queue)), ""
+        return 0, "".join(f"JobId={j} JobName=x JobState=COMPLETED ExitCode=0:0\n" for j in self.gone), ""
+
+    def starts(self) -> list[float]:
+        return [t for t, c in self.calls if c == "squeue"]
+
+
+def make(login: FakeLogin, tracked: set[str], rounds: list[tuple[dict[str, poller.SlurmJob], str | None]]
+         ) -> Poller:
+    return Poller(login.run, "u", INTERVAL, lambda: tracked,
+                  lambda jobs, err, complete: rounds.append((jobs, err)), floor=INTERVAL / 2)
+
+
+async def test_the_interval_has_a_floor_that_keeps_the_poller_at_one_rpc_a_second() -> None:
+    # A round is squeue (2 controller RPCs: jobs, partitions) and at most one scontrol (1);
+    # sites may allow a user about 2 RPCs/s in all.
+    assert 2 / poller.MIN_INTERVAL <= 1.0
+    p = Poller(FakeLogin().run, "u", 0.3, lambda: (), lambda *a: None)
+    assert p.interval == poller.MIN_INTERVAL
+
+
+async def test_one_squeue_per_round_for_a_thousand_jobs_and_wakes_add_no_rounds() -> None:
+    login = FakeLogin()
+    tracked = {str(i) for i in range(1000)}
+    login.queue = set(tracked)
+    rounds: list[tuple[dict[str, poller.SlurmJob], str | None]] = []
+    p = make(login, tracked, rounds)
+    p.start()
+    try:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 6 * INTERVAL:  # a burst of launches: a wake every 2 ms
+            p.wake()
+            await asyncio.sleep(0.002)
+        span = time.monotonic() - t0
+    finally:
+        await p.stop()
+    starts = login.starts()
+    assert [c for _, c in login.calls] == ["squeue"] * len(starts)  # nothing missing: no follow-up
+    assert len(starts) <= span / INTERVAL + 1
+    assert min(b - a for a, b in zip(starts, starts[1:], strict=False)) >= INTERVAL - 0.005
+    assert len(rounds[-1][0]) == 1000 and p.last_round_commands == 1
+
+
+async def test_jobs_that_left_the_queue_cost_one_follow_up_per_round() -> None:
+    login = FakeLogin()
+    tracked = {str(i) for i in range(200)}
+    login.queue = {str(i) for i in range(100)}
+    login.gone = {str(i) for i in range(100, 200)}
+    rounds: list[tuple[dict[str, poller.SlurmJob], str | None]] = []
+    p = make(login, tracked, rounds)
+    p.start()
+    try:
+        await asyncio.sleep(2.5 * INTERVAL)
+    finally:
+        await p.stop()
+    names = [c for _, c in login.calls]
+    assert names[:4] == ["squeue", "scontrol", "squeue", "scontrol"]
+    assert names.count("scontrol") == names.count("squeue") or names[-1] == "squeue"
+    assert p.last_round_commands in (1, 2)
+    assert set(rounds[0][0]) == tracked  # every tracked job answered for, by the two calls
+
+
+async def test_an_idle_poller_issues_nothing_and_a_wake_polls_at_once() -> None:
+    login = FakeLogin()
+    tracked: set[str] = set()
+    rounds: list[tuple[dict[str, poller.SlurmJob], str | None]] = []
+    p = make(login, tracked, rounds)
+    p.start()
+    try:
+        await asyncio.sleep(3 * INTERVAL)
+        assert login.calls == []
+        tracked.add("7")
+        login.queue.add("7")
+        t = time.monotonic()
+        p.wake()
+        p.wake()
+        await asyncio.sleep(INTERVAL / 3)
+        assert len(login.starts()) == 1 and login.starts()[0] - t < INTERVAL / 3
+    finally:
+        await p.stop()
+
+
+async def test_fresh_waits_for_the_next_round_and_follows_up_its_ids() -> None:
+    login = FakeLogin()
+    tracked = {"1"}
+    login.queue = {"1"}
+    login.gone = {"9"}
+    p = make(login, tracked, [])
+    p.start()
+    try:
+        await asyncio.sleep(INTERVAL / 3)  # the first round is done
+        t = time.monotonic()
+        jobs, also = await asyncio.gather(p.fresh(["9"]), p.fresh())
+        assert jobs is not None and set(jobs) == {"1", "9"} and also == jobs
+        starts = login.starts()
+        assert len(starts) == 2 and starts[1] >= t and starts[1] - starts[0] >= INTERVAL - 0.005
+    finally:
+        await p.stop()
+    assert await p.fresh() is None  # stopped: nobody waits forever
+
+
+async def test_a_failed_round_reports_the_error_and_polling_goes_on() -> None:
+    login = FakeLogin()
+    tracked = {"1"}
+    login.queue = {"1"}
+    login.fail = True
+    rounds: list[tuple[dict[str, poller.SlurmJob], str | None]] = []
+    p = make(login, tracked, rounds)
+    p.start()
+    try:
+        await asyncio.sleep(INTERVAL / 3)
+        assert rounds == [({}, "BACKEND_UNAVAILABLE: ssh down")]
+        login.fail = False
+        await asyncio.sleep(INTERVAL)
+        assert rounds[-1][1] is None and set(rounds[-1][0]) == {"1"}
+    finally:
+        await p.stop()
+
+
+def test_both_commands_list_jobs_in_hidden_partitions_too() -> None:
+    assert " --all " in poller.squeue_command("u")  # else such a job looks gone every round
+    assert " --all " in poller.scontrol_command()
+
+
+def test_a_revoked_federation_sibling_never_hides_the_live_job() -> None:
+    live, revoked = squeue_line("5", "RUNNING"), squeue_line("5", "REVOKED")
+    for text in (f"{live}\n{revoked}\n", f"{revoked}\n{live}\n"):
+        assert poller.parse_squeue(text)["5"].state == "RUNNING"
