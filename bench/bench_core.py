@@ -33,6 +33,7 @@ import uuid
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.stats import ms, pct  # noqa: E402
 from dlsched.client import (  # noqa: E402
     ClusterManagerClient,
     JobManagerClient,
@@ -43,18 +44,6 @@ from dlsched.v1 import cluster_pb2, job_pb2  # noqa: E402
 from tests.harness import EtcdServer, Stack  # noqa: E402
 
 PY = sys.executable
-
-
-def pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))
-    return s[k]
-
-
-def ms(x: float) -> str:
-    return f"{x * 1000:8.2f} ms"
 
 
 def spec(command: list[str], label: str) -> job_pb2.JobSpec:

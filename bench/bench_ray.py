@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 import grpc  # noqa: E402
 
+from bench.stats import ms, pct  # noqa: E402
 from dlsched.v1 import driver_service_pb2 as dpb  # noqa: E402
 from dlsched.v1 import driver_service_pb2_grpc, job_pb2  # noqa: E402
 from tests.harness import ServiceProcess  # noqa: E402
@@ -49,18 +50,6 @@ RAY = os.path.join(os.path.dirname(PY), "ray")
 CLUSTER = "clusters/ray-bench"
 TARGET_RATIO = 4.0
 TERMINAL = (job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_STOPPED)
-
-
-def pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))
-    return s[k]
-
-
-def ms(x: float) -> str:
-    return f"{x * 1000:8.2f} ms"
 
 
 def job_code(go_file: str, lines: int) -> str:
