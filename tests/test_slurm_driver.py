@@ -461,3 +461,60 @@ async def test_a_new_driver_process_adopts_earlier_jobs_and_never_submits_them_a
     for jid, backend in first.items():
         out = cluster.run("squeue", "--noheader", "--states=all", f"--name=dlsched-{jid}", "-o", "%i").stdout
         assert out.split() == [backend]
+
+
+def scrape(svc: ServiceProcess) -> dict[str, float]:
+    """The driver's Slurm samples from its /metrics: ``call/outcome`` -> count, plus
+    ``poll_rounds`` (the poll-duration histogram's count)."""
+    import urllib.request
+
+    with open(svc.port_file + ".metrics") as f:
+        url = f"http://{f.read().strip()}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("dlsched_backend_calls_total{") and 'backend="slurm"' in line:
+            call = line.split('call="', 1)[1].split('"', 1)[0]
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            out[f"{call}/{outcome}"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith('dlsched_driver_poll_duration_seconds_count{backend="slurm"}'):
+            out["poll_rounds"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def test_metrics_count_every_remote_command_and_poll_round(cluster, tmp_path):
+    """A driver of its own (no other cluster polls): /metrics counts exactly the squeue,
+    scontrol and sbatch calls the login node's logging wrappers saw, one poll-duration
+    sample per squeue round, and log reads as ``tail``."""
+    calls = str(tmp_path / "calls.log")
+    svc = ServiceProcess("drivers.slurm", ["--poll-interval", "0.3", "--metrics-listen", "127.0.0.1:0"],
+                         name="slurm-driver-metrics").start()
+    try:
+        async with grpc.aio.insecure_channel(svc.address) as ch:
+            s = driver_service_pb2_grpc.DriverServiceStub(ch)
+            req = configure_request(cluster)
+            req.options["PATH"] = slurm_cluster.command_log_path(
+                str(tmp_path / "bin"), calls, ("squeue", "scontrol", "sbatch", "scancel"))
+            await s.ConfigureCluster(req, timeout=30)
+            ids = [new_id("metrics") for _ in range(2)]
+            for jid in ids:
+                await launch(s, jid, single("print('m')"))
+            for jid in ids:
+                assert (await wait_state(s, jid)).state == job_pb2.JOB_STATE_SUCCEEDED
+            assert [e.text for e in await logs(s, ids[0])] == ["m"]
+            await s.RemoveCluster(dpb.RemoveClusterRequest(cluster=CLUSTER), timeout=30)
+            got = scrape(svc)
+    finally:
+        svc.stop()
+    # The job scripts' own `scontrol show hostnames` (inside the allocation) is not the driver's.
+    log = [e for e in slurm_cluster.read_command_log(calls) if "hostnames" not in e[2]]
+    for name in ("squeue", "scontrol", "sbatch"):
+        seen = sum(1 for _, n, _ in log if n == name)
+        counted = got.get(f"{name}/ok", 0) + got.get(f"{name}/error", 0)
+        assert counted == seen, (name, got, log)
+    assert got.get("sbatch/ok") == 2
+    rounds = sum(1 for _, n, args in log if n == "squeue" and "--name" not in args)
+    assert rounds >= 1 and got.get("poll_rounds") == rounds, (got, log)
+    assert got.get("tail/ok", 0) >= 1
+    assert not any(k.startswith("other/") for k in got), got

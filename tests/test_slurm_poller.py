@@ -167,3 +167,15 @@ def test_a_revoked_federation_sibling_never_hides_the_live_job() -> None:
     live, revoked = squeue_line("5", "RUNNING"), squeue_line("5", "REVOKED")
     for text in (f"{live}\n{revoked}\n", f"{revoked}\n{live}\n"):
         assert poller.parse_squeue(text)["5"].state == "RUNNING"
+
+
+def test_call_names_are_bounded_and_never_an_argument():
+    from drivers.slurm.ssh import CALL_NAMES, call_name
+
+    assert call_name("mkdir -p -- /s && exec sbatch --parsable") == "sbatch"
+    assert call_name("sstat -j 5; echo '--- steps'; squeue --steps --jobs=5") == "sstat"
+    assert call_name("rm -rf -- '/d/squeue;sbatch' /x") == "rm"  # quoted: an argument, not a command
+    assert call_name("scancel 12") == "scancel"
+    assert call_name("evil-$(x) 'unbalanced") == "other"
+    assert call_name("whatever --flag") == "other"
+    assert "other" not in CALL_NAMES

@@ -175,6 +175,10 @@ class _Cluster:
         return [j.backend_job_id for j in self.jobs.values() if not j.state.is_terminal()]
 
 
+#: Seconds GetClusterInfo waits for the controller (ClusterManager's default deadline is 5 s).
+INFO_TIME_LIMIT = 3.0
+
+
 def _same(a: ClusterConfig, b: ClusterConfig) -> bool:
     return a.address == b.address and dict(a.options) == dict(b.options) and a.credentials == b.credentials
 
@@ -245,7 +249,11 @@ class SlurmDriver(Driver):
     async def _info(self, c: _Cluster) -> ClusterInfo:
         version = f"slurm/{__version__}"
         try:
-            rc, out, err = await c.run("scontrol --oneliner show nodes")
+            # Bounded well below ClusterManager's deadline for GetClusterInfo: a
+            # controller that does not answer (scontrol waits ~10 s) is the
+            # cluster UNREACHABLE, not this driver unresponsive.
+            r = await c.ssh.run("scontrol --oneliner show nodes", time_limit=INFO_TIME_LIMIT)
+            rc, out, err = r.exit_status, r.stdout, r.stderr
         except DlschedError as e:
             return ClusterInfo(state=ClusterState.UNREACHABLE, message=f"{e.reason}: {e.message}",
                                supported_run_modes=ALL_RUN_MODES, driver_version=version)
@@ -613,7 +621,7 @@ class SlurmDriver(Driver):
                   "printf '%s %s\\n' \"$n\" \"$1\"; tail -c +$(($2 + 1)) -- \"$1\" | head -c \"$n\"; }; "
                   "for f in *.stdout *.stderr; do [ -f \"$f\" ] || continue; "
                   f"case \"$f\" in batch.*) ;; {cases}*) emit \"$f\" 0;; esac; done")
-        data = (await c.ssh.run_bytes(script, time_limit=c.driver_timeout)).stdout
+        data = (await c.ssh.run_bytes(script, time_limit=c.driver_timeout, call="tail")).stdout
         res: list[tuple[str, bytes]] = []
         pos = 0
         while pos < len(data):

@@ -22,8 +22,9 @@ for the answer of the next round (adopting jobs after a restart), again
 without a round of its own.
 
 A failed round (SSH down, slurmctld down: non-zero exit) changes no state:
-the driver keeps every job's last known state and marks it stale. The
-parsers below are pure and tested on recorded output.
+the driver keeps every job's last known state and marks it stale. Each
+round (failed or not) is one ``dlsched_driver_poll_duration_seconds{backend="slurm"}``
+sample. The parsers below are pure and tested on recorded output.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from dlsched.errors import DlschedError
+from dlsched.kit import metrics
 
 log = logging.getLogger("dlsched.driver.slurm.poller")
 
@@ -233,6 +235,7 @@ class Poller:
             waiters, self._waiters = self._waiters, []
             want, self._want = self._want, set()
             jobs: Jobs | None = None
+            started = time.perf_counter()
             try:
                 jobs = await self._round(want)
             except asyncio.CancelledError:
@@ -240,6 +243,7 @@ class Poller:
                 raise
             except Exception:  # a bad round must never end the poller
                 log.exception("poll round failed")
+            metrics.POLL_DURATION.labels("slurm").observe(time.perf_counter() - started)
             self._resolve(waiters, jobs)
 
     @staticmethod

@@ -17,6 +17,12 @@ Commands are strings run by the login shell; every caller quotes what it
 puts in them (``shlex.quote``). ``env`` (from the cluster's upper-case
 options, e.g. ``SLURM_CONF``) is exported before each command, plus
 ``TZ=UTC`` so Slurm prints times in UTC.
+
+Metrics: every command counts once in ``dlsched_backend_calls_total``
+with ``backend="slurm"``, a bounded ``call`` name (``call_name``: the first
+Slurm or file tool the command line names, e.g. ``squeue``, ``sbatch``;
+callers may name it, e.g. ``tail`` for log reads; never an id or argument)
+and ``outcome`` error when the transport failed or the exit was non-zero.
 """
 
 from __future__ import annotations
@@ -32,10 +38,35 @@ from dataclasses import dataclass
 import asyncssh
 
 from dlsched.errors import FailedPrecondition, InvalidArgument, Unavailable
+from dlsched.kit import metrics
 
 log = logging.getLogger("dlsched.driver.slurm.ssh")
 
 MAX_CHANNELS = 8
+#: The only values the ``call`` label of the backend-call counter takes (plus ``other``).
+CALL_NAMES = frozenset({"squeue", "scontrol", "sbatch", "scancel", "sstat", "sinfo", "sacct", "tail", "cat",
+                        "rm", "mkdir", "true"})
+
+
+def call_name(command: str) -> str:
+    """The metrics name of a shell line: the commands it runs are the first word of
+    each ``;``/``&&``/``|`` segment (``exec`` skipped; quoted arguments are never one);
+    a Slurm tool among them wins (``mkdir -p d && exec sbatch`` is ``sbatch``), then
+    any known one, else ``other``."""
+    try:
+        lex = shlex.shlex(command, posix=True, punctuation_chars=True)
+        tokens = list(lex)
+    except ValueError:
+        return "other"
+    heads, start = [], True
+    for t in tokens:
+        if t and all(ch in ";&|()" for ch in t):
+            start = True
+        elif start and t != "exec":
+            heads.append(t)
+            start = False
+    slurm = next((h for h in heads if h.startswith("s") and h in CALL_NAMES), None)
+    return slurm or next((h for h in heads if h in CALL_NAMES), "other")
 ENV_RE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 
 
@@ -164,17 +195,31 @@ class SshClient:
                                    metadata={"host": self.host})
         return BackendUnavailable(f"cannot reach {self.host}:{self.port} over SSH: {type(e).__name__}: {e}")
 
-    async def run(self, command: str, *, input: str | None = None, time_limit: float = 30.0) -> Result:
+    async def run(self, command: str, *, input: str | None = None, time_limit: float = 30.0,
+                  call: str | None = None) -> Result:
         """Run ``command``; a non-zero exit is a ``Result``, transport failures raise.
-        Output is decoded as UTF-8 with undecodable bytes replaced."""
-        r = await self._run(command, input.encode() if input is not None else None, time_limit)
+        Output is decoded as UTF-8 with undecodable bytes replaced. ``call`` names it in
+        the metrics (default ``call_name(command)``)."""
+        r = await self._run(command, input.encode() if input is not None else None, time_limit, call)
         return Result(r.exit_status, r.stdout.decode("utf-8", "replace"), r.stderr.decode("utf-8", "replace"))
 
-    async def run_bytes(self, command: str, *, time_limit: float = 30.0) -> BytesResult:
+    async def run_bytes(self, command: str, *, time_limit: float = 30.0,
+                        call: str | None = None) -> BytesResult:
         """``run`` with the output as raw bytes (log files)."""
-        return await self._run(command, None, time_limit)
+        return await self._run(command, None, time_limit, call)
 
-    async def _run(self, command: str, input: bytes | None, time_limit: float) -> BytesResult:
+    async def _run(self, command: str, input: bytes | None, time_limit: float,
+                   call: str | None = None) -> BytesResult:
+        name = call if call in CALL_NAMES else call_name(command)
+        ok = False
+        try:
+            r = await self._run_counted(command, input, time_limit)
+            ok = r.exit_status == 0
+            return r
+        finally:
+            metrics.backend_call("slurm", name, ok)
+
+    async def _run_counted(self, command: str, input: bytes | None, time_limit: float) -> BytesResult:
         conn = await self._connection()
         async with self._sem:
             self.commands += 1
