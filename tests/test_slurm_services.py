@@ -592,18 +592,9 @@ class ClusterWatch:
         self._call.cancel()
 
 
-# With slurmctld down, `scontrol show nodes` takes ~9 s to fail here (the Slurm client retries the
-# controller; MessageTimeout=10), and the Slurm driver's GetClusterInfo waits for it, past
-# ClusterManager's --driver-timeout (default 5 s): the monitor's call ends DEADLINE_EXCEEDED and the
-# cluster shows DRIVER_UNAVAILABLE, "driver ... does not answer", though the driver is up and the
-# controller is what is down. (With --driver-timeout 20 the rest of this case passes.) Strict: once
-# the driver answers within the deadline (UNREACHABLE), this xfail fails and is to be removed.
-CONTROLLER_OUTAGE_BUG = pytest.mark.xfail(
-    strict=True, raises=AssertionError,
-    reason="Slurm driver GetClusterInfo outlasts ClusterManager's driver timeout while slurmctld is down")
-
-
-@pytest.mark.parametrize("outage", ["sshd", pytest.param("slurmctld", marks=CONTROLLER_OUTAGE_BUG)])
+# slurmctld down: `scontrol show nodes` takes ~9 s to fail (the Slurm client retries the
+# controller), so the driver bounds GetClusterInfo's call to stay within ClusterManager's deadline.
+@pytest.mark.parametrize("outage", ["sshd", "slurmctld"])
 async def test_an_outage_turns_the_cluster_unreachable_and_keeps_the_job_state(jm, cm, runs, slurm, tmp_path,
                                                                                 outage):
     """sshd killed with its connections (SSH unreachable) or slurmctld stopped (every Slurm command fails):
