@@ -14,7 +14,6 @@ import asyncio
 import importlib.util
 import json
 import os
-import pathlib
 import sys
 import textwrap
 import time
@@ -32,11 +31,21 @@ from dlsched.v1 import job_manager_service_pb2 as jpb
 from dlsched.v1 import job_manager_service_pb2_grpc as jm_grpc
 from tests.harness import EtcdServer, ServiceProcess, Stack
 from tests.ray_head import RayHead, ray_available
+from tests.through_services import (
+    TERMINAL,
+    Run,
+    assert_one_torch_world,
+    cleanup,
+    new_id,
+    probe_group,
+    probes,
+    wait_dead,
+)
+from tests.through_services import run_to_end as run_spec_to_end
 
 S = job_pb2
 PY = sys.executable
 CLUSTER = "clusters/ray"
-TERMINAL = (S.JOB_STATE_SUCCEEDED, S.JOB_STATE_FAILED, S.JOB_STATE_STOPPED)
 JOB_TIMEOUT = 120.0  # the Ray head is slow on 2 cores; a placement group job with torch takes ~20 s
 IN_CI = os.environ.get("CI") == "true"
 
@@ -110,10 +119,6 @@ async def jm(stack: Stack) -> AsyncIterator[jm_grpc.JobManagerServiceStub]:
 # --------------------------------------------------------------------------- helpers
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
-
-
 def on_ray(mode: int, *groups: S.ReplicaGroup) -> S.JobSpec:
     """A spec whose selector names the Ray cluster (the local cluster could run it too)."""
     return S.JobSpec(run_mode=mode, replica_groups=list(groups),
@@ -125,63 +130,8 @@ def single(code: str, *args: str) -> S.JobSpec:
         role="main", replicas=1, command=[PY, "-u", "-c", textwrap.dedent(code)], args=list(args)))
 
 
-class Run:
-    """One job, submitted through JobManager with a WatchJobs stream on it opened first."""
-
-    def __init__(self, jm: jm_grpc.JobManagerServiceStub, spec: S.JobSpec) -> None:
-        self.jm = jm
-        self.spec = spec
-        self.id = new_id("ray-svc")
-        self.name = f"jobs/{self.id}"
-        self.spec.labels["t"] = self.id
-        self.states: list[int] = []  # every state the watch showed, in order
-        self.job: S.Job | None = None
-        self._call: grpc.aio.UnaryStreamCall | None = None
-        self._it: AsyncIterator[jpb.WatchJobsResponse] | None = None
-
-    async def submit(self) -> S.Job:
-        self._call = self.jm.WatchJobs(jpb.WatchJobsRequest(filter=f'labels.t="{self.id}"'))
-        self._it = self._call.__aiter__()
-        while (await asyncio.wait_for(self._it.__anext__(), 20)).type != \
-                S.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE:
-            pass
-        resp = await self.jm.SubmitJob(jpb.SubmitJobRequest(job_id=self.id, spec=self.spec,
-                                                            request_id=new_id("req")), timeout=30)
-        assert resp.job.name == self.name and resp.job.cluster == CLUSTER, resp.job
-        return resp.job
-
-    async def until(self, states: tuple[int, ...] = TERMINAL, within: float = JOB_TIMEOUT) -> S.Job:
-        """Reads the watch until the job is in one of ``states``; returns it."""
-        assert self._it is not None
-        if self.states and self.states[-1] in states:
-            assert self.job is not None
-            return self.job
-        deadline = time.monotonic() + within
-        while True:
-            left = deadline - time.monotonic()
-            assert left > 0, f"{self.name} still {S.JobState.Name(self.states[-1] if self.states else 0)}"
-            ev = await asyncio.wait_for(self._it.__anext__(), left)
-            if ev.job.name != self.name:
-                continue
-            self.job = ev.job
-            if not self.states or self.states[-1] != ev.job.state:
-                self.states.append(ev.job.state)
-            if ev.job.state in states:
-                return ev.job
-
-    async def get(self) -> S.Job:
-        return (await self.jm.GetJob(jpb.GetJobRequest(name=self.name), timeout=10)).job
-
-    async def logs(self, **kw: object) -> list[S.LogEntry]:
-        out: list[S.LogEntry] = []
-        req = jpb.StreamJobLogsRequest(name=self.name, **kw)  # type: ignore[arg-type]
-        async for r in self.jm.StreamJobLogs(req, timeout=JOB_TIMEOUT):
-            out.extend(r.entries)
-        return out
-
-    def close(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
+def run_of(jm: jm_grpc.JobManagerServiceStub, spec: S.JobSpec) -> Run:
+    return Run(jm, spec, prefix="ray-svc", cluster=CLUSTER, job_timeout=JOB_TIMEOUT, submit_timeout=30)
 
 
 @pytest.fixture
@@ -189,69 +139,11 @@ async def runs(jm: jm_grpc.JobManagerServiceStub) -> AsyncIterator[list[Run]]:
     """Runs made by a test; their watches are closed and unfinished jobs stopped after it."""
     made: list[Run] = []
     yield made
-    for r in made:
-        r.close()
-        if r.job is None or r.job.state not in TERMINAL:
-            try:
-                await jm.StopJob(jpb.StopJobRequest(name=r.name), timeout=20)
-            except grpc.aio.AioRpcError:
-                pass
+    await cleanup(jm, made)
 
 
 async def run_to_end(jm: jm_grpc.JobManagerServiceStub, runs: list[Run], spec: S.JobSpec) -> tuple[Run, S.Job]:
-    r = Run(jm, spec)
-    runs.append(r)
-    await r.submit()
-    job = await r.until()
-    assert (await r.get()).state == job.state  # the store holds what the watch said
-    return r, job
-
-
-# Every process writes what it saw (its environment, its pid) to <out>/<role>-<index>-<rank>.json;
-# PROBE_<ROLE>=forever keeps it running until it is stopped.
-PROBE = """
-import json, os, sys, time
-out = sys.argv[1]
-name = f"{os.environ['DLSCHED_ROLE']}-{os.environ['DLSCHED_REPLICA_INDEX']}-{os.environ.get('RANK', '')}"
-with open(os.path.join(out, name + '.tmp'), 'w') as f:
-    json.dump({'env': dict(os.environ), 'pid': os.getpid()}, f)
-os.replace(os.path.join(out, name + '.tmp'), os.path.join(out, name + '.json'))
-print('probe', name, flush=True)
-if os.environ.get('PROBE_' + os.environ['DLSCHED_ROLE'].upper()) == 'forever':
-    while True:
-        time.sleep(1)
-"""
-
-
-def probe_group(role: str, out: pathlib.Path, replicas: int = 1, ppr: int = 0, **env: str) -> S.ReplicaGroup:
-    return S.ReplicaGroup(role=role, replicas=replicas, processes_per_replica=ppr,
-                          command=[PY, "-c", textwrap.dedent(PROBE), str(out)], env=env)
-
-
-def probes(out: pathlib.Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-async def wait_dead(pids: list[int], within: float = 20.0) -> None:
-    deadline = time.monotonic() + within
-    while alive := [p for p in pids if pid_alive(p)]:
-        assert time.monotonic() < deadline, f"processes outlived their job: {alive}"
-        await asyncio.sleep(0.2)
-
-
-def assert_one_torch_world(envs: list[dict], size: int) -> None:
-    assert sorted(int(e["RANK"]) for e in envs) == list(range(size))  # every rank once
-    for key in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DLSCHED_JOB_ID"):
-        assert len({e[key] for e in envs}) == 1, key
-    assert envs[0]["WORLD_SIZE"] == str(size)
+    return await run_spec_to_end(run_of(jm, spec), runs)
 
 
 # --------------------------------------------------------------------------- the run modes
@@ -360,7 +252,7 @@ async def test_followed_logs_arrive_while_the_job_runs_and_end_after_it(jm, runs
         time.sleep(0.05)
     print('done', flush=True)
     """
-    r = Run(jm, single(code, str(go)))
+    r = run_of(jm, single(code, str(go)))
     runs.append(r)
     await r.submit()
     texts: list[str] = []
@@ -378,7 +270,7 @@ async def test_followed_logs_arrive_while_the_job_runs_and_end_after_it(jm, runs
 
 
 async def test_stop_job_ends_a_running_job_stopped(jm, runs, tmp_path):
-    r = Run(jm, on_ray(S.RUN_MODE_SINGLE_PROCESS, probe_group("main", tmp_path, PROBE_MAIN="forever")))
+    r = run_of(jm, on_ray(S.RUN_MODE_SINGLE_PROCESS, probe_group("main", tmp_path, PROBE_MAIN="forever")))
     runs.append(r)
     await r.submit()
     await r.until((S.JOB_STATE_RUNNING,))

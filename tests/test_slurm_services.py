@@ -39,6 +39,17 @@ from dlsched.v1 import job_manager_service_pb2 as jpb
 from dlsched.v1 import job_manager_service_pb2_grpc as jm_grpc
 from tests import slurm_cluster
 from tests.harness import EtcdServer, ServiceProcess, Stack
+from tests.through_services import (
+    TERMINAL,
+    Run,
+    assert_one_torch_world,
+    cleanup,
+    new_id,
+    probe_group,
+    probes,
+    wait_dead,
+)
+from tests.through_services import run_to_end as run_spec_to_end
 
 asyncssh = pytest.importorskip("asyncssh")
 if why := slurm_cluster.available():
@@ -48,7 +59,6 @@ S = job_pb2
 C = cluster_pb2
 PY = sys.executable
 CLUSTER = "clusters/slurm"
-TERMINAL = (S.JOB_STATE_SUCCEEDED, S.JOB_STATE_FAILED, S.JOB_STATE_STOPPED)
 JOB_TIMEOUT = 90.0
 ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 NODE = slurm_cluster.socket.gethostname().split(".")[0]
@@ -122,10 +132,6 @@ async def cm(stack: Stack) -> AsyncIterator[cm_grpc.ClusterManagerServiceStub]:
 # --------------------------------------------------------------------------- helpers
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
-
-
 def on_slurm(mode: int, *groups: S.ReplicaGroup) -> S.JobSpec:
     """A spec whose selector names the Slurm cluster (the local cluster could run it too)."""
     return S.JobSpec(run_mode=mode, replica_groups=list(groups),
@@ -138,69 +144,8 @@ def single(code: str, *args: str, **kw: object) -> S.JobSpec:
         **kw))  # type: ignore[arg-type]
 
 
-class Run:
-    """One job, submitted through JobManager with a WatchJobs stream on it opened first."""
-
-    def __init__(self, jm: jm_grpc.JobManagerServiceStub, spec: S.JobSpec) -> None:
-        self.jm = jm
-        self.spec = spec
-        self.id = new_id("slurm-svc")
-        self.name = f"jobs/{self.id}"
-        self.spec.labels["t"] = self.id
-        self.states: list[int] = []  # every state the watch showed, in order
-        self.reasons: list[str] = []  # every reason the watch showed, in order
-        self.job: S.Job | None = None
-        self._call: grpc.aio.UnaryStreamCall | None = None
-        self._it: AsyncIterator[jpb.WatchJobsResponse] | None = None
-
-    async def submit(self) -> S.Job:
-        self._call = self.jm.WatchJobs(jpb.WatchJobsRequest(filter=f'labels.t="{self.id}"'))
-        self._it = self._call.__aiter__()
-        while (await asyncio.wait_for(self._it.__anext__(), 20)).type != \
-                S.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE:
-            pass
-        resp = await self.jm.SubmitJob(jpb.SubmitJobRequest(job_id=self.id, spec=self.spec,
-                                                            request_id=new_id("req")), timeout=60)
-        assert resp.job.name == self.name and resp.job.cluster == CLUSTER, resp.job
-        return resp.job
-
-    async def until(self, states: tuple[int, ...] = TERMINAL, within: float = JOB_TIMEOUT) -> S.Job:
-        """Reads the watch until the job is in one of ``states``; returns it."""
-        assert self._it is not None
-        if self.states and self.states[-1] in states:
-            assert self.job is not None
-            return self.job
-        deadline = time.monotonic() + within
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                ev = await asyncio.wait_for(self._it.__anext__(), max(left, 0.01))
-            except TimeoutError:
-                raise AssertionError(f"{self.name} not {[S.JobState.Name(s) for s in states]} in {within:g} s: "
-                                     f"{self.job}") from None
-            if ev.job.name != self.name:
-                continue
-            self.job = ev.job
-            if not self.states or self.states[-1] != ev.job.state:
-                self.states.append(ev.job.state)
-            if not self.reasons or self.reasons[-1] != ev.job.reason:
-                self.reasons.append(ev.job.reason)
-            if ev.job.state in states:
-                return ev.job
-
-    async def get(self) -> S.Job:
-        return (await self.jm.GetJob(jpb.GetJobRequest(name=self.name), timeout=10)).job
-
-    async def logs(self, **kw: object) -> list[S.LogEntry]:
-        out: list[S.LogEntry] = []
-        req = jpb.StreamJobLogsRequest(name=self.name, **kw)  # type: ignore[arg-type]
-        async for r in self.jm.StreamJobLogs(req, timeout=JOB_TIMEOUT):
-            out.extend(r.entries)
-        return out
-
-    def close(self) -> None:
-        if self._call is not None:
-            self._call.cancel()
+def run_of(jm: jm_grpc.JobManagerServiceStub, spec: S.JobSpec) -> Run:
+    return Run(jm, spec, prefix="slurm-svc", cluster=CLUSTER, job_timeout=JOB_TIMEOUT, submit_timeout=60)
 
 
 @pytest.fixture
@@ -208,81 +153,16 @@ async def runs(jm: jm_grpc.JobManagerServiceStub) -> AsyncIterator[list[Run]]:
     """Runs made by a test; their watches are closed and unfinished jobs stopped after it."""
     made: list[Run] = []
     yield made
-    for r in made:
-        r.close()
-        if r.job is None or r.job.state not in TERMINAL:
-            try:
-                await jm.StopJob(jpb.StopJobRequest(name=r.name), timeout=20)
-            except grpc.aio.AioRpcError:
-                pass
+    await cleanup(jm, made)
 
 
 async def run_to_end(jm: jm_grpc.JobManagerServiceStub, runs: list[Run], spec: S.JobSpec) -> tuple[Run, S.Job]:
-    r = Run(jm, spec)
-    runs.append(r)
-    await r.submit()
-    job = await r.until()
-    assert (await r.get()).state == job.state  # the store holds what the watch said
-    if job.state != S.JOB_STATE_SUCCEEDED:
-        print("\n".join(f"{e.role}-{e.replica_index} {e.text}" for e in await r.logs()))
-    return r, job
+    return await run_spec_to_end(run_of(jm, spec), runs)
 
 
-# Every process writes what it saw (argv, cwd, environment, pid) to <out>/<role>-<index>-<rank>.json,
-# rank being RANK or, under mpirun, OMPI_COMM_WORLD_RANK; PROBE_<ROLE>=forever keeps it running.
-PROBE = """
-import json, os, sys, time
-out = sys.argv[1]
-rank = os.environ.get('RANK', os.environ.get('OMPI_COMM_WORLD_RANK', ''))
-name = f"{os.environ['DLSCHED_ROLE']}-{os.environ['DLSCHED_REPLICA_INDEX']}-{rank}"
-with open(os.path.join(out, name + '.tmp'), 'w') as f:
-    json.dump({'env': dict(os.environ), 'pid': os.getpid(), 'argv': sys.argv[1:], 'cwd': os.getcwd()}, f)
-os.replace(os.path.join(out, name + '.tmp'), os.path.join(out, name + '.json'))
-print('probe', name, flush=True)
-if os.environ.get('PROBE_' + os.environ['DLSCHED_ROLE'].upper()) == 'forever':
-    while True:
-        time.sleep(1)
-"""
-
-
-def probe_group(role: str, out: pathlib.Path, replicas: int = 1, ppr: int = 0, **env: str) -> S.ReplicaGroup:
-    return S.ReplicaGroup(role=role, replicas=replicas, processes_per_replica=ppr,
-                          command=[PY, "-c", textwrap.dedent(PROBE), str(out)], env=env)
-
-
-def probes(out: pathlib.Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-async def wait_dead(pids: list[int], within: float = 20.0) -> None:
-    deadline = time.monotonic() + within
-    while alive := [p for p in pids if pid_alive(p)]:
-        assert time.monotonic() < deadline, f"processes outlived their job: {alive}"
-        await asyncio.sleep(0.2)
-
-
-async def wait_file(path: pathlib.Path, within: float = JOB_TIMEOUT) -> None:
-    deadline = time.monotonic() + within
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        await asyncio.sleep(0.1)
-
-
-def assert_one_torch_world(envs: list[dict], size: int) -> None:
-    assert sorted(int(e["RANK"]) for e in envs) == list(range(size))  # every rank once
-    for key in ("WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DLSCHED_JOB_ID"):
-        assert len({e[key] for e in envs}) == 1, key
-    assert envs[0]["WORLD_SIZE"] == str(size)
+def assert_one_slurm_world(envs: list[dict], size: int) -> None:
+    assert_one_torch_world(envs, size)
     assert envs[0]["MASTER_ADDR"] == NODE  # the allocation's (only) node
-
 
 # --------------------------------------------------------------------------- the cluster, as ClusterManager sees it
 
@@ -321,7 +201,7 @@ async def test_multi_process_every_rank_distinct_in_one_world(jm, runs, tmp_path
     assert job.state == S.JOB_STATE_SUCCEEDED, job
     envs = [p["env"] for p in probes(tmp_path)]
     assert len(envs) == 2
-    assert_one_torch_world(envs, 2)
+    assert_one_slurm_world(envs, 2)
     assert len({e["SLURM_JOB_ID"] for e in envs}) == 1  # one allocation
     assert len({e["SLURM_STEP_ID"] for e in envs}) == 2  # a step per process
     entries = await r.logs(replica_index=1)
@@ -335,7 +215,7 @@ async def test_master_worker_one_world_with_rank_zero_on_the_master(jm, runs, tm
     assert job.state == S.JOB_STATE_SUCCEEDED, job
     envs = [p["env"] for p in probes(tmp_path)]
     assert len(envs) == 2
-    assert_one_torch_world(envs, 2)
+    assert_one_slurm_world(envs, 2)
     assert [e["DLSCHED_ROLE"] for e in envs if e["RANK"] == "0"] == ["master"]  # the master holds rank 0
     lines = sorted((e.role, e.text) for e in await r.logs())
     assert lines == [("master", "probe master-0-0"), ("worker", "probe worker-0-1")]
@@ -392,7 +272,7 @@ async def test_logs_stream_and_usage_is_measured_while_the_job_runs(jm, runs, tm
         pass
     print('done', flush=True)
     """
-    r = Run(jm, single(code, str(go)))
+    r = run_of(jm, single(code, str(go)))
     runs.append(r)
     await r.submit()
     texts: list[str] = []
@@ -423,7 +303,7 @@ async def test_logs_stream_and_usage_is_measured_while_the_job_runs(jm, runs, tm
 
 
 async def test_stop_job_ends_a_running_job_stopped(jm, runs, tmp_path):
-    r = Run(jm, on_slurm(S.RUN_MODE_SINGLE_PROCESS, probe_group("main", tmp_path, PROBE_MAIN="forever")))
+    r = run_of(jm, on_slurm(S.RUN_MODE_SINGLE_PROCESS, probe_group("main", tmp_path, PROBE_MAIN="forever")))
     runs.append(r)
     await r.submit()
     await r.until((S.JOB_STATE_RUNNING,))
@@ -461,7 +341,7 @@ async def test_a_job_that_cannot_start_is_refused_or_says_why(jm, runs, tmp_path
 
     # Three processes of one CPU each (the least Slurm gives a task) on the 2-CPU node: Slurm keeps
     # it queued and says why, and the job says it too.
-    r = Run(jm, on_slurm(S.RUN_MODE_MULTI_PROCESS, probe_group("worker", tmp_path, replicas=3)))
+    r = run_of(jm, on_slurm(S.RUN_MODE_MULTI_PROCESS, probe_group("worker", tmp_path, replicas=3)))
     runs.append(r)
     await r.submit()
     deadline = time.monotonic() + 30
@@ -603,7 +483,7 @@ async def test_an_outage_turns_the_cluster_unreachable_and_keeps_the_job_state(j
     reaches its true end."""
     stop, start = getattr(slurm, f"stop_{outage}"), getattr(slurm, f"start_{outage}")
     go = tmp_path / "go"
-    r = Run(jm, single("""
+    r = run_of(jm, single("""
     import os, sys, time
     print('up', flush=True)
     while not os.path.exists(sys.argv[1]):
