@@ -8,6 +8,7 @@ waits for the port file, so no test ever uses a fixed port.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shutil
@@ -17,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from dlsched.kit.etcd import find_etcd_binary
 
@@ -174,6 +175,14 @@ class Stack:
         for p in (self.jm, self.cm, self.driver):
             if p is not None:
                 p.stop()
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Stack]:
+        """Started for the ``with`` block, stopped after it (also when start fails)."""
+        try:
+            yield self.start()
+        finally:
+            self.stop()
 
     async def register_local(self, cluster_id: str = "local", within: float = 30) -> str:
         """``clusters/{cluster_id}`` on this stack's local driver, registered

@@ -48,14 +48,8 @@ SECRET = "s3cr3t-ray-token-" + uuid.uuid4().hex
 
 @pytest.fixture(scope="module")
 def stack(etcd: EtcdServer) -> Iterator[Stack]:
-    st = Stack(etcd, f"/dlsched-gw-{uuid.uuid4().hex[:8]}/", jm_args=["--stop-grace-seconds", "1"])
-    try:
-        st.start()
-    except Exception:
-        st.stop()
-        raise
-    yield st
-    st.stop()
+    with Stack(etcd, f"/dlsched-gw-{uuid.uuid4().hex[:8]}/", jm_args=["--stop-grace-seconds", "1"]).running() as st:
+        yield st
 
 
 def _gateway_process(stack: Stack) -> ServiceProcess:

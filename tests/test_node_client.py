@@ -81,14 +81,8 @@ def node() -> str:
 
 @pytest.fixture(scope="module")
 def stack(etcd: EtcdServer) -> Iterator[Stack]:
-    st = Stack(etcd, f"/dlsched-node-{uuid.uuid4().hex[:8]}/")
-    try:
-        st.start()
-    except Exception:
-        st.stop()
-        raise
-    yield st
-    st.stop()
+    with Stack(etcd, f"/dlsched-node-{uuid.uuid4().hex[:8]}/").running() as st:
+        yield st
 
 
 @pytest.fixture(scope="module")

@@ -336,14 +336,8 @@ STACK_GRACE = 2.0
 
 @pytest.fixture(scope="module")
 def stack(etcd: EtcdServer) -> Iterator[Stack]:
-    st = Stack(etcd, f"/dlsched-modes-{uuid.uuid4().hex[:8]}/", jm_args=["--stop-grace-seconds", str(STACK_GRACE)])
-    try:
-        st.start()
-    except Exception:
-        st.stop()
-        raise
-    yield st
-    st.stop()
+    with Stack(etcd, f"/dlsched-modes-{uuid.uuid4().hex[:8]}/", jm_args=["--stop-grace-seconds", str(STACK_GRACE)]).running() as st:
+        yield st
 
 
 @pytest.fixture
