@@ -518,3 +518,60 @@ async def test_metrics_count_every_remote_command_and_poll_round(cluster, tmp_pa
     assert rounds >= 1 and got.get("poll_rounds") == rounds, (got, log)
     assert got.get("tail/ok", 0) >= 1
     assert not any(k.startswith("other/") for k in got), got
+
+
+def sbatch_processes() -> list[int]:
+    """Pids of ``sbatch --parsable`` processes on this host (the login node here)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"sbatch") and b"--parsable" in argv:
+            out.append(int(pid))
+    return out
+
+
+async def test_a_launch_hands_its_script_to_an_sbatch_started_before_it(stub, cluster, tmp_path):
+    """The warm submitter: the sbatch that takes a launch's script was exec'd before the launch,
+    the next one waits (never more than one idle per cluster), concurrent launches still make
+    one Slurm job each, and RemoveCluster ends the idle one without a job."""
+    calls = str(tmp_path / "calls.log")
+    req = configure_request(cluster, "clusters/slurm-warm")
+    req.options["PATH"] = slurm_cluster.command_log_path(str(tmp_path / "bin"), calls, ("sbatch",))
+    before = set(sbatch_processes())
+    await stub.ConfigureCluster(req, timeout=30)
+
+    def sbatch_starts() -> list[float]:
+        return [t for t, name, _ in slurm_cluster.read_command_log(calls) if name == "sbatch"]
+
+    async def launch_on(jid: str) -> str:
+        return (await stub.LaunchJob(dpb.LaunchJobRequest(cluster="clusters/slurm-warm", job_id=jid,
+                                                          spec=single("print(1)"), attempt=1),
+                                     timeout=60)).backend_job_id
+
+    deadline = time.monotonic() + 10
+    while not sbatch_starts():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    t0 = time.time()
+    ids = [new_id("warm") for _ in range(4)]
+    first = await launch_on(ids[0])
+    assert sbatch_starts()[0] < t0  # started ahead, then fed the script
+    backends = [first, *await asyncio.gather(*(launch_on(j) for j in ids[1:]))]
+    assert len(set(backends)) == 4
+    await asyncio.sleep(1)
+    idle = [p for p in sbatch_processes() if p not in before]
+    assert len(idle) == 1, idle  # the next one waits; only one
+    await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/slurm-warm"), timeout=30)
+    deadline = time.monotonic() + 10
+    while [p for p in sbatch_processes() if p not in before]:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    for jid, backend in zip(ids, backends, strict=True):
+        out = cluster.run("squeue", "--noheader", "--states=all", f"--name=dlsched-{jid}", "-o", "%i").stdout
+        assert out.split() == [backend]
+    jobs = cluster.run("squeue", "--noheader", "--states=all", "-o", "%j").stdout.split()
+    assert not [j for j in jobs if not j.startswith("dlsched-")]  # the given-up sbatch made none

@@ -24,7 +24,11 @@ and adopt what it finds; only when Slurm holds no such job does it submit
 (again); should a timed-out ``sbatch`` land after that look-up, the retry
 finds two jobs, keeps the oldest and cancels the other before anything is
 reported. So a launch costs what a bare ``sbatch`` on the open connection
-costs: one channel, one process, one controller RPC. An ``sbatch`` that
+costs: one channel, one process, one controller RPC. Less: a warm
+``mkdir -p <state dir> && exec sbatch --parsable`` per cluster is started
+ahead of the launch and waits for the script on stdin (``_WarmSubmitter``),
+so the first try costs writing the script and sbatch's RPC; retries use a
+fresh command. An ``sbatch`` that
 fails with no job behind it is FAILED_PRECONDITION reason ``SBATCH_REJECTED``
 with Slurm's message (an unknown partition), unless the message says the
 controller was unreachable or slow (``TRANSIENT_RE``): that is retried, and
@@ -96,11 +100,13 @@ from drivers.common.planner import ALL_RUN_MODES
 from drivers.slurm import poller as poll
 from drivers.slurm import render, states
 from drivers.slurm.render import SlurmScript
-from drivers.slurm.ssh import ENV_RE, HostKeyMismatch, SshClient
+from drivers.slurm.ssh import ENV_RE, HostKeyMismatch, SshClient, Started
 
 log = logging.getLogger("dlsched.driver.slurm")
 
 SUBMIT_TRIES = 3
+#: A warm sbatch older than this is replaced before use (seconds).
+WARM_MAX_AGE = 300.0
 #: Log tails read files on the login node, not the controller: their own, lower floor.
 LOG_POLL_FLOOR = 0.2
 LOG_LINE_RE = re.compile(r"^([a-z][a-z0-9-]{0,62})-(\d+)\.(stdout|stderr)$")
@@ -123,6 +129,61 @@ class SlurmConfig:
 
 class SbatchRejected(FailedPrecondition):
     reason = "SBATCH_REJECTED"
+
+
+class _WarmSubmitter:
+    """One ``sbatch --parsable`` per cluster started ahead of the next launch, waiting for
+    its script on stdin: a launch pays only writing the script and sbatch's own RPC, not
+    opening a channel and exec'ing. At most one idle process per cluster; it holds one
+    channel of the bound (so it is used only where the bound is at least 3); one that died
+    (a lost connection) or is older than ``WARM_MAX_AGE`` is closed and replaced; ``close``
+    (RemoveCluster, reconfigure, driver close) gives it up. Given up unused, sbatch reads an
+    empty script and submits nothing. The command and environment are the cold path's."""
+
+    def __init__(self, ssh: SshClient, command: str, enabled: bool) -> None:
+        self._ssh = ssh
+        self._command = command
+        self._enabled = enabled
+        self._idle: Started | None = None
+        self._starting: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def take(self) -> Started | None:
+        """The idle process if it is usable (then the next one starts in the background)."""
+        p, self._idle = self._idle, None
+        if p is not None and (not p.alive() or time.monotonic() - p.started > WARM_MAX_AGE):
+            p.close()
+            p = None
+        self.refill()
+        return p
+
+    def refill(self) -> None:
+        if not self._enabled or self._closed or self._idle is not None:
+            return
+        if self._starting is not None and not self._starting.done():
+            return
+        self._starting = asyncio.create_task(self._start(), name="slurm-warm-sbatch")
+
+    async def _start(self) -> None:
+        try:
+            p = await self._ssh.start(self._command, call="sbatch")
+        except DlschedError as e:
+            log.debug("no warm sbatch: %s", e.message)
+            return
+        if self._closed or self._idle is not None:
+            p.close()
+        else:
+            self._idle = p
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._starting is not None:
+            self._starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._starting
+        if self._idle is not None:
+            self._idle.close()
+            self._idle = None
 
 
 class _Job:
@@ -162,6 +223,9 @@ class _Cluster:
         #: comments of attempts whose sbatch may have landed unseen (look them up before submitting).
         self.unsure: set[str] = set()
         self.state_dir_made = False
+        self.warm = _WarmSubmitter(
+            ssh, f"mkdir -p -- {shlex.quote(render.state_dir_of(self.options))} && exec sbatch --parsable",
+            driver._cfg.max_channels >= 3)
         self.poller = poll.Poller(self.run, ssh.username, driver._cfg.poll_interval, self.tracked,
                                   lambda jobs, err, complete: driver._on_round(self, jobs, err, complete))
 
@@ -170,6 +234,14 @@ class _Cluster:
         return r.exit_status, r.stdout, r.stderr
 
     driver_timeout = 30.0
+
+    async def submit(self, script: str, cold: str) -> tuple[int, str, str]:
+        """``script`` to the warm sbatch if one is ready, else ``cold`` (a fresh command)."""
+        p = self.warm.take()
+        if p is None:
+            return await self.run(cold, input=script)
+        r = await p.finish(script.encode(), self.driver_timeout)
+        return r.exit_status, r.stdout.decode("utf-8", "replace"), r.stderr.decode("utf-8", "replace")
 
     def tracked(self) -> list[str]:
         return [j.backend_job_id for j in self.jobs.values() if not j.state.is_terminal()]
@@ -227,13 +299,16 @@ class SlurmDriver(Driver):
             log.info("cluster %s not reachable yet: %s", config.name, e.message)
         if old is not None:
             c.jobs, c.locks, c.unsure = old.jobs, old.locks, old.unsure
+            await old.warm.close()
             await old.poller.stop()
             await old.ssh.close()
         self._clusters[config.name] = c
         c.poller.start()
+        c.warm.refill()
         return await self._info(c)
 
     async def _drop_cluster(self, c: _Cluster) -> None:
+        await c.warm.close()
         await c.poller.stop()
         await c.ssh.close()
 
@@ -340,7 +415,10 @@ class SlurmDriver(Driver):
                 await asyncio.sleep(0.5 * attempt)
             rc, out, err = 255, "", ""
             try:
-                rc, out, err = await c.run(cmd, input=script.script)
+                if attempt:
+                    rc, out, err = await c.run(cmd, input=script.script)
+                else:  # the warm sbatch, if one is ready: the same command, started earlier
+                    rc, out, err = await c.submit(script.script, cmd)
             except DlschedError as e:
                 last = f"{e.reason}: {e.message}"
             if rc == 0 and (jid := out.strip().split(";")[0].strip()).isdigit():

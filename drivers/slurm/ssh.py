@@ -126,6 +126,60 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class Started:
+    """A remote command already running and waiting for its stdin (``SshClient.start``).
+    ``finish`` (once) or ``close`` ends it and frees its channel; either counts it once."""
+
+    def __init__(self, client: SshClient, proc: asyncssh.SSHClientProcess[bytes], call: str) -> None:
+        self._client = client
+        self._proc = proc
+        self._call = call
+        self._done = False
+        self.started = time.monotonic()
+
+    def alive(self) -> bool:
+        """Still waiting: the process has not exited and its channel is open."""
+        return not self._done and self._proc.exit_status is None and not self._proc.is_closing()
+
+    def _end(self, ok: bool) -> None:
+        if not self._done:
+            self._done = True
+            self._client._sem.release()
+            metrics.backend_call("slurm", self._call, ok)
+
+    async def finish(self, input: bytes, time_limit: float) -> BytesResult:
+        """Send ``input``, close stdin, wait for the exit; transport failures raise
+        (ambiguous: the input may have been read)."""
+        if self._done:
+            raise BackendUnavailable("the started command was already used")
+        ok = False
+        try:
+            self._proc.stdin.write(input)
+            self._proc.stdin.write_eof()
+            r = await self._proc.wait(check=False, timeout=time_limit)
+        except asyncssh.TimeoutError as e:
+            self._proc.close()
+            raise BackendUnavailable(f"command timed out after {time_limit:g}s") from e
+        except (OSError, asyncssh.Error) as e:
+            self._proc.close()
+            raise self._client._as_error(e) from e
+        else:
+            out = r.stdout if isinstance(r.stdout, bytes) else (r.stdout or "").encode()
+            err = r.stderr if isinstance(r.stderr, bytes) else (r.stderr or "").encode()
+            status = r.exit_status if r.exit_status is not None else (128 + 9 if r.exit_signal else 255)
+            ok = status == 0
+            return BytesResult(status, out, err)
+        finally:
+            self._end(ok)
+
+    def close(self) -> None:
+        """Give it up unused: the channel closes, so the command reads end of input
+        (sbatch: "Batch script is empty", no job) and ends."""
+        if not self._done:
+            self._proc.close()
+            self._end(False)
+
+
 class SshClient:
     def __init__(self, address: str, username: str, private_key: str, known_host_keys: Sequence[str], *,
                  env: Mapping[str, str] | None = None, max_channels: int = MAX_CHANNELS,
@@ -237,6 +291,27 @@ class SshClient:
         err = r.stderr if isinstance(r.stderr, bytes) else (r.stderr or "").encode()
         status = r.exit_status if r.exit_status is not None else (128 + 9 if r.exit_signal else 255)
         return BytesResult(status, out, err)
+
+    async def start(self, command: str, *, call: str | None = None) -> Started:
+        """Start ``command`` now and hand it its stdin later (``Started.finish``): the
+        channel, the remote shell and the exec are paid before the input exists. It holds
+        one channel of the bound until it ends or is closed."""
+        conn = await self._connection()
+        await self._sem.acquire()
+        try:
+            proc = await conn.create_process(self._prefix + command, encoding=None)
+        except (OSError, asyncssh.Error) as e:
+            self._sem.release()
+            if self._conn is conn:
+                self._conn = None
+            conn.abort()
+            metrics.backend_call("slurm", call if call in CALL_NAMES else call_name(command), False)
+            raise self._as_error(e) from e
+        except BaseException:
+            self._sem.release()
+            raise
+        self.commands += 1
+        return Started(self, proc, call if call in CALL_NAMES else call_name(command))
 
     def drop(self) -> None:
         """Forget the connection (tests: simulate a dead one)."""
