@@ -575,3 +575,29 @@ async def test_a_launch_hands_its_script_to_an_sbatch_started_before_it(stub, cl
         assert out.split() == [backend]
     jobs = cluster.run("squeue", "--noheader", "--states=all", "-o", "%j").stdout.split()
     assert not [j for j in jobs if not j.startswith("dlsched-")]  # the given-up sbatch made none
+
+
+async def test_a_requeued_job_runs_again_as_the_same_attempt_and_never_fails(stub, cluster):
+    jid = new_id("requeue")
+    backend = (await launch(stub, jid, single("import time; time.sleep(4); print('done')"))).backend_job_id
+    await wait_state(stub, jid, [job_pb2.JOB_STATE_RUNNING])
+    cluster.run("scontrol", "requeue", backend)
+    seen: list[dpb.JobObservation] = []
+    deadline = time.monotonic() + 60
+    released = False
+    while True:
+        obs = await observe(stub, jid)
+        seen.append(obs)
+        if obs.reason == "BeginTime" and not released:  # Slurm delays a requeued job; skip the wait
+            cluster.run("scontrol", "update", f"JobId={backend}", "StartTime=now")
+            released = True
+        assert obs.state != job_pb2.JOB_STATE_FAILED, obs
+        if obs.state in TERMINAL:
+            break
+        assert time.monotonic() < deadline, obs
+        await asyncio.sleep(0.2)
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
+    assert obs.backend_job_id == backend and obs.attempt == 1  # same Slurm job, same dlsched attempt
+    states = [o.state for o in seen if "Slurm restart 1" in o.message]
+    assert job_pb2.JOB_STATE_QUEUED in states and job_pb2.JOB_STATE_RUNNING in states, seen
+    assert states.index(job_pb2.JOB_STATE_QUEUED) < states.index(job_pb2.JOB_STATE_RUNNING)

@@ -80,14 +80,14 @@ def test_replica_state_follows_the_job():
 # --------------------------------------------------------------------------- recorded Slurm output
 
 SQUEUE = (
-    "1|FAILED|768|2026-12-02T14:34:08|2026-12-02T14:34:08|vm|dlsched-x|NonZeroExitCode|dlsched-x.1|\n"
-    "2|RUNNING|0|2026-12-02T14:34:08|NONE|vm|wrap|None|(null)|\n"
-    "3|PENDING|0|N/A|N/A||dlsched-y|Resources|a|b|c|\n"
+    "1|FAILED|768|2026-12-02T14:34:08|2026-12-02T14:34:08|vm|dlsched-x|NonZeroExitCode|0|dlsched-x.1|\n"
+    "2|RUNNING|0|2026-12-02T14:34:08|NONE|vm|wrap|None|2|(null)|\n"
+    "3|PENDING|0|N/A|N/A||dlsched-y|Resources|0|a|b|c|\n"
 )
 SCONTROL_JOB = (
     "JobId=7 JobName=dlsched-z UserId=root(0) JobState=CANCELLED Reason=None ExitCode=0:15 "
     "StartTime=2026-12-02T14:32:39 EndTime=2026-12-02T14:32:40 NodeList=vm Comment=dlsched-z.2 "
-    "Command=(null) WorkDir=/root with space\n"
+    "Restarts=1 Command=(null) WorkDir=/root with space\n"
 )
 SCONTROL_NODES = (
     "NodeName=vm Arch=x86_64 CoresPerSocket=1  CPUAlloc=1 CPUEfctv=2 CPUTot=2 CPULoad=0.29 "
@@ -101,13 +101,14 @@ def test_parse_squeue():
     jobs = poller.parse_squeue(SQUEUE)
     assert jobs["1"].exit_status == 3 and jobs["1"].comment == "dlsched-x.1"
     assert jobs["1"].end_time == jobs["1"].start_time and jobs["1"].start_time is not None
-    assert jobs["2"].end_time is None and jobs["2"].state == "RUNNING"
+    assert jobs["2"].end_time is None and jobs["2"].state == "RUNNING" and jobs["2"].restarts == 2
     assert jobs["3"].comment == "a|b|c" and jobs["3"].reason == "Resources"
 
 
 def test_parse_scontrol_job():
     j = poller.parse_scontrol_jobs(SCONTROL_JOB)["7"]
     assert (j.state, j.exit_status, j.comment, j.name) == ("CANCELLED", 143, "dlsched-z.2", "dlsched-z")
+    assert j.restarts == 1
 
 
 def test_wait_status_decoding():

@@ -42,8 +42,13 @@ slurmctld down) every job keeps its last known state, with reason
 ``BackendStale`` and the error in the message: nothing turns FAILED on an
 outage. A tracked job that both squeue and scontrol no longer know, while
 the controller answers, ends FAILED reason ``LeftSlurm`` (or keeps its
-terminal state if one was seen). A job Slurm requeues (``Restarts``) stays
-the same dlsched attempt; its state goes back to QUEUED.
+terminal state if one was seen). A job Slurm requeues (``scontrol requeue``,
+a node failure; squeue's ``RestartCnt``) stays the same dlsched attempt: its
+state goes back to QUEUED (REQUEUED / PENDING, never FAILED) and then
+RUNNING, its start time and usage restart, and every message says
+``(Slurm restart N)``. ``JobObservation.attempt`` stays the dlsched attempt
+on purpose: JobManager drops observations of any other attempt, and the
+observation has no restart-count field, so the count travels in the message.
 
 Jobs the driver does not know (after a driver restart) are adopted on the
 first observation that names them: the next poll round answers for all of
@@ -205,6 +210,7 @@ class _Job:
         self.stale = False
         self.stop_requested = False
         self.seen = False  # Slurm has answered about it at least once
+        self.restarts = 0  # Slurm requeues seen (RestartCnt)
         self.roles: tuple[tuple[str, int], ...] = ()
         self.usage: dict[tuple[str, int], ReplicaUsage] = {}  # last sample per replica
 
@@ -482,6 +488,12 @@ class SlurmDriver(Driver):
         job.seen = True
         m = states.job_state(sj.state, sj.reason)
         job.state, job.reason, job.message = m.state, m.reason, m.message
+        if sj.restarts > job.restarts:  # requeued: a new run of the same attempt; forget the old one's end
+            job.restarts = sj.restarts
+            job.start_time = job.end_time = job.exit_code = None
+            job.usage.clear()
+        if job.restarts:
+            job.message = f"{job.message} (Slurm restart {job.restarts})"
         if job.stop_requested and not m.state.is_terminal():
             job.state, job.reason = JobState.STOPPING, "StopRequested"
         if m.state in (JobState.RUNNING, JobState.STOPPING) or m.state.is_terminal():

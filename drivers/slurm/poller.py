@@ -47,7 +47,7 @@ log = logging.getLogger("dlsched.driver.slurm.poller")
 MIN_INTERVAL = 2.0
 #: squeue -O fields; the comment goes last so a '|' in someone's comment cannot shift ours.
 SQUEUE_FIELDS = ("JobID", "State", "exit_code", "StartTime", "EndTime", "NodeList", "Name", "Reason",
-                 "Comment")
+                 "RestartCnt", "Comment")
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,7 @@ class SlurmJob:
     nodes: str = ""
     name: str = ""
     comment: str = ""
+    restarts: int = 0  # times Slurm requeued it (RestartCnt / Restarts)
 
 
 def squeue_command(user: str, name: str | None = None) -> str:
@@ -106,14 +107,15 @@ def parse_squeue(text: str) -> dict[str, SlurmJob]:
         parts = line.split("|")
         if len(parts) < n:
             continue
-        jid, state, code, start, end, nodes, name, reason = (p.strip() for p in parts[:n - 1])
+        jid, state, code, start, end, nodes, name, reason, restarts = (p.strip() for p in parts[:n - 1])
         comment = "|".join(parts[n - 1:])
         comment = comment[:-1] if comment.endswith("|") else comment
         if not jid or (jid in out and state.startswith("REVOKED")):
             continue  # --all lists a federated job's revoked sibling too; the live one wins
         out[jid] = SlurmJob(job_id=jid, state=state, reason=reason, exit_status=decode_wait_status(code),
                             start_time=parse_time(start), end_time=parse_time(end), nodes=nodes,
-                            name=name, comment=comment.strip())
+                            name=name, comment=comment.strip(),
+                            restarts=int(restarts) if restarts.isdigit() else 0)
     return out
 
 
@@ -132,7 +134,8 @@ def parse_scontrol_jobs(text: str) -> dict[str, SlurmJob]:
         out[jid] = SlurmJob(job_id=jid, state=kv.get("JobState", ""), reason=kv.get("Reason", ""),
                             exit_status=exit_code, start_time=parse_time(kv.get("StartTime", "")),
                             end_time=parse_time(kv.get("EndTime", "")), nodes=kv.get("NodeList", ""),
-                            name=kv.get("JobName", ""), comment=kv.get("Comment", ""))
+                            name=kv.get("JobName", ""), comment=kv.get("Comment", ""),
+                            restarts=int(r) if (r := kv.get("Restarts", "")).isdigit() else 0)
     return out
 
 
