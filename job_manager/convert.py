@@ -114,6 +114,7 @@ def job_from_proto(p: job_pb2.Job) -> Job:
         labels=dict(p.labels),
         attempt=p.attempt,
         etag=p.etag,
+        backend_restarts=p.backend_restarts,
     )
 
 
@@ -122,6 +123,7 @@ def job_to_proto(j: Job) -> job_pb2.Job:
         name=j.name, uid=j.uid, spec=spec_to_proto(j.spec), state=int(j.state),  # type: ignore[arg-type]
         reason=j.reason, message=j.message, cluster=j.cluster,
         backend_job_id=j.backend_job_id, labels=j.labels, attempt=j.attempt, etag=j.etag,
+        backend_restarts=j.backend_restarts,
         replicas=[_replica_to_proto(r) for r in j.replicas],
     )
     if j.exit_code is not None:
@@ -140,7 +142,7 @@ def observation_from_proto(p: driver_service_pb2.JobObservation) -> Observation:
         exit_code=p.exit_code if p.HasField("exit_code") else None,
         replicas=[_replica_from_proto(r) for r in p.replicas],
         start_time=_from_ts(p, "start_time"), end_time=_from_ts(p, "end_time"),
-        attempt=p.attempt,
+        attempt=p.attempt, backend_restarts=p.backend_restarts,
     )
 
 

@@ -81,6 +81,17 @@ def test_stale_attempt_is_ignored() -> None:
     assert states.apply_observation(j, Observation("j", state=S.FAILED, attempt=1), NOW) is None
 
 
+def test_backend_restart_shows_on_the_same_attempt() -> None:
+    j = job(S.RUNNING, start_time=NOW)
+    requeued = states.apply_observation(j, Observation("j", "b1", state=S.QUEUED, attempt=1, backend_restarts=1), NOW)
+    assert requeued is not None and requeued.backend_restarts == 1 and requeued.attempt == 1
+    assert requeued.state == S.QUEUED
+    running = states.apply_observation(requeued, Observation("j", "b1", state=S.RUNNING, attempt=1, backend_restarts=1),
+                                       NOW)
+    assert running is not None and running.backend_restarts == 1
+    assert states.plan_retry(running, Observation("j", state=S.FAILED, attempt=1), NOW).backend_restarts == 0
+
+
 def test_retry_plan() -> None:
     j = job(S.RUNNING, spec=spec(max_retries=1))
     obs = Observation("j", state=S.FAILED, exit_code=3, attempt=1)

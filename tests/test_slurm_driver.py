@@ -598,6 +598,8 @@ async def test_a_requeued_job_runs_again_as_the_same_attempt_and_never_fails(stu
         await asyncio.sleep(0.2)
     assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
     assert obs.backend_job_id == backend and obs.attempt == 1  # same Slurm job, same dlsched attempt
+    assert obs.backend_restarts == 1  # the requeue shows as a count, not as another attempt
+    assert seen[0].backend_restarts == 0
     states = [o.state for o in seen if "Slurm restart 1" in o.message]
     assert job_pb2.JOB_STATE_QUEUED in states and job_pb2.JOB_STATE_RUNNING in states, seen
     assert states.index(job_pb2.JOB_STATE_QUEUED) < states.index(job_pb2.JOB_STATE_RUNNING)

@@ -120,7 +120,7 @@ class JobRef(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., backend_job_id: _Optional[str] = ...) -> None: ...
 
 class JobObservation(_message.Message):
-    __slots__ = ("job_id", "backend_job_id", "found", "state", "reason", "message", "exit_code", "replicas", "start_time", "end_time", "attempt")
+    __slots__ = ("job_id", "backend_job_id", "found", "state", "reason", "message", "exit_code", "replicas", "start_time", "end_time", "attempt", "backend_restarts")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FOUND_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class JobObservation(_message.Message):
     START_TIME_FIELD_NUMBER: _ClassVar[int]
     END_TIME_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     backend_job_id: str
     found: bool
@@ -143,7 +144,8 @@ class JobObservation(_message.Message):
     start_time: _timestamp_pb2.Timestamp
     end_time: _timestamp_pb2.Timestamp
     attempt: int
-    def __init__(self, job_id: _Optional[str] = ..., backend_job_id: _Optional[str] = ..., found: _Optional[bool] = ..., state: _Optional[_Union[_job_pb2.JobState, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[_job_pb2.ReplicaStatus, _Mapping]]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., attempt: _Optional[int] = ...) -> None: ...
+    backend_restarts: int
+    def __init__(self, job_id: _Optional[str] = ..., backend_job_id: _Optional[str] = ..., found: _Optional[bool] = ..., state: _Optional[_Union[_job_pb2.JobState, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[_job_pb2.ReplicaStatus, _Mapping]]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., attempt: _Optional[int] = ..., backend_restarts: _Optional[int] = ...) -> None: ...
 
 class BatchGetJobObservationsRequest(_message.Message):
     __slots__ = ("cluster", "jobs")

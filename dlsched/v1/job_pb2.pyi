@@ -197,7 +197,7 @@ class ReplicaStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., index: _Optional[int] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., exit_code: _Optional[int] = ..., host: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("name", "uid", "spec", "state", "reason", "message", "exit_code", "replicas", "cluster", "backend_job_id", "create_time", "update_time", "start_time", "end_time", "labels", "attempt", "etag")
+    __slots__ = ("name", "uid", "spec", "state", "reason", "message", "exit_code", "replicas", "cluster", "backend_job_id", "create_time", "update_time", "start_time", "end_time", "labels", "attempt", "etag", "backend_restarts")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -222,6 +222,7 @@ class Job(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     ETAG_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_RESTARTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     uid: str
     spec: JobSpec
@@ -239,7 +240,8 @@ class Job(_message.Message):
     labels: _containers.ScalarMap[str, str]
     attempt: int
     etag: str
-    def __init__(self, name: _Optional[str] = ..., uid: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., cluster: _Optional[str] = ..., backend_job_id: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., attempt: _Optional[int] = ..., etag: _Optional[str] = ...) -> None: ...
+    backend_restarts: int
+    def __init__(self, name: _Optional[str] = ..., uid: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., cluster: _Optional[str] = ..., backend_job_id: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., attempt: _Optional[int] = ..., etag: _Optional[str] = ..., backend_restarts: _Optional[int] = ...) -> None: ...
 
 class LogEntry(_message.Message):
     __slots__ = ("role", "replica_index", "stream", "text", "time")

@@ -284,6 +284,7 @@ class JobObservation:
     start_time: float | None = None
     end_time: float | None = None
     attempt: int = 0
+    backend_restarts: int = 0  # times the backend restarted this attempt on its own (a Slurm requeue)
 
     @classmethod
     def not_found(cls, ref: JobRef) -> JobObservation:

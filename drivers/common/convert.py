@@ -243,6 +243,7 @@ def observation_pb(obs: base.JobObservation) -> driver_service_pb2.JobObservatio
     pb.reason = obs.reason
     pb.message = obs.message
     pb.attempt = obs.attempt
+    pb.backend_restarts = obs.backend_restarts
     if obs.exit_code is not None:
         pb.exit_code = obs.exit_code
     for r in obs.replicas:

@@ -45,10 +45,11 @@ the controller answers, ends FAILED reason ``LeftSlurm`` (or keeps its
 terminal state if one was seen). A job Slurm requeues (``scontrol requeue``,
 a node failure; squeue's ``RestartCnt``) stays the same dlsched attempt: its
 state goes back to QUEUED (REQUEUED / PENDING, never FAILED) and then
-RUNNING, its start time and usage restart, and every message says
-``(Slurm restart N)``. ``JobObservation.attempt`` stays the dlsched attempt
-on purpose: JobManager drops observations of any other attempt, and the
-observation has no restart-count field, so the count travels in the message.
+RUNNING, its start time and usage restart, ``JobObservation.backend_restarts``
+carries the count (JobManager shows it as ``Job.backend_restarts``) and every
+message says ``(Slurm restart N)``. ``JobObservation.attempt`` stays the
+dlsched attempt on purpose: JobManager drops observations of any other
+attempt, and a requeue is not a dlsched retry.
 
 Jobs the driver does not know (after a driver restart) are adopted on the
 first observation that names them: the next poll round answers for all of
@@ -518,7 +519,7 @@ class SlurmDriver(Driver):
         return JobObservation(job_id=job.job_id, backend_job_id=job.backend_job_id, found=True,
                               state=job.state, reason=reason, message=message, exit_code=job.exit_code,
                               replicas=replicas, start_time=job.start_time, end_time=job.end_time,
-                              attempt=job.attempt)
+                              attempt=job.attempt, backend_restarts=job.restarts)
 
     def _publish(self, job: _Job) -> None:
         self._hub.publish(job.cluster, self._observe(job))

@@ -124,6 +124,7 @@ class Job:
     labels: dict[str, str] = field(default_factory=dict)
     attempt: int = 0
     etag: str = ""
+    backend_restarts: int = 0  # the backend restarted this attempt on its own (a Slurm requeue)
 
     @property
     def name(self) -> str:
@@ -149,6 +150,7 @@ class Observation:
     start_time: datetime | None = None
     end_time: datetime | None = None
     attempt: int = 0
+    backend_restarts: int = 0
 
 
 @dataclass(frozen=True)

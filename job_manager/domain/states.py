@@ -43,7 +43,9 @@ def _with_state(job: Job, state: JobState, now: datetime, **changes: object) -> 
 def apply_observation(job: Job, obs: Observation, now: datetime) -> Job | None:
     """The job after ``obs``, or None when nothing changes.
 
-    An observation of another attempt than the job's is stale and ignored.
+    An observation of another attempt than the job's is stale and ignored. A
+    backend's own restart of the attempt (``backend_restarts``, a Slurm
+    requeue) is the same attempt: the job shows the count, never a retry.
     ``found=False`` observations are handled by ``mark_lost``.
     """
     if job.state.is_terminal() or not obs.found:
@@ -69,6 +71,8 @@ def apply_observation(job: Job, obs: Observation, now: datetime) -> Job | None:
             new.replicas = list(obs.replicas)
         if obs.exit_code is not None:
             new.exit_code = obs.exit_code
+    if obs.backend_restarts > new.backend_restarts:  # the backend reran this attempt (a Slurm requeue)
+        new.backend_restarts = obs.backend_restarts
     if obs.backend_job_id and not new.backend_job_id:
         new.backend_job_id = obs.backend_job_id
     if obs.start_time is not None and new.start_time is None:
@@ -84,7 +88,7 @@ def apply_observation(job: Job, obs: Observation, now: datetime) -> Job | None:
 
 def _same(a: Job, b: Job) -> bool:
     fields = ("state", "reason", "message", "exit_code", "replicas", "backend_job_id",
-              "start_time", "end_time", "attempt", "cluster")
+              "start_time", "end_time", "attempt", "cluster", "backend_restarts")
     return all(getattr(a, f) == getattr(b, f) for f in fields)
 
 
@@ -112,6 +116,7 @@ def plan_retry(job: Job, obs: Observation, now: datetime) -> Job:
         exit_code=obs.exit_code,
         replicas=[],
         end_time=None,
+        backend_restarts=0,
     )
 
 
