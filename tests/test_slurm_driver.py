@@ -233,6 +233,19 @@ async def test_hostile_env_arrives_byte_for_byte_and_runs_nothing(stub, cluster)
     assert not await asyncio.to_thread(os.path.exists, canary)
 
 
+async def test_tail_lines_gives_the_last_lines_of_a_finished_job(stub):
+    jid = new_id("taillines")
+    # ~1.6 MiB of stdout: more than one read of the log file, so the tail has to come from its end
+    code = "import sys\nfor i in range(20000):\n    print(f'line {i:05d} ' + 'x' * 70)\nprint('last', file=sys.stderr)"
+    await launch(stub, jid, single(code))
+    assert (await wait_state(stub, jid)).state == job_pb2.JOB_STATE_SUCCEEDED
+    got = await logs(stub, jid, tail_lines=3)
+    out = [e.text[:10] for e in got if e.stream == job_pb2.LOG_STREAM_STDOUT]
+    assert out == ["line 19997", "line 19998", "line 19999"]
+    assert [e.text for e in got if e.stream == job_pb2.LOG_STREAM_STDERR] == ["last"]
+    assert len(await logs(stub, jid, tail_lines=3, streams=[job_pb2.LOG_STREAM_STDOUT])) == 3
+
+
 async def test_logs_stream_while_the_job_runs(stub):
     jid = new_id("follow")
     code = "import time\nfor i in range(4):\n    print('tick', i, flush=True)\n    time.sleep(0.7)"

@@ -57,8 +57,20 @@ them, with no call of its own.
 
 Logs: ``<role>-<index>.stdout|.stderr`` in the attempt directory (render);
 a tail reads them with one remote command per poll (``tail -c +N`` per file,
-framed by byte counts), so a follower costs one channel at a time. Lines
-carry no time stamps; ``since_time`` is not applied.
+framed by byte counts), so a follower costs one channel at a time.
+``tail_lines`` starts each file at its last N lines (``tail -n N | wc -c``
+from the end on the remote side), so a large log is never read whole; a
+running job's file that grows between the size and that count may start one
+line early or mid-line (the tail is then trimmed to N lines again).
+``since_time`` is not applied, and entries carry no ``time``: the program's
+output goes straight into those files (the step's redirect, render), with no
+process in between to note when each line was written, and the driver reads
+the files only when asked, possibly long after the job ended, so a line's
+write time is recorded nowhere (a file's mtime is only its last write).
+Stamping lines would need a reader in the job's output path, which turns
+the program's stdout from a file into a pipe (buffering, isatty, SIGPIPE
+when that reader dies); it is not done. A tail with ``since_time`` returns
+what it would without it.
 
 Stop: ``scancel`` (Slurm sends SIGTERM, then SIGKILL after KillWait);
 stopping an ended or unknown job is fine. CANCELLED maps to STOPPED.
@@ -668,31 +680,35 @@ class SlurmDriver(Driver):
         first = True
         while True:
             ended = job.state.is_terminal()
-            chunks = await self._read_logs(c, job.dir, offsets)
+            chunks = await self._read_logs(c, job.dir, offsets, query.tail_lines if first else 0)
             batch: list[LogEntry] = []
-            for name, data in chunks:
+            more: set[str] = set()  # files with bytes beyond this read's chunk
+            for name, data, drained in chunks:
                 m = LOG_LINE_RE.match(name)
                 if m is None:
                     continue
                 role, index, stream = m.group(1), int(m.group(2)), LogStream[m.group(3).upper()]
                 if not (query.wants_replica(role, index) and query.wants_stream(stream)):
                     continue
+                if not drained:
+                    more.add(name)
                 raw = (partial.pop(name, b"") + data).split(b"\n")
-                if raw[-1] and not ended:
-                    partial[name] = raw[-1]  # an unfinished line (or UTF-8 sequence) waits for the rest
-                raw = raw[:-1] if not raw[-1] or not ended else raw
+                if rest := raw.pop():
+                    partial[name] = rest  # an unfinished line (or UTF-8 sequence) waits for the rest
                 if first and query.tail_lines:
                     raw = raw[-query.tail_lines:]
                 batch.extend(LogEntry(role=role, replica_index=index, stream=stream,
                                       text=t.decode("utf-8", "replace")) for t in raw)
-            if ended:  # an unterminated last line read before the end is a line now
+            if ended:  # an unterminated last line of a fully read file is a line now
                 for name, rest in sorted(partial.items()):
+                    if name in more:
+                        continue
                     m = LOG_LINE_RE.match(name)
                     if m is not None and rest:
                         batch.append(LogEntry(role=m.group(1), replica_index=int(m.group(2)),
                                               stream=LogStream[m.group(3).upper()],
                                               text=rest.decode("utf-8", "replace")))
-                partial.clear()
+                    del partial[name]
             first = False
             if batch:
                 yield batch
@@ -701,33 +717,41 @@ class SlurmDriver(Driver):
                 return
             await asyncio.sleep(max(LOG_POLL_FLOOR, min(1.0, self._cfg.poll_interval)))
 
-    async def _read_logs(self, c: _Cluster, adir: str, offsets: dict[str, int]) -> list[tuple[str, bytes]]:
-        """New bytes of every log file in ``adir``, in one remote POSIX sh command
-        (framed: ``<n> <name>\\n`` then exactly n bytes)."""
+    async def _read_logs(self, c: _Cluster, adir: str, offsets: dict[str, int], tail_lines: int = 0
+                         ) -> list[tuple[str, bytes, bool]]:
+        """New bytes of every log file in ``adir`` as (name, bytes, drained: nothing
+        more in the file), in one remote POSIX sh command (framed: ``<n> <start>
+        <size> <name>\\n`` then exactly n bytes). A file not read before starts at
+        its last ``tail_lines`` lines when that is set (``tail -n`` seeks from the
+        end), so a tail of a large log never reads it whole."""
         q = shlex.quote(adir)
         cases = "".join(f"{shlex.quote(n)}) emit \"$f\" {o};; " for n, o in sorted(offsets.items()))
+        # the last lines' start; tail reads after stat, so a file growing meanwhile can push it below 0
+        first = (f"t=$((s - $(tail -n {tail_lines} -- \"$f\" | wc -c))); [ $t -ge 0 ] || t=0; "
+                 if tail_lines > 0 else "t=0; ")
         script = (f"cd -- {q} 2>/dev/null || exit 0; "
-                  "emit() { s=$(stat -c %s -- \"$1\") || return 0; [ \"$s\" -gt \"$2\" ] || return 0; "
+                  "emit() { [ \"$s\" -gt \"$2\" ] || return 0; "
                   f"n=$((s - $2)); [ $n -le {MAX_LOG_CHUNK} ] || n={MAX_LOG_CHUNK}; "
-                  "printf '%s %s\\n' \"$n\" \"$1\"; tail -c +$(($2 + 1)) -- \"$1\" | head -c \"$n\"; }; "
+                  "printf '%s %s %s %s\\n' \"$n\" \"$2\" \"$s\" \"$1\"; "
+                  "tail -c +$(($2 + 1)) -- \"$1\" | head -c \"$n\"; }; "
                   "for f in *.stdout *.stderr; do [ -f \"$f\" ] || continue; "
-                  f"case \"$f\" in batch.*) ;; {cases}*) emit \"$f\" 0;; esac; done")
+                  f"s=$(stat -c %s -- \"$f\") || continue; {first}"
+                  f"case \"$f\" in batch.*) ;; {cases}*) emit \"$f\" \"$t\";; esac; done")
         data = (await c.ssh.run_bytes(script, time_limit=c.driver_timeout, call="tail")).stdout
-        res: list[tuple[str, bytes]] = []
+        res: list[tuple[str, bytes, bool]] = []
         pos = 0
         while pos < len(data):
             nl = data.find(b"\n", pos)
             if nl < 0:
                 break
-            head = data[pos:nl].decode()
-            n_s, _, name = head.partition(" ")
-            if not n_s.isdigit():
+            n_s, start_s, size_s, name = (data[pos:nl].decode().split(" ", 3) + ["", "", ""])[:4]
+            if not (n_s.isdigit() and start_s.isdigit() and size_s.isdigit()):
                 break
-            n = int(n_s)
+            n, start = int(n_s), int(start_s)
             body = data[nl + 1:nl + 1 + n]
             pos = nl + 1 + n
-            offsets[name] = offsets.get(name, 0) + len(body)
-            res.append((name, body))
+            offsets[name] = start + len(body)
+            res.append((name, body, offsets[name] >= int(size_s)))
         return res
 
 
