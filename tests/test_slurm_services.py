@@ -300,6 +300,12 @@ async def test_logs_stream_and_usage_is_measured_while_the_job_runs(jm, runs, tm
     assert usage.cpu_seconds < 60 and usage.peak_memory_bytes < 1 << 30, usage  # plausible for this job
     job = await r.until()
     assert job.state == S.JOB_STATE_SUCCEEDED, job
+    # no accounting storage: Slurm keeps no usage of an ended job, so the driver's last sample stands
+    after = (await jm.GetJobUsage(jpb.GetJobUsageRequest(name=r.name), timeout=30)).usage
+    assert [(u.role, u.replica_index, u.running) for u in after.replicas] == [("main", 0, False)], after
+    last = after.replicas[0]
+    assert last.cpu_seconds >= usage.cpu_seconds and last.peak_memory_bytes >= 64 << 20, after
+    assert last.memory_bytes == 0 and after.HasField("sample_time"), after
 
 
 async def test_stop_job_ends_a_running_job_stopped(jm, runs, tmp_path):

@@ -616,8 +616,11 @@ class SlurmDriver(Driver):
     async def usage(self, cluster: str, ref: JobRef) -> JobUsage:
         """``sstat`` of the running steps (one per process, named ``<role>-<index>``;
         the MPI launcher is the batch step), in one remote command with ``squeue
-        -s`` for the step names. Without accounting nothing is kept after a job
-        ends, so a finished job reports its last sample, ``running`` false."""
+        -s`` for the step names. Without accounting storage (no ``sacct``) Slurm
+        keeps no usage of an ended job (``scontrol show job`` has only its
+        RunTime and allocated TRES; sstat says "No steps running"), so a
+        finished job reports the driver's last sample, ``running`` false, memory
+        0 (lost when the driver restarts)."""
         c = self._require(cluster)
         job = self._find(c, ref)
         if job is None:
