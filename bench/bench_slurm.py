@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT))
 import asyncssh  # noqa: E402
 import grpc  # noqa: E402
 
+from bench.stats import ms, pct  # noqa: E402
 from dlsched.v1 import cluster_pb2, driver_service_pb2_grpc, job_pb2  # noqa: E402
 from dlsched.v1 import driver_service_pb2 as dpb  # noqa: E402
 from drivers.slurm.poller import MIN_INTERVAL  # noqa: E402
@@ -54,18 +55,6 @@ PLAIN = "clusters/bench"
 COUNTED = "clusters/bench-count"
 TERMINAL = (job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_STOPPED)
 BOUND_S = 300
-
-
-def pct(xs: list[float], p: float) -> float:
-    if not xs:
-        return float("nan")
-    s = sorted(xs)
-    k = min(len(s) - 1, max(0, round(p / 100 * (len(s) - 1))))
-    return s[k]
-
-
-def ms(x: float) -> str:
-    return f"{x * 1000:8.2f} ms"
 
 
 def spec(code: str, cpu: float = 1) -> job_pb2.JobSpec:
