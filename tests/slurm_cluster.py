@@ -228,16 +228,6 @@ SetEnv SHLVL=1
         self._start("sshd", ["/usr/sbin/sshd", "-D", "-e", "-f", self.path("ssh", "sshd_config")])
         self._wait(lambda: _connects(self.ssh_port), "sshd", 15)
 
-    def rotate_host_key(self) -> None:
-        """Restart sshd with a new host key (a man in the middle, as far as a client can tell)."""
-        self._stop("sshd")
-        hk = self.path("ssh", "host_ed25519")
-        for suffix in ("", ".pub"):
-            os.unlink(hk + suffix)
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", hk], check=True)
-        self._start("sshd", ["/usr/sbin/sshd", "-D", "-e", "-f", self.path("ssh", "sshd_config")])
-        self._wait(lambda: _connects(self.ssh_port), "sshd", 15)
-
     def options(self) -> dict[str, str]:
         return {"SLURM_CONF": self.conf, "state_dir": self.path("home", "dlsched"), "max_nodes": "1"}
 

@@ -11,7 +11,9 @@ import asyncio
 import itertools
 import json
 import os
+import pathlib
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -22,6 +24,7 @@ import pytest
 from dlsched.kit.rpc_errors import error_info
 from dlsched.v1 import cluster_pb2, driver_service_pb2_grpc, job_pb2
 from dlsched.v1 import driver_service_pb2 as dpb
+from drivers.slurm import render
 from drivers.slurm.poller import MIN_INTERVAL
 from tests import slurm_cluster
 from tests.harness import ServiceProcess
@@ -169,6 +172,66 @@ async def test_stop_ends_a_running_job_as_stopped(stub):
     assert obs.state == job_pb2.JOB_STATE_STOPPED, obs
     again = await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=ref), timeout=30)
     assert again.observation.state == job_pb2.JOB_STATE_STOPPED  # idempotent
+
+
+async def test_cleanup_cancels_a_running_job_and_removes_its_files(stub, cluster):
+    jid = new_id("cleanup")
+    await launch(stub, jid, single("import time; print('up', flush=True); time.sleep(300)"))
+    running = await wait_state(stub, jid, [job_pb2.JOB_STATE_RUNNING])
+    job_dir = pathlib.Path(render.attempt_dir(cluster.options(), jid, 1)).parent
+    assert job_dir.is_dir()  # the login node is this machine
+    ref = dpb.JobRef(job_id=jid, backend_job_id=running.backend_job_id)
+    await stub.CleanupJob(dpb.CleanupJobRequest(cluster=CLUSTER, job=ref), timeout=60)
+    assert not job_dir.exists()
+    assert not list(job_dir.parent.glob(f"{jid}.*.batch.*"))
+    assert not (await observe(stub, jid)).found  # forgotten
+    r = await asyncio.to_thread(subprocess.run, ["squeue", "--noheader", "--jobs", running.backend_job_id,
+                                                  "--states", "RUNNING,PENDING"],
+                                capture_output=True, text=True, env=cluster.env)
+    assert running.backend_job_id not in r.stdout  # cancelled, not left running
+    await stub.CleanupJob(dpb.CleanupJobRequest(cluster=CLUSTER, job=ref), timeout=60)  # idempotent
+
+
+async def test_a_host_key_that_changes_between_connections_is_refused_and_jobs_kept(stub, cluster):
+    """sshd comes back with another host key (a man in the middle, to the driver): the reconnect is
+    refused (HOST_KEY_MISMATCH, cluster UNREACHABLE), the running job keeps its state, never FAILED;
+    with the pinned key back, the driver reconnects and the job is stopped as asked."""
+    jid = new_id("mitm")
+    await launch(stub, jid, single("import time; print('up', flush=True); time.sleep(300)"))
+    await wait_state(stub, jid, [job_pb2.JOB_STATE_RUNNING])
+    hk = cluster.path("ssh", "host_ed25519")
+    original = {sfx: pathlib.Path(hk + sfx).read_bytes() for sfx in ("", ".pub")}  # noqa: ASYNC240
+
+    def new_host_key() -> None:  # sshd and its connections killed, back with another key
+        cluster.stop_sshd()
+        for sfx in original:
+            os.unlink(hk + sfx)
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", hk], check=True)
+        cluster.start_sshd()
+
+    try:
+        await asyncio.to_thread(new_host_key)
+        deadline = time.monotonic() + 60
+        while True:
+            info = (await stub.GetClusterInfo(dpb.GetClusterInfoRequest(cluster=CLUSTER), timeout=30)).info
+            if info.state == cluster_pb2.CLUSTER_STATE_UNREACHABLE and "HOST_KEY_MISMATCH" in info.message:
+                break
+            assert time.monotonic() < deadline, info
+            await asyncio.sleep(0.5)
+        obs = await observe(stub, jid)
+        assert obs.state == job_pb2.JOB_STATE_RUNNING, obs  # last known state, never FAILED
+    finally:
+        await asyncio.to_thread(cluster.stop_sshd)
+        for sfx, data in original.items():
+            pathlib.Path(hk + sfx).write_bytes(data)  # noqa: ASYNC240
+        await asyncio.to_thread(cluster.start_sshd)
+    deadline = time.monotonic() + 60
+    while (await stub.GetClusterInfo(dpb.GetClusterInfoRequest(cluster=CLUSTER), timeout=30)).info.state != \
+            cluster_pb2.CLUSTER_STATE_READY:
+        assert time.monotonic() < deadline, "never READY again with the pinned key back"
+        await asyncio.sleep(0.5)
+    await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=jid)), timeout=30)
+    assert (await wait_state(stub, jid)).state == job_pb2.JOB_STATE_STOPPED
 
 
 async def test_unknown_partition_is_refused_at_submit(stub):
