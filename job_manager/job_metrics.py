@@ -34,8 +34,7 @@ class JobStateGauge:
             await asyncio.gather(self._task, return_exceptions=True)
 
     @staticmethod
-    def _publish(states: dict[str, JobState]) -> None:
-        counts = collections.Counter(states.values())
+    def _publish_all(counts: collections.Counter[JobState]) -> None:
         for s in JobState:
             if s is not JobState.UNSPECIFIED:
                 JOBS.labels(s.name).set(counts.get(s, 0))
@@ -47,14 +46,21 @@ class JobStateGauge:
                 jobs, rev = await self._store.list_all()
                 sub.skip_to(rev)
                 states = {j.id: j.state for j in jobs}
-                self._publish(states)
-                while True:
+                counts = collections.Counter(states.values())
+                self._publish_all(counts)
+                while True:  # per event: move one job between two states, O(1)
                     ev = await sub.next()
-                    if ev.type is EventType.DELETED:
-                        states.pop(ev.job.id, None)
-                    else:
-                        states[ev.job.id] = ev.job.state
-                    self._publish(states)
+                    before = states.pop(ev.job.id, None)
+                    after = None if ev.type is EventType.DELETED else ev.job.state
+                    if after is not None:
+                        states[ev.job.id] = after
+                    if before == after:
+                        continue
+                    for state, delta in ((before, -1), (after, 1)):
+                        if state is not None:
+                            counts[state] += delta
+                            if state is not JobState.UNSPECIFIED:
+                                JOBS.labels(state.name).set(counts[state])
             except DlschedError as e:
                 log.info("job gauge restarts: %s", e)
             finally:

@@ -25,6 +25,15 @@ from dlsched.kit.etcd import find_etcd_binary
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
+def pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie (a zombie is gone for a test's purpose)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

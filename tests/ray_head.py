@@ -20,8 +20,33 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 
-from tests.harness import free_port
+from tests.harness import ServiceProcess, free_port
+
+
+def started_head(required: bool) -> Iterator[RayHead]:
+    """A module fixture's body: a head for the ``with``-less ``yield from``, stopped after;
+    skipped when Ray is missing unless ``required`` (CI)."""
+    import pytest
+
+    if not ray_available() and not required:
+        pytest.skip("ray[default] is not installed (pip install 'ray[default]')")
+    h = RayHead().start()
+    try:
+        yield h
+    finally:
+        h.stop()
+
+
+def started_driver(name: str, *args: str) -> Iterator[ServiceProcess]:
+    """The Ray driver service as a process (fast polls for tests), stopped after."""
+    svc = ServiceProcess("drivers.ray", ["--poll-interval", "0.2", "--log-poll-interval", "0.05", *args],
+                         name=name).start()
+    try:
+        yield svc
+    finally:
+        svc.stop()
 
 
 def ray_available() -> bool:

@@ -22,7 +22,7 @@ from dlsched.kit.rpc_errors import error_info, field_violations
 from dlsched.v1 import job_manager_service_pb2 as pb
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
 from dlsched.v1 import job_pb2
-from tests.harness import EtcdServer, ServiceProcess, Stack
+from tests.harness import EtcdServer, ServiceProcess, Stack, pid_alive
 
 S = job_pb2
 PY = sys.executable
@@ -199,21 +199,10 @@ async def test_stop_running_multi_process_job(jm: pb_grpc.JobManagerServiceStub)
     stopped = (await jm.StopJob(pb.StopJobRequest(name=job.name))).job
     assert stopped.state in (S.JOB_STATE_STOPPING, S.JOB_STATE_STOPPED)
 
-    def alive(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        try:  # a zombie is gone for our purpose
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().split(")")[-1].split()[0] != "Z"
-        except OSError:
-            return False
-
-    while any(alive(p) for p in pids) and time.monotonic() - t0 < GRACE + 1.0:
+    while any(pid_alive(p) for p in pids) and time.monotonic() - t0 < GRACE + 1.0:
         await asyncio.sleep(0.05)
     elapsed = time.monotonic() - t0
-    assert not [p for p in pids if alive(p)], f"processes outlived grace + 1 s ({elapsed:.2f}s)"
+    assert not [p for p in pids if pid_alive(p)], f"processes outlived grace + 1 s ({elapsed:.2f}s)"
     print(f"all processes gone {elapsed:.2f}s after StopJob")
     done = await wait_state(jm, job.name, TERMINAL, timeout=10)
     assert done.state == S.JOB_STATE_STOPPED

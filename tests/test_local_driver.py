@@ -21,7 +21,7 @@ from dlsched.v1 import driver_service_pb2 as dpb
 from dlsched.v1 import driver_service_pb2_grpc, job_pb2
 from drivers.common import base
 from drivers.local import render
-from tests.harness import ServiceProcess
+from tests.harness import ServiceProcess, pid_alive
 
 PY = sys.executable
 CLUSTER = "clusters/local"
@@ -116,14 +116,6 @@ async def logs(stub: driver_service_pb2_grpc.DriverServiceStub, job_id: str,
 
 def texts(entries: Sequence[job_pb2.LogEntry], stream: int = job_pb2.LOG_STREAM_STDOUT) -> list[str]:
     return [e.text for e in entries if e.stream == stream]
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 # --------------------------------------------------------------------------- clusters

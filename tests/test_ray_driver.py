@@ -19,7 +19,7 @@ from dlsched.kit.rpc_errors import error_info
 from dlsched.v1 import driver_service_pb2 as dpb
 from dlsched.v1 import driver_service_pb2_grpc, job_pb2
 from tests.harness import ServiceProcess
-from tests.ray_head import RayHead, ray_available
+from tests.ray_head import RayHead, started_driver, started_head
 
 S = job_pb2
 PY = sys.executable
@@ -34,23 +34,12 @@ if importlib.util.find_spec("aiohttp") is None and not REQUIRE:
 
 @pytest.fixture(scope="module")
 def head() -> Iterator[RayHead]:
-    if not ray_available() and not REQUIRE:
-        pytest.skip("ray[default] is not installed (pip install 'ray[default]')")
-    h = RayHead().start()
-    try:
-        yield h
-    finally:
-        h.stop()
+    yield from started_head(REQUIRE)
 
 
 @pytest.fixture(scope="module")
 def driver(head: RayHead) -> Iterator[ServiceProcess]:
-    svc = ServiceProcess("drivers.ray", ["--poll-interval", "0.2", "--log-poll-interval", "0.05"],
-                         name="ray-driver").start()
-    try:
-        yield svc
-    finally:
-        svc.stop()
+    yield from started_driver("ray-driver")
 
 
 @pytest.fixture

@@ -30,7 +30,7 @@ from dlsched.v1 import cluster_pb2, job_pb2
 from dlsched.v1 import job_manager_service_pb2 as jpb
 from dlsched.v1 import job_manager_service_pb2_grpc as jm_grpc
 from tests.harness import EtcdServer, ServiceProcess, Stack
-from tests.ray_head import RayHead, ray_available
+from tests.ray_head import RayHead, started_driver, started_head
 from tests.through_services import (
     TERMINAL,
     Run,
@@ -64,23 +64,12 @@ pytestmark = needs("aiohttp")  # the Ray driver's HTTP client (pip install -e '.
 
 @pytest.fixture(scope="module")
 def head() -> Iterator[RayHead]:
-    if not ray_available() and not IN_CI:
-        pytest.skip("ray[default] is not installed (pip install 'ray[default]')")
-    h = RayHead().start()
-    try:
-        yield h
-    finally:
-        h.stop()
+    yield from started_head(IN_CI)
 
 
 @pytest.fixture(scope="module")
 def ray_driver(head: RayHead) -> Iterator[ServiceProcess]:
-    svc = ServiceProcess("drivers.ray", ["--poll-interval", "0.2", "--log-poll-interval", "0.05"],
-                         name="ray-driver-services").start()
-    try:
-        yield svc
-    finally:
-        svc.stop()
+    yield from started_driver("ray-driver-services")
 
 
 @pytest.fixture(scope="module")

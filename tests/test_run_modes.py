@@ -28,7 +28,7 @@ from dlsched.v1 import driver_service_pb2 as dpb
 from dlsched.v1 import driver_service_pb2_grpc, job_pb2
 from dlsched.v1 import job_manager_service_pb2 as jpb
 from dlsched.v1 import job_manager_service_pb2_grpc as jm_grpc
-from tests.harness import ROOT, EtcdServer, ServiceProcess, Stack
+from tests.harness import ROOT, EtcdServer, ServiceProcess, Stack, pid_alive
 
 S = job_pb2
 PY = sys.executable
@@ -142,14 +142,6 @@ async def stderr_of(stub: driver_service_pb2_grpc.DriverServiceStub, job_id: str
 
 def states_by_replica(obs: dpb.JobObservation) -> dict[tuple[str, int], int]:
     return {(r.role, r.index): r.state for r in obs.replicas}
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 # --------------------------------------------------------------------------- probes: the contract

@@ -22,6 +22,7 @@ import grpc
 from dlsched.v1 import job_manager_service_pb2 as jpb
 from dlsched.v1 import job_manager_service_pb2_grpc as jm_grpc
 from dlsched.v1 import job_pb2 as S
+from tests.harness import pid_alive
 
 PY = sys.executable
 TERMINAL = (S.JOB_STATE_SUCCEEDED, S.JOB_STATE_FAILED, S.JOB_STATE_STOPPED)
@@ -147,14 +148,6 @@ def probe_group(role: str, out: pathlib.Path, replicas: int = 1, ppr: int = 0, *
 
 def probes(out: pathlib.Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 async def wait_dead(pids: list[int], within: float = 20.0) -> None:

@@ -34,6 +34,8 @@ import grpc
 import prometheus_client
 from prometheus_client import Counter, Gauge, Histogram
 
+from dlsched.kit.handlers import rewrap
+
 log = logging.getLogger("dlsched.metrics")
 
 REGISTRY = prometheus_client.REGISTRY
@@ -110,9 +112,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                 finally:
                     done(context, start, err)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+            return rewrap(handler, unary_unary=unary_unary)
         if handler.unary_stream:
             inner_us = handler.unary_stream
 
@@ -130,9 +130,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                     active.dec()
                     done(context, start, err)
 
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+            return rewrap(handler, unary_stream=unary_stream)
         return handler
 
 

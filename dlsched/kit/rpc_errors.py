@@ -24,6 +24,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from dlsched import errors
+from dlsched.kit.handlers import rewrap
 
 log = logging.getLogger("dlsched.rpc")
 
@@ -123,11 +124,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 except BaseException as exc:  # noqa: BLE001 - mapped to a status
                     await _abort(context, _status_for(exc, method))
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
+            return rewrap(handler, unary_unary=unary_unary)
         if handler.unary_stream:
             inner_us = handler.unary_stream
 
@@ -140,11 +137,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 except BaseException as exc:  # noqa: BLE001 - mapped to a status
                     await _abort(context, _status_for(exc, method))
 
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
+            return rewrap(handler, unary_stream=unary_stream)
         return handler
 
 

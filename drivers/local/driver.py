@@ -297,11 +297,17 @@ def _signal_session(pgid: int | None, sig: int) -> None:
     session it leads. Each replica starts a session of its own, and a process
     that leaves the group (mpirun puts every rank in a group of its own) stays
     in the session, so a stop or an exit leaves no orphan running."""
-    if pgid is None:
+    _signal_sessions([pgid] if pgid is not None else [], sig)
+
+
+def _signal_sessions(leaders: list[int], sig: int) -> None:
+    """``_signal_session`` for many replicas with one pass over /proc."""
+    if not leaders:
         return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, sig)
-    for pid in procfs.session_members(pgid):
+    for pgid in leaders:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
+    for pid in procfs.session_members(*leaders):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
 
@@ -611,9 +617,7 @@ class LocalDriver(Driver):
 
     def _signal_stop(self, job: _Job, grace: float) -> None:
         job.stop_signalled = True
-        for s in job.slots:
-            if s.running:
-                _signal_session(s.pid, signal.SIGTERM)
+        _signal_sessions([s.pid for s in job.slots if s.running and s.pid is not None], signal.SIGTERM)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, grace)
         if job.kill_deadline is None or deadline < job.kill_deadline:
@@ -623,9 +627,7 @@ class LocalDriver(Driver):
             job.kill_handle = loop.call_at(deadline, self._kill_all, job)
 
     def _kill_all(self, job: _Job) -> None:
-        for s in job.slots:
-            if s.running:
-                _signal_session(s.pid, signal.SIGKILL)
+        _signal_sessions([s.pid for s in job.slots if s.running and s.pid is not None], signal.SIGKILL)
 
     def _time_limit(self, job: _Job) -> None:
         if job.state.is_terminal() or job.stop_requested or job.failure is not None or job.succeeding:

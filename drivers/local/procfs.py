@@ -50,10 +50,12 @@ def all_stats() -> list[ProcStat]:
     return out
 
 
-def session_members(session: int) -> list[int]:
-    """Pids of every live process in ``session``: also those a program moved
-    to process groups of their own (mpirun puts each rank in its own group)."""
-    return [st.pid for st in all_stats() if st.session == session]
+def session_members(*sessions: int) -> list[int]:
+    """Pids of every live process in any of ``sessions`` (one pass over /proc):
+    also those a program moved to process groups of their own (mpirun puts
+    each rank in its own group)."""
+    wanted = set(sessions)
+    return [st.pid for st in all_stats() if st.session in wanted]
 
 
 def vm_hwm_bytes(pid: int) -> int:

@@ -1,0 +1,23 @@
+"""What every server interceptor of the kit needs: a handler with new behaviour
+and the same (de)serializers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+
+def rewrap(handler: grpc.RpcMethodHandler, *, unary_unary: Any = None,
+           unary_stream: Any = None) -> grpc.RpcMethodHandler:
+    """``handler`` with its unary-unary or unary-stream behaviour replaced;
+    any other kind (client or bidi streaming) is returned unchanged."""
+    if handler.unary_unary and unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(
+            unary_unary, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+    if handler.unary_stream and unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(
+            unary_stream, request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer)
+    return handler
