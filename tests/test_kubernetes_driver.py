@@ -337,6 +337,11 @@ async def test_each_mode_runs_to_success(stub: Any, emu: tuple[Emulator, str], m
     for name in pods:
         await kubelet(url, name, "Running")
     obs = await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
+    # The job is RUNNING with its first running pod; the watch delivers the others' Running after.
+    deadline = time.monotonic() + 15
+    while not all(r.state == job_pb2.REPLICA_STATE_RUNNING for r in obs.replicas) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        obs = await observe(stub, job)
     assert all(r.state == job_pb2.REPLICA_STATE_RUNNING and r.host == "node-1" for r in obs.replicas)
     rest = STOPPED_AFTER.get(mode)
     role_of = {n: p["metadata"]["labels"][render.LABEL_ROLE] for n, p in pods.items()}
