@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from dlsched.kit.rpc_errors import error_info
 from dlsched.v1 import cluster_pb2, driver_service_pb2_grpc, job_pb2
@@ -679,3 +680,153 @@ async def test_a_requeued_job_runs_again_as_the_same_attempt_and_never_fails(stu
     states = [o.state for o in seen if "Slurm restart 1" in o.message]
     assert job_pb2.JOB_STATE_QUEUED in states and job_pb2.JOB_STATE_RUNNING in states, seen
     assert states.index(job_pb2.JOB_STATE_QUEUED) < states.index(job_pb2.JOB_STATE_RUNNING)
+
+
+# --------------------------------------------------------------------------- log streams
+
+
+def log_stream_pids() -> list[int]:
+    """Pids of the driver's remote log-stream loops on this host (the login node here)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().rstrip(b"\0").split(b"\0")
+        except OSError:
+            continue
+        if argv[-1:] == [b"dlsched-log-stream"]:
+            out.append(int(pid))
+    return [p for p in out if _ppid(p) not in out]  # a loop's own forks (its stat, ...) are not loops
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+async def wait_no_log_streams(within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while (left := await asyncio.to_thread(log_stream_pids)) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    assert not left, f"remote log-stream loops outlived their followers: {left}"
+
+
+TICKS = "import time\nfor i in range({n}):\n    print('tick', i, flush=True)\n    time.sleep({gap})"
+
+
+async def test_a_follower_streams_on_one_channel_with_each_line_dated(cluster, tmp_path):
+    """A follow costs one read and one long-lived stream (``tail`` calls in /metrics), not a
+    command per poll; each line is dated by the log index when it was written (the ticks
+    are 0.8 s apart, so one mtime for all would fail), and the stream ends with the job."""
+    svc = ServiceProcess("drivers.slurm", ["--poll-interval", "0.3", "--metrics-listen", "127.0.0.1:0"],
+                         name="slurm-driver-streams").start()
+    try:
+        async with grpc.aio.insecure_channel(svc.address) as ch:
+            s = driver_service_pb2_grpc.DriverServiceStub(ch)
+            await s.ConfigureCluster(configure_request(cluster), timeout=30)
+            jid = new_id("stream")
+            await launch(s, jid, single(TICKS.format(n=5, gap=0.8)))
+            t0 = time.time()
+            got = await logs(s, jid, follow=True)
+            took = time.time() - t0
+            assert (await observe(s, jid)).state == job_pb2.JOB_STATE_SUCCEEDED
+            tails = scrape(svc)
+            await s.RemoveCluster(dpb.RemoveClusterRequest(cluster=CLUSTER), timeout=30)
+    finally:
+        svc.stop()
+    assert [e.text for e in got] == [f"tick {i}" for i in range(5)]
+    assert took > 3.0  # it followed the job while it ran
+    calls = tails.get("tail/ok", 0) + tails.get("tail/error", 0)
+    assert 2 <= calls <= 3, tails  # the first read, the stream (and at most one read before it)
+    times = [e.time.ToNanoseconds() / 1e9 for e in got]
+    assert all(t > 0 for t in times)
+    gaps = [b - a for a, b in itertools.pairwise(times)]
+    assert all(0.3 < g < 2.5 for g in gaps), gaps
+    assert t0 - 5 < times[0] < times[-1] < time.time() + 1
+
+
+async def test_since_time_keeps_the_lines_written_after_it(stub):
+    jid = new_id("since")
+    code = ("import time\nfor i in range(3):\n    print('early', i, flush=True)\ntime.sleep(3)\n"
+            "for i in range(3):\n    print('late', i, flush=True)\nprint('late err', flush=True, file=__import__('sys').stderr)")
+    await launch(stub, jid, single(code))
+    assert (await wait_state(stub, jid)).state == job_pb2.JOB_STATE_SUCCEEDED
+    every = await logs(stub, jid)
+    early = [e.time.ToNanoseconds() for e in every if e.text.startswith("early")]
+    late = [e.time.ToNanoseconds() for e in every if e.text.startswith("late")]
+    assert len(early) == 3 and len(late) == 4 and max(early) + 2_000_000_000 < min(late), every
+    since = Timestamp()
+    since.FromNanoseconds((max(early) + min(late)) // 2)
+    got = await logs(stub, jid, since_time=since)
+    assert sorted(e.text for e in got) == ["late 0", "late 1", "late 2", "late err"]
+    got = await logs(stub, jid, since_time=since, tail_lines=1, streams=[job_pb2.LOG_STREAM_STDOUT])
+    assert [e.text for e in got] == ["late 2"]
+    after = Timestamp()
+    after.FromNanoseconds(max(late) + 5_000_000_000)
+    assert await logs(stub, jid, since_time=after) == []
+    assert [e.text for e in await logs(stub, jid, since_time=since, follow=True)
+            if e.stream == job_pb2.LOG_STREAM_STDOUT] == ["late 0", "late 1", "late 2"]
+
+
+async def test_more_followers_than_log_streams_each_get_every_line_once(stub):
+    """12 followers of one job: 8 stream (the bound; never more remote loops than that), the
+    rest read by polls; every follower gets every line exactly once, the job still ends
+    (the control connection is never starved), and no remote loop outlives its follower."""
+    jid = new_id("fanout")
+    await launch(stub, jid, single(TICKS.format(n=6, gap=0.5)))
+    peak = 0
+
+    async def sample() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, len(await asyncio.to_thread(log_stream_pids)))
+            await asyncio.sleep(0.1)
+
+    sampler = asyncio.create_task(sample())
+    followers = [asyncio.create_task(logs(stub, jid, follow=True)) for _ in range(12)]
+    try:  # sampled while all follow: as streams end, a poller may take a freed slot before the loop exits
+        await asyncio.wait(followers, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        sampler.cancel()
+    results = await asyncio.gather(*followers)
+    for got in results:
+        assert [e.text for e in got] == [f"tick {i}" for i in range(6)]
+    assert peak == 8, peak  # the bound, used and never passed
+    assert (await observe(stub, jid)).state == job_pb2.JOB_STATE_SUCCEEDED
+    await wait_no_log_streams()
+
+
+async def test_a_follower_that_leaves_ends_its_remote_loop(stub):
+    jid = new_id("leave")
+    await launch(stub, jid, single(TICKS.format(n=40, gap=0.25)))
+    req = dpb.TailJobLogsRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=jid), follow=True)
+    call = stub.TailJobLogs(req, timeout=60)
+    seen = 0
+    async for resp in call:
+        seen += len(resp.entries)
+        if seen >= 3 and await asyncio.to_thread(log_stream_pids):
+            break
+    call.cancel()
+    await wait_no_log_streams()
+    await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=jid)), timeout=30)
+
+
+async def test_a_stream_that_dies_falls_back_without_losing_or_repeating_a_line(stub):
+    """The remote loop killed mid-job (as when the log connection drops): the follower goes on
+    from the last whole round, by a poll and then a new stream."""
+    jid = new_id("streamkill")
+    await launch(stub, jid, single(TICKS.format(n=10, gap=0.4)))
+    got: list[str] = []
+    killed = False
+    req = dpb.TailJobLogsRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=jid), follow=True)
+    async for resp in stub.TailJobLogs(req, timeout=60):
+        got.extend(e.text for e in resp.entries)
+        if not killed and len(got) >= 3 and (pids := await asyncio.to_thread(log_stream_pids)):
+            for pid in pids:
+                os.kill(pid, 9)
+            killed = True
+    assert killed
+    assert got == [f"tick {i}" for i in range(10)]

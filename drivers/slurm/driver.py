@@ -55,22 +55,23 @@ Jobs the driver does not know (after a driver restart) are adopted on the
 first observation that names them: the next poll round answers for all of
 them, with no call of its own.
 
-Logs: ``<role>-<index>.stdout|.stderr`` in the attempt directory (render);
-a tail reads them with one remote command per poll (``tail -c +N`` per file,
-framed by byte counts), so a follower costs one channel at a time.
-``tail_lines`` starts each file at its last N lines (``tail -n N | wc -c``
-from the end on the remote side), so a large log is never read whole; a
-running job's file that grows between the size and that count may start one
-line early or mid-line (the tail is then trimmed to N lines again).
-``since_time`` is not applied, and entries carry no ``time``: the program's
-output goes straight into those files (the step's redirect, render), with no
-process in between to note when each line was written, and the driver reads
-the files only when asked, possibly long after the job ended, so a line's
-write time is recorded nowhere (a file's mtime is only its last write).
-Stamping lines would need a reader in the job's output path, which turns
-the program's stdout from a file into a pipe (buffering, isatty, SIGPIPE
-when that reader dies); it is not done. A tail with ``since_time`` returns
-what it would without it.
+Logs: ``<role>-<index>.stdout|.stderr`` in the attempt directory (render),
+read by the scripts of ``logs.py``. A tail starts with one framed read of
+every file on the control connection (``tail_lines``: each file from its
+last N lines, found from its end, so a large log is never read whole;
+``since_time``: from the log index's last entry before it). A follower then
+streams: one long-lived remote loop on one channel of the cluster's second
+SSH connection (``log_ssh``, opened on first use, at most
+``--max-log-streams`` channels, default 8, below sshd's MaxSessions) sends
+each file's new bytes as they come and, once the poller has seen the job
+end and the driver closes the loop's input, drains every file and ends.
+Followers beyond the bound (and a follower whose stream broke) read by polls
+on the control connection (one command per ``min(1 s, poll interval)``, floor
+0.2 s) and take a stream slot when one frees. Either way a cursor holds each
+file's offset and applies whole rounds only, so nothing is lost or said
+twice. Lines are dated by ``log.index``, which the job script appends every
+second (``logs.LogCursor``): ``LogEntry.time`` is at most about a second
+after the write, and ``since_time`` keeps the lines dated at or after it.
 
 Stop: ``scancel`` (Slurm sends SIGTERM, then SIGKILL after KillWait);
 stopping an ended or unknown job is fine. CANCELLED maps to STOPPED.
@@ -106,7 +107,6 @@ from drivers.common.base import (
     LaunchResult,
     LogEntry,
     LogQuery,
-    LogStream,
     NativeSpec,
     ReplicaStatus,
     ReplicaUsage,
@@ -115,6 +115,7 @@ from drivers.common.base import (
 )
 from drivers.common.hub import ObservationHub
 from drivers.common.planner import ALL_RUN_MODES
+from drivers.slurm import logs as slogs
 from drivers.slurm import poller as poll
 from drivers.slurm import render, states
 from drivers.slurm.render import SlurmScript
@@ -127,8 +128,7 @@ SUBMIT_TRIES = 3
 WARM_MAX_AGE = 300.0
 #: Log tails read files on the login node, not the controller: their own, lower floor.
 LOG_POLL_FLOOR = 0.2
-LOG_LINE_RE = re.compile(r"^([a-z][a-z0-9-]{0,62})-(\d+)\.(stdout|stderr)$")
-MAX_LOG_CHUNK = 1 << 20
+LOG_LINE_RE = slogs.FILE_RE
 #: sbatch errors that say nothing about the job itself: retried (after a look-up), never a refusal.
 TRANSIENT_RE = re.compile(r"Socket timed out|Unable to contact slurm controller|temporarily unavailable|"
                           r"Slurm temporarily unable|Connection refused|Zero Bytes were transmitted")
@@ -143,6 +143,9 @@ class SlurmConfig:
     command_timeout: float = field(default=30.0, metadata={"help": "timeout of one remote command"})
     max_channels: int = field(default=8, metadata={
         "help": "concurrent SSH channels per cluster (keep below the server's MaxSessions, 10)"})
+    max_log_streams: int = field(default=8, metadata={
+        "help": "log followers streaming at once per cluster, each on one channel of a second SSH "
+                "connection (at most 9; followers beyond it read by polls)"})
 
 
 class SbatchRejected(FailedPrecondition):
@@ -229,10 +232,11 @@ class _Job:
 
 
 class _Cluster:
-    def __init__(self, config: ClusterConfig, ssh: SshClient, driver: SlurmDriver) -> None:
+    def __init__(self, config: ClusterConfig, ssh: SshClient, log_ssh: SshClient, driver: SlurmDriver) -> None:
         self.config = config
         self.name = config.name
         self.ssh = ssh
+        self.log_ssh = log_ssh  # log followers' streams: a connection of their own, opened on first use
         self.options = {k: v for k, v in config.options.items() if not ENV_RE.match(k)}
         self.jobs: dict[str, _Job] = {}
         self.locks: dict[str, asyncio.Lock] = {}
@@ -307,7 +311,9 @@ class SlurmDriver(Driver):
         render.state_dir_of(config.options)
         ssh = SshClient(config.address, creds.username, creds.private_key, creds.known_host_keys, env=env,
                         max_channels=max(1, min(9, self._cfg.max_channels)))
-        c = _Cluster(config, ssh, self)
+        log_ssh = SshClient(config.address, creds.username, creds.private_key, creds.known_host_keys, env=env,
+                            max_channels=max(0, min(9, self._cfg.max_log_streams)))
+        c = _Cluster(config, ssh, log_ssh, self)
         c.driver_timeout = self._cfg.command_timeout
         try:
             await ssh.run("true", time_limit=self._cfg.command_timeout)
@@ -321,6 +327,7 @@ class SlurmDriver(Driver):
             await old.warm.close()
             await old.poller.stop()
             await old.ssh.close()
+            await old.log_ssh.close()
         self._clusters[config.name] = c
         c.poller.start()
         c.warm.refill()
@@ -330,6 +337,7 @@ class SlurmDriver(Driver):
         await c.warm.close()
         await c.poller.stop()
         await c.ssh.close()
+        await c.log_ssh.close()
 
     async def remove_cluster(self, cluster: str) -> None:
         c = self._clusters.pop(cluster, None)
@@ -674,88 +682,93 @@ class SlurmDriver(Driver):
         return self._tail(cluster, ref, query)
 
     async def _tail(self, cluster: str, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
-        c = self._require(cluster)
-        job = self._find(c, ref)
+        job = self._find(self._require(cluster), ref)
         if job is None:
             raise JobNotFound(ref.job_id)
-        offsets: dict[str, int] = {}
-        partial: dict[str, bytes] = {}
-        first = True
+        cursor = slogs.LogCursor(query)
         while True:
-            ended = job.state.is_terminal()
-            chunks = await self._read_logs(c, job.dir, offsets, query.tail_lines if first else 0)
-            batch: list[LogEntry] = []
-            more: set[str] = set()  # files with bytes beyond this read's chunk
-            for name, data, drained in chunks:
-                m = LOG_LINE_RE.match(name)
-                if m is None:
-                    continue
-                role, index, stream = m.group(1), int(m.group(2)), LogStream[m.group(3).upper()]
-                if not (query.wants_replica(role, index) and query.wants_stream(stream)):
-                    continue
-                if not drained:
-                    more.add(name)
-                raw = (partial.pop(name, b"") + data).split(b"\n")
-                if rest := raw.pop():
-                    partial[name] = rest  # an unfinished line (or UTF-8 sequence) waits for the rest
-                if first and query.tail_lines:
-                    raw = raw[-query.tail_lines:]
-                batch.extend(LogEntry(role=role, replica_index=index, stream=stream,
-                                      text=t.decode("utf-8", "replace")) for t in raw)
-            if ended:  # an unterminated last line of a fully read file is a line now
-                for name, rest in sorted(partial.items()):
-                    if name in more:
-                        continue
-                    m = LOG_LINE_RE.match(name)
-                    if m is not None and rest:
-                        batch.append(LogEntry(role=m.group(1), replica_index=int(m.group(2)),
-                                              stream=LogStream[m.group(3).upper()],
-                                              text=rest.decode("utf-8", "replace")))
-                    del partial[name]
-            first = False
+            c = self._require(cluster)  # a reconfigured cluster has new connections
+            gone = c.jobs.get(job.job_id) is not job
+            ended = job.state.is_terminal() or gone
+            out = await c.ssh.run_bytes(cursor.read_script(job.dir), time_limit=c.driver_timeout, call="tail")
+            batch = cursor.feed(slogs.parse_frames(out.stdout), ended)
             if batch:
                 yield batch
-                continue
-            if not query.follow or ended or c.jobs.get(job.job_id) is not job:
+            if cursor.more():
+                continue  # a capped chunk: read on at once
+            if ended or not query.follow:
                 return
+            if c.log_ssh.channel_free():
+                try:
+                    async with contextlib.aclosing(self._stream(c, job, cursor)) as stream:
+                        async for batch in stream:
+                            yield batch
+                    return
+                except DlschedError as e:  # go on reading from where the stream's last round left off
+                    log.info("log stream of %s ended early (%s); reading by polls", job.job_id, e.message)
             await asyncio.sleep(max(LOG_POLL_FLOOR, min(1.0, self._cfg.poll_interval)))
 
-    async def _read_logs(self, c: _Cluster, adir: str, offsets: dict[str, int], tail_lines: int = 0
-                         ) -> list[tuple[str, bytes, bool]]:
-        """New bytes of every log file in ``adir`` as (name, bytes, drained: nothing
-        more in the file), in one remote POSIX sh command (framed: ``<n> <start>
-        <size> <name>\\n`` then exactly n bytes). A file not read before starts at
-        its last ``tail_lines`` lines when that is set (``tail -n`` seeks from the
-        end), so a tail of a large log never reads it whole."""
-        q = shlex.quote(adir)
-        cases = "".join(f"{shlex.quote(n)}) emit \"$f\" {o};; " for n, o in sorted(offsets.items()))
-        # the last lines' start; tail reads after stat, so a file growing meanwhile can push it below 0
-        first = (f"t=$((s - $(tail -n {tail_lines} -- \"$f\" | wc -c))); [ $t -ge 0 ] || t=0; "
-                 if tail_lines > 0 else "t=0; ")
-        script = (f"cd -- {q} 2>/dev/null || exit 0; "
-                  "emit() { [ \"$s\" -gt \"$2\" ] || return 0; "
-                  f"n=$((s - $2)); [ $n -le {MAX_LOG_CHUNK} ] || n={MAX_LOG_CHUNK}; "
-                  "printf '%s %s %s %s\\n' \"$n\" \"$2\" \"$s\" \"$1\"; "
-                  "tail -c +$(($2 + 1)) -- \"$1\" | head -c \"$n\"; }; "
-                  "for f in *.stdout *.stderr; do [ -f \"$f\" ] || continue; "
-                  f"s=$(stat -c %s -- \"$f\") || continue; {first}"
-                  f"case \"$f\" in batch.*) ;; {cases}*) emit \"$f\" \"$t\";; esac; done")
-        data = (await c.ssh.run_bytes(script, time_limit=c.driver_timeout, call="tail")).stdout
-        res: list[tuple[str, bytes, bool]] = []
-        pos = 0
-        while pos < len(data):
-            nl = data.find(b"\n", pos)
-            if nl < 0:
-                break
-            n_s, start_s, size_s, name = (data[pos:nl].decode().split(" ", 3) + ["", "", ""])[:4]
-            if not (n_s.isdigit() and start_s.isdigit() and size_s.isdigit()):
-                break
-            n, start = int(n_s), int(start_s)
-            body = data[nl + 1:nl + 1 + n]
-            pos = nl + 1 + n
-            offsets[name] = start + len(body)
-            res.append((name, body, offsets[name] >= int(size_s)))
-        return res
+    async def _stream(self, c: _Cluster, job: _Job, cursor: slogs.LogCursor) -> AsyncIterator[list[LogEntry]]:
+        """Follow on one long-lived channel of the cluster's log connection (``logs.stream_script``)
+        until the job has ended and every file is drained. Rounds are applied whole, so when the
+        channel fails the cursor stands at the end of the last whole round and nothing is lost or
+        said twice."""
+        proc = await c.log_ssh.start(
+            slogs.stream_script(job.dir, cursor.offsets(), max(LOG_POLL_FLOOR, min(1.0, self._cfg.poll_interval))),
+            call="tail", wait=False)
+        rounds: asyncio.Queue[list[slogs.Frame] | None | DlschedError] = asyncio.Queue()
+
+        async def read() -> None:
+            frames: list[slogs.Frame] = []
+            try:
+                while True:
+                    line = await proc.readline()
+                    h = slogs.parse_header(line) if line else None
+                    if h is None:
+                        raise Unavailable("the log stream ended without its end frame",
+                                          reason="BACKEND_UNAVAILABLE")
+                    n, start, size, mtime, name = h
+                    if name == slogs.STREAM_END:
+                        await rounds.put(None)
+                        return
+                    if name == slogs.ROUND_END:
+                        await rounds.put(frames)
+                        frames = []
+                        continue
+                    frames.append(slogs.Frame(name, start, size, mtime, await proc.readexactly(n) if n else b""))
+            except DlschedError as e:
+                await rounds.put(e)
+
+        reader = asyncio.create_task(read(), name=f"slurm-log-stream-{job.job_id}")
+        check = max(LOG_POLL_FLOOR, min(1.0, self._cfg.poll_interval))
+        ending = False
+        getter: asyncio.Task[list[slogs.Frame] | None | DlschedError] | None = None
+        try:
+            while True:
+                # not wait_for(rounds.get()): its timeout can race the get and lose the item
+                getter = getter or asyncio.create_task(rounds.get())
+                done, _ = await asyncio.wait({getter}, timeout=check)
+                if not done:
+                    if not ending and (job.state.is_terminal() or c.jobs.get(job.job_id) is not job):
+                        proc.end_input()  # drain every file, then the end frame
+                        ending = True
+                    continue
+                got, getter = getter.result(), None
+                if isinstance(got, DlschedError):
+                    raise got
+                if got is None:
+                    if batch := cursor.feed([], ended=True):
+                        yield batch
+                    return
+                if batch := cursor.feed(got, ended=False):
+                    yield batch
+        finally:
+            proc.close()
+            if getter is not None:
+                getter.cancel()
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
 
 
 # --------------------------------------------------------------------------- parsing

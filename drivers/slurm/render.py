@@ -91,6 +91,9 @@ MEDIA_TYPE = "text/x-shellscript"
 DEFAULT_STATE_DIR = ".dlsched/slurm"
 NAME_PREFIX = "dlsched-"
 TASK_PORT_BASE = 2222
+#: The log index file in each attempt directory, and how often the job script appends to it.
+LOG_INDEX = "log.index"
+INDEX_INTERVAL = 1
 #: Values that land in #SBATCH lines or paths: validated, never quoted.
 PARTITION_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}(,[A-Za-z0-9_.-]{1,64}){0,15}$")
 GPU_TYPE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -300,7 +303,7 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
         "  exit 1",
         "fi",
         "declare -A DLSCHED_NAME=() DLSCHED_DECIDES=()",
-    ]
+    ] + _INDEXER.format(interval=INDEX_INTERVAL, index=LOG_INDEX).splitlines()
     if planner.HOSTFILE in plan.files:
         lines = plan.files[planner.HOSTFILE].splitlines()
         h.append("{")
@@ -365,9 +368,10 @@ dlsched_stop() {{
 }}
 while [ "${{#DLSCHED_NAME[@]}}" -gt 0 ]; do
   dlsched_pid=""
-  wait -n -p dlsched_pid
+  wait -n -p dlsched_pid "${{!DLSCHED_NAME[@]}}"
   dlsched_status=$?
   [ -n "$dlsched_pid" ] || break
+  [ -n "${{DLSCHED_NAME[$dlsched_pid]:-}}" ] || continue
   dlsched_label=${{DLSCHED_NAME[$dlsched_pid]}}
   unset "DLSCHED_NAME[$dlsched_pid]"
   printf '%s\n' "$dlsched_status" >"$DLSCHED_DIR/$dlsched_label.exit"
@@ -385,5 +389,29 @@ while [ "${{#DLSCHED_NAME[@]}}" -gt 0 ]; do
     fi
   fi
 done
+kill "$DLSCHED_INDEXER" 2>/dev/null
+dlsched_index once
 exit "$dlsched_rc"
 """
+
+#: The log index: every ``INDEX_INTERVAL`` seconds, the size of each log file that grew,
+#: with the time it was seen (``<unix seconds.micros> <size> <name>``): what dates a line.
+_INDEXER = r"""# the log index: when each log file reached each size (dates lines for since_time)
+dlsched_index() {{
+  local LC_ALL=C
+  local -A seen=()
+  local sizes s f t
+  while :; do
+    sizes=$(cd -- "$DLSCHED_DIR" && stat -c '%s %n' -- *.stdout *.stderr 2>/dev/null)
+    t=${{EPOCHREALTIME:-$(date +%s.%N)}}
+    while read -r s f; do
+      [ -n "$f" ] && [ "${{seen[$f]:-0}}" != "$s" ] || continue
+      seen[$f]=$s
+      printf '%s %s %s\n' "$t" "$s" "$f"
+    done <<<"$sizes"
+    [ "${{1:-}}" != once ] || return 0
+    sleep {interval}
+  done >>"$DLSCHED_DIR/{index}"
+}}
+dlsched_index </dev/null &
+DLSCHED_INDEXER=$!"""

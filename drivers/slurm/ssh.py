@@ -172,6 +172,26 @@ class Started:
         finally:
             self._end(ok)
 
+    async def readline(self) -> bytes:
+        """One line of its stdout (b"" at its end); transport failures raise."""
+        try:
+            return await self._proc.stdout.readline()
+        except (OSError, asyncssh.Error) as e:
+            raise self._client._as_error(e) from e
+
+    async def readexactly(self, n: int) -> bytes:
+        try:
+            return await self._proc.stdout.readexactly(n)
+        except asyncio.IncompleteReadError as e:
+            raise BackendUnavailable("the remote command ended mid-frame") from e
+        except (OSError, asyncssh.Error) as e:
+            raise self._client._as_error(e) from e
+
+    def end_input(self) -> None:
+        """Close its stdin (the command reads end of input)."""
+        if self.alive():
+            self._proc.stdin.write_eof()
+
     def close(self) -> None:
         """Give it up unused: the channel closes, so the command reads end of input
         (sbatch: "Batch script is empty", no job) and ends."""
@@ -292,11 +312,18 @@ class SshClient:
         status = r.exit_status if r.exit_status is not None else (128 + 9 if r.exit_signal else 255)
         return BytesResult(status, out, err)
 
-    async def start(self, command: str, *, call: str | None = None) -> Started:
+    def channel_free(self) -> bool:
+        """Whether a channel of the bound is free right now."""
+        return not self._sem.locked()
+
+    async def start(self, command: str, *, call: str | None = None, wait: bool = True) -> Started:
         """Start ``command`` now and hand it its stdin later (``Started.finish``): the
         channel, the remote shell and the exec are paid before the input exists. It holds
-        one channel of the bound until it ends or is closed."""
+        one channel of the bound until it ends or is closed. ``wait=False``: when no
+        channel is free, ``BackendUnavailable`` at once instead of waiting for one."""
         conn = await self._connection()
+        if not wait and self._sem.locked():
+            raise BackendUnavailable("every channel of the bound is in use")
         await self._sem.acquire()
         try:
             proc = await conn.create_process(self._prefix + command, encoding=None)

@@ -1,0 +1,299 @@
+"""Reading a job's log files on the login node: remote scripts, their framing, and dating lines.
+
+Files (render): ``<role>-<index>.stdout|.stderr`` in the attempt directory,
+written by the steps, and ``log.index``, appended by the job script every
+``render.INDEX_INTERVAL`` seconds with each file that grew: ``<unix
+seconds.micros> <size> <name>``, "by then the file held ``size`` bytes".
+
+Both remote scripts answer in frames, one per file with new bytes::
+
+    <n> <start> <size> <mtime> <name>\\n<exactly n bytes of the file from start>
+
+(``size``: the file's size when it was looked at; ``mtime``: its last write,
+``YYYY-MM-DDTHH:MM:SS.nnnnnnnnn+ZZZZ``); a stream ends each round that sent
+anything with ``0 0 0 - .`` and its very end with ``0 0 0 - end``.
+
+- ``read_script``: one read of every file from the offsets already known
+  (new files from 0, or, on a first read, from ``tail_lines`` lines before
+  their end and/or the last index entry before ``since``), in one POSIX sh
+  command. On a first read the index comes as ``log.index.filtered``: only
+  the entries past each file's start, so a week-long job's index is never
+  sent whole.
+- ``stream_script``: the same, in a loop in one long-lived bash on one
+  channel (``tail -F``-style: files are followed by name, a file that
+  appears later is picked up, a truncated one is read again from 0), every
+  ``interval`` seconds while a chunk was capped, nothing is sent while
+  nothing changed. Between rounds the loop waits on its stdin (``read -t``):
+  the end of its input (the driver closes it once the job has ended; the
+  channel closing, the driver gone, does the same) makes it drain every file,
+  send the end frame and exit, so no loop outlives its follower. Only the end
+  of input is a signal, never a line: bash's ``read -t`` can drop bytes that
+  arrive as it times out.
+
+Dating (``LogCursor``): a line is dated by the first index entry that shows
+its file holding the whole line (at most one index interval after it was
+written); a line the index does not cover yet (a running job's last second,
+a job killed before its last index round, a job from before the index) gets
+its file's mtime at the read, which is its last write. ``since_time`` keeps
+the lines dated at or after it.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from drivers.common.base import LogEntry, LogQuery, LogStream
+from drivers.slurm.render import LOG_INDEX
+
+FILE_RE = re.compile(r"^([a-z][a-z0-9-]{0,62})-(\d+)\.(stdout|stderr)$")
+MAX_CHUNK = 1 << 20
+FILTERED_INDEX = LOG_INDEX + ".filtered"
+ROUND_END = "."
+STREAM_END = "end"
+
+#: The shell function both scripts share: emit <name> <from> <size> <mtime>.
+_EMIT = (f"emit() {{ [ \"$3\" -gt \"$2\" ] || return 0; n=$(($3 - $2)); [ $n -le {MAX_CHUNK} ] || "
+         f"n={MAX_CHUNK}; printf '%s %s %s %s %s\\n' \"$n\" \"$2\" \"$3\" \"$4\" \"$1\"; "
+         "tail -c +$(($2 + 1)) -- \"$1\" | head -c \"$n\"; }; ")
+#: One stat for every file of a round: <size> <date> <time> <zone> <name>.
+_STAT = (f"stat -c '%s %y %n' -- *.stdout *.stderr {LOG_INDEX} 2>/dev/null")
+
+
+def read_script(adir: str, offsets: Mapping[str, int], tail_lines: int = 0,
+                since_ns: int | None = None) -> str:
+    """One framed read of every log file of ``adir`` past ``offsets`` (POSIX sh).
+    With no offsets at all it is a first read: ``tail_lines`` and ``since_ns`` pick
+    where each file starts, and the index comes filtered."""
+    q = shlex.quote
+    head = f"cd -- {q(adir)} 2>/dev/null || exit 0; export LC_ALL=C; {_EMIT}"
+    if offsets:
+        cases = "".join(f"{q(n)}) o={o};; " for n, o in sorted(offsets.items()))
+        per_file = f'case "$f" in {cases}*) o=0;; esac; '
+        tail = ""
+    else:
+        per_file = f'[ "$f" != {LOG_INDEX} ] || continue; o=0; '
+        if tail_lines > 0:  # tail reads after stat: a file growing meanwhile can push it below 0
+            per_file += f'o=$((s - $(tail -n {tail_lines} -- "$f" | wc -c))); [ $o -ge 0 ] || o=0; '
+        if since_ns is not None:  # the size the last index entry before since saw
+            secs = f"{since_ns // 1_000_000_000}.{since_ns % 1_000_000_000:09d}"
+            head += (f"since=$(awk -v s={secs} '$1 < s {{ o[$3] = $2 }} END {{ for (f in o) print f, o[f] }}' "
+                     f"{LOG_INDEX} 2>/dev/null); ")
+            per_file += ("b=$(printf '%s\n' \"$since\" | awk -v f=\"$f\" '$1 == f { print $2 }'); "
+                         '[ -z "$b" ] || [ "$b" -le "$o" ] || o=$b; ')
+        # then the index entries past each file's start, as one frame
+        tail = (f"[ -f {LOG_INDEX} ] || exit 0; isz=$(stat -c %s {LOG_INDEX}); "
+                f"x=$(DLSCHED_STARTS=\"$starts\" awk 'BEGIN {{ n = split(ENVIRON[\"DLSCHED_STARTS\"], a, \"\\n\"); "
+                f"for (i = 1; i <= n; i++) {{ split(a[i], kv, \" \"); st[kv[1]] = kv[2] }} }} "
+                f"($3 in st) && $2 > st[$3]' {LOG_INDEX}; echo .); x=${{x%.}}; "
+                f"printf '%s %s %s - {FILTERED_INDEX}\\n%s' $(($(printf '%s' \"$x\" | wc -c))) "
+                f'"$isz" "$isz" "$x"; ')
+    return (f"{head}starts=''; {_STAT} | {{ while read -r s d t z f; do "
+            "case \"$f\" in *[!a-z0-9.-]*|'') continue;; esac; "
+            f"{per_file}"
+            '[ "$s" -ge "$o" ] || o=0; starts="$starts$f $o\n"; '
+            + ("" if offsets else  # a file read from its very end still says where it stands
+               '[ "$s" -gt "$o" ] || printf \'0 %s %s %s %s\\n\' "$o" "$s" "${d}T$t$z" "$f"; ')
+            + 'emit "$f" "$o" "$s" "${d}T$t$z"; '
+            f"done; {tail}}}")
+
+
+def stream_script(adir: str, offsets: Mapping[str, int], interval: float) -> str:
+    """The long-lived follower (bash): frames every round that found new bytes."""
+    init = " ".join(f"[{shlex.quote(n)}]={o}" for n, o in sorted(offsets.items()))
+    body = (
+        "set -u; export LC_ALL=C; "
+        f"declare -A off=({init}); capped=0; sent=0; "
+        f"{_EMIT}"
+        "round() { local s d t z f o; capped=0; sent=0; "
+        f"while read -r s d t z f; do case \"$f\" in *[!a-z0-9.-]*|'') continue;; esac; "
+        "o=${off[$f]:-0}; [ \"$s\" -ge \"$o\" ] || o=0; [ \"$s\" -gt \"$o\" ] || continue; "
+        "emit \"$f\" \"$o\" \"$s\" \"${d}T$t$z\"; off[$f]=$((o + n)); sent=1; "
+        f"[ $((o + n)) -ge \"$s\" ] || capped=1; done < <({_STAT}); "
+        f"[ $sent = 0 ] || printf '0 0 0 - {ROUND_END}\\n'; }}; "
+        # wait for the attempt directory (a pending job has none), listening to the driver
+        f"until cd -- {shlex.quote(adir)} 2>/dev/null; do "
+        "read -t 1 -r cmd; [ $? -gt 128 ] || { "
+        f"printf '0 0 0 - {STREAM_END}\\n'; exit 0; }}; done; "
+        "while :; do round; w=" + f"{interval:g}" + "; [ $capped = 0 ] || w=0.01; "
+        "read -t \"$w\" -r cmd; [ $? -gt 128 ] && continue; "
+        "round; while [ $capped = 1 ]; do round; done; "
+        f"printf '0 0 0 - {STREAM_END}\\n'; exit 0; done"
+    )
+    return f"exec bash -c {shlex.quote(body)} dlsched-log-stream"
+
+
+@dataclass(frozen=True)
+class Frame:
+    name: str
+    start: int
+    size: int
+    mtime_ns: int | None
+    data: bytes
+
+
+def parse_header(line: bytes) -> tuple[int, int, int, int | None, str] | None:
+    parts = line.rstrip(b"\n").decode("utf-8", "replace").split(" ", 4)
+    if len(parts) != 5 or not all(p.isdigit() for p in parts[:3]):
+        return None
+    return int(parts[0]), int(parts[1]), int(parts[2]), _mtime_ns(parts[3]), parts[4]
+
+
+def parse_frames(data: bytes) -> list[Frame]:
+    """Every whole frame of one ``read_script`` answer."""
+    out = []
+    pos = 0
+    while pos < len(data):
+        nl = data.find(b"\n", pos)
+        if nl < 0:
+            break
+        h = parse_header(data[pos:nl + 1])
+        if h is None:
+            break
+        n, start, size, mtime, name = h
+        out.append(Frame(name, start, size, mtime, data[nl + 1:nl + 1 + n]))
+        pos = nl + 1 + n
+    return out
+
+
+def _mtime_ns(text: str) -> int | None:
+    """``2026-12-02T19:43:38.123456789+0000`` -> unix nanoseconds."""
+    m = re.match(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?([+-]\d{4})$", text)
+    if m is None:
+        return None
+    try:
+        whole = datetime.strptime(m.group(1) + m.group(3), "%Y-%m-%dT%H:%M:%S%z")
+    except ValueError:
+        return None
+    return int(whole.timestamp()) * 1_000_000_000 + int((m.group(2) or "0").ljust(9, "0"))
+
+
+def _index_time_ns(text: str) -> int | None:
+    whole, _, frac = text.partition(".")
+    if not whole.isdigit() or (frac and not frac.isdigit()):
+        return None
+    return int(whole) * 1_000_000_000 + int(frac[:9].ljust(9, "0") or "0")
+
+
+@dataclass
+class _File:
+    offset: int = 0  # bytes read so far
+    partial: bytes = b""  # an unfinished last line
+    index: deque[tuple[int, int]] = field(default_factory=deque)  # (size, unix ns), sizes rising
+    mtime_ns: int | None = None
+    more: bool = False  # bytes beyond what was read
+
+
+class LogCursor:
+    """Where a tail stands in each file: offsets for the next read, unfinished lines,
+    and the index entries that date the lines still to come."""
+
+    def __init__(self, query: LogQuery) -> None:
+        self.query = query
+        self.files: dict[str, _File] = {}
+        self.index_partial = b""
+        self.first = True
+
+    def offsets(self) -> dict[str, int]:
+        out = {n: f.offset for n, f in self.files.items()}
+        if LOG_INDEX in self.files or not self.first:
+            out.setdefault(LOG_INDEX, 0)
+        return out
+
+    def more(self) -> bool:
+        """A file has bytes past the last read (its chunk was capped)."""
+        return any(f.more for f in self.files.values())
+
+    def read_script(self, adir: str) -> str:
+        return read_script(adir, self.offsets() if not self.first else {},
+                           self.query.tail_lines if self.first else 0,
+                           self.query.since_ns if self.first else None)
+
+    def feed(self, frames: Iterable[Frame], ended: bool = False) -> list[LogEntry]:
+        """One round of frames -> the log entries the query wants, oldest first per file.
+        ``ended``: the job has ended, so a drained file's unfinished line is a line."""
+        frames = list(frames)
+        for fr in frames:  # the index first: it dates this round's lines
+            if fr.name == FILTERED_INDEX:
+                self._index(fr.data, replace=True)
+                self.files.setdefault(LOG_INDEX, _File()).offset = fr.size
+            elif fr.name == LOG_INDEX:
+                f = self.files.setdefault(LOG_INDEX, _File())
+                if fr.start != f.offset:
+                    self.index_partial = b""
+                f.offset = fr.start + len(fr.data)
+                self._index(fr.data)
+        out: list[LogEntry] = []
+        for fr in frames:
+            m = FILE_RE.match(fr.name)
+            if m is None:
+                continue
+            f = self.files.setdefault(fr.name, _File())
+            if fr.start != f.offset:  # a first read's start, or a file truncated and read again
+                f.partial = b""
+            line_start = fr.start - len(f.partial)
+            f.offset = fr.start + len(fr.data)
+            f.mtime_ns = fr.mtime_ns or f.mtime_ns
+            f.more = f.offset < fr.size
+            raw = (f.partial + fr.data).split(b"\n")
+            f.partial = raw.pop()
+            role, index, stream = m.group(1), int(m.group(2)), LogStream[m.group(3).upper()]
+            lines = []
+            for text in raw:
+                line_start += len(text) + 1
+                lines.append((text, self._date(f, line_start)))
+            out.extend(self._entries(role, index, stream, lines))
+        if ended:
+            for name, f in sorted(self.files.items()):
+                m = FILE_RE.match(name)
+                if m is None or f.more or not f.partial:
+                    continue
+                end = f.offset
+                entry = [(f.partial, self._date(f, end))]
+                f.partial = b""
+                out.extend(self._entries(m.group(1), int(m.group(2)), LogStream[m.group(3).upper()], entry))
+        self.first = False
+        return out
+
+    def _entries(self, role: str, index: int, stream: LogStream,
+                 lines: list[tuple[bytes, int | None]]) -> list[LogEntry]:
+        q = self.query
+        if not (q.wants_replica(role, index) and q.wants_stream(stream)):
+            return []
+        if q.since_ns is not None:
+            lines = [(t, ns) for t, ns in lines if ns is None or ns >= q.since_ns]
+        if self.first and q.tail_lines:
+            lines = lines[-q.tail_lines:]
+        return [LogEntry(role=role, replica_index=index, stream=stream, text=t.decode("utf-8", "replace"),
+                         time_ns=ns) for t, ns in lines]
+
+    def _index(self, data: bytes, replace: bool = False) -> None:
+        if replace:
+            self.index_partial = b""
+        raw = (self.index_partial + data).split(b"\n")
+        self.index_partial = raw.pop()
+        for line in raw:
+            parts = line.decode("ascii", "replace").split(" ")
+            if len(parts) != 3 or not parts[1].isdigit() or FILE_RE.match(parts[2]) is None:
+                continue
+            ns = _index_time_ns(parts[0])
+            if ns is None:
+                continue
+            f = self.files.setdefault(parts[2], _File())
+            size = int(parts[1])
+            if (not f.index or size > f.index[-1][0]) and size > f.offset - len(f.partial):
+                f.index.append((size, ns))
+
+    @staticmethod
+    def _date(f: _File, end: int) -> int | None:
+        """When the file first held ``end`` bytes: the index, else its last write."""
+        while f.index and f.index[0][0] < end:
+            f.index.popleft()
+        if f.index:
+            return f.index[0][1]
+        return f.mtime_ns if f.mtime_ns is not None else time.time_ns()
