@@ -709,8 +709,10 @@ def _ppid(pid: int) -> int:
 
 async def wait_no_log_streams(within: float = 10.0) -> None:
     deadline = time.monotonic() + within
-    while (left := await asyncio.to_thread(log_stream_pids)) and time.monotonic() < deadline:
+    left = await asyncio.to_thread(log_stream_pids)
+    while left and time.monotonic() < deadline:
         await asyncio.sleep(0.2)
+        left = await asyncio.to_thread(log_stream_pids)
     assert not left, f"remote log-stream loops outlived their followers: {left}"
 
 
