@@ -584,8 +584,9 @@ async def test_metrics_count_every_remote_command_and_poll_round(cluster, tmp_pa
             got = scrape(svc)
     finally:
         svc.stop()
-    # The job scripts' own `scontrol show hostnames` (inside the allocation) is not the driver's.
-    log = [e for e in slurm_cluster.read_command_log(calls) if "hostnames" not in e[2]]
+    # The job scripts' own `scontrol show hostnames` (inside the allocation) is not the driver's;
+    # GetClusterInfo's one-off `scontrol show config` rides in the `show nodes` command.
+    log = [e for e in slurm_cluster.read_command_log(calls) if "hostnames" not in e[2] and e[2] != "show config"]
     for name in ("squeue", "scontrol", "sbatch"):
         seen = sum(1 for _, n, _ in log if n == name)
         counted = got.get(f"{name}/ok", 0) + got.get(f"{name}/error", 0)
@@ -832,3 +833,37 @@ async def test_a_stream_that_dies_falls_back_without_losing_or_repeating_a_line(
             killed = True
     assert killed
     assert got == [f"tick {i}" for i in range(10)]
+
+
+async def test_without_accounting_storage_sacct_is_never_called(stub, cluster, tmp_path):
+    """GetClusterInfo asks once whether the cluster has accounting storage (this one has
+    none), so an ended job's usage and the poller's follow-ups never try sacct."""
+    calls = str(tmp_path / "calls.log")
+    name = "clusters/slurm-noacct"
+    req = configure_request(cluster, name)
+    req.options["PATH"] = slurm_cluster.command_log_path(str(tmp_path / "bin"), calls, ("scontrol", "sacct"))
+    await stub.ConfigureCluster(req, timeout=30)
+    try:
+        for _ in range(3):
+            info = (await stub.GetClusterInfo(dpb.GetClusterInfoRequest(cluster=name), timeout=30)).info
+            assert info.state == cluster_pb2.CLUSTER_STATE_READY
+        jid = new_id("noacct")
+        await stub.LaunchJob(dpb.LaunchJobRequest(cluster=name, job_id=jid, spec=single("print(1)"), attempt=1),
+                             timeout=60)
+        ref = dpb.JobRef(job_id=jid)
+        deadline = time.monotonic() + 60
+        while True:
+            obs = (await stub.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
+                cluster=name, jobs=[ref]), timeout=30)).observations[0]
+            if obs.state in TERMINAL:
+                break
+            assert time.monotonic() < deadline, obs
+            await asyncio.sleep(0.2)
+        assert obs.state == job_pb2.JOB_STATE_SUCCEEDED
+        for _ in range(2):
+            await stub.MeasureJobUsage(dpb.MeasureJobUsageRequest(cluster=name, job=ref), timeout=30)
+    finally:
+        await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=name), timeout=30)
+    log = slurm_cluster.read_command_log(calls)
+    assert [a for _, n, a in log if n == "scontrol" and "config" in a] == ["show config"]
+    assert not [e for e in log if e[1] == "sacct"], log

@@ -40,6 +40,10 @@ class FakeLogin:
             raise Unavailable("ssh down", reason="BACKEND_UNAVAILABLE")
         if command.startswith("squeue"):
             return 0, "".join(squeue_line(j) + "\n" for j in sorted(self.queue)), ""
+        if command.startswith("sacct"):
+            asked = command.split("--jobs=", 1)[1].split()[0].split(",")
+            return 0, "".join(f"{j}|COMPLETED|0:0|Unknown|Unknown|n1|x|None|dlsched-j{j}.1\n"
+                              for j in asked if j in self.gone), ""
         return 0, "".join(f"JobId={j} JobName=x JobState=COMPLETED ExitCode=0:0\n" for j in self.gone), ""
 
     def starts(self) -> list[float]:
@@ -99,6 +103,24 @@ async def test_jobs_that_left_the_queue_cost_one_follow_up_per_round() -> None:
     assert names.count("scontrol") == names.count("squeue") or names[-1] == "squeue"
     assert p.last_round_commands in (1, 2)
     assert set(rounds[0][0]) == tracked  # every tracked job answered for, by the two calls
+
+
+async def test_with_accounting_the_follow_up_is_sacct_for_just_the_missing_jobs() -> None:
+    login = FakeLogin()
+    tracked = {str(i) for i in range(10)}
+    login.queue = {str(i) for i in range(6)}
+    login.gone = {"6", "7", "8", "9", "99"}
+    rounds: list[tuple[dict[str, poller.SlurmJob], str | None]] = []
+    p = Poller(login.run, "u", INTERVAL, lambda: tracked, lambda jobs, err, complete: rounds.append((jobs, err)),
+               floor=INTERVAL / 2, accounting=lambda: True)
+    p.start()
+    try:
+        await asyncio.sleep(1.5 * INTERVAL)
+    finally:
+        await p.stop()
+    assert [c for _, c in login.calls][:2] == ["squeue", "sacct"]
+    assert set(rounds[0][0]) == tracked and rounds[0][0]["7"].state == "COMPLETED"
+    assert poller.sacct_command(["9", "10", "x;rm"]).count("--jobs=10,9 ") == 1  # ids only, sorted
 
 
 async def test_an_idle_poller_issues_nothing_and_a_wake_polls_at_once() -> None:

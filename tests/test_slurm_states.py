@@ -134,3 +134,52 @@ def test_sstat_durations_and_sizes():
     assert d._duration("1-00:00:10") == 86410 and d._duration("junk") == 0
     assert d._size("64608K") == 64608 << 10 and d._size("1.5M") == 3 << 19 and d._size("7") == 7
     assert d._size("") == 0
+
+
+# sstat on a GPU node whose Slurm gathers GPU usage (gpu/nvml: gres/gpuutil, gres/gpumem), and
+# this machine's own sstat line (no GPUs: the same TRES list without the gres entries).
+SSTAT_GPU = (
+    "41.0|00:01:02|2048M|1536M|cpu=00:01:02,energy=0,fs/disk=1690066,gres/gpumem=9216M,gres/gpuutil=87,"
+    "mem=1536M,pages=0,vmem=2100M\n"
+    "41.1|00:00:30|1024M|1000M|cpu=00:00:30,energy=0,gres/gpumem=0,gres/gpuutil=0,mem=1000M,pages=0\n"
+    "41.batch|00:00:00|66276K|66276K|cpu=00:00:00,energy=0,fs/disk=1690066,mem=66276K,pages=0,vmem=70360K\n"
+    "41.extern|00:00:00|0|0|cpu=00:00:00,mem=0\n"
+)
+STEP_NAMES = "41.0|worker-0\n41.1|worker-1\n41.batch|batch\n41.extern|extern\n"
+
+
+def test_sstat_gives_cpu_memory_and_gpu_figures_per_replica():
+    d = pytest.importorskip("drivers.slurm.driver", reason="needs asyncssh (the slurm extra)")
+    got = d.parse_sstat(SSTAT_GPU, STEP_NAMES, launcher=None)
+    assert set(got) == {("worker", 0), ("worker", 1)}  # the batch and extern steps are no replica here
+    w0 = got[("worker", 0)]
+    assert (w0.cpu_seconds, w0.peak_memory_bytes, w0.memory_bytes) == (62, 2 << 30, 1536 << 20)
+    assert (w0.gpu_utilization_percent, w0.gpu_memory_bytes, w0.running) == (87, 9 << 30, True)
+    assert got[("worker", 1)].gpu_utilization_percent == 0
+    mpi = d.parse_sstat(SSTAT_GPU, STEP_NAMES, launcher=("launcher", 0))
+    assert mpi[("launcher", 0)].peak_memory_bytes == 66276 << 10  # MPI: the batch step is the launcher
+    assert mpi[("launcher", 0)].gpu_memory_bytes == 0
+
+
+def test_sacct_gives_an_ended_jobs_final_figures_per_replica():
+    d = pytest.importorskip("drivers.slurm.driver", reason="needs asyncssh (the slurm extra)")
+    text = ("41|dlsched-j|01:32.500||\n41.batch|batch|00:00.010|5000K\n41.extern|extern|00:00:00|0\n"
+            "41.0|main-0|01:30.250|812M\n41.1|main-1|2-00:00:01|1G\n")
+    got = d.parse_sacct_steps(text, launcher=None)
+    assert got[("main", 0)].cpu_seconds == 90.25 and got[("main", 0)].peak_memory_bytes == 812 << 20
+    assert got[("main", 1)].cpu_seconds == 2 * 86400 + 1 and not got[("main", 1)].running
+    assert set(got) == {("main", 0), ("main", 1)}
+
+
+def test_parse_sacct_allocations():
+    text = ("7|COMPLETED|0:0|2026-12-02T10:00:00|2026-12-02T10:05:00|node1|dlsched-a|None|dlsched-a.1\n"
+            "7.batch|COMPLETED|0:0|2026-12-02T10:00:00|2026-12-02T10:05:00|node1|batch||\n"
+            "8|CANCELLED by 0|0:15|2026-12-02T10:00:00|2026-12-02T10:01:00|node1|dlsched-b|None|x|y\n"
+            "9|FAILED|3:0|Unknown|Unknown|None assigned|dlsched-c|NonZeroExitCode|\n")
+    jobs = poller.parse_sacct(text)
+    assert set(jobs) == {"7", "8", "9"}  # steps are not jobs
+    assert states.job_state(jobs["7"].state).state is JobState.SUCCEEDED and jobs["7"].comment == "dlsched-a.1"
+    assert jobs["7"].end_time == jobs["7"].start_time + 300
+    assert states.job_state(jobs["8"].state).state is JobState.STOPPED and jobs["8"].exit_status == 128 + 15
+    assert jobs["8"].comment == "x|y"  # a '|' in a comment stays in it
+    assert jobs["9"].exit_status == 3 and jobs["9"].start_time is None

@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import re
 import shlex
@@ -229,6 +230,7 @@ class _Job:
         self.restarts = 0  # Slurm requeues seen (RestartCnt)
         self.roles: tuple[tuple[str, int], ...] = ()
         self.usage: dict[tuple[str, int], ReplicaUsage] = {}  # last sample per replica
+        self.accounted = False  # usage holds sacct's final figures
 
 
 class _Cluster:
@@ -246,11 +248,14 @@ class _Cluster:
         #: comments of attempts whose sbatch may have landed unseen (look them up before submitting).
         self.unsure: set[str] = set()
         self.state_dir_made = False
+        #: Whether the cluster has accounting storage (sacct answers); None until GetClusterInfo says.
+        self.accounting: bool | None = None
         self.warm = _WarmSubmitter(
             ssh, f"mkdir -p -- {shlex.quote(render.state_dir_of(self.options))} && exec sbatch --parsable",
             driver._cfg.max_channels >= 3)
         self.poller = poll.Poller(self.run, ssh.username, driver._cfg.poll_interval, self.tracked,
-                                  lambda jobs, err, complete: driver._on_round(self, jobs, err, complete))
+                                  lambda jobs, err, complete: driver._on_round(self, jobs, err, complete),
+                                  accounting=lambda: bool(self.accounting))
 
     async def run(self, command: str, input: str | None = None) -> tuple[int, str, str]:
         r = await self.ssh.run(command, input=input, time_limit=self.driver_timeout)
@@ -270,6 +275,7 @@ class _Cluster:
         return [j.backend_job_id for j in self.jobs.values() if not j.state.is_terminal()]
 
 
+ACCOUNTING_MARK = "--- accounting"
 #: Seconds GetClusterInfo waits for the controller (ClusterManager's default deadline is 5 s).
 INFO_TIME_LIMIT = 3.0
 
@@ -354,7 +360,10 @@ class SlurmDriver(Driver):
             # Bounded well below ClusterManager's deadline for GetClusterInfo: a
             # controller that does not answer (scontrol waits ~10 s) is the
             # cluster UNREACHABLE, not this driver unresponsive.
-            r = await c.ssh.run("scontrol --oneliner show nodes", time_limit=INFO_TIME_LIMIT)
+            cmd = "scontrol --oneliner show nodes"
+            if c.accounting is None:  # once per cluster: is there accounting storage (sacct)?
+                cmd += f"; echo {ACCOUNTING_MARK}; scontrol show config | grep '^AccountingStorageType'"
+            r = await c.ssh.run(cmd, time_limit=INFO_TIME_LIMIT)
             rc, out, err = r.exit_status, r.stdout, r.stderr
         except DlschedError as e:
             return ClusterInfo(state=ClusterState.UNREACHABLE, message=f"{e.reason}: {e.message}",
@@ -362,6 +371,9 @@ class SlurmDriver(Driver):
         if rc != 0:
             return ClusterInfo(state=ClusterState.UNREACHABLE, message=f"scontrol: {err.strip()[:300]}",
                                supported_run_modes=ALL_RUN_MODES, driver_version=version)
+        out, mark, config = out.partition(f"{ACCOUNTING_MARK}\n")
+        if mark and "AccountingStorageType" in config:
+            c.accounting = "accounting_storage/none" not in config
         return ClusterInfo(state=ClusterState.READY, capacity=capacity(out),
                            supported_run_modes=ALL_RUN_MODES, driver_version=version)
 
@@ -624,11 +636,15 @@ class SlurmDriver(Driver):
     async def usage(self, cluster: str, ref: JobRef) -> JobUsage:
         """``sstat`` of the running steps (one per process, named ``<role>-<index>``;
         the MPI launcher is the batch step), in one remote command with ``squeue
-        -s`` for the step names. Without accounting storage (no ``sacct``) Slurm
-        keeps no usage of an ended job (``scontrol show job`` has only its
-        RunTime and allocated TRES; sstat says "No steps running"), so a
-        finished job reports the driver's last sample, ``running`` false, memory
-        0 (lost when the driver restarts)."""
+        -s`` for the step names; GPU utilisation and memory from the steps' TRES
+        usage (``gres/gpuutil``, ``gres/gpumem``) where the site gathers them.
+        An ended job: with accounting storage (GetClusterInfo found it), one
+        ``sacct`` of its steps gives the final CPU time and peak memory, even
+        after a driver restart. Without it Slurm keeps no usage of an ended job
+        (``scontrol show job`` has only its RunTime and allocated TRES; sstat
+        says "No steps running"), so it reports the driver's last sample,
+        ``running`` false, memory and GPU figures 0 (lost when the driver
+        restarts)."""
         c = self._require(cluster)
         job = self._find(c, ref)
         if job is None:
@@ -636,43 +652,30 @@ class SlurmDriver(Driver):
         if not job.state.is_terminal():
             jid = shlex.quote(job.backend_job_id)
             rc, out, _ = await c.run(
-                f"sstat --noheader --parsable2 --allsteps -j {jid} -o JobID,AveCPU,MaxRSS,AveRSS; "
+                f"sstat --noheader --parsable2 --allsteps -j {jid} -o {SSTAT_FIELDS}; "
                 f"echo '--- steps'; squeue --noheader --steps --jobs={jid} -o '%i|%j'")
             stats, _, names = out.partition("--- steps\n")
-            step_label = {}
-            for line in names.splitlines():
-                sid, _, label = line.partition("|")
-                step_label[sid.strip()] = label.strip()
             launcher = next(((r, i) for r, i in job.roles if r == "launcher"), None)
             for u in list(job.usage.values()):
-                job.usage[(u.role, u.replica_index)] = ReplicaUsage(
-                    role=u.role, replica_index=u.replica_index, cpu_seconds=u.cpu_seconds,
-                    memory_bytes=0, peak_memory_bytes=u.peak_memory_bytes, running=False)
-            for line in stats.splitlines():
-                parts = line.split("|")
-                if len(parts) < 4:
-                    continue
-                sid = parts[0].strip()
-                key: tuple[str, int] | None = None
-                if sid.endswith(".batch"):
-                    key = launcher
-                elif (m := LOG_LINE_RE.match(step_label.get(sid, "") + ".stdout")) is not None:
-                    key = (m.group(1), int(m.group(2)))
-                if key is None:
-                    continue
+                job.usage[(u.role, u.replica_index)] = dataclasses.replace(
+                    u, memory_bytes=0, gpu_utilization_percent=0.0, gpu_memory_bytes=0, running=False)
+            for key, sample in parse_sstat(stats, names, launcher).items():
                 prev = job.usage.get(key)
-                job.usage[key] = ReplicaUsage(
-                    role=key[0], replica_index=key[1],
-                    cpu_seconds=max(_duration(parts[1]), prev.cpu_seconds if prev else 0.0),
-                    memory_bytes=_size(parts[3]),
-                    peak_memory_bytes=max(_size(parts[2]), prev.peak_memory_bytes if prev else 0),
-                    running=True)
+                job.usage[key] = dataclasses.replace(
+                    sample, cpu_seconds=max(sample.cpu_seconds, prev.cpu_seconds if prev else 0.0),
+                    peak_memory_bytes=max(sample.peak_memory_bytes, prev.peak_memory_bytes if prev else 0))
         else:
             for k, u in list(job.usage.items()):
                 if u.running:
-                    job.usage[k] = ReplicaUsage(role=u.role, replica_index=u.replica_index,
-                                                cpu_seconds=u.cpu_seconds, memory_bytes=0,
-                                                peak_memory_bytes=u.peak_memory_bytes, running=False)
+                    job.usage[k] = dataclasses.replace(u, memory_bytes=0, gpu_utilization_percent=0.0,
+                                                       gpu_memory_bytes=0, running=False)
+            if c.accounting and not job.accounted:
+                launcher = next(((r, i) for r, i in job.roles if r == "launcher"), None)
+                rc, out, _ = await c.run(f"sacct --noheader --parsable2 -j {shlex.quote(job.backend_job_id)} "
+                                         f"-o {SACCT_USAGE_FIELDS}")
+                if rc == 0 and (final := parse_sacct_steps(out, launcher)):
+                    job.usage.update(final)
+                    job.accounted = True
         out_list = [job.usage.get((r, i), ReplicaUsage(role=r, replica_index=i)) for r, i in job.roles]
         return JobUsage(replicas=tuple(out_list), sample_time=time.time())
 
@@ -772,6 +775,80 @@ class SlurmDriver(Driver):
 
 
 # --------------------------------------------------------------------------- parsing
+
+#: sstat's columns for ``parse_sstat``.
+SSTAT_FIELDS = "JobID,AveCPU,MaxRSS,AveRSS,TRESUsageInAve"
+
+
+def parse_sstat(stats: str, step_names: str, launcher: tuple[str, int] | None
+                ) -> dict[tuple[str, int], ReplicaUsage]:
+    """``sstat --parsable2 -o SSTAT_FIELDS`` lines and ``squeue --steps -o '%i|%j'``
+    lines -> a running sample per replica (steps are named ``<role>-<index>``; the
+    batch step is the MPI launcher). GPU figures come from the TRES usage when the
+    site's Slurm gathers them (``gres/gpuutil``, percent; ``gres/gpumem``), else 0."""
+    label = {}
+    for line in step_names.splitlines():
+        sid, _, name = line.partition("|")
+        label[sid.strip()] = name.strip()
+    out: dict[tuple[str, int], ReplicaUsage] = {}
+    for line in stats.splitlines():
+        parts = line.split("|")
+        if len(parts) < 4:
+            continue
+        sid = parts[0].strip()
+        key: tuple[str, int] | None = None
+        if sid.endswith(".batch"):
+            key = launcher
+        elif (m := LOG_LINE_RE.match(label.get(sid, "") + ".stdout")) is not None:
+            key = (m.group(1), int(m.group(2)))
+        if key is None:
+            continue
+        tres = _tres(parts[4]) if len(parts) > 4 else {}
+        try:
+            gpu_util = float(tres.get("gres/gpuutil", "0") or 0)
+        except ValueError:
+            gpu_util = 0.0
+        out[key] = ReplicaUsage(role=key[0], replica_index=key[1], cpu_seconds=_duration(parts[1]),
+                                memory_bytes=_size(parts[3]), peak_memory_bytes=_size(parts[2]),
+                                gpu_utilization_percent=gpu_util,
+                                gpu_memory_bytes=_size(tres.get("gres/gpumem", "0")), running=True)
+    return out
+
+
+#: sacct's columns for ``parse_sacct_steps``.
+SACCT_USAGE_FIELDS = "JobID,JobName,TotalCPU,MaxRSS"
+
+
+def parse_sacct_steps(text: str, launcher: tuple[str, int] | None) -> dict[tuple[str, int], ReplicaUsage]:
+    """``sacct --parsable2 -j <job> -o SACCT_USAGE_FIELDS`` -> the final figures per
+    replica of an ended job: its step's total CPU time and peak memory (``<id>.batch``
+    is the MPI launcher; steps are named ``<role>-<index>``)."""
+    out: dict[tuple[str, int], ReplicaUsage] = {}
+    for line in text.splitlines():
+        parts = line.split("|")
+        if len(parts) < 4 or "." not in parts[0]:
+            continue  # the allocation line carries no usage of its own
+        key: tuple[str, int] | None = None
+        if parts[0].strip().endswith(".batch"):
+            key = launcher
+        elif (m := LOG_LINE_RE.match(parts[1].strip() + ".stdout")) is not None:
+            key = (m.group(1), int(m.group(2)))
+        if key is None:
+            continue
+        out[key] = ReplicaUsage(role=key[0], replica_index=key[1], cpu_seconds=_duration(parts[2]),
+                                peak_memory_bytes=_size(parts[3]), running=False)
+    return out
+
+
+def _tres(value: str) -> dict[str, str]:
+    """``cpu=00:00:01,gres/gpumem=512M,gres/gpuutil=37,mem=10M`` -> {name: value}."""
+    out = {}
+    for item in value.split(","):
+        k, sep, v = item.partition("=")
+        if sep:
+            out[k.strip()] = v.strip()
+    return out
+
 
 
 def _duration(value: str) -> float:

@@ -4,8 +4,10 @@ Each round runs ``squeue --all --states=all --user=<ssh user> -O ...`` once
 (every job of the user, finished ones included while slurmctld still holds
 them, ``MinJobAge``; ``--all`` so that jobs in hidden partitions are not
 mistaken for gone), and, only when some wanted job is not in that answer,
-one ``scontrol --all --oneliner show job`` (all jobs the controller holds)
-as the follow-up. ``sacct`` is never needed (accounting may be off). Watchers,
+one follow-up for those: ``sacct`` for just them when the cluster has
+accounting storage (slurmdbd answers it, not slurmctld, and keeps jobs past
+``MinJobAge``), else ``scontrol --all --oneliner show job`` (all jobs the
+controller holds). Watchers,
 observations and log tails read the poller's results; they add no calls.
 
 Pacing: round starts are at least ``interval`` apart, always, and the
@@ -78,6 +80,41 @@ def scontrol_command() -> str:
     return "scontrol --all --oneliner show job"
 
 
+#: sacct -o fields of the follow-up; the comment goes last, as in squeue.
+SACCT_FIELDS = ("JobID", "State", "ExitCode", "Start", "End", "NodeList", "JobName", "Reason", "Comment")
+
+
+def sacct_command(ids: Iterable[str]) -> str:
+    """The jobs' allocations (not their steps) from the accounting database; with
+    ``--jobs`` sacct looks back to the epoch, not just today."""
+    jobs = ",".join(sorted(i for i in ids if i.isdigit()))
+    return (f"sacct --noheader --parsable2 --allocations --jobs={jobs} "
+            f"-o {','.join(SACCT_FIELDS)}")
+
+
+def parse_sacct(text: str) -> dict[str, SlurmJob]:
+    """``sacct --parsable2 -o SACCT_FIELDS`` lines; ExitCode is ``code:signal``."""
+    out: dict[str, SlurmJob] = {}
+    n = len(SACCT_FIELDS)
+    for line in text.splitlines():
+        parts = line.split("|")
+        if len(parts) < n or not parts[0].strip().isdigit():
+            continue  # a step (123.batch), a heterogeneous component (123+0) or noise
+        jid, state, code, start, end, nodes, name, reason = (p.strip() for p in parts[:n - 1])
+        out[jid] = SlurmJob(job_id=jid, state=state, reason=reason, exit_status=_exit_code(code),
+                            start_time=parse_time(start), end_time=parse_time(end), nodes=nodes,
+                            name=name, comment="|".join(parts[n - 1:]).strip())
+    return out
+
+
+def _exit_code(value: str) -> int | None:
+    """``2:0`` -> 2; ``0:9`` (killed by signal 9) -> 137."""
+    code, _, sig = value.partition(":")
+    if not code.isdigit():
+        return None
+    return 128 + int(sig) if sig.isdigit() and int(sig) and not int(code) else int(code)
+
+
 def parse_time(value: str) -> float | None:
     v = value.strip()
     if not v or v in ("N/A", "NONE", "Unknown", "None", "(null)"):
@@ -127,10 +164,7 @@ def parse_scontrol_jobs(text: str) -> dict[str, SlurmJob]:
         jid = kv.get("JobId", "")
         if not jid:
             continue
-        code, _, sig = kv.get("ExitCode", "").partition(":")
-        exit_code = None
-        if code.isdigit():
-            exit_code = 128 + int(sig) if sig.isdigit() and int(sig) and not int(code) else int(code)
+        exit_code = _exit_code(kv.get("ExitCode", ""))
         out[jid] = SlurmJob(job_id=jid, state=kv.get("JobState", ""), reason=kv.get("Reason", ""),
                             exit_status=exit_code, start_time=parse_time(kv.get("StartTime", "")),
                             end_time=parse_time(kv.get("EndTime", "")), nodes=kv.get("NodeList", ""),
@@ -168,14 +202,17 @@ class Poller:
     ``tracked()`` names the Slurm job ids that need news; with none (and no
     ``fresh()`` waiting) the poller issues nothing. ``interval`` is raised
     to ``floor``; tests pass a smaller floor and their own ``clock``.
+    ``accounting()`` says whether the follow-up may be ``sacct``.
     ``rounds`` and ``last_round_commands`` count what the poller issued.
     """
 
     def __init__(self, run: RunFn, user: str, interval: float,
                  tracked: Callable[[], Iterable[str]],
                  on_round: Callable[[Jobs, str | None, bool], None], *,
-                 floor: float = MIN_INTERVAL, clock: Callable[[], float] = time.monotonic) -> None:
+                 floor: float = MIN_INTERVAL, clock: Callable[[], float] = time.monotonic,
+                 accounting: Callable[[], bool] = lambda: False) -> None:
         self._run = run
+        self._accounting = accounting
         self._user = user
         if interval < floor:
             log.info("poll interval %gs raised to the floor, %gs", interval, floor)
@@ -269,14 +306,15 @@ class Poller:
             return None
         jobs = parse_squeue(out)
         complete = True
-        if wanted - set(jobs):
+        if missing := wanted - set(jobs):
             self.last_round_commands = 2
+            sacct = self._accounting()
             try:
-                rc2, out2, _ = await self._run(scontrol_command())
+                rc2, out2, _ = await self._run(sacct_command(missing) if sacct else scontrol_command())
             except DlschedError:
                 rc2, out2 = 1, ""
             complete = rc2 == 0
-            for jid, j in parse_scontrol_jobs(out2).items():
+            for jid, j in (parse_sacct(out2) if sacct else parse_scontrol_jobs(out2)).items():
                 if jid in wanted and jid not in jobs:
                     jobs[jid] = j
         self._on_round(jobs, None, complete)
