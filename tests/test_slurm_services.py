@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from dlsched.kit.rpc_errors import error_info, field_violations
 from dlsched.v1 import cluster_manager_service_pb2 as cm_pb
@@ -270,17 +271,20 @@ async def test_logs_stream_and_usage_is_measured_while_the_job_runs(jm, runs, tm
     print('ready', flush=True)
     while not os.path.exists(sys.argv[1]):  # busy: CPU time accrues until the test lets it end
         pass
+    time.sleep(2)  # more than the log index's second between the lines
     print('done', flush=True)
     """
     r = run_of(jm, single(code, str(go)))
     runs.append(r)
     await r.submit()
     texts: list[str] = []
+    stamps: list[int] = []
     usage: S.ReplicaUsage | None = None
     req = jpb.StreamJobLogsRequest(name=r.name, follow=True)
     async for resp in jm.StreamJobLogs(req, timeout=JOB_TIMEOUT):
         for e in resp.entries:
             texts.append(e.text)
+            stamps.append(e.time.ToNanoseconds())
             if e.text != "ready":
                 continue
             assert (await r.get()).state not in TERMINAL  # a line of a job that has not ended
@@ -306,6 +310,13 @@ async def test_logs_stream_and_usage_is_measured_while_the_job_runs(jm, runs, tm
     last = after.replicas[0]
     assert last.cpu_seconds >= usage.cpu_seconds and last.peak_memory_bytes >= 64 << 20, after
     assert last.memory_bytes == 0 and after.HasField("sample_time"), after
+    # each line dated when it was written, to about a second (the log index): since_time picks the last
+    assert stamps[0] + 2_000_000_000 < stamps[1], stamps
+    since = Timestamp()
+    since.FromNanoseconds(stamps[1] - 500_000_000)
+    later = [e.text async for resp in jm.StreamJobLogs(jpb.StreamJobLogsRequest(name=r.name, since_time=since),
+                                                         timeout=30) for e in resp.entries]
+    assert later == ["done"], later
 
 
 async def test_stop_job_ends_a_running_job_stopped(jm, runs, tmp_path):
