@@ -16,7 +16,11 @@ a process (tests.harness), then measures, in one run:
   <= 1.2x), and the time for the same jobs against a loop of fresh ``ssh host sbatch`` calls
   (target >= 5x faster for 200 jobs);
 - status freshness: each job writes ``time.time()`` just before it exits; the time from that to
-  the terminal event on WatchJobObservations (target p99 <= poll interval + 200 ms).
+  the terminal event on WatchJobObservations (target p99 <= poll interval + 200 ms);
+- log follow: 4 followers of a job that prints its clock every 0.2 s for 8 s, on this driver
+  (each follower streams on one channel) against a second driver run with
+  ``--max-log-streams 0`` (every follower reads by polls), same job: remote commands per
+  follower (the drivers' /metrics ``tail`` calls) and line latency (receipt - printed time).
 
 Every job is cancelled and every process stopped at the end; each phase has a deadline and the
 whole run is bounded by 5 minutes.
@@ -48,7 +52,7 @@ from dlsched.v1 import cluster_pb2, driver_service_pb2_grpc, job_pb2  # noqa: E4
 from dlsched.v1 import driver_service_pb2 as dpb  # noqa: E402
 from drivers.slurm.poller import MIN_INTERVAL  # noqa: E402
 from tests import slurm_cluster  # noqa: E402
-from tests.harness import ServiceProcess  # noqa: E402
+from tests.harness import ServiceProcess, backend_calls  # noqa: E402
 
 PY = sys.executable
 PLAIN = "clusters/bench"
@@ -157,6 +161,34 @@ class Bench:
             except (asyncio.CancelledError, grpc.aio.AioRpcError):
                 pass
         return samples, missed
+
+    # ------------------------------------------------------------------ log follow
+
+    async def follow(self, polling: driver_service_pb2_grpc.DriverServiceStub
+                     ) -> dict[str, tuple[list[float], int]]:
+        """The same job followed by 4 streaming and 4 polling followers: line latencies, and
+        the job's id (the caller reads each driver's ``tail`` count)."""
+        jid = self.new_id("follow")
+        code = "import time\nfor i in range(40):\n    print(repr(time.time()), flush=True)\n    time.sleep(0.2)"
+        backend = (await self.launch(PLAIN, jid, spec(code))).backend_job_id
+        await polling.ConfigureCluster(self.configure_request(PLAIN), timeout=30)
+
+        async def one(stub: driver_service_pb2_grpc.DriverServiceStub) -> list[float]:
+            lat: list[float] = []
+            req = dpb.TailJobLogsRequest(cluster=PLAIN, job=dpb.JobRef(job_id=jid), follow=True)
+            async for resp in stub.TailJobLogs(req, timeout=120):
+                now = time.time()
+                lat.extend(now - float(e.text) for e in resp.entries if e.text.replace(".", "", 1).isdigit())
+            return lat
+
+        await polling.BatchGetJobObservations(  # the second driver adopts the job by its Slurm id
+            dpb.BatchGetJobObservationsRequest(
+            cluster=PLAIN, jobs=[dpb.JobRef(job_id=jid, backend_job_id=backend)]), timeout=60)
+        got = await asyncio.wait_for(asyncio.gather(*(one(self.stub) for _ in range(4)),
+                                                    *(one(polling) for _ in range(4))), 120)
+        stream = [x for xs in got[:4] for x in xs]
+        poll = [x for xs in got[4:] for x in xs]
+        return {"stream": (stream, 4), "poll": (poll, 4)}
 
     # ------------------------------------------------------------------ submit latency
 
@@ -282,6 +314,12 @@ class Bench:
                 "gap": (starts[-1] - starts[0]) / (len(starts) - 1) if len(starts) > 1 else float("nan")}
 
 
+def _tails(svc: ServiceProcess) -> float:
+    """Remote log-read commands the driver has issued (its /metrics)."""
+    c = backend_calls(svc, "slurm")
+    return c.get("tail/ok", 0) + c.get("tail/error", 0)
+
+
 def _read_float(path: str) -> float:
     with open(path) as f:
         return float(f.read())
@@ -306,15 +344,25 @@ async def run(args: argparse.Namespace) -> int:
     tmp = tempfile.mkdtemp(prefix="dlsched-bench-slurm-")
     cluster = slurm_cluster.SlurmCluster()
     driver: ServiceProcess | None = None
+    poller: ServiceProcess | None = None
     try:
         await asyncio.to_thread(cluster.start)
-        driver = ServiceProcess("drivers.slurm", ["--poll-interval", str(args.poll_interval)],
+        metrics = ["--metrics-listen", "127.0.0.1:0"]
+        driver = ServiceProcess("drivers.slurm", ["--poll-interval", str(args.poll_interval), *metrics],
                                 name="slurm-driver").start()
-        async with grpc.aio.insecure_channel(driver.address) as ch:
+        poller = ServiceProcess("drivers.slurm", ["--poll-interval", str(args.poll_interval),
+                                                  "--max-log-streams", "0", *metrics],
+                                name="slurm-driver-polling-logs").start()
+        async with grpc.aio.insecure_channel(driver.address) as ch, \
+                grpc.aio.insecure_channel(poller.address) as pch:
             stub = driver_service_pb2_grpc.DriverServiceStub(ch)
             b = Bench(args, cluster, stub, tmp)
             await stub.ConfigureCluster(b.configure_request(PLAIN), timeout=30)
             print(f"slurm up: ssh {cluster.address}, driver {driver.address}", file=sys.stderr)
+            tails0 = [_tails(driver), _tails(poller)]
+            follow = await b.follow(driver_service_pb2_grpc.DriverServiceStub(pch))
+            tails = {"stream": _tails(driver) - tails0[0], "poll": _tails(poller) - tails0[1]}
+            print("log follow: done", file=sys.stderr)
             fresh, missed = await b.freshness()
             print(f"freshness: {len(fresh)} samples", file=sys.stderr)
             ours, bare, ssh, hop = await b.submit()
@@ -324,9 +372,10 @@ async def run(args: argparse.Namespace) -> int:
             counts, launch_rate = await b.rounds()
             await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=COUNTED), timeout=30)
     finally:
-        if driver is not None:
-            driver.stop()
-            shutil.rmtree(driver.dir, ignore_errors=True)
+        for svc in (driver, poller):
+            if svc is not None:
+                svc.stop()
+                shutil.rmtree(svc.dir, ignore_errors=True)
         await asyncio.to_thread(cluster.stop)  # cancels every job, stops the daemons, removes the dir
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -350,6 +399,13 @@ async def run(args: argparse.Namespace) -> int:
         print(f"{name:<40}{ms(pct(xs, 50))}  {ms(pct(xs, 99))}  {sum(xs):8.2f}s")
     print(f"  (a gRPC call to the driver that reaches no backend: p50 {ms(pct(hop, 50)).strip()};"
           " LaunchJob = that hop + the driver's sbatch)")
+    print()
+    print(f"{'log follow, 4 followers, 8 s job':<40}{'p50':>11}  {'p99':>11}  {'commands/follower':>18}")
+    for name, key in (("streaming (one channel per follower)", "stream"),
+                      ("polling (--max-log-streams 0)", "poll")):
+        lat, k = follow[key]
+        print(f"{name:<40}{ms(pct(lat, 50))}  {ms(pct(lat, 99))}  {tails[key] / k:18.1f}")
+    print("  (latency: the driver's receipt of a line - the time the job printed in it)")
     print()
     ratio = pct(ours, 50) / pct(bare, 50)
     speedup = sum(ssh) / sum(ours)

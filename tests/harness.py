@@ -205,3 +205,24 @@ class Stack:
                 request_id=f"register-{cluster_id}")
             await cm.wait_cluster_state(cluster_id, timeout=within)
         return f"clusters/{cluster_id}"
+
+
+def backend_calls(svc: ServiceProcess, backend: str) -> dict[str, float]:
+    """A driver's backend samples from its /metrics (started with ``--metrics-listen``):
+    ``call/outcome`` -> count of ``dlsched_backend_calls_total``, plus ``poll_rounds``
+    (the poll-duration histogram's count)."""
+    import urllib.request
+
+    with open(svc.port_file + ".metrics") as f:
+        url = f"http://{f.read().strip()}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("dlsched_backend_calls_total{") and f'backend="{backend}"' in line:
+            call = line.split('call="', 1)[1].split('"', 1)[0]
+            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
+            out[f"{call}/{outcome}"] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith(f'dlsched_driver_poll_duration_seconds_count{{backend="{backend}"}}'):
+            out["poll_rounds"] = float(line.rsplit(" ", 1)[1])
+    return out

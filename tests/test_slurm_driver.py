@@ -28,7 +28,7 @@ from dlsched.v1 import driver_service_pb2 as dpb
 from drivers.slurm import render
 from drivers.slurm.poller import MIN_INTERVAL
 from tests import slurm_cluster
-from tests.harness import ServiceProcess
+from tests.harness import ServiceProcess, backend_calls
 
 asyncssh = pytest.importorskip("asyncssh")
 if why := slurm_cluster.available():
@@ -541,23 +541,7 @@ async def test_a_new_driver_process_adopts_earlier_jobs_and_never_submits_them_a
 
 
 def scrape(svc: ServiceProcess) -> dict[str, float]:
-    """The driver's Slurm samples from its /metrics: ``call/outcome`` -> count, plus
-    ``poll_rounds`` (the poll-duration histogram's count)."""
-    import urllib.request
-
-    with open(svc.port_file + ".metrics") as f:
-        url = f"http://{f.read().strip()}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("dlsched_backend_calls_total{") and 'backend="slurm"' in line:
-            call = line.split('call="', 1)[1].split('"', 1)[0]
-            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
-            out[f"{call}/{outcome}"] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith('dlsched_driver_poll_duration_seconds_count{backend="slurm"}'):
-            out["poll_rounds"] = float(line.rsplit(" ", 1)[1])
-    return out
+    return backend_calls(svc, "slurm")
 
 
 async def test_metrics_count_every_remote_command_and_poll_round(cluster, tmp_path):

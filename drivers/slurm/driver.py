@@ -129,6 +129,9 @@ SUBMIT_TRIES = 3
 WARM_MAX_AGE = 300.0
 #: Log tails read files on the login node, not the controller: their own, lower floor.
 LOG_POLL_FLOOR = 0.2
+#: A log stream's remote loop looks at its files this often (a stat on the login node, no SSH
+#: round trip), whatever the poll interval.
+STREAM_INTERVAL = 0.2
 LOG_LINE_RE = slogs.FILE_RE
 #: sbatch errors that say nothing about the job itself: retried (after a look-up), never a refusal.
 TRANSIENT_RE = re.compile(r"Socket timed out|Unable to contact slurm controller|temporarily unavailable|"
@@ -716,9 +719,8 @@ class SlurmDriver(Driver):
         until the job has ended and every file is drained. Rounds are applied whole, so when the
         channel fails the cursor stands at the end of the last whole round and nothing is lost or
         said twice."""
-        proc = await c.log_ssh.start(
-            slogs.stream_script(job.dir, cursor.offsets(), max(LOG_POLL_FLOOR, min(1.0, self._cfg.poll_interval))),
-            call="tail", wait=False)
+        proc = await c.log_ssh.start(slogs.stream_script(job.dir, cursor.offsets(), STREAM_INTERVAL),
+                                     call="tail", wait=False)
         rounds: asyncio.Queue[list[slogs.Frame] | None | DlschedError] = asyncio.Queue()
 
         async def read() -> None:
