@@ -69,6 +69,14 @@ job's working directory by default)::
     <state_dir>/<job_id>.<n>.batch.stdout|.batch.stderr
     <state_dir>/<job_id>/attempt-<n>/<role>-<index>.stdout|.stderr|.exit
     <state_dir>/<job_id>/attempt-<n>/hostfile          MPI only
+    <state_dir>/<job_id>/attempt-<n>/log.index         when each log file reached each size
+
+The log index: a background function of the script (``dlsched_index``)
+looks at the sizes of the log files every ``INDEX_INTERVAL`` seconds and
+appends ``<unix seconds.micros> <size> <name>`` for each file that grew (one
+more look when the steps have ended), so the driver can date every line to
+about a second (``since_time``, ``LogEntry.time``; ``logs.py``) while the
+steps' output still goes straight to its files.
 
 ``state_dir`` is cluster option ``state_dir`` (default ``.dlsched/slurm``);
 it must be on a file system the compute nodes and the login node share.
