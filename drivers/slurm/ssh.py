@@ -1,5 +1,9 @@
 """One persistent asyncssh connection per cluster, with pinned host keys.
 
+(The driver opens a second ``SshClient`` per cluster for log followers'
+long-lived streams, on first use, so that they never take the channels that
+polls, submits and stops need; see ``driver.py``.)
+
 ``SshClient.run(command, input=...)`` runs one command on the login node in a
 channel of the cluster's single connection. The connection opens on first
 use and reopens after it dies, with exponential backoff between failed
