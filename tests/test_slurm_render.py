@@ -177,3 +177,26 @@ def test_ps_worker_succeeds_when_the_workers_do_and_stops_the_ps(sandbox):
     assert res.returncode == 0, res.stderr
     assert "'index': 1" in (sandbox / out.dir / "worker-1.stdout").read_text()
     assert (sandbox / out.dir / "ps-0.exit").read_text() != "0\n"  # stopped after success
+
+
+def test_a_filtered_tail_reads_only_the_files_it_wants_and_never_globs_a_hostile_role(tmp_path):
+    """logs.log_globs: the remote globs of a tail's query, run by a real shell over real files."""
+    from drivers.common.base import LogQuery, LogStream
+    from drivers.slurm import logs
+
+    for name in ("worker-0.stdout", "worker-0.stderr", "worker-1.stdout", "ps-0.stdout", "log.index"):
+        (tmp_path / name).write_text("x\n")
+
+    def matched(query: LogQuery | None) -> list[str]:
+        out = subprocess.run(["sh", "-c", f"cd {tmp_path} && for f in {logs.log_globs(query)}; do "
+                              "[ -f \"$f\" ] && echo \"$f\"; done"], capture_output=True, text=True, check=True)
+        return sorted(out.stdout.split())
+
+    assert matched(None) == ["log.index", "ps-0.stdout", "worker-0.stderr", "worker-0.stdout", "worker-1.stdout"]
+    assert matched(LogQuery(role="worker")) == ["log.index", "worker-0.stderr", "worker-0.stdout", "worker-1.stdout"]
+    assert matched(LogQuery(role="worker", replica_index=0, streams=frozenset({LogStream.STDERR}))) == [
+        "log.index", "worker-0.stderr"]
+    canary = tmp_path / "CANARY"
+    hostile = LogQuery(role=f"$(touch {canary})*", replica_index=0)
+    assert matched(hostile) == ["log.index", "ps-0.stdout", "worker-0.stderr", "worker-0.stdout"]
+    assert not canary.exists()

@@ -719,7 +719,7 @@ class SlurmDriver(Driver):
         until the job has ended and every file is drained. Rounds are applied whole, so when the
         channel fails the cursor stands at the end of the last whole round and nothing is lost or
         said twice."""
-        proc = await c.log_ssh.start(slogs.stream_script(job.dir, cursor.offsets(), STREAM_INTERVAL),
+        proc = await c.log_ssh.start(slogs.stream_script(job.dir, cursor.offsets(), STREAM_INTERVAL, cursor.query),
                                      call="tail", wait=False)
         rounds: asyncio.Queue[list[slogs.Frame] | None | DlschedError] = asyncio.Queue()
 

@@ -61,12 +61,31 @@ STREAM_END = "end"
 _EMIT = (f"emit() {{ [ \"$3\" -gt \"$2\" ] || return 0; n=$(($3 - $2)); [ $n -le {MAX_CHUNK} ] || "
          f"n={MAX_CHUNK}; printf '%s %s %s %s %s\\n' \"$n\" \"$2\" \"$3\" \"$4\" \"$1\"; "
          "tail -c +$(($2 + 1)) -- \"$1\" | head -c \"$n\"; }; ")
-#: One stat for every file of a round: <size> <date> <time> <zone> <name>.
-_STAT = (f"stat -c '%s %y %n' -- *.stdout *.stderr {LOG_INDEX} 2>/dev/null")
+_ROLE_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+
+
+def log_globs(query: LogQuery | None = None) -> str:
+    """The shell globs of the log files a query wants (plus the index), so a filtered tail
+    reads only those; a role that is not a plain name is not put in a glob (the driver
+    filters it). Globs may match more (role ``a`` matches ``a-b-0``), never less."""
+    role, index, streams = "*", "*", ("stdout", "stderr")
+    if query is not None:
+        if query.role and _ROLE_RE.match(query.role):
+            role = query.role
+        if query.replica_index is not None:
+            index = str(int(query.replica_index))
+        if query.streams:
+            streams = tuple(sorted(st.name.lower() for st in query.streams))
+    return " ".join(f"{role}-{index}.{st}" for st in streams) + f" {LOG_INDEX}"
+
+
+def _stat(query: LogQuery | None) -> str:
+    """One stat for every file of a round: <size> <date> <time> <zone> <name>."""
+    return f"stat -c '%s %y %n' -- {log_globs(query)} 2>/dev/null"
 
 
 def read_script(adir: str, offsets: Mapping[str, int], tail_lines: int = 0,
-                since_ns: int | None = None) -> str:
+                since_ns: int | None = None, query: LogQuery | None = None) -> str:
     """One framed read of every log file of ``adir`` past ``offsets`` (POSIX sh).
     With no offsets at all it is a first read: ``tail_lines`` and ``since_ns`` pick
     where each file starts, and the index comes filtered."""
@@ -93,7 +112,7 @@ def read_script(adir: str, offsets: Mapping[str, int], tail_lines: int = 0,
                 f"($3 in st) && $2 > st[$3]' {LOG_INDEX}; echo .); x=${{x%.}}; "
                 f"printf '%s %s %s - {FILTERED_INDEX}\\n%s' $(($(printf '%s' \"$x\" | wc -c))) "
                 f'"$isz" "$isz" "$x"; ')
-    return (f"{head}starts=''; {_STAT} | {{ while read -r s d t z f; do "
+    return (f"{head}starts=''; {_stat(query)} | {{ while read -r s d t z f; do "
             "case \"$f\" in *[!a-z0-9.-]*|'') continue;; esac; "
             f"{per_file}"
             '[ "$s" -ge "$o" ] || o=0; starts="$starts$f $o\n"; '
@@ -103,7 +122,8 @@ def read_script(adir: str, offsets: Mapping[str, int], tail_lines: int = 0,
             f"done; {tail}}}")
 
 
-def stream_script(adir: str, offsets: Mapping[str, int], interval: float) -> str:
+def stream_script(adir: str, offsets: Mapping[str, int], interval: float,
+                  query: LogQuery | None = None) -> str:
     """The long-lived follower (bash): frames every round that found new bytes."""
     init = " ".join(f"[{shlex.quote(n)}]={o}" for n, o in sorted(offsets.items()))
     body = (
@@ -114,7 +134,7 @@ def stream_script(adir: str, offsets: Mapping[str, int], interval: float) -> str
         f"while read -r s d t z f; do case \"$f\" in *[!a-z0-9.-]*|'') continue;; esac; "
         "o=${off[$f]:-0}; [ \"$s\" -ge \"$o\" ] || o=0; [ \"$s\" -gt \"$o\" ] || continue; "
         "emit \"$f\" \"$o\" \"$s\" \"${d}T$t$z\"; off[$f]=$((o + n)); sent=1; "
-        f"[ $((o + n)) -ge \"$s\" ] || capped=1; done < <({_STAT}); "
+        f"[ $((o + n)) -ge \"$s\" ] || capped=1; done < <({_stat(query)}); "
         f"[ $sent = 0 ] || printf '0 0 0 - {ROUND_END}\\n'; }}; "
         # wait for the attempt directory (a pending job has none), listening to the driver
         f"until cd -- {shlex.quote(adir)} 2>/dev/null; do "
@@ -212,7 +232,7 @@ class LogCursor:
     def read_script(self, adir: str) -> str:
         return read_script(adir, self.offsets() if not self.first else {},
                            self.query.tail_lines if self.first else 0,
-                           self.query.since_ns if self.first else None)
+                           self.query.since_ns if self.first else None, self.query)
 
     def feed(self, frames: Iterable[Frame], ended: bool = False) -> list[LogEntry]:
         """One round of frames -> the log entries the query wants, oldest first per file.
