@@ -671,25 +671,22 @@ async def test_a_requeued_job_runs_again_as_the_same_attempt_and_never_fails(stu
 
 
 def log_stream_pids() -> list[int]:
-    """Pids of the driver's remote log-stream loops on this host (the login node here)."""
-    out = []
+    """One pid per remote log-stream loop of the driver on this host (the login node here).
+    sshd starts each channel's command in a session of its own, so a loop is a session: its
+    forks (a stat, a subshell, one orphaned as the loop exits) share it and count once."""
+    loops: dict[int, int] = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 argv = f.read().rstrip(b"\0").split(b"\0")
-        except OSError:
+            if argv[-1:] != [b"dlsched-log-stream"]:
+                continue
+            with open(f"/proc/{pid}/stat") as f:
+                sid = int(f.read().rsplit(")", 1)[1].split()[3])
+        except (OSError, ValueError, IndexError):
             continue
-        if argv[-1:] == [b"dlsched-log-stream"]:
-            out.append(int(pid))
-    return [p for p in out if _ppid(p) not in out]  # a loop's own forks (its stat, ...) are not loops
-
-
-def _ppid(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return 0
+        loops[sid] = min(int(pid), loops.get(sid, int(pid)))
+    return sorted(loops.values())
 
 
 async def wait_no_log_streams(within: float = 10.0) -> None:
@@ -762,6 +759,7 @@ async def test_more_followers_than_log_streams_each_get_every_line_once(stub):
     """12 followers of one job: 8 stream (the bound; never more remote loops than that), the
     rest read by polls; every follower gets every line exactly once, the job still ends
     (the control connection is never starved), and no remote loop outlives its follower."""
+    await wait_no_log_streams()  # earlier tests' loops are gone before this one counts
     jid = new_id("fanout")
     await launch(stub, jid, single(TICKS.format(n=6, gap=0.5)))
     peak = 0
