@@ -652,16 +652,15 @@ class SlurmDriver(Driver):
         job = self._find(c, ref)
         if job is None:
             raise JobNotFound(ref.job_id)
+        launcher = next(((r, i) for r, i in job.roles if r == "launcher"), None)
         if not job.state.is_terminal():
             jid = shlex.quote(job.backend_job_id)
             rc, out, _ = await c.run(
                 f"sstat --noheader --parsable2 --allsteps -j {jid} -o {SSTAT_FIELDS}; "
                 f"echo '--- steps'; squeue --noheader --steps --jobs={jid} -o '%i|%j'")
             stats, _, names = out.partition("--- steps\n")
-            launcher = next(((r, i) for r, i in job.roles if r == "launcher"), None)
-            for u in list(job.usage.values()):
-                job.usage[(u.role, u.replica_index)] = dataclasses.replace(
-                    u, memory_bytes=0, gpu_utilization_percent=0.0, gpu_memory_bytes=0, running=False)
+            for k, u in list(job.usage.items()):
+                job.usage[k] = _not_running(u)
             for key, sample in parse_sstat(stats, names, launcher).items():
                 prev = job.usage.get(key)
                 job.usage[key] = dataclasses.replace(
@@ -669,11 +668,8 @@ class SlurmDriver(Driver):
                     peak_memory_bytes=max(sample.peak_memory_bytes, prev.peak_memory_bytes if prev else 0))
         else:
             for k, u in list(job.usage.items()):
-                if u.running:
-                    job.usage[k] = dataclasses.replace(u, memory_bytes=0, gpu_utilization_percent=0.0,
-                                                       gpu_memory_bytes=0, running=False)
+                job.usage[k] = _not_running(u)
             if c.accounting and not job.accounted:
-                launcher = next(((r, i) for r, i in job.roles if r == "launcher"), None)
                 rc, out, _ = await c.run(f"sacct --noheader --parsable2 -j {shlex.quote(job.backend_job_id)} "
                                          f"-o {SACCT_USAGE_FIELDS}")
                 if rc == 0 and (final := parse_sacct_steps(out, launcher)):
@@ -683,6 +679,11 @@ class SlurmDriver(Driver):
         return JobUsage(replicas=tuple(out_list), sample_time=time.time())
 
     # ------------------------------------------------------------------ logs
+
+    @property
+    def _log_poll_interval(self) -> float:
+        """How often a polling follower reads, and a streaming one checks whether its job ended."""
+        return max(LOG_POLL_FLOOR, min(1.0, self._cfg.poll_interval))
 
     def tail_logs(self, cluster: str, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
         return self._tail(cluster, ref, query)
@@ -712,7 +713,7 @@ class SlurmDriver(Driver):
                     return
                 except DlschedError as e:  # go on reading from where the stream's last round left off
                     log.info("log stream of %s ended early (%s); reading by polls", job.job_id, e.message)
-            await asyncio.sleep(max(LOG_POLL_FLOOR, min(1.0, self._cfg.poll_interval)))
+            await asyncio.sleep(self._log_poll_interval)
 
     async def _stream(self, c: _Cluster, job: _Job, cursor: slogs.LogCursor) -> AsyncIterator[list[LogEntry]]:
         """Follow on one long-lived channel of the cluster's log connection (``logs.stream_script``)
@@ -745,7 +746,7 @@ class SlurmDriver(Driver):
                 await rounds.put(e)
 
         reader = asyncio.create_task(read(), name=f"slurm-log-stream-{job.job_id}")
-        check = max(LOG_POLL_FLOOR, min(1.0, self._cfg.poll_interval))
+        check = self._log_poll_interval
         ending = False
         getter: asyncio.Task[list[slogs.Frame] | None | DlschedError] | None = None
         try:
@@ -798,11 +799,7 @@ def parse_sstat(stats: str, step_names: str, launcher: tuple[str, int] | None
         if len(parts) < 4:
             continue
         sid = parts[0].strip()
-        key: tuple[str, int] | None = None
-        if sid.endswith(".batch"):
-            key = launcher
-        elif (m := LOG_LINE_RE.match(label.get(sid, "") + ".stdout")) is not None:
-            key = (m.group(1), int(m.group(2)))
+        key = _replica_of(sid, label.get(sid, ""), launcher)
         if key is None:
             continue
         tres = _tres(parts[4]) if len(parts) > 4 else {}
@@ -815,6 +812,21 @@ def parse_sstat(stats: str, step_names: str, launcher: tuple[str, int] | None
                                 gpu_utilization_percent=gpu_util,
                                 gpu_memory_bytes=_size(tres.get("gres/gpumem", "0")), running=True)
     return out
+
+
+def _replica_of(step_id: str, step_name: str, launcher: tuple[str, int] | None) -> tuple[str, int] | None:
+    """The replica a Slurm step ran: ``<job>.batch`` is the MPI launcher (if any), other
+    steps are named ``<role>-<index>`` (render); anything else (extern) none."""
+    if step_id.endswith(".batch"):
+        return launcher
+    m = LOG_LINE_RE.match(step_name + ".stdout")
+    return (m.group(1), int(m.group(2))) if m is not None else None
+
+
+def _not_running(u: ReplicaUsage) -> ReplicaUsage:
+    """A sample kept after its step ended: CPU time and peak stay, current figures go."""
+    return dataclasses.replace(u, memory_bytes=0, gpu_utilization_percent=0.0, gpu_memory_bytes=0,
+                               running=False)
 
 
 #: sacct's columns for ``parse_sacct_steps``.
@@ -830,11 +842,7 @@ def parse_sacct_steps(text: str, launcher: tuple[str, int] | None) -> dict[tuple
         parts = line.split("|")
         if len(parts) < 4 or "." not in parts[0]:
             continue  # the allocation line carries no usage of its own
-        key: tuple[str, int] | None = None
-        if parts[0].strip().endswith(".batch"):
-            key = launcher
-        elif (m := LOG_LINE_RE.match(parts[1].strip() + ".stdout")) is not None:
-            key = (m.group(1), int(m.group(2)))
+        key = _replica_of(parts[0].strip(), parts[1].strip(), launcher)
         if key is None:
             continue
         out[key] = ReplicaUsage(role=key[0], replica_index=key[1], cpu_seconds=_duration(parts[2]),
