@@ -47,6 +47,8 @@ from dlsched.kit import metrics
 log = logging.getLogger("dlsched.driver.slurm.ssh")
 
 MAX_CHANNELS = 8
+#: Tries to open a command's channel when the server refuses it (the command has not run).
+CHANNEL_OPEN_TRIES = 3
 #: The only values the ``call`` label of the backend-call counter takes (plus ``other``).
 CALL_NAMES = frozenset({"squeue", "scontrol", "sbatch", "scancel", "sstat", "sinfo", "sacct", "tail", "cat",
                         "rm", "mkdir", "true"})
@@ -302,10 +304,21 @@ class SshClient:
         async with self._sem:
             self.commands += 1
             try:
-                r = await conn.run(self._prefix + command, input=input, check=False, timeout=time_limit,
-                                   encoding=None)
+                for tries in range(CHANNEL_OPEN_TRIES):
+                    try:
+                        r = await conn.run(self._prefix + command, input=input, check=False,
+                                           timeout=time_limit, encoding=None)
+                        break
+                    except asyncssh.ChannelOpenError:
+                        # The server refused the session (sshd frees a closed one a moment after
+                        # its close): nothing ran, the connection is fine, so try again shortly.
+                        if tries + 1 == CHANNEL_OPEN_TRIES:
+                            raise
+                        await asyncio.sleep(0.1 * (tries + 1))
             except asyncssh.TimeoutError as e:
                 raise BackendUnavailable(f"command timed out after {time_limit:g}s") from e
+            except asyncssh.ChannelOpenError as e:  # the connection is fine: keep it for the others
+                raise self._as_error(e) from e
             except (OSError, asyncssh.Error) as e:
                 if self._conn is conn:
                     self._conn = None
