@@ -368,6 +368,23 @@ async def test_many_concurrent_commands_stay_below_the_session_limit(stub):
     assert all([e.text for e in r] == ["x"] for r in results)
 
 
+def test_a_channel_closed_without_an_exit_status_is_a_transport_failure_not_an_exit_code():
+    """A command whose channel closed with no exit status and no signal (seen under CI load as
+    'squeue failed: ' with an empty message) raises, so callers treat it as the transport
+    failure it is (a look-up retries, a submit looks the job up) rather than as squeue's answer."""
+    from drivers.slurm.ssh import BackendUnavailable, _completed
+
+    def done(status: int | None, signal: tuple | None = None) -> asyncssh.SSHCompletedProcess:
+        return asyncssh.SSHCompletedProcess(env=None, command="squeue", subsystem=None, exit_status=status,
+                                            exit_signal=signal, returncode=status, stdout=b"o", stderr=b"")
+
+    with pytest.raises(BackendUnavailable, match="exit status"):
+        _completed(done(None))
+    assert _completed(done(3)).exit_status == 3
+    assert _completed(done(None, ("KILL", False, "", ""))).exit_status == 137
+    assert _completed(done(0)).stdout == b"o"
+
+
 async def test_ssh_outage_keeps_the_last_state_and_reconnects(stub, cluster):
     jid = new_id("sshdown")
     await launch(stub, jid, single("import time; time.sleep(4)"))

@@ -125,6 +125,8 @@ from drivers.slurm.ssh import ENV_RE, HostKeyMismatch, SshClient, Started
 log = logging.getLogger("dlsched.driver.slurm")
 
 SUBMIT_TRIES = 3
+#: squeue look-ups of one attempt before a launch says UNAVAILABLE.
+LOOKUP_TRIES = 3
 #: A warm sbatch older than this is replaced before use (seconds).
 WARM_MAX_AGE = 300.0
 #: Log tails read files on the login node, not the controller: their own, lower floor.
@@ -412,10 +414,23 @@ class SlurmDriver(Driver):
             return LaunchResult(backend_id, script.native_spec(), self._observe(job))
 
     async def _lookup_all(self, c: _Cluster, script: SlurmScript) -> list[str]:
-        """Slurm job ids of this attempt, oldest first; raises when Slurm cannot tell."""
-        rc, out, err = await c.run(poll.squeue_command(c.ssh.username, script.job_name))
-        if rc != 0:
-            raise Unavailable(f"squeue failed: {err.strip()[:300]}", reason="BACKEND_UNAVAILABLE")
+        """Slurm job ids of this attempt, oldest first; raises when Slurm cannot tell.
+        squeue only reads, so a failed look-up is tried again (a loaded controller or
+        login node fails one now and then) before the caller hears of it."""
+        for tries in range(LOOKUP_TRIES):
+            if tries:
+                await asyncio.sleep(0.3 * tries)
+            try:
+                rc, out, err = await c.run(poll.squeue_command(c.ssh.username, script.job_name))
+            except Unavailable:  # transport: a changed host key etc. is not retried
+                if tries + 1 == LOOKUP_TRIES:
+                    raise
+                continue
+            if rc == 0:
+                break
+            log.warning("look-up of %s: squeue exited %s: %s", script.comment, rc, err.strip()[:300])
+        else:
+            raise Unavailable(f"squeue exited {rc}: {err.strip()[:300]}", reason="BACKEND_UNAVAILABLE")
         found = [j.job_id for j in poll.parse_squeue(out).values() if j.comment == script.comment]
         return sorted(found, key=lambda s: int(s) if s.isdigit() else 0)
 

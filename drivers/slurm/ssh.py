@@ -98,6 +98,18 @@ class BytesResult:
     stderr: bytes
 
 
+def _completed(r: asyncssh.SSHCompletedProcess) -> BytesResult:
+    """A finished command as a ``BytesResult``. A channel that closed with neither an
+    exit status nor a signal (the connection or sshd went away under it) says nothing
+    about the command: that is a transport failure, not an exit code to read."""
+    out = r.stdout if isinstance(r.stdout, bytes) else (r.stdout or "").encode()
+    err = r.stderr if isinstance(r.stderr, bytes) else (r.stderr or "").encode()
+    if r.exit_status is None and not r.exit_signal:
+        raise BackendUnavailable("the channel closed before the command reported an exit status")
+    status = r.exit_status if r.exit_status is not None else 128 + 9
+    return BytesResult(status, out, err)
+
+
 def parse_host_keys(lines: Sequence[str]) -> list[asyncssh.SSHKey]:
     """Pinned keys from known_hosts (``host key-type base64``) or bare public-key lines."""
     keys = []
@@ -170,11 +182,9 @@ class Started:
             self._proc.close()
             raise self._client._as_error(e) from e
         else:
-            out = r.stdout if isinstance(r.stdout, bytes) else (r.stdout or "").encode()
-            err = r.stderr if isinstance(r.stderr, bytes) else (r.stderr or "").encode()
-            status = r.exit_status if r.exit_status is not None else (128 + 9 if r.exit_signal else 255)
-            ok = status == 0
-            return BytesResult(status, out, err)
+            result = _completed(r)
+            ok = result.exit_status == 0
+            return result
         finally:
             self._end(ok)
 
@@ -324,10 +334,7 @@ class SshClient:
                     self._conn = None
                 conn.abort()
                 raise self._as_error(e) from e
-        out = r.stdout if isinstance(r.stdout, bytes) else (r.stdout or "").encode()
-        err = r.stderr if isinstance(r.stderr, bytes) else (r.stderr or "").encode()
-        status = r.exit_status if r.exit_status is not None else (128 + 9 if r.exit_signal else 255)
-        return BytesResult(status, out, err)
+        return _completed(r)
 
     def channel_free(self) -> bool:
         """Whether a channel of the bound is free right now."""
