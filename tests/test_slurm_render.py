@@ -84,6 +84,7 @@ HOSTILE = [
     "a\n#SBATCH --wrap='touch CANARY'\ntouch CANARY", "-rf", "--", "--help", "trailing newline\n",
     "tab\there", "cr\rhere", "back\\slash", "%j %x %u", "!!", "$HOME ${PATH} $1", "ünï©ødé ✓", "",
     "\x01\x7f\x1b[31m", "*", "~", "a' \"b", "|| touch CANARY &", "> CANARY",
+    "x\nDLSCHED_TASK_0_END\ntouch CANARY\n", "EOF\ntouch CANARY",  # ending a wrapper's heredoc
 ]
 
 PROBE = ("import json, os, sys; json.dump({'argv': sys.argv[1:], "
@@ -92,14 +93,33 @@ PROBE = ("import json, os, sys; json.dump({'argv': sys.argv[1:], "
          "sys.stdout)")
 
 FAKE_SRUN = """#!/bin/bash
+n=1 conf=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --chdir=*) cd -- "${1#--chdir=}" || exit 126 ;;
+    --ntasks=*) n=${1#--ntasks=} ;;
+    --multi-prog) conf=$2; shift ;;
     --) shift; break ;;
   esac
   shift
 done
-exec "$@"
+[ -n "$conf" ] || exec "$@"
+# --multi-prog: this sandbox's conf is one line, '* <command with %t>'; task t runs it with %t = t
+read -r -a words <"$conf"
+[ "${words[0]}" = "*" ] || exit 2
+args=("${words[@]:1}")
+pids=()
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+for ((t = 0; t < n; t++)); do
+  SLURM_PROCID=$t "${args[@]//%t/$t}" &
+  pids+=($!)
+done
+rc=0
+for p in "${pids[@]}"; do
+  while :; do wait "$p"; s=$?; kill -0 "$p" 2>/dev/null || break; done
+  [ "$s" = 0 ] || rc=$s
+done
+exit "$rc"
 """
 FAKE_SCONTROL = """#!/bin/bash
 [ "$1 $2" = "show hostnames" ] || exit 2
@@ -177,6 +197,51 @@ def test_ps_worker_succeeds_when_the_workers_do_and_stops_the_ps(sandbox):
     assert res.returncode == 0, res.stderr
     assert "'index': 1" in (sandbox / out.dir / "worker-1.stdout").read_text()
     assert (sandbox / out.dir / "ps-0.exit").read_text() != "0\n"  # stopped after success
+
+
+def test_ps_worker_tasks_get_hostile_values_byte_for_byte_through_their_wrappers(sandbox):
+    """PS-Worker runs every task from one --multi-prog step through a wrapper the script writes
+    with a quoted heredoc: argv, env and working dir still arrive byte for byte, nothing runs."""
+    env = {f"H_{i}": v for i, v in enumerate(HOSTILE)}
+    wd = "dir with 'quotes' $(touch CANARY) and\nnewline"
+    (sandbox / wd).mkdir()
+    spec = JobSpec(RunMode.PS_WORKER, (
+        ReplicaGroup(role="ps", replicas=1, command=(PY, "-c", PROBE), args=tuple(HOSTILE), env=env,
+                     working_dir=str(sandbox / wd)),
+        ReplicaGroup(role="worker", replicas=2, command=(PY, "-c", PROBE), args=tuple(HOSTILE), env=env)))
+    out = render.render_job("ps-hostile-1", spec, 1, {"max_nodes": "2"})
+    res = run_script(sandbox, out)
+    assert res.returncode == 0, res.stderr
+    assert not list(sandbox.rglob("CANARY")), "a hostile value ran as shell code"
+    for label, cwd in (("ps-0", sandbox / wd), ("worker-0", sandbox), ("worker-1", sandbox)):
+        got = json.loads((sandbox / out.dir / f"{label}.stdout").read_text())
+        assert got["argv"] == HOSTILE and got["env"] == env and got["cwd"] == str(cwd), label
+        assert (sandbox / out.dir / f"{label}.exit").read_text() == "0\n"
+    hosts = (sandbox / out.dir / "tasks.hosts").read_text().split()
+    assert hosts == ["node-a", "node-a", "node-b"]  # replica q of R on node q * nodes // R
+
+
+def test_ps_worker_first_failure_ends_the_job_with_its_code_and_stops_the_rest(sandbox):
+    spec = JobSpec(RunMode.PS_WORKER, (
+        g("ps", command=(PY, "-c", "import time; time.sleep(60)")),
+        g("worker", 2, command=(PY, "-c", "import os, sys, time; time.sleep(0.3); "
+                                          "sys.exit(5 if os.environ['DLSCHED_REPLICA_INDEX'] == '1' else 0)"))))
+    out = render.render_job("ps-fail-1", spec, 1, {"max_nodes": "1"})
+    res = run_script(sandbox, out)
+    assert res.returncode == 5, res.stderr
+    assert "worker-1 exited with code 5" in res.stderr
+    assert (sandbox / out.dir / "worker-1.exit").read_text() == "5\n"
+    assert (sandbox / out.dir / "ps-0.exit").read_text() != "0\n"  # stopped, and said so
+
+
+def test_ps_worker_a_step_that_never_launches_fails_the_job(sandbox):
+    (sandbox / "bin" / "srun").write_text("#!/bin/sh\necho 'srun: error: Unable to create step' >&2\nexit 1\n")
+    spec = JobSpec(RunMode.PS_WORKER, (g("ps"), g("worker")))
+    out = render.render_job("ps-nolaunch-1", spec, 1, {})
+    res = run_script(sandbox, out)
+    assert res.returncode == 1
+    assert "before the tasks decided" in res.stderr
+    assert (sandbox / out.dir / "worker-0.exit").read_text() == "1\n"
 
 
 def test_a_filtered_tail_reads_only_the_files_it_wants_and_never_globs_a_hostile_role(tmp_path):

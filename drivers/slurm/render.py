@@ -36,18 +36,19 @@ replica's processes see all of its node's GPUs and pick one by
 ``LOCAL_RANK``), started in a subshell that exports the planner's variables
 and the user's ``env`` and redirects the step's output to
 ``<role>-<index>.stdout`` / ``.stderr`` in the attempt directory. PS_WORKER
-uses the same steps, one per task, each with its own ``TF_CONFIG`` and a
-task port ``2222 + <replica position>`` so tasks sharing a node never
-collide (one step per task keeps per-task environments and log files
-simple, where ``--multi-prog`` would need a wrapper for both). MPI runs the
+runs all its tasks in one ``srun --multi-prog`` step (one step launch for
+the job; ``_multi_prog``): each task runs a wrapper the script writes,
+``task-<t>.sh``, with its own ``TF_CONFIG`` and a task port ``2222 +
+<replica position>`` so tasks sharing a node never collide, and
+``SLURM_HOSTFILE`` places task ``t`` on its node. MPI runs the
 launcher's ``mpirun -np N --hostfile <attempt dir>/hostfile ...`` in the
 batch script itself (on the allocation's first node; Open MPI launches its
 daemons through Slurm) after writing the hostfile from the node list; the
 workers are hosts only, nothing is started for them.
 
 Success rule (the plan's ``SuccessRule``), in the script: it waits for the
-steps one by one (``wait -n``), writes each exit status to
-``<role>-<index>.exit``; the first failing process ends the job with its
+steps one by one (``wait -n``; PS_WORKER: reads the exit files the wrappers
+write), writes each exit status to ``<role>-<index>.exit``; the first failing process ends the job with its
 exit code after stopping the rest (SIGTERM to the other sruns, which forward
 it to their tasks); once every deciding process exited 0 the rest are
 stopped and the script exits 0. So Slurm's own state (COMPLETED / FAILED)
@@ -69,6 +70,7 @@ job's working directory by default)::
     <state_dir>/<job_id>.<n>.batch.stdout|.batch.stderr
     <state_dir>/<job_id>/attempt-<n>/<role>-<index>.stdout|.stderr|.exit
     <state_dir>/<job_id>/attempt-<n>/hostfile          MPI only
+    <state_dir>/<job_id>/attempt-<n>/task-<t>.sh, tasks.conf, tasks.hosts   PS_WORKER only
     <state_dir>/<job_id>/attempt-<n>/log.index         when each log file reached each size
 
 The log index: a background function of the script (``dlsched_index``)
@@ -102,6 +104,9 @@ TASK_PORT_BASE = 2222
 #: The log index file in each attempt directory, and how often the job script appends to it.
 LOG_INDEX = "log.index"
 INDEX_INTERVAL = 1
+#: PS-Worker: the name of the one ``--multi-prog`` step, and how often the script reads the tasks' exit files.
+TASKS_STEP = "dlsched-tasks"
+TASK_CHECK_INTERVAL = 0.5
 #: Values that land in #SBATCH lines or paths: validated, never quoted.
 PARTITION_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}(,[A-Za-z0-9_.-]{1,64}){0,15}$")
 GPU_TYPE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -320,20 +325,20 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
         h.append(f'}} > "$DLSCHED_DIR/{planner.HOSTFILE}"')
     steps: list[StepFiles] = []
     decisive = plan.success.decisive_roles
+    if spec.run_mode is RunMode.PS_WORKER:
+        h += _multi_prog(spec, plan, node_of, cpt, adir, steps)
+        script = "\n".join(h) + "\n"
+        return SlurmScript(job_id=job_id, attempt=attempt, job_name=name, comment=comment, dir=adir,
+                           script=script, steps=tuple(steps))
     for p in plan.processes:
         if p.placeholder:
             continue
         label = f"{p.role}-{p.slot_index}"
         files = StepFiles(p.role, p.slot_index, f"{adir}/{label}.stdout", f"{adir}/{label}.stderr")
         steps.append(files)
-        user_env = _group_env(spec, p.role)
         h.append(f"# {label}: rank {p.rank}")
         h.append("(")
-        for k, v in p.env.items():
-            if not ENV_NAME_RE.match(k):
-                raise InvalidArgument.for_field("spec.replica_groups.env", f"bad variable name {k!r}")
-            val = sh_quote(v) if k in user_env else _dq_with_nodes(v)
-            h.append(f"  export {k}={val}")
+        h += _exports(spec, p, "  ")
         argv = " ".join(sh_quote(a) for a in p.argv)
         launcher = spec.run_mode is RunMode.MPI and p.role == "launcher"
         if launcher:
@@ -356,6 +361,80 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
     script = "\n".join(h) + "\n"
     return SlurmScript(job_id=job_id, attempt=attempt, job_name=name, comment=comment, dir=adir,
                        script=script, steps=tuple(steps))
+
+
+def _exports(spec: JobSpec, p: planner.ProcessLaunch, indent: str) -> list[str]:
+    """``export`` lines of one process: the user's values quoted, the planner's with node names."""
+    user_env = _group_env(spec, p.role)
+    out = []
+    for k, v in p.env.items():
+        if not ENV_NAME_RE.match(k):
+            raise InvalidArgument.for_field("spec.replica_groups.env", f"bad variable name {k!r}")
+        val = sh_quote(v) if k in user_env else _dq_with_nodes(v)
+        out.append(f"{indent}export {k}={val}")
+    return out
+
+
+def _multi_prog(spec: JobSpec, plan: planner.JobPlan, node_of: Mapping[tuple[str, int], int], cpt: int,
+                adir: str, steps: list[StepFiles]) -> list[str]:
+    """PS-Worker: every task in one ``srun --multi-prog`` step (one step launch for
+    the whole job, where a step per task costs slurmctld one launch each).
+
+    The batch script writes, per task ``t``, a wrapper ``task-<t>.sh`` (a quoted
+    heredoc: nothing in it expands while it is written) that exports the task's
+    variables (``TF_CONFIG`` names the nodes through ``DLSCHED_NODE_LIST``, exported
+    as a string: arrays do not export), sends its output to ``<role>-<index>.*``,
+    runs the quoted argv and writes ``<role>-<index>.exit``. The multi-prog file
+    names only the wrappers, so srun's own parsing of it (which keeps quotes
+    literally) never sees a user value; ``SLURM_HOSTFILE`` with
+    ``--distribution=arbitrary`` puts task ``t`` on its node. The success rule
+    watches the exit files (every ``TASK_CHECK_INTERVAL`` s, and at once when
+    the step ends): the first failure, or every deciding task's success, stops
+    the step. A task stopped that way gets srun's exit status in its exit file."""
+    procs = [p for p in plan.processes if not p.placeholder]
+    decisive = plan.success.decisive_roles
+    h = [
+        f"# {len(procs)} task(s) in one step: srun --multi-prog runs task t's wrapper {adir}/task-t.sh",
+        'export DLSCHED_DIR DLSCHED_NODE_LIST="${DLSCHED_NODES[*]}"',
+        "{",
+    ]
+    for p in procs:
+        h.append(f'  printf \'%s\\n\' "${{DLSCHED_NODES[{node_of[(p.role, p.replica_index)]}]}}"')
+    h.append('} >"$DLSCHED_DIR/tasks.hosts"')
+    labels = []
+    for t, p in enumerate(procs):
+        label = f"{p.role}-{p.slot_index}"
+        labels.append(label)
+        steps.append(StepFiles(p.role, p.slot_index, f"{adir}/{label}.stdout", f"{adir}/{label}.stderr"))
+        body = [f"# {label}: rank {p.rank}", 'read -r -a DLSCHED_NODES <<<"$DLSCHED_NODE_LIST"']
+        body += _exports(spec, p, "")
+        argv = " ".join(sh_quote(a) for a in p.argv)
+        cd = f"cd -- {sh_quote(p.working_dir)} || exit 126; " if p.working_dir else ""
+        body += [f'( {cd}exec {argv} ) >"$DLSCHED_DIR/{label}.stdout" 2>"$DLSCHED_DIR/{label}.stderr" </dev/null',
+                 "dlsched_status=$?",
+                 f'printf \'%s\\n\' "$dlsched_status" >"$DLSCHED_DIR/{label}.exit.new"',
+                 f'mv -f -- "$DLSCHED_DIR/{label}.exit.new" "$DLSCHED_DIR/{label}.exit"',
+                 'exit "$dlsched_status"']
+        end = f"DLSCHED_TASK_{t}_END"
+        # Every value is quoted onto one line (sh_quote), so no line can end the heredoc early;
+        # checked all the same, line by line, since a user value that did would run in the script.
+        if any(line == end for b in body for line in b.split("\n")):
+            raise ValueError("a wrapper line equals its heredoc delimiter")
+        h.append(f"cat >\"$DLSCHED_DIR/task-{t}.sh\" <<'{end}'")
+        h += body
+        h.append(end)
+    h.append(f"printf '%s\\n' '* bash {adir}/task-%t.sh' >\"$DLSCHED_DIR/tasks.conf\"")
+    opts = ["--job-name=" + TASKS_STEP, f"--ntasks={len(procs)}", "--distribution=arbitrary",
+            f"--cpus-per-task={cpt}", "--overlap", "--export=ALL"]
+    h.append(f'SLURM_HOSTFILE="$DLSCHED_DIR/tasks.hosts" srun {" ".join(opts)} '
+             f'--multi-prog {adir}/tasks.conf </dev/null &')
+    h.append("DLSCHED_SRUN=$!")
+    h.append("DLSCHED_TASKS=(" + " ".join(labels) + ")")
+    h.append("declare -A DLSCHED_DECIDES=(" + " ".join(f"[{lb}]=1" for lb, p in zip(labels, procs, strict=True)
+                                                         if p.role in decisive) + ")")
+    n_decisive = sum(1 for p in procs if p.role in decisive)
+    h += _TASKS_LOOP.format(decisive=n_decisive, interval=TASK_CHECK_INTERVAL).splitlines()
+    return h
 
 
 def _group_env(spec: JobSpec, role: str) -> Mapping[str, str]:
@@ -396,6 +475,61 @@ while [ "${{#DLSCHED_NAME[@]}}" -gt 0 ]; do
       dlsched_stop
     fi
   fi
+done
+kill "$DLSCHED_INDEXER" 2>/dev/null
+dlsched_index once
+exit "$dlsched_rc"
+"""
+
+_TASKS_LOOP = r"""
+# the success rule, from the tasks' exit files: the first failure ends the job; the deciding tasks' success ends it too
+dlsched_left={decisive}
+dlsched_rc=0
+dlsched_done=0
+dlsched_srun_status=""
+declare -A DLSCHED_SEEN=()
+dlsched_check() {{
+  local label status
+  for label in "${{DLSCHED_TASKS[@]}}"; do
+    [ -z "${{DLSCHED_SEEN[$label]:-}}" ] && [ -e "$DLSCHED_DIR/$label.exit" ] || continue
+    DLSCHED_SEEN[$label]=1
+    read -r status <"$DLSCHED_DIR/$label.exit" || status=1
+    [ "$dlsched_done" = 0 ] || continue
+    if [ "$status" != 0 ]; then
+      echo "dlsched: $label exited with code $status; stopping the rest" >&2
+      dlsched_rc=$status
+      dlsched_done=1
+    elif [ -n "${{DLSCHED_DECIDES[$label]:-}}" ]; then
+      dlsched_left=$((dlsched_left - 1))
+      [ "$dlsched_left" -gt 0 ] || dlsched_done=1
+    fi
+  done
+}}
+while :; do
+  dlsched_check
+  [ "$dlsched_done" = 0 ] && [ -z "$dlsched_srun_status" ] || break
+  sleep {interval} &
+  dlsched_sleep=$!
+  dlsched_pid=""
+  wait -n -p dlsched_pid "$DLSCHED_SRUN" "$dlsched_sleep"
+  dlsched_status=$?
+  if [ "$dlsched_pid" = "$DLSCHED_SRUN" ]; then
+    dlsched_srun_status=$dlsched_status
+    kill "$dlsched_sleep" 2>/dev/null
+  fi
+done
+if [ -z "$dlsched_srun_status" ]; then
+  kill -TERM "$DLSCHED_SRUN" 2>/dev/null
+  wait "$DLSCHED_SRUN"
+  dlsched_srun_status=$?
+fi
+if [ "$dlsched_done" = 0 ]; then  # the step ended with no task's word on it (srun could not launch)
+  echo "dlsched: the step ended with status $dlsched_srun_status before the tasks decided" >&2
+  dlsched_rc=$dlsched_srun_status
+  [ "$dlsched_rc" != 0 ] || dlsched_rc=1
+fi
+for dlsched_label in "${{DLSCHED_TASKS[@]}}"; do
+  [ -e "$DLSCHED_DIR/$dlsched_label.exit" ] || printf '%s\n' "$dlsched_srun_status" >"$DLSCHED_DIR/$dlsched_label.exit"
 done
 kill "$DLSCHED_INDEXER" 2>/dev/null
 dlsched_index once
