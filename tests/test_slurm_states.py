@@ -171,6 +171,22 @@ def test_sacct_gives_an_ended_jobs_final_figures_per_replica():
     assert set(got) == {("main", 0), ("main", 1)}
 
 
+def test_ps_worker_tasks_share_their_one_steps_figures():
+    """PS-Worker's tasks run in one --multi-prog step, measured as a whole: each task gets the
+    step's per-task average CPU and memory (so they add up to the step's) and its peak."""
+    d = pytest.importorskip("drivers.slurm.driver", reason="needs asyncssh (the slurm extra)")
+    tasks = [("ps", 0), ("worker", 0), ("worker", 1)]
+    stats = "52.0|00:00:04|300M|100M|cpu=00:00:04,mem=100M\n52.batch|00:00:00|5M|5M|cpu=00:00:00,mem=5M\n"
+    got = d.parse_sstat(stats, "52.0|dlsched-tasks\n52.batch|batch\n", launcher=None, tasks=tasks)
+    assert set(got) == set(tasks)
+    assert all((u.cpu_seconds, u.memory_bytes, u.peak_memory_bytes) == (4, 100 << 20, 300 << 20)
+               for u in got.values())
+    final = d.parse_sacct_steps("52|dlsched-j|00:12.000||\n52.0|dlsched-tasks|00:12.000|300M\n",
+                                launcher=None, tasks=tasks)
+    assert set(final) == set(tasks) and sum(u.cpu_seconds for u in final.values()) == 12
+    assert final[("ps", 0)].peak_memory_bytes == 300 << 20
+
+
 def test_parse_sacct_allocations():
     text = ("7|COMPLETED|0:0|2026-12-02T10:00:00|2026-12-02T10:05:00|node1|dlsched-a|None|dlsched-a.1\n"
             "7.batch|COMPLETED|0:0|2026-12-02T10:00:00|2026-12-02T10:05:00|node1|batch||\n"

@@ -653,7 +653,8 @@ class SlurmDriver(Driver):
 
     async def usage(self, cluster: str, ref: JobRef) -> JobUsage:
         """``sstat`` of the running steps (one per process, named ``<role>-<index>``;
-        the MPI launcher is the batch step), in one remote command with ``squeue
+        the MPI launcher is the batch step; PS-Worker's one ``--multi-prog`` step
+        covers all its tasks: ``parse_sstat``), in one remote command with ``squeue
         -s`` for the step names; GPU utilisation and memory from the steps' TRES
         usage (``gres/gpuutil``, ``gres/gpumem``) where the site gathers them.
         An ended job: with accounting storage (GetClusterInfo found it), one
@@ -668,6 +669,7 @@ class SlurmDriver(Driver):
         if job is None:
             raise JobNotFound(ref.job_id)
         launcher = next(((r, i) for r, i in job.roles if r == "launcher"), None)
+        tasks = [k for k in job.roles if k != launcher]  # PS-Worker's tasks share one step
         if not job.state.is_terminal():
             jid = shlex.quote(job.backend_job_id)
             rc, out, _ = await c.run(
@@ -676,7 +678,7 @@ class SlurmDriver(Driver):
             stats, _, names = out.partition("--- steps\n")
             for k, u in list(job.usage.items()):
                 job.usage[k] = _not_running(u)
-            for key, sample in parse_sstat(stats, names, launcher).items():
+            for key, sample in parse_sstat(stats, names, launcher, tasks).items():
                 prev = job.usage.get(key)
                 job.usage[key] = dataclasses.replace(
                     sample, cpu_seconds=max(sample.cpu_seconds, prev.cpu_seconds if prev else 0.0),
@@ -687,7 +689,7 @@ class SlurmDriver(Driver):
             if c.accounting and not job.accounted:
                 rc, out, _ = await c.run(f"sacct --noheader --parsable2 -j {shlex.quote(job.backend_job_id)} "
                                          f"-o {SACCT_USAGE_FIELDS}")
-                if rc == 0 and (final := parse_sacct_steps(out, launcher)):
+                if rc == 0 and (final := parse_sacct_steps(out, launcher, tasks)):
                     job.usage.update(final)
                     job.accounted = True
         out_list = [job.usage.get((r, i), ReplicaUsage(role=r, replica_index=i)) for r, i in job.roles]
@@ -798,11 +800,13 @@ class SlurmDriver(Driver):
 SSTAT_FIELDS = "JobID,AveCPU,MaxRSS,AveRSS,TRESUsageInAve"
 
 
-def parse_sstat(stats: str, step_names: str, launcher: tuple[str, int] | None
-                ) -> dict[tuple[str, int], ReplicaUsage]:
+def parse_sstat(stats: str, step_names: str, launcher: tuple[str, int] | None,
+                tasks: Sequence[tuple[str, int]] = ()) -> dict[tuple[str, int], ReplicaUsage]:
     """``sstat --parsable2 -o SSTAT_FIELDS`` lines and ``squeue --steps -o '%i|%j'``
     lines -> a running sample per replica (steps are named ``<role>-<index>``; the
-    batch step is the MPI launcher). GPU figures come from the TRES usage when the
+    batch step is the MPI launcher). PS-Worker's tasks share one step, which Slurm
+    measures as a whole: each task gets the step's per-task average (AveCPU, AveRSS;
+    so the tasks' CPU times still add up to the step's) and its highest peak. GPU figures come from the TRES usage when the
     site's Slurm gathers them (``gres/gpuutil``, percent; ``gres/gpumem``), else 0."""
     label = {}
     for line in step_names.splitlines():
@@ -814,28 +818,30 @@ def parse_sstat(stats: str, step_names: str, launcher: tuple[str, int] | None
         if len(parts) < 4:
             continue
         sid = parts[0].strip()
-        key = _replica_of(sid, label.get(sid, ""), launcher)
-        if key is None:
-            continue
         tres = _tres(parts[4]) if len(parts) > 4 else {}
         try:
             gpu_util = float(tres.get("gres/gpuutil", "0") or 0)
         except ValueError:
             gpu_util = 0.0
-        out[key] = ReplicaUsage(role=key[0], replica_index=key[1], cpu_seconds=_duration(parts[1]),
-                                memory_bytes=_size(parts[3]), peak_memory_bytes=_size(parts[2]),
-                                gpu_utilization_percent=gpu_util,
-                                gpu_memory_bytes=_size(tres.get("gres/gpumem", "0")), running=True)
+        for key in _replicas_of(sid, label.get(sid, ""), launcher, tasks):
+            out[key] = ReplicaUsage(role=key[0], replica_index=key[1], cpu_seconds=_duration(parts[1]),
+                                    memory_bytes=_size(parts[3]), peak_memory_bytes=_size(parts[2]),
+                                    gpu_utilization_percent=gpu_util,
+                                    gpu_memory_bytes=_size(tres.get("gres/gpumem", "0")), running=True)
     return out
 
 
-def _replica_of(step_id: str, step_name: str, launcher: tuple[str, int] | None) -> tuple[str, int] | None:
-    """The replica a Slurm step ran: ``<job>.batch`` is the MPI launcher (if any), other
-    steps are named ``<role>-<index>`` (render); anything else (extern) none."""
+def _replicas_of(step_id: str, step_name: str, launcher: tuple[str, int] | None,
+                 tasks: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+    """The replicas a Slurm step ran: ``<job>.batch`` is the MPI launcher (if any), the
+    PS-Worker ``--multi-prog`` step (``render.TASKS_STEP``) all of ``tasks``, other steps
+    are named ``<role>-<index>`` (render); anything else (extern) none."""
     if step_id.endswith(".batch"):
-        return launcher
+        return [launcher] if launcher is not None else []
+    if step_name == render.TASKS_STEP:
+        return list(tasks)
     m = LOG_LINE_RE.match(step_name + ".stdout")
-    return (m.group(1), int(m.group(2))) if m is not None else None
+    return [(m.group(1), int(m.group(2)))] if m is not None else []
 
 
 def _not_running(u: ReplicaUsage) -> ReplicaUsage:
@@ -848,7 +854,8 @@ def _not_running(u: ReplicaUsage) -> ReplicaUsage:
 SACCT_USAGE_FIELDS = "JobID,JobName,TotalCPU,MaxRSS"
 
 
-def parse_sacct_steps(text: str, launcher: tuple[str, int] | None) -> dict[tuple[str, int], ReplicaUsage]:
+def parse_sacct_steps(text: str, launcher: tuple[str, int] | None,
+                      tasks: Sequence[tuple[str, int]] = ()) -> dict[tuple[str, int], ReplicaUsage]:
     """``sacct --parsable2 -j <job> -o SACCT_USAGE_FIELDS`` -> the final figures per
     replica of an ended job: its step's total CPU time and peak memory (``<id>.batch``
     is the MPI launcher; steps are named ``<role>-<index>``)."""
@@ -857,11 +864,10 @@ def parse_sacct_steps(text: str, launcher: tuple[str, int] | None) -> dict[tuple
         parts = line.split("|")
         if len(parts) < 4 or "." not in parts[0]:
             continue  # the allocation line carries no usage of its own
-        key = _replica_of(parts[0].strip(), parts[1].strip(), launcher)
-        if key is None:
-            continue
-        out[key] = ReplicaUsage(role=key[0], replica_index=key[1], cpu_seconds=_duration(parts[2]),
-                                peak_memory_bytes=_size(parts[3]), running=False)
+        keys = _replicas_of(parts[0].strip(), parts[1].strip(), launcher, tasks)
+        for key in keys:  # a step of several tasks: TotalCPU is their sum, MaxRSS their highest
+            out[key] = ReplicaUsage(role=key[0], replica_index=key[1], cpu_seconds=_duration(parts[2]) / len(keys),
+                                    peak_memory_bytes=_size(parts[3]), running=False)
     return out
 
 
