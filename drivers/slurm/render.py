@@ -46,12 +46,14 @@ batch script itself (on the allocation's first node; Open MPI launches its
 daemons through Slurm) after writing the hostfile from the node list; the
 workers are hosts only, nothing is started for them.
 
-Success rule (the plan's ``SuccessRule``), in the script: it waits for the
-steps one by one (``wait -n``; PS_WORKER: reads the exit files the wrappers
-write), writes each exit status to ``<role>-<index>.exit``; the first failing process ends the job with its
-exit code after stopping the rest (SIGTERM to the other sruns, which forward
-it to their tasks); once every deciding process exited 0 the rest are
-stopped and the script exits 0. So Slurm's own state (COMPLETED / FAILED)
+Success rule (the plan's ``SuccessRule``), in the script, one shell function
+(``dlsched_decide``, ``_SUCCESS_RULE``) fed two ways: per-process steps are
+waited for one by one (``wait -n``) and their exit statuses written to
+``<role>-<index>.exit``; PS_WORKER's tasks write those files themselves and
+the script reads them. The first failing process ends the job with its exit
+code after stopping the rest (SIGTERM to the other sruns, which forward it
+to their tasks); once every deciding process exited 0 the rest are stopped
+and the script exits 0. So Slurm's own state (COMPLETED / FAILED)
 and ``ExitCode`` are the job's.
 
 Quoting. Every user value that reaches the script (command, args, env
@@ -324,12 +326,23 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
             h.append(f"  printf '%s\\n' {_dq_with_nodes(ln)}")
         h.append(f'}} > "$DLSCHED_DIR/{planner.HOSTFILE}"')
     steps: list[StepFiles] = []
-    decisive = plan.success.decisive_roles
     if spec.run_mode is RunMode.PS_WORKER:
         h += _multi_prog(spec, plan, node_of, cpt, adir, steps)
-        script = "\n".join(h) + "\n"
-        return SlurmScript(job_id=job_id, attempt=attempt, job_name=name, comment=comment, dir=adir,
-                           script=script, steps=tuple(steps))
+    else:
+        h += _srun_steps(spec, plan, node_of, cpt, adir, steps)
+    h += _SCRIPT_END.splitlines()
+    script = "\n".join(h) + "\n"
+    return SlurmScript(job_id=job_id, attempt=attempt, job_name=name, comment=comment, dir=adir,
+                       script=script, steps=tuple(steps))
+
+
+def _srun_steps(spec: JobSpec, plan: planner.JobPlan, node_of: Mapping[tuple[str, int], int], cpt: int,
+                adir: str, steps: list[StepFiles]) -> list[str]:
+    """Every mode but PS-Worker: an ``srun`` step per process (the MPI launcher runs in
+    the batch script itself), each in a background subshell; the success rule waits
+    for them one by one (``wait -n``) and writes their exit files."""
+    decisive = plan.success.decisive_roles
+    h: list[str] = []
     for p in plan.processes:
         if p.placeholder:
             continue
@@ -356,11 +369,8 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
         h.append(f"DLSCHED_NAME[$!]={label}")
         if p.role in decisive:
             h.append("DLSCHED_DECIDES[$!]=1")
-    n_decisive = sum(1 for p in plan.processes if not p.placeholder and p.role in decisive)
-    h += _WAIT_LOOP.format(decisive=n_decisive).splitlines()
-    script = "\n".join(h) + "\n"
-    return SlurmScript(job_id=job_id, attempt=attempt, job_name=name, comment=comment, dir=adir,
-                       script=script, steps=tuple(steps))
+    h += (_SUCCESS_RULE + _WAIT_LOOP).splitlines()
+    return h
 
 
 def _exports(spec: JobSpec, p: planner.ProcessLaunch, indent: str) -> list[str]:
@@ -392,7 +402,6 @@ def _multi_prog(spec: JobSpec, plan: planner.JobPlan, node_of: Mapping[tuple[str
     the step ends): the first failure, or every deciding task's success, stops
     the step. A task stopped that way gets srun's exit status in its exit file."""
     procs = [p for p in plan.processes if not p.placeholder]
-    decisive = plan.success.decisive_roles
     h = [
         f"# {len(procs)} task(s) in one step: srun --multi-prog runs task t's wrapper {adir}/task-t.sh",
         'export DLSCHED_DIR DLSCHED_NODE_LIST="${DLSCHED_NODES[*]}"',
@@ -430,10 +439,9 @@ def _multi_prog(spec: JobSpec, plan: planner.JobPlan, node_of: Mapping[tuple[str
              f'--multi-prog {adir}/tasks.conf </dev/null &')
     h.append("DLSCHED_SRUN=$!")
     h.append("DLSCHED_TASKS=(" + " ".join(labels) + ")")
-    h.append("declare -A DLSCHED_DECIDES=(" + " ".join(f"[{lb}]=1" for lb, p in zip(labels, procs, strict=True)
-                                                         if p.role in decisive) + ")")
-    n_decisive = sum(1 for p in procs if p.role in decisive)
-    h += _TASKS_LOOP.format(decisive=n_decisive, interval=TASK_CHECK_INTERVAL).splitlines()
+    h += [f"DLSCHED_DECIDES[{lb}]=1" for lb, p in zip(labels, procs, strict=True)
+          if p.role in plan.success.decisive_roles]
+    h += (_SUCCESS_RULE + _TASKS_LOOP.format(interval=TASK_CHECK_INTERVAL)).splitlines()
     return h
 
 
@@ -444,49 +452,49 @@ def _group_env(spec: JobSpec, role: str) -> Mapping[str, str]:
     return {}
 
 
-_WAIT_LOOP = r"""
+#: The success rule both launch styles share: ``dlsched_decide LABEL STATUS DECIDES``
+#: hears of each process's exit once; the first failure ends the job with its code, the
+#: deciding processes' success ends it with 0 (``DLSCHED_DECIDES`` is filled by then).
+_SUCCESS_RULE = r"""
 # the success rule: the first failure ends the job; the deciding processes' success ends it too
-dlsched_left={decisive}
+dlsched_left=${#DLSCHED_DECIDES[@]}
 dlsched_rc=0
 dlsched_done=0
-dlsched_stop() {{
+dlsched_decide() {
+  [ "$dlsched_done" = 0 ] || return 0
+  if [ "$2" != 0 ]; then
+    echo "dlsched: $1 exited with code $2; stopping the rest" >&2
+    dlsched_rc=$2
+    dlsched_done=1
+  elif [ -n "$3" ]; then
+    dlsched_left=$((dlsched_left - 1))
+    [ "$dlsched_left" -gt 0 ] || dlsched_done=1
+  fi
+}
+"""
+
+#: Steps in background subshells: their exits, from ``wait -n``.
+_WAIT_LOOP = r"""dlsched_stop() {
   local p
-  for p in "${{!DLSCHED_NAME[@]}}"; do kill -TERM "$p" 2>/dev/null; done
-}}
-while [ "${{#DLSCHED_NAME[@]}}" -gt 0 ]; do
+  for p in "${!DLSCHED_NAME[@]}"; do kill -TERM "$p" 2>/dev/null; done
+}
+while [ "${#DLSCHED_NAME[@]}" -gt 0 ]; do
   dlsched_pid=""
-  wait -n -p dlsched_pid "${{!DLSCHED_NAME[@]}}"
+  wait -n -p dlsched_pid "${!DLSCHED_NAME[@]}"
   dlsched_status=$?
   [ -n "$dlsched_pid" ] || break
-  [ -n "${{DLSCHED_NAME[$dlsched_pid]:-}}" ] || continue
-  dlsched_label=${{DLSCHED_NAME[$dlsched_pid]}}
+  [ -n "${DLSCHED_NAME[$dlsched_pid]:-}" ] || continue
+  dlsched_label=${DLSCHED_NAME[$dlsched_pid]}
   unset "DLSCHED_NAME[$dlsched_pid]"
   printf '%s\n' "$dlsched_status" >"$DLSCHED_DIR/$dlsched_label.exit"
   [ "$dlsched_done" = 0 ] || continue
-  if [ "$dlsched_status" != 0 ]; then
-    echo "dlsched: $dlsched_label exited with code $dlsched_status; stopping the rest" >&2
-    dlsched_rc=$dlsched_status
-    dlsched_done=1
-    dlsched_stop
-  elif [ -n "${{DLSCHED_DECIDES[$dlsched_pid]:-}}" ]; then
-    dlsched_left=$((dlsched_left - 1))
-    if [ "$dlsched_left" -le 0 ]; then
-      dlsched_done=1
-      dlsched_stop
-    fi
-  fi
+  dlsched_decide "$dlsched_label" "$dlsched_status" "${DLSCHED_DECIDES[$dlsched_pid]:-}"
+  [ "$dlsched_done" = 0 ] || dlsched_stop
 done
-kill "$DLSCHED_INDEXER" 2>/dev/null
-dlsched_index once
-exit "$dlsched_rc"
 """
 
-_TASKS_LOOP = r"""
-# the success rule, from the tasks' exit files: the first failure ends the job; the deciding tasks' success ends it too
-dlsched_left={decisive}
-dlsched_rc=0
-dlsched_done=0
-dlsched_srun_status=""
+#: PS-Worker's one multi-prog step: its tasks' exits, from the exit files their wrappers write.
+_TASKS_LOOP = r"""dlsched_srun_status=""
 declare -A DLSCHED_SEEN=()
 dlsched_check() {{
   local label status
@@ -494,15 +502,7 @@ dlsched_check() {{
     [ -z "${{DLSCHED_SEEN[$label]:-}}" ] && [ -e "$DLSCHED_DIR/$label.exit" ] || continue
     DLSCHED_SEEN[$label]=1
     read -r status <"$DLSCHED_DIR/$label.exit" || status=1
-    [ "$dlsched_done" = 0 ] || continue
-    if [ "$status" != 0 ]; then
-      echo "dlsched: $label exited with code $status; stopping the rest" >&2
-      dlsched_rc=$status
-      dlsched_done=1
-    elif [ -n "${{DLSCHED_DECIDES[$label]:-}}" ]; then
-      dlsched_left=$((dlsched_left - 1))
-      [ "$dlsched_left" -gt 0 ] || dlsched_done=1
-    fi
+    dlsched_decide "$label" "$status" "${{DLSCHED_DECIDES[$label]:-}}"
   done
 }}
 while :; do
@@ -531,7 +531,9 @@ fi
 for dlsched_label in "${{DLSCHED_TASKS[@]}}"; do
   [ -e "$DLSCHED_DIR/$dlsched_label.exit" ] || printf '%s\n' "$dlsched_srun_status" >"$DLSCHED_DIR/$dlsched_label.exit"
 done
-kill "$DLSCHED_INDEXER" 2>/dev/null
+"""
+
+_SCRIPT_END = r"""kill "$DLSCHED_INDEXER" 2>/dev/null
 dlsched_index once
 exit "$dlsched_rc"
 """
