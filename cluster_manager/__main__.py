@@ -7,11 +7,17 @@ import asyncio
 import logging
 import os
 import socket
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dlsched.auth.audit import AuditLog
+from dlsched.auth.authn import Authenticator, AuthOptions, add_auth_flags, auth_options_from_args
+from dlsched.auth.interceptor import AuthInterceptor
+from dlsched.auth.store import AccessStore
 from dlsched.kit import etcd, logs, tracing
 from dlsched.kit.election import Leadership
+from dlsched.kit.envelope import Keyring
 from dlsched.kit.server import (
     Registration,
     ServerOptions,
@@ -19,8 +25,10 @@ from dlsched.kit.server import (
     serve_until_signal,
     start_server,
 )
+from dlsched.kit.tls import TlsOptions, add_tls_flags, tls_options_from_args
 from dlsched.v1 import cluster_manager_service_pb2_grpc as pb_grpc
 
+from . import keys
 from .drivers import DriverClients
 from .hub import WatchHub
 from .monitor import MonitorConfig, MonitorManager
@@ -46,6 +54,10 @@ class Config:
     leader_ttl: int = 5
     trace_export: str | None = None
     log_format: str = "text"
+    encryption_key_file: str | None = None
+    tls: TlsOptions = TlsOptions(insecure=True)
+    auth: AuthOptions = AuthOptions()
+    audit_log: str | None = None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
@@ -68,7 +80,14 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     add_observability_flags(p)
     p.add_argument("--leader-ttl", type=int, default=5,
                    help="seconds a dead leader's lease outlives it before another replica takes over")
+    keys.add_key_file_flag(p)
+    add_tls_flags(p)
+    add_auth_flags(p)
+    p.add_argument("--audit-log", default=os.environ.get("DLSCHED_AUDIT_LOG"),
+                   help="append one JSON line per mutating call here (default: the service log)")
     a = p.parse_args(argv)
+    tls = tls_options_from_args(a, p)
+    auth = auth_options_from_args(a, p)
     if a.monitor_interval <= 0 or a.heartbeat_interval <= 0 or a.driver_timeout <= 0:
         p.error("intervals and timeouts must be positive")
     if a.watch_buffer < 1:
@@ -77,21 +96,28 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         p.error("--leader-ttl must be at least 2")
     return Config(a.listen, a.port_file, a.etcd, a.prefix, a.monitor_interval,
                   a.heartbeat_interval, a.watch_buffer, a.driver_timeout, a.grace, a.log_level,
-                  a.metrics_listen, a.leader_ttl, a.trace_export, a.log_format)
+                  a.metrics_listen, a.leader_ttl, a.trace_export, a.log_format,
+                  encryption_key_file=a.encryption_key_file, tls=tls, auth=auth,
+                  audit_log=a.audit_log)
 
 
-async def serve(cfg: Config) -> None:
+async def serve(cfg: Config, keyring: Keyring) -> None:
     client = await etcd.connect(cfg.etcd)
-    store = ClusterStore(client, cfg.prefix)
+    store = ClusterStore(client, keyring, cfg.prefix)
     hub = WatchHub(store, buffer_size=cfg.watch_buffer)
     await hub.start()
-    drivers = DriverClients(timeout=cfg.driver_timeout)
+    drivers = DriverClients(timeout=cfg.driver_timeout, tls=cfg.tls)
+    access = AccessStore(client, cfg.prefix)
+    await access.start()
+    authenticator = Authenticator.from_options(cfg.auth, access)
+    audit = AuditLog(cfg.audit_log)
     monitors = MonitorManager(hub, store, drivers, MonitorConfig(
         interval=cfg.monitor_interval, heartbeat_interval=cfg.heartbeat_interval))
     servicer = ClusterManagerServicer(store, hub, monitors)
     running = await start_server(
         ServerOptions(listen=cfg.listen, port_file=cfg.port_file, grace_seconds=cfg.grace_seconds,
-                      metrics_listen=cfg.metrics_listen),
+                      metrics_listen=cfg.metrics_listen, tls=cfg.tls,
+                      interceptors=[AuthInterceptor(authenticator.authenticate, audit=audit)]),
         [Registration(pb_grpc.add_ClusterManagerServiceServicer_to_server, servicer,
                       "dlsched.v1.ClusterManagerService")],
         announce_as="cluster-manager",
@@ -114,16 +140,22 @@ async def serve(cfg: Config) -> None:
         await election.close()
         await hub.close()
         await drivers.close()
+        await access.close()
+        audit.close()
         await store.close()
 
     await serve_until_signal(running, on_stop=on_stop)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    cfg = parse_args(argv)
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] in (["generate-key"], ["rotate-key"]):
+        raise SystemExit(keys.main(args[0], args[1:]))
+    cfg = parse_args(args)
     logs.setup(cfg.log_level, "cluster-manager", cfg.log_format)
+    keyring = keys.load_or_exit(cfg.encryption_key_file)  # never run unencrypted
     tracing.setup(cfg.trace_export, "cluster-manager")
-    asyncio.run(serve(cfg))
+    asyncio.run(serve(cfg, keyring))
 
 
 if __name__ == "__main__":

@@ -160,6 +160,7 @@ def cluster_from_proto(cluster_id: str, p: cluster_pb2.Cluster) -> m.Cluster:
         address=p.address.strip(),
         labels=dict(p.labels),
         options=dict(p.options),
+        allowed_projects=tuple(p.allowed_projects),
     )
 
 
@@ -171,6 +172,7 @@ def cluster_to_proto(c: m.Cluster) -> cluster_pb2.Cluster:
         state=cluster_state_to_proto(c.state), state_message=c.state_message,  # type: ignore[arg-type]
         supported_run_modes=[run_mode_to_proto(r) for r in c.supported_run_modes],  # type: ignore[misc]
         has_credentials=c.has_credentials, etag=c.etag,
+        allowed_projects=list(c.allowed_projects),
     )
     if c.capacity is not None:
         p.capacity.CopyFrom(capacity_to_proto(c.capacity))
@@ -210,6 +212,7 @@ def cluster_from_bytes(b: bytes, etag: str) -> m.Cluster:
         last_heartbeat_time=(from_timestamp(p.last_heartbeat_time)
                              if p.HasField("last_heartbeat_time") else None),
         etag=etag,
+        allowed_projects=tuple(p.allowed_projects),
     )
 
 

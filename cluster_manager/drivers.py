@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import grpc
 
 from dlsched.errors import DeadlineExceeded, DlschedError, FailedPrecondition, Unavailable
+from dlsched.kit import tls as tls_kit
 from dlsched.kit.rpc_errors import from_rpc_error
 from dlsched.v1 import driver_service_pb2 as pb
 from dlsched.v1 import driver_service_pb2_grpc as pb_grpc
@@ -46,15 +47,25 @@ def is_unreachable(err: DlschedError) -> bool:
 
 
 class DriverClients:
-    def __init__(self, timeout: float = 5.0) -> None:
+    """Channels to drivers: verified TLS presenting ClusterManager's own
+    certificate (drivers require mutual TLS), so credentials reach only a
+    driver whose certificate the CA vouches for, under the name dialled."""
+
+    def __init__(self, timeout: float = 5.0, tls: tls_kit.TlsOptions | None = None) -> None:
         self._timeout = timeout
+        self._tls = tls or tls_kit.TlsOptions(insecure=True)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, pb_grpc.DriverServiceStub] = {}
 
     def _stub(self, address: str) -> pb_grpc.DriverServiceStub:
         stub = self._stubs.get(address)
         if stub is None:
-            ch = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            if self._tls.insecure:
+                ch = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+            else:
+                ch = grpc.aio.secure_channel(
+                    address, tls_kit.client_credentials(self._tls, client_cert=True),
+                    options=_CHANNEL_OPTIONS)
             self._channels[address] = ch
             stub = self._stubs[address] = pb_grpc.DriverServiceStub(ch)  # type: ignore[no-untyped-call]
         return stub

@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 
+from dlsched.auth.interceptor import caller
 from dlsched.errors import FieldViolation, InvalidArgument
 from dlsched.v1 import cluster_manager_service_pb2 as pb
 from dlsched.v1 import cluster_manager_service_pb2_grpc as pb_grpc
@@ -58,6 +59,7 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
 
     async def CreateCluster(self, request: pb.CreateClusterRequest,
                             context: grpc.aio.ServicerContext) -> pb.CreateClusterResponse:
+        caller().require_admin("registering clusters")
         cluster = convert.cluster_from_proto(request.cluster_id, request.cluster)
         creds = _request_credentials(request.cluster)
         validation.raise_if(
@@ -89,6 +91,7 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
 
     async def UpdateCluster(self, request: pb.UpdateClusterRequest,
                             context: grpc.aio.ServicerContext) -> pb.UpdateClusterResponse:
+        caller().require_admin("changing clusters")
         cid = validation.parse_cluster_name(request.cluster.name, "cluster.name")
         paths = validation.check_update_mask(request.update_mask.paths)
         given = convert.cluster_from_proto(cid, request.cluster)
@@ -107,8 +110,15 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
                 updated = replace(updated, labels=given.labels)
             if "options" in paths:
                 updated = replace(updated, options=given.options)
+            if "allowed_projects" in paths:
+                updated = replace(updated, allowed_projects=given.allowed_projects)
             if "credentials" in paths:
                 updated = replace(updated, has_credentials=creds is not None)
+            elif (updated.address, updated.driver_address) != (current.address,
+                                                               current.driver_address):
+                # Credentials never follow a cluster to a new address or driver:
+                # moving it without new ones deletes the stored ones (store.update).
+                updated = replace(updated, has_credentials=False)
             validation.raise_if(validation.check_updated_cluster(updated, creds, paths))
             return replace(updated, update_time=now)
 
@@ -119,6 +129,7 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
 
     async def DeleteCluster(self, request: pb.DeleteClusterRequest,
                             context: grpc.aio.ServicerContext) -> pb.DeleteClusterResponse:
+        caller().require_admin("removing clusters")
         cid = validation.parse_cluster_name(request.name)
         last = await self._store.delete(cid)
         if last is None:
@@ -164,7 +175,8 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
         if not request.HasField("spec"):
             raise InvalidArgument.for_field("spec", "required")
         validation.raise_if(_check_spec(request.spec), "invalid job spec")
-        job = convert.job_requirements_from_proto(request.spec)
+        job = replace(convert.job_requirements_from_proto(request.spec),
+                      project=request.project or request.spec.project)
         clusters, _ = await self._store.list_all()
         cands = matching.rank(job, clusters)
         return pb.MatchClustersResponse(candidates=convert.candidates_to_proto(cands))

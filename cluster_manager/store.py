@@ -3,7 +3,10 @@
 Layout under the prefix (ARCHITECTURE.md): ``clusters/{id}`` (Cluster proto,
 credentials cleared), ``cluster-credentials/{id}`` (ClusterCredentials proto),
 ``cluster-requests/{request_id}`` (the id a CreateCluster made, written in the
-create's transaction). A cluster's etag is its key's mod revision; every
+create's transaction). Credentials are envelope-encrypted (``dlsched.kit.envelope``,
+aad = the cluster id) on write and decrypted on read; plain text never reaches etcd.
+A cluster whose ``has_credentials`` turns false loses its credentials key in the
+same transaction. A cluster's etag is its key's mod revision; every
 read-modify-write compares it, so concurrent writers never lose an update.
 aetcd and grpc errors become ``StoreUnavailable``; a compacted watch start
 becomes ``WatchTokenExpired``.
@@ -29,6 +32,7 @@ from dlsched.errors import (
     StoreUnavailable,
     WatchTokenExpired,
 )
+from dlsched.kit.envelope import Keyring
 
 from . import convert
 from .domain.errors import ClusterAlreadyExists, ClusterNotFound
@@ -72,8 +76,9 @@ async def _translated(what: str) -> AsyncIterator[None]:
 
 
 class ClusterStore:
-    def __init__(self, client: aetcd.Client, prefix: str = "/dlsched/") -> None:
+    def __init__(self, client: aetcd.Client, keyring: Keyring, prefix: str = "/dlsched/") -> None:
         self._c = client
+        self._keyring = keyring
         self._tx = client.transactions
         p = prefix if prefix.endswith("/") else prefix + "/"
         self.prefix = p
@@ -89,6 +94,12 @@ class ClusterStore:
 
     def _reqkey(self, request_id: str) -> bytes:
         return self._requests + request_id.encode()
+
+    def _seal(self, cluster_id: str, creds: Credentials) -> bytes:
+        return self._keyring.encrypt(convert.credentials_to_bytes(creds), cluster_id)
+
+    def _unseal(self, cluster_id: str, blob: bytes) -> Credentials | None:
+        return convert.credentials_from_bytes(self._keyring.decrypt(blob, cluster_id))
 
     def _decode(self, value: bytes, mod_revision: int) -> Cluster:
         return convert.cluster_from_bytes(value, str(mod_revision))
@@ -120,12 +131,13 @@ class ClusterStore:
         return int(res.header.revision)
 
     async def get_credentials(self, cluster_id: str) -> tuple[Credentials | None, int]:
-        """The stored credentials and their key's mod revision (0 when none)."""
+        """The stored credentials and their key's mod revision (0 when none).
+        DecryptError when the record cannot be decrypted with the keyring."""
         async with _translated("get credentials"):
             kv = await self._c.get(self._credkey(cluster_id))
         if kv is None:
             return None, 0
-        return convert.credentials_from_bytes(kv.value), int(kv.mod_revision)
+        return self._unseal(cluster_id, kv.value), int(kv.mod_revision)
 
     # --- writes ---------------------------------------------------------
 
@@ -139,7 +151,7 @@ class ClusterStore:
         failure = [self._tx.get(ckey)]
         if creds is not None:
             success.append(self._tx.put(self._credkey(cluster.cluster_id),
-                                        convert.credentials_to_bytes(creds)))
+                                        self._seal(cluster.cluster_id, creds)))
         if request_id:
             rkey = self._reqkey(request_id)
             compare.append(self._tx.create(rkey) == 0)
@@ -180,7 +192,8 @@ class ClusterStore:
 
         With ``etag`` the stored etag must match (else Aborted); without, a
         conflicting write makes us re-read and re-apply ``mutate``.
-        ``credentials``: leave unset to keep them, None to delete them.
+        ``credentials``: leave unset to keep them (unless ``mutate`` turns
+        ``has_credentials`` false, which deletes them), None to delete them.
         """
         ckey = self._ckey(cluster_id)
         for _ in range(CAS_RETRIES):
@@ -199,7 +212,9 @@ class ClusterStore:
                     ops.append(self._tx.delete(self._credkey(cluster_id)))
                 else:
                     ops.append(self._tx.put(self._credkey(cluster_id),
-                                            convert.credentials_to_bytes(credentials)))
+                                            self._seal(cluster_id, credentials)))
+            elif current.has_credentials and not updated.has_credentials:
+                ops.append(self._tx.delete(self._credkey(cluster_id)))
             async with _translated("update"):
                 ok, resp = await self._c.transaction(
                     compare=[self._tx.mod(ckey) == kv.mod_revision], success=ops, failure=[])
@@ -222,6 +237,43 @@ class ClusterStore:
         if not prev:
             return None
         return self._decode(prev[0].value, prev[0].mod_revision)
+
+    async def reencrypt_all(self) -> int:
+        """Rewrite every credentials record not yet under the keyring's active
+        key (including plain-text records from before encryption) under it;
+        how many were rewritten. Each rewrite compares the record's mod
+        revision, re-reading it when a writer came in between, so a
+        concurrent UpdateCluster or delete always wins."""
+        async with _translated("list credentials"):
+            res = await self._c.get_prefix(self._creds)
+        rewritten = 0
+        for kv0 in res:
+            key = bytes(kv0.key)
+            cid = key[len(self._creds):].decode()
+            value, mod = bytes(kv0.value), int(kv0.mod_revision)
+            for _ in range(CAS_RETRIES):
+                if Keyring.key_id_of(value) == self._keyring.active_key_id:
+                    break
+                if Keyring.key_id_of(value) is None:  # stored before encryption
+                    plain = value
+                else:
+                    plain = self._keyring.decrypt(value, cid)
+                blob = self._keyring.encrypt(plain, cid)
+                async with _translated("re-encrypt"):
+                    ok, _ = await self._c.transaction(
+                        compare=[self._tx.mod(key) == mod],
+                        success=[self._tx.put(key, blob)], failure=[])
+                if ok:
+                    rewritten += 1
+                    break
+                async with _translated("get credentials"):
+                    kv = await self._c.get(key)
+                if kv is None:
+                    break
+                value, mod = bytes(kv.value), int(kv.mod_revision)
+            else:
+                raise Aborted(f"credentials of {cluster_name(cid)} are changing too often; retry")
+        return rewritten
 
     # --- watch ----------------------------------------------------------
 

@@ -33,17 +33,23 @@ import yaml
 from google.protobuf import descriptor, field_mask_pb2, json_format, timestamp_pb2
 
 from dlsched import errors
-from dlsched.kit import channel as kit_channel
+from dlsched import profile as profile_defaults
 from dlsched.kit import rpc_errors, timeutil
+from dlsched.kit import tls as tls_kit
+from dlsched.profile import Profile
+from dlsched.profile import resolve as resolve_profile
+from dlsched.v1 import (
+    access_pb2,
+    cluster_pb2,
+    job_pb2,
+)
+from dlsched.v1 import access_service_pb2 as acs
+from dlsched.v1 import access_service_pb2_grpc as acs_grpc
 from dlsched.v1 import (
     cluster_manager_service_pb2 as cms,
 )
 from dlsched.v1 import (
     cluster_manager_service_pb2_grpc as cms_grpc,
-)
-from dlsched.v1 import (
-    cluster_pb2,
-    job_pb2,
 )
 from dlsched.v1 import (
     job_manager_service_pb2 as jms,
@@ -53,6 +59,7 @@ from dlsched.v1 import (
 )
 
 __all__ = [
+    "AccessClient",
     "ClusterManagerClient",
     "DlschedRpcError",
     "JobFileError",
@@ -65,8 +72,8 @@ __all__ = [
     "parse_job_dict",
 ]
 
-DEFAULT_SERVER = "127.0.0.1:50051"
-DEFAULT_CLUSTER_MANAGER = "127.0.0.1:50052"
+DEFAULT_SERVER = profile_defaults.DEFAULT_SERVER
+DEFAULT_CLUSTER_MANAGER = profile_defaults.DEFAULT_CLUSTER_MANAGER
 
 TERMINAL_JOB_STATES = frozenset(
     {job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_STOPPED}
@@ -192,12 +199,21 @@ def short_id(name: str) -> str:
 class _Client:
     """Owns (or borrows) one grpc.aio channel and maps errors."""
 
-    def __init__(self, address: str, *, channel: grpc.aio.Channel | None = None,
-                 timeout: float | None = 30.0) -> None:
-        self.address = address
+    _profile_address = "server"
+
+    def __init__(self, address: str | None = None, *, channel: grpc.aio.Channel | None = None,
+                 timeout: float | None = 30.0, profile: Profile | None = None) -> None:
         self._own_channel = channel is None
-        # The shipped service config: reads retry on UNAVAILABLE, deadlines, keepalive.
-        self.channel = channel if channel is not None else kit_channel.insecure_channel(address)
+        if channel is None or address is None:
+            # TLS and the bearer token from the profile (flags, env, config file);
+            # the shipped service config: reads retry on UNAVAILABLE, deadlines, keepalive.
+            prof = profile if profile is not None else resolve_profile()
+            address = address or getattr(prof, self._profile_address)
+            if channel is None:
+                channel = tls_kit.channel(address, prof.tls, client_cert=True,
+                                          token=prof.token_source())
+        self.address = address
+        self.channel = channel
         self.timeout = timeout
 
     async def __aenter__(self: _T) -> _T:
@@ -249,7 +265,7 @@ def _log_stream(value: int | str) -> int:
 class JobManagerClient(_Client):
     """Async client of ``dlsched.v1.JobManagerService``."""
 
-    def __init__(self, address: str = DEFAULT_SERVER, **kw: Any) -> None:
+    def __init__(self, address: str | None = None, **kw: Any) -> None:
         super().__init__(address, **kw)
         self.stub: Any = jms_grpc.JobManagerServiceStub(self.channel)  # type: ignore[no-untyped-call,unused-ignore]
 
@@ -376,13 +392,69 @@ class JobManagerClient(_Client):
         return await asyncio.wait_for(wait(), timeout)
 
 
+# --------------------------------------------------------------------------- access
+
+
+class AccessClient(_Client):
+    """Async client of ``dlsched.v1.AccessService`` (served by JobManager)."""
+
+    def __init__(self, address: str | None = None, **kw: Any) -> None:
+        super().__init__(address, **kw)
+        self.stub: Any = acs_grpc.AccessServiceStub(self.channel)  # type: ignore[no-untyped-call,unused-ignore]
+
+    async def get_caller(self) -> acs.GetCallerResponse:
+        return cast(acs.GetCallerResponse, await self._unary(self.stub.GetCaller, acs.GetCallerRequest()))
+
+    async def create_role_binding(self, principal: str, project: str,
+                                  role: int | str) -> access_pb2.RoleBinding:
+        if isinstance(role, str):
+            r = role.strip().upper()
+            role = access_pb2.Role.Value(r if r.startswith("ROLE_") else f"ROLE_{r}")
+        resp = await self._unary(self.stub.CreateRoleBinding, acs.CreateRoleBindingRequest(
+            role_binding=access_pb2.RoleBinding(principal=principal, project=project, role=role)))
+        return cast(access_pb2.RoleBinding, resp.role_binding)
+
+    async def list_role_bindings(self, *, principal: str = "",
+                                 project: str = "") -> list[access_pb2.RoleBinding]:
+        resp = await self._unary(self.stub.ListRoleBindings, acs.ListRoleBindingsRequest(
+            principal=principal, project=project))
+        return list(resp.role_bindings)
+
+    async def delete_role_binding(self, name: str) -> None:
+        if "/" not in name:
+            name = f"roleBindings/{name}"
+        await self._unary(self.stub.DeleteRoleBinding, acs.DeleteRoleBindingRequest(name=name))
+
+    async def create_api_token(self, service_account: str, *, description: str = "",
+                               expire_time: datetime | None = None
+                               ) -> tuple[access_pb2.ApiToken, str]:
+        """A new token and its secret (shown only now)."""
+        tok = access_pb2.ApiToken(service_account=service_account, description=description)
+        if expire_time is not None:
+            tok.expire_time.CopyFrom(timeutil.to_timestamp(expire_time))
+        resp = await self._unary(self.stub.CreateApiToken, acs.CreateApiTokenRequest(api_token=tok))
+        return resp.api_token, resp.secret
+
+    async def list_api_tokens(self, *, service_account: str = "") -> list[access_pb2.ApiToken]:
+        resp = await self._unary(self.stub.ListApiTokens,
+                                 acs.ListApiTokensRequest(service_account=service_account))
+        return list(resp.api_tokens)
+
+    async def delete_api_token(self, name: str) -> None:
+        if "/" not in name:
+            name = f"apiTokens/{name}"
+        await self._unary(self.stub.DeleteApiToken, acs.DeleteApiTokenRequest(name=name))
+
+
 # --------------------------------------------------------------------------- clusters
 
 
 class ClusterManagerClient(_Client):
     """Async client of ``dlsched.v1.ClusterManagerService``."""
 
-    def __init__(self, address: str = DEFAULT_CLUSTER_MANAGER, **kw: Any) -> None:
+    _profile_address = "cluster_manager"
+
+    def __init__(self, address: str | None = None, **kw: Any) -> None:
         super().__init__(address, **kw)
         self.stub: Any = cms_grpc.ClusterManagerServiceStub(self.channel)  # type: ignore[no-untyped-call,unused-ignore]
 

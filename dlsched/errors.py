@@ -145,6 +145,21 @@ class ResourceExhausted(DlschedError):
     reason = "RESOURCE_EXHAUSTED"
 
 
+class Unauthenticated(DlschedError):
+    """The call carries no valid credential. Says nothing more about why a token
+    failed than its reason (``UNAUTHENTICATED``, ``TOKEN_EXPIRED``, ``TOKEN_REVOKED``)."""
+
+    code = "UNAUTHENTICATED"
+    reason = "UNAUTHENTICATED"
+
+
+class PermissionDenied(DlschedError):
+    """The caller is known but its role does not allow the call."""
+
+    code = "PERMISSION_DENIED"
+    reason = "PERMISSION_DENIED"
+
+
 class Internal(DlschedError):
     code = "INTERNAL"
     reason = "INTERNAL"

@@ -5,10 +5,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dlsched.auth.audit import AuditLog
+from dlsched.auth.authn import Authenticator, AuthOptions, add_auth_flags, auth_options_from_args
+from dlsched.auth.interceptor import AuthInterceptor
+from dlsched.auth.servicer import AccessServicer
+from dlsched.auth.store import AccessStore
 from dlsched.kit import etcd, logs, tracing
+from dlsched.kit.channel import TokenSource
 from dlsched.kit.server import (
     Registration,
     ServerOptions,
@@ -16,6 +23,8 @@ from dlsched.kit.server import (
     serve_until_signal,
     start_server,
 )
+from dlsched.kit.tls import TlsOptions, add_tls_flags, tls_options_from_args
+from dlsched.v1 import access_service_pb2_grpc
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
 from job_manager.clients import ClusterManagerClient, DriverPool
 from job_manager.job_metrics import JobStateGauge
@@ -41,6 +50,9 @@ class Config:
     metrics_listen: str | None = None
     trace_export: str | None = None
     log_format: str = "text"
+    tls: TlsOptions = TlsOptions(insecure=True)
+    auth: AuthOptions = AuthOptions()
+    audit_log: str | None = None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
@@ -57,15 +69,21 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--stop-grace-seconds", type=float, default=10.0)
     p.add_argument("--log-level", default="INFO")
     add_observability_flags(p)
+    add_tls_flags(p)
+    add_auth_flags(p)
+    p.add_argument("--audit-log", default=os.environ.get("DLSCHED_AUDIT_LOG"),
+                   help="append one JSON line per mutating call here (default: the service log)")
     a = p.parse_args(argv)
     if a.watch_buffer < 1:
         p.error("--watch-buffer must be at least 1")
+    tls = tls_options_from_args(a, p)
+    auth = auth_options_from_args(a, p)
     return Config(listen=a.listen, port_file=a.port_file, etcd=a.etcd,
                   cluster_manager=a.cluster_manager, prefix=a.prefix,
                   watch_buffer=a.watch_buffer, watch_history=a.watch_history,
                   stop_grace_seconds=a.stop_grace_seconds, log_level=a.log_level,
                   metrics_listen=a.metrics_listen, trace_export=a.trace_export,
-                  log_format=a.log_format)
+                  log_format=a.log_format, tls=tls, auth=auth, audit_log=a.audit_log)
 
 
 async def amain(cfg: Config) -> None:
@@ -73,8 +91,13 @@ async def amain(cfg: Config) -> None:
     store = JobStore(client, cfg.prefix)
     hub = WatchHub(client, cfg.prefix, buffer_size=cfg.watch_buffer, history=cfg.watch_history)
     await hub.start()
-    cm = ClusterManagerClient(cfg.cluster_manager)
-    drivers = DriverPool()
+    access = AccessStore(client, cfg.prefix)
+    await access.start()
+    authenticator = Authenticator.from_options(cfg.auth, access)
+    cp_token = (TokenSource(file=cfg.auth.control_plane_token_file)
+                if cfg.auth.control_plane_token_file else None)
+    cm = ClusterManagerClient(cfg.cluster_manager, tls=cfg.tls, token=cp_token)
+    drivers = DriverPool(tls=cfg.tls)
     scheduler = Scheduler(store, cm, drivers,
                           SchedulerConfig(stop_grace_seconds=cfg.stop_grace_seconds))
     try:
@@ -84,11 +107,15 @@ async def amain(cfg: Config) -> None:
     gauge = JobStateGauge(store, hub)
     if cfg.metrics_listen:
         gauge.start()
+    audit = AuditLog(cfg.audit_log)
     running = await start_server(
         ServerOptions(listen=cfg.listen, port_file=cfg.port_file, grace_seconds=5.0,
-                      metrics_listen=cfg.metrics_listen),
+                      metrics_listen=cfg.metrics_listen, tls=cfg.tls,
+                      interceptors=[AuthInterceptor(authenticator.authenticate, audit=audit)]),
         [Registration(pb_grpc.add_JobManagerServiceServicer_to_server,
-                      JobManagerServicer(scheduler, hub), "dlsched.v1.JobManagerService")],
+                      JobManagerServicer(scheduler, hub), "dlsched.v1.JobManagerService"),
+         Registration(access_service_pb2_grpc.add_AccessServiceServicer_to_server,
+                      AccessServicer(access), "dlsched.v1.AccessService")],
         announce_as="job-manager")
 
     async def before_stop() -> None:
@@ -99,6 +126,8 @@ async def amain(cfg: Config) -> None:
         await scheduler.close()
         await cm.close()
         await drivers.close()
+        await access.close()
+        audit.close()
         await client.close()
 
     await serve_until_signal(running, before_stop=before_stop, on_stop=on_stop)

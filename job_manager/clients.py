@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 import grpc
 
 from dlsched import errors
+from dlsched.kit import tls as tls_kit
+from dlsched.kit.channel import TokenSource, bearer_interceptors
 from dlsched.kit.rpc_errors import from_rpc_error
 from dlsched.kit.timeutil import to_duration
 from dlsched.v1 import (
@@ -57,6 +59,19 @@ _CHANNEL_OPTIONS = [
 ]
 
 
+def _channel(address: str, tls: tls_kit.TlsOptions | None,
+             token: TokenSource | None = None) -> grpc.aio.Channel:
+    """Verified TLS presenting JobManager's certificate (mutual TLS where the
+    server asks for it), or plaintext when the operator chose --insecure."""
+    interceptors = bearer_interceptors(token) if token else None
+    if tls is None or tls.insecure:
+        return grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS,
+                                         interceptors=interceptors)
+    return grpc.aio.secure_channel(address, tls_kit.client_credentials(tls, client_cert=True),
+                                   options=[*_CHANNEL_OPTIONS, *tls_kit.name_options(address)],
+                                   interceptors=interceptors)
+
+
 def translate(exc: grpc.RpcError) -> errors.DlschedError:
     """A failed call as the dlsched error it carries, details included."""
     return from_rpc_error(exc)
@@ -72,8 +87,9 @@ async def _unary(call: Awaitable[T]) -> T:
 class ClusterManagerClient:
     """MatchClusters, and the driver address of a cluster (cached briefly)."""
 
-    def __init__(self, address: str, *, timeout: float = 15.0, cache_seconds: float = 10.0) -> None:
-        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+    def __init__(self, address: str, *, timeout: float = 15.0, cache_seconds: float = 10.0,
+                 tls: tls_kit.TlsOptions | None = None, token: TokenSource | None = None) -> None:
+        self._channel = _channel(address, tls, token)
         self._stub = cm_grpc.ClusterManagerServiceStub(self._channel)
         self._timeout = timeout
         self._cache_seconds = cache_seconds
@@ -81,7 +97,8 @@ class ClusterManagerClient:
 
     async def match(self, spec: JobSpec) -> list[Candidate]:
         resp = await _unary(self._stub.MatchClusters(
-            cm_pb2.MatchClustersRequest(spec=spec_to_proto(spec)), timeout=self._timeout))
+            cm_pb2.MatchClustersRequest(spec=spec_to_proto(spec), project=spec.project),
+            timeout=self._timeout))
         out = [candidate_from_proto(c) for c in resp.candidates]
         for c in out:
             if c.driver_address:
@@ -111,9 +128,10 @@ class ClusterManagerClient:
 class DriverClient:
     """One driver service (one channel, shared by every cluster it serves)."""
 
-    def __init__(self, address: str, *, timeout: float = 30.0) -> None:
+    def __init__(self, address: str, *, timeout: float = 30.0,
+                 tls: tls_kit.TlsOptions | None = None) -> None:
         self.address = address
-        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        self._channel = _channel(address, tls)
         self._stub = drv_grpc.DriverServiceStub(self._channel)
         self._timeout = timeout
 

@@ -54,6 +54,7 @@ def spec_from_proto(p: job_pb2.JobSpec) -> JobSpec:
         time_limit=from_duration(p.time_limit) if p.HasField("time_limit") else None,
         max_retries=p.max_retries,
         labels=dict(p.labels),
+        project=p.project,
     )
 
 
@@ -63,6 +64,7 @@ def spec_to_proto(s: JobSpec) -> job_pb2.JobSpec:
         queue=s.queue,
         max_retries=s.max_retries,
         labels=s.labels,
+        project=s.project,
         cluster_selector=job_pb2.ClusterSelector(
             cluster=s.cluster_selector.cluster,
             cluster_type=s.cluster_selector.cluster_type,  # type: ignore[arg-type]
@@ -115,6 +117,8 @@ def job_from_proto(p: job_pb2.Job) -> Job:
         attempt=p.attempt,
         etag=p.etag,
         backend_restarts=p.backend_restarts,
+        owner=p.owner,
+        project=p.project,
     )
 
 
@@ -123,7 +127,7 @@ def job_to_proto(j: Job) -> job_pb2.Job:
         name=j.name, uid=j.uid, spec=spec_to_proto(j.spec), state=int(j.state),  # type: ignore[arg-type]
         reason=j.reason, message=j.message, cluster=j.cluster,
         backend_job_id=j.backend_job_id, labels=j.labels, attempt=j.attempt, etag=j.etag,
-        backend_restarts=j.backend_restarts,
+        backend_restarts=j.backend_restarts, owner=j.owner, project=j.project,
         replicas=[_replica_to_proto(r) for r in j.replicas],
     )
     if j.exit_code is not None:

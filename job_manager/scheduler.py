@@ -108,11 +108,18 @@ class Scheduler:
     # ------------------------------------------------------------ submit
 
     async def submit(self, job_id: str, spec: JobSpec, request_id: str, *, dry_run: bool,
-                     spec_bytes: int) -> tuple[Job, DryRun | None]:
+                     spec_bytes: int, owner: str = "") -> tuple[Job, DryRun | None]:
+        """Store and launch a job; ``spec.project`` is already resolved and
+        allowed for ``owner`` (the servicer asks ``Principal.resolve_project``)."""
         validate_submit(job_id, spec, request_id, spec_bytes)
         if request_id and not dry_run:
             seen = await self.store.job_for_request(request_id)
             if seen is not None:
+                if seen.owner != owner:
+                    # Another principal's request id: never hand its job over.
+                    raise errors.AlreadyExists(
+                        "request_id already used by another caller",
+                        reason="REQUEST_ID_IN_USE", metadata={"field": "request_id"})
                 return await self._after_duplicate(seen), None
         candidates = await self.cm.match(spec)
         chosen = next((c for c in candidates if c.eligible), None)
@@ -123,7 +130,8 @@ class Scheduler:
         now = self._clock()
         job = Job(id=job_id or f"job-{uuid.uuid4().hex[:12]}", spec=spec,
                   uid=str(uuid.uuid4()), state=JobState.PENDING, cluster=chosen.cluster,
-                  attempt=1, create_time=now, update_time=now, labels=dict(spec.labels))
+                  attempt=1, create_time=now, update_time=now, labels=dict(spec.labels),
+                  owner=owner, project=spec.project)
         logs.JOB_ID.set(job.id)  # this handler's task: its records name the job
         if dry_run:
             native = await self.drivers.get(chosen.driver_address).render(

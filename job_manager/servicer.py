@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 
 import grpc
 
+from dlsched.auth.interceptor import caller
 from dlsched.errors import InvalidArgument
 from dlsched.kit import logs, tokens
 from dlsched.kit.timeutil import to_timestamp
@@ -24,6 +25,7 @@ from dlsched.v1 import job_manager_service_pb2 as pb
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
 from dlsched.v1 import job_pb2
 from job_manager import convert
+from job_manager.domain import access
 from job_manager.domain.errors import JobNotFound, JobNotLaunched
 from job_manager.domain.filter import Filter, parse_filter
 from job_manager.domain.model import Job, JobState
@@ -75,9 +77,11 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         spec = convert.spec_from_proto(request.spec) if request.HasField("spec") else None
         if spec is None:
             raise InvalidArgument.for_field("spec", "required")
+        p = caller()
+        spec.project = p.resolve_project(spec.project)
         job, dry = await self.scheduler.submit(
             request.job_id, spec, request.request_id, dry_run=request.dry_run,
-            spec_bytes=request.spec.ByteSize())
+            spec_bytes=request.spec.ByteSize(), owner=p.name)
         resp = pb.SubmitJobResponse(job=convert.job_to_proto(job))
         if dry is not None:
             resp.dry_run.CopyFrom(pb.DryRunResult(
@@ -88,7 +92,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
 
     async def GetJob(self, request: pb.GetJobRequest,  # noqa: N802
                      context: grpc.aio.ServicerContext) -> pb.GetJobResponse:
-        job = await self.store.get(job_id_from_name(request.name))
+        job = access.check_read(caller(), await self.store.get(job_id_from_name(request.name)))
         return pb.GetJobResponse(job=convert.job_to_proto(job))
 
     async def ListJobs(self, request: pb.ListJobsRequest,  # noqa: N802
@@ -98,8 +102,9 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         size = min(request.page_size or DEFAULT_PAGE, MAX_PAGE)
         flt = parse_filter(request.filter)
         after = _decode_page(request.page_token) if request.page_token else None
+        p = caller()
         jobs, _ = await self.store.list_all()
-        jobs = sorted((j for j in jobs if flt.matches(j)), key=_sort_key)
+        jobs = sorted((j for j in jobs if access.may_read(p, j) and flt.matches(j)), key=_sort_key)
         if after is not None:
             jobs = [j for j in jobs if _sort_key(j) > after]
         page = jobs[:size]
@@ -112,12 +117,19 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         job_id = job_id_from_name(request.name)
         logs.JOB_ID.set(job_id)  # this handler's task: its records name the job
         validate_request_id(request.request_id)
+        access.check_write(caller(), await self.store.get(job_id))
         return pb.StopJobResponse(job=convert.job_to_proto(await self.scheduler.stop(job_id)))
 
     async def DeleteJob(self, request: pb.DeleteJobRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> pb.DeleteJobResponse:
         job_id = job_id_from_name(request.name)
         logs.JOB_ID.set(job_id)
+        try:
+            access.check_write(caller(), await self.store.get(job_id))
+        except JobNotFound:
+            if not request.allow_missing:
+                raise
+            return pb.DeleteJobResponse()
         last = await self.scheduler.delete(job_id, request.allow_missing)
         resp = pb.DeleteJobResponse()
         if last is not None:
@@ -127,6 +139,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
     async def WatchJobs(self, request: pb.WatchJobsRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WatchJobsResponse]:
         flt: Filter = parse_filter(request.filter)
+        p = caller()  # roles as of the stream's start
         if request.resume_token:
             sub = self.hub.subscribe(decode_token(request.resume_token))
         else:
@@ -137,14 +150,14 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                 sub.skip_to(rev)
                 token = encode_token(rev)
                 for j in sorted(jobs, key=_sort_key):
-                    if flt.matches(j):
+                    if access.may_read(p, j) and flt.matches(j):
                         yield pb.WatchJobsResponse(type=job_pb2.WATCH_EVENT_TYPE_EXISTING,
                                                    job=convert.job_to_proto(j), resume_token=token)
                 yield pb.WatchJobsResponse(type=job_pb2.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE,
                                            resume_token=token)
             while True:
                 ev = await sub.next()
-                if flt.matches(ev.job):
+                if access.may_read(p, ev.job) and flt.matches(ev.job):
                     yield pb.WatchJobsResponse(type=_EVENT_TYPES[ev.type],
                                                job=convert.job_to_proto(ev.job),
                                                resume_token=encode_token(ev.revision))
@@ -152,7 +165,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             sub.close()
 
     async def _launched(self, name: str, follow: bool) -> Job | None:
-        job = await self.store.get(job_id_from_name(name))
+        job = access.check_read(caller(), await self.store.get(job_id_from_name(name)))
         if not job.launched:
             if not follow or job.state.is_terminal():
                 return None
@@ -210,7 +223,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
 
     async def GetJobUsage(self, request: pb.GetJobUsageRequest,  # noqa: N802
                           context: grpc.aio.ServicerContext) -> pb.GetJobUsageResponse:
-        job = await self.store.get(job_id_from_name(request.name))
+        job = access.check_read(caller(), await self.store.get(job_id_from_name(request.name)))
         if not job.launched:
             if job.state == JobState.PENDING or job.state.is_terminal():
                 raise JobNotLaunched(f"job {job.name} has not been launched",

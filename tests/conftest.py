@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from collections.abc import Iterator
 
 import pytest
 
+from dlsched.kit.envelope import generate_key_file
+from tests import security
 from tests.harness import EtcdServer
+
+# TLS certificates and tokens for every service and client the tests start
+# (tests/security.py): the whole suite runs with TLS and authentication on.
+security.install()
+
+# encryption key for every ClusterManager the tests start: the children inherit
+# DLSCHED_ENCRYPTION_KEY_FILE (ClusterManager refuses to start without a key).
+if not os.environ.get("DLSCHED_ENCRYPTION_KEY_FILE"):
+    _KEY_FILE = os.path.join(tempfile.mkdtemp(prefix="dlsched-test-keys-"), "encryption-key.json")
+    generate_key_file(_KEY_FILE)
+    os.environ["DLSCHED_ENCRYPTION_KEY_FILE"] = _KEY_FILE
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ from dlsched.v1 import (
     job_pb2,
 )
 from dlsched.v1 import job_manager_service_pb2_grpc as jm_grpc
+from tests import security
 from tests.harness import ROOT
 
 SERVICES = {
@@ -98,7 +99,7 @@ class Flaky(jm_grpc.JobManagerServiceServicer):
 @pytest.fixture
 async def flaky() -> AsyncIterator[tuple[Flaky, str]]:
     servicer = Flaky(failures=2)
-    running = await start_server(ServerOptions(listen="127.0.0.1:0"), [Registration(
+    running = await start_server(ServerOptions(listen="127.0.0.1:0", tls=security.current().service_tls()), [Registration(
         jm_grpc.add_JobManagerServiceServicer_to_server, servicer, "dlsched.v1.JobManagerService")],
         announce_as="flaky")
     try:

@@ -18,10 +18,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
+from dlsched.kit.envelope import Keyring
 from dlsched.kit.rpc_errors import error_info, field_violations
 from dlsched.v1 import cluster_manager_service_pb2 as pb
 from dlsched.v1 import cluster_manager_service_pb2_grpc as pb_grpc
 from dlsched.v1 import cluster_pb2, driver_service_pb2, driver_service_pb2_grpc, job_pb2
+from tests import security
 from tests.harness import ROOT, EtcdServer, ServiceProcess, free_port
 
 SSH_KEY = (
@@ -59,7 +61,7 @@ def cm(etcd: EtcdServer, etcd_prefix: str) -> Iterator[ServiceProcess]:
 
 @pytest.fixture
 async def stub(cm: ServiceProcess) -> AsyncIterator[pb_grpc.ClusterManagerServiceStub]:
-    async with grpc.aio.insecure_channel(cm.address) as ch:
+    async with security.channel(cm.address) as ch:
         yield pb_grpc.ClusterManagerServiceStub(ch)
 
 
@@ -189,7 +191,7 @@ async def wait_state(stub: pb_grpc.ClusterManagerServiceStub, name: str, state: 
 
 
 async def test_health_serving_and_reflection_lists_service(cm: ServiceProcess) -> None:
-    async with grpc.aio.insecure_channel(cm.address) as ch:
+    async with security.channel(cm.address) as ch:
         h = health_pb2_grpc.HealthStub(ch)
         for svc in ("", "dlsched.v1.ClusterManagerService"):
             resp = await h.Check(health_pb2.HealthCheckRequest(service=svc))
@@ -492,7 +494,9 @@ async def test_credentials_are_stored_but_never_returned_or_logged(
     try:
         kv = await client.get(f"{etcd_prefix}cluster-credentials/ray-a".encode())
         assert kv is not None
-        creds = cluster_pb2.ClusterCredentials.FromString(kv.value)
+        assert new_tok.encode() not in kv.value  # encrypted at rest (test_credentials_at_rest.py)
+        keyring = Keyring.load(os.environ["DLSCHED_ENCRYPTION_KEY_FILE"])
+        creds = cluster_pb2.ClusterCredentials.FromString(keyring.decrypt(kv.value, "ray-a"))
         assert creds.token.token == new_tok
         records = list(await client.get_prefix(f"{etcd_prefix}clusters/".encode()))
         assert [r.key for r in records] == [f"{etcd_prefix}clusters/ray-a".encode()]
@@ -611,7 +615,7 @@ async def test_watch_token_older_than_buffer_is_expired(
         etcd: EtcdServer, etcd_prefix: str) -> None:
     proc = start_cm(etcd, etcd_prefix, "--watch-buffer", "4")
     try:
-        async with grpc.aio.insecure_channel(proc.address) as ch:
+        async with security.channel(proc.address) as ch:
             stub = pb_grpc.ClusterManagerServiceStub(ch)
             w = Watch(stub)
             snap = await w.snapshot()
@@ -666,7 +670,7 @@ def spec(cpu: float = 1, gpus: int = 0, replicas: int = 1,
 
 
 async def driver_info(driver: ServiceProcess, name: str) -> driver_service_pb2.ClusterInfo:
-    async with grpc.aio.insecure_channel(driver.address) as ch:
+    async with security.channel(driver.address) as ch:
         s = driver_service_pb2_grpc.DriverServiceStub(ch)
         return (await s.GetClusterInfo(driver_service_pb2.GetClusterInfoRequest(cluster=name))).info
 
@@ -749,7 +753,7 @@ async def test_monitor_reconfigures_and_delete_removes_from_driver(
     # again at once, without the cluster ever leaving READY.
     w = Watch(stub)
     await w.snapshot()
-    async with grpc.aio.insecure_channel(local_driver.address) as ch:
+    async with security.channel(local_driver.address) as ch:
         d = driver_service_pb2_grpc.DriverServiceStub(ch)
         await d.RemoveCluster(driver_service_pb2.RemoveClusterRequest(cluster="clusters/moving"))
         loop = asyncio.get_running_loop()

@@ -18,6 +18,7 @@ from drivers.common import base, env
 from drivers.common.hub import ObservationHub
 from drivers.common.servicer import DriverServicer
 from drivers.local import procfs
+from tests import security
 
 
 def obs(job_id: str, state: base.JobState = base.JobState.RUNNING) -> base.JobObservation:
@@ -111,11 +112,11 @@ class _MinimalDriver(base.Driver):
 
 
 async def test_servicer_maps_optional_capabilities_to_unimplemented_unsupported():
-    running = await start_server(ServerOptions(), [Registration(
+    running = await start_server(ServerOptions(tls=security.current().service_tls()), [Registration(
         driver_service_pb2_grpc.add_DriverServiceServicer_to_server, DriverServicer(_MinimalDriver()),
         DriverServicer.FULL_NAME)], announce_as="test-driver")
     try:
-        async with grpc.aio.insecure_channel(running.address) as ch:
+        async with security.channel(running.address) as ch:
             stub = driver_service_pb2_grpc.DriverServiceStub(ch)
             ref = dpb.JobRef(job_id="j")
             with pytest.raises(grpc.aio.AioRpcError) as ei:

@@ -22,6 +22,7 @@ from dlsched.kit.rpc_errors import error_info, field_violations
 from dlsched.v1 import job_manager_service_pb2 as pb
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
 from dlsched.v1 import job_pb2
+from tests import security
 from tests.harness import EtcdServer, ServiceProcess, Stack, pid_alive
 
 S = job_pb2
@@ -61,7 +62,7 @@ async def cluster(stack: Stack) -> str:
 @pytest.fixture
 async def jm(stack: Stack, cluster: str) -> AsyncIterator[pb_grpc.JobManagerServiceStub]:
     assert stack.jm is not None
-    async with grpc.aio.insecure_channel(stack.jm.address) as ch:
+    async with security.channel(stack.jm.address) as ch:
         yield pb_grpc.JobManagerServiceStub(ch)
 
 
@@ -108,7 +109,7 @@ async def test_health_and_reflection(stack: Stack) -> None:
     for proc, service in ((stack.jm, "dlsched.v1.JobManagerService"),
                           (stack.cm, "dlsched.v1.ClusterManagerService"),
                           (stack.driver, "dlsched.v1.DriverService")):
-        async with grpc.aio.insecure_channel(proc.address) as ch:
+        async with security.channel(proc.address) as ch:
             for name in ("", service):
                 h = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=name))
                 assert h.status == health_pb2.HealthCheckResponse.SERVING, (proc.address, name)
@@ -440,7 +441,7 @@ async def test_expired_token_is_out_of_range(stack: Stack, cluster: str, etcd: E
                                            "--cluster-manager", stack.cm.address,
                                            "--watch-buffer", "5"], name="jm-small").start()
     try:
-        async with grpc.aio.insecure_channel(small.address) as ch:
+        async with security.channel(small.address) as ch:
             jm = pb_grpc.JobManagerServiceStub(ch)
             call = jm.WatchJobs(pb.WatchJobsRequest())
             token = ""
@@ -472,7 +473,7 @@ async def test_jobs_survive_job_manager_sigkill(stack: Stack, cluster: str) -> N
         print("done")
     """
     names = []
-    async with grpc.aio.insecure_channel(stack.jm.address) as ch:
+    async with security.channel(stack.jm.address) as ch:
         jm = pb_grpc.JobManagerServiceStub(ch)
         for i in range(3):
             spec = single(code)
@@ -482,7 +483,7 @@ async def test_jobs_survive_job_manager_sigkill(stack: Stack, cluster: str) -> N
         for n in names:
             await wait_state(jm, n, {S.JOB_STATE_RUNNING})
     stack.restart_jm(kill=True)
-    async with grpc.aio.insecure_channel(stack.jm.address) as ch:
+    async with security.channel(stack.jm.address) as ch:
         jm = pb_grpc.JobManagerServiceStub(ch)
         for n in names:
             done = await wait_state(jm, n, TERMINAL, timeout=30)

@@ -31,6 +31,7 @@ import aiohttp.web  # noqa: E402
 from dlsched.v1 import cluster_pb2, driver_service_pb2_grpc, job_pb2  # noqa: E402
 from dlsched.v1 import driver_service_pb2 as dpb  # noqa: E402
 from drivers.kubernetes import render  # noqa: E402
+from tests import security
 from tests.harness import ServiceProcess  # noqa: E402
 
 NS = "dl"
@@ -223,7 +224,7 @@ async def configure(stub: Any, cluster: str, url: str) -> dpb.ConfigureClusterRe
 
 @pytest.fixture
 async def stub(driver: ServiceProcess, emu: tuple[Emulator, str]) -> AsyncIterator[Any]:
-    async with grpc.aio.insecure_channel(driver.address) as ch:
+    async with security.channel(driver.address) as ch:
         s = driver_service_pb2_grpc.DriverServiceStub(ch)
         await configure(s, "clusters/k8s", emu[1])
         yield s
@@ -445,7 +446,7 @@ async def test_mpi_runs_with_a_per_attempt_ssh_key(stub: Any, emu: tuple[Emulato
 
 async def test_an_adopted_mpi_job_is_cleaned_up_whole(driver: ServiceProcess) -> None:
     """A driver that finds an MPI job on the watch (after a restart) still deletes its Secret and ConfigMap."""
-    async with grpc.aio.insecure_channel(driver.address) as ch, emulator() as (e, url):
+    async with security.channel(driver.address) as ch, emulator() as (e, url):
         stub = driver_service_pb2_grpc.DriverServiceStub(ch)
         await configure(stub, "clusters/first", url)
         job = new_id("mpi-adopt")
@@ -586,7 +587,7 @@ async def test_stop_and_delete_remove_the_right_objects(stub: Any, emu: tuple[Em
 async def test_status_of_many_jobs_comes_from_one_watch(driver: ServiceProcess) -> None:
     n = 1000
     ids = [f"bulk-{i}" for i in range(n)]
-    async with grpc.aio.insecure_channel(driver.address) as ch, emulator() as (e, url):
+    async with security.channel(driver.address) as ch, emulator() as (e, url):
         stub = driver_service_pb2_grpc.DriverServiceStub(ch)
         for j in ids:  # pods the driver did not create: it adopts them from its list + watch
             pod = dict(render.render_job(j, render_spec(), 1, {"namespace": NS, "default_image": "x"}).manifests[1])
@@ -663,7 +664,7 @@ async def test_capacity_usage_and_mpi(stub: Any, emu: tuple[Emulator, str]) -> N
 
 
 async def test_an_unreachable_api_server_never_fails_jobs(driver: ServiceProcess) -> None:
-    async with grpc.aio.insecure_channel(driver.address) as ch:
+    async with security.channel(driver.address) as ch:
         stub = driver_service_pb2_grpc.DriverServiceStub(ch)
         cluster = "clusters/flaky"
         async with emulator() as (e, url):
@@ -792,7 +793,7 @@ async def test_gpu_capacity_and_a_namespace_scoped_credential(driver: ServicePro
     """Free GPUs = allocatable - requests of scheduled pods that have not ended, cluster-wide; a credential
     that may not list pods cluster-wide (403) still leaves the cluster READY with the nodes' capacity."""
     cluster = "clusters/gpus"
-    async with grpc.aio.insecure_channel(driver.address) as ch, emulator() as (e, url):
+    async with security.channel(driver.address) as ch, emulator() as (e, url):
         stub = driver_service_pb2_grpc.DriverServiceStub(ch)
         await put_node(url, "a100-1", "32", "8", "A100")
         await put_node(url, "h100-1", "32", "4", "H100")
@@ -835,7 +836,7 @@ async def test_gpu_capacity_and_a_namespace_scoped_credential(driver: ServicePro
 
 async def test_an_api_server_answering_5xx_never_fails_jobs(driver: ServiceProcess) -> None:
     cluster = "clusters/five-xx"
-    async with grpc.aio.insecure_channel(driver.address) as ch, emulator() as (e, url):
+    async with security.channel(driver.address) as ch, emulator() as (e, url):
         stub = driver_service_pb2_grpc.DriverServiceStub(ch)
         await configure(stub, cluster, url)
         job = new_id("five-xx")
@@ -874,7 +875,7 @@ async def test_the_request_budget_paces_api_requests() -> None:
     svc = ServiceProcess("drivers.kubernetes", ["--qps", str(qps), "--burst", str(burst), "--request-timeout", "5"],
                          name="kubernetes-paced").start()
     try:
-        async with grpc.aio.insecure_channel(svc.address) as ch, emulator() as (e, url):
+        async with security.channel(svc.address) as ch, emulator() as (e, url):
             stub = driver_service_pb2_grpc.DriverServiceStub(ch)
             await configure(stub, "clusters/paced", url)
             before = len(e.stamps)

@@ -21,6 +21,7 @@ from dlsched.v1 import driver_service_pb2 as dpb
 from dlsched.v1 import driver_service_pb2_grpc, job_pb2
 from drivers.common import base
 from drivers.local import render
+from tests import security
 from tests.harness import ServiceProcess, pid_alive
 
 PY = sys.executable
@@ -49,7 +50,7 @@ def driver(state_dir: str) -> Iterator[ServiceProcess]:
 
 @pytest.fixture
 async def stub(driver: ServiceProcess) -> AsyncIterator[driver_service_pb2_grpc.DriverServiceStub]:
-    async with grpc.aio.insecure_channel(driver.address) as ch:
+    async with security.channel(driver.address) as ch:
         s = driver_service_pb2_grpc.DriverServiceStub(ch)
         await s.ConfigureCluster(dpb.ConfigureClusterRequest(cluster=CLUSTER), timeout=10)
         yield s
@@ -498,7 +499,7 @@ async def test_restarted_driver_keeps_ended_jobs_and_fails_lost_ones(tmp_path):
     marker = tmp_path / "runs.txt"
     svc = ServiceProcess("drivers.local", ["--state-dir", state], name="local-driver-restart").start()
     try:
-        async with grpc.aio.insecure_channel(svc.address) as ch:
+        async with security.channel(svc.address) as ch:
             s = driver_service_pb2_grpc.DriverServiceStub(ch)
             await s.ConfigureCluster(dpb.ConfigureClusterRequest(cluster=CLUSTER), timeout=10)
             spec = single(f"open({str(marker)!r}, 'a').write('ran\\n')")
@@ -510,7 +511,7 @@ async def test_restarted_driver_keeps_ended_jobs_and_fails_lost_ones(tmp_path):
             pid = int(texts(await logs(s, "lost-job"))[0])
         svc.kill()
         svc.start()
-        async with grpc.aio.insecure_channel(svc.address) as ch:
+        async with security.channel(svc.address) as ch:
             s = driver_service_pb2_grpc.DriverServiceStub(ch)
             await s.ConfigureCluster(dpb.ConfigureClusterRequest(cluster=CLUSTER), timeout=10)
             done = await observe(s, "done-job")
@@ -529,7 +530,7 @@ async def test_health_serving_and_reflection_lists_the_driver_service(driver: Se
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-    async with grpc.aio.insecure_channel(driver.address) as ch:
+    async with security.channel(driver.address) as ch:
         h = await health_pb2_grpc.HealthStub(ch).Check(
             health_pb2.HealthCheckRequest(service="dlsched.v1.DriverService"), timeout=10)
         assert h.status == health_pb2.HealthCheckResponse.SERVING

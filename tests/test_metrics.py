@@ -22,6 +22,7 @@ from dlsched.v1 import cluster_manager_service_pb2_grpc as cm_grpc
 from dlsched.v1 import cluster_pb2, job_pb2
 from dlsched.v1 import job_manager_service_pb2 as pb
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
+from tests import security
 from tests.harness import EtcdServer, ServiceProcess, Stack
 
 M = ["--metrics-listen", "127.0.0.1:0"]
@@ -60,14 +61,14 @@ def value(samples: dict, name: str, **labels: str) -> float:
 async def test_every_service_counts_its_calls_jobs_clusters_and_streams(stack: Stack) -> None:
     assert stack.jm is not None
     await stack.register_local()
-    async with grpc.aio.insecure_channel(stack.cm.address) as ch:
+    async with security.channel(stack.cm.address) as ch:
         # A second cluster with a credential that must never show up anywhere.
         await cm_grpc.ClusterManagerServiceStub(ch).CreateCluster(cm_pb.CreateClusterRequest(
             cluster_id="secretive", cluster=cluster_pb2.Cluster(
                 type=job_pb2.CLUSTER_TYPE_RAY, address="http://127.0.0.1:1", driver_address="127.0.0.1:1",
                 credentials=cluster_pb2.ClusterCredentials(token=cluster_pb2.TokenCredentials(token=SECRET)))))
 
-    async with grpc.aio.insecure_channel(stack.jm.address) as ch:
+    async with security.channel(stack.jm.address) as ch:
         jm = pb_grpc.JobManagerServiceStub(ch)
         spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
             job_pb2.ReplicaGroup(role="main", replicas=1, command=["true"])])

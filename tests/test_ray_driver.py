@@ -18,6 +18,7 @@ import pytest
 from dlsched.kit.rpc_errors import error_info
 from dlsched.v1 import driver_service_pb2 as dpb
 from dlsched.v1 import driver_service_pb2_grpc, job_pb2
+from tests import security
 from tests.harness import ServiceProcess
 from tests.ray_head import RayHead, started_driver, started_head
 
@@ -44,7 +45,7 @@ def driver(head: RayHead) -> Iterator[ServiceProcess]:
 
 @pytest.fixture
 async def stub(driver: ServiceProcess, head: RayHead) -> AsyncIterator[driver_service_pb2_grpc.DriverServiceStub]:
-    async with grpc.aio.insecure_channel(driver.address) as ch:
+    async with security.channel(driver.address) as ch:
         s = driver_service_pb2_grpc.DriverServiceStub(ch)
         await s.ConfigureCluster(dpb.ConfigureClusterRequest(cluster=CLUSTER, address=head.address,
                                                              options={"python": PY}), timeout=20)
@@ -376,7 +377,7 @@ async def test_retried_submit_through_the_services_is_one_job_and_one_ray_submis
                                                  "--cluster-manager", procs[1].address], name="jm-ray")
         procs.append(jm_proc)
         jm_proc.start()
-        async with grpc.aio.insecure_channel(procs[1].address) as ch:
+        async with security.channel(procs[1].address) as ch:
             cm = cm_grpc.ClusterManagerServiceStub(ch)
             await cm.CreateCluster(cm_pb.CreateClusterRequest(cluster_id="ray", cluster=cluster_pb2.Cluster(
                 type=S.CLUSTER_TYPE_RAY, address=head.address, driver_address=procs[0].address,
@@ -386,7 +387,7 @@ async def test_retried_submit_through_the_services_is_one_job_and_one_ray_submis
                     cluster_pb2.CLUSTER_STATE_READY:
                 assert time.monotonic() < deadline, c
                 await asyncio.sleep(0.3)
-        async with grpc.aio.insecure_channel(jm_proc.address) as ch:
+        async with security.channel(jm_proc.address) as ch:
             jm = jm_grpc.JobManagerServiceStub(ch)
             req = jpb.SubmitJobRequest(spec=single("print('through the stack')"), request_id=new_id("req"))
             a, b = await asyncio.gather(jm.SubmitJob(req, timeout=30), jm.SubmitJob(req, timeout=30))

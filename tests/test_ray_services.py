@@ -29,6 +29,7 @@ from dlsched.v1 import cluster_manager_service_pb2_grpc as cm_grpc
 from dlsched.v1 import cluster_pb2, job_pb2
 from dlsched.v1 import job_manager_service_pb2 as jpb
 from dlsched.v1 import job_manager_service_pb2_grpc as jm_grpc
+from tests import security
 from tests.harness import EtcdServer, ServiceProcess, Stack
 from tests.ray_head import RayHead, started_driver, started_head
 from tests.through_services import (
@@ -78,7 +79,7 @@ def stack(etcd: EtcdServer, head: RayHead, ray_driver: ServiceProcess) -> Iterat
     st = Stack(etcd, f"/dlsched-ray-services-{uuid.uuid4().hex[:8]}/", jm_args=["--stop-grace-seconds", "2"])
     try:
         st.start()
-        with grpc.insecure_channel(st.cm.address) as ch:
+        with security.sync_channel(st.cm.address) as ch:
             cm = cm_grpc.ClusterManagerServiceStub(ch)
             cm.CreateCluster(cm_pb.CreateClusterRequest(
                 cluster_id="ray", request_id=f"register-ray-{uuid.uuid4().hex[:8]}",
@@ -101,7 +102,7 @@ def stack(etcd: EtcdServer, head: RayHead, ray_driver: ServiceProcess) -> Iterat
 @pytest.fixture
 async def jm(stack: Stack) -> AsyncIterator[jm_grpc.JobManagerServiceStub]:
     assert stack.jm is not None
-    async with grpc.aio.insecure_channel(stack.jm.address) as ch:
+    async with security.channel(stack.jm.address) as ch:
         yield jm_grpc.JobManagerServiceStub(ch)
 
 

@@ -28,6 +28,7 @@ from dlsched.v1 import driver_service_pb2 as dpb
 from dlsched.v1 import driver_service_pb2_grpc, job_pb2
 from dlsched.v1 import job_manager_service_pb2 as jpb
 from dlsched.v1 import job_manager_service_pb2_grpc as jm_grpc
+from tests import security
 from tests.harness import ROOT, EtcdServer, ServiceProcess, Stack, pid_alive
 
 S = job_pb2
@@ -63,7 +64,7 @@ def driver() -> Iterator[ServiceProcess]:
 
 @pytest.fixture
 async def stub(driver: ServiceProcess) -> AsyncIterator[driver_service_pb2_grpc.DriverServiceStub]:
-    async with grpc.aio.insecure_channel(driver.address) as ch:
+    async with security.channel(driver.address) as ch:
         s = driver_service_pb2_grpc.DriverServiceStub(ch)
         await s.ConfigureCluster(dpb.ConfigureClusterRequest(cluster=CLUSTER), timeout=10)
         yield s
@@ -254,7 +255,7 @@ async def test_mpi_without_mpirun_is_failed_precondition(tmp_path):
     svc = ServiceProcess("drivers.local", ["--state-dir", str(tmp_path / "state")],
                          env={"PATH": str(bindir)}, name="local-driver-no-mpi").start()
     try:
-        async with grpc.aio.insecure_channel(svc.address) as ch:
+        async with security.channel(svc.address) as ch:
             s = driver_service_pb2_grpc.DriverServiceStub(ch)
             info = (await s.ConfigureCluster(dpb.ConfigureClusterRequest(cluster=CLUSTER), timeout=10)).info
             assert S.RUN_MODE_MPI not in info.supported_run_modes
@@ -336,7 +337,7 @@ def stack(etcd: EtcdServer) -> Iterator[Stack]:
 async def jm(stack: Stack) -> AsyncIterator[jm_grpc.JobManagerServiceStub]:
     assert await stack.register_local() == CLUSTER
     assert stack.jm is not None
-    async with grpc.aio.insecure_channel(stack.jm.address) as ch:
+    async with security.channel(stack.jm.address) as ch:
         yield jm_grpc.JobManagerServiceStub(ch)
 
 

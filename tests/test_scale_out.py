@@ -23,6 +23,7 @@ from dlsched.v1 import cluster_manager_service_pb2_grpc as cm_grpc
 from dlsched.v1 import cluster_pb2, job_pb2
 from dlsched.v1 import job_manager_service_pb2 as pb
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
+from tests import security
 from tests.harness import EtcdServer, ServiceProcess
 
 TTL = 2
@@ -110,7 +111,7 @@ class Watcher:
 
 @pytest.fixture
 async def stubs(pair: Pair) -> AsyncIterator[tuple[list[pb_grpc.JobManagerServiceStub], list[grpc.aio.Channel]]]:
-    chans = [grpc.aio.insecure_channel(p.address) for p in [*pair.jms, *pair.cms]]
+    chans = [security.channel(p.address) for p in [*pair.jms, *pair.cms]]
     try:
         yield [pb_grpc.JobManagerServiceStub(c) for c in chans[:2]], chans
     finally:

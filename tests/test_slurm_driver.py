@@ -27,7 +27,7 @@ from dlsched.v1 import cluster_pb2, driver_service_pb2_grpc, job_pb2
 from dlsched.v1 import driver_service_pb2 as dpb
 from drivers.slurm import render
 from drivers.slurm.poller import MIN_INTERVAL
-from tests import slurm_cluster
+from tests import security, slurm_cluster
 from tests.harness import ServiceProcess, backend_calls
 
 asyncssh = pytest.importorskip("asyncssh")
@@ -65,7 +65,7 @@ def configure_request(c: slurm_cluster.SlurmCluster, name: str = CLUSTER,
 @pytest.fixture
 async def stub(driver: ServiceProcess, cluster: slurm_cluster.SlurmCluster
                ) -> AsyncIterator[driver_service_pb2_grpc.DriverServiceStub]:
-    async with grpc.aio.insecure_channel(driver.address) as ch:
+    async with security.channel(driver.address) as ch:
         s = driver_service_pb2_grpc.DriverServiceStub(ch)
         await s.ConfigureCluster(configure_request(cluster), timeout=30)
         yield s
@@ -561,7 +561,7 @@ async def test_a_new_driver_process_adopts_earlier_jobs_and_never_submits_them_a
              for j in (before_round, observed_only, after_round)}
     other = ServiceProcess("drivers.slurm", ["--poll-interval", "0.3"], name="slurm-driver-2").start()
     try:
-        async with grpc.aio.insecure_channel(other.address) as ch:
+        async with security.channel(other.address) as ch:
             fresh = driver_service_pb2_grpc.DriverServiceStub(ch)
             await fresh.ConfigureCluster(configure_request(cluster), timeout=30)
             again = await launch(fresh, before_round, single("import time; time.sleep(2)"))
@@ -592,7 +592,7 @@ async def test_metrics_count_every_remote_command_and_poll_round(cluster, tmp_pa
     svc = ServiceProcess("drivers.slurm", ["--poll-interval", "0.3", "--metrics-listen", "127.0.0.1:0"],
                          name="slurm-driver-metrics").start()
     try:
-        async with grpc.aio.insecure_channel(svc.address) as ch:
+        async with security.channel(svc.address) as ch:
             s = driver_service_pb2_grpc.DriverServiceStub(ch)
             req = configure_request(cluster)
             req.options["PATH"] = slurm_cluster.command_log_path(
@@ -748,7 +748,7 @@ async def test_a_follower_streams_on_one_channel_with_each_line_dated(cluster, t
     svc = ServiceProcess("drivers.slurm", ["--poll-interval", "0.3", "--metrics-listen", "127.0.0.1:0"],
                          name="slurm-driver-streams").start()
     try:
-        async with grpc.aio.insecure_channel(svc.address) as ch:
+        async with security.channel(svc.address) as ch:
             s = driver_service_pb2_grpc.DriverServiceStub(ch)
             await s.ConfigureCluster(configure_request(cluster), timeout=30)
             jid = new_id("stream")

@@ -38,7 +38,7 @@ from dlsched.v1 import cluster_manager_service_pb2_grpc as cm_grpc
 from dlsched.v1 import cluster_pb2, job_pb2
 from dlsched.v1 import job_manager_service_pb2 as jpb
 from dlsched.v1 import job_manager_service_pb2_grpc as jm_grpc
-from tests import slurm_cluster
+from tests import security, slurm_cluster
 from tests.harness import EtcdServer, ServiceProcess, Stack
 from tests.through_services import (
     TERMINAL,
@@ -97,7 +97,7 @@ def stack(etcd: EtcdServer, slurm: slurm_cluster.SlurmCluster, slurm_driver: Ser
     st = Stack(etcd, f"/dlsched-slurm-services-{uuid.uuid4().hex[:8]}/", jm_args=["--stop-grace-seconds", "2"])
     try:
         st.start()
-        with grpc.insecure_channel(st.cm.address) as ch:
+        with security.sync_channel(st.cm.address) as ch:
             cm = cm_grpc.ClusterManagerServiceStub(ch)
             creds = C.ClusterCredentials(ssh=C.SshCredentials(
                 username=slurm.user, private_key=slurm.user_key, known_host_keys=[slurm.host_key_pub]))
@@ -120,13 +120,13 @@ def stack(etcd: EtcdServer, slurm: slurm_cluster.SlurmCluster, slurm_driver: Ser
 @pytest.fixture
 async def jm(stack: Stack) -> AsyncIterator[jm_grpc.JobManagerServiceStub]:
     assert stack.jm is not None
-    async with grpc.aio.insecure_channel(stack.jm.address) as ch:
+    async with security.channel(stack.jm.address) as ch:
         yield jm_grpc.JobManagerServiceStub(ch)
 
 
 @pytest.fixture
 async def cm(stack: Stack) -> AsyncIterator[cm_grpc.ClusterManagerServiceStub]:
-    async with grpc.aio.insecure_channel(stack.cm.address) as ch:
+    async with security.channel(stack.cm.address) as ch:
         yield cm_grpc.ClusterManagerServiceStub(ch)
 
 

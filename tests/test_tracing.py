@@ -17,7 +17,6 @@ import time
 import uuid
 from collections.abc import Iterator
 
-import grpc
 import pytest
 
 from dlsched.v1 import cluster_manager_service_pb2 as cm_pb
@@ -25,6 +24,7 @@ from dlsched.v1 import cluster_manager_service_pb2_grpc as cm_grpc
 from dlsched.v1 import cluster_pb2, job_pb2
 from dlsched.v1 import job_manager_service_pb2 as pb
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
+from tests import security
 from tests.harness import EtcdServer, Stack
 
 SECRET = f"tok-{uuid.uuid4().hex}"
@@ -61,12 +61,12 @@ async def test_one_submit_is_one_trace_across_the_three_services(traced) -> None
     stack, out = traced
     assert stack.jm is not None
     await stack.register_local()
-    async with grpc.aio.insecure_channel(stack.cm.address) as ch:
+    async with security.channel(stack.cm.address) as ch:
         # A second cluster with a credential that must never show up anywhere.
         await cm_grpc.ClusterManagerServiceStub(ch).CreateCluster(cm_pb.CreateClusterRequest(cluster_id="secretive", cluster=cluster_pb2.Cluster(
             type=job_pb2.CLUSTER_TYPE_RAY, address="http://127.0.0.1:1", driver_address=stack.driver.address,
             credentials=cluster_pb2.ClusterCredentials(token=cluster_pb2.TokenCredentials(token=SECRET)))))
-    async with grpc.aio.insecure_channel(stack.jm.address) as ch:
+    async with security.channel(stack.jm.address) as ch:
         spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
             job_pb2.ReplicaGroup(role="main", replicas=1, command=["true"])])
         submitted = (await pb_grpc.JobManagerServiceStub(ch).SubmitJob(pb.SubmitJobRequest(spec=spec))).job

@@ -68,6 +68,8 @@ def _evaluate(job: JobRequirements, c: Cluster, need: _Totals) -> Candidate:
             have = c.labels.get(k)
             refusals.append(f"label {k}={v} wanted, cluster has "
                             + (f"{k}={have}" if have is not None else f"no label {k}"))
+    if c.allowed_projects and job.project and job.project not in c.allowed_projects:
+        refusals.append(f"project {job.project} may not use this cluster")
     if refusals:
         return _refused(c, refusals)
     if c.state is not ClusterState.READY:

@@ -142,6 +142,7 @@ class Cluster:
     update_time: datetime | None = None
     last_heartbeat_time: datetime | None = None
     etag: str = ""
+    allowed_projects: tuple[str, ...] = ()  # empty: every project
 
     @property
     def name(self) -> str:
@@ -210,6 +211,7 @@ class JobRequirements:
     run_mode: RunMode
     replica_groups: tuple[ReplicaGroup, ...]
     selector: Selector = field(default_factory=Selector)
+    project: str = ""  # the job's project; "" skips the project check
 
 
 @dataclass(frozen=True)

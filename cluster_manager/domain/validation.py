@@ -25,7 +25,21 @@ MAX_OPTION_VALUE = 4096
 MAX_ADDRESS = 512
 
 # Fields UpdateCluster may change (update_mask paths).
-UPDATABLE_FIELDS = ("address", "credentials", "labels", "driver_address", "options")
+UPDATABLE_FIELDS = ("address", "credentials", "labels", "driver_address", "options",
+                    "allowed_projects")
+_PROJECT_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def check_allowed_projects(projects: Iterable[str], field: str) -> list[FieldViolation]:
+    out: list[FieldViolation] = []
+    ps = list(projects)
+    if len(ps) > 1000:
+        out.append(FieldViolation(field, "at most 1000 projects"))
+        return out
+    for i, p in enumerate(ps):
+        if not _PROJECT_RE.fullmatch(p):
+            out.append(FieldViolation(f"{field}[{i}]", "a lowercase DNS label"))
+    return out
 
 
 def raise_if(violations: list[FieldViolation], what: str = "invalid cluster") -> None:
@@ -194,6 +208,7 @@ def check_new_cluster(cluster_id: str, cluster: Cluster, creds: Credentials | No
     out += check_driver_address(cluster.driver_address, "cluster.driver_address")
     out += check_labels(cluster.labels, "cluster.labels")
     out += check_options(cluster.options, "cluster.options")
+    out += check_allowed_projects(cluster.allowed_projects, "cluster.allowed_projects")
     return out
 
 
@@ -227,4 +242,6 @@ def check_updated_cluster(updated: Cluster, creds: Credentials | None,
         out += check_options(updated.options, "cluster.options")
     if "credentials" in ps:
         out += check_credentials(updated.type, creds, "cluster.credentials")
+    if "allowed_projects" in ps:
+        out += check_allowed_projects(updated.allowed_projects, "cluster.allowed_projects")
     return out

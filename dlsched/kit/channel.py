@@ -54,3 +54,81 @@ def options(*, round_robin: bool = False) -> list[tuple[str, Any]]:
 
 def insecure_channel(target: str, *, round_robin: bool = False) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(target, options=options(round_robin=round_robin))
+
+
+class TokenSource:
+    """Where a client's bearer token comes from: a literal, a file (re-read
+    when it changes, checked at most every 5 s) or a command whose output is
+    kept for 5 minutes (e.g. an identity provider's CLI)."""
+
+    def __init__(self, *, token: str | None = None, file: str | None = None,
+                 command: str | None = None) -> None:
+        import time
+
+        self._token = token
+        self._file = file
+        self._command = command
+        self._clock = time.monotonic
+        self._checked = -1e9
+        self._stamp: tuple[int, int] | None = None
+        self._ttl = 5.0 if file else 300.0
+
+    def __bool__(self) -> bool:
+        return bool(self._token or self._file or self._command)
+
+    def get(self) -> str | None:
+        if self._token is not None and not (self._file or self._command):
+            return self._token
+        now = self._clock()
+        if now - self._checked < self._ttl and self._token is not None:
+            return self._token
+        self._checked = now
+        if self._file:
+            import os
+
+            st = os.stat(self._file)
+            stamp = (st.st_mtime_ns, st.st_size)
+            if stamp != self._stamp or self._token is None:
+                with open(self._file) as f:
+                    self._token = f.readline().strip()
+                self._stamp = stamp
+        elif self._command:
+            import shlex
+            import subprocess
+
+            out = subprocess.run(shlex.split(self._command), capture_output=True, text=True,
+                                 timeout=30, check=True).stdout
+            self._token = out.strip().splitlines()[0] if out.strip() else None
+        return self._token
+
+
+class _Bearer:
+    def __init__(self, source: TokenSource) -> None:
+        self._source = source
+
+    def _details(self, d: Any) -> Any:
+        token = self._source.get()
+        if not token:
+            return d
+        md = list(d.metadata or ())
+        md.append(("authorization", f"Bearer {token}"))
+        return grpc.aio.ClientCallDetails(d.method, d.timeout, md, d.credentials, d.wait_for_ready)
+
+
+class _BearerUnary(_Bearer, grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    async def intercept_unary_unary(self, continuation: Any, client_call_details: Any,
+                                    request: Any) -> Any:
+        return await continuation(self._details(client_call_details), request)
+
+
+class _BearerStream(_Bearer, grpc.aio.UnaryStreamClientInterceptor):  # type: ignore[misc]
+    async def intercept_unary_stream(self, continuation: Any, client_call_details: Any,
+                                     request: Any) -> Any:
+        return await continuation(self._details(client_call_details), request)
+
+
+def bearer_interceptors(source: TokenSource) -> list[Any]:
+    """Interceptors that add ``authorization: Bearer <token>`` to every unary
+    and server-streaming call of a channel (grpc.aio files an interceptor
+    under its first kind only, hence one per kind)."""
+    return [_BearerUnary(source), _BearerStream(source)]

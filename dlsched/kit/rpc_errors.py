@@ -40,6 +40,8 @@ _CLASS_BY_CODE: dict[str, type[errors.DlschedError]] = {
     "DEADLINE_EXCEEDED": errors.DeadlineExceeded,
     "RESOURCE_EXHAUSTED": errors.ResourceExhausted,
     "INTERNAL": errors.Internal,
+    "UNAUTHENTICATED": errors.Unauthenticated,
+    "PERMISSION_DENIED": errors.PermissionDenied,
 }
 
 

@@ -26,6 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from dlsched.kit import tls as tls_kit
 from dlsched.kit.metrics import MetricsEndpoint, MetricsInterceptor, serve_metrics
 from dlsched.kit.rpc_errors import ErrorInterceptor
 
@@ -52,6 +53,11 @@ class ServerOptions:
     max_message_bytes: int = 8 * 1024 * 1024
     metrics_listen: str | None = None  # HOST:PORT for /metrics; None serves none
     extra_options: Sequence[tuple[str, Any]] = field(default_factory=tuple)
+    # TLS (the default None is plaintext: tests of the kit itself only).
+    tls: tls_kit.TlsOptions | None = None
+    require_client_cert: bool = False  # mutual TLS (drivers)
+    # Authentication of every call but health and reflection (dlsched.auth).
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = field(default_factory=tuple)
 
 
 @dataclass
@@ -113,7 +119,8 @@ async def start_server(opts: ServerOptions, registrations: Sequence[Registration
         *opts.extra_options,
     ]
     # Metrics outside the error mapping, so they count the code the client sees.
-    server = grpc.aio.server(interceptors=[MetricsInterceptor(), ErrorInterceptor()], options=options)
+    server = grpc.aio.server(
+        interceptors=[MetricsInterceptor(), ErrorInterceptor(), *opts.interceptors], options=options)
     names = []
     for r in registrations:
         r.add_to_server(r.servicer, server)
@@ -125,7 +132,8 @@ async def start_server(opts: ServerOptions, registrations: Sequence[Registration
         server,
     )
     host, _, port = opts.listen.rpartition(":")
-    bound = server.add_insecure_port(opts.listen)
+    bound = tls_kit.bind(server, opts.listen, opts.tls or tls_kit.TlsOptions(insecure=True),
+                     require_client_cert=opts.require_client_cert, service=announce_as)
     if bound == 0:
         raise OSError(f"cannot bind {opts.listen}")
     await server.start()

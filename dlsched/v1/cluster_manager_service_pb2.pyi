@@ -105,10 +105,12 @@ class WatchClustersResponse(_message.Message):
     def __init__(self, type: _Optional[_Union[_job_pb2.WatchEventType, str]] = ..., cluster: _Optional[_Union[_cluster_pb2.Cluster, _Mapping]] = ..., resume_token: _Optional[str] = ...) -> None: ...
 
 class MatchClustersRequest(_message.Message):
-    __slots__ = ("spec",)
+    __slots__ = ("spec", "project")
     SPEC_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_FIELD_NUMBER: _ClassVar[int]
     spec: _job_pb2.JobSpec
-    def __init__(self, spec: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ...) -> None: ...
+    project: str
+    def __init__(self, spec: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., project: _Optional[str] = ...) -> None: ...
 
 class MatchClustersResponse(_message.Message):
     __slots__ = ("candidates",)

@@ -112,6 +112,13 @@ class ClusterManagerServiceServicer:
 
     def UpdateCluster(self, request, context):
         """Updates the fields of a cluster named in update_mask.
+
+        Credentials never follow a cluster to a new place: an update that changes
+        address or driver_address to a different value and does not also set
+        credentials (in the mask) deletes the stored credentials, so
+        has_credentials becomes false and they are never sent to the new address
+        or driver. To move a cluster and keep credentials, supply them again in
+        the same call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

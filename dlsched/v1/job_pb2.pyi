@@ -156,7 +156,7 @@ class ClusterSelector(_message.Message):
     def __init__(self, cluster: _Optional[str] = ..., cluster_type: _Optional[_Union[ClusterType, str]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class JobSpec(_message.Message):
-    __slots__ = ("run_mode", "replica_groups", "cluster_selector", "queue", "time_limit", "max_retries", "labels")
+    __slots__ = ("run_mode", "replica_groups", "cluster_selector", "queue", "time_limit", "max_retries", "labels", "project")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -171,6 +171,7 @@ class JobSpec(_message.Message):
     TIME_LIMIT_FIELD_NUMBER: _ClassVar[int]
     MAX_RETRIES_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_FIELD_NUMBER: _ClassVar[int]
     run_mode: RunMode
     replica_groups: _containers.RepeatedCompositeFieldContainer[ReplicaGroup]
     cluster_selector: ClusterSelector
@@ -178,7 +179,8 @@ class JobSpec(_message.Message):
     time_limit: _duration_pb2.Duration
     max_retries: int
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, run_mode: _Optional[_Union[RunMode, str]] = ..., replica_groups: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ..., cluster_selector: _Optional[_Union[ClusterSelector, _Mapping]] = ..., queue: _Optional[str] = ..., time_limit: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_retries: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    project: str
+    def __init__(self, run_mode: _Optional[_Union[RunMode, str]] = ..., replica_groups: _Optional[_Iterable[_Union[ReplicaGroup, _Mapping]]] = ..., cluster_selector: _Optional[_Union[ClusterSelector, _Mapping]] = ..., queue: _Optional[str] = ..., time_limit: _Optional[_Union[datetime.timedelta, _duration_pb2.Duration, _Mapping]] = ..., max_retries: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., project: _Optional[str] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
     __slots__ = ("role", "index", "state", "exit_code", "host", "message")
@@ -197,7 +199,7 @@ class ReplicaStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., index: _Optional[int] = ..., state: _Optional[_Union[ReplicaState, str]] = ..., exit_code: _Optional[int] = ..., host: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
 
 class Job(_message.Message):
-    __slots__ = ("name", "uid", "spec", "state", "reason", "message", "exit_code", "replicas", "cluster", "backend_job_id", "create_time", "update_time", "start_time", "end_time", "labels", "attempt", "etag", "backend_restarts")
+    __slots__ = ("name", "uid", "spec", "state", "reason", "message", "exit_code", "replicas", "cluster", "backend_job_id", "create_time", "update_time", "start_time", "end_time", "labels", "attempt", "etag", "backend_restarts", "owner", "project")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +225,8 @@ class Job(_message.Message):
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     ETAG_FIELD_NUMBER: _ClassVar[int]
     BACKEND_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    PROJECT_FIELD_NUMBER: _ClassVar[int]
     name: str
     uid: str
     spec: JobSpec
@@ -241,7 +245,9 @@ class Job(_message.Message):
     attempt: int
     etag: str
     backend_restarts: int
-    def __init__(self, name: _Optional[str] = ..., uid: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., cluster: _Optional[str] = ..., backend_job_id: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., attempt: _Optional[int] = ..., etag: _Optional[str] = ..., backend_restarts: _Optional[int] = ...) -> None: ...
+    owner: str
+    project: str
+    def __init__(self, name: _Optional[str] = ..., uid: _Optional[str] = ..., spec: _Optional[_Union[JobSpec, _Mapping]] = ..., state: _Optional[_Union[JobState, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ..., cluster: _Optional[str] = ..., backend_job_id: _Optional[str] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., attempt: _Optional[int] = ..., etag: _Optional[str] = ..., backend_restarts: _Optional[int] = ..., owner: _Optional[str] = ..., project: _Optional[str] = ...) -> None: ...
 
 class LogEntry(_message.Message):
     __slots__ = ("role", "replica_index", "stream", "text", "time")

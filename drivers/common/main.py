@@ -22,6 +22,8 @@ import typing
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from dlsched.auth.authn import Authenticator
+from dlsched.auth.interceptor import AuthInterceptor
 from dlsched.kit import logs, tracing
 from dlsched.kit.server import (
     Registration,
@@ -30,6 +32,7 @@ from dlsched.kit.server import (
     serve_until_signal,
     start_server,
 )
+from dlsched.kit.tls import DEFAULT_CONTROL_PLANE, TlsOptions, add_tls_flags, tls_options_from_args
 from dlsched.v1 import driver_service_pb2_grpc
 from drivers.common.base import Driver
 from drivers.common.servicer import DriverServicer
@@ -48,6 +51,9 @@ class ServeConfig:
     metrics_listen: str | None = None
     trace_export: str | None = None
     log_format: str = "text"
+    tls: TlsOptions = TlsOptions(insecure=True)
+    # Client-certificate names (CN or DNS SAN) that may call: the control plane only.
+    allowed_clients: tuple[str, ...] = DEFAULT_CONTROL_PLANE
 
 
 def _flag(name: str) -> str:
@@ -70,6 +76,10 @@ def build_parser(name: str, config_type: type[Any] | None) -> argparse.ArgumentP
     p.add_argument("--port-file", default=None, help="write the bound HOST:PORT here")
     p.add_argument("--log-level", default="INFO")
     add_observability_flags(p)
+    add_tls_flags(p)
+    p.add_argument("--allowed-clients", default=",".join(DEFAULT_CONTROL_PLANE),
+                   help="client-certificate names (CN or DNS SAN) allowed to call this driver "
+                        "(default: job-manager,cluster-manager)")
     if config_type is not None:
         hints = typing.get_type_hints(config_type)
         for f in dataclasses.fields(config_type):
@@ -90,10 +100,13 @@ def build_parser(name: str, config_type: type[Any] | None) -> argparse.ArgumentP
 
 def parse_config(name: str, argv: Sequence[str] | None,
                  config_type: type[C] | None) -> tuple[ServeConfig, C | None]:
-    ns = build_parser(name, config_type).parse_args(argv)
+    parser = build_parser(name, config_type)
+    ns = parser.parse_args(argv)
     serve = ServeConfig(listen=ns.listen, port_file=ns.port_file, log_level=ns.log_level,
                         metrics_listen=ns.metrics_listen, trace_export=ns.trace_export,
-                        log_format=ns.log_format)
+                        log_format=ns.log_format, tls=tls_options_from_args(ns, parser),
+                        allowed_clients=tuple(s.strip() for s in ns.allowed_clients.split(",")
+                                              if s.strip()))
     if config_type is None:
         return serve, None
     values = {f.name: getattr(ns, f"cfg_{f.name}") for f in dataclasses.fields(config_type)}  # type: ignore[arg-type]
@@ -103,8 +116,15 @@ def parse_config(name: str, argv: Sequence[str] | None,
 async def serve_driver(driver: Driver, serve: ServeConfig, *, name: str) -> None:
     await driver.start()
     try:
+        # Mutual TLS, and only the control plane's certificates may call; with
+        # --insecure the mesh must do both (the warning says so).
+        interceptors = [] if serve.tls.insecure else [AuthInterceptor(
+            Authenticator(None, control_plane_identities=frozenset(serve.allowed_clients)).authenticate,
+            control_plane_only=True)]
         running = await start_server(
-            ServerOptions(listen=serve.listen, port_file=serve.port_file, metrics_listen=serve.metrics_listen),
+            ServerOptions(listen=serve.listen, port_file=serve.port_file,
+                          metrics_listen=serve.metrics_listen, tls=serve.tls,
+                          require_client_cert=not serve.tls.insecure, interceptors=interceptors),
             [Registration(driver_service_pb2_grpc.add_DriverServiceServicer_to_server,
                           DriverServicer(driver), DriverServicer.FULL_NAME)],
             announce_as=f"driver-{name}",

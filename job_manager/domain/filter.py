@@ -30,6 +30,10 @@ class Term:
             got = int(job.spec.run_mode)
         elif self.field == "cluster":
             got = job.cluster
+        elif self.field == "project":
+            got = job.project or "default"
+        elif self.field == "owner":
+            got = job.owner
         else:
             key = self.field[len("labels."):]
             if key not in job.labels:
@@ -80,10 +84,12 @@ def parse_filter(text: str) -> Filter:
             value = _enum_value(RunMode, "RUN_MODE_", raw)
         elif field == "cluster":
             value = raw if raw.startswith("clusters/") else f"clusters/{raw}"
-        elif field.startswith("labels.") and len(field) > len("labels."):
+        elif field in ("project", "owner") or (
+                field.startswith("labels.") and len(field) > len("labels.")):
             value = raw
         else:
             raise InvalidArgument.for_field(
-                "filter", f"unknown field {field!r}; one of state, cluster, run_mode, labels.KEY")
+                "filter", f"unknown field {field!r}; one of state, cluster, run_mode, project, "
+                "owner, labels.KEY")
         terms.append(Term(field, op == "!=", value))
     return Filter(tuple(terms))

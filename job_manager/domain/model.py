@@ -91,6 +91,7 @@ class JobSpec:
     time_limit: float | None = None
     max_retries: int = 0
     labels: dict[str, str] = field(default_factory=dict)
+    project: str = ""
 
 
 @dataclass
@@ -125,6 +126,8 @@ class Job:
     attempt: int = 0
     etag: str = ""
     backend_restarts: int = 0  # the backend restarted this attempt on its own (a Slurm requeue)
+    owner: str = ""  # the principal that submitted it
+    project: str = ""  # the project it belongs to (spec.project as resolved)
 
     @property
     def name(self) -> str:

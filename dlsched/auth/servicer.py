@@ -1,0 +1,137 @@
+"""dlsched.v1.AccessService: transport only, over ``AccessStore``.
+
+Served next to JobManagerService. Every method but GetCaller is for admins.
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import UTC, datetime
+
+import grpc
+
+from dlsched.auth.interceptor import caller
+from dlsched.auth.model import (
+    ALL_PROJECTS,
+    ApiToken,
+    Role,
+    RoleBinding,
+    check_principal,
+    check_project,
+)
+from dlsched.auth.store import AccessStore, ApiTokenNotFound, RoleBindingNotFound
+from dlsched.auth.tokens import new_api_token
+from dlsched.errors import InvalidArgument
+from dlsched.kit.timeutil import to_timestamp
+from dlsched.v1 import access_pb2, access_service_pb2_grpc
+from dlsched.v1 import access_service_pb2 as pb
+
+_SA_MAX = 63
+
+
+def _binding_to_proto(b: RoleBinding) -> access_pb2.RoleBinding:
+    p = access_pb2.RoleBinding(name=f"roleBindings/{b.id}", uid=b.id, principal=b.principal,
+                               project=b.project, role=int(b.role), creator=b.creator)
+    if b.create_time:
+        p.create_time.CopyFrom(to_timestamp(b.create_time))
+    return p
+
+
+def _token_to_proto(t: ApiToken) -> access_pb2.ApiToken:
+    p = access_pb2.ApiToken(name=f"apiTokens/{t.id}", uid=t.id, service_account=t.service_account,
+                            description=t.description, creator=t.creator)
+    if t.create_time:
+        p.create_time.CopyFrom(to_timestamp(t.create_time))
+    if t.expire_time:
+        p.expire_time.CopyFrom(to_timestamp(t.expire_time))
+    return p
+
+
+def _id_from_name(name: str, collection: str, field: str) -> str:
+    prefix = f"{collection}/"
+    rid = name[len(prefix):] if name.startswith(prefix) else ""
+    if not rid or not rid.isascii() or not rid.isalnum() or len(rid) > 64:
+        raise InvalidArgument.for_field(field, f"want '{collection}/<id>'")
+    return rid
+
+
+class AccessServicer(access_service_pb2_grpc.AccessServiceServicer):
+    def __init__(self, store: AccessStore) -> None:
+        self.store = store
+
+    async def GetCaller(self, request: pb.GetCallerRequest,  # noqa: N802
+                        context: grpc.aio.ServicerContext) -> pb.GetCallerResponse:
+        p = caller()
+        return pb.GetCallerResponse(
+            principal=p.name, admin=p.admin,
+            roles=[access_pb2.ProjectRole(project=proj, role=int(r))
+                   for proj, r in sorted(p.roles.items())])
+
+    async def CreateRoleBinding(self, request: pb.CreateRoleBindingRequest,  # noqa: N802
+                                context: grpc.aio.ServicerContext) -> pb.CreateRoleBindingResponse:
+        p = caller()
+        p.require_admin("managing role bindings")
+        rb = request.role_binding
+        check_principal(rb.principal, "role_binding.principal")
+        check_project(rb.project, "role_binding.project", allow_all=True)
+        if rb.role not in (Role.VIEWER, Role.MEMBER, Role.ADMIN):
+            raise InvalidArgument.for_field("role_binding.role", "ROLE_VIEWER, ROLE_MEMBER or ROLE_ADMIN")
+        if rb.role == Role.ADMIN and rb.project != ALL_PROJECTS:
+            raise InvalidArgument.for_field("role_binding.role", "ROLE_ADMIN is bound to project '*' only")
+        b = await self.store.put_binding(RoleBinding(
+            secrets.token_hex(8), rb.principal, rb.project, Role(rb.role),
+            datetime.now(UTC), p.name))
+        return pb.CreateRoleBindingResponse(role_binding=_binding_to_proto(b))
+
+    async def ListRoleBindings(self, request: pb.ListRoleBindingsRequest,  # noqa: N802
+                               context: grpc.aio.ServicerContext) -> pb.ListRoleBindingsResponse:
+        caller().require_admin("listing role bindings")
+        out = [b for b in self.store.bindings.values()
+               if (not request.principal or b.principal == request.principal)
+               and (not request.project or b.project == request.project)]
+        out.sort(key=lambda b: (b.principal, b.project, b.id))
+        return pb.ListRoleBindingsResponse(role_bindings=[_binding_to_proto(b) for b in out])
+
+    async def DeleteRoleBinding(self, request: pb.DeleteRoleBindingRequest,  # noqa: N802
+                                context: grpc.aio.ServicerContext) -> pb.DeleteRoleBindingResponse:
+        caller().require_admin("managing role bindings")
+        bid = _id_from_name(request.name, "roleBindings", "name")
+        if bid not in self.store.bindings:
+            raise RoleBindingNotFound(f"{request.name} not found", metadata={"name": request.name})
+        await self.store.delete_binding(bid)
+        return pb.DeleteRoleBindingResponse()
+
+    async def CreateApiToken(self, request: pb.CreateApiTokenRequest,  # noqa: N802
+                             context: grpc.aio.ServicerContext) -> pb.CreateApiTokenResponse:
+        p = caller()
+        p.require_admin("managing API tokens")
+        t = request.api_token
+        check_principal(f"sa:{t.service_account}", "api_token.service_account")
+        if len(t.description) > 256:
+            raise InvalidArgument.for_field("api_token.description", "at most 256 characters")
+        expire = None
+        if t.HasField("expire_time"):
+            expire = t.expire_time.ToDatetime(tzinfo=UTC)
+            if expire <= datetime.now(UTC):
+                raise InvalidArgument.for_field("api_token.expire_time", "must be in the future")
+        tid, secret, digest = new_api_token()
+        rec = ApiToken(tid, t.service_account, digest, t.description, expire, datetime.now(UTC), p.name)
+        await self.store.put_token(rec)
+        return pb.CreateApiTokenResponse(api_token=_token_to_proto(rec), secret=secret)
+
+    async def ListApiTokens(self, request: pb.ListApiTokensRequest,  # noqa: N802
+                            context: grpc.aio.ServicerContext) -> pb.ListApiTokensResponse:
+        caller().require_admin("listing API tokens")
+        out = sorted((t for t in self.store.tokens.values()
+                      if not request.service_account or t.service_account == request.service_account),
+                     key=lambda t: (t.service_account, t.id))
+        return pb.ListApiTokensResponse(api_tokens=[_token_to_proto(t) for t in out])
+
+    async def DeleteApiToken(self, request: pb.DeleteApiTokenRequest,  # noqa: N802
+                             context: grpc.aio.ServicerContext) -> pb.DeleteApiTokenResponse:
+        caller().require_admin("managing API tokens")
+        tid = _id_from_name(request.name, "apiTokens", "name")
+        if tid not in self.store.tokens:
+            raise ApiTokenNotFound(f"{request.name} not found", metadata={"name": request.name})
+        await self.store.delete_token(tid)
+        return pb.DeleteApiTokenResponse()
