@@ -28,6 +28,7 @@ from google.protobuf import field_mask_pb2
 from cluster_manager.domain.models import Cluster, ClusterType, Credentials, CredentialsKind
 from cluster_manager.store import ClusterStore
 from dlsched.errors import DlschedError
+from dlsched.kit import tls as tls_kit
 from dlsched.kit.envelope import (
     MAGIC,
     DecryptError,
@@ -39,6 +40,7 @@ from dlsched.kit.envelope import (
 from dlsched.v1 import cluster_manager_service_pb2 as pb
 from dlsched.v1 import cluster_manager_service_pb2_grpc as pb_grpc
 from dlsched.v1 import cluster_pb2, driver_service_pb2, driver_service_pb2_grpc, job_pb2
+from tests import security
 from tests.harness import ROOT, EtcdServer, ServiceProcess
 
 WAIT = 15.0
@@ -315,7 +317,10 @@ class RecordingDriver(driver_service_pb2_grpc.DriverServiceServicer):
     async def start(self) -> RecordingDriver:
         self.server = grpc.aio.server()
         driver_service_pb2_grpc.add_DriverServiceServicer_to_server(self, self.server)
-        port = self.server.add_insecure_port("127.0.0.1:0")
+        # A real TLS server the CA vouches for: even a driver that looks
+        # legitimate must not receive credentials it was not given for.
+        port = tls_kit.bind(self.server, "127.0.0.1:0", security.current().service_tls(),
+                            require_client_cert=True, service="recording-driver")
         await self.server.start()
         self.address = f"127.0.0.1:{port}"
         return self
@@ -380,13 +385,13 @@ def cm(etcd: EtcdServer, etcd_prefix: str) -> Iterator[ServiceProcess]:
 
 
 async def create(address: str, cid: str, c: cluster_pb2.Cluster) -> cluster_pb2.Cluster:
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with security.channel(address) as ch:
         return (await pb_grpc.ClusterManagerServiceStub(ch).CreateCluster(
             pb.CreateClusterRequest(cluster_id=cid, cluster=c))).cluster
 
 
 async def update(address: str, c: cluster_pb2.Cluster, *paths: str) -> cluster_pb2.Cluster:
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with security.channel(address) as ch:
         return (await pb_grpc.ClusterManagerServiceStub(ch).UpdateCluster(
             pb.UpdateClusterRequest(cluster=c, update_mask=field_mask_pb2.FieldMask(
                 paths=list(paths))))).cluster
@@ -396,7 +401,7 @@ async def wait_ready(address: str, *names: str, within: float = WAIT) -> None:
     """Each cluster READY: the driver answered its ConfigureCluster."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + within
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with security.channel(address) as ch:
         stub = pb_grpc.ClusterManagerServiceStub(ch)
         for name in names:
             while (c := (await stub.GetCluster(pb.GetClusterRequest(name=name))).cluster).state \

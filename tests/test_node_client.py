@@ -37,6 +37,8 @@ import pytest
 
 from dlsched.client import JobManagerClient
 from dlsched.v1 import (
+    access_pb2,
+    access_service_pb2,
     cluster_manager_service_pb2,
     cluster_pb2,
     driver_service_pb2,
@@ -53,7 +55,7 @@ WKT_INCLUDE = pathlib.Path(grpc_tools.__file__).parent / "_proto"
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 TERMINAL = {job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_STOPPED}
 STUB_MODULES = (job_pb2, cluster_pb2, job_manager_service_pb2, cluster_manager_service_pb2,
-                driver_service_pb2)
+                driver_service_pb2, access_pb2, access_service_pb2)
 
 
 def _require(tool: str, hint: str) -> str:
@@ -189,7 +191,8 @@ def test_node_client_reports_bad_input_and_exits_2(node: str, server: str) -> No
     r = subprocess.run([node, str(SCRIPT), "--server", server, "--job-id", "Not_A_Valid_Id",
                         "--", "true"], cwd=NODE_DIR, capture_output=True, text=True, timeout=60)
     assert r.returncode == 2, r
-    error = json.loads(r.stderr.splitlines()[0])
+    # Node may print its own warnings (e.g. TLS to an IP address) before ours.
+    error = json.loads(next(x for x in r.stderr.splitlines() if x.startswith("{")))
     assert error["event"] == "error" and error["rpc"] == "SubmitJob", r.stderr
     assert error["code"] == "INVALID_ARGUMENT", r.stderr
     assert [json.loads(line)["event"] for line in r.stdout.splitlines()] == []
@@ -224,7 +227,7 @@ def test_node_reads_every_service_as_the_python_stubs_do(node: str) -> None:
                 for m in svc.methods)
     assert json.loads(r.stdout) == expected
     assert set(expected) == {"dlsched.v1.JobManagerService", "dlsched.v1.ClusterManagerService",
-                             "dlsched.v1.DriverService"}
+                             "dlsched.v1.DriverService", "dlsched.v1.AccessService"}
 
 
 # ---------------------------------------------------------------- protos for every language

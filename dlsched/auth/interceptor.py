@@ -19,7 +19,7 @@ import grpc
 
 from dlsched.auth.audit import AuditLog, is_mutating, object_of
 from dlsched.auth.model import Principal
-from dlsched.errors import DlschedError, Internal, PermissionDenied
+from dlsched.errors import DlschedError, Internal, PermissionDenied, Unauthenticated
 from dlsched.kit.handlers import rewrap
 from dlsched.kit.tls import peer_identities
 
@@ -60,7 +60,16 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self._audit = audit
 
     async def _principal(self, context: grpc.aio.ServicerContext) -> Principal:
-        p = await self._authenticate(_authorization(context), peer_identities(context))
+        peer = peer_identities(context)
+        try:
+            p = await self._authenticate(_authorization(context), peer)
+        except Unauthenticated:
+            if self._control_plane_only and peer:
+                # Drivers: a verified client certificate names who calls; one
+                # that is not the control plane's is known, just not allowed.
+                raise PermissionDenied("only the dlsched control plane may call a driver",
+                                       metadata={"principal": peer[0]}) from None
+            raise
         if self._control_plane_only and not p.control_plane:
             raise PermissionDenied("only the dlsched control plane may call a driver",
                                    metadata={"principal": p.name})

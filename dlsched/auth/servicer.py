@@ -26,12 +26,14 @@ from dlsched.kit.timeutil import to_timestamp
 from dlsched.v1 import access_pb2, access_service_pb2_grpc
 from dlsched.v1 import access_service_pb2 as pb
 
-_SA_MAX = 63
+_ROLE_TO_PB = {Role.VIEWER: access_pb2.ROLE_VIEWER, Role.MEMBER: access_pb2.ROLE_MEMBER,
+               Role.ADMIN: access_pb2.ROLE_ADMIN}
+_ROLE_FROM_PB = {v: k for k, v in _ROLE_TO_PB.items()}
 
 
 def _binding_to_proto(b: RoleBinding) -> access_pb2.RoleBinding:
     p = access_pb2.RoleBinding(name=f"roleBindings/{b.id}", uid=b.id, principal=b.principal,
-                               project=b.project, role=int(b.role), creator=b.creator)
+                               project=b.project, role=_ROLE_TO_PB[b.role], creator=b.creator)
     if b.create_time:
         p.create_time.CopyFrom(to_timestamp(b.create_time))
     return p
@@ -64,8 +66,8 @@ class AccessServicer(access_service_pb2_grpc.AccessServiceServicer):
         p = caller()
         return pb.GetCallerResponse(
             principal=p.name, admin=p.admin,
-            roles=[access_pb2.ProjectRole(project=proj, role=int(r))
-                   for proj, r in sorted(p.roles.items())])
+            roles=[access_pb2.ProjectRole(project=proj, role=_ROLE_TO_PB[r])
+                   for proj, r in sorted(p.roles.items()) if r in _ROLE_TO_PB])
 
     async def CreateRoleBinding(self, request: pb.CreateRoleBindingRequest,  # noqa: N802
                                 context: grpc.aio.ServicerContext) -> pb.CreateRoleBindingResponse:
@@ -74,12 +76,13 @@ class AccessServicer(access_service_pb2_grpc.AccessServiceServicer):
         rb = request.role_binding
         check_principal(rb.principal, "role_binding.principal")
         check_project(rb.project, "role_binding.project", allow_all=True)
-        if rb.role not in (Role.VIEWER, Role.MEMBER, Role.ADMIN):
+        role = _ROLE_FROM_PB.get(rb.role)
+        if role is None:
             raise InvalidArgument.for_field("role_binding.role", "ROLE_VIEWER, ROLE_MEMBER or ROLE_ADMIN")
-        if rb.role == Role.ADMIN and rb.project != ALL_PROJECTS:
+        if role == Role.ADMIN and rb.project != ALL_PROJECTS:
             raise InvalidArgument.for_field("role_binding.role", "ROLE_ADMIN is bound to project '*' only")
         b = await self.store.put_binding(RoleBinding(
-            secrets.token_hex(8), rb.principal, rb.project, Role(rb.role),
+            secrets.token_hex(8), rb.principal, rb.project, role,
             datetime.now(UTC), p.name))
         return pb.CreateRoleBindingResponse(role_binding=_binding_to_proto(b))
 

@@ -173,7 +173,8 @@ def channel(target: str, opts: TlsOptions, *, client_cert: bool = False,
             extra_options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
     """A client channel with the kit's options: verified TLS, or plaintext
     when ``opts.insecure``; with ``token``, every call carries it."""
-    options = [*channel_kit.options(round_robin=round_robin), *extra_options]
+    # extra_options first: of two options with one key, gRPC keeps the first.
+    options = [*extra_options, *channel_kit.options(round_robin=round_robin)]
     interceptors = channel_kit.bearer_interceptors(token) if token else None
     if opts.insecure:
         return grpc.aio.insecure_channel(target, options=options, interceptors=interceptors)

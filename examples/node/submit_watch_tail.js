@@ -35,6 +35,10 @@ const USAGE = `usage: submit_watch_tail.js [options] (--spec FILE | -- COMMAND [
   --watch-filter F       WatchJobs filter, e.g. labels.team=vision; it must match the job
                          (default: every job; events of other jobs are dropped)
   --protos DIR           root of the .proto tree (default: ../../protos from this file)
+  --ca-file FILE         CA bundle the server is verified against (env DLSCHED_CA_FILE)
+  --token-file FILE      bearer token sent on every call (env DLSCHED_TOKEN_FILE; or
+                         env DLSCHED_TOKEN with the token itself)
+  --insecure             plaintext, no TLS (only inside a mesh; env DLSCHED_INSECURE=1)
   -- COMMAND [ARG...]    shorthand for a SINGLE_PROCESS job with one replica running COMMAND`;
 
 const TERMINAL = new Set(['JOB_STATE_SUCCEEDED', 'JOB_STATE_FAILED', 'JOB_STATE_STOPPED']);
@@ -92,6 +96,11 @@ function parseCli(argv) {
       label: { type: 'string', multiple: true, default: [] },
       'watch-filter': { type: 'string', default: '' },
       protos: { type: 'string', default: path.resolve(__dirname, '..', '..', 'protos') },
+      'ca-file': { type: 'string',
+        default: process.env.DLSCHED_CA_FILE || process.env.DLSCHED_TLS_CA_FILE || '' },
+      'token-file': { type: 'string', default: process.env.DLSCHED_TOKEN_FILE || '' },
+      insecure: { type: 'boolean', default: ['1', 'true', 'yes'].includes(
+        (process.env.DLSCHED_INSECURE || '').toLowerCase()) },
       help: { type: 'boolean', short: 'h', default: false },
     },
   });
@@ -124,12 +133,31 @@ function parseCli(argv) {
     requestId: values['request-id'],
     watchFilter: values['watch-filter'],
     protos: values.protos,
+    caFile: values['ca-file'],
+    token: values['token-file']
+      ? fs.readFileSync(values['token-file'], 'utf8').split('\n')[0].trim()
+      : (process.env.DLSCHED_TOKEN || ''),
+    insecure: values.insecure,
   };
 }
 
 // ------------------------------------------------------------------ client
 
-function jobManagerClient(protoRoot, server) {
+// TLS verified against the CA (the system's roots without --ca-file), plus the
+// bearer token as call credentials: "authorization: Bearer <token>" on every call.
+function credentials(opts) {
+  if (opts.insecure) return grpc.credentials.createInsecure();
+  const ssl = grpc.credentials.createSsl(opts.caFile ? fs.readFileSync(opts.caFile) : null);
+  if (!opts.token) return ssl;
+  const bearer = grpc.credentials.createFromMetadataGenerator((_params, callback) => {
+    const md = new grpc.Metadata();
+    md.set('authorization', `Bearer ${opts.token}`);
+    callback(null, md);
+  });
+  return grpc.credentials.combineChannelCredentials(ssl, bearer);
+}
+
+function jobManagerClient(protoRoot, server, opts) {
   const definition = protoLoader.loadSync('dlsched/v1/job_manager_service.proto', {
     includeDirs: [protoRoot],
     keepCase: false, // camelCase, as in protobuf's JSON mapping
@@ -139,7 +167,7 @@ function jobManagerClient(protoRoot, server) {
     oneofs: true,
   });
   const { dlsched } = grpc.loadPackageDefinition(definition);
-  return new dlsched.v1.JobManagerService(server, grpc.credentials.createInsecure(), {
+  return new dlsched.v1.JobManagerService(server, credentials(opts), {
     'grpc.max_receive_message_length': 8 * 1024 * 1024,
   });
 }
@@ -340,7 +368,7 @@ async function main() {
     process.stderr.write(USAGE + '\n');
     return 2;
   }
-  const client = jobManagerClient(opts.protos, opts.server);
+  const client = jobManagerClient(opts.protos, opts.server, opts);
   const watcher = new JobWatcher(client, opts.watchFilter);
   try {
     await watcher.start();
