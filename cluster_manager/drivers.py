@@ -54,10 +54,18 @@ class DriverClients:
     def __init__(self, timeout: float = 5.0, tls: tls_kit.TlsOptions | None = None) -> None:
         self._timeout = timeout
         self._tls = tls or tls_kit.TlsOptions(insecure=True)
+        self._watch = tls_kit.FilesWatch(self._tls)
+        self._retired: list[grpc.aio.Channel] = []
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, pb_grpc.DriverServiceStub] = {}
 
     def _stub(self, address: str) -> pb_grpc.DriverServiceStub:
+        if self._watch.changed():
+            # A renewed certificate: new channels from now on; the old ones
+            # close with the client.
+            self._retired.extend(self._channels.values())
+            self._channels.clear()
+            self._stubs.clear()
         stub = self._stubs.get(address)
         if stub is None:
             if self._tls.insecure:
@@ -98,7 +106,8 @@ class DriverClients:
             raise from_rpc_error(e) from None
 
     async def close(self) -> None:
-        chans = list(self._channels.values())
+        chans = [*self._channels.values(), *self._retired]
         self._channels.clear()
+        self._retired.clear()
         self._stubs.clear()
         await asyncio.gather(*(c.close() for c in chans), return_exceptions=True)

@@ -147,7 +147,8 @@ class ResourceExhausted(DlschedError):
 
 class Unauthenticated(DlschedError):
     """The call carries no valid credential. Says nothing more about why a token
-    failed than its reason (``UNAUTHENTICATED``, ``TOKEN_EXPIRED``, ``TOKEN_REVOKED``)."""
+    failed than its reason (``UNAUTHENTICATED``, ``TOKEN_EXPIRED``): a revoked or
+    unknown token is plain ``UNAUTHENTICATED``."""
 
     code = "UNAUTHENTICATED"
     reason = "UNAUTHENTICATED"

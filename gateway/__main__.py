@@ -1,7 +1,17 @@
 """``python -m gateway``: read the routes from the descriptors, bind, serve.
 
     python -m gateway --listen HOST:PORT --port-file F \\
-        --job-manager HOST:PORT --cluster-manager HOST:PORT
+        --job-manager HOST:PORT --cluster-manager HOST:PORT \\
+        --tls-cert-file F --tls-key-file F --tls-ca-file F [--tls-reload-seconds S]
+
+HTTPS from ``--tls-cert-file``/``--tls-key-file`` (reloaded when the files
+change, ``https.py``); JobManager (JobManagerService and AccessService) and
+ClusterManager are called over TLS verified against ``--tls-ca-file``,
+presenting the same certificate. The flags default from ``DLSCHED_TLS_*``
+like every service's; without them the gateway refuses to start. Plaintext
+HTTP and gRPC only with ``--insecure`` (``DLSCHED_INSECURE=1``), inside a mesh
+that encrypts itself, and then it logs a warning. Each request's
+``Authorization`` header is forwarded to the service it reaches.
 
 Port 0 picks a free port, announced as ``DLSCHED_LISTENING gateway
 <host:port>`` on stdout and written to ``--port-file``, like every dlsched
@@ -23,8 +33,10 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from dlsched.kit import logs
-from dlsched.v1 import cluster_manager_service_pb2, job_manager_service_pb2
+from dlsched.kit.tls import TlsOptions, add_tls_flags, tls_options_from_args
+from dlsched.v1 import access_service_pb2, cluster_manager_service_pb2, job_manager_service_pb2
 
+from . import https
 from .app import Gateway
 from .rules import routes_for
 
@@ -32,6 +44,8 @@ log = logging.getLogger("gateway")
 
 JOB_MANAGER = job_manager_service_pb2.DESCRIPTOR.services_by_name["JobManagerService"]
 CLUSTER_MANAGER = cluster_manager_service_pb2.DESCRIPTOR.services_by_name["ClusterManagerService"]
+# Served by JobManager, next to JobManagerService.
+ACCESS = access_service_pb2.DESCRIPTOR.services_by_name["AccessService"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +59,8 @@ class Config:
     max_message_bytes: int = 8 * 1024 * 1024
     log_level: str = "INFO"
     log_format: str = "text"
+    tls: TlsOptions = TlsOptions(insecure=True)
+    tls_reload_seconds: float = 5.0
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
@@ -62,11 +78,18 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="json: one object per line (default text)")
+    add_tls_flags(p)
+    p.add_argument("--tls-reload-seconds", type=float, default=5.0,
+                   help="how often to look for renewed TLS files (default 5)")
     a = p.parse_args(argv)
     if a.rpc_timeout <= 0 or a.grace < 0:
         p.error("--rpc-timeout must be positive and --grace not negative")
+    if a.tls_reload_seconds <= 0:
+        p.error("--tls-reload-seconds must be positive")
+    tls = tls_options_from_args(a, p)
     return Config(a.listen, a.port_file, a.job_manager, a.cluster_manager, a.rpc_timeout,
-                  a.grace, a.max_message_bytes, a.log_level, a.log_format)
+                  a.grace, a.max_message_bytes, a.log_level, a.log_format, tls,
+                  a.tls_reload_seconds)
 
 
 def _bind(listen: str) -> socket.socket:
@@ -91,21 +114,34 @@ def _announce(address: str, port_file: str | None) -> None:
 
 
 async def amain(cfg: Config) -> None:
-    routes = routes_for([JOB_MANAGER, CLUSTER_MANAGER])
+    routes = routes_for([JOB_MANAGER, ACCESS, CLUSTER_MANAGER])
     gateway = Gateway(routes, {JOB_MANAGER.full_name: cfg.job_manager,
+                               ACCESS.full_name: cfg.job_manager,
                                CLUSTER_MANAGER.full_name: cfg.cluster_manager},
-                      rpc_timeout=cfg.rpc_timeout, max_message_bytes=cfg.max_message_bytes)
+                      tls=cfg.tls, rpc_timeout=cfg.rpc_timeout,
+                      max_message_bytes=cfg.max_message_bytes)
+    server_tls = None if cfg.tls.insecure else https.ServerTls(cfg.tls)
     # handler_cancellation: a client that disconnects cancels its handler,
     # and with it the upstream gRPC stream.
     runner = web.AppRunner(gateway.app(), access_log=None, handler_cancellation=True,
                            shutdown_timeout=cfg.grace_seconds)
     await runner.setup()
     sock = _bind(cfg.listen)
-    await web.SockSite(runner, sock).start()
+    await web.SockSite(runner, sock,
+                       ssl_context=server_tls.context if server_tls else None).start()
     host, port = sock.getsockname()[:2]
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    log.info("gateway listening on %s: %d routes, job-manager %s, cluster-manager %s",
-             address, len(routes), cfg.job_manager, cfg.cluster_manager)
+    follow: asyncio.Task[None] | None = None
+    if server_tls is None:
+        log.warning("gateway serves PLAINTEXT HTTP on %s and calls job-manager and "
+                    "cluster-manager in plaintext (--insecure): bearer tokens cross the "
+                    "network in the clear unless a mesh encrypts every connection", address)
+    else:
+        follow = asyncio.create_task(https.follow_files(
+            cfg.tls, cfg.tls_reload_seconds, [server_tls.reload, gateway.renew_channels]))
+    log.info("gateway listening on %s://%s: %d routes, job-manager %s, cluster-manager %s",
+             "http" if server_tls is None else "https", address, len(routes),
+             cfg.job_manager, cfg.cluster_manager)
     _announce(address, cfg.port_file)
 
     loop = asyncio.get_running_loop()
@@ -114,6 +150,8 @@ async def amain(cfg: Config) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down (grace %.1fs)", cfg.grace_seconds)
+    if follow is not None:
+        follow.cancel()
     await gateway.end_streams()
     try:
         await runner.cleanup()

@@ -7,6 +7,15 @@ channel per address with serializers taken from the descriptors (no
 generated stubs, no hand-written route table), and prints the response with
 protobuf's JSON mapping.
 
+The channels use verified TLS (``dlsched.kit.tls.channel``, presenting the
+gateway's certificate, which grants nothing) unless ``--insecure``. The
+gateway holds no credentials of its own: each request's ``Authorization``
+header goes, unchanged, as the ``authorization`` metadata of the call made
+for that request and of no other; a request without one is sent without one,
+so the service answers UNAUTHENTICATED (HTTP 401, with ``WWW-Authenticate:
+Bearer``) and a role it lacks PERMISSION_DENIED (403). What a caller may see
+is decided by the services alone.
+
 Server-streaming RPCs answer newline-delimited JSON, one message per line
 (``application/x-ndjson``), or server-sent events when the client sends
 ``Accept: text/event-stream``. The gateway waits for the first message before
@@ -18,12 +27,14 @@ ends when the gRPC stream ends. A client that goes away cancels the gRPC call
 line so clients reconnect with their last resume token.
 
 Logs name the method, path (never the query), status and duration; never a
-body, so credentials in CreateCluster pass through without being logged.
+body or a header, so credentials in CreateCluster and bearer tokens pass
+through without being logged.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -36,7 +47,9 @@ from google.protobuf import message
 from google.rpc import code_pb2, status_pb2
 
 from dlsched import errors
+from dlsched.kit import channel as channel_kit
 from dlsched.kit import metrics, rpc_errors
+from dlsched.kit import tls as tls_kit
 
 from . import status, transcode
 from .openapi import build_openapi
@@ -65,28 +78,78 @@ class MethodNotAllowed(errors.Unimplemented):
     reason = "METHOD_NOT_ALLOWED"
 
 
+# Retried by the shipped service config because they deduplicate on their
+# request_id, which the SDK always sets and a REST client may leave out.
+_RETRIED_WITH_REQUEST_ID = frozenset({"SubmitJob", "CreateCluster"})
+
+
+def service_config() -> str:
+    """The shipped service config (deadlines, retries of reads on
+    UNAVAILABLE), round robin over the replicas, and no retries for the
+    groups of methods that are only safe to retry with a request id."""
+    cfg = json.loads(channel_kit.service_config())
+    cfg["loadBalancingConfig"] = [{"round_robin": {}}]
+    for mc in cfg.get("methodConfig", []):
+        if any(n.get("method") in _RETRIED_WITH_REQUEST_ID for n in mc.get("name", [])):
+            mc.pop("retryPolicy", None)
+    return json.dumps(cfg)
+
+
+class Upstreams:
+    """One channel per upstream address. The TLS files are read when the
+    channels are made: at start and on ``renew`` (the files changed and
+    load), so new calls use new channels while calls in flight finish on the
+    old ones, which are closed with the rest."""
+
+    def __init__(self, targets: Sequence[str], tls: tls_kit.TlsOptions,
+                 max_message_bytes: int) -> None:
+        self._targets = sorted(set(targets))
+        self._tls = tls
+        self._options = [("grpc.max_receive_message_length", max_message_bytes),
+                         ("grpc.max_send_message_length", max_message_bytes),
+                         ("grpc.service_config", service_config())]
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._retired: list[grpc.aio.Channel] = []
+        self._make()
+
+    def _make(self) -> None:
+        # Several replicas behind one name (a headless Service's
+        # dns:///job-manager:50051) share the calls (round robin); a dead one
+        # is skipped. extra_options take precedence over the kit's defaults.
+        self._channels = {t: tls_kit.channel(t, self._tls, client_cert=True, round_robin=True,
+                                             extra_options=self._options)
+                          for t in self._targets}
+
+    def get(self, target: str) -> grpc.aio.Channel:
+        return self._channels[target]
+
+    def renew(self) -> None:
+        self._retired.extend(self._channels.values())
+        self._make()
+
+    async def close(self) -> None:
+        for ch in [*self._channels.values(), *self._retired]:
+            await ch.close()
+        self._channels.clear()
+        self._retired.clear()
+
+
 class Gateway:
     """Routes, upstream channels and the open streams of one gateway process."""
 
     def __init__(self, routes: Sequence[Route], upstreams: Mapping[str, str], *,
-                 rpc_timeout: float = 30.0, max_message_bytes: int = 8 * 1024 * 1024) -> None:
+                 tls: tls_kit.TlsOptions, rpc_timeout: float = 30.0,
+                 max_message_bytes: int = 8 * 1024 * 1024) -> None:
         missing = {r.service for r in routes} - set(upstreams)
         if missing:
             raise ValueError(f"no upstream address for {sorted(missing)}")
         self.routes = list(routes)
         self.rpc_timeout = rpc_timeout
         self.max_message_bytes = max_message_bytes
-        options = [("grpc.max_receive_message_length", max_message_bytes),
-                   ("grpc.max_send_message_length", max_message_bytes),
-                   ("grpc.keepalive_time_ms", 30_000),
-                   ("grpc.keepalive_permit_without_calls", 1),
-                   # Several replicas behind one name (a headless Service's
-                   # dns:///job-manager:50051) share the calls; a dead one is skipped.
-                   ("grpc.lb_policy_name", "round_robin")]
-        self._channels = {addr: grpc.aio.insecure_channel(addr, options=options)
-                          for addr in set(upstreams.values())}
+        self.channels = Upstreams(list(upstreams.values()), tls, max_message_bytes)
         self._upstream = dict(upstreams)
-        self._callables: dict[str, Any] = {}
+        # grpc path -> (the channel it was made on, the multicallable)
+        self._callables: dict[str, tuple[grpc.aio.Channel, Any]] = {}
         self._streams: set[grpc.aio.Call] = set()
         self.draining = False
         self.openapi = build_openapi(self.routes)
@@ -136,8 +199,7 @@ class Gateway:
         return web.json_response({"status": "SERVING"})
 
     async def close(self) -> None:
-        for ch in self._channels.values():
-            await ch.close()
+        await self.channels.close()
 
     async def end_streams(self) -> None:
         """Shutdown: cancel every open upstream stream; each handler then
@@ -168,14 +230,15 @@ class Gateway:
             request["rpc"] = route.grpc_path
             body = await request.read() if route.body else b""
             msg = transcode.build_request(route, values, request.rel_url.query.items(), body)
+            md = _forwarded_metadata(request)
             if route.server_streaming:
-                return await self._stream(request, route, msg)
-            resp = await self._unary(route)(msg, timeout=self.rpc_timeout)
+                return await self._stream(request, route, msg, md)
+            resp = await self._unary(route)(msg, timeout=self.rpc_timeout, metadata=md)
             return _json(200, transcode.response_json(route, resp))
         except grpc.aio.AioRpcError as e:
-            return _error(status.from_rpc_error(e))
+            return _error(status.from_rpc_error(e), request)
         except errors.DlschedError as e:
-            out = _error(status.from_error(e))
+            out = _error(status.from_error(e), request)
             if isinstance(e, MethodNotAllowed):
                 out.set_status(405)
                 out.headers["Allow"] = e.metadata["allow"]
@@ -190,33 +253,34 @@ class Gateway:
                           request.method, request.path, cid)
             return _error(status.from_error(err))
 
-    def _channel(self, route: Route) -> grpc.aio.Channel:
-        return self._channels[self._upstream[route.service]]
+    def renew_channels(self) -> None:
+        """The TLS files changed: new calls go over new channels."""
+        self.channels.renew()
+
+    def _callable(self, route: Route) -> Any:
+        ch = self.channels.get(self._upstream[route.service])
+        cached = self._callables.get(route.grpc_path)
+        if cached is not None and cached[0] is ch:
+            return cached[1]
+        out_cls = transcode.message_class(route.method.output_type)
+        kind = ch.unary_stream if route.server_streaming else ch.unary_unary
+        fn = kind(route.grpc_path, request_serializer=_serialize,
+                  response_deserializer=out_cls.FromString)
+        self._callables[route.grpc_path] = (ch, fn)
+        return fn
 
     def _unary(self, route: Route) -> Any:
-        key = route.grpc_path
-        if key not in self._callables:
-            out_cls = transcode.message_class(route.method.output_type)
-            self._callables[key] = self._channel(route).unary_unary(
-                route.grpc_path, request_serializer=_serialize,
-                response_deserializer=out_cls.FromString)
-        return self._callables[key]
+        return self._callable(route)
 
     def _server_stream(self, route: Route) -> Any:
-        key = route.grpc_path
-        if key not in self._callables:
-            out_cls = transcode.message_class(route.method.output_type)
-            self._callables[key] = self._channel(route).unary_stream(
-                route.grpc_path, request_serializer=_serialize,
-                response_deserializer=out_cls.FromString)
-        return self._callables[key]
+        return self._callable(route)
 
     # ---------------------------------------------------------------- streams
 
-    async def _stream(self, request: web.Request, route: Route,
-                      msg: message.Message) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, route: Route, msg: message.Message,
+                      md: tuple[tuple[str, str], ...]) -> web.StreamResponse:
         sse = SSE in request.headers.get("Accept", "")
-        call = self._server_stream(route)(msg)
+        call = self._server_stream(route)(msg, metadata=md)
         self._streams.add(call)
         resp: web.StreamResponse | None = None
         try:
@@ -238,7 +302,7 @@ class Gateway:
         except grpc.aio.AioRpcError as e:
             st = status.from_rpc_error(e)
             if resp is None:
-                return _error(st)
+                return _error(st, request)
             await _end_with_error(resp, st, sse)
             return resp
         except asyncio.CancelledError:
@@ -275,12 +339,36 @@ def _serialize(msg: message.Message) -> bytes:
     return msg.SerializeToString()
 
 
+class MalformedAuthorization(errors.Unauthenticated):
+    """An Authorization header gRPC metadata cannot carry."""
+
+
+def _forwarded_metadata(request: web.Request) -> tuple[tuple[str, str], ...]:
+    """This request's ``Authorization`` header as the call's ``authorization``
+    metadata, as sent (the service parses it); none when the request has none."""
+    value = request.headers.get("Authorization")
+    if value is None:
+        return ()
+    # gRPC metadata values are printable ASCII; anything else could not be a
+    # valid credential, and would fail inside grpc as an internal error.
+    if not value or not all(" " <= c <= "~" for c in value):
+        raise MalformedAuthorization("malformed Authorization header")
+    return (("authorization", value),)
+
+
 def _json(code: int, data: Any) -> web.Response:
     return web.Response(status=code, body=transcode.dumps(data), content_type=JSON)
 
 
-def _error(st: status_pb2.Status) -> web.Response:
-    return _json(status.http_status(st.code), status.to_json(st))
+def _error(st: status_pb2.Status, request: web.Request | None = None) -> web.Response:
+    out = _json(status.http_status(st.code), status.to_json(st))
+    if st.code == code_pb2.UNAUTHENTICATED:
+        # RFC 9110 §11.6.1: a 401 names its scheme; RFC 6750 §3.1 says which
+        # failure when a token was sent.
+        sent = request is not None and "Authorization" in request.headers
+        out.headers["WWW-Authenticate"] = ('Bearer realm="dlsched", error="invalid_token"'
+                                           if sent else 'Bearer realm="dlsched"')
+    return out
 
 
 def _frame(data: Any, sse: bool, event: str | None = None) -> bytes:

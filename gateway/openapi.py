@@ -9,7 +9,9 @@ segments form. Schemas: one per message and enum under
 (lowerCamelCase, int64 as string, enums by name, well-known types in their
 JSON form); recursion is by ``$ref``, so any depth is fine. A streaming RPC's
 200 is ``application/x-ndjson`` (one message per line) or
-``text/event-stream``. Errors are ``google.rpc.Status``.
+``text/event-stream``. Errors are ``google.rpc.Status``. Every operation
+needs a bearer token (``securitySchemes.bearerAuth``, required globally): a
+missing or invalid one is a 401, a role that does not allow the call a 403.
 """
 
 from __future__ import annotations
@@ -62,6 +64,15 @@ _WKT: dict[str, dict[str, Any]] = {
     "google.protobuf.UInt64Value": {"type": "string", "format": "uint64", "nullable": True},
     "google.protobuf.DoubleValue": {"type": "number", "format": "double", "nullable": True},
     "google.protobuf.FloatValue": {"type": "number", "format": "float", "nullable": True},
+}
+
+BEARER_AUTH = {
+    "type": "http", "scheme": "bearer",
+    "description": "A dlsched API token (`dls_...`, from AccessService.CreateApiToken) or an "
+                   "OIDC ID token of the configured issuer, sent as `Authorization: Bearer "
+                   "<token>`. The gateway forwards it to the service; roles per project "
+                   "(viewer, member, admin) decide what the caller may do, and jobs of "
+                   "projects the caller cannot read answer 404.",
 }
 
 _OPENAPI_METHODS = {"get", "put", "post", "delete", "patch", "head", "options", "trace"}
@@ -226,6 +237,14 @@ def build_openapi(routes: Sequence[Route], *, title: str = "dlsched HTTP/JSON AP
             ok = {"description": "OK", "content": {"application/json": {"schema": out_schema}}}
         op["responses"] = {
             "200": ok,
+            "401": {"description": "UNAUTHENTICATED: no bearer token, or one that is invalid, "
+                                   "expired or revoked (reason UNAUTHENTICATED or "
+                                   "TOKEN_EXPIRED).",
+                    "headers": {"WWW-Authenticate": {"schema": {"type": "string"}}},
+                    "content": {"application/json": {"schema": status_ref}}},
+            "403": {"description": "PERMISSION_DENIED: the caller's role does not allow this "
+                                   "(reason PERMISSION_DENIED).",
+                    "content": {"application/json": {"schema": status_ref}}},
             "default": {"description": "An error: google.rpc.Status with an ErrorInfo reason.",
                         "content": {"application/json": {"schema": status_ref}}},
         }
@@ -240,5 +259,7 @@ def build_openapi(routes: Sequence[Route], *, title: str = "dlsched HTTP/JSON AP
         "tags": [{"name": n, "description": f"gRPC service `{full}`"}
                  for n, full in tags.items()],
         "paths": paths,
-        "components": {"schemas": schemas.schemas},
+        "security": [{"bearerAuth": []}],
+        "components": {"schemas": schemas.schemas,
+                       "securitySchemes": {"bearerAuth": dict(BEARER_AUTH)}},
     }

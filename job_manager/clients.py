@@ -223,13 +223,23 @@ class DriverPool:
     def __init__(self, **kw: Any) -> None:
         self._clients: dict[str, DriverClient] = {}
         self._kw = kw
+        tls = kw.get("tls")
+        self._watch = tls_kit.FilesWatch(tls) if tls is not None else None
+        self._retired: list[DriverClient] = []
 
     def get(self, address: str) -> DriverClient:
+        if self._watch is not None and self._watch.changed():
+            # A renewed certificate: new calls get new channels; calls in
+            # flight finish on the old ones (closed with the pool).
+            self._retired.extend(self._clients.values())
+            self._clients.clear()
         c = self._clients.get(address)
         if c is None:
             c = self._clients[address] = DriverClient(address, **self._kw)
         return c
 
     async def close(self) -> None:
-        await asyncio.gather(*(c.close() for c in self._clients.values()), return_exceptions=True)
+        await asyncio.gather(*(c.close() for c in [*self._clients.values(), *self._retired]),
+                             return_exceptions=True)
         self._clients.clear()
+        self._retired.clear()

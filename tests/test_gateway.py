@@ -1,6 +1,12 @@
 """The HTTP/JSON gateway end to end: real etcd, ClusterManager, the local driver and
 JobManager as processes (``tests.harness.Stack``), the gateway as a process, and
-plain HTTP (urllib, and curl where it exists) as the client.
+plain HTTPS (urllib, and curl where it exists) as the client.
+
+Like every service of the suite (``tests/security.py``) the gateway runs with
+TLS and authentication on: it serves HTTPS with a certificate of its own (CN
+``gateway``, from the tests' CA; not a control-plane identity), calls the
+services over verified TLS and forwards each request's ``Authorization``
+header. Requests carry the admin token unless a test says otherwise.
 
 The routes, the OpenAPI document and the error bodies are checked against the
 descriptors' ``google.api.http`` annotations and the gRPC services themselves,
@@ -11,12 +17,16 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import pathlib
 import re
 import shutil
 import signal
+import socket
+import ssl
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import urllib.error
@@ -32,16 +42,38 @@ import yaml
 from google.api import annotations_pb2, http_pb2
 from google.protobuf import descriptor_pb2, descriptor_pool, json_format
 
+from dlsched.client import AccessClient
+from dlsched.kit import pki
 from dlsched.kit.rpc_errors import error_info, field_violations
-from dlsched.v1 import cluster_manager_service_pb2, job_manager_service_pb2
+from dlsched.v1 import access_service_pb2, cluster_manager_service_pb2, job_manager_service_pb2
 from dlsched.v1 import job_manager_service_pb2_grpc as jm_grpc
 from gateway import rules
+from tests import security
 from tests.harness import ROOT, EtcdServer, ServiceProcess, Stack
 
 SERVICES = [job_manager_service_pb2.DESCRIPTOR.services_by_name["JobManagerService"],
             cluster_manager_service_pb2.DESCRIPTOR.services_by_name["ClusterManagerService"]]
+ACCESS = access_service_pb2.DESCRIPTOR.services_by_name["AccessService"]
+# What the gateway serves; Envoy's config (deploy/envoy) covers SERVICES.
+GATEWAY_SERVICES = [*SERVICES, ACCESS]
 TERMINAL = {"JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED", "JOB_STATE_STOPPED"}
 SECRET = "s3cr3t-ray-token-" + uuid.uuid4().hex
+ADMIN = "<admin>"  # ``token=ADMIN``: the tests' admin token; ``token=None``: no Authorization
+
+
+def admin_token() -> str:
+    return security.current().admin_token
+
+
+def client_ssl(ca_file: str | None = None) -> ssl.SSLContext:
+    """What an HTTPS client of the gateway uses: the tests' CA (or ``ca_file``)."""
+    return ssl.create_default_context(cafile=ca_file or security.current().ca.cert_file)
+
+
+def auth_headers(token: str | None) -> dict[str, str]:
+    if token is None:
+        return {}
+    return {"Authorization": f"Bearer {admin_token() if token == ADMIN else token}"}
 
 
 # ---------------------------------------------------------------- fixtures
@@ -52,10 +84,22 @@ def stack(etcd: EtcdServer) -> Iterator[Stack]:
         yield st
 
 
-def _gateway_process(stack: Stack) -> ServiceProcess:
+def gateway_cert(directory: str) -> pki.Issued:
+    """The gateway's own certificate: CN gateway, localhost and 127.0.0.1,
+    from the tests' CA. Not a control-plane identity, so it grants nothing."""
+    os.makedirs(directory, exist_ok=True)
+    return pki.issue(security.current().ca, directory, "gateway")
+
+
+def _gateway_process(stack: Stack, cert: pki.Issued | None = None) -> ServiceProcess:
     assert stack.jm is not None
+    cert = cert or gateway_cert(tempfile.mkdtemp(prefix="dlsched-gw-cert-"))
+    # The CA comes from DLSCHED_TLS_CA_FILE, like every service's.
     return ServiceProcess("gateway", ["--job-manager", stack.jm.address,
                                       "--cluster-manager", stack.cm.address,
+                                      "--tls-cert-file", cert.cert_file,
+                                      "--tls-key-file", cert.key_file,
+                                      "--tls-reload-seconds", "0.2",
                                       "--grace", "2"], name="gateway")
 
 
@@ -68,11 +112,13 @@ def gateway(stack: Stack) -> Iterator[ServiceProcess]:
     assert code == 0, f"gateway exited {code} on SIGTERM:\n{log[-3000:]}"
     assert "Traceback" not in log, log[-5000:]
     assert SECRET not in log, "a credential reached the gateway's log"
+    assert admin_token() not in log, "a bearer token reached the gateway's log"
+    assert "PLAINTEXT" not in log
 
 
 @pytest.fixture(scope="module")
 def base(gateway: ServiceProcess) -> str:
-    return f"http://{gateway.address}"
+    return f"https://{gateway.address}"
 
 
 @pytest.fixture(scope="module")
@@ -93,19 +139,29 @@ def local_cluster(stack: Stack, base: str) -> str:
 
 # ---------------------------------------------------------------- helpers
 
-def call(base: str, method: str, path: str, body: Any = None, *,
+def call(base: str, method: str, path: str, body: Any = None, *, token: str | None = ADMIN,
          headers: dict[str, str] | None = None, raw: bytes | None = None,
          timeout: float = 30) -> tuple[int, Any]:
+    code, body, _ = call_h(base, method, path, body, token=token, headers=headers, raw=raw,
+                           timeout=timeout)
+    return code, body
+
+
+def call_h(base: str, method: str, path: str, body: Any = None, *, token: str | None = ADMIN,
+           headers: dict[str, str] | None = None, raw: bytes | None = None,
+           timeout: float = 30) -> tuple[int, Any, Any]:
+    """``call``, also returning the response headers."""
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     req = urllib.request.Request(base + path, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
+                                 headers={"Content-Type": "application/json",
+                                          **auth_headers(token), **(headers or {})})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read() or b"null")
+        with urllib.request.urlopen(req, timeout=timeout, context=client_ssl()) as resp:
+            return resp.status, json.loads(resp.read() or b"null"), resp.headers
     except urllib.error.HTTPError as e:
         text = e.read()
         assert e.headers.get_content_type() == "application/json", text
-        return e.code, json.loads(text)
+        return e.code, json.loads(text), e.headers
 
 
 def reason(body: dict[str, Any]) -> str | None:
@@ -137,10 +193,11 @@ def uniq() -> str:
     return f"g{uuid.uuid4().hex[:10]}"
 
 
-def wait_state(base: str, name: str, states: set[str], timeout: float = 30) -> dict[str, Any]:
+def wait_state(base: str, name: str, states: set[str], timeout: float = 30, *,
+               token: str | None = ADMIN) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
-        code, body = call(base, "GET", f"/v1/{name}")
+        code, body = call(base, "GET", f"/v1/{name}", token=token)
         assert code == 200, body
         if body["job"].get("state") in states:
             return dict(body["job"])
@@ -150,20 +207,52 @@ def wait_state(base: str, name: str, states: set[str], timeout: float = 30) -> d
 
 
 def stream_lines(base: str, path: str, *, headers: dict[str, str] | None = None,
-                 timeout: float = 60) -> Iterator[bytes]:
+                 token: str | None = ADMIN, timeout: float = 60) -> Iterator[bytes]:
     """The raw lines of a streamed response, until the server ends it."""
-    req = urllib.request.Request(base + path, headers=headers or {})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
+    req = urllib.request.Request(base + path, headers={**auth_headers(token), **(headers or {})})
+    with urllib.request.urlopen(req, timeout=timeout, context=client_ssl()) as resp:
         assert resp.status == 200
         yield resp.headers.get_content_type().encode()
         while line := resp.readline():
             yield line
 
 
+def https_connection(address: str, timeout: float = 30) -> http.client.HTTPSConnection:
+    host, port = address.rsplit(":", 1)
+    return http.client.HTTPSConnection(host, int(port), timeout=timeout, context=client_ssl())
+
+
+def watch_until_snapshot(address: str, path: str, token: str | None, *,
+                         sse: bool = False) -> list[dict[str, Any]]:
+    """The events of a watch up to SNAPSHOT_COMPLETE, then hang up."""
+    conn = https_connection(address)
+    try:
+        conn.request("GET", path, headers={**auth_headers(token),
+                                           **({"Accept": "text/event-stream"} if sse else {})})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        assert resp.getheader("Content-Type") == ("text/event-stream" if sse else "application/x-ndjson")
+        events: list[dict[str, Any]] = []
+        while True:
+            line = resp.readline()
+            assert line, f"watch ended early after {events}"
+            if sse:
+                if not line.startswith(b"data: "):
+                    continue
+                line = line[len(b"data: "):]
+            ev = json.loads(line)
+            assert "error" not in ev, ev
+            events.append(ev)
+            if ev["type"] == "WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE":
+                return events
+    finally:
+        conn.close()
+
+
 def annotated() -> list[tuple[str, str, str, str]]:
     """(service, method, HTTP method, template) straight from the descriptors."""
     out = []
-    for svc in SERVICES:
+    for svc in GATEWAY_SERVICES:
         for m in svc.methods:
             rule = m.GetOptions().Extensions[annotations_pb2.http]
             kind = rule.WhichOneof("pattern")
@@ -203,6 +292,18 @@ def test_every_rpc_is_annotated_and_the_openapi_document_lists_it(base: str) -> 
     assert {p["name"] for p in logs["parameters"]} >= {"jobsId", "follow", "tail_lines",
                                                       "since_time", "streams"}
     assert "application/x-ndjson" in logs["responses"]["200"]["content"]
+    # Bearer tokens everywhere: the scheme, required globally, and 401/403 on every operation.
+    assert doc["components"]["securitySchemes"]["bearerAuth"] == {
+        **doc["components"]["securitySchemes"]["bearerAuth"], "type": "http", "scheme": "bearer"}
+    assert doc["security"] == [{"bearerAuth": []}]
+    status_ref = {"$ref": "#/components/schemas/google.rpc.Status"}
+    for item in doc["paths"].values():
+        for op in item.values():
+            for status_code in ("401", "403"):
+                assert op["responses"][status_code]["content"]["application/json"]["schema"] == status_ref
+    assert doc["paths"]["/v1/caller"]["get"]["operationId"] == "AccessService_GetCaller"
+    assert doc["paths"]["/v1/apiTokens"]["post"]["requestBody"]["content"]["application/json"][
+        "schema"] == {"$ref": "#/components/schemas/dlsched.v1.ApiToken"}
 
 
 def test_submit_get_list_stop_delete_over_rest(base: str, local_cluster: str) -> None:
@@ -252,7 +353,7 @@ def test_unknown_job_is_404_with_job_not_found(base: str) -> None:
 
 def test_metrics_count_requests_by_rpc_and_status(base: str) -> None:
     def count() -> float:
-        with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        with urllib.request.urlopen(base + "/metrics", timeout=10, context=client_ssl()) as r:
             text = r.read().decode()
         want = 'dlsched_http_requests_total{code="404",method="GET",rpc="/dlsched.v1.JobManagerService/GetJob"}'
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(want))
@@ -271,7 +372,7 @@ async def test_bad_request_is_400_with_the_grpc_reason_and_field(
     assert code == 400
     # Exactly what the gRPC service says for the same request.
     assert stack.jm is not None
-    async with grpc.aio.insecure_channel(stack.jm.address) as ch:
+    async with security.channel(stack.jm.address) as ch:
         request = job_manager_service_pb2.SubmitJobRequest()
         json_format.ParseDict({"spec": bad}, request)
         with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -334,9 +435,8 @@ def test_watch_streams_the_job_to_its_end_and_a_disconnect_cancels_it(
     code, body = call(base, "POST", "/v1/jobs", {"jobId": job_id, "spec": spec(
         "import time; time.sleep(1)", label)})
     assert code == 200, body
-    host, port = gateway.address.rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=30)
-    conn.request("GET", f"/v1/jobs:watch?filter=labels.test%3D{label}")
+    conn = https_connection(gateway.address)
+    conn.request("GET", f"/v1/jobs:watch?filter=labels.test%3D{label}", headers=auth_headers(ADMIN))
     resp = conn.getresponse()
     assert resp.status == 200 and resp.getheader("Content-Type") == "application/x-ndjson"
     events = []
@@ -395,26 +495,39 @@ def test_curl_gets_a_job(base: str, local_cluster: str) -> None:
     if curl is None:
         pytest.skip("no curl")
     job_id = uniq()
-    r = subprocess.run([curl, "-sS", "-X", "POST", "-H", "Content-Type: application/json",
+    tls = ["--cacert", security.current().ca.cert_file]
+    auth = ["-H", f"Authorization: Bearer {admin_token()}"]
+    r = subprocess.run([curl, "-sS", *tls, *auth, "-X", "POST",
+                        "-H", "Content-Type: application/json",
                         "-d", json.dumps({"jobId": job_id, "spec": spec("pass")}),
                         "-w", "\n%{http_code}", f"{base}/v1/jobs"],
                        capture_output=True, text=True, timeout=30)
     text, _, status = r.stdout.rpartition("\n")
     assert status == "200", r.stdout + r.stderr
     assert json.loads(text)["job"]["name"] == f"jobs/{job_id}"
-    r = subprocess.run([curl, "-sS", "-w", "\n%{http_code}", f"{base}/v1/jobs/{job_id}"],
+    r = subprocess.run([curl, "-sS", *tls, *auth, "-w", "\n%{http_code}",
+                        f"{base}/v1/jobs/{job_id}"],
                        capture_output=True, text=True, timeout=30)
     text, _, status = r.stdout.rpartition("\n")
     assert status == "200" and json.loads(text)["job"]["name"] == f"jobs/{job_id}"
+    # Without the token: 401 with the status JSON.
+    r = subprocess.run([curl, "-sS", *tls, "-w", "\n%{http_code}", f"{base}/v1/jobs/{job_id}"],
+                       capture_output=True, text=True, timeout=30)
+    text, _, status = r.stdout.rpartition("\n")
+    assert status == "401" and reason(json.loads(text)) == "UNAUTHENTICATED"
+    # Without the CA: curl refuses the certificate.
+    r = subprocess.run([curl, "-sS", f"{base}/healthz"], capture_output=True, text=True,
+                       timeout=30, env={**os.environ, "CURL_CA_BUNDLE": os.devnull,
+                                        "SSL_CERT_FILE": os.devnull})
+    assert r.returncode != 0, r.stdout
 
 
 def test_sigterm_ends_open_streams_with_unavailable_and_exits_0(stack: Stack,
                                                                 local_cluster: str) -> None:
     gw = _gateway_process(stack).start()
     try:
-        host, port = gw.address.rsplit(":", 1)
-        conn = http.client.HTTPConnection(host, int(port), timeout=30)
-        conn.request("GET", "/v1/clusters:watch")
+        conn = https_connection(gw.address)
+        conn.request("GET", "/v1/clusters:watch", headers=auth_headers(ADMIN))
         resp = conn.getresponse()
         assert resp.status == 200
         first = json.loads(resp.readline())
@@ -429,6 +542,261 @@ def test_sigterm_ends_open_streams_with_unavailable_and_exits_0(stack: Stack,
         conn.close()
     finally:
         gw.stop()
+
+
+# ---------------------------------------------------------------- identity and access
+
+def test_without_a_token_every_route_is_401_and_nothing_happens(base: str,
+                                                                local_cluster: str) -> None:
+    job_id = uniq()
+    # A call with the token first: nothing of it may stick to the next request.
+    assert call(base, "GET", "/v1/caller")[0] == 200
+    code, body, headers = call_h(base, "POST", "/v1/jobs",
+                                 {"jobId": job_id, "spec": spec("print('never')")}, token=None)
+    assert code == 401, body
+    assert body["code"] == grpc.StatusCode.UNAUTHENTICATED.value[0]
+    assert reason(body) == "UNAUTHENTICATED"
+    assert headers["WWW-Authenticate"] == 'Bearer realm="dlsched"'
+    # No job was made.
+    code, body = call(base, "GET", f"/v1/jobs/{job_id}")
+    assert code == 404 and reason(body) == "JOB_NOT_FOUND"
+
+    # A token the services do not know; a header gRPC could not carry (the
+    # gateway answers that one itself).
+    for token in ("not-a-token", "dls_000000000000_" + "x" * 43, "caf\u00e9"):
+        code, body, headers = call_h(base, "POST", "/v1/jobs",
+                                     {"jobId": job_id, "spec": spec("pass")}, token=token)
+        assert code == 401 and reason(body) == "UNAUTHENTICATED", (token, body)
+        assert "invalid_token" in headers["WWW-Authenticate"]
+    assert call(base, "GET", f"/v1/jobs/{job_id}")[0] == 404
+
+    # Every service behind the gateway, streams included (they fail before
+    # their first message, so they get the real HTTP status).
+    for path in ("/v1/jobs", f"/v1/jobs/{job_id}", "/v1/jobs:watch", f"/v1/jobs/{job_id}/logs",
+                 "/v1/clusters", "/v1/clusters:watch", "/v1/caller", "/v1/roleBindings"):
+        code, body = call(base, "GET", path, token=None)
+        assert code == 401 and reason(body) == "UNAUTHENTICATED", (path, body)
+    # The gateway's own pages need none.
+    for path in ("/healthz", "/openapi.json"):
+        assert call(base, "GET", path, token=None)[0] == 200
+
+
+def test_access_service_over_rest(base: str) -> None:
+    code, me = call(base, "GET", "/v1/caller")
+    assert code == 200 and me["principal"] == "admin" and me["admin"] is True, me
+
+    sa = uniq()
+    code, made = call(base, "POST", "/v1/apiTokens", {"serviceAccount": sa, "description": "gw"})
+    assert code == 200, made
+    secret, token_name = made["secret"], made["apiToken"]["name"]
+    assert token_name.startswith("apiTokens/") and made["apiToken"]["serviceAccount"] == sa
+    code, rb = call(base, "POST", "/v1/roleBindings",
+                    {"principal": f"sa:{sa}", "project": "gw-p", "role": "ROLE_VIEWER"})
+    assert code == 200 and rb["roleBinding"]["name"].startswith("roleBindings/"), rb
+    code, listed = call(base, "GET", f"/v1/roleBindings?principal=sa:{sa}")
+    assert code == 200 and [b["name"] for b in listed["roleBindings"]] == [rb["roleBinding"]["name"]]
+    code, toks = call(base, "GET", f"/v1/apiTokens?serviceAccount={sa}")
+    assert code == 200 and [t["name"] for t in toks["apiTokens"]] == [token_name]
+    assert secret not in json.dumps(toks)
+
+    # The new token, through the gateway: who it is; what it may not do (403).
+    code, me = call(base, "GET", "/v1/caller", token=secret)
+    assert code == 200 and me["principal"] == f"sa:{sa}" and not me.get("admin"), me
+    assert me["roles"] == [{"project": "gw-p", "role": "ROLE_VIEWER"}]
+    code, body = call(base, "GET", "/v1/roleBindings", token=secret)
+    assert code == 403 and reason(body) == "PERMISSION_DENIED", body
+    code, body = call(base, "POST", "/v1/jobs", {"spec": {**spec("pass"), "project": "gw-p"}},
+                      token=secret)
+    assert code == 403 and reason(body) == "PERMISSION_DENIED", body
+    code, body = call(base, "DELETE", f"/v1/clusters/{uniq()}", token=secret)  # admins only
+    assert code == 403 and reason(body) == "PERMISSION_DENIED", body
+
+    assert call(base, "DELETE", f"/v1/{rb['roleBinding']['name']}")[0] == 200
+    assert call(base, "DELETE", f"/v1/{token_name}")[0] == 200
+    code, body = call(base, "GET", "/v1/caller", token=secret)
+    assert code == 401 and reason(body) == "UNAUTHENTICATED", body
+
+
+async def _service_account(jm: str, name: str, project: str) -> str:
+    """An API token for ``sa:<name>`` and a member binding in ``project``,
+    made by the admin over gRPC with the SDK."""
+    async with AccessClient(jm) as admin:
+        _, secret = await admin.create_api_token(name, description="test_gateway")
+        await admin.create_role_binding(f"sa:{name}", project, "member")
+    return secret
+
+
+async def test_two_projects_see_only_their_own_jobs_through_rest(
+        base: str, stack: Stack, gateway: ServiceProcess, local_cluster: str) -> None:
+    assert stack.jm is not None
+    alice = await _service_account(stack.jm.address, "alice", "pa")
+    bob = await _service_account(stack.jm.address, "bob", "pb")
+    label = uniq()
+    watch = f"/v1/jobs:watch?filter=labels.test%3D{label}"
+
+    # Bob watches the label before anything exists, and keeps watching.
+    live = https_connection(gateway.address, timeout=60)
+    live.request("GET", watch, headers=auth_headers(bob))
+    live_resp = live.getresponse()
+    assert live_resp.status == 200
+    assert json.loads(live_resp.readline())["type"] == "WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE"
+
+    # Alice submits over REST; the project is her only one.
+    a_id = uniq()
+    code, body = call(base, "POST", "/v1/jobs", {"jobId": a_id, "spec": spec(
+        "import time; print('alice', flush=True); time.sleep(60)", label)}, token=alice)
+    assert code == 200, body
+    a = f"jobs/{a_id}"
+    assert body["job"]["project"] == "pa" and body["job"]["owner"] == "sa:alice", body
+    assert wait_state(base, a, {"JOB_STATE_RUNNING"}, token=alice)["cluster"] == local_cluster
+    code, _ = call(base, "GET", f"/v1/{a}:usage", token=alice)
+    assert code == 200
+    lines = list(stream_lines(base, f"/v1/{a}/logs?tailLines=10", token=alice))
+    assert lines[0] == b"application/x-ndjson"
+
+    # To Bob, Alice's job does not exist: reads, logs, usage, stop, delete.
+    for method, path in (("GET", f"/v1/{a}"), ("GET", f"/v1/{a}/logs"),
+                         ("GET", f"/v1/{a}/logs?follow=true"), ("GET", f"/v1/{a}:usage"),
+                         ("POST", f"/v1/{a}:stop"), ("DELETE", f"/v1/{a}")):
+        code, body = call(base, method, path, token=bob)
+        assert code == 404 and reason(body) == "JOB_NOT_FOUND", (method, path, body)
+    code, body = call(base, "DELETE", f"/v1/{a}?allowMissing=true", token=bob)
+    assert code == 200 and body == {}
+    assert call(base, "GET", f"/v1/{a}", token=alice)[0] == 200  # still there
+    code, listed = call(base, "GET", "/v1/jobs?pageSize=1000", token=bob)
+    assert code == 200 and a not in {j["name"] for j in listed.get("jobs", [])}
+    code, listed = call(base, "GET", f"/v1/jobs?filter=labels.test%3D{label}", token=bob)
+    assert code == 200 and listed.get("jobs", []) == []
+    # Nor may he submit to her project.
+    code, body = call(base, "POST", "/v1/jobs", {"spec": {**spec("pass", label), "project": "pa"}},
+                      token=bob)
+    assert code == 403 and reason(body) == "PERMISSION_DENIED", body
+
+    # Bob's own job, in pb.
+    b_id = uniq()
+    code, body = call(base, "POST", "/v1/jobs", {"jobId": b_id, "spec": spec(
+        "import time; time.sleep(60)", label)}, token=bob)
+    assert code == 200 and body["job"]["project"] == "pb", body
+    b = f"jobs/{b_id}"
+    # Bob's live watch: events in revision order, so Alice's (earlier) would
+    # have come before his first; there are none.
+    seen: list[str] = []
+    while b not in seen:
+        line = live_resp.readline()
+        assert line, f"watch ended early after {seen}"
+        ev = json.loads(line)
+        assert "error" not in ev, ev
+        seen.append(ev["job"]["name"])
+    assert a not in seen
+    live.close()
+
+    # Fresh snapshots, NDJSON and SSE: each sees exactly their own.
+    for sse in (False, True):
+        for token, mine in ((alice, a), (bob, b)):
+            events = watch_until_snapshot(gateway.address, watch, token, sse=sse)
+            assert [e["job"]["name"] for e in events
+                    if e["type"] == "WATCH_EVENT_TYPE_EXISTING"] == [mine], (sse, events)
+    # The admin sees both.
+    code, listed = call(base, "GET", f"/v1/jobs?filter=labels.test%3D{label}")
+    assert code == 200 and {j["name"] for j in listed["jobs"]} == {a, b}
+
+    for token, name in ((alice, a), (bob, b)):
+        code, body = call(base, "POST", f"/v1/{name}:stop", token=token)
+        assert code == 200, body
+        assert wait_state(base, name, TERMINAL, token=token)["state"] == "JOB_STATE_STOPPED"
+        assert call(base, "DELETE", f"/v1/{name}", token=token)[0] == 200
+    log = gateway.log()
+    assert alice not in log and bob not in log, "a bearer token reached the gateway's log"
+
+
+def test_https_only_with_the_right_ca(gateway: ServiceProcess, tmp_path: pathlib.Path) -> None:
+    url = f"https://{gateway.address}/healthz"
+    with urllib.request.urlopen(url, timeout=10, context=client_ssl()) as resp:
+        assert resp.status == 200
+    other = pki.make_ca(str(tmp_path / "other-ca"))
+    with pytest.raises(urllib.error.URLError) as e:
+        urllib.request.urlopen(url, timeout=10, context=client_ssl(other.cert_file))
+    assert isinstance(e.value.reason, ssl.SSLCertVerificationError), e.value
+    # Plain HTTP to the HTTPS port gets no HTTP answer.
+    with pytest.raises((http.client.HTTPException, OSError)):
+        urllib.request.urlopen(f"http://{gateway.address}/healthz", timeout=10)
+
+
+def _served_certificate(address: str) -> bytes:
+    host, port = address.rsplit(":", 1)
+    ctx = client_ssl()
+    with socket.create_connection((host, int(port)), timeout=10) as raw, \
+            ctx.wrap_socket(raw, server_hostname=host) as tls:
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return der
+
+
+def _der(cert_file: str) -> bytes:
+    pem = pathlib.Path(cert_file).read_text()
+    first = pem[:pem.index("-----END CERTIFICATE-----") + len("-----END CERTIFICATE-----")]
+    return ssl.PEM_cert_to_DER_cert(first)
+
+
+def _replace(src: str, dst: str) -> None:
+    tmp = dst + ".new"
+    shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+
+
+def test_a_renewed_certificate_is_served_without_a_restart(
+        stack: Stack, local_cluster: str, tmp_path: pathlib.Path) -> None:
+    first = gateway_cert(str(tmp_path / "first"))
+    gw = _gateway_process(stack, first).start()
+    try:
+        base = f"https://{gw.address}"
+        assert _served_certificate(gw.address) == _der(first.cert_file)
+        renewed = gateway_cert(str(tmp_path / "renewed"))
+        # Half a renewal (new key, old certificate) does not load: the old
+        # pair stays in service, and no handshake breaks.
+        _replace(renewed.key_file, first.key_file)
+        deadline = time.monotonic() + 10
+        while "do not load" not in gw.log():
+            assert time.monotonic() < deadline, gw.log()[-3000:]
+            time.sleep(0.1)
+        assert _served_certificate(gw.address) == _der(first.cert_file)
+        assert call(base, "GET", "/v1/caller")[0] == 200
+        # The rest of it: new handshakes get the new certificate.
+        _replace(renewed.cert_file, first.cert_file)
+        deadline = time.monotonic() + 10
+        while _served_certificate(gw.address) != _der(renewed.cert_file):
+            assert time.monotonic() < deadline, gw.log()[-3000:]
+            time.sleep(0.1)
+        assert "TLS certificate reloaded" in gw.log()
+        # The upstream channels were rebuilt with it and still work.
+        code, body = call(base, "GET", "/v1/clusters/local")
+        assert code == 200, body
+        assert gw.stop() == 0
+        assert "Traceback" not in gw.log(), gw.log()[-5000:]
+    finally:
+        gw.stop()
+
+
+def test_insecure_serves_plain_http_with_a_warning(stack: Stack) -> None:
+    assert stack.jm is not None
+    gw = ServiceProcess("gateway", ["--job-manager", stack.jm.address,
+                                    "--cluster-manager", stack.cm.address, "--insecure"],
+                        name="gateway-insecure").start()
+    try:
+        with urllib.request.urlopen(f"http://{gw.address}/healthz", timeout=10) as resp:
+            assert resp.status == 200
+        assert "PLAINTEXT" in gw.log()
+    finally:
+        gw.stop()
+
+
+def test_without_tls_files_the_gateway_refuses_to_start(stack: Stack) -> None:
+    assert stack.jm is not None
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DLSCHED_TLS_")}
+    r = subprocess.run([sys.executable, "-m", "gateway", "--job-manager", stack.jm.address,
+                        "--cluster-manager", stack.cm.address],
+                       capture_output=True, text=True, timeout=30, env=env, cwd=str(ROOT))
+    assert r.returncode == 2 and "--insecure" in r.stderr, r.stderr
 
 
 # ---------------------------------------------------------------- Envoy (deploy/envoy)
@@ -487,6 +855,17 @@ def test_envoy_descriptor_set_and_config_match_the_annotations(tmp_path: pathlib
 
 
 # ---------------------------------------------------------------- templates (no processes)
+
+def test_upstream_calls_retry_reads_but_never_a_submit_that_may_lack_its_request_id() -> None:
+    from gateway.app import service_config
+
+    cfg = json.loads(service_config())
+    assert cfg["loadBalancingConfig"] == [{"round_robin": {}}]
+    retried = {n.get("method") for mc in cfg["methodConfig"] if "retryPolicy" in mc
+               for n in mc["name"]}
+    assert "GetJob" in retried and "ListJobs" in retried
+    assert not retried & {"SubmitJob", "CreateCluster", "DeleteJob"}
+
 
 def test_path_templates_match_decode_and_order() -> None:
     t = rules.parse_template("/v1/{name=jobs/*}:stop")

@@ -66,6 +66,7 @@ def issue(ca: Issued, directory: str, identity: str, *, dns: Sequence[str] = ("l
           ips: Sequence[str] = ("127.0.0.1",), days: int = 365, basename: str | None = None) -> Issued:
     """A certificate for ``identity`` signed by ``ca``, written as
     ``<basename>.pem``/``<basename>.key`` (basename defaults to the identity)."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
     with open(ca.key_file, "rb") as f:
         ca_key = serialization.load_pem_private_key(f.read(), password=None)
     with open(ca.cert_file, "rb") as f:

@@ -104,7 +104,9 @@ class RunningServer:
 async def start_server(opts: ServerOptions, registrations: Sequence[Registration],
                        *, announce_as: str = "dlsched") -> RunningServer:
     """Build, bind and start a server; health reports SERVING for each service."""
+    # gRPC keeps the first of duplicate keys: the caller's options go first.
     options = [
+        *opts.extra_options,
         ("grpc.max_receive_message_length", opts.max_message_bytes),
         ("grpc.max_send_message_length", opts.max_message_bytes),
         ("grpc.so_reuseport", 0),
@@ -116,7 +118,6 @@ async def start_server(opts: ServerOptions, registrations: Sequence[Registration
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-        *opts.extra_options,
     ]
     # Metrics outside the error mapping, so they count the code the client sees.
     server = grpc.aio.server(

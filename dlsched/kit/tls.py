@@ -13,7 +13,8 @@ variables, read once in ``tls_options_from_args``.
   the control plane's identities (``peer_identities`` + an allow-list).
 - Clients: ``channel`` builds a verified channel; with ``client_cert`` it
   also presents this process's certificate (service to service).
-  ``ChannelCache`` rebuilds its channels when the files change.
+  ``FilesWatch`` tells a client's channel pool when to rebuild its channels
+  (a renewed client certificate).
 
 gRPC's Python API can only *require* a client certificate or not ask for one,
 so JobManager and ClusterManager, which people call too, do not ask: between
@@ -183,47 +184,30 @@ def channel(target: str, opts: TlsOptions, *, client_cert: bool = False,
                                    interceptors=interceptors)
 
 
-class ChannelCache:
-    """Channels by target that are rebuilt once the TLS files change
-    (checked at most every ``check_every`` seconds)."""
+class FilesWatch:
+    """Whether TLS files changed since the last look (looks at most every
+    ``every`` seconds): a client rebuilds its channels then, so a renewed
+    client certificate is presented from the next connection on."""
 
-    def __init__(self, opts: TlsOptions, *, client_cert: bool, check_every: float = 5.0,
-                 token: channel_kit.TokenSource | None = None) -> None:
+    def __init__(self, opts: TlsOptions, every: float = 10.0) -> None:
         import time
 
-        self._token = token
-        self._opts = opts
-        self._client_cert = client_cert
+        self._files = opts.files() if not opts.insecure else ()
+        self._seen = _mtimes(self._files)
         self._clock = time.monotonic
-        self._check_every = check_every
-        self._checked = self._clock()
-        self._seen = _mtimes(opts.files())
-        self._channels: dict[str, grpc.aio.Channel] = {}
-        self._retired: list[grpc.aio.Channel] = []
+        self._every = every
+        self._next = self._clock() + every
 
-    def get(self, target: str) -> tuple[grpc.aio.Channel, bool]:
-        """The channel for ``target`` and whether it is new."""
-        now = self._clock()
-        if not self._opts.insecure and now - self._checked >= self._check_every:
-            self._checked = now
-            seen = _mtimes(self._opts.files())
-            if seen != self._seen:
-                self._seen = seen
-                # Calls in flight keep their channel; new calls use new ones.
-                self._retired.extend(self._channels.values())
-                self._channels.clear()
-        ch = self._channels.get(target)
-        if ch is not None:
-            return ch, False
-        ch = channel(target, self._opts, client_cert=self._client_cert, token=self._token)
-        self._channels[target] = ch
-        return ch, True
-
-    async def close(self) -> None:
-        for ch in [*self._channels.values(), *self._retired]:
-            await ch.close()
-        self._channels.clear()
-        self._retired.clear()
+    def changed(self) -> bool:
+        if not self._files or self._clock() < self._next:
+            return False
+        self._next = self._clock() + self._every
+        now = _mtimes(self._files)
+        if now == self._seen:
+            return False
+        self._seen = now
+        log.info("TLS files changed; new connections use them")
+        return True
 
 
 def peer_identities(context: grpc.aio.ServicerContext) -> list[str]:

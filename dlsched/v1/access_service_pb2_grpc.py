@@ -31,8 +31,9 @@ class AccessServiceStub:
     JobManagerService. Every call of every dlsched service carries a bearer
     token in the "authorization" metadata ("Bearer <token>": an OIDC JWT or a
     dlsched API token); a missing, malformed, expired or revoked token is
-    refused with UNAUTHENTICATED (reason UNAUTHENTICATED, TOKEN_EXPIRED or
-    TOKEN_REVOKED) before anything else happens, and a call the caller's role
+    refused with UNAUTHENTICATED (reason TOKEN_EXPIRED for an expired token,
+    else UNAUTHENTICATED: a revoked token is not told apart from an unknown
+    one) before anything else happens, and a call the caller's role
     does not allow with PERMISSION_DENIED (reason PERMISSION_DENIED). Every
     method but GetCaller is for admins.
     """
@@ -86,8 +87,9 @@ class AccessServiceServicer:
     JobManagerService. Every call of every dlsched service carries a bearer
     token in the "authorization" metadata ("Bearer <token>": an OIDC JWT or a
     dlsched API token); a missing, malformed, expired or revoked token is
-    refused with UNAUTHENTICATED (reason UNAUTHENTICATED, TOKEN_EXPIRED or
-    TOKEN_REVOKED) before anything else happens, and a call the caller's role
+    refused with UNAUTHENTICATED (reason TOKEN_EXPIRED for an expired token,
+    else UNAUTHENTICATED: a revoked token is not told apart from an unknown
+    one) before anything else happens, and a call the caller's role
     does not allow with PERMISSION_DENIED (reason PERMISSION_DENIED). Every
     method but GetCaller is for admins.
     """
@@ -195,8 +197,9 @@ class AccessService:
     JobManagerService. Every call of every dlsched service carries a bearer
     token in the "authorization" metadata ("Bearer <token>": an OIDC JWT or a
     dlsched API token); a missing, malformed, expired or revoked token is
-    refused with UNAUTHENTICATED (reason UNAUTHENTICATED, TOKEN_EXPIRED or
-    TOKEN_REVOKED) before anything else happens, and a call the caller's role
+    refused with UNAUTHENTICATED (reason TOKEN_EXPIRED for an expired token,
+    else UNAUTHENTICATED: a revoked token is not told apart from an unknown
+    one) before anything else happens, and a call the caller's role
     does not allow with PERMISSION_DENIED (reason PERMISSION_DENIED). Every
     method but GetCaller is for admins.
     """
