@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import sys
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime
@@ -19,9 +20,14 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 
 from dlsched.kit import timeutil
-from dlsched.v1 import cluster_pb2, job_pb2
+from dlsched.v1 import access_pb2, cluster_pb2, job_pb2
 
 FORMATS = ("table", "json", "yaml")
+
+# The CLI prints every error itself: keep gRPC's core from logging, e.g., each TLS
+# handshake failure on stderr. Read once, when grpc loads, which is after this module
+# (imported by dlsched.cli before dlsched.client); a value the user set wins.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
 def to_dict(msg: Message) -> dict[str, Any]:
@@ -117,13 +123,15 @@ def total_slots(spec: job_pb2.JobSpec) -> int:
 
 # --------------------------------------------------------------------------- jobs
 
-JOB_HEADERS = ("NAME", "STATE", "MODE", "REPLICAS", "CLUSTER", "AGE", "REASON")
+JOB_HEADERS = ("NAME", "PROJECT", "OWNER", "STATE", "MODE", "REPLICAS", "CLUSTER", "AGE", "REASON")
 
 
 def job_row(job: job_pb2.Job) -> list[str]:
     running = sum(1 for r in job.replicas if r.state == job_pb2.REPLICA_STATE_RUNNING)
     return [
         job.name,
+        job.project or "-",
+        job.owner or "-",
         job_state(job.state),
         enum_short(job_pb2.RunMode, job.spec.run_mode),
         f"{running}/{total_slots(job.spec)}",
@@ -145,6 +153,8 @@ def job_detail(job: job_pb2.Job, out: TextIO | None = None) -> None:
     fields = [
         ("Name", job.name),
         ("UID", job.uid),
+        ("Project", job.project),
+        ("Owner", job.owner),
         ("State", state),
         ("Message", job.message),
         ("Exit code", str(job.exit_code) if job.HasField("exit_code") else ""),
@@ -257,3 +267,54 @@ def candidates_table(cands: Iterable[cluster_pb2.ClusterCandidate]) -> None:
              "yes" if c.eligible else "no", f"{c.score:g}" if c.eligible else "-",
              "; ".join(c.reasons)] for c in cands]
     table(rows, ("CLUSTER", "TYPE", "ELIGIBLE", "SCORE", "REASONS"))
+
+
+# --------------------------------------------------------------------------- access
+
+
+def role(value: int) -> str:
+    return enum_short(access_pb2.Role, value)
+
+
+def caller_dict(principal: str, admin: bool, roles: Iterable[access_pb2.ProjectRole]) -> dict[str, Any]:
+    """GetCaller's answer in the proto JSON form, ``admin`` always present."""
+    return {"principal": principal, "admin": admin,
+            "roles": [{"project": r.project, "role": access_pb2.Role.Name(r.role)} for r in roles]}
+
+
+def caller_detail(principal: str, admin: bool, roles: Sequence[access_pb2.ProjectRole],
+                  out: TextIO | None = None) -> None:
+    out = out or sys.stdout
+    out.write(f"{'Principal:':<11}{principal}\n")
+    out.write(f"{'Admin:':<11}{'yes' if admin else 'no'}\n")
+    out.write(f"{'Roles:':<11}"
+              f"{', '.join(f'{r.project}={role(r.role)}' for r in roles) or 'none'}\n")
+    out.flush()
+
+
+def role_bindings_table(bindings: Iterable[access_pb2.RoleBinding]) -> None:
+    table([[b.name, b.principal, b.project, role(b.role), b.creator or "-", age(b.create_time)]
+           for b in bindings], ("NAME", "PRINCIPAL", "PROJECT", "ROLE", "CREATOR", "AGE"))
+
+
+def _expires(ts: Any) -> str:
+    dt = _ts(ts)
+    return "never" if dt is None else dt.astimezone().isoformat(timespec="seconds")
+
+
+def api_tokens_table(tokens: Iterable[access_pb2.ApiToken]) -> None:
+    table([[t.name, t.service_account, _expires(t.expire_time), t.creator or "-",
+            age(t.create_time), t.description] for t in tokens],
+          ("NAME", "SERVICE_ACCOUNT", "EXPIRES", "CREATOR", "AGE", "DESCRIPTION"))
+
+
+def contexts_table(current: str | None, contexts: dict[str, dict[str, Any]]) -> None:
+    rows = []
+    for name, c in sorted(contexts.items()):
+        auth = (f"token-file {c['token-file']}" if c.get("token-file")
+                else "token-command" if c.get("token-command") else "-")
+        rows.append(["*" if name == current else "", name, str(c.get("server") or "-"),
+                     str(c.get("cluster-manager") or "-"),
+                     "insecure" if c.get("insecure") else str(c.get("ca-file") or "system CAs"),
+                     auth])
+    table(rows, ("CURRENT", "NAME", "SERVER", "CLUSTER_MANAGER", "TLS", "AUTH"))

@@ -1,12 +1,17 @@
 """The ``dlsched`` command line.
 
-``dlsched [--server H:P] [--cluster-manager H:P] [-o table|json|yaml] COMMAND``
+``dlsched [--context NAME] [--server H:P] [--cluster-manager H:P] [--token-file F]
+[--ca-file F] [--insecure] [-o table|json|yaml] COMMAND``
 
 Jobs: ``submit``, ``get``, ``list``, ``logs``, ``stop``, ``delete``,
 ``watch``, ``usage``. Clusters: ``cluster add|get|list|update|remove|watch``.
-The local stack: ``up``. Every command talks to the services through
-``dlsched.client``; errors print ``error: CODE REASON: message`` (plus the
-field violations) on stderr and exit 1, Ctrl-C exits 130.
+Access: ``whoami``, ``token create|list|revoke``, ``rolebinding
+add|list|remove``. Client config: ``config use-context|get-contexts|set-context``.
+The local stack: ``up``. Where to connect and with which credentials is
+resolved once, in ``run``, by ``dlsched.profile.resolve`` (flags > environment
+> context > defaults) and handed to every ``dlsched.client`` client; errors
+print ``error: CODE REASON: message`` (plus the field violations and a hint)
+on stderr and exit 1, Ctrl-C exits 130.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import subprocess
 import sys
 import traceback
 from collections.abc import Sequence
@@ -22,9 +28,11 @@ from typing import Any, TextIO
 
 from dlsched import __version__, errors
 from dlsched import _cli_format as fmt
+from dlsched import profile as profiles
 from dlsched.client import (
     DEFAULT_CLUSTER_MANAGER,
     DEFAULT_SERVER,
+    AccessClient,
     ClusterManagerClient,
     DlschedRpcError,
     JobManagerClient,
@@ -75,6 +83,22 @@ def _parse_since(text: str) -> datetime:
         raise argparse.ArgumentTypeError(
             f"want a duration (10m, 1h) or an RFC 3339 time, got {text!r}") from None
     return dt if dt.tzinfo else dt.astimezone()
+
+
+def _parse_expires(text: str) -> datetime:
+    """``30d``, ``12h`` (from now) or an RFC 3339 time, in the future."""
+    try:
+        dt = datetime.now(UTC) + timedelta(seconds=parse_duration(text))
+    except ValueError:
+        try:
+            dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"want a duration (30d, 12h) or an RFC 3339 time, got {text!r}") from None
+        dt = dt if dt.tzinfo else dt.astimezone()
+    if dt <= datetime.now(UTC):
+        raise argparse.ArgumentTypeError(f"{text!r} is not in the future")
+    return dt
 
 
 def _parse_replica(text: str) -> tuple[str, int | None]:
@@ -134,6 +158,41 @@ def _out(args: argparse.Namespace) -> str:
     return str(getattr(args, "output", "table"))
 
 
+# --------------------------------------------------------------------------- connection
+
+
+def resolve_profile(args: argparse.Namespace) -> profiles.Profile:
+    """Where to connect and with which credentials: flags, then the
+    environment, then the context (``dlsched.profile.resolve``); the files it
+    names must be readable."""
+    prof = profiles.resolve(server=args.server, cluster_manager=args.cluster_manager,
+                            token_file=args.auth_token_file, ca_file=args.ca_file,
+                            insecure=args.insecure, context=args.context)
+    checks = (
+        ("--ca-file", prof.tls.ca_file, "the CA file",
+         "--ca-file, DLSCHED_CA_FILE / DLSCHED_TLS_CA_FILE or the context's ca-file"),
+        ("--token-file", prof.token_file, "the token file",
+         "--token-file, DLSCHED_TOKEN_FILE or the context's token-file"),
+    )
+    for flag, path, what, where in checks:
+        if path and not (prof.tls.insecure and flag == "--ca-file") and not os.access(path, os.R_OK):
+            reason = "does not exist" if not os.path.exists(path) else "is not readable"
+            raise CliError.for_field(flag, f"{what} {path} {reason} (from {where})")
+    return prof
+
+
+def _jm(args: argparse.Namespace) -> JobManagerClient:
+    return JobManagerClient(profile=args.profile)
+
+
+def _cm(args: argparse.Namespace) -> ClusterManagerClient:
+    return ClusterManagerClient(profile=args.profile)
+
+
+def _access(args: argparse.Namespace) -> AccessClient:
+    return AccessClient(profile=args.profile)
+
+
 # --------------------------------------------------------------------------- job commands
 
 
@@ -141,7 +200,9 @@ async def cmd_submit(args: argparse.Namespace) -> int:
     job_id, spec = load_job_file(args.file)
     if args.id:
         job_id = args.id
-    async with JobManagerClient(args.server) as jm:
+    if args.project:
+        spec.project = args.project
+    async with _jm(args) as jm:
         resp = await jm.submit_job(spec, job_id=job_id, request_id=args.request_id or "",
                                    dry_run=args.dry_run)
         if args.dry_run:
@@ -161,10 +222,10 @@ async def cmd_submit(args: argparse.Namespace) -> int:
             if _out(args) != "table":
                 fmt.dump(fmt.to_dict(job), _out(args))
             else:
-                print(f"{job.name} submitted ({fmt.job_state(job.state)})")
+                print(f"{job.name} submitted ({fmt.job_state(job.state)}, project {job.project or '-'})")
             return 0
-        print(f"{job.name} submitted ({fmt.job_state(job.state)}); following its logs",
-              file=sys.stderr, flush=True)
+        print(f"{job.name} submitted ({fmt.job_state(job.state)}, project {job.project or '-'});"
+              " following its logs", file=sys.stderr, flush=True)
         final = await _follow(jm, job)
         return _report_final(final, args)
 
@@ -217,7 +278,7 @@ async def _print_logs(jm: JobManagerClient, name: str, *, prefix: bool, follow: 
 
 async def cmd_logs(args: argparse.Namespace) -> int:
     role, index = args.replica if args.replica else ("", None)
-    async with JobManagerClient(args.server) as jm:
+    async with _jm(args) as jm:
         job = await jm.get_job(args.job)
         prefix = fmt.total_slots(job.spec) > 1 and index is None
         await _print_logs(jm, job.name, prefix=prefix, follow=args.follow, tail=args.tail,
@@ -227,7 +288,7 @@ async def cmd_logs(args: argparse.Namespace) -> int:
 
 
 async def cmd_get(args: argparse.Namespace) -> int:
-    async with JobManagerClient(args.server) as jm:
+    async with _jm(args) as jm:
         job = await jm.get_job(args.job)
     if _out(args) != "table":
         fmt.dump(fmt.to_dict(job), _out(args))
@@ -237,7 +298,7 @@ async def cmd_get(args: argparse.Namespace) -> int:
 
 
 async def cmd_list(args: argparse.Namespace) -> int:
-    async with JobManagerClient(args.server) as jm:
+    async with _jm(args) as jm:
         jobs = await jm.list_all_jobs(args.filter or "", args.page_size)
     if _out(args) != "table":
         fmt.dump({"jobs": [fmt.to_dict(j) for j in jobs]}, _out(args))
@@ -247,7 +308,7 @@ async def cmd_list(args: argparse.Namespace) -> int:
 
 
 async def cmd_stop(args: argparse.Namespace) -> int:
-    async with JobManagerClient(args.server) as jm:
+    async with _jm(args) as jm:
         job = await jm.stop_job(args.job, request_id=args.request_id or "")
         if args.wait and not is_terminal(job.state):
             job = await jm.wait_for_job(job.name, timeout=args.timeout)
@@ -259,7 +320,7 @@ async def cmd_stop(args: argparse.Namespace) -> int:
 
 
 async def cmd_delete(args: argparse.Namespace) -> int:
-    async with JobManagerClient(args.server) as jm:
+    async with _jm(args) as jm:
         job = await jm.delete_job(args.job, allow_missing=args.allow_missing)
     if _out(args) != "table":
         fmt.dump(fmt.to_dict(job) if job is not None else {}, _out(args))
@@ -271,7 +332,7 @@ async def cmd_delete(args: argparse.Namespace) -> int:
 
 
 async def cmd_usage(args: argparse.Namespace) -> int:
-    async with JobManagerClient(args.server) as jm:
+    async with _jm(args) as jm:
         usage = await jm.get_job_usage(args.job)
     if _out(args) != "table":
         fmt.dump(fmt.to_dict(usage), _out(args))
@@ -319,7 +380,7 @@ async def cmd_watch(args: argparse.Namespace) -> int:
             print(f"{_event_name(ev.type):<9} {j.name}  {fmt.job_state(j.state)}"
                   f"{'  ' + j.reason if j.reason else ''}", flush=True)
 
-    async with JobManagerClient(args.server) as jm:
+    async with _jm(args) as jm:
         return await _watch(jm.watch_jobs, render, args)
 
 
@@ -334,7 +395,7 @@ async def cmd_cluster_add(args: argparse.Namespace) -> int:
     creds = _credentials(args, ctype)
     if creds is not None:
         c.credentials.CopyFrom(creds)
-    async with ClusterManagerClient(args.cluster_manager) as cm:
+    async with _cm(args) as cm:
         got = await cm.create_cluster(args.name, c, request_id=args.request_id or "")
         if args.wait:
             got = await cm.wait_cluster_state(got.name, timeout=args.timeout)
@@ -357,7 +418,7 @@ async def cmd_cluster_update(args: argparse.Namespace) -> int:
     if args.option is not None:
         c.options.update(dict(args.option))
         mask.append("options")
-    async with ClusterManagerClient(args.cluster_manager) as cm:
+    async with _cm(args) as cm:
         creds = None
         if args.ssh_user or args.ssh_key_file or args.token_file or args.kubeconfig:
             current = await cm.get_cluster(args.name)
@@ -381,14 +442,14 @@ def _print_cluster(c: cluster_pb2.Cluster, args: argparse.Namespace) -> None:
 
 
 async def cmd_cluster_get(args: argparse.Namespace) -> int:
-    async with ClusterManagerClient(args.cluster_manager) as cm:
+    async with _cm(args) as cm:
         c = await cm.get_cluster(args.name)
     _print_cluster(c, args)
     return 0
 
 
 async def cmd_cluster_list(args: argparse.Namespace) -> int:
-    async with ClusterManagerClient(args.cluster_manager) as cm:
+    async with _cm(args) as cm:
         cs = await cm.list_all_clusters(args.filter or "")
     if _out(args) != "table":
         fmt.dump({"clusters": [fmt.to_dict(c) for c in cs]}, _out(args))
@@ -398,7 +459,7 @@ async def cmd_cluster_list(args: argparse.Namespace) -> int:
 
 
 async def cmd_cluster_remove(args: argparse.Namespace) -> int:
-    async with ClusterManagerClient(args.cluster_manager) as cm:
+    async with _cm(args) as cm:
         c = await cm.delete_cluster(args.name, allow_missing=args.allow_missing)
     if _out(args) != "table":
         fmt.dump(fmt.to_dict(c) if c is not None else {}, _out(args))
@@ -419,8 +480,143 @@ async def cmd_cluster_watch(args: argparse.Namespace) -> int:
                   f"{fmt.enum_short(cluster_pb2.ClusterState, c.state)}"
                   f"{'  ' + c.state_message if c.state_message else ''}", flush=True)
 
-    async with ClusterManagerClient(args.cluster_manager) as cm:
+    async with _cm(args) as cm:
         return await _watch(cm.watch_clusters, render, args)
+
+
+# --------------------------------------------------------------------------- access
+
+
+async def cmd_whoami(args: argparse.Namespace) -> int:
+    async with _access(args) as ac:
+        me = await ac.get_caller()
+    if _out(args) != "table":
+        fmt.dump(fmt.caller_dict(me.principal, me.admin, me.roles), _out(args))
+    else:
+        fmt.caller_detail(me.principal, me.admin, list(me.roles))
+    return 0
+
+
+async def cmd_token_create(args: argparse.Namespace) -> int:
+    async with _access(args) as ac:
+        tok, secret = await ac.create_api_token(args.service_account,
+                                                description=args.description or "",
+                                                expire_time=args.expires)
+    if _out(args) != "table":
+        fmt.dump({"apiToken": fmt.to_dict(tok), "secret": secret}, _out(args))
+    else:
+        # Only the secret on stdout, so `dlsched token create ci > ci.token` keeps it.
+        sys.stdout.write(secret + "\n")
+        sys.stdout.flush()
+    expires = args.expires.isoformat(timespec="seconds") if args.expires else "never"
+    print(f"{tok.name} created for sa:{tok.service_account} (expires {expires}). The secret is "
+          "on stdout and is shown only this once: store it now (a file readable only by you). "
+          f"Grant it a role: dlsched rolebinding add sa:{tok.service_account} --project P "
+          "--role member", file=sys.stderr, flush=True)
+    return 0
+
+
+async def cmd_token_list(args: argparse.Namespace) -> int:
+    async with _access(args) as ac:
+        tokens = await ac.list_api_tokens(service_account=args.service_account or "")
+    if _out(args) != "table":
+        fmt.dump({"apiTokens": [fmt.to_dict(t) for t in tokens]}, _out(args))
+    else:
+        fmt.api_tokens_table(tokens)
+    return 0
+
+
+async def cmd_token_revoke(args: argparse.Namespace) -> int:
+    name = args.name if "/" in args.name else f"apiTokens/{args.name}"
+    async with _access(args) as ac:
+        await ac.delete_api_token(name)
+    print(f"{name} revoked")
+    return 0
+
+
+_ROLES = ("viewer", "member", "admin")
+
+
+async def cmd_rolebinding_add(args: argparse.Namespace) -> int:
+    project = args.project
+    if project is None:
+        if args.role != "admin":
+            raise CliError.for_field("--project", "required (admin is bound to project '*')")
+        project = "*"
+    async with _access(args) as ac:
+        rb = await ac.create_role_binding(args.principal, project, args.role)
+    if _out(args) != "table":
+        fmt.dump(fmt.to_dict(rb), _out(args))
+    else:
+        print(f"{rb.name}: {rb.principal} is {fmt.role(rb.role).lower()} in project {rb.project}")
+    return 0
+
+
+async def cmd_rolebinding_list(args: argparse.Namespace) -> int:
+    async with _access(args) as ac:
+        rbs = await ac.list_role_bindings(principal=args.principal or "", project=args.project or "")
+    if _out(args) != "table":
+        fmt.dump({"roleBindings": [fmt.to_dict(b) for b in rbs]}, _out(args))
+    else:
+        fmt.role_bindings_table(rbs)
+    return 0
+
+
+async def cmd_rolebinding_remove(args: argparse.Namespace) -> int:
+    name = args.name if "/" in args.name else f"roleBindings/{args.name}"
+    async with _access(args) as ac:
+        await ac.delete_role_binding(name)
+    print(f"{name} removed")
+    return 0
+
+
+# --------------------------------------------------------------------------- client config
+
+
+def cmd_config_get_contexts(args: argparse.Namespace) -> int:
+    path = profiles.config_path()
+    current, contexts = profiles.get_contexts(path)
+    if _out(args) != "table":
+        fmt.dump({"config": str(path), "currentContext": current, "contexts": contexts}, _out(args))
+    elif not contexts:
+        print(f"no contexts in {path}; `dlsched up` or `dlsched config set-context` adds one",
+              file=sys.stderr)
+    else:
+        fmt.contexts_table(current, contexts)
+    return 0
+
+
+def cmd_config_use_context(args: argparse.Namespace) -> int:
+    path = profiles.use_context(args.name)
+    print(f"current context: {args.name} ({path})")
+    return 0
+
+
+def cmd_config_set_context(args: argparse.Namespace) -> int:
+    if args.ctx_token_file and args.ctx_token_command:
+        raise CliError.for_field("--token-command", "give --token-file or --token-command, not both")
+    path = profiles.config_path()
+    _, contexts = profiles.get_contexts(path)
+    ctx = dict(contexts.get(args.name, {}))
+
+    def absolute(f: str) -> str:
+        return os.path.abspath(os.path.expanduser(f))
+
+    given = {"server": args.ctx_server, "cluster-manager": args.ctx_cluster_manager,
+             "ca-file": absolute(args.ctx_ca_file) if args.ctx_ca_file else None,
+             "token-file": absolute(args.ctx_token_file) if args.ctx_token_file else None,
+             "token-command": args.ctx_token_command, "insecure": args.ctx_insecure}
+    if args.ctx_token_file:
+        ctx.pop("token-command", None)
+    if args.ctx_token_command:
+        ctx.pop("token-file", None)
+    ctx.update({k: v for k, v in given.items() if v is not None})
+    if ctx.get("insecure") is False:
+        ctx.pop("insecure")
+    profiles.save_context(args.name, ctx, path=path, make_current=args.current)
+    current, _ = profiles.get_contexts(path)
+    print(f"context {args.name} saved in {path}{' (current)' if current == args.name else ''}")
+    return 0
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -433,20 +629,41 @@ def cmd_up(args: argparse.Namespace) -> int:
 # --------------------------------------------------------------------------- parser
 
 
-def _common(sub: bool) -> argparse.ArgumentParser:
-    """Global options; subcommands accept them too (without overriding defaults)."""
+def _common(sub: bool, *, token_file: bool = True) -> argparse.ArgumentParser:
+    """Global options; subcommands accept them too (without overriding
+    defaults). On ``cluster add|update``, ``--token-file`` after the command
+    is the cluster's credential (``token_file=False``): there the caller's
+    token file goes before the command."""
     p = argparse.ArgumentParser(add_help=False)
-    d: dict[str, Any] = {"default": argparse.SUPPRESS} if sub else {}
+    d: dict[str, Any] = {"default": argparse.SUPPRESS} if sub else {"default": None}
+    p.add_argument("--context", metavar="NAME",
+                   help="context of the config file to use (env DLSCHED_CONTEXT; default its "
+                        "current-context)", **d)
     p.add_argument("--server", metavar="HOST:PORT",
-                   help=f"JobManager address (env DLSCHED_SERVER; default {DEFAULT_SERVER})",
-                   **(d or {"default": os.environ.get("DLSCHED_SERVER") or DEFAULT_SERVER}))
+                   help="JobManager address (env DLSCHED_SERVER; else the context's; default "
+                        f"{DEFAULT_SERVER})", **d)
     p.add_argument("--cluster-manager", metavar="HOST:PORT",
-                   help="ClusterManager address (env DLSCHED_CLUSTER_MANAGER; default "
-                   f"{DEFAULT_CLUSTER_MANAGER})",
-                   **(d or {"default": os.environ.get("DLSCHED_CLUSTER_MANAGER")
-                            or DEFAULT_CLUSTER_MANAGER}))
+                   help="ClusterManager address (env DLSCHED_CLUSTER_MANAGER; else the "
+                        f"context's; default {DEFAULT_CLUSTER_MANAGER})", **d)
+    if token_file:
+        p.add_argument("--token-file", dest="auth_token_file", metavar="FILE",
+                       help="file holding the bearer token to call with (env DLSCHED_TOKEN_FILE "
+                            "or DLSCHED_TOKEN; else the context's token-file or token-command)",
+                       **d)
+    p.add_argument("--ca-file", metavar="FILE",
+                   help="CA bundle the servers' certificates are verified against (env "
+                        "DLSCHED_CA_FILE; else the context's; default the system CAs)", **d)
+    p.add_argument("--insecure", action="store_const", const=True,
+                   help="plaintext gRPC, no TLS: only inside a mesh (env DLSCHED_INSECURE=1)", **d)
     p.add_argument("-o", "--output", choices=fmt.FORMATS, help="output format (default table)",
-                   **(d or {"default": "table"}))
+                   **({"default": argparse.SUPPRESS} if sub else {"default": "table"}))
+    return p
+
+
+def _output_only() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument("-o", "--output", choices=fmt.FORMATS, default=argparse.SUPPRESS,
+                   help="output format (default table)")
     return p
 
 
@@ -463,15 +680,17 @@ def _cred_flags(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     common = _common(sub=True)
+    common_cluster_creds = _common(sub=True, token_file=False)
     parser = argparse.ArgumentParser(
         prog="dlsched", parents=[_common(sub=False)],
         description="Run deep-learning jobs on local, Slurm, Kubernetes and Ray clusters.")
     parser.add_argument("--version", action="version", version=f"dlsched {__version__}")
     cmds = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
-    def add(name: str, func: Any, help: str, sp: Any = cmds) -> argparse.ArgumentParser:
+    def add(name: str, func: Any, help: str, sp: Any = cmds,
+            parent: argparse.ArgumentParser = common) -> argparse.ArgumentParser:
         p: argparse.ArgumentParser = sp.add_parser(name, help=help, description=help,
-                                                   parents=[common])
+                                                   parents=[parent])
         p.set_defaults(func=func)
         return p
 
@@ -490,6 +709,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="validate and plan only: show the chosen cluster and native spec")
     p.add_argument("--request-id", metavar="ID", help="idempotency key: a retry runs nothing twice")
     p.add_argument("--id", metavar="JOB_ID", help="job id (overrides the file's jobId)")
+    p.add_argument("--project", metavar="P",
+                   help="the job's project (overrides the file's; default: the one project you "
+                        "may submit to, or 'default' for an admin)")
 
     p = add("get", cmd_get, "show a job")
     p.add_argument("job", metavar="JOB", help="job id or name (jobs/ID)")
@@ -531,7 +753,7 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Register and inspect backend clusters.")
     csub = pc.add_subparsers(dest="cluster_command", metavar="COMMAND", required=True)
 
-    p = add("add", cmd_cluster_add, "register a cluster", csub)
+    p = add("add", cmd_cluster_add, "register a cluster", csub, common_cluster_creds)
     p.add_argument("name", metavar="NAME", help="cluster id (lower case, digits, '-')")
     p.add_argument("--type", required=True, choices=("local", "slurm", "kubernetes", "ray"))
     p.add_argument("--driver", required=True, metavar="HOST:PORT",
@@ -548,7 +770,7 @@ def build_parser() -> argparse.ArgumentParser:
     _cred_flags(p)
 
     p = add("update", cmd_cluster_update, "change a cluster's address, driver, labels, options "
-                                          "or credentials", csub)
+                                          "or credentials", csub, common_cluster_creds)
     p.add_argument("name", metavar="NAME")
     p.add_argument("--driver", metavar="HOST:PORT")
     p.add_argument("--address", metavar="A")
@@ -572,10 +794,88 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("watch", cmd_cluster_watch, "stream cluster changes", csub)
     p.add_argument("--filter", metavar="F")
 
+    add("whoami", cmd_whoami, "show who the server takes you for: principal, admin, roles")
+
+    pt = cmds.add_parser("token", help="manage API tokens of service accounts (admins)",
+                         parents=[common], description="API tokens for programs and CI.")
+    tsub = pt.add_subparsers(dest="token_command", metavar="COMMAND", required=True)
+    p = add("create", cmd_token_create, "create an API token; prints its secret once, on stdout",
+            tsub)
+    p.add_argument("service_account", metavar="SERVICE_ACCOUNT",
+                   help="the token's service account (principal sa:SERVICE_ACCOUNT)")
+    p.add_argument("--description", metavar="D", help="free text for people")
+    p.add_argument("--expires", type=_parse_expires, metavar="30d|RFC3339",
+                   help="when the token stops working (default never)")
+    p = add("list", cmd_token_list, "list API tokens (never their secrets)", tsub)
+    p.add_argument("--service-account", metavar="SA", help="only this service account's")
+    p = add("revoke", cmd_token_revoke, "revoke an API token", tsub)
+    p.add_argument("name", metavar="NAME", help="apiTokens/ID or ID")
+
+    pr = cmds.add_parser("rolebinding", help="manage role bindings (admins)", parents=[common],
+                         description="Who may do what in which project.")
+    rsub = pr.add_subparsers(dest="rolebinding_command", metavar="COMMAND", required=True)
+    p = add("add", cmd_rolebinding_add, "give a principal a role in a project", rsub)
+    p.add_argument("principal", metavar="PRINCIPAL",
+                   help="user:SUBJECT, group:GROUP or sa:SERVICE_ACCOUNT")
+    p.add_argument("--project", metavar="P", help="project, or '*' for every project "
+                   "(admin: '*', the default)")
+    p.add_argument("--role", required=True, choices=_ROLES)
+    p = add("list", cmd_rolebinding_list, "list role bindings", rsub)
+    p.add_argument("--principal", metavar="X", help="only this principal's")
+    p.add_argument("--project", metavar="P", help="only this project's")
+    p = add("remove", cmd_rolebinding_remove, "remove a role binding", rsub)
+    p.add_argument("name", metavar="NAME", help="roleBindings/ID or ID")
+
+    out_only = _output_only()
+    pg = cmds.add_parser("config", help="manage the client config file (contexts)",
+                         description="Contexts: where the CLI connects and with which "
+                                     "credentials ($DLSCHED_CONFIG or "
+                                     "~/.config/dlsched/config.yaml).")
+    gsub = pg.add_subparsers(dest="config_command", metavar="COMMAND", required=True)
+    add("get-contexts", cmd_config_get_contexts, "list the contexts", gsub, out_only)
+    p = add("use-context", cmd_config_use_context, "make a context the current one", gsub, out_only)
+    p.add_argument("name", metavar="NAME")
+    p = add("set-context", cmd_config_set_context,
+            "add a context or change some of its settings", gsub, out_only)
+    p.add_argument("name", metavar="NAME")
+    p.add_argument("--server", dest="ctx_server", metavar="HOST:PORT", help="JobManager address")
+    p.add_argument("--cluster-manager", dest="ctx_cluster_manager", metavar="HOST:PORT",
+                   help="ClusterManager address")
+    p.add_argument("--ca-file", dest="ctx_ca_file", metavar="FILE",
+                   help="CA bundle to verify the servers (default the system CAs)")
+    tok = p.add_mutually_exclusive_group()
+    tok.add_argument("--token-file", dest="ctx_token_file", metavar="FILE",
+                     help="file holding the bearer token")
+    tok.add_argument("--token-command", dest="ctx_token_command", metavar="CMD",
+                     help="command printing the bearer token (e.g. an identity provider's CLI)")
+    p.add_argument("--insecure", dest="ctx_insecure", action=argparse.BooleanOptionalAction,
+                   default=None, help="plaintext gRPC (only inside a mesh)")
+    p.add_argument("--current", action="store_true", help="also make it the current context")
+
     return parser
 
 
 # --------------------------------------------------------------------------- main
+
+
+_TLS_FAILURES = ("CERTIFICATE_VERIFY_FAILED", "certificate verify failed", "Ssl handshake failed",
+                 "SSL_ERROR", "WRONG_VERSION_NUMBER", "tsi_", "Handshake failed")
+
+
+def _hint(exc: DlschedRpcError) -> str | None:
+    if exc.code == "UNAVAILABLE":
+        if any(t in exc.message for t in _TLS_FAILURES):
+            return ("TLS handshake failed: the server's certificate does not verify against the "
+                    "CA file, or the server does not speak TLS; check --ca-file, "
+                    "DLSCHED_CA_FILE or the context's ca-file (`dlsched config get-contexts`)")
+        return ("is the server running? start the local stack with `dlsched up`, or set "
+                "--server / DLSCHED_SERVER / --context")
+    if exc.code == "UNAUTHENTICATED":
+        return ("check your token: --token-file, DLSCHED_TOKEN / DLSCHED_TOKEN_FILE or the "
+                "context's token-file or token-command (`dlsched config get-contexts`)")
+    if exc.code == "PERMISSION_DENIED":
+        return "`dlsched whoami` shows who you are to the server and your roles"
+    return None
 
 
 def print_error(exc: BaseException, err: TextIO | None = None) -> None:
@@ -586,9 +886,9 @@ def print_error(exc: BaseException, err: TextIO | None = None) -> None:
             err.write(f"  field {v.field}: {v.description}\n")
         for subject, desc in exc.precondition_violations:
             err.write(f"  {subject}: {desc}\n")
-        if exc.code == "UNAVAILABLE":
-            err.write("  (is the server running? start the local stack with `dlsched up`, "
-                      "or set --server / DLSCHED_SERVER)\n")
+        hint = _hint(exc)
+        if hint:
+            err.write(f"  ({hint})\n")
     elif isinstance(exc, errors.DlschedError):
         err.write(f"error: {exc.code} {exc.reason}: {exc.message}\n")
         for v in getattr(exc, "violations", ()):
@@ -596,6 +896,11 @@ def print_error(exc: BaseException, err: TextIO | None = None) -> None:
                 err.write(f"  field {v.field}: {v.description}\n")
     elif isinstance(exc, TimeoutError):
         err.write("error: DEADLINE_EXCEEDED TIMEOUT: timed out\n")
+    elif isinstance(exc, subprocess.CalledProcessError | subprocess.TimeoutExpired):
+        # The context's token-command failed.
+        detail = (exc.stderr or "").strip().splitlines()[-1:] if isinstance(exc.stderr, str) else []
+        err.write(f"error: UNAUTHENTICATED TOKEN_COMMAND_FAILED: the token command {exc.cmd!r} "
+                  f"failed{': ' + detail[0] if detail else ''}\n")
     else:
         err.write(f"error: INTERNAL CLIENT_ERROR: {type(exc).__name__}: {exc}\n")
         if os.environ.get("DLSCHED_DEBUG"):
@@ -603,12 +908,16 @@ def print_error(exc: BaseException, err: TextIO | None = None) -> None:
     err.flush()
 
 
+_OFFLINE = ("cmd_up", "cmd_config_get_contexts", "cmd_config_use_context", "cmd_config_set_context")
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.func is cmd_up:
-            return int(cmd_up(args))
+        if args.func.__name__ in _OFFLINE:
+            return int(args.func(args))
+        args.profile = resolve_profile(args)
         return int(asyncio.run(args.func(args)))
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

@@ -19,7 +19,9 @@ Precedence, highest first: explicit arguments (CLI flags), environment
 (``DLSCHED_SERVER``, ``DLSCHED_CLUSTER_MANAGER``, ``DLSCHED_TOKEN``,
 ``DLSCHED_TOKEN_FILE``, ``DLSCHED_CA_FILE`` or ``DLSCHED_TLS_CA_FILE``,
 ``DLSCHED_INSECURE``, ``DLSCHED_CONTEXT``), the chosen context, defaults
-(127.0.0.1:50051 / :50052, TLS). ``dlsched up`` adds a context ``local`` and
+(127.0.0.1:50051 / :50052, TLS). The token comes from exactly one source, the
+first of ``--token-file``, ``DLSCHED_TOKEN``, ``DLSCHED_TOKEN_FILE``, the
+context's ``token-file``, its ``token-command``. ``dlsched up`` adds a context ``local`` and
 makes it current when the file has none, so the CLI on the same machine needs
 no flags. Read once per client, never deep in the code.
 """
@@ -111,8 +113,10 @@ def resolve(*, server: str | None = None, cluster_manager: str | None = None,
         v = ctx.get(key)
         return str(v) if v not in (None, "") else default
 
-    token = env.get("DLSCHED_TOKEN") if not token_file else None
-    tfile = pick(token_file, "DLSCHED_TOKEN_FILE", "token-file")
+    # One token source, the first of: --token-file, DLSCHED_TOKEN, DLSCHED_TOKEN_FILE,
+    # the context's token-file, the context's token-command.
+    token = None if token_file else env.get("DLSCHED_TOKEN") or None
+    tfile = None if token else pick(token_file, "DLSCHED_TOKEN_FILE", "token-file")
     tcmd = None if (token or tfile) else ctx.get("token-command")
     if insecure is None:
         insecure = _truthy(env["DLSCHED_INSECURE"]) if env.get("DLSCHED_INSECURE") else _truthy(
@@ -127,6 +131,18 @@ def resolve(*, server: str | None = None, cluster_manager: str | None = None,
         tls=tls, token=token, token_file=tfile, token_command=str(tcmd) if tcmd else None)
 
 
+def _write_config(path: Path, doc: Mapping[str, Any]) -> None:
+    """Write the config file atomically, readable by its owner only (it may
+    name token files and hold token commands)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(dict(doc), f, sort_keys=False)
+    os.chmod(tmp, 0o600)
+    os.replace(tmp, path)
+
+
 def save_context(name: str, values: Mapping[str, Any], *, path: Path | None = None,
                  make_current: bool = False) -> Path:
     """Add or replace context ``name``; current when asked or when none is."""
@@ -137,10 +153,27 @@ def save_context(name: str, values: Mapping[str, Any], *, path: Path | None = No
     contexts[name] = {k: v for k, v in values.items() if k in _KEYS and v is not None}
     if make_current or not doc.get("current-context"):
         doc["current-context"] = name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        yaml.safe_dump(doc, f, sort_keys=False)
-    os.replace(tmp, path)
+    _write_config(path, doc)
+    return path
+
+
+def get_contexts(path: Path | None = None) -> tuple[str | None, dict[str, dict[str, Any]]]:
+    """The current context's name (None when unset) and every context."""
+    doc = load_config(path or config_path())
+    contexts = doc.get("contexts") or {}
+    if not isinstance(contexts, dict):
+        raise InvalidArgument.for_field("config", f"{path or config_path()}: contexts is not a mapping")
+    current = doc.get("current-context")
+    return (str(current) if current else None,
+            {str(k): dict(v or {}) for k, v in contexts.items()})
+
+
+def use_context(name: str, *, path: Path | None = None) -> Path:
+    """Make context ``name`` the current one."""
+    path = path or config_path()
+    doc = load_config(path)
+    if name not in (doc.get("contexts") or {}):
+        raise InvalidArgument.for_field("context", f"no context {name!r} in {path}")
+    doc["current-context"] = name
+    _write_config(path, doc)
     return path

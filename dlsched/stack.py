@@ -1,10 +1,22 @@
 """``dlsched up``: the whole local stack in the foreground.
 
+Secure by default. On the first run it makes, under ``DATA`` (dirs 0700,
+secret files 0600), and reuses afterwards: a private CA and one service
+certificate (``DATA/tls/``: CN job-manager, DNS SANs cluster-manager and
+localhost, IP 127.0.0.1; reissued when it nears its end or lacks a name),
+the bootstrap admin token ``DATA/admin.token``, the control plane's token
+``DATA/control-plane.token`` and the credentials key
+``DATA/encryption-key.json``.
+
 Starts, as child processes each in its own process group with its log in
-``DATA/logs/``: etcd (data in ``DATA/etcd``), ClusterManager on PORT+1, the
-local driver (state in ``DATA/local``) on a free port and JobManager on PORT;
-waits for each one's port file, registers cluster ``local`` (or points the
-existing one at this run's driver), prints one ready line and writes
+``DATA/logs/``: etcd on loopback (data in ``DATA/etcd``), ClusterManager on
+PORT+1, the local driver (state in ``DATA/local``, mutual TLS, on a free
+loopback port) and JobManager on PORT, all serving TLS with that certificate
+and authenticating callers; waits for each one's port file, registers cluster
+``local`` with the admin token (or points the existing one at this run's
+driver), saves a context ``local`` (server, cluster manager, CA, admin token
+file) in the user's config (``dlsched.profile``; current when none is), so
+the CLI on this machine needs no flags, prints one ready line and writes
 ``DATA/ready.json``. SIGINT or SIGTERM stops the children in reverse order
 (SIGTERM to the group, a grace period, then SIGKILL) and exits 0; a child that
 dies on its own takes the stack down and exits 1.
@@ -17,7 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import fcntl
+import ipaddress
 import json
 import os
 import pathlib
@@ -28,12 +42,21 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from dlsched import errors
+from dlsched.auth.tokens import random_token, write_token_file
+from dlsched.kit import pki
+from dlsched.kit.envelope import generate_key_file
 from dlsched.kit.etcd import find_etcd_binary
 
 READY_PREFIX = "dlsched is up:"
 STOP_GRACE_S = 10.0
+CONTEXT = "local"
+SERVICE_IDENTITY = "job-manager"  # drivers accept it (--allowed-clients' default)
+CERT_RENEW_BEFORE = datetime.timedelta(days=30)
+# Settings from the caller's shell that would turn security off in the children.
+_UNSAFE_ENV = ("DLSCHED_INSECURE", "DLSCHED_NO_AUTH")
 
 
 class StackError(errors.FailedPrecondition):
@@ -82,9 +105,10 @@ class Child:
             log.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(self.argv)}\n"
                       .encode())
             log.flush()
+            env = {k: v for k, v in os.environ.items() if k not in _UNSAFE_ENV}
             self.proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, **self.env}, start_new_session=True)
+                env={**env, **self.env}, start_new_session=True)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -149,6 +173,68 @@ class Child:
         return self.proc.returncode
 
 
+@dataclass(frozen=True)
+class Security:
+    """The stack's TLS files and tokens, all under the data dir."""
+
+    ca_file: str
+    cert_file: str
+    key_file: str
+    admin_token_file: str
+    control_plane_token_file: str
+    encryption_key_file: str
+
+    def tls_args(self) -> list[str]:
+        return ["--tls-cert-file", self.cert_file, "--tls-key-file", self.key_file,
+                "--tls-ca-file", self.ca_file]
+
+
+def _private_dir(path: pathlib.Path) -> pathlib.Path:
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path.chmod(0o700)
+    return path
+
+
+def _token_file(path: pathlib.Path) -> str:
+    """A static token file, made on the first run; kept 0600."""
+    if not path.exists():
+        write_token_file(str(path), random_token())
+    path.chmod(0o600)
+    return str(path)
+
+
+def _cert_usable(cert_file: str, ca_file: str, dns: Sequence[str], ips: Sequence[str]) -> bool:
+    """Whether ``cert_file`` is signed by the CA, names every ``dns``/``ips``
+    and stays valid for longer than ``CERT_RENEW_BEFORE``."""
+    from cryptography import x509
+
+    try:
+        cert = x509.load_pem_x509_certificate(pathlib.Path(cert_file).read_bytes())
+        ca = x509.load_pem_x509_certificate(pathlib.Path(ca_file).read_bytes())
+        cert.verify_directly_issued_by(ca)
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except Exception:  # noqa: BLE001 - unreadable, foreign or malformed: issue a new one
+        return False
+    now = datetime.datetime.now(datetime.UTC)
+    if cert.not_valid_after_utc - now < CERT_RENEW_BEFORE or cert.not_valid_before_utc > now:
+        return False
+    have_dns = set(san.get_values_for_type(x509.DNSName))
+    have_ips = {str(i) for i in san.get_values_for_type(x509.IPAddress)}
+    return set(dns) <= have_dns and set(ips) <= have_ips
+
+
+def _ca_usable(ca: pki.Issued) -> bool:
+    from cryptography import x509
+
+    if not (os.path.exists(ca.cert_file) and os.path.exists(ca.key_file)):
+        return False
+    try:
+        cert = x509.load_pem_x509_certificate(pathlib.Path(ca.cert_file).read_bytes())
+    except (OSError, ValueError):
+        return False
+    return cert.not_valid_after_utc - datetime.datetime.now(datetime.UTC) > CERT_RENEW_BEFORE
+
+
 class LocalStack:
     """etcd + ClusterManager + local driver + JobManager under one data dir."""
 
@@ -163,12 +249,15 @@ class LocalStack:
         self.run_dir = self.data / "run"
         self._lock_fd: int | None = None
         self.etcd_endpoint = ""
+        self.security: Security | None = None
+        self.config_file: pathlib.Path | None = None
+        self.context_current = False
 
     # -- start ------------------------------------------------------------------
 
     def _lock(self) -> None:
-        self.data.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.data / "up.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        _private_dir(self.data)
+        fd = os.open(self.data / "up.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -194,7 +283,65 @@ class LocalStack:
         saved.write_text(json.dumps({"client": client, "peer": peer}))
         return client, peer
 
-    def _service(self, name: str, module: str, listen_port: int, args: Sequence[str]) -> Child:
+    def _encryption_key_file(self) -> pathlib.Path:
+        """The key file that encrypts cluster credentials in etcd, made (0600) on the first run."""
+        path = self.data / "encryption-key.json"
+        if not path.exists():
+            generate_key_file(path)
+        path.chmod(0o600)
+        return path
+
+    @property
+    def client_host(self) -> str:
+        """The host clients dial: loopback when the services listen on every address."""
+        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+
+    def _cert_names(self) -> tuple[list[str], list[str]]:
+        """DNS and IP SANs of the service certificate."""
+        dns, ips = ["cluster-manager", "localhost"], ["127.0.0.1"]
+        extra = [socket.gethostname()] if self.host in ("0.0.0.0", "::") else [self.host]
+        for h in extra:
+            if not h or h in dns or h in ips:
+                continue
+            try:
+                ips.append(str(ipaddress.ip_address(h)))
+            except ValueError:
+                dns.append(h)
+        return dns, ips
+
+    def _security(self) -> Security:
+        """The CA, the service certificate and the tokens, made once and reused
+        (the certificate is reissued when it nears its end or lacks a name)."""
+        tls = _private_dir(self.data / "tls")
+        ca = pki.Issued(str(tls / "ca.pem"), str(tls / "ca.key"))
+        new_ca = not _ca_usable(ca)
+        if new_ca:
+            ca = pki.make_ca(str(tls), name="dlsched up local CA")
+        dns, ips = self._cert_names()
+        svc = pki.Issued(str(tls / f"{SERVICE_IDENTITY}.pem"), str(tls / f"{SERVICE_IDENTITY}.key"))
+        if new_ca or not os.path.exists(svc.key_file) or not _cert_usable(
+                svc.cert_file, ca.cert_file, dns, ips):
+            svc = pki.issue(ca, str(tls), SERVICE_IDENTITY, dns=dns, ips=ips)
+        for f in (ca.key_file, svc.key_file):
+            os.chmod(f, 0o600)
+        return Security(
+            ca_file=ca.cert_file, cert_file=svc.cert_file, key_file=svc.key_file,
+            admin_token_file=_token_file(self.data / "admin.token"),
+            control_plane_token_file=_token_file(self.data / "control-plane.token"),
+            encryption_key_file=str(self._encryption_key_file()))
+
+    def client_profile(self, server: str = "", cluster_manager: str = "") -> Any:
+        """A client profile for this stack: verified TLS against its CA, the admin token."""
+        from dlsched.kit.tls import TlsOptions
+        from dlsched.profile import Profile
+
+        assert self.security is not None
+        return Profile(server=server, cluster_manager=cluster_manager,
+                       tls=TlsOptions(ca_file=self.security.ca_file),
+                       token_file=self.security.admin_token_file)
+
+    def _service(self, name: str, module: str, listen_port: int, args: Sequence[str],
+                 host: str | None = None) -> Child:
         env = {"PYTHONUNBUFFERED": "1"}
         root = _source_root()
         if root is not None:
@@ -203,16 +350,15 @@ class LocalStack:
         port_file = self.run_dir / f"{name}.port"
         return Child(
             name=name,
-            argv=[sys.executable, "-m", module, "--listen", f"{self.host}:{listen_port}",
+            argv=[sys.executable, "-m", module, "--listen", f"{host or self.host}:{listen_port}",
                   "--port-file", str(port_file), *args],
             log_path=self.logs / f"{name}.log", port_file=port_file, env=env)
 
     async def start(self) -> dict[str, str]:
         self._lock()
-        for d in (self.logs, self.run_dir, self.data / "local"):
-            d.mkdir(parents=True, exist_ok=True)
-        (self.data / "etcd").mkdir(mode=0o700, exist_ok=True)
-        (self.data / "etcd").chmod(0o700)
+        for d in (self.logs, self.run_dir, self.data / "local", self.data / "etcd"):
+            _private_dir(d)
+        sec = self.security = self._security()
         with contextlib.suppress(FileNotFoundError):
             (self.data / "ready.json").unlink()
         for p in (self.port, self.port + 1):
@@ -236,39 +382,75 @@ class LocalStack:
         await etcd.wait_tcp("127.0.0.1", client, self.ready_timeout)
         self.etcd_endpoint = f"127.0.0.1:{client}"
 
+        auth = ["--admin-token-file", sec.admin_token_file,
+                "--control-plane-token-file", sec.control_plane_token_file]
         cm = self._service("cluster-manager", "cluster_manager", self.port + 1,
                            ["--etcd", self.etcd_endpoint, "--prefix", "/dlsched/",
-                            "--monitor-interval", "2"])
+                            "--monitor-interval", "2",
+                            "--encryption-key-file", sec.encryption_key_file,
+                            *sec.tls_args(), *auth])
         self.children.append(cm)
         cm.start()
+        # Only the control plane calls the driver (mutual TLS): loopback, whatever --host says.
         driver = self._service("local-driver", "drivers.local", 0,
-                               ["--state-dir", str(self.data / "local")])
+                               ["--state-dir", str(self.data / "local"), *sec.tls_args()],
+                               host="127.0.0.1")
         self.children.append(driver)
         driver.start()
         await cm.wait_port_file(self.ready_timeout)
         await driver.wait_port_file(self.ready_timeout)
+        cm_address = self._dial(cm.address)
 
         jm = self._service("job-manager", "job_manager", self.port,
-                           ["--etcd", self.etcd_endpoint, "--cluster-manager", cm.address,
-                            "--prefix", "/dlsched/"])
+                           ["--etcd", self.etcd_endpoint, "--cluster-manager", cm_address,
+                            "--prefix", "/dlsched/", *sec.tls_args(), *auth])
         self.children.append(jm)
         jm.start()
         await jm.wait_port_file(self.ready_timeout)
+        jm_address = self._dial(jm.address)
 
-        state = await self._register_local(cm.address, driver.address)
-        addrs = {"server": jm.address, "cluster_manager": cm.address,
+        state = await self._register_local(cm_address, driver.address)
+        self._save_context(jm_address, cm_address)
+        addrs = {"server": jm_address, "cluster_manager": cm_address,
                  "driver": driver.address, "etcd": self.etcd_endpoint,
-                 "cluster_state": state, "pid": str(os.getpid())}
+                 "cluster_state": state, "pid": str(os.getpid()),
+                 "ca_file": sec.ca_file, "token_file": sec.admin_token_file,
+                 "config": str(self.config_file or ""), "context": CONTEXT}
         tmp = self.data / "ready.json.tmp"
         tmp.write_text(json.dumps(addrs))
         os.replace(tmp, self.data / "ready.json")
         return addrs
 
+    def _dial(self, address: str) -> str:
+        """``address`` as a client dials it (0.0.0.0 → loopback)."""
+        host, _, port = address.rpartition(":")
+        return f"{self.client_host}:{port}" if host in ("0.0.0.0", "::", "[::]", "") else address
+
+    def _save_context(self, server: str, cluster_manager: str) -> None:
+        """Context ``local`` in the user's config, current when none is; a
+        config that cannot be written only costs a warning."""
+        from dlsched import profile
+
+        assert self.security is not None
+        try:
+            path = profile.config_path()
+            current, _ = profile.get_contexts(path)
+            profile.save_context(CONTEXT, {
+                "server": server, "cluster-manager": cluster_manager,
+                "ca-file": self.security.ca_file, "token-file": self.security.admin_token_file,
+            }, path=path)
+            self.config_file = path
+            self.context_current = current in (None, CONTEXT)
+        except (errors.DlschedError, OSError) as e:
+            print(f"warning: could not save context {CONTEXT!r} in the dlsched config: {e}",
+                  file=sys.stderr, flush=True)
+
     async def _register_local(self, cm_address: str, driver_address: str) -> str:
         from dlsched.client import ClusterManagerClient, DlschedRpcError
         from dlsched.v1 import cluster_pb2, job_pb2
 
-        async with ClusterManagerClient(cm_address) as cm:
+        async with ClusterManagerClient(
+                cm_address, profile=self.client_profile(cluster_manager=cm_address)) as cm:
             try:
                 c = await cm.get_cluster("local")
                 if c.driver_address != driver_address:
@@ -341,8 +523,17 @@ async def _run(stack: LocalStack) -> int:
               f"driver={addrs['driver']} etcd={addrs['etcd']} "
               f"cluster=clusters/local({addrs['cluster_state'].removeprefix('CLUSTER_STATE_')})",
               flush=True)
-        print(f"  data {stack.data}, logs {stack.logs}; try "
-              f"`dlsched --server {addrs['server']} submit examples/hello.yaml --follow`; "
+        if stack.config_file is None:
+            how = (f"dlsched --server {addrs['server']} --cluster-manager {addrs['cluster_manager']}"
+                   f" --ca-file {addrs['ca_file']} --token-file {addrs['token_file']}")
+            where = "no context saved"
+        elif stack.context_current:
+            how, where = "dlsched", f"context {CONTEXT} (current) in {stack.config_file}"
+        else:
+            how = f"dlsched --context {CONTEXT}"
+            where = f"context {CONTEXT} (not current) in {stack.config_file}"
+        print(f"  data {stack.data}, logs {stack.logs}, {where}, admin token "
+              f"{addrs['token_file']}; try `{how} submit examples/hello.yaml --follow`; "
               "Ctrl-C stops", flush=True)
         while not stop.is_set():
             dead = stack.dead_child()

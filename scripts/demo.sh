@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The demo, from a fresh clone: set up .venv, start the local stack with
-# `dlsched up` in the background, run the PyTorch DDP example
+# `dlsched up` in the background (TLS and tokens on; it saves a context
+# `local`, so the CLI below needs no flags), run the PyTorch DDP example
 # (examples/ddp/ddp.yaml: 1 master + 2 workers, gloo on CPU) with its logs
 # streamed, print its final state, stop the stack.
 #
@@ -42,6 +43,12 @@ for _ in range(100):
         a.close(); b.close()
     print(p); break')
 
+# `dlsched up` saves its context (server, CA file, admin token file) in the client
+# config; the demo keeps its own config, apart from yours, and nothing from the shell.
+export DLSCHED_CONFIG="$DATA/config.yaml"
+unset DLSCHED_CONTEXT DLSCHED_SERVER DLSCHED_CLUSTER_MANAGER DLSCHED_TOKEN DLSCHED_TOKEN_FILE \
+  DLSCHED_CA_FILE DLSCHED_TLS_CA_FILE DLSCHED_INSECURE
+
 echo "== dlsched up --data-dir $DATA --port $PORT (log: $DATA/up.log)"
 $DLSCHED up --data-dir "$DATA" --port "$PORT" >"$DATA/up.log" 2>&1 &
 UP_PID=$!
@@ -64,7 +71,10 @@ done
 [ -f "$DATA/ready.json" ] || { echo "error: dlsched up not ready:" >&2; cat "$DATA/up.log" >&2; exit 1; }
 grep -m1 "dlsched is up" "$DATA/up.log" || true
 
-export DLSCHED_SERVER=127.0.0.1:$PORT DLSCHED_CLUSTER_MANAGER=127.0.0.1:$((PORT + 1))
+echo "== dlsched config get-contexts"
+$DLSCHED config get-contexts
+echo "== dlsched whoami"
+$DLSCHED whoami
 echo "== dlsched cluster list"
 $DLSCHED cluster list
 echo "== dlsched submit examples/ddp/ddp.yaml --follow"

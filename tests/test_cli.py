@@ -8,6 +8,7 @@ runs ``dlsched up`` itself and checks it leaves nothing running.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
@@ -492,47 +493,244 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
-def test_dlsched_up_runs_the_stack_and_stops_cleanly(tmp_path: pathlib.Path) -> None:
-    data = tmp_path / "data"
-    port = _free_port_pair()
-    out_path = tmp_path / "up.out"
-    with open(out_path, "w") as out:
-        up = subprocess.Popen([sys.executable, "-m", "dlsched", "up", "--data-dir", str(data),
-                               "--port", str(port)],
-                              stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=_env())
-    try:
+class Up:
+    """One ``dlsched up`` in a temp data dir, run the way a user would: HOME,
+    XDG_CONFIG_HOME and DLSCHED_CONFIG point into a temp dir and none of the
+    test suite's DLSCHED_* TLS/token variables are set, for it or for the CLI."""
+
+    def __init__(self, root: pathlib.Path) -> None:
+        self.root = root
+        self.data = root / "data"
+        self.home = root / "home"
+        self.home.mkdir()
+        self.config = self.home / ".config" / "dlsched" / "config.yaml"
+        self.port = _free_port_pair()
+        self.out_path = root / "up.out"
+        self.proc: subprocess.Popen[bytes] | None = None
+        env = _env()
+        for k in list(env):
+            if k.startswith("DLSCHED_"):
+                env.pop(k)
+        env.update(HOME=str(self.home), XDG_CONFIG_HOME=str(self.home / ".config"))
+        self.env = env
+
+    def start(self) -> str:
+        with open(self.out_path, "a") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "dlsched", "up", "--data-dir", str(self.data),
+                 "--port", str(self.port)],
+                stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=self.env)
+        start = len(self.out_path.read_text())
         deadline = time.monotonic() + 90
         while time.monotonic() < deadline:
-            text = out_path.read_text()
-            if "dlsched is up:" in text or up.poll() is not None:
+            text = self.out_path.read_text()[start:]
+            if "dlsched is up:" in text or self.proc.poll() is not None:
                 break
             time.sleep(0.1)
-        text = out_path.read_text()
+        text = self.out_path.read_text()[start:]
         assert "dlsched is up:" in text, text
-        assert f"server=127.0.0.1:{port}" in text
-        assert f"cluster-manager=127.0.0.1:{port + 1}" in text
-        assert (data / "ready.json").exists()
-        assert len(_processes_mentioning(str(data))) >= 4  # etcd + three services
+        return text
 
-        r = subprocess.run(
-            [sys.executable, "-m", "dlsched", "--server", f"127.0.0.1:{port}", "submit",
-             "examples/hello.yaml", "--follow"],
-            capture_output=True, text=True, timeout=90, cwd=ROOT, env=_env())
-        assert r.returncode == 0, r.stdout + r.stderr + out_path.read_text()
-        assert "hello: done" in r.stdout and "SUCCEEDED" in r.stdout
-
+    def stop(self) -> None:
+        assert self.proc is not None
         t0 = time.monotonic()
-        up.send_signal(signal.SIGINT)
-        assert up.wait(20) == 0, out_path.read_text()
+        self.proc.send_signal(signal.SIGINT)
+        assert self.proc.wait(20) == 0, self.out_path.read_text()
         assert time.monotonic() - t0 < 15
-        assert "Traceback" not in out_path.read_text()
-        assert not (data / "ready.json").exists()
-        assert _processes_mentioning(str(data)) == []
-        for log in ("etcd", "cluster-manager", "local-driver", "job-manager"):
-            assert (data / "logs" / f"{log}.log").exists()
+        assert "Traceback" not in self.out_path.read_text()
+        assert not (self.data / "ready.json").exists()
+        assert _processes_mentioning(str(self.data)) == []
+
+    def cli(self, *args: str, env: dict[str, str] | None = None, timeout: float = 90,
+            ) -> subprocess.CompletedProcess[str]:
+        """The CLI with no connection flags but ``args``: the context decides."""
+        r = subprocess.run([sys.executable, "-m", "dlsched", *args], capture_output=True,
+                           text=True, timeout=timeout, cwd=ROOT, env=env or self.env)
+        assert "Traceback" not in r.stderr, r.stderr
+        return r
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for line in _processes_mentioning(str(self.data)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line.split(":")[0]), signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    u = Up(tmp_path_factory.mktemp("up"))
+    try:
+        u.start()
+        yield u
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        for line in _processes_mentioning(str(data)):
-            os.kill(int(line.split(":")[0]), signal.SIGKILL)
+        u.kill()
+
+
+def _mode(p: pathlib.Path) -> int:
+    return p.stat().st_mode & 0o777
+
+
+def test_dlsched_up_is_secure_by_default_and_the_cli_needs_no_flags(up: Up) -> None:
+    text = up.out_path.read_text()
+    assert f"server=127.0.0.1:{up.port}" in text
+    assert f"cluster-manager=127.0.0.1:{up.port + 1}" in text
+    assert (up.data / "ready.json").exists()
+    assert len(_processes_mentioning(str(up.data))) >= 4  # etcd + three services
+
+    # Secrets made once, owner-only; the context saved in the user's config and current.
+    for f in ("admin.token", "control-plane.token", "encryption-key.json", "tls/ca.key",
+              "tls/job-manager.key"):
+        assert _mode(up.data / f) == 0o600, f
+    for d in (up.data, up.data / "tls", up.data / "etcd"):
+        assert _mode(d) == 0o700, d
+    assert _mode(up.config) == 0o600
+    doc = yaml.safe_load(up.config.read_text())
+    assert doc["current-context"] == "local"
+    assert doc["contexts"]["local"] == {
+        "server": f"127.0.0.1:{up.port}", "cluster-manager": f"127.0.0.1:{up.port + 1}",
+        "ca-file": str(up.data / "tls" / "ca.pem"), "token-file": str(up.data / "admin.token")}
+    # Every service serves TLS and checks who calls.
+    for svc in ("job-manager", "cluster-manager", "local-driver"):
+        assert not any("--insecure" in p for p in _processes_mentioning(f"{up.data}/run/{svc}"))
+
+    r = up.cli("submit", "examples/hello.yaml", "--follow")
+    assert r.returncode == 0, r.stdout + r.stderr + up.out_path.read_text()
+    assert "hello: done" in r.stdout and "SUCCEEDED" in r.stdout
+
+    me = up.cli("whoami")
+    assert me.returncode == 0, me.stderr
+    assert "Principal: admin" in me.stdout and "Admin:     yes" in me.stdout
+    assert json.loads(up.cli("whoami", "-o", "json").stdout)["admin"] is True
+
+    listed = up.cli("list")
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.split()[:3] == ["NAME", "PROJECT", "OWNER"]
+    assert "default" in listed.stdout and "admin" in listed.stdout
+
+    # Plaintext against the TLS server, or no token at all, does not get in.
+    plain = up.cli("--insecure", "whoami")
+    assert plain.returncode == 1 and plain.stderr.startswith("error: UNAVAILABLE"), plain.stderr
+    anon = up.cli("whoami", env={**up.env, "DLSCHED_TOKEN": "not-a-valid-token-" + "x" * 20,
+                                  "DLSCHED_CONTEXT": "local"})
+    assert anon.returncode == 1
+    assert anon.stderr.startswith("error: UNAUTHENTICATED"), anon.stderr
+    assert "check your token" in anon.stderr
+
+
+def test_api_token_and_role_binding_act_as_the_service_account(
+        up: Up, tmp_path: pathlib.Path) -> None:
+    sa = _uid("ci")
+    created = up.cli("token", "create", sa, "--description", "CI", "--expires", "30d")
+    assert created.returncode == 0, created.stderr
+    secret = created.stdout
+    assert secret.startswith("dls_") and secret.count("\n") == 1  # the secret and nothing else
+    assert "shown only this once" in created.stderr
+    token = tmp_path / "ci.token"
+    token.write_text(secret)
+    token.chmod(0o600)
+
+    bound = up.cli("rolebinding", "add", f"sa:{sa}", "--project", "team-x", "--role", "member")
+    assert bound.returncode == 0, bound.stderr
+    rb_name = bound.stdout.split(":")[0]
+    assert rb_name.startswith("roleBindings/")
+
+    as_sa = ("--token-file", str(token))
+    me = json.loads(up.cli(*as_sa, "whoami", "-o", "json").stdout)
+    assert me == {"principal": f"sa:{sa}", "admin": False,
+                  "roles": [{"project": "team-x", "role": "ROLE_MEMBER"}]}
+
+    job_id = _uid("sa-hello")
+    r = up.cli(*as_sa, "submit", "examples/hello.yaml", "--follow", "--id", job_id)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "project team-x" in r.stderr
+    got = json.loads(up.cli(*as_sa, "get", job_id, "-o", "json").stdout)
+    assert got["owner"] == f"sa:{sa}" and got["project"] == "team-x"
+    elsewhere = up.cli(*as_sa, "submit", "examples/hello.yaml", "--project", "other")
+    assert elsewhere.returncode == 1
+    assert elsewhere.stderr.startswith("error: PERMISSION_DENIED"), elsewhere.stderr
+
+    refused = up.cli(*as_sa, "cluster", "add", _uid("c"), "--type", "local", "--driver", "127.0.0.1:9")
+    assert refused.returncode == 1
+    assert refused.stderr.startswith("error: PERMISSION_DENIED PERMISSION_DENIED:"), refused.stderr
+    assert "dlsched whoami" in refused.stderr
+    assert up.cli(*as_sa, "token", "list").returncode == 1  # admins only
+
+    tokens = json.loads(up.cli("token", "list", "--service-account", sa, "-o", "json").stdout)
+    (tok,) = tokens["apiTokens"]
+    assert tok["description"] == "CI" and "expireTime" in tok
+    assert secret.strip() not in up.cli("token", "list").stdout
+    bindings = up.cli("rolebinding", "list", "--principal", f"sa:{sa}")
+    assert rb_name in bindings.stdout and "MEMBER" in bindings.stdout
+
+    assert up.cli("token", "revoke", tok["name"]).returncode == 0
+    revoked = up.cli(*as_sa, "whoami")
+    assert revoked.returncode == 1
+    assert revoked.stderr.startswith("error: UNAUTHENTICATED"), revoked.stderr
+    assert up.cli("rolebinding", "remove", rb_name).returncode == 0
+    assert rb_name not in up.cli("rolebinding", "list").stdout
+
+
+def test_a_wrong_ca_file_is_a_clear_error(up: Up, tmp_path: pathlib.Path) -> None:
+    from dlsched.kit import pki
+
+    other = pki.make_ca(str(tmp_path / "other-ca"))
+    r = up.cli("--ca-file", other.cert_file, "whoami")
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: UNAVAILABLE"), r.stderr
+    assert "TLS handshake failed" in r.stderr and "--ca-file" in r.stderr
+
+    missing = up.cli("--ca-file", str(tmp_path / "nope.pem"), "whoami")
+    assert missing.returncode == 1
+    assert missing.stderr.startswith("error: INVALID_ARGUMENT INVALID_COMMAND_LINE:"), missing.stderr
+    assert "nope.pem does not exist" in missing.stderr
+
+
+def test_config_contexts(up: Up, tmp_path: pathlib.Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(up.config.read_text())
+    env = {**up.env, "DLSCHED_CONFIG": str(config)}
+
+    listed = up.cli("config", "get-contexts", env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert [ln.split()[:2] for ln in listed.stdout.splitlines()[1:]] == [["*", "local"]]
+
+    r = up.cli("config", "set-context", "elsewhere", "--server", "127.0.0.1:1",
+               "--cluster-manager", "127.0.0.1:2", "--ca-file", str(up.data / "tls" / "ca.pem"),
+               "--token-command", "cat /dev/null", env=env)
+    assert r.returncode == 0, r.stderr
+    assert up.cli("config", "use-context", "elsewhere", env=env).returncode == 0
+    away = up.cli("whoami", env=env)
+    assert away.returncode == 1 and away.stderr.startswith("error: UNAVAILABLE"), away.stderr
+    assert up.cli("--context", "local", "whoami", env=env).returncode == 0
+    unknown = up.cli("--context", "nowhere", "whoami", env=env)
+    assert unknown.returncode == 1 and "no context 'nowhere'" in unknown.stderr
+    assert up.cli("config", "use-context", "nowhere", env=env).returncode == 1
+
+    # set-context changes only what it is given; --token-file replaces --token-command.
+    token = str(up.data / "admin.token")
+    r = up.cli("config", "set-context", "elsewhere", "--server", f"127.0.0.1:{up.port}",
+               "--cluster-manager", f"127.0.0.1:{up.port + 1}", "--token-file", token, env=env)
+    assert r.returncode == 0, r.stderr
+    ctx = yaml.safe_load(config.read_text())["contexts"]["elsewhere"]
+    assert ctx == {"server": f"127.0.0.1:{up.port}", "cluster-manager": f"127.0.0.1:{up.port + 1}",
+                   "ca-file": str(up.data / "tls" / "ca.pem"), "token-file": token}
+    assert up.cli("whoami", env=env).returncode == 0
+    assert _mode(config) == 0o600
+
+
+def test_dlsched_up_restarts_with_its_secrets_and_stops_cleanly(up: Up) -> None:
+    token = (up.data / "admin.token").read_text()
+    ca = (up.data / "tls" / "ca.pem").read_text()
+    up.stop()
+    for log in ("etcd", "cluster-manager", "local-driver", "job-manager"):
+        assert (up.data / "logs" / f"{log}.log").exists()
+
+    up.start()
+    assert (up.data / "admin.token").read_text() == token
+    assert (up.data / "tls" / "ca.pem").read_text() == ca
+    listed = up.cli("list", "-o", "json")  # the context still works; jobs survived
+    assert listed.returncode == 0, listed.stderr
+    assert json.loads(listed.stdout)["jobs"]
+    up.stop()
