@@ -56,11 +56,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, authenticate: Authenticate, *, control_plane_only: bool = False,
                  audit: AuditLog | None = None) -> None:
         self._authenticate = authenticate
+        # Only drivers ask for client certificates; elsewhere there is none to read.
         self._control_plane_only = control_plane_only
         self._audit = audit
 
     async def _principal(self, context: grpc.aio.ServicerContext) -> Principal:
-        peer = peer_identities(context)
+        peer = peer_identities(context) if self._control_plane_only else []
         try:
             p = await self._authenticate(_authorization(context), peer)
         except Unauthenticated:
