@@ -41,6 +41,7 @@ from dlsched.client import (  # noqa: E402
 )
 from dlsched.kit import etcd as etcd_kit  # noqa: E402
 from dlsched.v1 import cluster_pb2, job_pb2  # noqa: E402
+from tests import security  # noqa: E402  (TLS certificates and tokens, as in the tests)
 from tests.harness import EtcdServer, Stack  # noqa: E402
 
 PY = sys.executable
@@ -280,6 +281,7 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main() -> None:
+    security.install()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--jobs", type=int, default=100, help="jobs per submit phase (default 100)")
     p.add_argument("--concurrency", type=int, default=8)

@@ -42,6 +42,7 @@ import grpc  # noqa: E402
 from bench.stats import ms, pct  # noqa: E402
 from dlsched.v1 import driver_service_pb2 as dpb  # noqa: E402
 from dlsched.v1 import driver_service_pb2_grpc, job_pb2  # noqa: E402
+from tests import security  # noqa: E402  (TLS certificates and tokens, as in the tests)
 from tests.harness import ServiceProcess  # noqa: E402
 from tests.ray_head import RayHead, ray_available  # noqa: E402
 
@@ -144,7 +145,7 @@ async def launch(stub: driver_service_pb2_grpc.DriverServiceStub, req: dpb.Launc
 
 async def measure(head: RayHead, driver: ServiceProcess, lines: int, tmp: str,
                   ) -> tuple[Follower, Follower, float, int]:
-    async with grpc.aio.insecure_channel(driver.address) as ch:
+    async with security.channel(driver.address) as ch:
         stub = driver_service_pb2_grpc.DriverServiceStub(ch)
         await stub.ConfigureCluster(dpb.ConfigureClusterRequest(
             cluster=CLUSTER, address=head.address, options={"python": PY}), timeout=30)
@@ -216,6 +217,7 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main() -> None:
+    security.install()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--lines", type=int, default=240, help="stamps printed by the job, 50 ms apart (default 240)")
     p.add_argument("--driver-args", nargs=argparse.REMAINDER, default=[],

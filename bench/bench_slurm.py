@@ -51,7 +51,7 @@ from bench.stats import ms, pct  # noqa: E402
 from dlsched.v1 import cluster_pb2, driver_service_pb2_grpc, job_pb2  # noqa: E402
 from dlsched.v1 import driver_service_pb2 as dpb  # noqa: E402
 from drivers.slurm.poller import MIN_INTERVAL  # noqa: E402
-from tests import slurm_cluster  # noqa: E402
+from tests import security, slurm_cluster  # noqa: E402
 from tests.harness import ServiceProcess, backend_calls  # noqa: E402
 
 PY = sys.executable
@@ -353,8 +353,8 @@ async def run(args: argparse.Namespace) -> int:
         poller = ServiceProcess("drivers.slurm", ["--poll-interval", str(args.poll_interval),
                                                   "--max-log-streams", "0", *metrics],
                                 name="slurm-driver-polling-logs").start()
-        async with grpc.aio.insecure_channel(driver.address) as ch, \
-                grpc.aio.insecure_channel(poller.address) as pch:
+        async with security.channel(driver.address) as ch, \
+                security.channel(poller.address) as pch:
             stub = driver_service_pb2_grpc.DriverServiceStub(ch)
             b = Bench(args, cluster, stub, tmp)
             await stub.ConfigureCluster(b.configure_request(PLAIN), timeout=30)
@@ -436,6 +436,7 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main() -> None:
+    security.install()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--poll-interval", type=float, default=MIN_INTERVAL,
                    help=f"the driver's --poll-interval (default the floor, {MIN_INTERVAL:g} s)")

@@ -65,6 +65,12 @@ def install() -> TestSecurity:
         "DLSCHED_TOKEN_FILE": admin,  # SDK and CLI clients act as the admin by default
         "DLSCHED_CONFIG": os.path.join(d, "no-config.yaml"),
     })
+    if not os.environ.get("DLSCHED_ENCRYPTION_KEY_FILE"):
+        from dlsched.kit.envelope import generate_key_file
+
+        key = os.path.join(d, "encryption-key.json")
+        generate_key_file(key)
+        os.environ["DLSCHED_ENCRYPTION_KEY_FILE"] = key
     os.environ.pop("DLSCHED_INSECURE", None)
     os.environ.pop("DLSCHED_NO_AUTH", None)
     _CURRENT = TestSecurity(d, ca, service, user, admin, cp)
