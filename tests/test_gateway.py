@@ -54,7 +54,7 @@ from tests.harness import ROOT, EtcdServer, ServiceProcess, Stack
 SERVICES = [job_manager_service_pb2.DESCRIPTOR.services_by_name["JobManagerService"],
             cluster_manager_service_pb2.DESCRIPTOR.services_by_name["ClusterManagerService"]]
 ACCESS = access_service_pb2.DESCRIPTOR.services_by_name["AccessService"]
-# What the gateway serves; Envoy's config (deploy/envoy) covers SERVICES.
+# What the gateway and Envoy's config (deploy/envoy) serve.
 GATEWAY_SERVICES = [*SERVICES, ACCESS]
 TERMINAL = {"JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED", "JOB_STATE_STOPPED"}
 SECRET = "s3cr3t-ray-token-" + uuid.uuid4().hex
@@ -816,7 +816,7 @@ def test_envoy_descriptor_set_and_config_match_the_annotations(tmp_path: pathlib
         pool.Add(f)
     assert pool.FindMessageTypeByName("google.rpc.ErrorInfo")
     assert pool.FindMessageTypeByName("google.rpc.BadRequest")
-    for svc in SERVICES:
+    for svc in GATEWAY_SERVICES:
         in_set = next(s for f in fds.file if f.package == "dlsched.v1" for s in f.service
                       if s.name == svc.name)
         assert [m.name for m in in_set.method] == [m.name for m in svc.methods]
@@ -832,14 +832,15 @@ def test_envoy_descriptor_set_and_config_match_the_annotations(tmp_path: pathlib
     transcoder = next(f["typed_config"] for f in filters
                       if f["name"] == "envoy.filters.http.grpc_json_transcoder")
     assert filters[-1]["name"] == "envoy.filters.http.router"
-    assert transcoder["services"] == [s.full_name for s in SERVICES]
+    assert transcoder["services"] == [s.full_name for s in GATEWAY_SERVICES]
     assert pathlib.PurePosixPath(transcoder["proto_descriptor"]).name == "dlsched.pb"
     assert transcoder["convert_grpc_status"] is True
     assert transcoder["print_options"]["stream_newline_delimited"] is True
     clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
     routes = hcm_conf["route_config"]["virtual_hosts"][0]["routes"]
-    want = {"JobManagerService": "job-manager", "ClusterManagerService": "cluster-manager"}
-    for svc in SERVICES:
+    want = {"JobManagerService": "job-manager", "ClusterManagerService": "cluster-manager",
+            "AccessService": "job-manager"}
+    for svc in GATEWAY_SERVICES:
         for m in svc.methods:
             path = f"/{svc.full_name}/{m.name}"
             route = next(r["route"] for r in routes

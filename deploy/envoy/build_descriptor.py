@@ -22,7 +22,8 @@ from google.rpc import status_pb2
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROTOS = ROOT / "protos"
-SERVICES = ["dlsched/v1/job_manager_service.proto", "dlsched/v1/cluster_manager_service.proto"]
+SERVICES = ["dlsched/v1/job_manager_service.proto", "dlsched/v1/cluster_manager_service.proto",
+            "dlsched/v1/access_service.proto"]
 ERROR_TYPES = ["google/rpc/status.proto", "google/rpc/error_details.proto"]
 
 
