@@ -18,7 +18,8 @@ from typing import Any
 
 _MUTATING = ("Submit", "Create", "Update", "Delete", "Stop", "Launch", "Terminate", "Cleanup",
              "Configure", "Remove")
-_OBJECT_FIELDS = ("name", "job_id", "cluster_id")
+# Request fields holding a bare id, and the collection its resource name is in.
+_ID_FIELDS = (("job_id", "jobs"), ("cluster_id", "clusters"))
 _RESPONSE_OBJECTS = ("job", "cluster", "role_binding", "api_token")
 
 log = logging.getLogger("dlsched.audit")
@@ -30,16 +31,23 @@ def is_mutating(method: str) -> bool:
 
 
 def object_of(request: Any, response: Any = None) -> str:
-    """The name of the object a call acts on, from its request or response."""
-    for f in _OBJECT_FIELDS:
+    """The resource name of the object a call acts on (``jobs/x``,
+    ``clusters/y``, ``apiTokens/z``): from the response's object, else the
+    request's object or ``name``, else its bare id made a name — so every line
+    about one object names it the same way, whether the call ended OK or not."""
+    for msg in (response, request):
+        for f in _RESPONSE_OBJECTS:
+            obj = getattr(msg, f, None) if msg is not None else None
+            name = getattr(obj, "name", "") if obj is not None else ""
+            if isinstance(name, str) and name:
+                return name[:300]
+    name = getattr(request, "name", "")
+    if isinstance(name, str) and name:
+        return name[:300]
+    for f, collection in _ID_FIELDS:
         v = getattr(request, f, "")
         if isinstance(v, str) and v:
-            return v[:300]
-    for f in _RESPONSE_OBJECTS:
-        obj = getattr(response, f, None) if response is not None else None
-        name = getattr(obj, "name", "") if obj is not None else ""
-        if isinstance(name, str) and name:
-            return name[:300]
+            return f"{collection}/{v}"[:300]
     return ""
 
 

@@ -62,7 +62,7 @@ class TokenExpired(Unauthenticated):
 
 
 class OidcVerifier:
-    def __init__(self, opts: OidcOptions, *, max_age: float = 3600.0, refresh_floor: float = 30.0,
+    def __init__(self, opts: OidcOptions, *, max_age: float = 3600.0, refresh_floor: float = 5.0,
                  cache_size: int = 10_000, clock: Any = time.time) -> None:
         self.opts = opts
         self._keys: dict[str, jwt.PyJWK] = {}
