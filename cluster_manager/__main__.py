@@ -18,6 +18,7 @@ from dlsched.auth.store import AccessStore
 from dlsched.kit import etcd, logs, tracing
 from dlsched.kit.election import Leadership
 from dlsched.kit.envelope import Keyring
+from dlsched.kit.etcd import EtcdOptions, add_etcd_flags, etcd_options_from_args
 from dlsched.kit.server import (
     Registration,
     ServerOptions,
@@ -42,7 +43,7 @@ log = logging.getLogger("cluster_manager")
 class Config:
     listen: str
     port_file: str | None
-    etcd: str
+    etcd: EtcdOptions
     prefix: str
     monitor_interval: float
     heartbeat_interval: float
@@ -65,7 +66,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
                                 description="dlsched ClusterManagerService")
     p.add_argument("--listen", default="127.0.0.1:0", help="host:port; port 0 picks one")
     p.add_argument("--port-file", default=None, help="write the bound host:port here")
-    p.add_argument("--etcd", required=True, help="etcd endpoint host:port")
+    add_etcd_flags(p)
     p.add_argument("--prefix", default="/dlsched/", help="etcd key prefix")
     p.add_argument("--monitor-interval", type=float, default=2.0,
                    help="seconds between GetClusterInfo calls per cluster")
@@ -94,7 +95,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         p.error("--watch-buffer must be at least 1")
     if a.leader_ttl < 2:
         p.error("--leader-ttl must be at least 2")
-    return Config(a.listen, a.port_file, a.etcd, a.prefix, a.monitor_interval,
+    return Config(a.listen, a.port_file, etcd_options_from_args(a, p), a.prefix, a.monitor_interval,
                   a.heartbeat_interval, a.watch_buffer, a.driver_timeout, a.grace, a.log_level,
                   a.metrics_listen, a.leader_ttl, a.trace_export, a.log_format,
                   encryption_key_file=a.encryption_key_file, tls=tls, auth=auth,

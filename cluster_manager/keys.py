@@ -58,10 +58,10 @@ def load_or_exit(path: str | None) -> Keyring:
         raise SystemExit(2) from None
 
 
-async def rotate(etcd_endpoint: str, prefix: str, key_file: str) -> tuple[str, int]:
+async def rotate(etcd_options: etcd.EtcdOptions | str, prefix: str, key_file: str) -> tuple[str, int]:
     """Add a key to ``key_file`` and re-encrypt every credential: (new key id, rewritten)."""
     current = Keyring.load(key_file)  # a broken file fails before anything changes
-    client = await etcd.connect(etcd_endpoint)
+    client = await etcd.connect(etcd_options)
     try:
         await ClusterStore(client, current, prefix).current_revision()  # etcd answers first
         keyring = add_key(key_file)
@@ -75,7 +75,7 @@ def main(command: str, argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog=f"python -m cluster_manager {command}",
                                 description=__doc__.split("\n\n")[1] if __doc__ else None)
     if command == "rotate-key":
-        p.add_argument("--etcd", required=True, help="etcd endpoint host:port")
+        etcd.add_etcd_flags(p)
         p.add_argument("--prefix", default="/dlsched/", help="etcd key prefix")
     add_key_file_flag(p)
     a = p.parse_args(argv)
@@ -86,7 +86,7 @@ def main(command: str, argv: Sequence[str]) -> int:
             kr = generate_key_file(a.encryption_key_file)
             print(f"created {a.encryption_key_file} with key {kr.active_key_id}")
             return 0
-        kid, n = asyncio.run(rotate(a.etcd, a.prefix, a.encryption_key_file))
+        kid, n = asyncio.run(rotate(etcd.etcd_options_from_args(a, p), a.prefix, a.encryption_key_file))
     except DlschedError as e:
         print(f"cluster_manager {command}: {e.message}", file=sys.stderr)
         return 1

@@ -16,6 +16,7 @@ from dlsched.auth.servicer import AccessServicer
 from dlsched.auth.store import AccessStore
 from dlsched.kit import etcd, logs, tracing
 from dlsched.kit.channel import TokenSource
+from dlsched.kit.etcd import EtcdOptions, add_etcd_flags, etcd_options_from_args
 from dlsched.kit.server import (
     Registration,
     ServerOptions,
@@ -40,7 +41,7 @@ log = logging.getLogger("job_manager")
 class Config:
     listen: str
     port_file: str | None
-    etcd: str
+    etcd: EtcdOptions
     cluster_manager: str
     prefix: str = "/dlsched/"
     watch_buffer: int = 10000
@@ -59,7 +60,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p = argparse.ArgumentParser(prog="python -m job_manager", description=__doc__)
     p.add_argument("--listen", default="127.0.0.1:0")
     p.add_argument("--port-file")
-    p.add_argument("--etcd", required=True, help="etcd endpoint host:port")
+    add_etcd_flags(p)
     p.add_argument("--cluster-manager", required=True, help="ClusterManager host:port")
     p.add_argument("--prefix", default="/dlsched/")
     p.add_argument("--watch-buffer", type=int, default=10000,
@@ -78,7 +79,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         p.error("--watch-buffer must be at least 1")
     tls = tls_options_from_args(a, p)
     auth = auth_options_from_args(a, p)
-    return Config(listen=a.listen, port_file=a.port_file, etcd=a.etcd,
+    return Config(listen=a.listen, port_file=a.port_file, etcd=etcd_options_from_args(a, p),
                   cluster_manager=a.cluster_manager, prefix=a.prefix,
                   watch_buffer=a.watch_buffer, watch_history=a.watch_history,
                   stop_grace_seconds=a.stop_grace_seconds, log_level=a.log_level,

@@ -41,28 +41,72 @@ def free_port() -> int:
 
 
 class EtcdServer:
-    """A real single-member etcd on loopback."""
+    """A real single-member etcd on loopback.
 
-    def __init__(self) -> None:
+    With ``tls`` it serves https only, with a server certificate from a CA made
+    in its temp dir (``ca_file``), and requires a client certificate
+    (``client_cert_file``/``client_key_file``, CN ``etcd-client``, which is no
+    etcd user). With ``auth`` it has a ``root`` user and a ``user`` (``dlsched``,
+    password in ``password_file``) whose role may read and write every key, and
+    authentication on; ``auth_token_ttl`` shortens etcd's ``--auth-token-ttl``.
+    ``service_args()`` are the ``--etcd*`` flags a service needs to reach it.
+    """
+
+    def __init__(self, tls: bool = False, auth: bool = False, *,
+                 auth_token_ttl: int | None = None) -> None:
         self.dir = tempfile.mkdtemp(prefix="dlsched-etcd-")
         self.client_port = free_port()
         self.peer_port = free_port()
-        self.endpoint = f"127.0.0.1:{self.client_port}"
+        self.tls = tls
+        self.auth = auth
+        self.auth_token_ttl = auth_token_ttl
+        self.endpoint = f"{'https://' if tls else ''}127.0.0.1:{self.client_port}"
+        self.ca_file: str | None = None
+        self.client_cert_file: str | None = None
+        self.client_key_file: str | None = None
+        self.user: str | None = None
+        self.password_file: str | None = None
         self.proc: subprocess.Popen[bytes] | None = None
 
+    def service_args(self) -> list[str]:
+        """``--etcd`` and whichever ``--etcd-*`` flags this server needs."""
+        out = ["--etcd", self.endpoint]
+        for flag, value in (("--etcd-ca-file", self.ca_file), ("--etcd-cert-file", self.client_cert_file),
+                            ("--etcd-key-file", self.client_key_file), ("--etcd-user", self.user),
+                            ("--etcd-password-file", self.password_file)):
+            if value:
+                out += [flag, value]
+        return out
+
     def start(self) -> EtcdServer:
+        scheme = "http"
+        security: list[str] = []
+        if self.tls:
+            from dlsched.kit import pki
+
+            scheme = "https"
+            ca = pki.make_ca(os.path.join(self.dir, "pki"), name="dlsched test etcd CA")
+            server = pki.issue(ca, os.path.join(self.dir, "pki"), "etcd")
+            client = pki.issue(ca, os.path.join(self.dir, "pki"), "etcd-client")
+            self.ca_file, self.client_cert_file, self.client_key_file = (
+                ca.cert_file, client.cert_file, client.key_file)
+            security = ["--cert-file", server.cert_file, "--key-file", server.key_file,
+                        "--trusted-ca-file", ca.cert_file, "--client-cert-auth"]
+        if self.auth_token_ttl is not None:
+            security += ["--auth-token-ttl", str(self.auth_token_ttl)]
         log = open(os.path.join(self.dir, "etcd.log"), "wb")  # noqa: SIM115 - held by etcd
         self.proc = subprocess.Popen(
             [
                 find_etcd_binary(),
                 "--name", "test",
                 "--data-dir", os.path.join(self.dir, "data"),
-                "--listen-client-urls", f"http://127.0.0.1:{self.client_port}",
-                "--advertise-client-urls", f"http://127.0.0.1:{self.client_port}",
+                "--listen-client-urls", f"{scheme}://127.0.0.1:{self.client_port}",
+                "--advertise-client-urls", f"{scheme}://127.0.0.1:{self.client_port}",
                 "--listen-peer-urls", f"http://127.0.0.1:{self.peer_port}",
                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{self.peer_port}",
                 "--initial-cluster", f"test=http://127.0.0.1:{self.peer_port}",
                 "--log-level", "error",
+                *security,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -71,13 +115,57 @@ class EtcdServer:
         while time.monotonic() < deadline:
             try:
                 with socket.create_connection(("127.0.0.1", self.client_port), timeout=0.2):
-                    return self
+                    break
             except OSError as e:
                 if self.proc.poll() is not None:
                     with open(os.path.join(self.dir, "etcd.log")) as f:
                         raise RuntimeError("etcd exited: " + f.read()) from e
                 time.sleep(0.05)
-        raise RuntimeError("etcd did not start")
+        else:
+            raise RuntimeError("etcd did not start")
+        if self.auth:
+            try:
+                self._enable_auth()
+            except BaseException:
+                self.stop()
+                raise
+        return self
+
+    def _enable_auth(self) -> None:
+        """Users ``root`` and ``dlsched`` (role ``dlsched``: readwrite on every
+        key), then authentication on; through etcd's gRPC Auth API."""
+        import grpc
+        from aetcd import rpc
+
+        from dlsched.auth.tokens import random_token
+
+        target = f"127.0.0.1:{self.client_port}"
+        if self.tls:
+            assert self.ca_file and self.client_cert_file and self.client_key_file
+            with open(self.ca_file, "rb") as ca, open(self.client_key_file, "rb") as key, \
+                    open(self.client_cert_file, "rb") as cert:
+                channel = grpc.secure_channel(target, grpc.ssl_channel_credentials(
+                    ca.read(), key.read(), cert.read()))
+        else:
+            channel = grpc.insecure_channel(target)
+        self.user = "dlsched"
+        password = random_token()
+        self.password_file = os.path.join(self.dir, "etcd-password")
+        fd = os.open(self.password_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(password + "\n")
+        with channel:
+            auth = rpc.AuthStub(channel)
+            call = {"timeout": 20, "wait_for_ready": True}
+            auth.UserAdd(rpc.AuthUserAddRequest(name="root", password=random_token()), **call)
+            auth.UserGrantRole(rpc.AuthUserGrantRoleRequest(user="root", role="root"), **call)
+            auth.RoleAdd(rpc.AuthRoleAddRequest(name="dlsched"), **call)
+            auth.RoleGrantPermission(rpc.AuthRoleGrantPermissionRequest(
+                name="dlsched", perm=rpc.Permission(permType=rpc.Permission.READWRITE,
+                                                    key=b"\0", range_end=b"\0")), **call)
+            auth.UserAdd(rpc.AuthUserAddRequest(name=self.user, password=password), **call)
+            auth.UserGrantRole(rpc.AuthUserGrantRoleRequest(user=self.user, role="dlsched"), **call)
+            auth.AuthEnable(rpc.AuthEnableRequest(), **call)
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -159,14 +247,14 @@ class Stack:
         self.etcd = etcd
         self.prefix = prefix
         self.driver = ServiceProcess("drivers.local", ["--state-dir", tempfile.mkdtemp(prefix="dlsched-local-"), *driver_args], name="local-driver")
-        self.cm = ServiceProcess("cluster_manager", ["--etcd", etcd.endpoint, "--prefix", prefix, "--monitor-interval", "0.5", *cm_args], name="cluster-manager")
+        self.cm = ServiceProcess("cluster_manager", [*etcd.service_args(), "--prefix", prefix, "--monitor-interval", "0.5", *cm_args], name="cluster-manager")
         self.jm_args = list(jm_args)
         self.jm: ServiceProcess | None = None
 
     def start(self) -> Stack:
         self.driver.start()
         self.cm.start()
-        self.jm = ServiceProcess("job_manager", ["--etcd", self.etcd.endpoint, "--prefix", self.prefix,
+        self.jm = ServiceProcess("job_manager", [*self.etcd.service_args(), "--prefix", self.prefix,
                                                  "--cluster-manager", self.cm.address, *self.jm_args],
                                  name="job-manager")
         self.jm.start()

@@ -31,7 +31,7 @@ import aiohttp.web  # noqa: E402
 from dlsched.v1 import cluster_pb2, driver_service_pb2_grpc, job_pb2  # noqa: E402
 from dlsched.v1 import driver_service_pb2 as dpb  # noqa: E402
 from drivers.kubernetes import render  # noqa: E402
-from tests import security
+from tests import security  # noqa: E402
 from tests.harness import ServiceProcess  # noqa: E402
 
 NS = "dl"
