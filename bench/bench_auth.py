@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import os
 import pathlib
 import shutil
@@ -54,11 +53,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -77,6 +74,7 @@ from dlsched.v1 import cluster_pb2, job_pb2  # noqa: E402
 from dlsched.v1 import job_manager_service_pb2 as jms  # noqa: E402
 from dlsched.v1 import job_manager_service_pb2_grpc as jms_grpc  # noqa: E402
 from tests.harness import EtcdServer, Stack  # noqa: E402
+from tests.oidc_issuer import OidcIssuer  # noqa: E402
 
 TARGET = 0.85
 AUDIENCE = "dlsched-bench"
@@ -94,53 +92,21 @@ def spec(label: str) -> job_pb2.JobSpec:
 # --------------------------------------------------------------------------- OIDC issuer
 
 
-class Issuer:
-    """A minimal OIDC issuer on loopback: discovery + JWKS, RS256 tokens."""
+class Issuer(OidcIssuer):
+    """The tests' OIDC issuer (tests/oidc_issuer.py) with the bench's audience."""
 
     def __init__(self) -> None:
-        import jwt
-        from cryptography.hazmat.primitives.asymmetric import rsa
+        super().__init__()
+        self.start()
 
-        self._jwt = jwt
-        self.key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
-        jwk = json.loads(jwt.algorithms.RSAAlgorithm.to_jwk(self.key.public_key()))
-        jwk.update(kid="bench-1", use="sig", alg="RS256")
-        self.fetches: collections.Counter[str] = collections.Counter()
-        issuer = self
+    def token(self, sub: str, aud: str = AUDIENCE, exp_in: float = 3600, **kw: Any) -> str:  # type: ignore[override]
+        return super().token(sub, aud, exp_in, **kw)
 
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802
-                issuer.fetches[self.path] += 1
-                if self.path == "/.well-known/openid-configuration":
-                    body = {"issuer": issuer.url, "jwks_uri": issuer.url + "/jwks"}
-                elif self.path == "/jwks":
-                    body = {"keys": [jwk]}
-                else:
-                    self.send_error(404)
-                    return
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def token(self, subject: str, ttl: float = 3600) -> str:
-        now = int(time.time())
-        return str(self._jwt.encode({"iss": self.url, "aud": AUDIENCE, "sub": subject,
-                                     "iat": now, "exp": now + int(ttl)},
-                                    self.key, algorithm="RS256", headers={"kid": "bench-1"}))
+    def counts(self) -> dict[str, int]:
+        return {w: self.fetches(w) for w in ("discovery", "jwks") if self.fetches(w)}
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.stop()
 
 
 # --------------------------------------------------------------------------- stacks
@@ -566,9 +532,8 @@ async def run(args: argparse.Namespace) -> int:
             await submit_phase(m, 5, record=False)
         await settle(modes)
         micro_rows = await micro(issuer, args.micro) if args.micro else []
-        warm_fetches = dict(issuer.fetches) if issuer is not None else {}
-        if issuer is not None:
-            issuer.fetches.clear()  # from here on: what the measured calls cause
+        # From here on, what the measured calls cause: counts above these.
+        warm_fetches = issuer.counts() if issuer is not None else {}
 
         if args.py_spy:
             spy = Spy(args.py_spy)
@@ -651,7 +616,7 @@ async def run(args: argparse.Namespace) -> int:
             print(f"  {name:<44}{v * 1e6:8.1f} us")
     if issuer is not None:
         print(f"  OIDC issuer fetches: set-up + warm-up + micro {warm_fetches or 'none'}; "
-              f"measured rounds {dict(issuer.fetches) or 'none'} "
+              f"measured rounds {({w: n - warm_fetches.get(w, 0) for w, n in issuer.counts().items() if n > warm_fetches.get(w, 0)}) or 'none'} "
               f"(oidc calls measured: {sum(m.calls for m in modes if m.name == 'oidc')})")
     if off is not None and any(m.name == "api-token" for m in modes):
         print(f"target GetJob QPS api-token/off >= {TARGET}: {'met' if ok else 'MISSED'}")

@@ -79,6 +79,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         p.error("--watch-buffer must be at least 1")
     tls = tls_options_from_args(a, p)
     auth = auth_options_from_args(a, p)
+    if not auth.disabled and not auth.control_plane_token_file:
+        p.error("JobManager calls ClusterManager with --control-plane-token-file "
+                "(env DLSCHED_CONTROL_PLANE_TOKEN_FILE); give it, or --no-auth")
     return Config(listen=a.listen, port_file=a.port_file, etcd=etcd_options_from_args(a, p),
                   cluster_manager=a.cluster_manager, prefix=a.prefix,
                   watch_buffer=a.watch_buffer, watch_history=a.watch_history,
