@@ -122,6 +122,41 @@ async def test_health_and_reflection(stack: Stack) -> None:
             "dlsched.v1.DriverService"} <= listed
 
 
+async def test_health_watch_and_client_side_health_checking_through_every_server(
+        stack: Stack) -> None:
+    """grpc_health's Watch writes with context.write() (a coroutine handler, not
+    a generator): through every interceptor of every server it answers SERVING,
+    and a round_robin channel with healthCheckConfig (client-side health
+    checking, as the README recommends for replicas) can call each service."""
+    import json
+
+    from dlsched.kit import channel as channel_kit
+    from dlsched.kit import tls as tls_kit
+    from dlsched.kit.channel import TokenSource
+
+    assert stack.jm is not None
+    for proc, service in ((stack.jm, "dlsched.v1.JobManagerService"),
+                          (stack.cm, "dlsched.v1.ClusterManagerService"),
+                          (stack.driver, "dlsched.v1.DriverService")):
+        async with security.channel(proc.address) as ch:
+            call = health_pb2_grpc.HealthStub(ch).Watch(
+                health_pb2.HealthCheckRequest(service=service), timeout=30)
+            first = await call.read()
+            assert first.status == health_pb2.HealthCheckResponse.SERVING, (proc.address, first)
+            call.cancel()
+        cfg = {"loadBalancingConfig": [{"round_robin": {}}],
+               "healthCheckConfig": {"serviceName": service}}
+        sec = security.current()
+        async with tls_kit.channel(
+                f"ipv4:{proc.address}", sec.service_tls(), client_cert=True,
+                token=TokenSource(token=sec.admin_token),
+                extra_options=[("grpc.service_config", json.dumps(cfg))]) as ch:
+            h = await health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=30)
+            assert h.status == health_pb2.HealthCheckResponse.SERVING
+    assert channel_kit.MAX_MESSAGE_BYTES  # the kit's options came along
+
+
 async def test_single_process_job_runs_to_success(jm: pb_grpc.JobManagerServiceStub) -> None:
     job = (await jm.SubmitJob(pb.SubmitJobRequest(
         job_id=uniq(), spec=single("print('hello')", labels={"suite": "jm"})))).job

@@ -20,7 +20,7 @@ import grpc
 from dlsched.auth.audit import AuditLog, is_mutating, object_of
 from dlsched.auth.model import Principal
 from dlsched.errors import DlschedError, Internal, PermissionDenied, Unauthenticated
-from dlsched.kit.handlers import rewrap
+from dlsched.kit.handlers import responses, rewrap
 from dlsched.kit.tls import peer_identities
 
 PUBLIC_SERVICES = frozenset({
@@ -123,7 +123,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 _CALLER.set(await self._principal(context))  # this call's own task
-                async for item in inner_us(request, context):
+                async for item in responses(inner_us(request, context)):
                     yield item
 
             return rewrap(handler, unary_stream=unary_stream)

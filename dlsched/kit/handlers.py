@@ -3,6 +3,8 @@ and the same (de)serializers."""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -21,3 +23,18 @@ def rewrap(handler: grpc.RpcMethodHandler, *, unary_unary: Any = None,
             unary_stream, request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer)
     return handler
+
+
+async def responses(result: Any) -> AsyncIterator[Any]:
+    """The messages of a server-streaming handler's result, whatever its shape:
+    an async generator (yields them), a coroutine that writes with
+    ``context.write()`` and returns None (grpc_health's ``Watch``; its writes go
+    out as it runs, nothing is yielded here), or a plain iterator."""
+    if hasattr(result, "__aiter__"):
+        async for item in result:
+            yield item
+    elif inspect.isawaitable(result):
+        await result
+    elif result is not None:
+        for item in result:
+            yield item

@@ -34,7 +34,7 @@ import grpc
 import prometheus_client
 from prometheus_client import Counter, Gauge, Histogram
 
-from dlsched.kit.handlers import rewrap
+from dlsched.kit.handlers import responses, rewrap
 
 log = logging.getLogger("dlsched.metrics")
 
@@ -121,7 +121,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):
                 active = RPC_STREAMS.labels(service, method)
                 active.inc()
                 try:
-                    async for item in inner_us(request, context):
+                    async for item in responses(inner_us(request, context)):
                         yield item
                 except BaseException as exc:
                     err = exc

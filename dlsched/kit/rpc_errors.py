@@ -24,7 +24,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from dlsched import errors
-from dlsched.kit.handlers import rewrap
+from dlsched.kit.handlers import responses, rewrap
 
 log = logging.getLogger("dlsched.rpc")
 
@@ -132,7 +132,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 try:
-                    async for item in inner_us(request, context):
+                    async for item in responses(inner_us(request, context)):
                         yield item
                 except _PASSTHROUGH:
                     raise
