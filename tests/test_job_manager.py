@@ -157,6 +157,34 @@ async def test_health_watch_and_client_side_health_checking_through_every_server
     assert channel_kit.MAX_MESSAGE_BYTES  # the kit's options came along
 
 
+async def test_undecodable_requests_are_invalid_argument_on_every_server(stack: Stack) -> None:
+    """Bytes that are not the method's request message (malformed protobuf, a
+    string field that is not UTF-8) get INVALID_ARGUMENT / MALFORMED_REQUEST
+    with a google.rpc.Status, unary and streaming, on every server."""
+    assert stack.jm is not None
+    garbage = b"\xff\xff\xff\xff"
+    bad_utf8 = b"\x0a\x02\xc3\x28"  # field 1 (a string) = invalid UTF-8
+    for proc, unary, stream in (
+            (stack.jm, "/dlsched.v1.JobManagerService/GetJob",
+             "/dlsched.v1.JobManagerService/StreamJobLogs"),
+            (stack.cm, "/dlsched.v1.ClusterManagerService/GetCluster",
+             "/dlsched.v1.ClusterManagerService/WatchClusters"),
+            (stack.driver, "/dlsched.v1.DriverService/GetClusterInfo",
+             "/dlsched.v1.DriverService/WatchJobObservations")):
+        async with security.channel(proc.address) as ch:
+            for payload in (garbage, bad_utf8):
+                for kind, method in (("unary", unary), ("stream", stream)):
+                    with pytest.raises(grpc.aio.AioRpcError) as ei:
+                        if kind == "unary":
+                            await ch.unary_unary(method)(payload, timeout=30)
+                        else:
+                            async for _ in ch.unary_stream(method)(payload, timeout=30):
+                                pass
+                    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, payload)
+                    info = error_info(ei.value)
+                    assert info is not None and info.reason == "MALFORMED_REQUEST", method
+
+
 async def test_single_process_job_runs_to_success(jm: pb_grpc.JobManagerServiceStub) -> None:
     job = (await jm.SubmitJob(pb.SubmitJobRequest(
         job_id=uniq(), spec=single("print('hello')", labels={"suite": "jm"})))).job

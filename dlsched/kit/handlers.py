@@ -11,18 +11,45 @@ import grpc
 
 
 def rewrap(handler: grpc.RpcMethodHandler, *, unary_unary: Any = None,
-           unary_stream: Any = None) -> grpc.RpcMethodHandler:
-    """``handler`` with its unary-unary or unary-stream behaviour replaced;
-    any other kind (client or bidi streaming) is returned unchanged."""
+           unary_stream: Any = None, request_deserializer: Any = None) -> grpc.RpcMethodHandler:
+    """``handler`` with its unary-unary or unary-stream behaviour replaced
+    (and, when given, its request deserializer); any other kind (client or
+    bidi streaming) is returned unchanged."""
+    deser = request_deserializer or handler.request_deserializer
     if handler.unary_unary and unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(
-            unary_unary, request_deserializer=handler.request_deserializer,
+            unary_unary, request_deserializer=deser,
             response_serializer=handler.response_serializer)
     if handler.unary_stream and unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(
-            unary_stream, request_deserializer=handler.request_deserializer,
+            unary_stream, request_deserializer=deser,
             response_serializer=handler.response_serializer)
     return handler
+
+
+class Undecodable:
+    """What a request that could not be decoded (malformed protobuf, invalid
+    UTF-8 in a string field) arrives as, so the handler chain can refuse it
+    with a status of its own instead of grpc's bare UNKNOWN."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def tolerant(deserializer: Any) -> Any:
+    """``deserializer`` that returns ``Undecodable`` instead of raising."""
+    if deserializer is None:
+        return None
+
+    def decode(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception as e:  # noqa: BLE001 - any decode failure is the client's
+            return Undecodable(type(e).__name__)
+
+    return decode
 
 
 async def responses(result: Any) -> AsyncIterator[Any]:

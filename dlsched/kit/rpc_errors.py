@@ -24,7 +24,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from dlsched import errors
-from dlsched.kit.handlers import responses, rewrap
+from dlsched.kit.handlers import Undecodable, responses, rewrap, tolerant
 
 log = logging.getLogger("dlsched.rpc")
 
@@ -102,6 +102,14 @@ async def _abort(context: grpc.aio.ServicerContext, st: status_pb2.Status) -> No
     await context.abort_with_status(rpc_status.to_status(st))
 
 
+def _refuse_undecodable(request: Any) -> None:
+    if isinstance(request, Undecodable):
+        raise errors.InvalidArgument(
+            f"the request could not be decoded ({request.error}): not a valid protobuf "
+            "message of the method's request type, or a string field is not UTF-8",
+            reason="MALFORMED_REQUEST")
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps exceptions from every handler (unary and streaming) to google.rpc.Status."""
 
@@ -120,18 +128,21 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
+                    _refuse_undecodable(request)
                     return await inner_uu(request, context)
                 except _PASSTHROUGH:
                     raise
                 except BaseException as exc:  # noqa: BLE001 - mapped to a status
                     await _abort(context, _status_for(exc, method))
 
-            return rewrap(handler, unary_unary=unary_unary)
+            return rewrap(handler, unary_unary=unary_unary,
+                          request_deserializer=tolerant(handler.request_deserializer))
         if handler.unary_stream:
             inner_us = handler.unary_stream
 
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 try:
+                    _refuse_undecodable(request)
                     async for item in responses(inner_us(request, context)):
                         yield item
                 except _PASSTHROUGH:
@@ -139,7 +150,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 except BaseException as exc:  # noqa: BLE001 - mapped to a status
                     await _abort(context, _status_for(exc, method))
 
-            return rewrap(handler, unary_stream=unary_stream)
+            return rewrap(handler, unary_stream=unary_stream,
+                          request_deserializer=tolerant(handler.request_deserializer))
         return handler
 
 
