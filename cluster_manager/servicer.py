@@ -74,11 +74,13 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
 
     async def GetCluster(self, request: pb.GetClusterRequest,
                          context: grpc.aio.ServicerContext) -> pb.GetClusterResponse:
+        caller().require_any_role("reading clusters")
         cid = validation.parse_cluster_name(request.name)
         return pb.GetClusterResponse(cluster=convert.cluster_to_proto(await self._store.get(cid)))
 
     async def ListClusters(self, request: pb.ListClustersRequest,
                            context: grpc.aio.ServicerContext) -> pb.ListClustersResponse:
+        caller().require_any_role("reading clusters")
         size = flt.page_size(request.page_size)
         f = flt.parse_filter(request.filter)
         after = flt.decode_page_token(request.page_token) if request.page_token else ""
@@ -143,6 +145,7 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
     async def WatchClusters(self, request: pb.WatchClustersRequest,
                             context: grpc.aio.ServicerContext,
                             ) -> AsyncIterator[pb.WatchClustersResponse]:
+        caller().require_any_role("watching clusters")
         f = flt.parse_filter(request.filter)
         token = ResumeToken.decode(request.resume_token) if request.resume_token else None
         if token is not None and token.in_snapshot:
@@ -172,6 +175,7 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
 
     async def MatchClusters(self, request: pb.MatchClustersRequest,
                             context: grpc.aio.ServicerContext) -> pb.MatchClustersResponse:
+        caller().require_any_role("matching clusters")
         if not request.HasField("spec"):
             raise InvalidArgument.for_field("spec", "required")
         validation.raise_if(_check_spec(request.spec), "invalid job spec")

@@ -188,6 +188,16 @@ class Security:
         return ["--tls-cert-file", self.cert_file, "--tls-key-file", self.key_file,
                 "--tls-ca-file", self.ca_file]
 
+    def etcd_server_args(self) -> list[str]:
+        """etcd serves its clients TLS and takes only certificates of this CA:
+        another local user (or a job) cannot read or write the registry."""
+        return ["--cert-file", self.cert_file, "--key-file", self.key_file,
+                "--client-cert-auth", "--trusted-ca-file", self.ca_file]
+
+    def etcd_client_args(self) -> list[str]:
+        return ["--etcd-ca-file", self.ca_file, "--etcd-cert-file", self.cert_file,
+                "--etcd-key-file", self.key_file]
+
 
 def _private_dir(path: pathlib.Path) -> pathlib.Path:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -370,12 +380,12 @@ class LocalStack:
         etcd = Child(
             name="etcd",
             argv=[find_etcd_binary(), "--name", "dlsched", "--data-dir", str(self.data / "etcd"),
-                  "--listen-client-urls", f"http://127.0.0.1:{client}",
-                  "--advertise-client-urls", f"http://127.0.0.1:{client}",
+                  "--listen-client-urls", f"https://127.0.0.1:{client}",
+                  "--advertise-client-urls", f"https://127.0.0.1:{client}",
                   "--listen-peer-urls", f"http://127.0.0.1:{peer}",
                   "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
                   "--initial-cluster", f"dlsched=http://127.0.0.1:{peer}",
-                  "--log-level", "warn"],
+                  *sec.etcd_server_args(), "--log-level", "warn"],
             log_path=self.logs / "etcd.log")
         self.children.append(etcd)
         etcd.start()
@@ -385,8 +395,8 @@ class LocalStack:
         auth = ["--admin-token-file", sec.admin_token_file,
                 "--control-plane-token-file", sec.control_plane_token_file]
         cm = self._service("cluster-manager", "cluster_manager", self.port + 1,
-                           ["--etcd", self.etcd_endpoint, "--prefix", "/dlsched/",
-                            "--monitor-interval", "2",
+                           ["--etcd", self.etcd_endpoint, *sec.etcd_client_args(),
+                            "--prefix", "/dlsched/", "--monitor-interval", "2",
                             "--encryption-key-file", sec.encryption_key_file,
                             *sec.tls_args(), *auth])
         self.children.append(cm)
@@ -402,7 +412,8 @@ class LocalStack:
         cm_address = self._dial(cm.address)
 
         jm = self._service("job-manager", "job_manager", self.port,
-                           ["--etcd", self.etcd_endpoint, "--cluster-manager", cm_address,
+                           ["--etcd", self.etcd_endpoint, *sec.etcd_client_args(),
+                            "--cluster-manager", cm_address,
                             "--prefix", "/dlsched/", *sec.tls_args(), *auth])
         self.children.append(jm)
         jm.start()

@@ -115,12 +115,7 @@ class Scheduler:
         if request_id and not dry_run:
             seen = await self.store.job_for_request(request_id)
             if seen is not None:
-                if seen.owner != owner:
-                    # Another principal's request id: never hand its job over.
-                    raise errors.AlreadyExists(
-                        "request_id already used by another caller",
-                        reason="REQUEST_ID_IN_USE", metadata={"field": "request_id"})
-                return await self._after_duplicate(seen), None
+                return await self._after_duplicate(seen, owner), None
         candidates = await self.cm.match(spec)
         chosen = next((c for c in candidates if c.eligible), None)
         if chosen is None:
@@ -139,14 +134,20 @@ class Scheduler:
             job.uid = ""
             return job, DryRun(chosen.cluster, candidates, native)
         stored, created = await self.store.create(job, request_id)
-        if not created:
-            return await self._after_duplicate(stored), None
+        if not created:  # a concurrent submit with the same request id won
+            return await self._after_duplicate(stored, owner), None
         log.info("job %s stored for %s (request %s)", stored.id, stored.cluster,
                  request_id or "-")
         self.ensure_tracking(stored.cluster)
         return await self.launch(stored.id), None
 
-    async def _after_duplicate(self, job: Job) -> Job:
+    async def _after_duplicate(self, job: Job, owner: str) -> Job:
+        """The first job of a retried request, only for the caller that made it:
+        another principal's request id never hands its job over (nor launches it)."""
+        if job.owner != owner:
+            raise errors.AlreadyExists(
+                "request_id already used by another caller",
+                reason="REQUEST_ID_IN_USE", metadata={"field": "request_id"})
         if job.state == JobState.PENDING and not job.launched:
             return await self.launch(job.id)
         return job

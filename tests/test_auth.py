@@ -790,3 +790,56 @@ async def test_audit_log_records_mutations_and_never_a_token(env: Env) -> None:
             if len(part) >= 16:
                 assert part not in text
     assert oct(os.stat(e.audit_log).st_mode & 0o777) == oct(0o600)
+
+
+async def test_revoking_a_token_ends_its_open_watch(env: Env) -> None:
+    """Authorization is not checked only when a stream opens: once its API token
+    is revoked, an open WatchJobs stream ends UNAUTHENTICATED at its next event."""
+    from dlsched.v1 import job_manager_service_pb2 as jpb
+    from dlsched.v1 import job_manager_service_pb2_grpc as jgrpc
+
+    async with as_caller(env.stack, admin_token()) as a:
+        await a.access.create_role_binding("sa:watcher", "pw", "viewer")
+        tok, secret = await a.access.create_api_token("watcher")
+    env.secrets.append(secret)
+    ch = security.user_channel(env.jm, secret)
+    try:
+        stream = jgrpc.JobManagerServiceStub(ch).WatchJobs(jpb.WatchJobsRequest())
+        while (await stream.read()).type != job_pb2.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE:
+            pass
+        async with as_caller(env.stack, admin_token()) as a:
+            await a.access.delete_api_token(tok.name)
+            # The next event the stream would pass on: a job of its project.
+            await a.jobs.submit_job(sleeper(1, project="pw"))
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            while True:
+                ev = await asyncio.wait_for(stream.read(), WAIT)
+                assert ev is not grpc.aio.EOF, "the stream ended without an error"
+                assert ev.type in (job_pb2.WATCH_EVENT_TYPE_HEARTBEAT,), ev
+        assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        await ch.close()
+
+
+def test_audit_caps_unauthenticated_refusals_and_says_how_many_it_left_out(tmp_path) -> None:
+    """An anonymous flood cannot grow the audit log without bound; authenticated
+    lines are never dropped, and the next line counts what was left out."""
+    import json as _json
+
+    from dlsched.auth.audit import AuditLog
+
+    now = [0.0]
+    path = tmp_path / "audit.log"
+    audit = AuditLog(str(path), unauthenticated_per_second=5, clock=lambda: now[0])
+    for _ in range(100):
+        audit.write(principal="unauthenticated", method="/m/DeleteJob", obj="x" * 300,
+                    result="UNAUTHENTICATED")
+    audit.write(principal="user:alice", method="/m/SubmitJob", obj="jobs/a", result="OK")
+    now[0] += 10
+    audit.write(principal="unauthenticated", method="/m/DeleteJob", obj="y", result="UNAUTHENTICATED")
+    audit.close()
+    lines = [_json.loads(x) for x in path.read_text().splitlines()]
+    anon = [x for x in lines if x["principal"] == "unauthenticated"]
+    assert len(anon) == 6  # the bucket's 5, then one after it refilled
+    alice = next(x for x in lines if x["principal"] == "user:alice")
+    assert alice["suppressed"] == 95 and alice["result"] == "OK"

@@ -594,6 +594,26 @@ def test_dlsched_up_is_secure_by_default_and_the_cli_needs_no_flags(up: Up) -> N
     # Every service serves TLS and checks who calls.
     for svc in ("job-manager", "cluster-manager", "local-driver"):
         assert not any("--insecure" in p for p in _processes_mentioning(f"{up.data}/run/{svc}"))
+    # etcd too takes only TLS clients with a certificate of the stack's CA:
+    # another local user or a job cannot read or write the registry.
+    import json as _json
+    import socket
+    import ssl
+    host, port = _json.loads((up.data / "ready.json").read_text())["etcd"].rsplit(":", 1)
+    ctx = ssl.create_default_context(cafile=str(up.data / "tls" / "ca.pem"))
+    with socket.create_connection((host, int(port)), timeout=10) as raw, \
+            pytest.raises((ssl.SSLError, ConnectionResetError, BrokenPipeError)):
+        with ctx.wrap_socket(raw, server_hostname=host) as tls:  # no client certificate
+            tls.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+            tls.recv(1)
+    # ... while the stack's own certificate gets through (so the refusal above is
+    # etcd asking for a certificate, not etcd speaking no TLS at all).
+    ctx.load_cert_chain(str(up.data / "tls" / "job-manager.pem"),
+                        str(up.data / "tls" / "job-manager.key"))
+    ctx.set_alpn_protocols(["h2"])
+    with socket.create_connection((host, int(port)), timeout=10) as raw, \
+            ctx.wrap_socket(raw, server_hostname=host) as tls:
+        assert tls.version() is not None
 
     r = up.cli("submit", "examples/hello.yaml", "--follow")
     assert r.returncode == 0, r.stdout + r.stderr + up.out_path.read_text()

@@ -52,21 +52,49 @@ def object_of(request: Any, response: Any = None) -> str:
 
 
 class AuditLog:
-    def __init__(self, path: str | None = None) -> None:
+    """Appends audit lines. Refusals of unauthenticated callers are capped at
+    ``unauthenticated_per_second`` lines (a token bucket): an anonymous flood
+    cannot grow the log without bound; the next line written says how many
+    were left out (``suppressed``)."""
+
+    def __init__(self, path: str | None = None, *, unauthenticated_per_second: float = 20.0,
+                 clock: Any = None) -> None:
+        import time
+
         self._path = path
         self._lock = threading.Lock()
         self._fd: int | None = None
+        self._rate = unauthenticated_per_second
+        self._clock = clock or time.monotonic
+        self._tokens = unauthenticated_per_second
+        self._last = self._clock()
+        self._suppressed = 0
         if path:
             self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
+    def _admit_unauthenticated(self) -> bool:
+        now = self._clock()
+        self._tokens = min(self._rate, self._tokens + (now - self._last) * self._rate)
+        self._last = now
+        if self._tokens < 1:
+            self._suppressed += 1
+            return False
+        self._tokens -= 1
+        return True
+
     def write(self, *, principal: str, method: str, obj: str, result: str) -> None:
-        line = json.dumps({"time": datetime.now(UTC).isoformat(), "principal": principal,
-                           "method": method, "object": obj, "result": result},
-                          ensure_ascii=True)
-        if self._fd is None:
-            log.info("%s", line)
-            return
         with self._lock:
+            if principal == "unauthenticated" and not self._admit_unauthenticated():
+                return
+            entry: dict[str, Any] = {"time": datetime.now(UTC).isoformat(), "principal": principal,
+                                     "method": method, "object": obj, "result": result}
+            if self._suppressed:
+                entry["suppressed"] = self._suppressed  # unauthenticated lines left out before
+                self._suppressed = 0
+            line = json.dumps(entry, ensure_ascii=True)
+            if self._fd is None:
+                log.info("%s", line)
+                return
             os.write(self._fd, (line + "\n").encode())
 
     def close(self) -> None:

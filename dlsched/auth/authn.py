@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
-from dlsched.auth.model import ALL_PROJECTS, Principal, Role, roles_of
+from dlsched.auth.model import ALL_PROJECTS, ApiToken, Principal, Role, roles_of
 from dlsched.auth.oidc import OidcOptions, OidcVerifier, TokenExpired
 from dlsched.auth.store import AccessStore
 from dlsched.auth.tokens import api_token_id, bearer, read_token_file, same_hash, sha256_hex
@@ -138,16 +139,34 @@ class Authenticator:
         if self.oidc is not None and token.count(".") == 2:
             ident = await self.oidc.verify(token)
             names = [ident.name, *(f"group:{g}" for g in ident.groups)]
-            return Principal(ident.name, self._roles(names, ident.roles), ident.groups)
+            leeway = self.oidc.opts.leeway_seconds
+
+            def revalidate_jwt(p: Principal) -> Principal:
+                if time.time() >= ident.expires + leeway:
+                    raise TokenExpired("token expired")
+                return replace(p, roles=self._roles(names, ident.roles))
+
+            return Principal(ident.name, self._roles(names, ident.roles), ident.groups,
+                             revalidate=revalidate_jwt)
         raise Unauthenticated("invalid token")
 
     def _api_token(self, tid: str, digest: str) -> Principal:
+        rec = self._live_token(tid, digest)
+
+        def revalidate_token(p: Principal) -> Principal:
+            cur = self._live_token(tid, digest)
+            return replace(p, roles=self._roles([cur.principal], {}))
+
+        return Principal(rec.principal, self._roles([rec.principal], {}),
+                         revalidate=revalidate_token)
+
+    def _live_token(self, tid: str, digest: str) -> ApiToken:
         rec = self.store.tokens.get(tid) if self.store is not None else None
         if rec is None or not same_hash(rec.sha256, digest):
             raise Unauthenticated("invalid or revoked token")
         if rec.expire_time is not None and rec.expire_time <= datetime.now(UTC):
             raise TokenExpired("token expired")
-        return Principal(rec.principal, self._roles([rec.principal], {}))
+        return rec
 
     def _roles(self, names: list[str], extra: dict[str, Role]) -> dict[str, Role]:
         if self.store is None:

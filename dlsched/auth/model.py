@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -24,7 +24,7 @@ from dlsched.errors import InvalidArgument, PermissionDenied
 ALL_PROJECTS = "*"
 DEFAULT_PROJECT = "default"
 # A project is a lowercase DNS label (RFC 1123), like a Kubernetes namespace.
-_PROJECT_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+PROJECT_RE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 # user:/group: subjects come from an identity provider: printable, no spaces.
 _PRINCIPAL_RE = re.compile(r"(user|group):[\x21-\x7e]{1,256}|sa:[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
@@ -75,6 +75,17 @@ class Principal:
     roles: Mapping[str, Role] = field(default_factory=dict)  # project (or "*") -> role
     groups: tuple[str, ...] = ()
     control_plane: bool = False  # a dlsched service, by its certificate or token
+    # How a long call (a stream) re-checks its caller: the principal with its
+    # roles as of now, or Unauthenticated once its token expired or was revoked.
+    revalidate: Callable[[Principal], Principal] | None = field(
+        default=None, compare=False, repr=False)
+
+    def current(self) -> Principal:
+        """This caller as of now (streams call it per event)."""
+        return self.revalidate(self) if self.revalidate is not None else self
+
+    def has_any_role(self) -> bool:
+        return self.control_plane or any(r >= Role.VIEWER for r in self.roles.values())
 
     @property
     def admin(self) -> bool:
@@ -102,6 +113,13 @@ class Principal:
 
     def writable_projects(self) -> frozenset[str]:
         return frozenset(p for p, r in self.roles.items() if p != ALL_PROJECTS and r >= Role.MEMBER)
+
+    def require_any_role(self, what: str) -> None:
+        """Reading shared objects (clusters) takes a role somewhere: an
+        identity the provider knows but nobody granted anything reads nothing."""
+        if not self.has_any_role():
+            raise PermissionDenied(f"{what} takes a role in some project",
+                                   metadata={"principal": self.name, "required_role": "viewer"})
 
     def require_admin(self, what: str) -> None:
         if not self.admin:
@@ -135,7 +153,7 @@ class Principal:
 def check_project(project: str, field_name: str, *, allow_all: bool = False) -> None:
     if allow_all and project == ALL_PROJECTS:
         return
-    if not _PROJECT_RE.fullmatch(project):
+    if not PROJECT_RE.fullmatch(project):
         raise InvalidArgument.for_field(field_name, "a lowercase DNS label (a-z, 0-9, '-', up to 63)")
 
 

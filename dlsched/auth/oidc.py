@@ -25,7 +25,7 @@ from typing import Any
 
 import jwt
 
-from dlsched.auth.model import Role
+from dlsched.auth.model import PROJECT_RE, Role
 from dlsched.auth.tokens import sha256_hex
 from dlsched.errors import Unauthenticated
 
@@ -67,6 +67,7 @@ class OidcVerifier:
         self.opts = opts
         self._keys: dict[str, jwt.PyJWK] = {}
         self._fetched = 0.0
+        self._attempted = 0.0
         self._max_age = max_age
         self._refresh_floor = refresh_floor
         self._lock = asyncio.Lock()
@@ -127,7 +128,7 @@ class OidcVerifier:
                 project, _, role_name = item.partition(":")
                 role = _ROLE_NAMES.get(role_name or "member")
                 # Claims grant project roles only; admin comes from a role binding.
-                if role is None or role == Role.ADMIN or project == "*":
+                if role is None or role == Role.ADMIN or not PROJECT_RE.fullmatch(project):
                     continue
                 if role > roles.get(project, Role.UNSPECIFIED):
                     roles[project] = role
@@ -141,14 +142,19 @@ class OidcVerifier:
         async with self._lock:
             key = self._keys.get(kid) if kid else None
             stale = now - self._fetched >= self._max_age
-            if (key is None or stale) and (not self._fetched or now - self._fetched >= self._refresh_floor or stale):
+            # One fetch at a time, and at most one attempt per refresh floor,
+            # successful or not: an issuer that is down is not hammered, and
+            # the keys we have stay in use meanwhile.
+            due = not self._attempted or now - self._attempted >= self._refresh_floor
+            if (key is None or stale) and due:
+                self._attempted = now
                 try:
                     self._keys = await asyncio.to_thread(self._fetch_keys)
                     self._fetched = time.monotonic()
-                except Exception as e:  # noqa: BLE001 - keep the old keys; say why once
+                except Exception as e:  # noqa: BLE001 - keep the old keys; say why
                     log.warning("fetching the issuer's keys failed: %s", e)
-                    if not self._keys:
-                        raise Unauthenticated("cannot verify tokens now (issuer keys unavailable)") from e
+            if not self._keys:
+                raise Unauthenticated("cannot verify tokens now (issuer keys unavailable)")
             key = self._keys.get(kid) if kid else (
                 next(iter(self._keys.values())) if len(self._keys) == 1 else None)
         if key is None:

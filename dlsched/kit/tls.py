@@ -211,17 +211,24 @@ class FilesWatch:
 
 
 def peer_identities(context: grpc.aio.ServicerContext) -> list[str]:
-    """The verified client certificate's common name and DNS SANs (empty
-    without a client certificate)."""
+    """The verified client certificate's DNS SANs; its common name only when
+    it has no SAN at all (RFC 6125). E-mail, URI and IP SANs never count, so a
+    certificate cannot pass as ``job-manager`` through an e-mail SAN of that
+    text. Empty without a client certificate."""
     try:
         ac = context.auth_context()
     except Exception:  # noqa: BLE001 - no transport security
         return []
-    out: list[str] = []
-    for key in ("x509_common_name", "x509_subject_alternative_name"):
+
+    def texts(key: str) -> list[str]:
+        out = []
         for v in ac.get(key, ()):
             try:
                 out.append(v.decode() if isinstance(v, bytes) else str(v))
             except UnicodeDecodeError:
                 continue
-    return out
+        return out
+
+    if ac.get("x509_subject_alternative_name"):
+        return texts("peer_dns")
+    return texts("x509_common_name")
