@@ -19,7 +19,9 @@ needs the ``cryptography`` package; without it MPI is left out of
 one: it never carries the private key. Idempotent: ``409 AlreadyExists`` means already submitted (the
 existing Service must carry the same job id and attempt labels, else
 FAILED_PRECONDITION ``NAME_COLLISION``), so a retried launch creates nothing
-twice. ``backend_job_id`` is ``<namespace>/<service>``.
+twice. The attempt rules are the kit's (``drivers.common.launches``): a new
+attempt is ``PREVIOUS_ATTEMPT_ACTIVE`` until the previous one's end is
+latched. ``backend_job_id`` is ``<namespace>/<service>``.
 
 Status: one ``PodInformer`` per cluster (list + watch of the pods labelled
 ``dlsched.io/job-id``); no per-job GETs. Jobs are keyed by that label's value,
@@ -128,6 +130,7 @@ from drivers.common.base import (
     WatchEvent,
 )
 from drivers.common.hub import ObservationHub
+from drivers.common.launches import Known, LaunchRules
 from drivers.common.planner import MpiNotAvailable
 from drivers.kubernetes import render, states
 from drivers.kubernetes.informer import PodInformer, RequestBudget, is_unreachable
@@ -357,6 +360,7 @@ class KubernetesDriver(Driver):
     def __init__(self, config: KubernetesConfig | None = None) -> None:
         self._cfg = config or KubernetesConfig()
         self._clusters: dict[str, _Cluster] = {}
+        self._launches = LaunchRules()
         self._hub = ObservationHub()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -716,14 +720,22 @@ class KubernetesDriver(Driver):
         rendered = render.render_job(job_id, spec, attempt, c.config.options)
         native = rendered.native_spec()
         key = render.job_label(job_id)
-        job = c.jobs.get(key)
-        if job is not None and job.job_id != job_id:
-            raise NameCollision(f"job {job_id!r} and job {job.job_id!r} have the same Kubernetes label {key!r}")
-        if job is not None and job.attempt == attempt:
-            return LaunchResult(job.backend_job_id, job.native or native, self._observe(c, job))
-        if job is not None and job.attempt > attempt:
-            raise FailedPrecondition(f"job {job_id!r} already runs attempt {job.attempt}",
-                                     reason="STALE_ATTEMPT", metadata={"attempt": str(job.attempt)})
+
+        def known() -> Known | None:
+            job = c.jobs.get(key)
+            if job is None:
+                return None
+            if job.job_id != job_id:
+                raise NameCollision(f"job {job_id!r} and job {job.job_id!r} have the same Kubernetes label {key!r}")
+            return Known(job.cluster, job.attempt, job.final is None, lambda: LaunchResult(
+                job.backend_job_id, job.native or native, self._observe(c, job)))
+
+        return await self._launches.launch(cluster, job_id, attempt, known=known,
+                                           submit=lambda: self._create(c, rendered, native))
+
+    async def _create(self, c: _Cluster, rendered: Rendered, native: NativeSpec) -> LaunchResult:
+        cluster, job_id, attempt = c.config.name, rendered.job_id, rendered.attempt
+        key = render.job_label(job_id)
         service, *rest = rendered.manifests
         key_pair = ssh_keypair() if any(m["kind"] == "Secret" for m in rest) else None
         try:

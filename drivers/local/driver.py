@@ -78,7 +78,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dlsched import __version__
-from dlsched.errors import FailedPrecondition, Internal, InvalidArgument
+from dlsched.errors import Internal, InvalidArgument
 from drivers.common.base import (
     ClusterCapacity,
     ClusterConfig,
@@ -106,6 +106,7 @@ from drivers.common.base import (
 )
 from drivers.common.convert import ID_RE
 from drivers.common.hub import ObservationHub
+from drivers.common.launches import Known, LaunchRules
 from drivers.common.planner import (
     ALL_RUN_MODES,
     DEFAULT_MASTER_PORT,
@@ -323,6 +324,7 @@ class LocalDriver(Driver):
         self._host = socket.gethostname()
         self._clusters: dict[str, ClusterConfig] = {}
         self._jobs: dict[str, _Job] = {}
+        self._launches = LaunchRules()
         self._hub = ObservationHub()
         self._gpu_cache: tuple[float, list[tuple[str, int]]] | None = None
         path = self._base_env.get("PATH", os.defpath)
@@ -451,28 +453,22 @@ class LocalDriver(Driver):
 
     async def launch(self, cluster: str, job_id: str, spec: JobSpec, attempt: int) -> LaunchResult:
         self._require(cluster)
-        prev = self._jobs.get(job_id)
-        if prev is not None:
-            if prev.cluster != cluster:
-                raise FailedPrecondition(f"job {job_id!r} runs on {prev.cluster}",
-                                         reason="JOB_ON_OTHER_CLUSTER", metadata={"cluster": prev.cluster})
-            if prev.attempt == attempt:
-                await prev.started.wait()
-                return LaunchResult(prev.backend_job_id, prev.native, self._observe(prev))
-            if attempt < prev.attempt:
-                raise FailedPrecondition(f"job {job_id!r} is already at attempt {prev.attempt}",
-                                         reason="STALE_ATTEMPT", metadata={"attempt": str(prev.attempt)})
-            if not prev.state.is_terminal():
-                raise FailedPrecondition(f"attempt {prev.attempt} of job {job_id!r} has not ended",
-                                         reason="PREVIOUS_ATTEMPT_ACTIVE",
-                                         metadata={"attempt": str(prev.attempt)})
+
+        def known() -> Known | None:  # jobs are keyed by id alone: one host under every cluster name
+            prev = self._jobs.get(job_id)
+            if prev is None:
+                return None
+            return Known(prev.cluster, prev.attempt, not prev.state.is_terminal(),
+                         lambda: LaunchResult(prev.backend_job_id, prev.native, self._observe(prev)))
+
+        return await self._launches.launch(cluster, job_id, attempt, known=known,
+                                           submit=lambda: self._submit(cluster, job_id, spec, attempt))
+
+    async def _submit(self, cluster: str, job_id: str, spec: JobSpec, attempt: int) -> LaunchResult:
         gpus = await self._assign_gpus(spec)
-        prev = self._jobs.get(job_id)  # a concurrent launch may have won during the await
-        if prev is not None and prev.attempt >= attempt:
-            return await self.launch(cluster, job_id, spec, attempt)
         plan = self._plan(job_id, spec, attempt, launch=True, gpus=gpus)
         job = _Job(cluster, job_id, attempt, spec, plan, render.to_native_spec(plan))
-        self._jobs[job_id] = job  # before any await: a concurrent retry finds it
+        self._jobs[job_id] = job  # before any await: a stop or an observation during the spawn finds it
         try:
             self._prepare(job)
         except OSError as e:

@@ -9,10 +9,10 @@ Submission (``launch``): ``render.render_submission`` POSTed to
 idempotent at Ray itself: a retried POST is refused ("already exists",
 HTTP 400 or 500 depending on the Ray version), and on *any* refused or
 failed POST the driver asks ``GET /api/jobs/{submission_id}``: a job there
-is the first submission, returned as the launch's result. Launches of one
-job are serialised in the driver; a lower attempt than the newest known is
+is the first submission, returned as the launch's result. The attempt rules
+(one launch of a job at a time; a lower attempt than the newest known is
 FAILED_PRECONDITION ``STALE_ATTEMPT``, a new attempt while the previous one
-runs ``PREVIOUS_ATTEMPT_ACTIVE``.
+runs ``PREVIOUS_ATTEMPT_ACTIVE``) are the kit's ``drivers.common.launches``.
 
 State: one poller task per cluster does ``GET /api/jobs/`` every
 ``--poll-interval`` (one call for all jobs, never one per job), keeps the
@@ -90,6 +90,7 @@ from drivers.common.base import (
     JobRef,
     JobSpec,
     JobState,
+    JobUsage,
     LaunchResult,
     LogEntry,
     LogQuery,
@@ -99,6 +100,7 @@ from drivers.common.base import (
     WatchEvent,
 )
 from drivers.common.hub import ObservationHub
+from drivers.common.launches import Known, LaunchRules
 from drivers.ray import render, states
 
 log = logging.getLogger("dlsched.driver.ray")
@@ -187,7 +189,7 @@ class RayDriver(Driver):
         self._cfg = config or RayConfig()
         self._clusters: dict[str, _Cluster] = {}
         self._hub = ObservationHub()
-        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        self._launches = LaunchRules()
 
     async def close(self) -> None:
         for c in list(self._clusters.values()):
@@ -344,18 +346,15 @@ class RayDriver(Driver):
         body = render.render_submission(job_id, spec, attempt, c.config.options)
         native = render.to_native_spec(body)
         sid = body["submission_id"]
-        lock = self._locks.setdefault((cluster, job_id), asyncio.Lock())
-        async with lock:
-            await self._ready(c)
+        await self._ready(c)
+
+        def known() -> Known | None:
             prev = c.jobs.get(job_id)
-            if prev is not None and prev.attempt > attempt:
-                raise FailedPrecondition(f"job {job_id!r} is already at attempt {prev.attempt}",
-                                         reason="STALE_ATTEMPT", metadata={"attempt": str(prev.attempt)})
-            if prev is not None and prev.attempt == attempt:
-                return LaunchResult(sid, native, prev)
-            if prev is not None and not prev.state.is_terminal():
-                raise FailedPrecondition(f"attempt {prev.attempt} of job {job_id!r} has not ended",
-                                         reason="PREVIOUS_ATTEMPT_ACTIVE", metadata={"attempt": str(prev.attempt)})
+            if prev is None:
+                return None
+            return Known(cluster, prev.attempt, not prev.state.is_terminal(), lambda: LaunchResult(sid, native, prev))
+
+        async def submit() -> LaunchResult:
             c.roles[job_id] = body["metadata"][render.META_ROLE]
             try:
                 await c.request("POST", "/api/jobs/", body)
@@ -374,6 +373,8 @@ class RayDriver(Driver):
             self._set(cluster, c, obs)
             c.submissions.setdefault(job_id, set()).add(sid)
             return LaunchResult(sid, native, obs)
+
+        return await self._launches.launch(cluster, job_id, attempt, known=known, submit=submit)
 
     async def _find(self, c: _Cluster, sid: str) -> dict[str, Any] | None:
         try:
@@ -511,6 +512,12 @@ class RayDriver(Driver):
                 return
             # Ray sends the whole log each time: read a big one less often (about 20 MB/s at most).
             await asyncio.sleep(min(2.0, max(self._cfg.log_poll_interval, len(text) / 20e6)))
+
+    # ------------------------------------------------------------------ usage
+
+    async def usage(self, cluster: str, ref: JobRef) -> JobUsage:
+        self._get(cluster)  # an unknown cluster is CLUSTER_NOT_CONFIGURED, as for every call
+        return await super().usage(cluster, ref)  # UNIMPLEMENTED: see the module docstring
 
 
 def _entry(line: str, role: str, now: int | None) -> LogEntry:

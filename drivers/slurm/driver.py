@@ -115,6 +115,7 @@ from drivers.common.base import (
     WatchEvent,
 )
 from drivers.common.hub import ObservationHub
+from drivers.common.launches import Known, LaunchRules
 from drivers.common.planner import ALL_RUN_MODES
 from drivers.slurm import logs as slogs
 from drivers.slurm import poller as poll
@@ -246,7 +247,6 @@ class _Cluster:
         self.log_ssh = log_ssh  # log followers' streams: a connection of their own, opened on first use
         self.options = {k: v for k, v in config.options.items() if not ENV_RE.match(k)}
         self.jobs: dict[str, _Job] = {}
-        self.locks: dict[str, asyncio.Lock] = {}
         self.last_error: str | None = None
         #: comment -> Slurm job id of every dlsched job the last good round listed; None before one.
         self.listed: dict[str, str] | None = None
@@ -295,6 +295,7 @@ class SlurmDriver(Driver):
     def __init__(self, config: SlurmConfig | None = None) -> None:
         self._cfg = config or SlurmConfig()
         self._clusters: dict[str, _Cluster] = {}
+        self._launches = LaunchRules()
         self._hub = ObservationHub()
 
     async def close(self) -> None:
@@ -334,7 +335,7 @@ class SlurmDriver(Driver):
         except DlschedError as e:
             log.info("cluster %s not reachable yet: %s", config.name, e.message)
         if old is not None:
-            c.jobs, c.locks, c.unsure = old.jobs, old.locks, old.unsure
+            c.jobs, c.unsure = old.jobs, old.unsure
             await old.warm.close()
             await old.poller.stop()
             await old.ssh.close()
@@ -391,20 +392,15 @@ class SlurmDriver(Driver):
     async def launch(self, cluster: str, job_id: str, spec: JobSpec, attempt: int) -> LaunchResult:
         c = self._require(cluster)
         script = render.render_job(job_id, spec, attempt, c.options)
-        lock = c.locks.setdefault(job_id, asyncio.Lock())
-        async with lock:
+
+        def known() -> Known | None:
             prev = c.jobs.get(job_id)
-            if prev is not None:
-                if prev.attempt == attempt:
-                    return LaunchResult(prev.backend_job_id, prev.native or script.native_spec(),
-                                        self._observe(prev))
-                if attempt < prev.attempt:
-                    raise FailedPrecondition(f"job {job_id!r} is already at attempt {prev.attempt}",
-                                             reason="STALE_ATTEMPT", metadata={"attempt": str(prev.attempt)})
-                if not prev.state.is_terminal():
-                    raise FailedPrecondition(f"attempt {prev.attempt} of job {job_id!r} has not ended",
-                                             reason="PREVIOUS_ATTEMPT_ACTIVE",
-                                             metadata={"attempt": str(prev.attempt)})
+            if prev is None:
+                return None
+            return Known(prev.cluster, prev.attempt, not prev.state.is_terminal(), lambda: LaunchResult(
+                prev.backend_job_id, prev.native or script.native_spec(), self._observe(prev)))
+
+        async def submit() -> LaunchResult:
             backend_id = await self._submit_once(c, script)
             job = _Job(cluster, job_id, attempt, backend_id, script.dir, script.native_spec())
             job.roles = tuple((s.role, s.index) for s in script.steps)
@@ -412,6 +408,8 @@ class SlurmDriver(Driver):
             self._publish(job)
             c.poller.wake()
             return LaunchResult(backend_id, script.native_spec(), self._observe(job))
+
+        return await self._launches.launch(cluster, job_id, attempt, known=known, submit=submit)
 
     async def _lookup_all(self, c: _Cluster, script: SlurmScript) -> list[str]:
         """Slurm job ids of this attempt, oldest first; raises when Slurm cannot tell.

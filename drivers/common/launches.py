@@ -1,0 +1,124 @@
+"""``LaunchRules``: the attempt rules of ``Driver.launch``, once for every backend.
+
+A launch names (cluster, job id, attempt). Whatever the backend, the driver
+answers it the same way, from what the backend knows of the job's newest
+attempt (``Known``, from the backend's ``known`` hook):
+
+- nothing known: the backend submits it (the ``submit`` hook);
+- known on another cluster of this driver: FAILED_PRECONDITION
+  ``JOB_ON_OTHER_CLUSTER`` (only a backend whose jobs span the cluster names
+  it serves can report one: the local driver, one host under many names;
+  the others look a job up per cluster, and JobManager never moves a job);
+- the same attempt: that launch's result again, nothing submitted;
+- a lower attempt: FAILED_PRECONDITION ``STALE_ATTEMPT``;
+- a higher attempt while the known one has not ended: FAILED_PRECONDITION
+  ``PREVIOUS_ATTEMPT_ACTIVE`` (a retry never overlaps the attempt it retries);
+- a higher attempt after the known one ended: the backend submits it.
+
+Launches of one job id are serialised: the rules are checked and the
+submission made under one lock per job id (whatever the cluster, so the
+cross-cluster rule has no race either), and a concurrent launch of the same
+attempt waits and gets the first one's result. A lock lives only while a
+launch holds or waits for it, so the table never grows with the jobs seen.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from dlsched.errors import FailedPrecondition
+from drivers.common.base import LaunchResult
+
+
+class StaleAttempt(FailedPrecondition):
+    """A launch of an attempt lower than the newest the driver knows."""
+
+    reason = "STALE_ATTEMPT"
+
+    def __init__(self, job_id: str, known: int) -> None:
+        super().__init__(f"job {job_id!r} is already at attempt {known}", metadata={"attempt": str(known)})
+
+
+class PreviousAttemptActive(FailedPrecondition):
+    """A launch of a new attempt while the previous one has not ended."""
+
+    reason = "PREVIOUS_ATTEMPT_ACTIVE"
+
+    def __init__(self, job_id: str, known: int) -> None:
+        super().__init__(f"attempt {known} of job {job_id!r} has not ended", metadata={"attempt": str(known)})
+
+
+class JobOnOtherCluster(FailedPrecondition):
+    """A launch of a job the driver runs on another cluster."""
+
+    reason = "JOB_ON_OTHER_CLUSTER"
+
+    def __init__(self, job_id: str, cluster: str) -> None:
+        super().__init__(f"job {job_id!r} runs on {cluster}", metadata={"cluster": cluster})
+
+
+@dataclass(frozen=True)
+class Known:
+    """What the backend knows of a job's newest attempt."""
+
+    cluster: str  #: the cluster it was launched on
+    attempt: int
+    active: bool  #: not ended yet
+    result: Callable[[], LaunchResult]  #: that attempt's launch result, for a repeated launch
+
+
+class _Lock:
+    __slots__ = ("lock", "users")
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0
+
+
+class LaunchRules:
+    """The attempt rules and the per-job launch lock of one driver."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, _Lock] = {}
+
+    def __len__(self) -> int:
+        """Locks held or waited for now (0 when no launch is in flight)."""
+        return len(self._locks)
+
+    @contextlib.asynccontextmanager
+    async def _locked(self, job_id: str) -> AsyncIterator[None]:
+        entry = self._locks.get(job_id)
+        if entry is None:
+            entry = self._locks[job_id] = _Lock()
+        entry.users += 1
+        try:
+            async with entry.lock:
+                yield
+        finally:
+            entry.users -= 1
+            if entry.users == 0:
+                del self._locks[job_id]
+
+    async def launch(self, cluster: str, job_id: str, attempt: int, *,
+                     known: Callable[[], Known | None],
+                     submit: Callable[[], Awaitable[LaunchResult]]) -> LaunchResult:
+        """Apply the rules to what ``known()`` reports; ``submit()`` when they allow a launch.
+
+        Both hooks run under the job's lock; ``known`` may raise a backend's own
+        refusal (a name collision) before any rule applies.
+        """
+        async with self._locked(job_id):
+            prev = known()
+            if prev is not None:
+                if prev.cluster != cluster:
+                    raise JobOnOtherCluster(job_id, prev.cluster)
+                if prev.attempt == attempt:
+                    return prev.result()
+                if attempt < prev.attempt:
+                    raise StaleAttempt(job_id, prev.attempt)
+                if prev.active:
+                    raise PreviousAttemptActive(job_id, prev.attempt)
+            return await submit()

@@ -1,0 +1,231 @@
+"""The Driver contract, once, on every driver: each case runs against the four
+drivers as real processes over real gRPC on their real peers (``tests/driver_contract.py``).
+
+Each backend starts once for the module (a module-scoped parametrised
+fixture: pytest runs one driver's cases together, then stops its peers).
+A case that only some backends can show is parametrised over those only.
+At the end, the kit's ``LaunchRules`` in-process: its lock table stays empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+
+from dlsched.errors import FailedPrecondition
+from dlsched.kit.rpc_errors import error_info
+from dlsched.v1 import driver_service_pb2 as dpb
+from dlsched.v1 import job_pb2
+from drivers.common.base import JobObservation, LaunchResult, NativeSpec
+from drivers.common.launches import Known, LaunchRules
+from tests.driver_contract import CLUSTER_RPCS, DRIVERS, PEERS, Peer, cluster_calls, new_id, started
+
+STOPPING_OR_STOPPED = (job_pb2.JOB_STATE_STOPPING, job_pb2.JOB_STATE_STOPPED)
+
+
+@pytest.fixture(scope="module", params=DRIVERS)
+async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Peer]:
+    async with started(request.param) as p:
+        yield p
+
+
+@pytest.fixture
+async def peer(backend: Peer) -> AsyncIterator[Peer]:
+    yield backend
+    await backend.forget_launched()
+
+
+async def refused(call: object, code: grpc.StatusCode, reason: str) -> dict[str, str]:
+    """Await ``call``; it must fail with ``code`` and ``reason``. Returns the ErrorInfo metadata."""
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await call  # type: ignore[misc]
+    info = error_info(ei.value)
+    assert (ei.value.code(), info.reason if info else None) == (code, reason), ei.value.details()
+    return dict(info.metadata) if info else {}
+
+
+# --------------------------------------------------------------------------- clusters
+
+
+@pytest.mark.parametrize("rpc", CLUSTER_RPCS)
+async def test_an_unknown_cluster_is_cluster_not_configured(peer: Peer, rpc: str) -> None:
+    unknown = f"clusters/{new_id('nowhere')}"
+    md = await refused(cluster_calls(peer)[rpc](unknown), grpc.StatusCode.FAILED_PRECONDITION,
+                       "CLUSTER_NOT_CONFIGURED")
+    assert md.get("cluster") == unknown
+
+
+async def test_removing_an_unknown_cluster_succeeds(peer: Peer) -> None:
+    await peer.stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=f"clusters/{new_id('nowhere')}"), timeout=10)
+
+
+# --------------------------------------------------------------------------- launch rules
+
+
+async def test_the_same_attempt_again_returns_the_first_launch_and_runs_once(
+        peer: Peer, tmp_path: pathlib.Path) -> None:
+    job, marker = new_id(), tmp_path / "runs"
+    marker.touch()
+    spec = peer.marking(str(marker))
+    first, second = await asyncio.gather(peer.launch(job, spec), peer.launch(job, spec))
+    third = await peer.launch(job, spec)
+    assert first.backend_job_id
+    assert first.backend_job_id == second.backend_job_id == third.backend_job_id
+    assert first.native_spec == second.native_spec == third.native_spec
+    assert await peer.runs(job, str(marker)) == 1
+    again = await peer.launch(job, spec)  # after the job ended (where the backend ends it)
+    assert again.backend_job_id == first.backend_job_id and again.observation.attempt == 1
+    assert await peer.runs(job, str(marker)) == 1
+
+
+async def test_a_lower_attempt_is_stale(peer: Peer) -> None:
+    job = new_id()
+    await peer.launch(job, peer.sleeping(), attempt=2)
+    md = await refused(peer.launch(job, peer.sleeping(), attempt=1), grpc.StatusCode.FAILED_PRECONDITION,
+                       "STALE_ATTEMPT")
+    assert md["attempt"] == "2"
+
+
+async def test_a_new_attempt_waits_until_the_previous_one_ended(peer: Peer) -> None:
+    job = new_id()
+    first = await peer.launch(job, peer.sleeping(), attempt=1)
+    md = await refused(peer.launch(job, peer.sleeping(), attempt=2), grpc.StatusCode.FAILED_PRECONDITION,
+                       "PREVIOUS_ATTEMPT_ACTIVE")
+    assert md["attempt"] == "1"
+    await peer.terminate(job)
+    await peer.wait_state(job)
+    second = await peer.launch(job, peer.sleeping(), attempt=2)
+    assert second.backend_job_id != first.backend_job_id and second.observation.attempt == 2
+
+
+@pytest.mark.parametrize("backend", [n for n in DRIVERS if PEERS[n].jobs_span_clusters], indirect=True)
+async def test_a_job_running_on_another_cluster_is_refused(peer: Peer) -> None:
+    """Only where one backend serves several cluster names (local: one host); elsewhere each
+    cluster is its own backend and job namespace, and JobManager never moves a job."""
+    other = f"clusters/{new_id('other')}"
+    await peer.stub.ConfigureCluster(peer.configure_request(other), timeout=30)
+    try:
+        job = new_id()
+        await peer.launch(job, peer.sleeping())
+        md = await refused(peer.launch(job, peer.sleeping(), cluster=other), grpc.StatusCode.FAILED_PRECONDITION,
+                           "JOB_ON_OTHER_CLUSTER")
+        assert md["cluster"] == peer.cluster
+    finally:
+        await peer.stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=other), timeout=10)
+
+
+# --------------------------------------------------------------------------- stop / cleanup
+
+
+async def test_terminate_and_cleanup_of_an_unknown_job_succeed(peer: Peer) -> None:
+    job = new_id("unknown")
+    assert not (await peer.terminate(job)).found
+    await peer.cleanup(job)
+    await peer.cleanup(job)
+    assert not (await peer.observe(job))[0].found
+
+
+async def test_terminate_twice_and_after_the_end_is_fine(peer: Peer) -> None:
+    job = new_id()
+    await peer.launch(job, peer.sleeping())
+    one = await peer.terminate(job)
+    two = await peer.terminate(job)
+    assert one.found and two.found
+    assert one.state in STOPPING_OR_STOPPED and two.state in STOPPING_OR_STOPPED
+    assert (await peer.wait_state(job)).state == job_pb2.JOB_STATE_STOPPED
+    assert (await peer.terminate(job)).state == job_pb2.JOB_STATE_STOPPED
+    await peer.cleanup(job)
+    assert not (await peer.observe(job))[0].found
+
+
+# --------------------------------------------------------------------------- observations
+
+
+async def test_watch_sends_the_snapshot_then_the_marker_then_changes(peer: Peer) -> None:
+    call = peer.stub.WatchJobObservations(dpb.WatchJobObservationsRequest(cluster=peer.cluster))
+    it = call.__aiter__()
+    try:
+        while True:
+            ev = await asyncio.wait_for(it.__anext__(), 30)
+            if ev.snapshot_complete:
+                assert not ev.HasField("observation")
+                break
+            assert ev.HasField("observation") and ev.observation.found, ev
+        job = new_id()
+        await peer.launch(job, peer.sleeping())
+        while True:
+            ev = await asyncio.wait_for(it.__anext__(), 30)
+            assert not ev.snapshot_complete and ev.observation.found
+            if ev.observation.job_id == job:
+                break
+    finally:
+        call.cancel()
+
+
+async def test_batch_get_answers_in_the_order_of_the_refs(peer: Peer) -> None:
+    a, b, missing = new_id("a"), new_id("b"), new_id("missing")
+    await peer.launch(a, peer.sleeping())
+    await peer.launch(b, peer.sleeping())
+    obs = await peer.observe(b, missing, a, b)
+    assert [(o.job_id, o.found) for o in obs] == [(b, True), (missing, False), (a, True), (b, True)]
+
+
+# --------------------------------------------------------------------------- optional capabilities
+
+
+@pytest.mark.parametrize("backend", [n for n in DRIVERS if PEERS[n].unsupported], indirect=True)
+async def test_an_unsupported_capability_is_unimplemented(peer: Peer) -> None:
+    """Local and Slurm offer every optional RPC (logs, usage); the others refuse theirs."""
+    job = new_id()
+    await peer.launch(job, peer.sleeping())
+    for rpc in type(peer).unsupported:
+        await refused(cluster_calls(peer, job)[rpc](peer.cluster), grpc.StatusCode.UNIMPLEMENTED, "UNSUPPORTED")
+
+
+# --------------------------------------------------------------------------- the kit in-process
+
+
+def _result(attempt: int) -> LaunchResult:
+    return LaunchResult(f"b-{attempt}", NativeSpec("text/plain", ""),
+                        JobObservation(job_id="j", found=True, attempt=attempt))
+
+
+async def test_launch_rules_serialise_a_job_and_keep_no_lock_after() -> None:
+    rules, submitted = LaunchRules(), []
+    jobs: dict[str, Known] = {}
+
+    def known() -> Known | None:
+        return jobs.get("j")
+
+    def launcher(attempt: int, active: bool = True):  # type: ignore[no-untyped-def]
+        async def submit() -> LaunchResult:
+            await asyncio.sleep(0.01)  # a concurrent launch arrives meanwhile
+            submitted.append(attempt)
+            jobs["j"] = Known("clusters/a", attempt, active, lambda: _result(attempt))
+            return _result(attempt)
+        return submit
+
+    got = await asyncio.gather(*(rules.launch("clusters/a", "j", 1, known=known, submit=launcher(1))
+                                 for _ in range(5)))
+    assert submitted == [1] and {r.backend_job_id for r in got} == {"b-1"}
+    with pytest.raises(FailedPrecondition) as ei:
+        await rules.launch("clusters/a", "j", 2, known=known, submit=launcher(2))
+    assert ei.value.reason == "PREVIOUS_ATTEMPT_ACTIVE"
+    jobs["j"] = Known("clusters/a", 1, False, lambda: _result(1))
+    assert (await rules.launch("clusters/a", "j", 2, known=known, submit=launcher(2))).backend_job_id == "b-2"
+    for attempt, cluster, reason in ((1, "clusters/a", "STALE_ATTEMPT"), (3, "clusters/b", "JOB_ON_OTHER_CLUSTER")):
+        with pytest.raises(FailedPrecondition) as ei:
+            await rules.launch(cluster, "j", attempt, known=known, submit=launcher(attempt))
+        assert ei.value.reason == reason
+    slow = asyncio.ensure_future(rules.launch("clusters/a", "k", 1, known=lambda: None,
+                                              submit=lambda: asyncio.sleep(30)))  # type: ignore[arg-type,return-value]
+    await asyncio.sleep(0.01)
+    assert len(rules) == 1
+    slow.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await slow
+    assert len(rules) == 0  # pruned after success, refusal and cancellation alike
