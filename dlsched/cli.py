@@ -371,6 +371,8 @@ def _event_name(t: int) -> str:
 
 async def cmd_watch(args: argparse.Namespace) -> int:
     def render(ev: Any) -> None:
+        if ev.type == job_pb2.WATCH_EVENT_TYPE_HEARTBEAT:
+            return  # a quiet watch's keep-alive: _watch keeps its token, nothing is shown
         if _out(args) != "table":
             fmt.json_line(fmt.to_dict(ev))
         elif ev.type == job_pb2.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE:
@@ -381,7 +383,7 @@ async def cmd_watch(args: argparse.Namespace) -> int:
                   f"{'  ' + j.reason if j.reason else ''}", flush=True)
 
     async with _jm(args) as jm:
-        return await _watch(jm.watch_jobs, render, args)
+        return await _watch(lambda f, t: jm.watch_jobs(f, t, heartbeats=True), render, args)
 
 
 # --------------------------------------------------------------------------- cluster commands

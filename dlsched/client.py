@@ -314,11 +314,24 @@ class JobManagerClient(_Client):
             name=job_name(name_or_id), allow_missing=allow_missing))
         return resp.job if resp.HasField("job") else None
 
-    def watch_jobs(self, filter: str = "", resume_token: str = "",
+    def watch_jobs(self, filter: str = "", resume_token: str = "", *, heartbeats: bool = False,
                    ) -> AsyncIterator[jms.WatchJobsResponse]:
-        """Streams ``WatchJobs`` events; close the iterator (or break) to stop watching."""
+        """Streams ``WatchJobs`` events; close the iterator (or break) to stop watching.
+
+        The HEARTBEAT events a quiet watch gets (no job; they keep proxies
+        from closing the stream) are left out unless ``heartbeats``: a caller
+        that keeps resume tokens may take theirs, which can be newer."""
         call = self.stub.WatchJobs(jms.WatchJobsRequest(filter=filter, resume_token=resume_token))
-        return self._stream(call)
+
+        async def events() -> AsyncIterator[jms.WatchJobsResponse]:
+            try:
+                async for ev in self._stream(call):
+                    if heartbeats or ev.type != job_pb2.WATCH_EVENT_TYPE_HEARTBEAT:
+                        yield ev
+            finally:
+                call.cancel()
+
+        return events()
 
     async def stream_job_logs(
         self,
@@ -331,7 +344,8 @@ class JobManagerClient(_Client):
         replica_index: int | None = None,
         streams: Iterable[int | str] = (),
     ) -> AsyncIterator[job_pb2.LogEntry]:
-        """Yields a job's log lines one ``LogEntry`` at a time.
+        """Yields a job's log lines one ``LogEntry`` at a time (a quiet
+        stream's heartbeats, responses with no entries, yield nothing).
 
         ``since`` is a datetime, a Unix time or a Timestamp; ``streams`` holds
         ``LogStream`` values or ``"stdout"`` / ``"stderr"``.

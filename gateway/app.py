@@ -26,6 +26,14 @@ ends when the gRPC stream ends. A client that goes away cancels the gRPC call
 (``handler_cancellation``); at shutdown open streams end with an UNAVAILABLE
 line so clients reconnect with their last resume token.
 
+Heartbeats pass through like any other message, one line each: WatchJobs'
+``{"type":"WATCH_EVENT_TYPE_HEARTBEAT","resumeToken":...}`` and StreamJobLogs'
+``{}`` (no entries), sent by JobManager when a stream was quiet for
+``--stream-heartbeat-seconds``. They keep HTTP proxies and load balancers in
+front of the gateway from closing a quiet response as idle, and the first one
+sends the headers of a stream still waiting for its first message (a log
+follow of a job not launched yet). Clients skip them.
+
 Logs name the method, path (never the query), status and duration; never a
 body or a header, so credentials in CreateCluster and bearer tokens pass
 through without being logged.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import os
 from collections.abc import Sequence
@@ -35,6 +36,9 @@ from job_manager.store import JobStore
 from job_manager.watch import WatchHub
 
 log = logging.getLogger("job_manager")
+#: The API promises clients a heartbeat at least this often on a quiet stream
+#: (job_manager_service.proto); proxies' idle timeouts are sized by it.
+MAX_STREAM_HEARTBEAT_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,7 @@ class Config:
     watch_buffer: int = 10000
     watch_history: int = 5000
     stop_grace_seconds: float = 10.0
+    stream_heartbeat_seconds: float = 15.0
     log_level: str = "INFO"
     metrics_listen: str | None = None
     trace_export: str | None = None
@@ -68,6 +73,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--watch-history", type=int, default=5000,
                    help="revisions back the job watch starts at, so tokens survive a restart")
     p.add_argument("--stop-grace-seconds", type=float, default=10.0)
+    p.add_argument("--stream-heartbeat-seconds", type=float, default=15.0,
+                   help="WatchJobs and StreamJobLogs send a heartbeat after this long without "
+                        "a message, so proxies keep quiet streams open: 0 < S <= 30, or 0 for none")
     p.add_argument("--log-level", default="INFO")
     add_observability_flags(p)
     add_tls_flags(p)
@@ -77,6 +85,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     a = p.parse_args(argv)
     if a.watch_buffer < 1:
         p.error("--watch-buffer must be at least 1")
+    if not 0 <= a.stream_heartbeat_seconds <= MAX_STREAM_HEARTBEAT_SECONDS:
+        p.error(f"--stream-heartbeat-seconds must be 0 (none) to {MAX_STREAM_HEARTBEAT_SECONDS:g}")
     tls = tls_options_from_args(a, p)
     auth = auth_options_from_args(a, p)
     if not auth.disabled and not auth.control_plane_token_file:
@@ -85,7 +95,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     return Config(listen=a.listen, port_file=a.port_file, etcd=etcd_options_from_args(a, p),
                   cluster_manager=a.cluster_manager, prefix=a.prefix,
                   watch_buffer=a.watch_buffer, watch_history=a.watch_history,
-                  stop_grace_seconds=a.stop_grace_seconds, log_level=a.log_level,
+                  stop_grace_seconds=a.stop_grace_seconds,
+                  stream_heartbeat_seconds=a.stream_heartbeat_seconds, log_level=a.log_level,
                   metrics_listen=a.metrics_listen, trace_export=a.trace_export,
                   log_format=a.log_format, tls=tls, auth=auth, audit_log=a.audit_log)
 
@@ -97,7 +108,10 @@ async def amain(cfg: Config) -> None:
     await hub.start()
     access = AccessStore(client, cfg.prefix)
     await access.start()
-    authenticator = Authenticator.from_options(cfg.auth, access)
+    # JobManager only presents the control-plane token (to ClusterManager);
+    # it never accepts it: nobody calls JobManager as the control plane.
+    authenticator = Authenticator.from_options(
+        dataclasses.replace(cfg.auth, control_plane_token_file=None), access)
     cp_token = (TokenSource(file=cfg.auth.control_plane_token_file)
                 if cfg.auth.control_plane_token_file else None)
     cm = ClusterManagerClient(cfg.cluster_manager, tls=cfg.tls, token=cp_token)
@@ -117,7 +131,9 @@ async def amain(cfg: Config) -> None:
                       metrics_listen=cfg.metrics_listen, tls=cfg.tls,
                       interceptors=[AuthInterceptor(authenticator.authenticate, audit=audit)]),
         [Registration(pb_grpc.add_JobManagerServiceServicer_to_server,
-                      JobManagerServicer(scheduler, hub), "dlsched.v1.JobManagerService"),
+                      JobManagerServicer(scheduler, hub,
+                                         heartbeat_seconds=cfg.stream_heartbeat_seconds),
+                      "dlsched.v1.JobManagerService"),
          Registration(access_service_pb2_grpc.add_AccessServiceServicer_to_server,
                       AccessServicer(access), "dlsched.v1.AccessService")],
         announce_as="job-manager")

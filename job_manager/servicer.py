@@ -6,14 +6,22 @@ touch etcd only. WatchJobs ends with OUT_OF_RANGE / WATCH_TOKEN_EXPIRED for a
 token older than the watch buffer, and with UNAVAILABLE /
 WATCH_SUBSCRIBER_LAGGING when the client reads too slowly to keep up - it
 then resumes with its last token.
+
+Both streams send a heartbeat when they have sent nothing for
+``heartbeat_seconds`` (``--stream-heartbeat-seconds``; 0: never): WatchJobs a
+HEARTBEAT event with the current resume token, StreamJobLogs a response with
+no entries. L7 proxies close streams idle for a while and HTTP/2 PINGs end at
+the first one; a message keeps the stream open through all of them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from datetime import UTC, datetime
+from typing import TypeVar
 
 import grpc
 
@@ -44,6 +52,45 @@ MAX_PAGE = 1000
 # How long a followed log stream waits for the job's state after its attempt's logs end.
 _ATTEMPT_SETTLE_SECONDS = 30.0
 DEFAULT_PAGE = 100
+_T = TypeVar("_T")
+
+
+async def with_heartbeats(source: AsyncGenerator[_T, None], every: float,
+                          beat: Callable[[], _T | None]) -> AsyncGenerator[_T, None]:
+    """The items of ``source``, plus ``beat()`` (unless None) whenever
+    nothing was sent for ``every`` seconds; ``every`` <= 0 adds nothing.
+
+    A heartbeat never cancels the source's pending step (a driver's log call,
+    a watch queue): one task awaits it across heartbeats. Closing this closes
+    the source (cancellation reaches it where it waits)."""
+    step: asyncio.Future[_T] | None = None
+    try:
+        if every <= 0:
+            async for item in source:
+                yield item
+            return
+        while True:
+            if step is None:
+                step = asyncio.ensure_future(source.__anext__())
+            done, _ = await asyncio.wait((step,), timeout=every)
+            if not done:
+                hb = beat()
+                if hb is not None:
+                    yield hb
+                continue
+            finished, step = step, None
+            try:
+                item = finished.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        if step is not None:
+            step.cancel()
+            await asyncio.wait((step,))
+            if not step.cancelled():
+                step.exception()  # retrieved: the source's own error is not ours to raise here
+        await source.aclose()
 
 
 def _sort_key(j: Job) -> tuple[float, str]:
@@ -66,11 +113,22 @@ def _decode_page(token: str) -> tuple[float, str]:
         raise InvalidArgument.for_field("page_token", "not a page token this server issued") from e
 
 
+class _WatchPosition:
+    """The resume token a WatchJobs heartbeat carries: that of the last event
+    the stream sent or skipped (filtered out, unreadable), so resuming with it
+    loses and repeats nothing."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+
 class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
-    def __init__(self, scheduler: Scheduler, hub: WatchHub) -> None:
+    def __init__(self, scheduler: Scheduler, hub: WatchHub, *,
+                 heartbeat_seconds: float = 15.0) -> None:
         self.scheduler = scheduler
         self.store = scheduler.store
         self.hub = hub
+        self.heartbeat_seconds = heartbeat_seconds
 
     async def SubmitJob(self, request: pb.SubmitJobRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
@@ -138,8 +196,23 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
 
     async def WatchJobs(self, request: pb.WatchJobsRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WatchJobsResponse]:
+        at = _WatchPosition(request.resume_token)
+
+        def heartbeat() -> pb.WatchJobsResponse | None:
+            # None (no heartbeat) only while a fresh watch reads its snapshot.
+            return (pb.WatchJobsResponse(type=job_pb2.WATCH_EVENT_TYPE_HEARTBEAT,
+                                         resume_token=at.token) if at.token else None)
+
+        events = self._watch_events(request, at)
+        async with contextlib.aclosing(
+                with_heartbeats(events, self.heartbeat_seconds, heartbeat)) as stream:
+            async for resp in stream:
+                yield resp
+
+    async def _watch_events(self, request: pb.WatchJobsRequest, at: _WatchPosition,
+                            ) -> AsyncGenerator[pb.WatchJobsResponse, None]:
         flt: Filter = parse_filter(request.filter)
-        p = caller()  # roles as of the stream's start
+        p = caller()
         if request.resume_token:
             sub = self.hub.subscribe(decode_token(request.resume_token))
         else:
@@ -153,14 +226,23 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                     if access.may_read(p, j) and flt.matches(j):
                         yield pb.WatchJobsResponse(type=job_pb2.WATCH_EVENT_TYPE_EXISTING,
                                                    job=convert.job_to_proto(j), resume_token=token)
+                # Heartbeats carry a token only from here: one taken mid-snapshot
+                # would resume without the rest of it.
+                at.token = token
                 yield pb.WatchJobsResponse(type=job_pb2.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE,
                                            resume_token=token)
             while True:
                 ev = await sub.next()
+                # No await from here to the yield: a heartbeat never carries a
+                # token past an event not yet sent.
+                at.token = encode_token(ev.revision)
+                # The caller as of now: a revoked or expired token ends the
+                # stream (UNAUTHENTICATED), a lost role hides what follows.
+                p = p.current()
                 if access.may_read(p, ev.job) and flt.matches(ev.job):
                     yield pb.WatchJobsResponse(type=_EVENT_TYPES[ev.type],
                                                job=convert.job_to_proto(ev.job),
-                                               resume_token=encode_token(ev.revision))
+                                               resume_token=at.token)
         finally:
             sub.close()
 
@@ -169,9 +251,10 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         if not job.launched:
             if not follow or job.state.is_terminal():
                 return None
-            job = await self.scheduler.wait_launched(job.id)
-            if not job.launched:
-                return None
+            launched = await self.scheduler.wait_launched(job.id)
+            if launched.uid != job.uid or not launched.launched:
+                return None  # gone, or its id reused by another job
+            job = launched
         return job
 
     async def StreamJobLogs(self, request: pb.StreamJobLogsRequest,  # noqa: N802
@@ -182,15 +265,27 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         for i, s in enumerate(request.streams):
             if s == job_pb2.LOG_STREAM_UNSPECIFIED:
                 raise InvalidArgument.for_field(f"streams[{i}]", "LOG_STREAM_UNSPECIFIED")
+        # The heartbeat is a response with no entries; it also covers the wait
+        # for a launch and for a retry's next attempt.
+        batches = self._log_batches(request)
+        async with contextlib.aclosing(with_heartbeats(
+                batches, self.heartbeat_seconds, pb.StreamJobLogsResponse)) as stream:
+            async for resp in stream:
+                yield resp
+
+    async def _log_batches(self, request: pb.StreamJobLogsRequest,
+                           ) -> AsyncGenerator[pb.StreamJobLogsResponse, None]:
         job = await self._launched(request.name, request.follow)
         if job is None:
             return
+        p = caller()
         while True:
             drv = await self.scheduler.driver_for(job.cluster)
             stream = drv.tail_logs(job.cluster, job.id, job.backend_job_id, request)
             try:
                 async for entries in stream:
                     if entries:
+                        p = p.current()  # a revoked or expired token ends the stream
                         yield pb.StreamJobLogsResponse(entries=entries)
             finally:
                 await stream.aclose()  # cancels the upstream call
@@ -202,7 +297,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             nxt = await self._after_attempt(job)
             if nxt is None:
                 return
-            job = nxt
+            job = access.check_read(p.current(), nxt)
 
     async def _after_attempt(self, job: Job) -> Job | None:
         """The job once its attempt has ended: None when terminal (or gone),
@@ -213,8 +308,8 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                 cur = await self.store.get(job.id)
             except JobNotFound:
                 return None
-            if cur.state.is_terminal():
-                return None
+            if cur.uid != job.uid or cur.state.is_terminal():
+                return None  # ended, or deleted and its id reused by another job
             if cur.launched and cur.backend_job_id != job.backend_job_id:
                 return cur
             await asyncio.sleep(0.05)

@@ -511,7 +511,8 @@ def test_istio_overlay() -> None:
         cfg = yaml.safe_load(w["spec"]["template"]["metadata"]["annotations"]["proxy.istio.io/config"])
         assert cfg["holdApplicationUntilProxyStarts"] is True
     assert not [o for o in objs if o["apiVersion"].startswith(ISTIO_GROUPS)
-                and o["kind"] not in ("PeerAuthentication", "DestinationRule", "AuthorizationPolicy")]
+                and o["kind"] not in ("PeerAuthentication", "DestinationRule", "AuthorizationPolicy",
+                                      "VirtualService")]
     for name in KUSTOMIZATIONS:
         if name != MESH:
             assert not [o for o in render(name) if o["apiVersion"].startswith(ISTIO_GROUPS)], name
@@ -524,6 +525,97 @@ def test_istio_overlay() -> None:
         assert not [a for a in c["args"] if a.startswith("--tls-")], d["metadata"]["name"]
         assert not [v for v in d["spec"]["template"]["spec"]["volumes"]
                     if v.get("secret", {}).get("secretName", "").endswith("-tls")], d["metadata"]["name"]
+
+
+def _vs_route(vs: dict[str, Any], path: str, method: str = "POST") -> dict[str, Any]:
+    """The http route of a VirtualService that Istio picks for a request: the
+    first with a match entry the request satisfies (or with no match at all)."""
+    for r in vs["spec"]["http"]:
+        for m in r.get("match") or [{}]:
+            assert set(m) <= {"uri", "method"}, m  # nothing this evaluation would ignore
+            uri = m.get("uri", {"prefix": "/"})
+            assert len(uri) == 1 and set(uri) <= {"exact", "prefix", "regex"}, uri
+            ok = (path == uri["exact"] if "exact" in uri else path.startswith(uri["prefix"])
+                  if "prefix" in uri else re.fullmatch(uri["regex"], path) is not None)
+            if ok and m.get("method", {}).get("exact", method) == method:
+                return dict(r)
+    raise AssertionError(f"{vs['metadata']['name']}: no route for {method} {path}")
+
+
+def _duration_s(text: str) -> float:
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m|h)", text)
+    assert m, text
+    return float(m.group(1)) * units[m.group(2)]
+
+
+@needs_kubectl
+def test_istio_virtual_services_retry_only_what_the_service_config_retries() -> None:
+    """overlays/istio: one VirtualService per API service. A route's mesh
+    retries are on exactly when the shipped service config retries its
+    method (less SubmitJob and CreateCluster, safe only with a request id the
+    mesh cannot see: the gateway leaves them out of its own channels' retries
+    too); every other route says attempts 0, so the mesh's default policy
+    never applies. Streams have no time limit (a limit, if any, would have to
+    outlast JobManager's longest heartbeat interval)."""
+    from dlsched.kit.channel import service_config
+    from gateway.__main__ import ACCESS, CLUSTER_MANAGER, JOB_MANAGER
+    from gateway.app import _RETRIED_WITH_REQUEST_ID
+    from gateway.rules import routes_for
+    from job_manager.__main__ import MAX_STREAM_HEARTBEAT_SECONDS
+
+    objs = render(MESH)
+    vss = {v["metadata"]["name"]: v for v in of_kind(objs, "VirtualService")}
+    assert set(vss) == {"job-manager", "cluster-manager", "gateway"}
+    ports = {s["metadata"]["name"]: s["spec"]["ports"][0]["port"] for s in of_kind(objs, "Service")
+             if s["metadata"]["namespace"] == NAMESPACE}
+    for name, vs in vss.items():
+        assert vs["apiVersion"] == "networking.istio.io/v1"
+        assert vs["metadata"]["namespace"] == NAMESPACE
+        host = f"{name}.{NAMESPACE}.svc.cluster.local"
+        assert vs["spec"]["hosts"] == [host] and "gateways" not in vs["spec"]
+        for r in vs["spec"]["http"]:
+            assert r["route"] == [{"destination": {"host": host, "port": {"number": ports[name]}}}]
+            assert "retries" in r, f"{name}/{r.get('name')}: the mesh's default retries would apply"
+        assert "match" not in vs["spec"]["http"][-1], f"{name}: the last route takes the rest"
+
+    retried = {f"/{n['service']}/{n['method']}" for mc in json.loads(service_config())["methodConfig"]
+               if "retryPolicy" in mc for n in mc["name"]
+               if n["method"] not in _RETRIED_WITH_REQUEST_ID}
+    assert "/dlsched.v1.JobManagerService/GetJob" in retried
+    assert "/dlsched.v1.JobManagerService/SubmitJob" not in retried
+
+    def check(route: dict[str, Any], grpc_path: str, streaming: bool, what: str) -> None:
+        attempts = route["retries"]["attempts"]
+        assert (attempts > 0) is (grpc_path in retried), f"{what}: retries {route['retries']}"
+        if attempts:
+            assert set(route["retries"]["retryOn"].split(",")) <= {
+                "unavailable", "connect-failure", "refused-stream", "503"}, what
+        else:
+            assert route["retries"] == {"attempts": 0}, what
+        limit = _duration_s(route.get("timeout", "0s"))
+        if streaming:  # no limit: none set (Istio's default) or, for ours, said explicitly
+            assert limit == 0, f"{what}: a stream needs no time limit"
+            if grpc_path.startswith("/dlsched.v1."):
+                assert route.get("timeout") == "0s", what
+        assert limit == 0 or limit > MAX_STREAM_HEARTBEAT_SECONDS, what
+
+    served = {"job-manager": [JOB_MANAGER, ACCESS, health_pb2.DESCRIPTOR.services_by_name["Health"]],
+              "cluster-manager": [CLUSTER_MANAGER, health_pb2.DESCRIPTOR.services_by_name["Health"]]}
+    for name, services in served.items():
+        for svc in services:
+            for m in svc.methods:
+                path = f"/{svc.full_name}/{m.name}"
+                check(_vs_route(vss[name], path), path, m.server_streaming, f"{name} {path}")
+    # The gateway's HTTP routes of the same methods, at a sample path each.
+    for route in routes_for([JOB_MANAGER, ACCESS, CLUSTER_MANAGER]):
+        sample = re.sub(r"\{[^}=]+=([^}]+)\}", lambda v: v.group(1).replace("*", "x1"),
+                        route.template.text)
+        assert route.template.match(sample) is not None, sample
+        check(_vs_route(vss["gateway"], sample, route.http_method), route.grpc_path,
+              route.server_streaming, f"gateway {route.http_method} {sample}")
+    for path in ("/healthz", "/metrics", "/openapi.json"):
+        assert _vs_route(vss["gateway"], path, "GET")["retries"] == {"attempts": 0}
 
 
 # --------------------------------------------------------------------------- who may connect

@@ -38,9 +38,12 @@ class JobManagerServiceStub:
     channel's service config: unary calls get deadlines; reads retry on
     UNAVAILABLE; SubmitJob retries too, so always set its request_id; DeleteJob
     never retries; streams retry only before their first message. Messages are
-    limited to 8 MiB each way. Servers ping idle connections every 30 s, so a
-    quiet WatchJobs or StreamJobLogs stream stays open behind load balancers;
-    clients may ping every 10 s at most.
+    limited to 8 MiB each way. Servers ping idle connections every 30 s and
+    clients may ping every 10 s at most, but HTTP/2 PINGs end at the first L7
+    proxy; so that a quiet WatchJobs or StreamJobLogs stream stays open behind
+    proxies that close idle streams, both send a heartbeat message when they
+    have sent nothing else for a while (15 s by default, at most 30 s; see
+    each RPC). Clients ignore heartbeats.
     """
 
     def __init__(self, channel):
@@ -104,9 +107,12 @@ class JobManagerServiceServicer:
     channel's service config: unary calls get deadlines; reads retry on
     UNAVAILABLE; SubmitJob retries too, so always set its request_id; DeleteJob
     never retries; streams retry only before their first message. Messages are
-    limited to 8 MiB each way. Servers ping idle connections every 30 s, so a
-    quiet WatchJobs or StreamJobLogs stream stays open behind load balancers;
-    clients may ping every 10 s at most.
+    limited to 8 MiB each way. Servers ping idle connections every 30 s and
+    clients may ping every 10 s at most, but HTTP/2 PINGs end at the first L7
+    proxy; so that a quiet WatchJobs or StreamJobLogs stream stays open behind
+    proxies that close idle streams, both send a heartbeat message when they
+    have sent nothing else for a while (15 s by default, at most 30 s; see
+    each RPC). Clients ignore heartbeats.
     """
 
     def SubmitJob(self, request, context):
@@ -162,6 +168,10 @@ class JobManagerServiceServicer:
         WATCH_TOKEN_EXPIRED: the client must re-list (call again without a token).
         The stream otherwise runs until the client cancels it or the server shuts
         down (UNAVAILABLE); the client should then reconnect with its last token.
+        When nothing else was sent for a while (15 s by default, at most 30 s) the
+        server sends a HEARTBEAT event: no job, only the current resume_token.
+        Clients ignore it (keeping its token is allowed); it is never part of the
+        snapshot and says nothing about any job.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -171,6 +181,9 @@ class JobManagerServiceServicer:
         """Streams a job's log lines. Without follow, the stream sends what has been
         written and ends OK. With follow, it keeps sending lines as they are
         written and ends OK once the job has ended and its logs are drained.
+        While a followed job is quiet (or not launched yet), the server sends a
+        response with no entries when nothing else was sent for a while (15 s by
+        default, at most 30 s): a heartbeat, which clients ignore.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -247,9 +260,12 @@ class JobManagerService:
     channel's service config: unary calls get deadlines; reads retry on
     UNAVAILABLE; SubmitJob retries too, so always set its request_id; DeleteJob
     never retries; streams retry only before their first message. Messages are
-    limited to 8 MiB each way. Servers ping idle connections every 30 s, so a
-    quiet WatchJobs or StreamJobLogs stream stays open behind load balancers;
-    clients may ping every 10 s at most.
+    limited to 8 MiB each way. Servers ping idle connections every 30 s and
+    clients may ping every 10 s at most, but HTTP/2 PINGs end at the first L7
+    proxy; so that a quiet WatchJobs or StreamJobLogs stream stays open behind
+    proxies that close idle streams, both send a heartbeat message when they
+    have sent nothing else for a while (15 s by default, at most 30 s; see
+    each RPC). Clients ignore heartbeats.
     """
 
     @staticmethod

@@ -62,6 +62,7 @@ class WatchEventType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     WATCH_EVENT_TYPE_CREATED: _ClassVar[WatchEventType]
     WATCH_EVENT_TYPE_UPDATED: _ClassVar[WatchEventType]
     WATCH_EVENT_TYPE_DELETED: _ClassVar[WatchEventType]
+    WATCH_EVENT_TYPE_HEARTBEAT: _ClassVar[WatchEventType]
 RUN_MODE_UNSPECIFIED: RunMode
 RUN_MODE_SINGLE_PROCESS: RunMode
 RUN_MODE_MULTI_PROCESS: RunMode
@@ -96,6 +97,7 @@ WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE: WatchEventType
 WATCH_EVENT_TYPE_CREATED: WatchEventType
 WATCH_EVENT_TYPE_UPDATED: WatchEventType
 WATCH_EVENT_TYPE_DELETED: WatchEventType
+WATCH_EVENT_TYPE_HEARTBEAT: WatchEventType
 
 class Resources(_message.Message):
     __slots__ = ("cpu", "memory_bytes", "gpus", "gpu_type")
