@@ -99,7 +99,6 @@ from dlsched.errors import (
     DlschedError,
     FailedPrecondition,
     InvalidArgument,
-    Unavailable,
     Unimplemented,
 )
 from dlsched.kit import metrics
@@ -107,7 +106,6 @@ from drivers.common.base import (
     ClusterCapacity,
     ClusterConfig,
     ClusterInfo,
-    ClusterNotConfigured,
     ClusterState,
     Driver,
     GpuInventory,
@@ -132,6 +130,7 @@ from drivers.common.base import (
 from drivers.common.hub import ObservationHub
 from drivers.common.launches import Known, LaunchRules
 from drivers.common.planner import MpiNotAvailable
+from drivers.common.registry import BackendUnavailable, ClusterRegistry
 from drivers.kubernetes import render, states
 from drivers.kubernetes.informer import PodInformer, RequestBudget, is_unreachable
 from drivers.kubernetes.render import Rendered
@@ -156,10 +155,6 @@ class KubernetesConfig:
     watch_read_timeout: float = field(default=330.0, metadata={
         "help": "seconds without a byte after which a watch is re-opened"})
     grace_seconds: float = field(default=10.0, metadata={"help": "pod deletion grace when a stop names none"})
-
-
-class BackendUnavailable(Unavailable):
-    reason = "BACKEND_UNAVAILABLE"
 
 
 class NameCollision(FailedPrecondition):
@@ -359,9 +354,9 @@ class KubernetesDriver(Driver):
 
     def __init__(self, config: KubernetesConfig | None = None) -> None:
         self._cfg = config or KubernetesConfig()
-        self._clusters: dict[str, _Cluster] = {}
         self._launches = LaunchRules()
         self._hub = ObservationHub()
+        self._clusters: ClusterRegistry[_Cluster] = ClusterRegistry(self._hub)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
 
@@ -371,7 +366,7 @@ class KubernetesDriver(Driver):
         self._loop = asyncio.get_running_loop()
 
     async def close(self) -> None:
-        for c in list(self._clusters.values()):
+        for c in self._clusters.values():
             self._drop(c)
 
     def _drop(self, c: _Cluster) -> None:
@@ -417,23 +412,19 @@ class KubernetesDriver(Driver):
     # ------------------------------------------------------------------ clusters
 
     def _get(self, cluster: str) -> _Cluster:
-        c = self._clusters.get(cluster)
-        if c is None:
-            raise ClusterNotConfigured(cluster)
-        return c
+        return self._clusters.require(cluster)
 
     async def configure_cluster(self, config: ClusterConfig) -> ClusterInfo:
         from kubernetes import client
 
         ns = render.namespace_of(config.options)
         api, ca_file = _api_client(config)
-        old = self._clusters.get(config.name)
-        c = _Cluster(config, api, client.CoreV1Api(api),
-                     RequestBudget(self._cfg.qps, self._cfg.burst), ns, ca_file)
-        if old is not None:
-            c.jobs = old.jobs
-            self._drop(old)
-        self._clusters[config.name] = c
+        # keep the tracked jobs; swap the API client, budget and informer
+        c = await self._clusters.configure(
+            config.name,
+            lambda _old: _Cluster(config, api, client.CoreV1Api(api),
+                                  RequestBudget(self._cfg.qps, self._cfg.burst), ns, ca_file),
+            carry_over=("jobs",), drop=self._drop)
         self._start_informer(c)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(c.synced.wait(), timeout=self._cfg.request_timeout)
@@ -458,10 +449,7 @@ class KubernetesDriver(Driver):
         c.informer.start()
 
     async def remove_cluster(self, cluster: str) -> None:
-        c = self._clusters.pop(cluster, None)
-        if c is not None:
-            self._drop(c)
-            self._hub.close_cluster(cluster, ClusterNotConfigured(cluster))
+        await self._clusters.remove(cluster, drop=self._drop)
 
     async def cluster_info(self, cluster: str) -> ClusterInfo:
         return await self._info(self._get(cluster))
@@ -697,17 +685,7 @@ class KubernetesDriver(Driver):
         return out
 
     def watch(self, cluster: str) -> AsyncIterator[WatchEvent]:
-        return self._watch(cluster)
-
-    async def _watch(self, cluster: str) -> AsyncIterator[WatchEvent]:
-        c = self._get(cluster)
-
-        def snapshot() -> list[JobObservation]:
-            return [self._observe(c, j) for j in c.jobs.values()]
-
-        async with contextlib.aclosing(self._hub.subscribe(cluster, snapshot)) as events:  # type: ignore[type-var]
-            async for ev in events:
-                yield ev
+        return self._clusters.watch(cluster, lambda c: [self._observe(c, j) for j in c.jobs.values()])
 
     # ------------------------------------------------------------------ render / launch
 

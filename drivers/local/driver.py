@@ -83,7 +83,6 @@ from drivers.common.base import (
     ClusterCapacity,
     ClusterConfig,
     ClusterInfo,
-    ClusterNotConfigured,
     ClusterState,
     Driver,
     GpuInventory,
@@ -114,6 +113,7 @@ from drivers.common.planner import (
     MpiNotAvailable,
     assign_gpus,
 )
+from drivers.common.registry import ClusterRegistry
 from drivers.local import procfs, render, states
 from drivers.local.logfile import LineWriter, LogFileReader
 
@@ -322,10 +322,10 @@ class LocalDriver(Driver):
         self._grace = config.grace_seconds
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._host = socket.gethostname()
-        self._clusters: dict[str, ClusterConfig] = {}
         self._jobs: dict[str, _Job] = {}
         self._launches = LaunchRules()
         self._hub = ObservationHub()
+        self._clusters: ClusterRegistry[ClusterConfig] = ClusterRegistry(self._hub)
         self._gpu_cache: tuple[float, list[tuple[str, int]]] | None = None
         path = self._base_env.get("PATH", os.defpath)
         self._mpirun = shutil.which("mpirun", path=path)
@@ -355,17 +355,16 @@ class LocalDriver(Driver):
     # ------------------------------------------------------------------ clusters
 
     def _require(self, cluster: str) -> None:
-        if cluster not in self._clusters:
-            raise ClusterNotConfigured(cluster)
+        self._clusters.require(cluster)
 
     async def configure_cluster(self, config: ClusterConfig) -> ClusterInfo:
         # The local backend needs no address or credentials; keep neither.
-        self._clusters[config.name] = ClusterConfig(name=config.name, options=dict(config.options))
+        await self._clusters.configure(
+            config.name, lambda _old: ClusterConfig(name=config.name, options=dict(config.options)))
         return await self._info()
 
     async def remove_cluster(self, cluster: str) -> None:
-        if self._clusters.pop(cluster, None) is not None:
-            self._hub.close_cluster(cluster, ClusterNotConfigured(cluster))
+        await self._clusters.remove(cluster)
 
     async def cluster_info(self, cluster: str) -> ClusterInfo:
         self._require(cluster)
@@ -666,17 +665,8 @@ class LocalDriver(Driver):
         return out
 
     def watch(self, cluster: str) -> AsyncIterator[WatchEvent]:
-        return self._watch(cluster)
-
-    async def _watch(self, cluster: str) -> AsyncIterator[WatchEvent]:
-        self._require(cluster)
-
-        def snapshot() -> list[JobObservation]:
-            return [self._observe(j) for j in self._jobs.values() if j.cluster == cluster]
-
-        async with contextlib.aclosing(self._hub.subscribe(cluster, snapshot)) as events:  # type: ignore[type-var]
-            async for ev in events:
-                yield ev
+        return self._clusters.watch(
+            cluster, lambda _c: [self._observe(j) for j in self._jobs.values() if j.cluster == cluster])
 
     # ------------------------------------------------------------------ stop / cleanup
 

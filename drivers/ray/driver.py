@@ -81,7 +81,6 @@ from drivers.common.base import (
     ClusterCapacity,
     ClusterConfig,
     ClusterInfo,
-    ClusterNotConfigured,
     ClusterState,
     Driver,
     GpuInventory,
@@ -101,6 +100,7 @@ from drivers.common.base import (
 )
 from drivers.common.hub import ObservationHub
 from drivers.common.launches import Known, LaunchRules
+from drivers.common.registry import STOP_REQUESTED, BackendUnavailable, ClusterRegistry
 from drivers.ray import render, states
 
 log = logging.getLogger("dlsched.driver.ray")
@@ -127,7 +127,7 @@ class _Http(Exception):
 
 def _unavailable(address: str, e: BaseException) -> Unavailable:
     what = type(e).__name__ if not str(e) else f"{type(e).__name__}: {e}"
-    return Unavailable(f"Ray head {address} unreachable: {what}"[:500], reason="BACKEND_UNAVAILABLE")
+    return BackendUnavailable(f"Ray head {address} unreachable: {what}"[:500])
 
 
 def _trim(message: str) -> str:
@@ -187,22 +187,19 @@ class RayDriver(Driver):
 
     def __init__(self, config: RayConfig | None = None) -> None:
         self._cfg = config or RayConfig()
-        self._clusters: dict[str, _Cluster] = {}
         self._hub = ObservationHub()
+        self._clusters: ClusterRegistry[_Cluster] = ClusterRegistry(self._hub)
         self._launches = LaunchRules()
 
     async def close(self) -> None:
-        for c in list(self._clusters.values()):
+        for c in self._clusters.values():
             await self._drop(c)
         self._clusters.clear()
 
     # ------------------------------------------------------------------ clusters
 
     def _get(self, cluster: str) -> _Cluster:
-        c = self._clusters.get(cluster)
-        if c is None:
-            raise ClusterNotConfigured(cluster)
-        return c
+        return self._clusters.require(cluster)
 
     async def _drop(self, c: _Cluster) -> None:
         if c.task is not None:
@@ -215,21 +212,15 @@ class RayDriver(Driver):
         if not re.match(r"^https?://[^/\s]+", config.address or ""):
             raise InvalidArgument.for_field("address", "the Ray dashboard URL, e.g. http://head:8265")
         render.RayOptions.from_mapping(config.options)
-        new = _Cluster(config, self._cfg.request_timeout)
-        old = self._clusters.get(config.name)
-        if old is not None:  # keep what was observed; swap address, credentials, session
-            new.jobs, new.submissions, new.roles = old.jobs, old.submissions, old.roles
-            new.known, new.stop_requested = old.known, old.stop_requested
-            await self._drop(old)
-        self._clusters[config.name] = new
+        # keep what was observed; swap address, credentials, session
+        new = await self._clusters.configure(
+            config.name, lambda _old: _Cluster(config, self._cfg.request_timeout),
+            carry_over=("jobs", "submissions", "roles", "known", "stop_requested"), drop=self._drop)
         new.task = asyncio.create_task(self._poll_loop(config.name, new), name=f"ray-poll-{config.name}")
         return await self._info(new)
 
     async def remove_cluster(self, cluster: str) -> None:
-        c = self._clusters.pop(cluster, None)
-        if c is not None:
-            await self._drop(c)
-            self._hub.close_cluster(cluster, ClusterNotConfigured(cluster))
+        await self._clusters.remove(cluster, drop=self._drop)
 
     async def cluster_info(self, cluster: str) -> ClusterInfo:
         return await self._info(self._get(cluster))
@@ -305,7 +296,7 @@ class RayDriver(Driver):
             if obs.state is JobState.RUNNING and over_time_limit(it, time.time()):
                 self._stop_later(c, obs.backend_job_id)
             if not obs.state.is_terminal() and obs.backend_job_id in c.stop_requested:
-                obs = replace(obs, state=JobState.STOPPING, reason="StopRequested",
+                obs = replace(obs, state=JobState.STOPPING, reason=STOP_REQUESTED,
                               message="stop sent to Ray")  # until Ray reports the end
             self._set(name, c, obs)
         c.submissions = {**{k: v for k, v in c.submissions.items() if k in seen}, **seen}
@@ -333,7 +324,7 @@ class RayDriver(Driver):
     async def _ready(self, c: _Cluster) -> None:
         await c.polled.wait()
         if not c.known:
-            raise Unavailable(c.error or "the Ray head has not answered yet", reason="BACKEND_UNAVAILABLE")
+            raise BackendUnavailable(c.error or "the Ray head has not answered yet")
 
     # ------------------------------------------------------------------ jobs
 
@@ -382,7 +373,7 @@ class RayDriver(Driver):
         except _Http as e:
             if e.status == 404:
                 return None
-            raise Unavailable(f"Ray answered {e}", reason="BACKEND_UNAVAILABLE") from e
+            raise BackendUnavailable(f"Ray answered {e}") from e
         return doc if isinstance(doc, dict) else None
 
     async def observe(self, cluster: str, refs: Sequence[JobRef]) -> list[JobObservation]:
@@ -391,18 +382,7 @@ class RayDriver(Driver):
         return [c.jobs.get(r.job_id) or JobObservation.not_found(r) for r in refs]
 
     def watch(self, cluster: str) -> AsyncIterator[WatchEvent]:
-        return self._watch(cluster)
-
-    async def _watch(self, cluster: str) -> AsyncIterator[WatchEvent]:
-        c = self._get(cluster)
-        await c.polled.wait()
-
-        def snapshot() -> list[JobObservation]:
-            return list(c.jobs.values())
-
-        async with contextlib.aclosing(self._hub.subscribe(cluster, snapshot)) as events:  # type: ignore[type-var]
-            async for ev in events:
-                yield ev
+        return self._clusters.watch(cluster, lambda c: list(c.jobs.values()), ready=lambda c: c.polled.wait())
 
     def _sid(self, c: _Cluster, ref: JobRef) -> str | None:
         obs = c.jobs.get(ref.job_id)
@@ -423,15 +403,14 @@ class RayDriver(Driver):
             await c.request("POST", f"/api/jobs/{sid}/stop")
         except _Http as e:
             if e.status != 404:
-                raise Unavailable(f"Ray could not stop {sid}: {_last_line(e.text)}",
-                                  reason="BACKEND_UNAVAILABLE") from e
+                raise BackendUnavailable(f"Ray could not stop {sid}: {_last_line(e.text)}") from e
             return obs or JobObservation.not_found(ref)
         c.stop_requested.add(sid)
         c.wake.set()
         if obs is None:
             return JobObservation(job_id=ref.job_id, backend_job_id=sid, found=True,
-                                  state=JobState.STOPPING, reason="StopRequested")
-        stopping = replace(obs, state=JobState.STOPPING, reason="StopRequested", message="stop sent to Ray")
+                                  state=JobState.STOPPING, reason=STOP_REQUESTED)
+        stopping = replace(obs, state=JobState.STOPPING, reason=STOP_REQUESTED, message="stop sent to Ray")
         self._set(cluster, c, stopping)
         return stopping
 
@@ -457,8 +436,7 @@ class RayDriver(Driver):
                     return
                 not_ended = e.status == 400 or "non-terminal" in e.text  # 500 on Ray 2.x
                 if stopped or not not_ended:
-                    raise Unavailable(f"Ray could not delete {sid}: {_last_line(e.text)}",
-                                      reason="BACKEND_UNAVAILABLE") from e
+                    raise BackendUnavailable(f"Ray could not delete {sid}: {_last_line(e.text)}") from e
             # Not ended yet: stop it and wait for the end (Ray kills after its stop timeout).
             with contextlib.suppress(_Http):
                 await c.request("POST", f"/api/jobs/{sid}/stop")
@@ -490,8 +468,7 @@ class RayDriver(Driver):
             except _Http as e:
                 if e.status == 404:
                     raise JobNotFound(ref.job_id) from e
-                raise Unavailable(f"Ray could not read the logs of {sid}: {_last_line(e.text)}",
-                                  reason="BACKEND_UNAVAILABLE") from e
+                raise BackendUnavailable(f"Ray could not read the logs of {sid}: {_last_line(e.text)}") from e
             text = doc.get("logs", "") if isinstance(doc, dict) else ""
             if len(text) < offset:  # rewritten (should not happen): start over
                 offset, pending = 0, ""

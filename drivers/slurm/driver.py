@@ -95,7 +95,6 @@ from drivers.common.base import (
     ClusterCapacity,
     ClusterConfig,
     ClusterInfo,
-    ClusterNotConfigured,
     ClusterState,
     Driver,
     GpuInventory,
@@ -117,6 +116,7 @@ from drivers.common.base import (
 from drivers.common.hub import ObservationHub
 from drivers.common.launches import Known, LaunchRules
 from drivers.common.planner import ALL_RUN_MODES
+from drivers.common.registry import STOP_REQUESTED, BackendUnavailable, ClusterRegistry
 from drivers.slurm import logs as slogs
 from drivers.slurm import poller as poll
 from drivers.slurm import render, states
@@ -289,26 +289,26 @@ def _same(a: ClusterConfig, b: ClusterConfig) -> bool:
     return a.address == b.address and dict(a.options) == dict(b.options) and a.credentials == b.credentials
 
 
+DROP_STEP_SECONDS = 5.0
+
+
 class SlurmDriver(Driver):
     name = "slurm"
 
     def __init__(self, config: SlurmConfig | None = None) -> None:
         self._cfg = config or SlurmConfig()
-        self._clusters: dict[str, _Cluster] = {}
         self._launches = LaunchRules()
         self._hub = ObservationHub()
+        self._clusters: ClusterRegistry[_Cluster] = ClusterRegistry(self._hub)
 
     async def close(self) -> None:
-        for c in list(self._clusters.values()):
+        for c in self._clusters.values():
             await self._drop_cluster(c)
 
     # ------------------------------------------------------------------ clusters
 
     def _require(self, cluster: str) -> _Cluster:
-        c = self._clusters.get(cluster)
-        if c is None:
-            raise ClusterNotConfigured(cluster)
-        return c
+        return self._clusters.require(cluster)
 
     async def configure_cluster(self, config: ClusterConfig) -> ClusterInfo:
         old = self._clusters.get(config.name)
@@ -321,41 +321,43 @@ class SlurmDriver(Driver):
             raise InvalidArgument.for_field("address", "the login node, host[:port]")
         env = {k: v for k, v in config.options.items() if ENV_RE.match(k)}
         render.state_dir_of(config.options)
-        ssh = SshClient(config.address, creds.username, creds.private_key, creds.known_host_keys, env=env,
-                        max_channels=max(1, min(9, self._cfg.max_channels)))
-        log_ssh = SshClient(config.address, creds.username, creds.private_key, creds.known_host_keys, env=env,
-                            max_channels=max(0, min(9, self._cfg.max_log_streams)))
-        c = _Cluster(config, ssh, log_ssh, self)
-        c.driver_timeout = self._cfg.command_timeout
-        try:
-            await ssh.run("true", time_limit=self._cfg.command_timeout)
-        except HostKeyMismatch:
-            await ssh.close()
-            raise
-        except DlschedError as e:
-            log.info("cluster %s not reachable yet: %s", config.name, e.message)
-        if old is not None:
-            c.jobs, c.unsure = old.jobs, old.unsure
-            await old.warm.close()
-            await old.poller.stop()
-            await old.ssh.close()
-            await old.log_ssh.close()
-        self._clusters[config.name] = c
+
+        async def build(_old: _Cluster | None) -> _Cluster:
+            ssh = SshClient(config.address, creds.username, creds.private_key, creds.known_host_keys, env=env,
+                            max_channels=max(1, min(9, self._cfg.max_channels)))
+            log_ssh = SshClient(config.address, creds.username, creds.private_key, creds.known_host_keys,
+                                env=env, max_channels=max(0, min(9, self._cfg.max_log_streams)))
+            c = _Cluster(config, ssh, log_ssh, self)
+            c.driver_timeout = self._cfg.command_timeout
+            try:
+                await ssh.run("true", time_limit=self._cfg.command_timeout)
+            except HostKeyMismatch:
+                await ssh.close()
+                raise
+            except DlschedError as e:
+                log.info("cluster %s not reachable yet: %s", config.name, e.message)
+            return c
+
+        # keep what was tracked; swap the connections, poller and warm submitter
+        c = await self._clusters.configure(config.name, build, carry_over=("jobs", "unsure"),
+                                           drop=self._drop_cluster)
         c.poller.start()
         c.warm.refill()
         return await self._info(c)
 
     async def _drop_cluster(self, c: _Cluster) -> None:
-        await c.warm.close()
-        await c.poller.stop()
-        await c.ssh.close()
-        await c.log_ssh.close()
+        # Each step bounded: a login node that stops answering (or a machine
+        # under load) must not hold RemoveCluster/ConfigureCluster past the
+        # caller's deadline; what did not close in time is abandoned.
+        for step in (c.warm.close, c.poller.stop, c.ssh.close, c.log_ssh.close):
+            try:
+                await asyncio.wait_for(step(), DROP_STEP_SECONDS)
+            except TimeoutError:
+                log.warning("dropping a cluster: %s took over %ss; abandoned",
+                            getattr(step, "__qualname__", step), DROP_STEP_SECONDS)
 
     async def remove_cluster(self, cluster: str) -> None:
-        c = self._clusters.pop(cluster, None)
-        if c is not None:
-            await self._drop_cluster(c)
-            self._hub.close_cluster(cluster, ClusterNotConfigured(cluster))
+        await self._clusters.remove(cluster, drop=self._drop_cluster)
 
     async def cluster_info(self, cluster: str) -> ClusterInfo:
         return await self._info(self._require(cluster))
@@ -428,7 +430,7 @@ class SlurmDriver(Driver):
                 break
             log.warning("look-up of %s: squeue exited %s: %s", script.comment, rc, err.strip()[:300])
         else:
-            raise Unavailable(f"squeue exited {rc}: {err.strip()[:300]}", reason="BACKEND_UNAVAILABLE")
+            raise BackendUnavailable(f"squeue exited {rc}: {err.strip()[:300]}")
         found = [j.job_id for j in poll.parse_squeue(out).values() if j.comment == script.comment]
         return sorted(found, key=lambda s: int(s) if s.isdigit() else 0)
 
@@ -497,7 +499,7 @@ class SlurmDriver(Driver):
                 raise SbatchRejected(f"sbatch refused the job: {err.strip()[:500]}",
                                      metadata={"job_id": script.job_id})
             last = last or f"sbatch exited {rc}: {err.strip()[:300]}"
-        raise Unavailable(f"could not submit to Slurm: {last}", reason="BACKEND_UNAVAILABLE")
+        raise BackendUnavailable(f"could not submit to Slurm: {last}")
 
     # ------------------------------------------------------------------ polling
 
@@ -544,7 +546,7 @@ class SlurmDriver(Driver):
         if job.restarts:
             job.message = f"{job.message} (Slurm restart {job.restarts})"
         if job.stop_requested and not m.state.is_terminal():
-            job.state, job.reason = JobState.STOPPING, "StopRequested"
+            job.state, job.reason = JobState.STOPPING, STOP_REQUESTED
         if m.state in (JobState.RUNNING, JobState.STOPPING) or m.state.is_terminal():
             job.start_time = sj.start_time or job.start_time
         job.nodes = sj.nodes if sj.nodes not in ("", "(null)") else job.nodes
@@ -605,17 +607,7 @@ class SlurmDriver(Driver):
             c.jobs[ref.job_id] = job
 
     def watch(self, cluster: str) -> AsyncIterator[WatchEvent]:
-        return self._watch(cluster)
-
-    async def _watch(self, cluster: str) -> AsyncIterator[WatchEvent]:
-        c = self._require(cluster)
-
-        def snapshot() -> list[JobObservation]:
-            return [self._observe(j) for j in c.jobs.values()]
-
-        async with contextlib.aclosing(self._hub.subscribe(cluster, snapshot)) as events:  # type: ignore[type-var]
-            async for ev in events:
-                yield ev
+        return self._clusters.watch(cluster, lambda c: [self._observe(j) for j in c.jobs.values()])
 
     # ------------------------------------------------------------------ stop / cleanup
 
@@ -628,9 +620,9 @@ class SlurmDriver(Driver):
             return self._observe(job)
         rc, _, err = await c.run(f"scancel {shlex.quote(job.backend_job_id)}")
         if rc != 0 and "already" not in err and "Invalid job id" not in err:
-            raise Unavailable(f"scancel failed: {err.strip()[:300]}", reason="BACKEND_UNAVAILABLE")
+            raise BackendUnavailable(f"scancel failed: {err.strip()[:300]}")
         job.stop_requested = True
-        job.state, job.reason, job.message = JobState.STOPPING, "StopRequested", "scancel sent"
+        job.state, job.reason, job.message = JobState.STOPPING, STOP_REQUESTED, "scancel sent"
         self._publish(job)
         c.poller.wake()
         return self._observe(job)
@@ -746,8 +738,7 @@ class SlurmDriver(Driver):
                     line = await proc.readline()
                     h = slogs.parse_header(line) if line else None
                     if h is None:
-                        raise Unavailable("the log stream ended without its end frame",
-                                          reason="BACKEND_UNAVAILABLE")
+                        raise BackendUnavailable("the log stream ended without its end frame")
                     n, start, size, mtime, name = h
                     if name == slogs.STREAM_END:
                         await rounds.put(None)

@@ -41,8 +41,9 @@ from dataclasses import dataclass
 
 import asyncssh
 
-from dlsched.errors import FailedPrecondition, InvalidArgument, Unavailable
+from dlsched.errors import FailedPrecondition, InvalidArgument
 from dlsched.kit import metrics
+from drivers.common.registry import BackendUnavailable
 
 log = logging.getLogger("dlsched.driver.slurm.ssh")
 
@@ -78,10 +79,6 @@ ENV_RE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 
 class HostKeyMismatch(FailedPrecondition):
     reason = "HOST_KEY_MISMATCH"
-
-
-class BackendUnavailable(Unavailable):
-    reason = "BACKEND_UNAVAILABLE"
 
 
 @dataclass(frozen=True)
