@@ -276,6 +276,19 @@ async def wait_for(stub: Any, job_id: str, states: Sequence[int], reason: str = 
         await asyncio.sleep(0.05)
 
 
+async def all_replicas_running(stub: Any, job_id: str, obs: dpb.JobObservation,
+                               within: float = 30) -> dpb.JobObservation:
+    """The job turns RUNNING with its first running pod; the watch delivers the
+    other pods' Running after: the observation once every replica is RUNNING
+    (or the last one seen at the deadline)."""
+    deadline = time.monotonic() + within
+    while not all(r.state == job_pb2.REPLICA_STATE_RUNNING for r in obs.replicas) \
+            and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+        obs = await observe(stub, job_id)
+    return obs
+
+
 async def eventually(pred: Any, within: float = 10) -> None:
     for _ in range(int(within / 0.05)):
         if pred():
@@ -338,11 +351,7 @@ async def test_each_mode_runs_to_success(stub: Any, emu: tuple[Emulator, str], m
     for name in pods:
         await kubelet(url, name, "Running")
     obs = await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
-    # The job is RUNNING with its first running pod; the watch delivers the others' Running after.
-    deadline = time.monotonic() + 15
-    while not all(r.state == job_pb2.REPLICA_STATE_RUNNING for r in obs.replicas) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-        obs = await observe(stub, job)
+    obs = await all_replicas_running(stub, job, obs)
     assert all(r.state == job_pb2.REPLICA_STATE_RUNNING and r.host == "node-1" for r in obs.replicas)
     rest = STOPPED_AFTER.get(mode)
     role_of = {n: p["metadata"]["labels"][render.LABEL_ROLE] for n, p in pods.items()}
@@ -396,6 +405,7 @@ async def test_job_ids_that_are_not_labels_are_tracked_by_their_label(stub: Any,
     for name in pods:
         await kubelet(url, name, "Running")
     obs = await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
+    obs = await all_replicas_running(stub, job, obs)
     assert obs.job_id == job and all(r.state == job_pb2.REPLICA_STATE_RUNNING for r in obs.replicas)
     before = len(e.paths)
     with pytest.raises(grpc.aio.AioRpcError):  # no metrics.k8s.io here; the query still names the label
