@@ -52,8 +52,6 @@ def options(*, round_robin: bool = False) -> list[tuple[str, Any]]:
     ]
 
 
-def insecure_channel(target: str, *, round_robin: bool = False) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(target, options=options(round_robin=round_robin))
 
 
 class TokenSource:
