@@ -10,6 +10,7 @@ At the end, the kit's ``LaunchRules`` in-process: its lock table stays empty.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pathlib
 from collections.abc import AsyncIterator
 
@@ -80,6 +81,31 @@ async def test_the_same_attempt_again_returns_the_first_launch_and_runs_once(
     again = await peer.launch(job, spec)  # after the job ended (where the backend ends it)
     assert again.backend_job_id == first.backend_job_id and again.observation.attempt == 1
     assert await peer.runs(job, str(marker)) == 1
+
+
+async def test_a_launch_whose_caller_left_runs_once_and_the_retry_gets_it(
+        peer: Peer, tmp_path: pathlib.Path) -> None:
+    """A caller that goes away mid-launch (its deadline; JobManager killed) leaves the launch
+    to the driver: the job runs exactly once and is not failed for it, and the caller's retry of
+    the same attempt gets that launch. Deadlines from "before the driver saw it" to "mid-submit"."""
+    deadlines = (0.001, 0.002, 0.003, 0.004, 0.006, 0.01, 0.05, 0.3)  # on local 1-5 ms killed the spawn
+
+    async def one(n: int, deadline: float) -> None:
+        job, marker = new_id(), tmp_path / f"runs-{n}"
+        marker.touch()
+        spec = peer.marking(str(marker))
+        peer.launched.append(job)
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await peer.stub.LaunchJob(dpb.LaunchJobRequest(cluster=peer.cluster, job_id=job, spec=spec, attempt=1),
+                                      timeout=deadline)
+        retried = await peer.launch(job, spec)
+        assert retried.observation.attempt == 1 and retried.backend_job_id
+        assert await peer.runs(job, str(marker)) == 1, f"deadline {deadline}"
+        final = (await peer.observe(job))[0]
+        assert final.state != job_pb2.JOB_STATE_FAILED, (deadline, final)
+        assert final.backend_job_id == retried.backend_job_id
+
+    await asyncio.gather(*(one(n, d) for n, d in enumerate(deadlines)))
 
 
 async def test_a_lower_attempt_is_stale(peer: Peer) -> None:
@@ -221,11 +247,21 @@ async def test_launch_rules_serialise_a_job_and_keep_no_lock_after() -> None:
         with pytest.raises(FailedPrecondition) as ei:
             await rules.launch(cluster, "j", attempt, known=known, submit=launcher(attempt))
         assert ei.value.reason == reason
-    slow = asyncio.ensure_future(rules.launch("clusters/a", "k", 1, known=lambda: None,
-                                              submit=lambda: asyncio.sleep(30)))  # type: ignore[arg-type,return-value]
+    release, done = asyncio.Event(), []
+
+    async def slow_submit() -> LaunchResult:
+        await release.wait()
+        done.append("k")
+        return _result(1)
+
+    slow = asyncio.ensure_future(rules.launch("clusters/a", "k", 1, known=lambda: None, submit=slow_submit))
     await asyncio.sleep(0.01)
-    assert len(rules) == 1
-    slow.cancel()
+    assert len(rules) == 1 and rules.inflight == 1
+    slow.cancel()  # the caller leaves: the launch is the driver's and goes on
     with pytest.raises(asyncio.CancelledError):
         await slow
-    assert len(rules) == 0  # pruned after success, refusal and cancellation alike
+    assert len(rules) == 1 and not done
+    release.set()
+    await rules.drain(10)
+    assert done == ["k"]
+    assert len(rules) == 0 and rules.inflight == 0  # pruned after success, refusal and a caller that left

@@ -35,7 +35,7 @@ def one_host(s: JobSpec, host: str = "127.0.0.1", ports: dict[tuple[str, int], i
 def many_hosts(s: JobSpec, fmt: str = "{role}-{index}.job.svc") -> list[Placement]:
     """One node per replica, named by a name that resolves later (headless service)."""
     out, node = [], 0
-    for g in planner._groups_in_order(s):
+    for g in planner.groups_in_order(s):
         for r in range(g[1].replicas):
             out.append(Placement(g[1].role, r, fmt.format(role=g[1].role, index=r), node))
             node += 1

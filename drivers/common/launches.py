@@ -20,6 +20,14 @@ submission made under one lock per job id (whatever the cluster, so the
 cross-cluster rule has no race either), and a concurrent launch of the same
 attempt waits and gets the first one's result. A lock lives only while a
 launch holds or waits for it, so the table never grows with the jobs seen.
+
+A launch is owned by the driver, not by its caller: the checks and the
+submission run in a task of their own that the caller only waits for. A
+caller that goes away (its deadline, a cancelled RPC, a killed JobManager)
+leaves the submission to complete; the backend records it like any other,
+and the retry of the same attempt is answered with its result. A submission
+cancelled half-way could leave a job killed mid-spawn, reported FAILED
+without having run.
 """
 
 from __future__ import annotations
@@ -83,6 +91,17 @@ class LaunchRules:
 
     def __init__(self) -> None:
         self._locks: dict[str, _Lock] = {}
+        self._inflight: set[asyncio.Task[LaunchResult]] = set()
+
+    @property
+    def inflight(self) -> int:
+        """Launches running now (callers gone or not)."""
+        return len(self._inflight)
+
+    async def drain(self, within: float) -> None:
+        """Wait up to ``within`` seconds for launches in flight (a driver closing)."""
+        if self._inflight:
+            await asyncio.wait(list(self._inflight), timeout=within)
 
     def __len__(self) -> int:
         """Locks held or waited for now (0 when no launch is in flight)."""
@@ -108,8 +127,22 @@ class LaunchRules:
         """Apply the rules to what ``known()`` reports; ``submit()`` when they allow a launch.
 
         Both hooks run under the job's lock; ``known`` may raise a backend's own
-        refusal (a name collision) before any rule applies.
+        refusal (a name collision) before any rule applies. The work runs in a
+        driver-owned task: cancelling the caller does not cancel it.
         """
+        task = asyncio.ensure_future(self._launch(cluster, job_id, attempt, known, submit))
+        self._inflight.add(task)
+        task.add_done_callback(self._done)
+        return await asyncio.shield(task)
+
+    def _done(self, task: asyncio.Task[LaunchResult]) -> None:
+        self._inflight.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a caller that left does not hear of it
+
+    async def _launch(self, cluster: str, job_id: str, attempt: int,
+                      known: Callable[[], Known | None],
+                      submit: Callable[[], Awaitable[LaunchResult]]) -> LaunchResult:
         async with self._locked(job_id):
             prev = known()
             if prev is not None:

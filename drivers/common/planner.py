@@ -162,7 +162,7 @@ class GpusUnavailable(FailedPrecondition):
 # --------------------------------------------------------------------------- validation
 
 
-def _groups_in_order(spec: JobSpec) -> list[tuple[int, ReplicaGroup]]:
+def groups_in_order(spec: JobSpec) -> list[tuple[int, ReplicaGroup]]:
     """(spec index, group) in the mode's layout order (master first, ...)."""
     order = ROLES.get(spec.run_mode)
     indexed = list(enumerate(spec.replica_groups))
@@ -268,7 +268,7 @@ def plan_job(job_id: str, spec: JobSpec, placements: Sequence[Placement], *,
     check_run_mode(spec)
     mode = spec.run_mode
     where = {(p.role, p.replica_index): p for p in placements}
-    ordered = _groups_in_order(spec)
+    ordered = groups_in_order(spec)
     slots: list[tuple[ReplicaGroup, int, int, Placement]] = []
     for _, g in ordered:
         for r in range(g.replicas):

@@ -257,7 +257,7 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
     state_dir_of(options)
 
     # ---- placement: replica q of the layout order -> node q * nodes // R
-    ordered = [g for _, g in planner._groups_in_order(spec)]
+    ordered = [g for _, g in planner.groups_in_order(spec)]
     replicas = [(g, r) for g in ordered for r in range(g.replicas)]
     total = len(replicas)
     nodes = min(total, int(max_nodes_opt)) if max_nodes_opt else total
