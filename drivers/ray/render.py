@@ -168,13 +168,73 @@ def spec_from_json(doc: Mapping[str, Any]) -> JobSpec:
     return JobSpec(run_mode=RunMode[doc["run_mode"]], replica_groups=tuple(groups))
 
 
-def render_submission(job_id: str, spec: JobSpec, attempt: int,
-                      options: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The ``POST /api/jobs/`` body. Raises InvalidArgument / ``MpiNotSupported``."""
+@dataclass(frozen=True)
+class RaySubmission:
+    """The rendered request: the ``POST /api/jobs/`` body, sent as is."""
+
+    body: Mapping[str, Any]
+
+    @property
+    def submission_id(self) -> str:
+        return str(self.body["submission_id"])
+
+    @property
+    def first_role(self) -> str:
+        """Whose lines the untagged log lines are."""
+        return str(self.body["metadata"][META_ROLE])
+
+    def native_spec(self) -> NativeSpec:
+        return to_native_spec(self.body)
+
+
+@dataclass(frozen=True)
+class SubmissionMeta:
+    """What the driver reads back from a listed submission (``parse_submission``)."""
+
+    job_id: str
+    attempt: int
+    submission_id: str
+    role: str | None
+
+
+def parse_submission(it: Mapping[str, Any]) -> SubmissionMeta | None:
+    """The dlsched metadata of a ``GET /api/jobs/`` entry; ``None`` for other jobs."""
+    if it.get("type") != "SUBMISSION":
+        return None
+    meta = it.get("metadata") or {}
+    job_id, sid = meta.get(META_JOB_ID), it.get("submission_id")
+    try:
+        attempt = int(meta.get(META_ATTEMPT, ""))
+    except (TypeError, ValueError):
+        return None
+    if not isinstance(job_id, str) or not job_id or not isinstance(sid, str) or not sid:
+        return None
+    role = meta.get(META_ROLE)
+    return SubmissionMeta(job_id, attempt, sid, role if isinstance(role, str) else None)
+
+
+def check(spec: JobSpec, options: Mapping[str, str] | None = None) -> RayOptions:
+    """The spec and options a Ray cluster can run; raises InvalidArgument / ``MpiNotSupported``."""
     opts = RayOptions.from_mapping(options or {})
     if spec.run_mode is RunMode.MPI:
         raise MpiNotSupported()
     planner.check_run_mode(spec)
+    uris = {g.working_dir for g in spec.replica_groups if g.working_dir and is_uri(g.working_dir)}
+    if len(uris) > 1:
+        raise InvalidArgument.for_field("spec.replica_groups.working_dir",
+                                        "Ray takes one working_dir URI per job")
+    return opts
+
+
+def render(job_id: str, spec: JobSpec, attempt: int, options: Mapping[str, str] | None = None) -> RaySubmission:
+    """check → emit (Ray places replicas itself: the launcher's placement group)."""
+    return RaySubmission(render_submission(job_id, spec, attempt, options))
+
+
+def render_submission(job_id: str, spec: JobSpec, attempt: int,
+                      options: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The ``POST /api/jobs/`` body. Raises InvalidArgument / ``MpiNotSupported``."""
+    opts = check(spec, options)
     sid = submission_id(job_id, attempt)
     body: dict[str, Any] = {
         "submission_id": sid,
@@ -204,9 +264,6 @@ def render_submission(job_id: str, spec: JobSpec, attempt: int,
     body["runtime_env"] = _runtime_env(
         {JOB_ENV: json.dumps(launcher, sort_keys=True, separators=(",", ":"))},
         next(iter(uris)) if len(uris) == 1 else "")
-    if len(uris) > 1:
-        raise InvalidArgument.for_field("spec.replica_groups.working_dir",
-                                        "Ray takes one working_dir URI per job")
     if spec.run_mode is RunMode.MULTI_PROCESS:
         body.update(_resources(spec.replica_groups))
     return body

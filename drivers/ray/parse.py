@@ -1,0 +1,87 @@
+"""Ray's answers as the driver's types: a job list entry as an observation, the load report as capacity."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+from drivers.common.base import ClusterCapacity, GpuInventory, JobObservation, JobState
+from drivers.ray import render, states
+
+MESSAGE_LIMIT = 2000
+
+
+def trim(message: str) -> str:
+    return message if len(message) <= MESSAGE_LIMIT else message[:MESSAGE_LIMIT] + " ..."
+
+
+def _time_limit(it: Mapping[str, Any]) -> float | None:
+    try:
+        return float((it.get("metadata") or {})[render.META_TIME_LIMIT])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def over_time_limit(it: Mapping[str, Any], now: float, end_ms: float | None = None) -> bool:
+    """Whether the job ran (until ``end_ms``, or ``now``) past its ``dlsched_time_limit_seconds``."""
+    limit, start = _time_limit(it), it.get("start_time")
+    if limit is None or not start:
+        return False
+    end = end_ms / 1000 if end_ms else now
+    return end - float(start) / 1000 >= limit
+
+
+def observation(job_id: str, attempt: int, it: Mapping[str, Any]) -> JobObservation:
+    """One Ray job (``GET /api/jobs/`` entry) as an observation.
+
+    A job Ray reports STOPPED that had run past its time limit is FAILED,
+    reason ``TimeLimitExceeded``: the driver stopped it for that.
+    """
+    state, reason = states.map_status(it.get("status"), it.get("error_type"))
+    if state is JobState.STOPPED and it.get("end_time") and over_time_limit(it, 0, it["end_time"]):
+        return replace(_observation(job_id, attempt, it), state=JobState.FAILED, reason="TimeLimitExceeded",
+                       message=f"stopped after its time limit of {_time_limit(it)} s")
+    return _observation(job_id, attempt, it)
+
+
+def _observation(job_id: str, attempt: int, it: Mapping[str, Any]) -> JobObservation:
+    state, reason = states.map_status(it.get("status"), it.get("error_type"))
+    exit_code = it.get("driver_exit_code")
+    start, end = it.get("start_time"), it.get("end_time")
+    return JobObservation(
+        job_id=job_id, backend_job_id=str(it.get("submission_id") or ""), found=True, state=state,
+        reason=reason, message=trim(str(it.get("message") or "")),
+        exit_code=int(exit_code) if isinstance(exit_code, int) else None,
+        start_time=start / 1000 if start else None, end_time=end / 1000 if end and state.is_terminal() else None,
+        attempt=attempt)
+
+
+def capacity(report: Mapping[str, Any]) -> ClusterCapacity:
+    """The autoscaler's load report (``usage``: resource -> [used, total]) as capacity."""
+    usage = report.get("usage") or {}
+    by_node = (report.get("usageByNode") or {}).values()
+
+    def pair(d: Mapping[str, Any], key: str) -> tuple[float, float]:
+        v = d.get(key) or [0.0, 0.0]
+        return float(v[0]), float(v[1])
+
+    cpu_used, cpu_total = pair(usage, "CPU")
+    mem_used, mem_total = pair(usage, "memory")
+    gpu_used, gpu_total = pair(usage, "GPU")
+    gpus = []
+    for key in usage:
+        if key.startswith("accelerator_type:"):
+            # Ray counts accelerator types per node (1 per node of that type), not per GPU.
+            gpus.append(GpuInventory(gpu_type=key.split(":", 1)[1], total=int(gpu_total), free=int(gpu_total - gpu_used)))
+    nodes = list(by_node)
+    return ClusterCapacity(
+        nodes_total=len(nodes),
+        nodes_free=sum(1 for n in nodes if pair(n, "CPU")[0] == 0 and pair(n, "GPU")[0] == 0),
+        cpus_total=cpu_total, cpus_free=max(0.0, cpu_total - cpu_used),
+        memory_bytes_total=int(mem_total), memory_bytes_free=int(max(0.0, mem_total - mem_used)),
+        gpus_total=int(gpu_total), gpus_free=int(max(0.0, gpu_total - gpu_used)), gpus=tuple(gpus[:1]),
+        max_cpus_per_node=max((pair(n, "CPU")[1] for n in nodes), default=0.0),
+        max_memory_bytes_per_node=int(max((pair(n, "memory")[1] for n in nodes), default=0.0)),
+        max_gpus_per_node=int(max((pair(n, "GPU")[1] for n in nodes), default=0.0)),
+    )
