@@ -46,13 +46,12 @@ from dlsched.v1 import cluster_pb2, job_pb2
 EXIT_ERROR = 1
 EXIT_INTERRUPTED = 130
 
+#: ``--type`` choices: every backend of the API's ClusterType enum, by its lower-case name.
 _CLUSTER_TYPES = {
-    "local": job_pb2.CLUSTER_TYPE_LOCAL,
-    "slurm": job_pb2.CLUSTER_TYPE_SLURM,
-    "kubernetes": job_pb2.CLUSTER_TYPE_KUBERNETES,
-    "k8s": job_pb2.CLUSTER_TYPE_KUBERNETES,
-    "ray": job_pb2.CLUSTER_TYPE_RAY,
+    name.removeprefix("CLUSTER_TYPE_").lower(): number
+    for name, number in job_pb2.ClusterType.items() if number != job_pb2.CLUSTER_TYPE_UNSPECIFIED
 }
+_CLUSTER_TYPE_ALIASES = {"k8s": "kubernetes"}
 
 
 class CliError(errors.InvalidArgument):
@@ -390,7 +389,7 @@ async def cmd_watch(args: argparse.Namespace) -> int:
 
 
 async def cmd_cluster_add(args: argparse.Namespace) -> int:
-    ctype = _CLUSTER_TYPES[args.type]
+    ctype = _CLUSTER_TYPES[_CLUSTER_TYPE_ALIASES.get(args.type, args.type)]
     c = cluster_pb2.Cluster(type=ctype, address=args.address or "",
                             driver_address=args.driver, labels=dict(args.label or []),
                             options=dict(args.option or []))
@@ -757,7 +756,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("add", cmd_cluster_add, "register a cluster", csub, common_cluster_creds)
     p.add_argument("name", metavar="NAME", help="cluster id (lower case, digits, '-')")
-    p.add_argument("--type", required=True, choices=("local", "slurm", "kubernetes", "ray"))
+    p.add_argument("--type", required=True, choices=(*_CLUSTER_TYPES, *_CLUSTER_TYPE_ALIASES))
     p.add_argument("--driver", required=True, metavar="HOST:PORT",
                    help="address of the cluster's driver service")
     p.add_argument("--address", metavar="A",

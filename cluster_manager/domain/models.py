@@ -42,13 +42,37 @@ class CredentialsKind(enum.Enum):
     TOKEN = "token"
 
 
-# Which credentials each cluster type takes; LOCAL takes none.
-CREDENTIALS_FOR_TYPE: dict[ClusterType, CredentialsKind | None] = {
-    ClusterType.LOCAL: None,
-    ClusterType.SLURM: CredentialsKind.SSH,
-    ClusterType.KUBERNETES: CredentialsKind.KUBERNETES,
-    ClusterType.RAY: CredentialsKind.TOKEN,
+class AddressKind(enum.Enum):
+    """What a cluster's ``address`` is, for its type."""
+
+    OPTIONAL = "optional"  # nothing required (the driver's own host)
+    HOST_PORT = "host[:port]"  # an SSH login node
+    URL = "http(s) URL"  # an HTTP API
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What ClusterManager knows of one backend type: the one registration of a backend.
+
+    Everything else about it lives in its driver package (which checks the
+    address and credentials again, in the backend's own terms)."""
+
+    credentials: CredentialsKind | None  # None: takes no credentials
+    address: AddressKind
+    address_help: str  # what the address is, for error messages
+
+
+#: The backends, by type. Adding one: its enum value (here and in the API's
+#: ``ClusterType``), one row here, one driver package (ARCHITECTURE.md).
+BACKENDS: dict[ClusterType, Backend] = {
+    ClusterType.LOCAL: Backend(None, AddressKind.OPTIONAL, "unused"),
+    ClusterType.SLURM: Backend(CredentialsKind.SSH, AddressKind.HOST_PORT, "the login node host[:port]"),
+    ClusterType.KUBERNETES: Backend(CredentialsKind.KUBERNETES, AddressKind.URL, "the API server URL"),
+    ClusterType.RAY: Backend(CredentialsKind.TOKEN, AddressKind.URL, "the dashboard URL"),
 }
+
+# Which credentials each cluster type takes; LOCAL takes none.
+CREDENTIALS_FOR_TYPE: dict[ClusterType, CredentialsKind | None] = {t: b.credentials for t, b in BACKENDS.items()}
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,15 @@ from urllib.parse import urlsplit
 
 from dlsched.errors import FieldViolation, InvalidArgument
 
-from .models import CREDENTIALS_FOR_TYPE, Cluster, ClusterType, Credentials, CredentialsKind
+from .models import (
+    BACKENDS,
+    CREDENTIALS_FOR_TYPE,
+    AddressKind,
+    Cluster,
+    ClusterType,
+    Credentials,
+    CredentialsKind,
+)
 
 CLUSTER_ID_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
 _LABEL_NAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
@@ -89,45 +97,52 @@ def _valid_port(port: str) -> bool:
 def check_address(ctype: ClusterType, addr: str, field: str) -> list[FieldViolation]:
     if len(addr) > MAX_ADDRESS:
         return [FieldViolation(field, f"at most {MAX_ADDRESS} characters")]
-    if ctype is ClusterType.LOCAL:
+    backend = BACKENDS.get(ctype)
+    if backend is None:
+        return []  # the type itself is refused elsewhere
+    if backend.address is AddressKind.OPTIONAL:
         if addr and (any(c.isspace() or ord(c) < 32 for c in addr)):
             return [FieldViolation(field, "must not contain whitespace or control characters")]
         return []
-    if ctype is ClusterType.SLURM:
-        if not addr:
-            return [FieldViolation(field, "required for SLURM: the login node host[:port]")]
-        host, port = addr, ""
-        if addr.startswith("["):
-            end = addr.find("]")
-            host, rest = addr[: end + 1], addr[end + 1:]
-            if rest:
-                if not rest.startswith(":"):
-                    return [FieldViolation(field, "want host[:port]")]
-                port = rest[1:]
-                if not _valid_port(port):
-                    return [FieldViolation(field, "want host[:port] with port 1-65535")]
-        elif ":" in addr:
-            host, _, port = addr.rpartition(":")
+    if not addr:
+        return [FieldViolation(field, f"required for {ctype.value}: {backend.address_help}")]
+    if backend.address is AddressKind.HOST_PORT:
+        return _check_host_port(addr, field)
+    return _check_url(addr, field, backend.address_help)
+
+
+def _check_host_port(addr: str, field: str) -> list[FieldViolation]:
+    host, port = addr, ""
+    if addr.startswith("["):
+        end = addr.find("]")
+        host, rest = addr[: end + 1], addr[end + 1:]
+        if rest:
+            if not rest.startswith(":"):
+                return [FieldViolation(field, "want host[:port]")]
+            port = rest[1:]
             if not _valid_port(port):
                 return [FieldViolation(field, "want host[:port] with port 1-65535")]
-        if not _valid_host(host):
-            return [FieldViolation(field, "want host[:port]: letters, digits, '.' and '-' only "
-                                          "(no whitespace, user@ or shell characters)")]
-        return []
-    if ctype in (ClusterType.KUBERNETES, ClusterType.RAY):
-        what = "the API server URL" if ctype is ClusterType.KUBERNETES else "the dashboard URL"
-        if not addr:
-            return [FieldViolation(field, f"required for {ctype.value}: {what}")]
-        if any(c.isspace() or ord(c) < 32 for c in addr):
-            return [FieldViolation(field, "must not contain whitespace or control characters")]
-        try:
-            u = urlsplit(addr)
-            port_ok = u.port is None or 0 < u.port < 65536
-        except ValueError:
-            return [FieldViolation(field, f"want an http(s) URL ({what})")]
-        if u.scheme not in ("http", "https") or not u.hostname or not port_ok:
-            return [FieldViolation(field, f"want an http(s) URL ({what})")]
-        return []
+    elif ":" in addr:
+        host, _, port = addr.rpartition(":")
+        if not _valid_port(port):
+            return [FieldViolation(field, "want host[:port] with port 1-65535")]
+    if not _valid_host(host):
+        return [FieldViolation(field, "want host[:port]: letters, digits, '.' and '-' only "
+                                      "(no whitespace, user@ or shell characters)")]
+    return []
+
+
+def _check_url(addr: str, field: str, what: str) -> list[FieldViolation]:
+    if any(c.isspace() or ord(c) < 32 for c in addr):
+        return [FieldViolation(field, "must not contain whitespace or control characters")]
+    try:
+        u = urlsplit(addr)
+        port_ok = u.port is None or 0 < u.port < 65536
+    except ValueError:
+        return [FieldViolation(field, f"want an http(s) URL ({what})")]
+    if u.scheme not in ("http", "https") or not u.hostname or not port_ok:
+        return [FieldViolation(field, f"want an http(s) URL ({what})")]
+    return []
     return []
 
 
