@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import uuid
 from collections.abc import Callable, Coroutine
@@ -63,6 +64,8 @@ class SchedulerConfig:
     retry_initial_seconds: float = 0.5
     retry_max_seconds: float = 10.0
     call_timeout_seconds: float = 15.0
+    #: a cluster's observation stream down this long marks its running jobs DriverUnreachable
+    driver_unreachable_after_seconds: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -354,13 +357,17 @@ class Scheduler:
     async def _track(self, cluster: str) -> None:
         """One long-lived WatchJobObservations stream for ``cluster``, reconnecting."""
         delay = self.config.retry_initial_seconds
+        down_since: datetime | None = None  # the stream has failed since (None: it works)
+        marked = False
         while True:
             seen: set[str] = set()
             snapshot_done = False
+            detail = ""
             try:
                 drv = await self.driver_for(cluster)
                 async for obs in drv.watch(cluster):
                     delay = self.config.retry_initial_seconds
+                    down_since, marked = None, False
                     if obs is None:
                         snapshot_done = True
                         await self._check_lost(cluster, drv, seen)
@@ -378,11 +385,29 @@ class Scheduler:
                     log.info("%s not configured on its driver yet; waiting", cluster)
                 else:
                     log.warning("observation stream of %s: %s %s", cluster, e.reason, e.message)
+                    detail = f"{e.reason}: {e.message}"[:300]
                 self.cm.forget(cluster)
-            except Exception:  # noqa: BLE001 - the tracker must survive anything
+            except Exception as e:  # noqa: BLE001 - the tracker must survive anything
                 log.exception("observation stream of %s failed", cluster)
+                detail = type(e).__name__
+            if detail:
+                now = datetime.now(UTC)
+                down_since = down_since or now
+                if not marked and (now - down_since).total_seconds() >= self.config.driver_unreachable_after_seconds:
+                    marked = await self._mark_unreachable(cluster, down_since, detail)
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.config.retry_max_seconds)
+
+    async def _mark_unreachable(self, cluster: str, since: datetime, detail: str) -> bool:
+        """Every running job of ``cluster`` says its driver is unreachable (state unchanged)."""
+        try:
+            for job in await self._unfinished_launched(cluster):
+                with contextlib.suppress(JobNotFound):
+                    await self.store.update(job.id, lambda j: states.mark_driver_unreachable(j, since, detail))
+        except errors.DlschedError as e:  # the store is down too: try again on the next round
+            log.warning("marking the jobs of %s: %s", cluster, e)
+            return False
+        return True
 
     async def _check_lost(self, cluster: str, drv: DriverClient, seen: set[str]) -> None:
         """After a snapshot: jobs JM launched there that the driver did not list."""

@@ -117,6 +117,18 @@ def test_lost_only_when_launched() -> None:
     assert lost is not None and lost.state == S.FAILED and lost.reason == "LostByBackend"
 
 
+def test_driver_unreachable_says_so_and_keeps_the_state() -> None:
+    marked = states.mark_driver_unreachable(job(S.RUNNING, reason="", message="running"), NOW, "UNAVAILABLE: x")
+    assert marked is not None and marked.state == S.RUNNING and marked.reason == "DriverUnreachable"
+    assert marked.message.startswith(f"driver unreachable since {NOW.isoformat(timespec='seconds')}")
+    assert states.mark_driver_unreachable(marked, NOW, "again") is None  # once
+    for untouched in (job(S.SUCCEEDED), job(S.STOPPING), job(S.PENDING, backend_job_id="")):
+        assert states.mark_driver_unreachable(untouched, NOW, "") is None
+    back = states.apply_observation(marked, Observation(job_id="j", found=True, state=S.RUNNING, reason="",
+                                                        message="running", attempt=1), NOW)
+    assert back is not None and back.reason == "" and back.state == S.RUNNING  # the driver's word again
+
+
 def test_launch_recorded_unless_stopped_meanwhile() -> None:
     j = states.mark_launched(job(S.PENDING, backend_job_id=""), "b9", None, NOW)
     assert j is not None and j.backend_job_id == "b9"

@@ -128,6 +128,24 @@ def mark_lost(job: Job, now: datetime) -> Job | None:
                        message="the backend no longer knows the job")
 
 
+DRIVER_UNREACHABLE = "DriverUnreachable"
+
+
+def mark_driver_unreachable(job: Job, since: datetime, detail: str) -> Job | None:
+    """The cluster's driver has not answered since ``since``: say so, keep the state.
+
+    Only launched jobs that run or wait on the backend; the driver's next
+    observation (its snapshot after it is back) replaces the reason."""
+    if job.state.is_terminal() or job.state == S.STOPPING or not job.launched:
+        return None
+    if job.reason == DRIVER_UNREACHABLE:
+        return None
+    message = f"driver unreachable since {since.isoformat(timespec='seconds')}; last state {job.state.name}"
+    if detail:
+        message += f": {detail}"
+    return dataclasses.replace(job, reason=DRIVER_UNREACHABLE, message=message[:1000])
+
+
 def mark_launched(job: Job, backend_job_id: str, obs: Observation | None,
                   now: datetime) -> Job | None:
     """Record a successful LaunchJob; None when the job moved on meanwhile."""
