@@ -554,7 +554,7 @@ _ID_KEYS = ("jobId", "job_id", "name", "id")
 _ALIASES: dict[str, dict[str, str]] = {
     "dlsched.v1.Resources": {"memory": "memory_bytes"},
 }
-_QUANTITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTPE]i?|[kmgtpe]i?)?[bB]?\s*$")
+_QUANTITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTPE]i?|[kmgtpe]i?)?[bB]?\s*\Z")
 _UNIT = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15, "e": 10**18,
          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "pi": 2**50, "ei": 2**60}
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|us|ns|h|m|s|d)")

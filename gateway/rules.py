@@ -103,8 +103,8 @@ def _split_top(text: str, sep: str) -> list[str]:
     return parts
 
 
-_LITERAL = re.compile(r"^[A-Za-z0-9._~!$&'()+,;=@-]+$")
-_FIELD_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+_LITERAL = re.compile(r"^[A-Za-z0-9._~!$&'()+,;=@-]+\Z")
+_FIELD_PATH = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
 
 
 def _segment_regex(seg: str, last: bool) -> str:

@@ -20,13 +20,13 @@ from .models import (
     CredentialsKind,
 )
 
-CLUSTER_ID_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
-_LABEL_NAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?$")
-_DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*$")
-_HOSTNAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
-_IPV6_RE = re.compile(r"^\[[0-9A-Fa-f:.]+\]$")
-_OPTION_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}$")
-_REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,128}$")
+CLUSTER_ID_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}\Z")
+_LABEL_NAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9_.-]*[A-Za-z0-9])?\Z")
+_DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?(\.[a-z0-9]([a-z0-9-]*[a-z0-9])?)*\Z")
+_HOSTNAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?\Z")
+_IPV6_RE = re.compile(r"^\[[0-9A-Fa-f:.]+\]\Z")
+_OPTION_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,127}\Z")
+_REQUEST_ID_RE = re.compile(r"^[\x21-\x7e]{1,128}\Z")
 MAX_LABELS = 64
 MAX_OPTIONS = 64
 MAX_OPTION_VALUE = 4096

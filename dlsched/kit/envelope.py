@@ -49,7 +49,7 @@ MAGIC = b"dlsenc1"
 FILE_VERSION = 1
 KEY_BYTES = 32
 NONCE_BYTES = 12
-_KEY_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+_KEY_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
 _LOOSE_MODE = 0o037  # group write, or any access by others
 
 

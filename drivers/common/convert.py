@@ -18,11 +18,11 @@ from dlsched.v1 import cluster_pb2, driver_service_pb2, job_pb2
 from drivers.common import base
 
 #: Job ids and cluster ids: they become paths and backend object names.
-ID_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+ID_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}\Z")
 #: Role names.
-ROLE_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+ROLE_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}\Z")
 #: Environment variable names a user may set.
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 MAX_REFS = 1000
 MAX_REPLICAS = 10_000
 MAX_ARG_BYTES = 128 * 1024

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from dlsched.errors import InvalidArgument
 from job_manager.domain.model import Job, JobState, RunMode
 
-_TERM_RE = re.compile(r'^\s*([A-Za-z_][A-Za-z0-9_]*(?:\.[^\s=!]+)?)\s*(!=|=)\s*("[^"]*"|[^\s"]+)\s*$')
+_TERM_RE = re.compile(r'^\s*([A-Za-z_][A-Za-z0-9_]*(?:\.[^\s=!]+)?)\s*(!=|=)\s*("[^"]*"|[^\s"]+)\s*\Z')
 _AND_RE = re.compile(r"\s+AND\s+")
 
 

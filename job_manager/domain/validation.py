@@ -13,12 +13,12 @@ from collections.abc import Iterable
 from dlsched.errors import FieldViolation, InvalidArgument
 from job_manager.domain.model import JobSpec, RunMode
 
-JOB_ID_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-ROLE_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+JOB_ID_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}\Z")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
+ROLE_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}\Z")
 # Kubernetes-like label keys: optional DNS prefix "a.b/" then a name.
-LABEL_KEY_RE = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
-LABEL_VALUE_RE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
+LABEL_KEY_RE = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?\Z")
+LABEL_VALUE_RE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?\Z")
 
 MAX_SPEC_BYTES = 256 * 1024
 MAX_LIST_ENTRIES = 1000
