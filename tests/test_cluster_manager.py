@@ -204,6 +204,31 @@ async def test_health_serving_and_reflection_lists_service(cm: ServiceProcess) -
         assert "dlsched.v1.ClusterManagerService" in names
 
 
+async def test_reflection_v1_beside_v1alpha(cm: ServiceProcess) -> None:
+    """grpcurl and other current tools ask grpc.reflection.v1 first; v1 lists, and describes
+    the services and itself, without a token (like health)."""
+    from google.protobuf import descriptor_pb2
+
+    async with security.user_channel(cm.address, token=None) as ch:
+        v1 = ch.stream_stream("/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                              request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                              response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+        R = reflection_pb2.ServerReflectionRequest
+        call = v1(iter([R(list_services=""), R(file_containing_symbol="dlsched.v1.ClusterManagerService"),
+                        R(file_containing_symbol="grpc.reflection.v1.ServerReflection")]))
+        got = [resp async for resp in call]
+    names = {s.name for s in got[0].list_services_response.service}
+    assert {"dlsched.v1.ClusterManagerService", "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection", "grpc.health.v1.Health"} <= names
+    files = []
+    for resp in got[1:]:
+        assert not resp.HasField("error_response"), resp.error_response
+        files.append([descriptor_pb2.FileDescriptorProto.FromString(b).name
+                      for b in resp.file_descriptor_response.file_descriptor_proto])
+    assert "dlsched/v1/cluster_manager_service.proto" in files[0]
+    assert files[1][0] == "grpc/reflection/v1/reflection.proto"
+
+
 # --- registry ---------------------------------------------------------------
 
 

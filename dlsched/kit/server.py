@@ -24,8 +24,8 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from dlsched.kit import reflection
 from dlsched.kit import tls as tls_kit
 from dlsched.kit.metrics import MetricsEndpoint, MetricsInterceptor, serve_metrics
 from dlsched.kit.rpc_errors import ErrorInterceptor
@@ -128,10 +128,7 @@ async def start_server(opts: ServerOptions, registrations: Sequence[Registration
         names.append(r.full_name)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-        server,
-    )
+    reflection.enable([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server)
     host, _, port = opts.listen.rpartition(":")
     bound = tls_kit.bind(server, opts.listen, opts.tls or tls_kit.TlsOptions(insecure=True),
                      require_client_cert=opts.require_client_cert, service=announce_as)
