@@ -1,9 +1,18 @@
 """Translate a job into the local driver's launch plan, and that into JSON.
 
-``plan_job`` is a pure function of (job id, spec, attempt, state dir, master
-port): the exact per-process argv, added environment, working directory and
-log files that ``LocalDriver.launch`` then starts, and ``to_native_spec`` its
-``application/json`` form (sorted keys, so it is golden-file testable).
+The render contract, in three steps: ``check`` (the run mode's rules, MPI
+availability, the process bound: ``InvalidArgument`` naming the field, or
+FAILED_PRECONDITION ``MPI_NOT_AVAILABLE``) → ``place`` (every replica on this
+host, with the ports and GPUs the driver picked) → ``emit`` (the planner's
+processes as a ``LocalPlan``: the exact per-process argv, added environment,
+working directory and log files the job's supervisor starts).
+``render_job`` checks and returns the ``LocalRequest`` (the kit's
+``Rendered``) whose ``plan`` places and emits: its ``native_spec()`` is the
+dry-run, and at launch the driver plans it with the ports and GPUs it picked.
+``plan_job`` is the pure composition the golden files test. ``LocalPlan.native_spec()`` is its ``application/json``
+form (sorted keys, golden-file testable), and this module is also the
+plan's metadata codec: ``plan_to_json`` / ``plan_from_json`` (the supervisor
+reads the plan back from the attempt's record) and ``backend_job_id``.
 
 Environment: each process runs with the driver's own environment, plus the
 planner's variables (``drivers.common.env``), plus the user's ``env`` (last).
@@ -23,13 +32,17 @@ the launcher starts, and marks its worker processes ``"placeholder": true``
 
 Files, under the state dir::
 
-    jobs/{job_id}/attempt-{n}/record.json         the job's record (driver.py)
+    jobs/{job_id}/attempt-{n}/record.json         the launch: cluster, plan (attempt.py)
+    jobs/{job_id}/attempt-{n}/status.json         the supervisor's status (machine.py)
+    jobs/{job_id}/attempt-{n}/stop.json           a stop the driver asked for
+    jobs/{job_id}/attempt-{n}/supervisor.lock     held while the supervisor lives
+    jobs/{job_id}/attempt-{n}/supervisor.log      the supervisor's own messages
     jobs/{job_id}/attempt-{n}/hostfile            MPI only
     jobs/{job_id}/attempt-{n}/{role}-{index}.stdout|.stderr
 
 Log files hold one line per output line, ``<unix-nanos> <text>\\n``: the
-driver reads each process's pipes itself and stamps every line as it reads
-it, so ``since_time`` and ``LogEntry.time`` are exact to the read. For
+job's supervisor reads each process's pipes itself and stamps every line as
+it reads it, so ``since_time`` and ``LogEntry.time`` are exact to the read. For
 MULTI_PROCESS each process is a slot whose index is its rank.
 
 Working directory: empty means the attempt directory; a relative one is
@@ -44,12 +57,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dlsched.errors import InvalidArgument
 from drivers.common import planner
-from drivers.common.base import JobSpec, LogStream, NativeSpec
+from drivers.common.base import JobSpec, LogStream, NativeSpec, RunMode
 
 MEDIA_TYPE = "application/json"
 LOG_FORMAT = "<unix-nanos> <text>"
 LOCAL_HOST = "127.0.0.1"
+#: the most processes one job may start on this host
+MAX_PROCESSES = 256
 
 
 @dataclass(frozen=True)
@@ -88,6 +104,10 @@ class LocalPlan:
     def hostfile(self) -> str:
         return os.path.join(os.path.dirname(self.processes[0].stdout), planner.HOSTFILE) if self.processes else ""
 
+    def native_spec(self) -> NativeSpec:
+        """The plan as ``application/json`` (what RenderJob and LaunchJob return)."""
+        return to_native_spec(self)
+
 
 def backend_job_id(job_id: str, attempt: int) -> str:
     return f"local-{job_id}-{attempt}"
@@ -106,20 +126,29 @@ def log_path(state_dir: str, job_id: str, attempt: int, role: str, index: int,
     return os.path.join(attempt_dir(state_dir, job_id, attempt), f"{role}-{index}.{stream.suffix}")
 
 
-def plan_job(job_id: str, spec: JobSpec, *, attempt: int, state_dir: str,
-             master_port: int = planner.DEFAULT_MASTER_PORT,
-             ports: Mapping[tuple[str, int], int] | None = None,
-             gpus: Mapping[tuple[str, int], tuple[str, ...]] | None = None,
-             mpirun: str = planner.MPIRUN, mpirun_args: Sequence[str] = ()) -> LocalPlan:
-    """The launch plan; raises InvalidArgument for specs the run mode rejects.
+def check(spec: JobSpec, *, mpi_available: bool = True) -> None:
+    """The spec's violations for this backend: raises before anything is placed."""
+    if spec.run_mode is RunMode.MPI and not mpi_available:
+        raise planner.MpiNotAvailable("no mpirun on the local driver's PATH")
+    planner.check_run_mode(spec)
+    if sum(g.replicas * g.processes for g in spec.replica_groups) > MAX_PROCESSES:
+        raise InvalidArgument.for_field(
+            "spec.replica_groups", f"the local driver runs at most {MAX_PROCESSES} processes per job")
 
-    Every replica is placed on this host (node rank 0); ``ports`` and
-    ``gpus`` are per (role, replica index).
-    """
+
+def place(spec: JobSpec, *, ports: Mapping[tuple[str, int], int] | None = None,
+          gpus: Mapping[tuple[str, int], tuple[str, ...]] | None = None) -> list[planner.Placement]:
+    """Every replica on this host (node rank 0); ``ports`` and ``gpus`` per (role, replica index)."""
     ports, gpus = ports or {}, gpus or {}
-    placements = [planner.Placement(role=g.role, replica_index=r, host=LOCAL_HOST, node_rank=0,
-                                    port=ports.get((g.role, r), 0), gpus=gpus.get((g.role, r), ()))
-                  for g in spec.replica_groups for r in range(g.replicas)]
+    return [planner.Placement(role=g.role, replica_index=r, host=LOCAL_HOST, node_rank=0,
+                              port=ports.get((g.role, r), 0), gpus=gpus.get((g.role, r), ()))
+            for g in spec.replica_groups for r in range(g.replicas)]
+
+
+def emit(job_id: str, spec: JobSpec, placements: Sequence[planner.Placement], *, attempt: int,
+         state_dir: str, master_port: int = planner.DEFAULT_MASTER_PORT,
+         mpirun: str = planner.MPIRUN, mpirun_args: Sequence[str] = ()) -> LocalPlan:
+    """The planner's processes, with this backend's files and working directories."""
     adir = attempt_dir(state_dir, job_id, attempt)
     jp = planner.plan_job(job_id, spec, placements, master_port=master_port,
                           hostfile_path=os.path.join(adir, planner.HOSTFILE),
@@ -141,6 +170,47 @@ def plan_job(job_id: str, spec: JobSpec, *, attempt: int, state_dir: str,
                      decisive_roles=frozenset() if decisive == all_roles else decisive,
                      stopped_after_success=jp.success.stopped_after_success,
                      success_description=jp.success.description, files=dict(jp.files))
+
+
+@dataclass(frozen=True)
+class LocalRequest:
+    """A checked job for this host (``Rendered``): its dry-run plan now, its launch plan
+    once the driver has picked ports and GPUs (``plan``)."""
+
+    job_id: str
+    spec: JobSpec
+    attempt: int
+    state_dir: str
+    mpirun: str = planner.MPIRUN
+    mpirun_args: tuple[str, ...] = ()
+
+    def plan(self, *, master_port: int = planner.DEFAULT_MASTER_PORT,
+             ports: Mapping[tuple[str, int], int] | None = None,
+             gpus: Mapping[tuple[str, int], tuple[str, ...]] | None = None) -> LocalPlan:
+        return emit(self.job_id, self.spec, place(self.spec, ports=ports, gpus=gpus), attempt=self.attempt,
+                    state_dir=self.state_dir, master_port=master_port, mpirun=self.mpirun,
+                    mpirun_args=self.mpirun_args)
+
+    def native_spec(self) -> NativeSpec:
+        """The dry-run: ``MASTER_PORT`` 29500, PS-Worker task ports 2222, no GPU indices."""
+        return self.plan().native_spec()
+
+
+def render_job(job_id: str, spec: JobSpec, *, attempt: int, state_dir: str, mpirun: str | None = planner.MPIRUN,
+               mpirun_args: Sequence[str] = ()) -> LocalRequest:
+    """``check``, then the request whose ``plan`` places and emits; ``mpirun=None``: this host has none."""
+    check(spec, mpi_available=mpirun is not None)
+    return LocalRequest(job_id, spec, attempt, state_dir, mpirun or planner.MPIRUN, tuple(mpirun_args))
+
+
+def plan_job(job_id: str, spec: JobSpec, *, attempt: int, state_dir: str,
+             master_port: int = planner.DEFAULT_MASTER_PORT,
+             ports: Mapping[tuple[str, int], int] | None = None,
+             gpus: Mapping[tuple[str, int], tuple[str, ...]] | None = None,
+             mpirun: str = planner.MPIRUN, mpirun_args: Sequence[str] = ()) -> LocalPlan:
+    """check → place → emit in one call; InvalidArgument for specs the run mode rejects."""
+    return render_job(job_id, spec, attempt=attempt, state_dir=state_dir, mpirun=mpirun,
+                      mpirun_args=mpirun_args).plan(master_port=master_port, ports=ports, gpus=gpus)
 
 
 def _process_json(p: ProcessPlan) -> dict[str, object]:

@@ -26,6 +26,11 @@ REASON_STOPPING = "StopRequested"
 REASON_STOPPED = "Stopped"
 REASON_REPLICA_FAILED = "ReplicaFailed"
 REASON_TIME_LIMIT = "TimeLimitExceeded"
+#: the job's supervisor died before the job ended (killed, the host rebooted): its processes are stopped
+REASON_SUPERVISOR_LOST = "SupervisorLost"
+#: the attempt's directory was removed under a running job: its supervisor stopped it
+REASON_FILES_REMOVED = "FilesRemoved"
+#: a record written before jobs had supervisors, found running after a restart
 REASON_DRIVER_RESTARTED = "DriverRestarted"
 REASON_UNKNOWN = "Unknown"
 

@@ -1,4 +1,4 @@
-"""The local driver, as a real process over real gRPC, running real jobs."""
+"""The local driver: clusters, launching, states, stops, cleanup and validation, as a real process over real gRPC."""
 
 from __future__ import annotations
 
@@ -8,118 +8,32 @@ import os
 import pathlib
 import shutil
 import socket
-import sys
-import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
 
 import grpc
 import pytest
 
 from dlsched.kit.rpc_errors import error_info, field_violations
 from dlsched.v1 import driver_service_pb2 as dpb
-from dlsched.v1 import driver_service_pb2_grpc, job_pb2
-from drivers.common import base
-from drivers.local import render
+from dlsched.v1 import job_pb2
 from tests import security
 from tests.harness import ServiceProcess, pid_alive
+from tests.local_peer import (
+    CLUSTER,
+    TERMINAL,
+    driver_fixtures,
+    group,
+    launch,
+    logs,
+    multi,
+    new_id,
+    observe,
+    single,
+    texts,
+    wait_state,
+)
 
-PY = sys.executable
-CLUSTER = "clusters/local"
-GOLDEN = pathlib.Path(__file__).parent / "golden" / "local"
-TERMINAL = (job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_STOPPED)
-
-
-# --------------------------------------------------------------------------- fixtures
-
-
-@pytest.fixture(scope="module")
-def state_dir() -> Iterator[str]:
-    d = tempfile.mkdtemp(prefix="dlsched-local-test-")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def driver(state_dir: str) -> Iterator[ServiceProcess]:
-    svc = ServiceProcess("drivers.local", ["--state-dir", state_dir, "--grace-seconds", "3"],
-                         name="local-driver").start()
-    yield svc
-    svc.stop()
-
-
-@pytest.fixture
-async def stub(driver: ServiceProcess) -> AsyncIterator[driver_service_pb2_grpc.DriverServiceStub]:
-    async with security.channel(driver.address) as ch:
-        s = driver_service_pb2_grpc.DriverServiceStub(ch)
-        await s.ConfigureCluster(dpb.ConfigureClusterRequest(cluster=CLUSTER), timeout=10)
-        yield s
-
-
-_ids = iter(range(10**6))
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{os.getpid()}-{next(_ids)}"
-
-
-def group(code: str, *, role: str = "main", replicas: int = 1, ppr: int = 0,
-          env: dict[str, str] | None = None, working_dir: str = "",
-          cpu: float = 0.0) -> job_pb2.ReplicaGroup:
-    return job_pb2.ReplicaGroup(role=role, replicas=replicas, processes_per_replica=ppr,
-                                command=[PY, "-u", "-c"], args=[code], env=env or {},
-                                working_dir=working_dir, resources=job_pb2.Resources(cpu=cpu))
-
-
-def single(code: str, **kw: object) -> job_pb2.JobSpec:
-    return job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[group(code, **kw)])  # type: ignore[arg-type]
-
-
-def multi(code: str, *, replicas: int = 1, ppr: int = 0, **kw: object) -> job_pb2.JobSpec:
-    return job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MULTI_PROCESS,
-                           replica_groups=[group(code, role="worker", replicas=replicas, ppr=ppr, **kw)])  # type: ignore[arg-type]
-
-
-async def launch(stub: driver_service_pb2_grpc.DriverServiceStub, job_id: str, spec: job_pb2.JobSpec,
-                 attempt: int = 1, cluster: str = CLUSTER) -> dpb.LaunchJobResponse:
-    return await stub.LaunchJob(dpb.LaunchJobRequest(cluster=cluster, job_id=job_id, spec=spec,
-                                                     attempt=attempt), timeout=10)
-
-
-async def observe(stub: driver_service_pb2_grpc.DriverServiceStub, job_id: str,
-                  cluster: str = CLUSTER) -> dpb.JobObservation:
-    resp = await stub.BatchGetJobObservations(
-        dpb.BatchGetJobObservationsRequest(cluster=cluster, jobs=[dpb.JobRef(job_id=job_id)]), timeout=10)
-    return resp.observations[0]
-
-
-async def wait_state(stub: driver_service_pb2_grpc.DriverServiceStub, job_id: str,
-                     states: Sequence[int] = TERMINAL, within: float = 15.0,
-                     cluster: str = CLUSTER) -> dpb.JobObservation:
-    deadline = time.monotonic() + within
-    while True:
-        obs = await observe(stub, job_id, cluster)
-        if obs.state in states:
-            return obs
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{job_id} still {job_pb2.JobState.Name(obs.state)}: {obs}")
-        await asyncio.sleep(0.03)
-
-
-async def logs(stub: driver_service_pb2_grpc.DriverServiceStub, job_id: str,
-               cluster: str = CLUSTER, **kw: object) -> list[job_pb2.LogEntry]:
-    req = dpb.TailJobLogsRequest(cluster=cluster, job=dpb.JobRef(job_id=job_id), **kw)  # type: ignore[arg-type]
-    out: list[job_pb2.LogEntry] = []
-    async for resp in stub.TailJobLogs(req, timeout=20):
-        out.extend(resp.entries)
-    return out
-
-
-def texts(entries: Sequence[job_pb2.LogEntry], stream: int = job_pb2.LOG_STREAM_STDOUT) -> list[str]:
-    return [e.text for e in entries if e.stream == stream]
-
-
-# --------------------------------------------------------------------------- clusters
+state_dir, driver, stub = driver_fixtures()
 
 
 async def test_configure_cluster_reports_ready_with_host_capacity(stub):
@@ -156,9 +70,6 @@ async def test_unknown_cluster_is_failed_precondition_cluster_not_configured(stu
             pass
     assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert error_info(ei.value).reason == "CLUSTER_NOT_CONFIGURED"
-
-
-# --------------------------------------------------------------------------- running jobs
 
 
 async def test_single_process_job_succeeds_with_planner_and_user_env(stub, tmp_path):
@@ -306,51 +217,6 @@ async def test_watch_sends_snapshot_marker_then_changes(stub):
     assert events[-1][0] - exited_at < 0.5
 
 
-async def test_logs_follow_arrive_line_by_line_and_end_with_the_job(stub):
-    job_id = new_id("follow")
-    code = "import time\nfor i in range(5):\n    print(f'{i} {time.time()}', flush=True)\n    time.sleep(0.3)\n"
-    await launch(stub, job_id, single(code))
-    arrivals: list[tuple[float, str]] = []
-    req = dpb.TailJobLogsRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=job_id), follow=True)
-
-    async def follow() -> None:
-        async for resp in stub.TailJobLogs(req):
-            for e in resp.entries:
-                arrivals.append((time.time(), e.text))
-
-    await asyncio.wait_for(follow(), timeout=10)  # the stream ends by itself when the job ends
-    obs = await observe(stub, job_id)
-    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED
-    assert [t.split()[0] for _, t in arrivals] == ["0", "1", "2", "3", "4"]
-    end = obs.end_time.seconds + obs.end_time.nanos / 1e9
-    assert arrivals[0][0] < end - 1.0  # the first line came while the job still ran
-    latencies = sorted(at - float(t.split()[1]) for at, t in arrivals)
-    assert latencies[len(latencies) // 2] < 0.1, latencies
-    assert latencies[-1] < 0.25, latencies
-
-
-async def test_tail_lines_since_time_and_stream_filters(stub):
-    job_id = new_id("tail")
-    code = ("import sys, time\n"
-            "for i in range(1, 6): print(f'line-{i}')\n"
-            "sys.stdout.flush(); time.sleep(0.2)\n"
-            "for i in range(6, 11): print(f'line-{i}')\n"
-            "print('err-1', file=sys.stderr); print('err-2', file=sys.stderr)\n")
-    await launch(stub, job_id, single(code))
-    await wait_state(stub, job_id)
-    everything = await logs(stub, job_id)
-    assert texts(everything) == [f"line-{i}" for i in range(1, 11)]
-    last = await logs(stub, job_id, tail_lines=3)
-    assert texts(last) == ["line-8", "line-9", "line-10"]
-    assert texts(last, job_pb2.LOG_STREAM_STDERR) == ["err-1", "err-2"]
-    only_err = await logs(stub, job_id, streams=[job_pb2.LOG_STREAM_STDERR])
-    assert {e.stream for e in only_err} == {job_pb2.LOG_STREAM_STDERR} and len(only_err) == 2
-    line6 = next(e for e in everything if e.text == "line-6")
-    since = await logs(stub, job_id, since_time=line6.time, streams=[job_pb2.LOG_STREAM_STDOUT])
-    assert texts(since) == [f"line-{i}" for i in range(6, 11)]
-    assert await logs(stub, job_id, role="other") == []
-
-
 async def test_terminate_kills_process_groups_that_ignore_sigterm(stub):
     job_id = new_id("term")
     code = ("import os, signal, subprocess, sys, time\n"
@@ -391,27 +257,6 @@ async def test_terminate_kills_process_groups_that_ignore_sigterm(stub):
     assert not unknown.observation.found
 
 
-async def test_usage_reports_cpu_and_memory_of_a_busy_process(stub):
-    job_id = new_id("usage")
-    code = "import time\nt = time.time()\nwhile time.time() - t < 1.0: pass\ntime.sleep(30)\n"
-    await launch(stub, job_id, single(code))
-    deadline = time.monotonic() + 5
-    while True:
-        resp = await stub.MeasureJobUsage(dpb.MeasureJobUsageRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=job_id)), timeout=10)
-        [u] = resp.usage.replicas
-        if u.cpu_seconds > 0.3 or time.monotonic() > deadline:
-            break
-        await asyncio.sleep(0.1)
-    assert u.running and u.cpu_seconds > 0.3
-    assert u.memory_bytes > 1 << 20 and u.peak_memory_bytes >= u.memory_bytes
-    assert (u.role, u.replica_index) == ("main", 0)
-    await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=job_id),
-                                                    grace_period={}), timeout=10)
-    await wait_state(stub, job_id)
-    resp = await stub.MeasureJobUsage(dpb.MeasureJobUsageRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=job_id)), timeout=10)
-    assert not resp.usage.replicas[0].running
-
-
 async def test_cleanup_removes_files_and_is_idempotent(stub, state_dir):
     job_id = new_id("clean")
     await launch(stub, job_id, single("print('x')"))
@@ -422,9 +267,6 @@ async def test_cleanup_removes_files_and_is_idempotent(stub, state_dir):
         await stub.CleanupJob(dpb.CleanupJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=job_id)), timeout=10)
     assert not jdir.exists()
     assert not (await observe(stub, job_id)).found
-
-
-# --------------------------------------------------------------------------- validation
 
 
 async def test_bad_ids_are_invalid_argument_naming_the_field(stub):
@@ -454,76 +296,6 @@ async def test_run_mode_structure_is_invalid_argument(stub):
         await launch(stub, new_id("ps"), spec)
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error_info(ei.value).metadata["field"] == "spec.replica_groups"
-
-
-# --------------------------------------------------------------------------- render
-
-
-def _golden_spec(mode: str) -> base.JobSpec:
-    if mode == "single":
-        g = base.ReplicaGroup(role="main", replicas=1, command=("python", "train.py"), args=("--lr", "0.1"),
-                              env={"FOO": "bar"}, working_dir="/work/project")
-        return base.JobSpec(run_mode=base.RunMode.SINGLE_PROCESS, replica_groups=(g,))
-    g = base.ReplicaGroup(role="worker", replicas=2, processes_per_replica=2, command=("python", "-m", "ddp"),
-                          env={"NCCL_DEBUG": "INFO"}, resources=base.Resources(cpu=2, gpus=1))
-    return base.JobSpec(run_mode=base.RunMode.MULTI_PROCESS, replica_groups=(g,), time_limit_seconds=3600)
-
-
-@pytest.mark.parametrize("mode", ["single", "multi"])
-def test_render_matches_golden_file(mode):
-    plan = render.plan_job("train-1", _golden_spec(mode), attempt=1, state_dir="/var/lib/dlsched/local")
-    got = render.to_native_spec(plan)
-    assert got.media_type == "application/json"
-    path = GOLDEN / f"{mode}_process.json"
-    if os.environ.get("UPDATE_GOLDEN"):
-        path.write_text(got.content)
-    assert got.content == path.read_text()
-
-
-async def test_render_job_over_grpc_is_the_launch_plan(stub, state_dir):
-    spec = multi("pass", replicas=2)
-    resp = await stub.RenderJob(dpb.RenderJobRequest(cluster=CLUSTER, job_id="render-me", spec=spec), timeout=10)
-    assert resp.native_spec.media_type == "application/json"
-    doc = json.loads(resp.native_spec.content)
-    assert [p["env"]["RANK"] for p in doc["processes"]] == ["0", "1"]
-    assert doc["processes"][1]["stdout"] == os.path.join(state_dir, "jobs", "render-me", "attempt-1", "worker-1.stdout")
-    assert "PATH" not in doc["processes"][0]["env"]  # the driver's own environment is not shown
-    assert not (await observe(stub, "render-me")).found  # rendering runs nothing
-
-
-# --------------------------------------------------------------------------- restart
-
-
-async def test_restarted_driver_keeps_ended_jobs_and_fails_lost_ones(tmp_path):
-    state = str(tmp_path / "state")
-    marker = tmp_path / "runs.txt"
-    svc = ServiceProcess("drivers.local", ["--state-dir", state], name="local-driver-restart").start()
-    try:
-        async with security.channel(svc.address) as ch:
-            s = driver_service_pb2_grpc.DriverServiceStub(ch)
-            await s.ConfigureCluster(dpb.ConfigureClusterRequest(cluster=CLUSTER), timeout=10)
-            spec = single(f"open({str(marker)!r}, 'a').write('ran\\n')")
-            await launch(s, "done-job", spec)
-            await wait_state(s, "done-job")
-            await launch(s, "lost-job", single("import os, time; print(os.getpid(), flush=True); time.sleep(60)"))
-            await wait_state(s, "lost-job", [job_pb2.JOB_STATE_RUNNING])
-            await asyncio.sleep(0.2)
-            pid = int(texts(await logs(s, "lost-job"))[0])
-        svc.kill()
-        svc.start()
-        async with security.channel(svc.address) as ch:
-            s = driver_service_pb2_grpc.DriverServiceStub(ch)
-            await s.ConfigureCluster(dpb.ConfigureClusterRequest(cluster=CLUSTER), timeout=10)
-            done = await observe(s, "done-job")
-            assert done.state == job_pb2.JOB_STATE_SUCCEEDED and done.exit_code == 0
-            again = await launch(s, "done-job", spec)
-            assert again.backend_job_id == "local-done-job-1"
-            lost = await observe(s, "lost-job")
-            assert lost.state == job_pb2.JOB_STATE_FAILED and lost.reason == "DriverRestarted"
-            assert not pid_alive(pid)
-        assert marker.read_text() == "ran\n"
-    finally:
-        svc.stop()
 
 
 async def test_health_serving_and_reflection_lists_the_driver_service(driver: ServiceProcess):

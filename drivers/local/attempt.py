@@ -1,0 +1,155 @@
+"""An attempt's directory: the files the driver and the job's supervisor share.
+
+Adapter only (files, locks, signals); the state lives in ``machine.py``.
+
+- ``record.json`` (the driver, at launch): cluster, job id, attempt, the
+  plan (``native_spec``) and what the job asked for;
+- ``status.json`` (the supervisor, on every change; the driver only for a
+  job whose supervisor is gone): ``JobMachine.to_json()`` plus the
+  supervisor's pid and start time;
+- ``stop.json`` (the driver): a TerminateJob's grace; the supervisor reads
+  it when woken by SIGUSR1 and at least every ``STOP_POLL_SECONDS``;
+- ``supervisor.lock``: held (``flock``) for exactly the supervisor's life.
+  The driver locks it BEFORE starting the supervisor and hands the locked
+  descriptor over (``pass_fds``), so at no moment does a job run with the
+  lock free: a free lock means no supervisor runs, whatever the pids say.
+
+Every JSON file is written whole (a temp file renamed over it), so a reader
+never sees half of one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from drivers.local import procfs
+
+RECORD = "record.json"
+STATUS = "status.json"
+STOP = "stop.json"
+LOCK = "supervisor.lock"
+SUPERVISOR_LOG = "supervisor.log"
+#: the folder ``python -m drivers.local.supervisor`` runs in (where ``drivers`` is importable)
+_ROOT = str(pathlib.Path(__file__).resolve().parent.parent.parent)
+
+
+def write_json(path: str, doc: Mapping[str, Any]) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+    os.replace(tmp, path)
+
+
+def read_json(path: str) -> dict[str, Any] | None:
+    """The file's document; None when it is missing or unreadable."""
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def signature(path: str) -> tuple[int, int, int] | None:
+    """Changes whenever the file is replaced (inode, size, mtime)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def supervisor_alive(adir: str) -> bool:
+    """Whether the attempt's supervisor runs: it holds the lock for its whole life."""
+    try:
+        fd = os.open(os.path.join(adir, LOCK), os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)  # also releases the lock taken just now
+    return False
+
+
+def start_supervisor(adir: str, *, grace: float, env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+    """``python -m drivers.local.supervisor ADIR``, detached: a session of its own, no pipe to the driver.
+
+    It inherits the locked ``supervisor.lock`` (its lock from then on) and
+    ``env`` (the environment its processes start from).
+    """
+    fd = os.open(os.path.join(adir, LOCK), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with open(os.path.join(adir, SUPERVISOR_LOG), "ab") as out:
+            return subprocess.Popen(
+                [sys.executable, "-m", "drivers.local.supervisor", adir, "--grace-seconds", str(grace),
+                 "--lock-fd", str(fd)],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=dict(env), cwd=_ROOT,
+                pass_fds=(fd,), start_new_session=True)
+    finally:
+        os.close(fd)  # the supervisor's copy keeps the lock
+
+
+def ask_stop(adir: str, grace: float) -> None:
+    write_json(os.path.join(adir, STOP), {"grace_seconds": grace})
+
+
+def read_stop(adir: str) -> float | None:
+    doc = read_json(os.path.join(adir, STOP))
+    if doc is None:
+        return None
+    try:
+        return max(0.0, float(doc["grace_seconds"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def wake_supervisor(status: Mapping[str, Any] | None) -> None:
+    """SIGUSR1 to the supervisor named in its status (only when pid and start time still match)."""
+    sup = (status or {}).get("supervisor") or {}
+    pid, ticks = sup.get("pid"), sup.get("start_ticks")
+    if not pid or not ticks:
+        return  # no status yet: it reads the stop file once it has installed its handler
+    st = procfs.read_stat(int(pid))
+    if st is not None and st.start_ticks == ticks:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(int(pid), signal.SIGUSR1)
+
+
+def signal_sessions(leaders: Iterable[int], sig: int) -> None:
+    """Signal replicas: each one's process group, and every other process of
+    the session it leads. Each replica starts a session of its own, and a
+    process that leaves the group (mpirun puts every rank in a group of its
+    own) stays in the session, so a stop or an exit leaves no orphan running.
+    One pass over /proc for all of them."""
+    leaders = list(leaders)
+    if not leaders:
+        return
+    for pgid in leaders:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, sig)
+    for pid in procfs.session_members(*leaders):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def kill_leftovers(procs: Iterable[tuple[int | None, int]]) -> None:
+    """SIGKILL what is left of (pid, start ticks) replicas, checking each is still that process."""
+    alive = [pid for pid, ticks in procs
+             if pid and ticks and (st := procfs.read_stat(pid)) is not None
+             and st.start_ticks == ticks and st.pgrp == pid]
+    signal_sessions(alive, signal.SIGKILL)

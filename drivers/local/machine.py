@@ -1,0 +1,258 @@
+"""One local job attempt's bookkeeping, as an explicit state machine.
+
+Pure: no processes, no files, no clock (times are passed in). The
+supervisor (``supervisor.py``) feeds it what happens to the processes it
+runs and acts on what the transitions return; the driver rebuilds it from
+the supervisor's status file (``from_json``) to answer observations, and
+applies ``request_stop`` to its copy to answer a TerminateJob at once.
+
+Per process (``Proc``)::
+
+    PENDING ──started──▶ RUNNING ──exit 0──▶ SUCCEEDED
+       │                    ├──exit ≠ 0, job not signalled──▶ FAILED
+       │                    └──exit ≠ 0 after the job was signalled──▶ STOPPED
+       ├──cannot start──▶ FAILED (exit code 127 or 126)
+       └──the job is stopping──▶ STOPPED (never started)
+
+A placeholder (an MPI worker: mpirun starts its ranks) is RUNNING from the
+launch and ends with the job: SUCCEEDED when the job succeeds, else STOPPED.
+
+Per job: PENDING → RUNNING (the first process started) → STOPPING (a
+TerminateJob) → SUCCEEDED / FAILED / STOPPED once every process has ended
+(``states.job_outcome``). What decides it, in order: a stop that was asked
+for (TerminateJob: STOPPED; the time limit: FAILED ``TimeLimitExceeded``),
+else the first process that failed (``NonZeroExit`` / ``StartFailed``),
+else success. Once the deciding roles all exited 0 the job is
+``succeeding``: the others still running are stopped, and that is no
+failure. A transition that returns True asks the caller to stop the
+processes still running (SIGTERM, SIGKILL after the grace); from then on the
+job is ``signalled`` and a non-zero exit is a stop, not a failure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from drivers.common.base import JobObservation, JobState, ReplicaState, ReplicaStatus
+from drivers.local import states
+from drivers.local.render import LocalPlan
+
+#: the format of ``to_json`` (the status file)
+STATUS_VERSION = 1
+
+
+@dataclass
+class Proc:
+    """One process of the job (one slot of the plan)."""
+
+    role: str
+    index: int
+    placeholder: bool = False
+    state: ReplicaState = ReplicaState.PENDING
+    pid: int | None = None
+    start_ticks: int = 0  # /proc start time: a reused pid is never taken for this process
+    exit_code: int | None = None
+    message: str = ""
+
+    @property
+    def running(self) -> bool:
+        """A started process that has not ended (placeholders have none)."""
+        return self.state is ReplicaState.RUNNING and not self.placeholder
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+
+class JobMachine:
+    """The state of one job attempt and its processes."""
+
+    def __init__(self, plan: LocalPlan) -> None:
+        self.plan = plan
+        self.procs = [Proc(p.role, p.index, p.placeholder) for p in plan.processes]
+        self.state = JobState.PENDING
+        self.reason = ""
+        self.message = ""
+        self.exit_code: int | None = None
+        self.start_time: float | None = None
+        self.end_time: float | None = None
+        self.spawned = False  # every process was started (or refused, or skipped)
+        self.stop: tuple[JobState, str] | None = None  # what a requested stop ends in
+        self.signalled = False  # the job's processes were told to stop
+        self.succeeding = False  # the deciding roles succeeded; the rest are being stopped
+        self.failure: tuple[str, int, int, str] | None = None  # role, index, exit code, reason
+        self.logs_done = False  # every output pipe drained (set by the supervisor)
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def ended(self) -> bool:
+        """Terminal, and every line of output is in the log files."""
+        return self.state.is_terminal() and self.logs_done
+
+    def running_pids(self) -> list[int]:
+        return [p.pid for p in self.procs if p.running and p.pid is not None]
+
+    def observation(self, job_id: str, backend_job_id: str, attempt: int, host: str) -> JobObservation:
+        return JobObservation(
+            job_id=job_id, backend_job_id=backend_job_id, found=True, state=self.state,
+            reason=self.reason, message=self.message, exit_code=self.exit_code,
+            replicas=tuple(ReplicaStatus(role=p.role, index=p.index, state=p.state, exit_code=p.exit_code,
+                                         host=host, message=p.message) for p in self.procs),
+            start_time=self.start_time, end_time=self.end_time, attempt=attempt,
+        )
+
+    # ------------------------------------------------------------------ starting
+
+    def skip(self, i: int) -> None:
+        """Process ``i`` is not started: the job is already stopping."""
+        p = self.procs[i]
+        p.state, p.message = ReplicaState.STOPPED, "not started: the job is stopping"
+
+    def placeholder_started(self, i: int) -> None:
+        p = self.procs[i]
+        p.state, p.message = ReplicaState.RUNNING, "placeholder: mpirun starts this host's ranks"
+
+    def started(self, i: int, pid: int, start_ticks: int, now: float) -> bool:
+        """Process ``i`` runs as ``pid``; True when it must be stopped at once (the job is stopping)."""
+        p = self.procs[i]
+        p.pid, p.start_ticks = pid, start_ticks
+        if p.state is ReplicaState.PENDING:  # it may have exited already
+            p.state = ReplicaState.RUNNING
+        if self.state is JobState.PENDING:
+            self.state, self.reason, self.start_time = JobState.RUNNING, states.REASON_STARTED, now
+        return self.signalled
+
+    def start_failed(self, i: int, code: int, message: str) -> bool:
+        """Process ``i`` could not be started; True: stop the others."""
+        p = self.procs[i]
+        p.state, p.exit_code, p.message = ReplicaState.FAILED, code, message
+        if self.failure is None:
+            self.failure = (p.role, p.index, code, states.REASON_START_FAILED)
+            self.reason, self.message = states.REASON_START_FAILED, message
+        self.signalled = True
+        return True
+
+    def all_spawned(self) -> None:
+        self.spawned = True
+
+    # ------------------------------------------------------------------ events
+
+    def exited(self, i: int, returncode: int | None) -> bool:
+        """Process ``i`` exited with ``returncode`` (``Popen`` style); True: stop the others."""
+        p = self.procs[i]
+        code = states.exit_code_of(returncode)
+        p.exit_code = code
+        p.state = states.replica_state(code, stop_signalled=self.signalled)
+        if p.state is ReplicaState.FAILED:
+            p.message = f"exited with code {code}"
+            if self.failure is None and self.stop is None:
+                self.failure = (p.role, p.index, code if code is not None else 1, states.REASON_NON_ZERO_EXIT)
+                if self.running_pids():
+                    self.reason = states.REASON_REPLICA_FAILED
+                    self.message = f"{p.name} exited with code {code}; stopping the rest"
+                    self.signalled = True
+                    return True
+        elif p.state is ReplicaState.STOPPED:
+            p.message = "stopped: the job succeeded" if self.succeeding else "stopped by dlsched"
+        elif self._deciders_succeeded(p):
+            self.succeeding = True
+            if self.running_pids():
+                self.message = f"{self.plan.success_description}: stopping the rest"
+                self.signalled = True
+                return True
+        return False
+
+    def _deciders_succeeded(self, p: Proc) -> bool:
+        return (p.state is ReplicaState.SUCCEEDED and not self.succeeding and self.failure is None
+                and self.stop is None and self.plan.decides(p.role)
+                and all(q.state is ReplicaState.SUCCEEDED for q in self.procs if self.plan.decides(q.role)))
+
+    def request_stop(self, grace: float) -> bool:
+        """A TerminateJob; True: stop the processes (False: already ended or succeeding)."""
+        if self.state.is_terminal() or self.succeeding:
+            return False
+        if self.stop is None and self.failure is None:
+            self.stop = (JobState.STOPPED, states.REASON_STOPPED)
+            self.state, self.reason = JobState.STOPPING, states.REASON_STOPPING
+            self.message = f"stopping: SIGTERM, SIGKILL after {grace:g}s"
+        self.signalled = True
+        return True
+
+    def time_limit(self) -> bool:
+        """The time limit passed; True: stop the processes."""
+        if self.state.is_terminal() or self.stop is not None or self.failure is not None or self.succeeding:
+            return False
+        self.stop = (JobState.FAILED, states.REASON_TIME_LIMIT)
+        self.reason, self.message = states.REASON_TIME_LIMIT, "the job ran past its time limit; stopping"
+        self.signalled = True
+        return True
+
+    def abandon(self, reason: str, message: str) -> bool:
+        """The supervisor must stop the job on its own (signalled, its files removed)."""
+        if self.state.is_terminal():
+            return False
+        if self.stop is None:
+            self.stop = (JobState.FAILED, reason)
+            self.reason, self.message = reason, message
+        self.signalled = True
+        return True
+
+    def finish(self, now: float) -> bool:
+        """End the job if every process has ended; True when it ended now."""
+        if self.state.is_terminal():
+            return False
+        if not self.spawned or any(not p.state.is_terminal() for p in self.procs if not p.placeholder):
+            return False
+        out = states.job_outcome(stop_requested=self.stop is not None, stop_final=self.stop,
+                                 failure=self.failure, success_message=self.plan.success_description)
+        for p in self.procs:
+            if p.placeholder and not p.state.is_terminal():
+                p.state = ReplicaState.SUCCEEDED if out.state is JobState.SUCCEEDED else ReplicaState.STOPPED
+                p.message = "placeholder: ended with the launcher"
+        self.state, self.reason, self.message, self.exit_code = out.state, out.reason, out.message, out.exit_code
+        self.end_time = now
+        return True
+
+    def lost(self, reason: str, message: str, now: float) -> None:
+        """The supervisor is gone before the end: FAILED with ``reason``, whatever still ran."""
+        for p in self.procs:
+            if not p.state.is_terminal():
+                p.state, p.message = ReplicaState.FAILED, "lost with its supervisor"
+        self.state, self.reason, self.message, self.exit_code = JobState.FAILED, reason, message, None
+        self.end_time = now
+        self.logs_done = True
+
+    # ------------------------------------------------------------------ the status file
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": STATUS_VERSION, "state": self.state.name, "reason": self.reason,
+            "message": self.message, "exit_code": self.exit_code, "start_time": self.start_time,
+            "end_time": self.end_time, "spawned": self.spawned, "signalled": self.signalled,
+            "succeeding": self.succeeding, "logs_done": self.logs_done,
+            "stop": [self.stop[0].name, self.stop[1]] if self.stop else None,
+            "failure": list(self.failure) if self.failure else None,
+            "processes": [{"state": p.state.name, "pid": p.pid, "start_ticks": p.start_ticks,
+                           "exit_code": p.exit_code, "message": p.message} for p in self.procs],
+        }
+
+    @classmethod
+    def from_json(cls, plan: LocalPlan, doc: Mapping[str, Any]) -> JobMachine:
+        m = cls(plan)
+        m.state = JobState[doc["state"]]
+        m.reason, m.message, m.exit_code = doc["reason"], doc["message"], doc["exit_code"]
+        m.start_time, m.end_time = doc["start_time"], doc["end_time"]
+        m.spawned, m.signalled = bool(doc["spawned"]), bool(doc["signalled"])
+        m.succeeding, m.logs_done = bool(doc["succeeding"]), bool(doc["logs_done"])
+        if doc.get("stop"):
+            m.stop = (JobState[doc["stop"][0]], str(doc["stop"][1]))
+        if doc.get("failure"):
+            role, index, code, reason = doc["failure"]
+            m.failure = (str(role), int(index), int(code), str(reason))
+        for p, d in zip(m.procs, doc["processes"], strict=True):
+            p.state, p.pid, p.start_ticks = ReplicaState[d["state"]], d["pid"], int(d["start_ticks"] or 0)
+            p.exit_code, p.message = d["exit_code"], d["message"]
+        return m

@@ -1,0 +1,280 @@
+"""``python -m drivers.local.supervisor ATTEMPT_DIR``: runs one job attempt, outliving the driver.
+
+The local driver starts one supervisor per attempt, detached (a session of
+its own, no pipe to the driver, re-parented to init when the driver dies),
+so a driver that is killed or restarted leaves its jobs running. The
+supervisor reads the plan from the attempt's ``record.json``, starts every
+process in exec form in a session of its own (its pid is the id of a
+process group that holds everything it forks), with its own environment
+(the driver's, which it inherited) plus the planner's variables plus the
+user's; it reads each process's stdout and stderr pipes and appends every
+line to the process's log files as ``<unix-nanos> <text>``; it applies the
+run mode's success rule, a failure's stop of the others, the time limit and
+a TerminateJob's stop (``machine.JobMachine``), kills what a process left
+behind in its session when it exits, and writes ``status.json`` (whole) on
+every change. A stop request is ``stop.json`` (``attempt.ask_stop``),
+noticed on SIGUSR1 and at least every ``STOP_POLL_SECONDS``.
+
+It exits once the job has ended and every pipe is drained, after writing
+the last status; ``supervisor.lock`` (handed over locked by the driver) is
+released by its exit. If the attempt's directory disappears (the state dir
+was removed) it kills the job and exits. SIGTERM (a host shutdown) stops the
+job like the time limit does (FAILED, reason ``SupervisorLost``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+
+from drivers.common.base import LogStream
+from drivers.local import attempt, procfs, render, states
+from drivers.local.logs import LineWriter
+from drivers.local.machine import JobMachine
+
+log = logging.getLogger("dlsched.driver.local.supervisor")
+
+#: how often the stop file and the attempt directory are checked without a wake-up
+STOP_POLL_SECONDS = 0.2
+#: how long pipes may stay open once every process has ended (a descendant that escaped its session)
+DRAIN_SECONDS = 5.0
+
+
+class _Pipes(asyncio.SubprocessProtocol):
+    """Feeds one process's pipes to its log files and reports its exit at once."""
+
+    def __init__(self, sup: Supervisor, i: int) -> None:
+        self._sup, self._i = sup, i
+        self._writers: dict[int, LineWriter | None] = {}
+        self._transport: asyncio.SubprocessTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # Opened only once the process exists, so a failed spawn leaks nothing.
+        self._transport = transport  # type: ignore[assignment]
+        p = self._sup.plan.processes[self._i]
+        for fd, stream in ((1, LogStream.STDOUT), (2, LogStream.STDERR)):
+            try:
+                self._writers[fd] = LineWriter(p.log_path(stream))
+            except OSError as e:
+                log.warning("cannot open log %s: %s", p.log_path(stream), e)
+                self._writers[fd] = None
+
+    def pipe_data_received(self, fd: int, data: bytes | str) -> None:
+        w = self._writers.get(fd)
+        if w is None:
+            return
+        try:
+            w.feed(data if isinstance(data, bytes) else data.encode(), time.time_ns())
+        except OSError as e:  # disk full, files removed: keep draining the pipe
+            log.warning("log write failed: %s", e)
+            self._writers[fd] = None
+
+    def pipe_connection_lost(self, fd: int, exc: Exception | None) -> None:
+        w = self._writers.pop(fd, None)
+        if w is not None:
+            with contextlib.suppress(OSError):
+                w.close(time.time_ns())
+        if fd in (1, 2):
+            self._sup.pipe_closed()
+
+    def process_exited(self) -> None:
+        rc = self._transport.get_returncode() if self._transport is not None else None
+        self._sup.exited(self._i, rc)
+
+
+class Supervisor:
+    """One job attempt's processes, from spawn to the last drained pipe."""
+
+    def __init__(self, adir: str, plan: render.LocalPlan, grace: float) -> None:
+        self.adir = adir
+        self.plan = plan
+        self.grace = grace
+        self.machine = JobMachine(plan)
+        self.transports: list[asyncio.SubprocessTransport | None] = [None] * len(plan.processes)
+        self.open_pipes = 1  # the launch itself holds one until every process is started
+        self.kill_handle: asyncio.TimerHandle | None = None
+        self.kill_deadline: float | None = None
+        self.stop_applied: float | None = None
+        self.drained_by: float | None = None
+        self.changed = asyncio.Event()
+        st = procfs.read_stat(os.getpid())
+        self.identity = {"pid": os.getpid(), "start_ticks": st.start_ticks if st is not None else 0}
+
+    # ------------------------------------------------------------------ status
+
+    def write(self) -> None:
+        doc = {**self.machine.to_json(), "supervisor": self.identity}
+        try:
+            attempt.write_json(os.path.join(self.adir, attempt.STATUS), doc)
+        except OSError as e:
+            log.warning("cannot write the status: %s", e)
+        self.changed.set()
+
+    def _settle(self) -> None:
+        if self.machine.finish(time.time()) and self.kill_handle is not None:
+            self.kill_handle.cancel()
+        if self.machine.state.is_terminal() and self.machine.logs_done:
+            self._close_transports()
+        self.write()
+
+    # ------------------------------------------------------------------ stopping
+
+    def stop_running(self, grace: float) -> None:
+        """SIGTERM every running process's session; SIGKILL after ``grace`` (the earliest deadline wins)."""
+        attempt.signal_sessions(self.machine.running_pids(), signal.SIGTERM)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + max(0.0, grace)
+        if self.kill_deadline is None or deadline < self.kill_deadline:
+            if self.kill_handle is not None:
+                self.kill_handle.cancel()
+            self.kill_deadline = deadline
+            self.kill_handle = loop.call_at(deadline, self._kill_running)
+
+    def _kill_running(self) -> None:
+        attempt.signal_sessions(self.machine.running_pids(), signal.SIGKILL)
+
+    def check_stop(self) -> None:
+        """Apply a stop the driver asked for (``stop.json``), once per new grace."""
+        grace = attempt.read_stop(self.adir)
+        if grace is None or grace == self.stop_applied:
+            return
+        self.stop_applied = grace
+        if self.machine.request_stop(grace):
+            self.stop_running(grace)
+        self.write()
+
+    def time_limit(self) -> None:
+        if self.machine.time_limit():
+            self.stop_running(self.grace)
+            self.write()
+
+    def abandon(self, reason: str, message: str, grace: float) -> None:
+        if self.machine.abandon(reason, message):
+            self.stop_running(grace)
+            self.write()
+
+    # ------------------------------------------------------------------ processes
+
+    async def spawn_all(self) -> None:
+        loop = asyncio.get_running_loop()
+        base_env = dict(os.environ)
+        for i, p in enumerate(self.plan.processes):
+            if self.machine.signalled:
+                self.machine.skip(i)
+                continue
+            if p.placeholder:
+                self.machine.placeholder_started(i)
+                continue
+            self.open_pipes += 2  # before the spawn: a pipe may close before it returns
+            try:
+                transport, _ = await loop.subprocess_exec(
+                    functools.partial(_Pipes, self, i), *p.argv,
+                    stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
+                    stderr=asyncio.subprocess.PIPE, env={**base_env, **p.env}, cwd=p.cwd,
+                    start_new_session=True)
+            except (OSError, ValueError) as e:
+                self.open_pipes -= 2
+                code = 127 if isinstance(e, FileNotFoundError) else 126
+                what = getattr(e, "strerror", None) or str(e)
+                if self.machine.start_failed(i, code, f"cannot start {p.argv[0]!r} in {p.cwd!r}: {what}"):
+                    self.stop_running(self.grace)
+                continue
+            self.transports[i] = transport
+            pid = transport.get_pid()
+            st = procfs.read_stat(pid)
+            if self.machine.started(i, pid, st.start_ticks if st is not None else 0, time.time()):
+                attempt.signal_sessions([pid], signal.SIGTERM)
+        self.machine.all_spawned()
+        if self.plan.time_limit_seconds and not self.machine.state.is_terminal():
+            loop.call_later(self.plan.time_limit_seconds, self.time_limit)
+        self.pipe_closed()  # the launch's own hold (settles and writes)
+
+    def exited(self, i: int, returncode: int | None) -> None:
+        pid = self.machine.procs[i].pid
+        if pid is not None:
+            attempt.signal_sessions([pid], signal.SIGKILL)  # whatever it left behind in its session
+        if self.machine.exited(i, returncode):
+            self.stop_running(self.grace)
+        self._settle()
+
+    def pipe_closed(self) -> None:
+        self.open_pipes -= 1
+        if self.open_pipes <= 0:
+            self.machine.logs_done = True
+        self._settle()
+
+    def _close_transports(self) -> None:
+        # Only once every pipe is drained: closing a transport closes its pipes.
+        for i, t in enumerate(self.transports):
+            if t is not None and t.get_returncode() is not None:
+                t.close()
+                self.transports[i] = None
+
+    # ------------------------------------------------------------------ the run
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGUSR1, self.check_stop)
+        loop.add_signal_handler(signal.SIGTERM, self.abandon, states.REASON_SUPERVISOR_LOST,
+                                "the job's supervisor was told to stop (SIGTERM)", self.grace)
+        for sig in (signal.SIGINT, signal.SIGHUP):
+            loop.add_signal_handler(sig, lambda: None)
+        self.write()  # from here on the driver may wake us (the handler is in place)
+        self.check_stop()  # a stop asked for before we started
+        await self.spawn_all()
+        while not self.machine.ended:
+            self.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), STOP_POLL_SECONDS)
+            self.check_stop()
+            self._check_files()
+            self._drain_bound(loop.time())
+        self._close_transports()
+        self.write()
+
+    def _check_files(self) -> None:
+        """The state dir removed under a running job (a test's temp dir, a wiped host): stop it now."""
+        if not os.path.isdir(self.adir):
+            self.abandon(states.REASON_FILES_REMOVED, "the attempt's directory was removed", 0.0)
+
+    def _drain_bound(self, now: float) -> None:
+        """A job that ended with pipes still open (held by an escaped descendant) stops waiting for them."""
+        if not self.machine.state.is_terminal() or self.machine.logs_done:
+            return
+        if self.drained_by is None:
+            self.drained_by = now + DRAIN_SECONDS
+        elif now >= self.drained_by:
+            self.machine.logs_done = True
+            self._settle()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m drivers.local.supervisor", description=__doc__.split("\n")[0])
+    ap.add_argument("attempt_dir")
+    ap.add_argument("--grace-seconds", type=float, default=10.0)
+    ap.add_argument("--lock-fd", type=int, default=-1, help="the locked supervisor.lock, held until exit")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if args.lock_fd >= 0:
+        os.set_inheritable(args.lock_fd, False)  # the job's processes never hold it
+    rec = attempt.read_json(os.path.join(args.attempt_dir, attempt.RECORD))
+    if rec is None:
+        log.error("no readable %s in %s", attempt.RECORD, args.attempt_dir)
+        return 2
+    plan = render.plan_from_json(json.loads(rec["native_spec"]))
+    sup = Supervisor(args.attempt_dir, plan, args.grace_seconds)
+    asyncio.run(sup.run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""A driver that goes away: its jobs say so, keep their state, and are the driver's again once it is back.
+
+The whole local stack as real processes (etcd, ClusterManager, the local
+driver on a pinned port, JobManager). The driver is SIGKILLed while a job
+runs: JobManager's record keeps RUNNING with reason ``DriverUnreachable``
+("driver unreachable since ..."); the driver started again on the same port
+and state directory re-adopts the job (it outlived the driver), the reason
+goes away, and the job ends SUCCEEDED, having run once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+
+from dlsched.client import JobManagerClient
+from dlsched.v1 import job_pb2
+from tests.harness import EtcdServer, Stack, free_port
+
+
+@pytest.fixture
+async def stack(etcd: EtcdServer) -> AsyncIterator[Stack]:
+    s = Stack(etcd, f"/outage-{uuid.uuid4().hex[:8]}/", driver_args=["--listen", f"127.0.0.1:{free_port()}"])
+    with s.running():
+        await s.register_local()
+        yield s
+
+
+async def _until(jm: JobManagerClient, name: str, ok, within: float = 90.0) -> job_pb2.Job:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + within
+    while True:
+        job = await jm.get_job(name)
+        if ok(job):
+            return job
+        assert time.monotonic() < deadline, f"{name}: {job_pb2.JobState.Name(job.state)} {job.reason} {job.message}"
+        await asyncio.sleep(0.3)
+
+
+async def test_a_killed_driver_marks_its_jobs_then_readopts_them(stack: Stack, tmp_path: pathlib.Path) -> None:
+    marker, release = tmp_path / "runs", tmp_path / "release"
+    script = 'echo started; while [ ! -e "$1" ]; do sleep 0.2; done; echo ran >> "$0"'
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[job_pb2.ReplicaGroup(
+        role="main", replicas=1, command=["/bin/sh", "-c", script], args=[str(marker), str(release)])])
+    assert stack.jm is not None
+    async with JobManagerClient(stack.jm.address) as jm:
+        name = (await jm.submit_job(spec)).job.name
+        await _until(jm, name, lambda j: j.state == job_pb2.JOB_STATE_RUNNING)
+        stack.driver.kill()
+        down = await _until(jm, name, lambda j: j.reason == "DriverUnreachable")
+        assert down.state == job_pb2.JOB_STATE_RUNNING and "driver unreachable since" in down.message
+        await asyncio.to_thread(stack.driver.start)
+        back = await _until(jm, name, lambda j: j.reason != "DriverUnreachable")
+        assert back.state == job_pb2.JOB_STATE_RUNNING, (back.reason, back.message)  # re-adopted, not failed
+        release.touch()
+        done = await _until(jm, name, lambda j: j.state in (job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED))
+        assert done.state == job_pb2.JOB_STATE_SUCCEEDED, (done.reason, done.message)
+    assert marker.read_text().splitlines() == ["ran"]

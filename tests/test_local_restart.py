@@ -1,0 +1,147 @@
+"""Local jobs outlive their driver: SIGKILL, SIGTERM and restarts of the driver process, real jobs,
+and the supervisor itself killed (the one way a local job is lost)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+
+from dlsched.v1 import driver_service_pb2 as dpb
+from dlsched.v1 import driver_service_pb2_grpc, job_pb2
+from tests import security
+from tests.harness import ServiceProcess, pid_alive
+from tests.local_peer import CLUSTER, launch, logs, observe, single, texts, wait_state
+
+#: how long the driver stays down (the lead's fault script uses 120 s)
+OUTAGE_SECONDS = 12.0
+#: every record must equal the truth this soon after the driver is back
+TRUTH_WITHIN = 10.0
+
+
+class Driver:
+    """The local driver as a process on one state dir, killed and restarted at will."""
+
+    def __init__(self, state: str, name: str) -> None:
+        self.svc = ServiceProcess("drivers.local", ["--state-dir", state, "--grace-seconds", "2"], name=name)
+
+    async def stub(self) -> AsyncIterator[driver_service_pb2_grpc.DriverServiceStub]:
+        async with security.channel(self.svc.address) as ch:
+            s = driver_service_pb2_grpc.DriverServiceStub(ch)
+            await s.ConfigureCluster(dpb.ConfigureClusterRequest(cluster=CLUSTER), timeout=10)
+            yield s
+
+
+@pytest.fixture
+def local(tmp_path: pathlib.Path) -> Iterator[Driver]:
+    d = Driver(str(tmp_path / "state"), "local-driver-restart")
+    d.svc.start()
+    yield d
+    d.svc.stop()
+
+
+def ticking(release: pathlib.Path, marker: pathlib.Path) -> str:
+    """Marks one run, prints its pid, then a numbered line every 0.2 s until ``release`` exists; exits 0."""
+    return (f"import os, pathlib, time\n"
+            f"open({str(marker)!r}, 'a').write('ran\\n')\n"
+            f"print('pid', os.getpid(), flush=True)\n"
+            f"i = 0\n"
+            f"while not pathlib.Path({str(release)!r}).exists():\n"
+            f"    print('tick', i, flush=True); i += 1; time.sleep(0.2)\n")
+
+
+def ending(after: float, code: int, marker: pathlib.Path) -> str:
+    """Marks one run, then exits ``code`` after ``after`` seconds."""
+    return (f"import sys, time\nopen({str(marker)!r}, 'a').write('ran\\n')\n"
+            f"time.sleep({after})\nprint('bye', flush=True)\nsys.exit({code})\n")
+
+
+async def test_sigkilled_driver_readopts_running_jobs_and_reports_jobs_that_ended_meanwhile(local, tmp_path):
+    release = tmp_path / "release"
+    marks = {name: tmp_path / f"{name}.runs" for name in ("long", "ok", "bad", "before")}
+    specs = {
+        "long": single(ticking(release, marks["long"])),
+        "ok": single(ending(3, 0, marks["ok"])),
+        "bad": single(ending(3, 3, marks["bad"])),
+        "before": single(ending(0, 0, marks["before"])),
+    }
+    async for s in local.stub():
+        for name, spec in specs.items():
+            await launch(s, name, spec)
+        await wait_state(s, "before")
+        for name in ("long", "ok", "bad"):
+            assert (await observe(s, name)).state == job_pb2.JOB_STATE_RUNNING
+        await asyncio.sleep(0.5)
+        pid = int(texts(await logs(s, "long"))[0].split()[1])
+        killed_at = time.time()
+    local.svc.kill()
+    await asyncio.sleep(OUTAGE_SECONDS)  # "ok" and "bad" end meanwhile; "long" runs on
+    assert pid_alive(pid)
+    await asyncio.to_thread(local.svc.start)
+    back_at = time.monotonic()
+    async for s in local.stub():
+        long, ok, bad, before = [await observe(s, n) for n in ("long", "ok", "bad", "before")]
+        assert time.monotonic() - back_at < TRUTH_WITHIN
+        assert long.state == job_pb2.JOB_STATE_RUNNING and long.replicas[0].state == job_pb2.REPLICA_STATE_RUNNING
+        assert (ok.state, ok.exit_code, ok.reason) == (job_pb2.JOB_STATE_SUCCEEDED, 0, "Completed")
+        assert (bad.state, bad.exit_code, bad.reason) == (job_pb2.JOB_STATE_FAILED, 3, "NonZeroExit")
+        assert before.state == job_pb2.JOB_STATE_SUCCEEDED
+        for obs in (ok, bad):  # they ended while the driver was down, and the record says so
+            assert killed_at < obs.end_time.seconds + obs.end_time.nanos / 1e9 < killed_at + OUTAGE_SECONDS
+        # The same attempt again is the first launch's result: nothing runs twice.
+        for name in ("long", "ok", "bad"):
+            again = await launch(s, name, specs[name])
+            assert again.backend_job_id == f"local-{name}-1"
+        # The re-adopted job goes on (same process) and ends with its true outcome.
+        await asyncio.sleep(0.5)
+        release.touch()
+        done = await wait_state(s, "long", within=15)
+        assert (done.state, done.exit_code) == (job_pb2.JOB_STATE_SUCCEEDED, 0)
+        entries = await logs(s, "long")
+        out = texts(entries)
+        assert out[0] == f"pid {pid}"
+        ticks = [int(t.split()[1]) for t in out[1:]]
+        assert ticks == list(range(len(ticks)))  # no gap, no duplicate
+        stamps = [e.time.seconds + e.time.nanos / 1e9 for e in entries[1:]]
+        assert any(t < killed_at for t in stamps) and any(t > killed_at + OUTAGE_SECONDS for t in stamps)
+    for name, marker in marks.items():
+        assert marker.read_text() == "ran\n", name  # each ran exactly once
+
+
+async def test_sigterm_leaves_jobs_running_and_a_restarted_driver_can_stop_them(local):
+    async for s in local.stub():
+        await launch(s, "sleeper", single("import os, time; print(os.getpid(), flush=True); time.sleep(120)"))
+        await wait_state(s, "sleeper", [job_pb2.JOB_STATE_RUNNING])
+        await asyncio.sleep(0.5)
+        pid = int(texts(await logs(s, "sleeper"))[0])
+    assert local.svc.stop() == 0
+    assert pid_alive(pid)
+    await asyncio.to_thread(local.svc.start)
+    async for s in local.stub():
+        assert (await observe(s, "sleeper")).state == job_pb2.JOB_STATE_RUNNING
+        resp = await s.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id="sleeper"),
+                                                            grace_period={"seconds": 1}), timeout=10)
+        assert resp.observation.state == job_pb2.JOB_STATE_STOPPING
+        obs = await wait_state(s, "sleeper", within=10)
+        assert obs.state == job_pb2.JOB_STATE_STOPPED and obs.reason == "Stopped"
+    assert not pid_alive(pid)
+
+
+async def test_a_killed_supervisor_fails_its_job_supervisor_lost_and_leaves_no_process(local, tmp_path):
+    async for s in local.stub():
+        await launch(s, "orphan", single("import os, time; print(os.getpid(), flush=True); time.sleep(120)"))
+        await wait_state(s, "orphan", [job_pb2.JOB_STATE_RUNNING])
+        await asyncio.sleep(0.5)
+        pid = int(texts(await logs(s, "orphan"))[0])
+        status = json.loads((tmp_path / "state" / "jobs" / "orphan" / "attempt-1" / "status.json").read_text())
+        os.kill(status["supervisor"]["pid"], signal.SIGKILL)
+        obs = await wait_state(s, "orphan", within=10)
+        assert obs.state == job_pb2.JOB_STATE_FAILED and obs.reason == "SupervisorLost"
+        await asyncio.sleep(0.2)  # killed before FAILED was reported; give the kernel a moment
+        assert not pid_alive(pid)
