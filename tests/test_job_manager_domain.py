@@ -187,7 +187,7 @@ def test_oversized_spec() -> None:
                                                    args=["a"] * 1001))
     with pytest.raises(InvalidArgument) as ei:
         validate_submit("", big, "", 10)
-    assert fields(ei) == {"spec"}
+    assert fields(ei) == {"spec.replica_groups[0].args"}  # bounds first, and alone
 
 
 def test_labels() -> None:

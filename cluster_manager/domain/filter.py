@@ -18,7 +18,7 @@ from dlsched.kit import tokens
 from .models import Cluster, ClusterState, ClusterType
 from .validation import CLUSTER_ID_RE
 
-_TERM_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_./-]*)\s*(!=|=)\s*(.*?)\s*$", re.S)
+_TERM_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_./-]*)\s*(!=|=)\s*(.*?)\s*\Z", re.S)
 _AND_RE = re.compile(r"\s+AND\s+", re.I)
 
 

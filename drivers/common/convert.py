@@ -8,24 +8,18 @@ in paths and names, so they must match ``ID_RE``; anything wrong raises
 
 from __future__ import annotations
 
-import re
-
 from google.protobuf import duration_pb2
 
+from dlsched import spec_rules
 from dlsched.errors import FieldViolation, InvalidArgument
-from dlsched.kit.timeutil import to_timestamp
+from dlsched.kit.timeutil import from_duration, to_timestamp
 from dlsched.v1 import cluster_pb2, driver_service_pb2, job_pb2
 from drivers.common import base
 
 #: Job ids and cluster ids: they become paths and backend object names.
-ID_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}\Z")
-#: Role names.
-ROLE_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}\Z")
-#: Environment variable names a user may set.
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
+ID_RE = spec_rules.ID_RE
+ROLE_RE = spec_rules.ROLE_RE
 MAX_REFS = 1000
-MAX_REPLICAS = 10_000
-MAX_ARG_BYTES = 128 * 1024
 
 
 def _raise(violations: list[FieldViolation]) -> None:
@@ -92,73 +86,26 @@ def grace_seconds(pb: duration_pb2.Duration, present: bool, field: str = "grace_
 
 
 def job_spec(pb: job_pb2.JobSpec, present: bool, field: str = "spec") -> base.JobSpec:
-    """Validate and convert a JobSpec (structure only; run-mode rules live in
-    ``drivers.common.planner``)."""
+    """Validate (``dlsched.spec_rules``, as JobManager does) and convert a JobSpec."""
     if not present:
         raise InvalidArgument.for_field(field, "required")
-    vs: list[FieldViolation] = []
-    try:
-        run_mode = base.RunMode(pb.run_mode)
-    except ValueError:
-        run_mode = base.RunMode.UNSPECIFIED
-    if run_mode is base.RunMode.UNSPECIFIED:
-        vs.append(FieldViolation(f"{field}.run_mode", "required"))
-    if not pb.replica_groups:
-        vs.append(FieldViolation(f"{field}.replica_groups", "at least one replica group"))
-    groups: list[base.ReplicaGroup] = []
-    roles: set[str] = set()
-    for i, g in enumerate(pb.replica_groups):
-        gf = f"{field}.replica_groups[{i}]"
-        if not ROLE_RE.match(g.role):
-            vs.append(FieldViolation(f"{gf}.role", "must match [a-z][a-z0-9-]{0,62}"))
-        elif g.role in roles:
-            vs.append(FieldViolation(f"{gf}.role", f"duplicate role {g.role!r}"))
-        roles.add(g.role)
-        if not 1 <= g.replicas <= MAX_REPLICAS:
-            vs.append(FieldViolation(f"{gf}.replicas", f"must be 1 to {MAX_REPLICAS}"))
-        if not 0 <= g.processes_per_replica <= 1024:
-            vs.append(FieldViolation(f"{gf}.processes_per_replica", "must be 0 to 1024"))
-        if not g.command:
-            vs.append(FieldViolation(f"{gf}.command", "must not be empty"))
-        elif not g.command[0]:
-            vs.append(FieldViolation(f"{gf}.command[0]", "must not be empty"))
-        for name, items in (("command", g.command), ("args", g.args)):
-            for j, a in enumerate(items):
-                if _has_nul(a) or len(a.encode()) > MAX_ARG_BYTES:
-                    vs.append(FieldViolation(f"{gf}.{name}[{j}]", "contains NUL or is too long"))
-        for k, v in g.env.items():
-            if not ENV_NAME_RE.match(k):
-                vs.append(FieldViolation(f"{gf}.env[{k!r}]", "name must match [A-Za-z_][A-Za-z0-9_]*"))
-            elif k.upper().startswith("DLSCHED_"):
-                vs.append(FieldViolation(f"{gf}.env[{k!r}]", "names starting with DLSCHED_ are reserved"))
-            if _has_nul(v):
-                vs.append(FieldViolation(f"{gf}.env[{k!r}]", "value contains NUL"))
-        if _has_nul(g.working_dir):
-            vs.append(FieldViolation(f"{gf}.working_dir", "contains NUL"))
-        r = g.resources
-        if r.cpu < 0 or r.memory_bytes < 0 or r.gpus < 0:
-            vs.append(FieldViolation(f"{gf}.resources", "must not be negative"))
-        groups.append(base.ReplicaGroup(
-            role=g.role,
-            replicas=g.replicas,
-            command=tuple(g.command),
-            args=tuple(g.args),
-            processes_per_replica=g.processes_per_replica,
-            image=g.image,
-            env=dict(g.env),
-            working_dir=g.working_dir,
-            resources=base.Resources(cpu=r.cpu, memory_bytes=r.memory_bytes,
-                                     gpus=r.gpus, gpu_type=r.gpu_type),
-        ))
-    time_limit: float | None = None
-    if pb.HasField("time_limit"):
-        time_limit = pb.time_limit.ToNanoseconds() / 1e9
-        if time_limit <= 0:
-            vs.append(FieldViolation(f"{field}.time_limit", "must be positive"))
-    if not 0 <= pb.max_retries <= 10:
-        vs.append(FieldViolation(f"{field}.max_retries", "must be 0 to 10"))
-    _raise(vs)
-    return base.JobSpec(run_mode=run_mode, replica_groups=tuple(groups), queue=pb.queue,
+    time_limit = from_duration(pb.time_limit) if pb.HasField("time_limit") else None  # 0 = unset, as in JobManager
+    # The same rules as JobManager's (dlsched.spec_rules), on the message before any conversion.
+    _raise(spec_rules.check_spec(pb, time_limit_seconds=time_limit, spec_bytes=pb.ByteSize(), field=field))
+    run_mode = base.RunMode(pb.run_mode)
+    groups = tuple(base.ReplicaGroup(
+        role=g.role,
+        replicas=g.replicas,
+        command=tuple(g.command),
+        args=tuple(g.args),
+        processes_per_replica=g.processes_per_replica,
+        image=g.image,
+        env=dict(g.env),
+        working_dir=g.working_dir,
+        resources=base.Resources(cpu=g.resources.cpu, memory_bytes=g.resources.memory_bytes,
+                                 gpus=g.resources.gpus, gpu_type=g.resources.gpu_type),
+    ) for g in pb.replica_groups)
+    return base.JobSpec(run_mode=run_mode, replica_groups=groups, queue=pb.queue,
                         time_limit_seconds=time_limit, max_retries=pb.max_retries,
                         labels=dict(pb.labels))
 

@@ -50,7 +50,8 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from dlsched.errors import FailedPrecondition, FieldViolation, InvalidArgument
+from dlsched import spec_rules
+from dlsched.errors import FailedPrecondition, InvalidArgument
 from drivers.common.base import JobSpec, ReplicaGroup, RunMode
 
 ALL_RUN_MODES = (RunMode.SINGLE_PROCESS, RunMode.MULTI_PROCESS, RunMode.PS_WORKER,
@@ -60,26 +61,10 @@ DEFAULT_TASK_PORT = 2222  # TensorFlow's customary gRPC port, for placements tha
 MPIRUN = "mpirun"
 HOSTFILE = "hostfile"
 
-#: Roles each mode accepts, in rank / layout order.
-ROLES: Mapping[RunMode, tuple[str, ...]] = {
-    RunMode.MULTI_PROCESS: ("worker",),
-    RunMode.MASTER_WORKER: ("master", "worker"),
-    RunMode.PS_WORKER: ("chief", "ps", "worker", "evaluator"),
-    RunMode.MPI: ("launcher", "worker"),
-}
-#: Roles that must be present.
-REQUIRED: Mapping[RunMode, tuple[str, ...]] = {
-    RunMode.MULTI_PROCESS: ("worker",),
-    RunMode.MASTER_WORKER: ("master",),
-    RunMode.PS_WORKER: ("ps", "worker"),
-    RunMode.MPI: ("launcher", "worker"),
-}
-#: Roles limited to one replica of one process.
-SINGLETON: Mapping[RunMode, tuple[str, ...]] = {
-    RunMode.MASTER_WORKER: ("master",),  # one replica; several processes are fine
-    RunMode.PS_WORKER: ("chief", "evaluator"),
-    RunMode.MPI: ("launcher",),
-}
+#: Roles each mode accepts, in rank / layout order; required ones; one-replica ones (``dlsched.spec_rules``).
+ROLES: Mapping[RunMode, tuple[str, ...]] = {RunMode(m): r for m, r in spec_rules.ROLES.items()}
+REQUIRED: Mapping[RunMode, tuple[str, ...]] = {RunMode(m): r for m, r in spec_rules.REQUIRED.items()}
+SINGLETON: Mapping[RunMode, tuple[str, ...]] = {RunMode(m): r for m, r in spec_rules.SINGLETON.items()}
 TORCH_MODES = (RunMode.MULTI_PROCESS, RunMode.MASTER_WORKER)
 
 
@@ -172,44 +157,10 @@ def groups_in_order(spec: JobSpec) -> list[tuple[int, ReplicaGroup]]:
 
 
 def check_run_mode(spec: JobSpec, field: str = "spec") -> None:
-    """The run mode's structural rules; raises InvalidArgument naming the field."""
-    mode = spec.run_mode
-    groups = spec.replica_groups
-    vs: list[FieldViolation] = []
-    gf = f"{field}.replica_groups"
-    if mode not in ALL_RUN_MODES:
-        vs.append(FieldViolation(f"{field}.run_mode", "required"))
-    elif mode is RunMode.SINGLE_PROCESS:
-        if len(groups) != 1:
-            vs.append(FieldViolation(gf, "SINGLE_PROCESS takes exactly one replica group"))
-        else:
-            g = groups[0]
-            if g.replicas != 1:
-                vs.append(FieldViolation(f"{gf}[0].replicas", "SINGLE_PROCESS takes one replica"))
-            if g.processes != 1:
-                vs.append(FieldViolation(f"{gf}[0].processes_per_replica", "SINGLE_PROCESS takes one process"))
-    else:
-        allowed = ROLES[mode]
-        seen = {g.role for g in groups}
-        if mode is RunMode.MULTI_PROCESS and len(groups) != 1:
-            vs.append(FieldViolation(gf, "MULTI_PROCESS takes exactly one replica group"))
-        for i, g in enumerate(groups):
-            if g.role not in allowed:
-                vs.append(FieldViolation(f"{gf}[{i}].role", f"{mode.name} takes roles "
-                                         + ", ".join(repr(r) for r in allowed)))
-                continue
-            if g.role in SINGLETON.get(mode, ()) and g.replicas != 1:
-                vs.append(FieldViolation(f"{gf}[{i}].replicas", f"{mode.name} takes one {g.role!r} replica"))
-            one_process = mode is RunMode.PS_WORKER or (mode is RunMode.MPI and g.role == "launcher")
-            if one_process and g.processes != 1:
-                vs.append(FieldViolation(f"{gf}[{i}].processes_per_replica",
-                                         f"{mode.name} runs one process per {g.role!r} replica"))
-        for role in REQUIRED[mode]:
-            if role not in seen:
-                vs.append(FieldViolation(gf, f"{mode.name} needs a {role!r} replica group"))
+    """The run mode's structural rules (``dlsched.spec_rules``, as JobManager applies them)."""
+    vs = spec_rules.check_run_mode(int(spec.run_mode), spec.replica_groups, field)
     if vs:
         raise InvalidArgument("; ".join(f"{v.field}: {v.description}" for v in vs), vs)
-
 
 # --------------------------------------------------------------------------- GPUs
 

@@ -1,0 +1,293 @@
+"""The one validator of the unified job spec: the same rules, limits and messages in JobManager and every driver.
+
+JobManager checks a SubmitJob with it before it stores anything, and every
+driver checks a LaunchJob / RenderJob with it again before it converts
+anything (a driver assumes a hostile client), so a spec JobManager accepts
+is never refused by a driver for its shape (it may still be refused for what
+the backend lacks: MPI, GPUs).
+
+The checks read attributes only (``run_mode``, ``replica_groups[i].role``,
+``.replicas``, ``.processes_per_replica``, ``.command``, ``.args``, ``.env``,
+``.image``, ``.working_dir``, ``.resources.cpu|memory_bytes|gpus|gpu_type``,
+``labels``, ``queue``, ``max_retries``), so they run on the ``dlsched.v1``
+message itself before conversion and on the services' plain dataclasses
+alike. Patterns match whole strings (``\\Z``). What bounds the work a spec can
+cost (group, replica, process, entry and byte counts) is checked first; the
+per-field checks run only on a spec within those bounds.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+from dlsched.errors import FieldViolation
+
+#: Job ids (and cluster ids): they become paths and backend object names.
+ID_RE = re.compile(r"[a-z][a-z0-9-]{0,62}\Z")
+ROLE_RE = re.compile(r"[a-z][a-z0-9-]{0,62}\Z")
+ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+#: Kubernetes-like label keys: optional DNS prefix "a.b/" then a name; values alike.
+LABEL_KEY_RE = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?\Z")
+LABEL_VALUE_RE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?\Z")
+RESERVED_ENV_PREFIX = "DLSCHED_"  # any case
+
+MAX_SPEC_BYTES = 256 * 1024
+MAX_GROUPS = 16
+MAX_LIST_ENTRIES = 1000  # command, args, env, labels entries each
+MAX_STRING_BYTES = 64 * 1024
+MAX_REPLICAS = 10_000  # per group
+MAX_PROCESSES_PER_REPLICA = 1024
+MAX_PROCESSES = 100_000  # replicas x processes over the job
+MAX_RETRIES = 10
+MAX_LABEL = 63
+MAX_LABEL_KEY = 253 + 1 + MAX_LABEL
+MAX_CPU = 100_000.0
+MAX_MEMORY_BYTES = 1 << 60
+MAX_GPUS = 10_000
+MAX_TIME_LIMIT_SECONDS = 366 * 24 * 3600.0
+
+# Run modes by their API numbers (dlsched.v1.RunMode).
+SINGLE_PROCESS, MULTI_PROCESS, PS_WORKER, MASTER_WORKER, MPI = 1, 2, 3, 4, 5
+MODE_NAMES = {SINGLE_PROCESS: "SINGLE_PROCESS", MULTI_PROCESS: "MULTI_PROCESS", PS_WORKER: "PS_WORKER",
+              MASTER_WORKER: "MASTER_WORKER", MPI: "MPI"}
+#: Roles each mode accepts, in rank / layout order.
+ROLES: Mapping[int, tuple[str, ...]] = {
+    MULTI_PROCESS: ("worker",),
+    MASTER_WORKER: ("master", "worker"),
+    PS_WORKER: ("chief", "ps", "worker", "evaluator"),
+    MPI: ("launcher", "worker"),
+}
+#: Roles that must be present.
+REQUIRED: Mapping[int, tuple[str, ...]] = {
+    MULTI_PROCESS: ("worker",),
+    MASTER_WORKER: ("master",),
+    PS_WORKER: ("ps", "worker"),
+    MPI: ("launcher", "worker"),
+}
+#: Roles limited to one replica.
+SINGLETON: Mapping[int, tuple[str, ...]] = {
+    MASTER_WORKER: ("master",),  # one replica; several processes are fine
+    PS_WORKER: ("chief", "evaluator"),
+    MPI: ("launcher",),
+}
+
+
+class _Resources(Protocol):
+    cpu: float
+    memory_bytes: int
+    gpus: int
+    gpu_type: str
+
+
+class _Group(Protocol):
+    role: str
+    replicas: int
+    processes_per_replica: int
+    image: str
+    working_dir: str
+
+    @property
+    def command(self) -> Sequence[str]: ...
+    @property
+    def args(self) -> Sequence[str]: ...
+    @property
+    def env(self) -> Mapping[str, str]: ...
+    @property
+    def resources(self) -> _Resources: ...
+
+
+def _groups(spec: Any) -> Sequence[_Group]:
+    return spec.replica_groups  # type: ignore[no-any-return]
+
+
+def _processes(g: _Group) -> int:
+    return max(1, g.processes_per_replica)
+
+
+def _strings(spec: Any) -> Iterator[tuple[str, str]]:
+    yield "spec.queue", spec.queue
+    for k, v in spec.labels.items():
+        yield "spec.labels", k
+        yield "spec.labels", v
+    for i, g in enumerate(_groups(spec)):
+        f = f"spec.replica_groups[{i}]"
+        yield f"{f}.role", g.role
+        yield f"{f}.image", g.image
+        yield f"{f}.working_dir", g.working_dir
+        yield f"{f}.resources.gpu_type", g.resources.gpu_type
+        for j, a in enumerate(g.command):
+            yield f"{f}.command[{j}]", a
+        for j, a in enumerate(g.args):
+            yield f"{f}.args[{j}]", a
+        for k, v in g.env.items():
+            yield f"{f}.env", k
+            yield f"{f}.env[{k[:40]!r}]", v
+
+
+def check_bounds(spec: Any, spec_bytes: int | None = None, field: str = "spec") -> list[FieldViolation]:
+    """What bounds the work: sizes and counts. Run first; nothing else walks a spec over them."""
+    if spec_bytes is not None and spec_bytes > MAX_SPEC_BYTES:
+        return [FieldViolation(field, f"serialized spec is {spec_bytes} bytes, at most {MAX_SPEC_BYTES}")]
+    groups = _groups(spec)
+    if len(groups) > MAX_GROUPS:
+        return [FieldViolation(f"{field}.replica_groups", f"{len(groups)} groups, at most {MAX_GROUPS}")]
+    if len(spec.labels) > MAX_LIST_ENTRIES:
+        return [FieldViolation(f"{field}.labels", f"at most {MAX_LIST_ENTRIES} labels")]
+    out: list[FieldViolation] = []
+    total = 0
+    for i, g in enumerate(groups):
+        f = f"{field}.replica_groups[{i}]"
+        for what, n in (("command", len(g.command)), ("args", len(g.args)), ("env", len(g.env))):
+            if n > MAX_LIST_ENTRIES:
+                out.append(FieldViolation(f"{f}.{what}", f"{n} entries, at most {MAX_LIST_ENTRIES}"))
+        if g.replicas > MAX_REPLICAS:
+            out.append(FieldViolation(f"{f}.replicas", f"1 to {MAX_REPLICAS}, got {g.replicas}"))
+        if g.processes_per_replica > MAX_PROCESSES_PER_REPLICA:
+            out.append(FieldViolation(f"{f}.processes_per_replica",
+                                      f"0 to {MAX_PROCESSES_PER_REPLICA}, got {g.processes_per_replica}"))
+        total += max(0, g.replicas) * max(1, g.processes_per_replica)
+    if not out and total > MAX_PROCESSES:
+        out.append(FieldViolation(f"{field}.replica_groups",
+                                  f"{total} processes in all (replicas x processes_per_replica), "
+                                  f"at most {MAX_PROCESSES}"))
+    if out:
+        return out
+    for where, s in _strings(spec):
+        if len(s) > MAX_STRING_BYTES or len(s.encode("utf-8", "surrogatepass")) > MAX_STRING_BYTES:
+            return [FieldViolation(where.replace("spec", field, 1), f"at most {MAX_STRING_BYTES} bytes")]
+    return []
+
+
+def _labels(out: list[FieldViolation], field: str, labels: Mapping[str, str]) -> None:
+    for k, val in labels.items():
+        if not k or len(k) > MAX_LABEL_KEY or not LABEL_KEY_RE.match(k) or len(k.rpartition("/")[2]) > MAX_LABEL:
+            out.append(FieldViolation(f"{field}[{k[:40]!r}]", "label keys: up to 63 characters [A-Za-z0-9-_.], "
+                                      "alphanumeric at both ends, optional DNS prefix"))
+        if len(val) > MAX_LABEL or not LABEL_VALUE_RE.match(val):
+            out.append(FieldViolation(f"{field}[{k[:40]!r}]", "label values: up to 63 characters "
+                                      "[A-Za-z0-9-_.], alphanumeric at both ends"))
+
+
+def check_group(out: list[FieldViolation], f: str, g: _Group) -> None:
+    """One replica group's own fields (not its run-mode role rules)."""
+    if g.replicas < 1:
+        out.append(FieldViolation(f"{f}.replicas", f"1 to {MAX_REPLICAS}, got {g.replicas}"))
+    if g.processes_per_replica < 0:
+        out.append(FieldViolation(f"{f}.processes_per_replica",
+                                  f"0 to {MAX_PROCESSES_PER_REPLICA}, got {g.processes_per_replica}"))
+    if not ROLE_RE.match(g.role):
+        out.append(FieldViolation(f"{f}.role", "1 to 63 characters: lower case letters, digits and '-', "
+                                  "starting with a letter"))
+    if not g.command:
+        out.append(FieldViolation(f"{f}.command", "must not be empty"))
+    elif not g.command[0]:
+        out.append(FieldViolation(f"{f}.command[0]", "the program must not be empty"))
+    for name, items in (("command", g.command), ("args", g.args)):
+        for j, a in enumerate(items):
+            if "\x00" in a:
+                out.append(FieldViolation(f"{f}.{name}[{j}]", "must not contain NUL"))
+    for k, v in g.env.items():
+        if not ENV_NAME_RE.match(k):
+            out.append(FieldViolation(f"{f}.env[{k[:40]!r}]", "names match [A-Za-z_][A-Za-z0-9_]*"))
+        elif k.upper().startswith(RESERVED_ENV_PREFIX):
+            out.append(FieldViolation(f"{f}.env[{k[:40]!r}]",
+                                      f"names starting with {RESERVED_ENV_PREFIX} (any case) are reserved"))
+        if "\x00" in v:
+            out.append(FieldViolation(f"{f}.env[{k[:40]!r}]", "the value must not contain NUL"))
+    for name in ("image", "working_dir"):
+        if "\x00" in getattr(g, name):
+            out.append(FieldViolation(f"{f}.{name}", "must not contain NUL"))
+    r = g.resources
+    if not (math.isfinite(r.cpu) and 0 <= r.cpu <= MAX_CPU):
+        out.append(FieldViolation(f"{f}.resources.cpu", f"a finite number from 0 to {MAX_CPU:g}"))
+    if not 0 <= r.memory_bytes <= MAX_MEMORY_BYTES:
+        out.append(FieldViolation(f"{f}.resources.memory_bytes", f"0 to {MAX_MEMORY_BYTES}"))
+    if not 0 <= r.gpus <= MAX_GPUS:
+        out.append(FieldViolation(f"{f}.resources.gpus", f"0 to {MAX_GPUS}"))
+    if "\x00" in r.gpu_type:
+        out.append(FieldViolation(f"{f}.resources.gpu_type", "must not contain NUL"))
+
+
+def check_run_mode(run_mode: int, groups: Sequence[_Group], field: str = "spec") -> list[FieldViolation]:
+    """The run mode's structural rules (roles, replicas, processes)."""
+    out: list[FieldViolation] = []
+    gf = f"{field}.replica_groups"
+    if run_mode not in MODE_NAMES:
+        return [FieldViolation(f"{field}.run_mode", "required: one of " + ", ".join(
+            f"RUN_MODE_{n}" for n in MODE_NAMES.values()))]
+    name = f"RUN_MODE_{MODE_NAMES[run_mode]}"
+    if not groups:
+        return [FieldViolation(gf, "at least one replica group")]
+    if run_mode == SINGLE_PROCESS:
+        if len(groups) != 1:
+            out.append(FieldViolation(gf, f"{name} takes exactly one replica group"))
+        else:
+            g = groups[0]
+            if g.replicas != 1:
+                out.append(FieldViolation(f"{gf}[0].replicas", f"{name} takes one replica"))
+            if _processes(g) != 1:
+                out.append(FieldViolation(f"{gf}[0].processes_per_replica", f"{name} takes one process"))
+        return out
+    allowed = ROLES[run_mode]
+    if run_mode == MULTI_PROCESS and len(groups) != 1:
+        out.append(FieldViolation(gf, f"{name} takes exactly one replica group"))
+    seen: set[str] = set()
+    for i, g in enumerate(groups):
+        if g.role in seen:
+            out.append(FieldViolation(f"{gf}[{i}].role", f"duplicate role {g.role!r}"))
+        seen.add(g.role)
+        if g.role not in allowed:
+            out.append(FieldViolation(f"{gf}[{i}].role", f"{name} takes roles " + ", ".join(map(repr, allowed))))
+            continue
+        if g.role in SINGLETON.get(run_mode, ()) and g.replicas != 1:
+            out.append(FieldViolation(f"{gf}[{i}].replicas", f"{name} takes one {g.role!r} replica"))
+        one_process = run_mode == PS_WORKER or (run_mode == MPI and g.role == "launcher")
+        if one_process and _processes(g) != 1:
+            out.append(FieldViolation(f"{gf}[{i}].processes_per_replica",
+                                      f"{name} runs one process per {g.role!r} replica"))
+    for role in REQUIRED[run_mode]:
+        if role not in seen:
+            out.append(FieldViolation(gf, f"{name} needs a {role!r} replica group"))
+    return out
+
+
+def check_spec(spec: Any, *, time_limit_seconds: float | None, spec_bytes: int | None = None,
+               field: str = "spec") -> list[FieldViolation]:
+    """Every violation of the unified spec (bounds first: over them, only those are reported)."""
+    out = check_bounds(spec, spec_bytes, field)
+    if out:
+        return out
+    groups = _groups(spec)
+    for i, g in enumerate(groups):
+        check_group(out, f"{field}.replica_groups[{i}]", g)
+    out += check_run_mode(int(spec.run_mode), groups, field)
+    if not 0 <= spec.max_retries <= MAX_RETRIES:
+        out.append(FieldViolation(f"{field}.max_retries", f"0 to {MAX_RETRIES}, got {spec.max_retries}"))
+    if time_limit_seconds is not None and not (
+            math.isfinite(time_limit_seconds) and 0 < time_limit_seconds <= MAX_TIME_LIMIT_SECONDS):
+        out.append(FieldViolation(f"{field}.time_limit",
+                                  f"more than 0 and at most {MAX_TIME_LIMIT_SECONDS:.0f} s (366 days)"))
+    if "\x00" in spec.queue:
+        out.append(FieldViolation(f"{field}.queue", "must not contain NUL"))
+    _labels(out, f"{field}.labels", spec.labels)
+    return out
+
+
+def check_labels(labels: Mapping[str, str], field: str) -> list[FieldViolation]:
+    out: list[FieldViolation] = []
+    _labels(out, field, labels)
+    return out
+
+
+def unique(violations: Iterable[FieldViolation]) -> list[FieldViolation]:
+    """Violations without repeats, in order."""
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for v in violations:
+        if (v.field, v.description) not in seen:
+            seen.add((v.field, v.description))
+            out.append(v)
+    return out
