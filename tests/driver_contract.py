@@ -3,7 +3,7 @@
 ``started(name)`` runs one driver as a real process (``ServiceProcess``) on
 the peer its own tests use: ``local`` on this host; ``slurm`` on the test
 Slurm behind sshd (``tests/slurm_cluster.py``); ``kubernetes`` on kmock's
-emulator (``tests/test_kubernetes_driver.py``'s ``Emulator``, in this
+emulator (``tests/kube_emulator.py``'s ``Emulator``, in this
 process); ``ray`` on a real Ray head (``tests/ray_head.py``). It configures
 ``peer.cluster`` and yields a ``Peer``: the driver's ``DriverService`` stub
 over the control plane's certificate (``security.channel``) plus the few
@@ -192,7 +192,7 @@ class KubernetesPeer(Peer):
         self.emu, self.url = emu, url
 
     def configure_request(self, cluster: str) -> dpb.ConfigureClusterRequest:
-        from tests.test_kubernetes_driver import NS, TOKEN
+        from tests.kube_emulator import NS, TOKEN
 
         return dpb.ConfigureClusterRequest(
             cluster=cluster, address=self.url, options={"namespace": NS, "default_image": "python:3.11-slim"},
@@ -203,7 +203,7 @@ class KubernetesPeer(Peer):
                                     resources=job_pb2.Resources(cpu=1, memory_bytes=1 << 30))
 
     async def runs(self, job_id: str, marker: str) -> int:
-        from tests.test_kubernetes_driver import pods_of
+        from tests.kube_emulator import pods_of
 
         return len(pods_of(self.emu, job_id))
 
@@ -212,7 +212,7 @@ class KubernetesPeer(Peer):
         for module in ("kmock", "kubernetes"):
             if importlib.util.find_spec(module) is None:
                 pytest.skip(f"{module} is not installed (pip install -e '.[dev]')")
-        from tests.test_kubernetes_driver import emulator
+        from tests.kube_emulator import emulator
 
         emu, url = await stack.enter_async_context(emulator())
         return await cls("clusters/k8s", emu, url)._open(ServiceProcess(

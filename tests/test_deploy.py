@@ -1068,8 +1068,7 @@ def _driver_api_calls() -> set[tuple[str, str, str]]:
              "read": "get", "list": "list", "patch": "patch", "replace": "update"}
     resources = {"pod": "pods", "service": "services", "secret": "secrets",
                  "config_map": "configmaps", "pod_log": "pods/log"}
-    src = "\n".join((ROOT / "drivers" / "kubernetes" / f).read_text()
-                    for f in ("driver.py", "informer.py"))
+    src = "\n".join(f.read_text() for f in sorted((ROOT / "drivers" / "kubernetes").glob("*.py")))
     calls: set[tuple[str, str, str]] = set()
     for verb, kind in re.findall(r"\b(create|delete_collection|delete|read|list|patch|replace)_namespaced_(\w+)\b",
                                 src):

@@ -17,7 +17,7 @@ import yaml
 
 from dlsched.errors import FailedPrecondition, InvalidArgument
 from drivers.common.base import JobSpec, ReplicaGroup, Resources, RunMode
-from drivers.kubernetes import render
+from drivers.kubernetes import mpi, naming, render
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "kubernetes"
 UPDATE = os.environ.get("DLSCHED_UPDATE_GOLDEN") == "1"
@@ -64,7 +64,7 @@ def test_golden(name: str) -> None:
         assert obj["metadata"]["ownerReferences"][0]["name"] == "golden-3"
     for pod in docs[1 + len(others):]:
         labels = pod["metadata"]["labels"]
-        assert labels[render.LABEL_JOB] == "golden" and labels[render.LABEL_ATTEMPT] == "3"
+        assert labels[naming.LABEL_JOB] == "golden" and labels[naming.LABEL_ATTEMPT] == "3"
         assert pod["spec"]["subdomain"] == "golden-3" and pod["spec"]["restartPolicy"] == "Never"
         assert pod["metadata"]["ownerReferences"][0]["name"] == "golden-3"
         assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}, {"name": "other"}]
@@ -99,10 +99,10 @@ def test_gpus_split_over_the_containers_of_a_replica() -> None:
     "a" * 63, "a" * 64,
 ])
 def test_dns_labels_from_any_text(text: str) -> None:
-    name = render.dns_label(text)
-    assert render.is_dns_label(name) and name[0].isalpha(), name
-    assert render.dns_label(text) == name
-    if render.is_dns_label(text) and text[:1].isalpha():
+    name = naming.dns_label(text)
+    assert naming.is_dns_label(name) and name[0].isalpha(), name
+    assert naming.dns_label(text) == name
+    if naming.is_dns_label(text) and text[:1].isalpha():
         assert name == text
 
 
@@ -135,36 +135,36 @@ def test_a_messy_job_name_gives_valid_names_and_labels(mode: str) -> None:
     for m in out.manifests:
         assert_valid_metadata(m)
         got = m["metadata"]["labels"]
-        assert got[render.LABEL_JOB] == render.job_label(job) and got["Team.Name"] == "Vision.ML"
+        assert got[naming.LABEL_JOB] == naming.job_label(job) and got["Team.Name"] == "Vision.ML"
         assert got["name"].startswith("My.Job.NAME-") and "not a key!" not in got
-        assert json.loads(m["metadata"]["annotations"][render.ANN_LABELS]) == labels
-    assert out.manifests[0]["spec"]["selector"] == {render.LABEL_JOB: render.job_label(job),
-                                                    render.LABEL_ATTEMPT: "12"}
+        assert json.loads(m["metadata"]["annotations"][naming.ANN_LABELS]) == labels
+    assert out.manifests[0]["spec"]["selector"] == {naming.LABEL_JOB: naming.job_label(job),
+                                                    naming.LABEL_ATTEMPT: "12"}
     assert len({(m["kind"], m["metadata"]["name"]) for m in out.manifests}) == len(out.manifests)
 
 
 @pytest.mark.parametrize("text", [MESSY, "Vision.ML", "", "-x-", "日本語", "a" * 64, "_lead", "trail."])
 def test_label_values_from_any_text(text: str) -> None:
-    value = render.label_value(text)
+    value = naming.label_value(text)
     assert len(value) <= 63 and K8S_LABEL_VALUE.match(value), value
     if len(text) <= 63 and K8S_LABEL_VALUE.match(text):
         assert value == text
-    assert len({render.label_value(t) for t in (MESSY, MESSY + "!", MESSY.upper())}) == 3
+    assert len({naming.label_value(t) for t in (MESSY, MESSY + "!", MESSY.upper())}) == 3
 
 
 def test_distinct_texts_give_distinct_labels() -> None:
     texts = ["Job.A", "job-a", "job_a", "JOB-A", "x" * 200, "x" * 201]
-    assert len({render.dns_label(t) for t in texts}) == len(texts)
+    assert len({naming.dns_label(t) for t in texts}) == len(texts)
 
 
 def test_long_job_ids_still_give_valid_names() -> None:
     job = "j" + "a-" * 31
     out = render.render_job(job, SPECS["ps_worker"], 12, OPTS)
     for m in out.manifests:
-        assert render.is_dns_label(m["metadata"]["name"])
+        assert naming.is_dns_label(m["metadata"]["name"])
         if m["kind"] == "Pod":
-            assert render.is_dns_label(m["spec"]["hostname"])
-            assert render.is_dns_label(m["spec"]["subdomain"])
+            assert naming.is_dns_label(m["spec"]["hostname"])
+            assert naming.is_dns_label(m["spec"]["subdomain"])
     assert len({m["metadata"]["name"] for m in out.manifests}) == len(out.manifests)
 
 
@@ -195,13 +195,13 @@ def test_mpi_launcher_reaches_worker_sshd_with_the_attempt_key() -> None:
     env = {e["name"]: e["value"] for e in main["env"]}
     assert env["DLSCHED_MPI_HOSTFILE"] == "/etc/dlsched/mpi/hostfile" and env["OMPI_ALLOW_RUN_AS_ROOT"] == "1"
     (wait,) = launcher["initContainers"]
-    assert wait["command"][:3] == ["sh", "-c", render.WAIT_SCRIPT]  # a constant script;
+    assert wait["command"][:3] == ["sh", "-c", mpi.WAIT_SCRIPT]  # a constant script;
     assert wait["command"][4:] == ["worker-0.golden-3.ml.svc", "worker-1.golden-3.ml.svc"]  # names as args
     assert wait["resources"] == main["resources"]  # no larger pod request, same QoS
     for role in ("launcher", "worker"):
         spec = objs["Pod", f"golden-3-{role}-0"]["spec"]
         assert {v["name"] for v in spec["volumes"]} == {"dlsched-ssh", "dlsched-mpi"}
-        assert all(c["volumeMounts"] == render.MPI_MOUNTS for c in spec["containers"])
+        assert all(c["volumeMounts"] == mpi.MPI_MOUNTS for c in spec["containers"])
     worker = objs["Pod", "golden-3-worker-1"]["spec"]
     (sshd,) = worker["containers"]  # one container whatever processes_per_replica: a host for 4 ranks
     assert sshd["command"] == ["/usr/sbin/sshd", "-De", "-f", "/root/.ssh/sshd_config"]
@@ -212,7 +212,7 @@ def test_mpi_launcher_reaches_worker_sshd_with_the_attempt_key() -> None:
 
 def test_with_ssh_key_pins_the_key_for_the_service_names() -> None:
     secret = render.render_job("golden", SPECS["mpi"], 3, OPTS).manifests[1]
-    filled = render.with_ssh_key(secret, "-----BEGIN OPENSSH PRIVATE KEY-----\nx\n-----END OPENSSH PRIVATE KEY-----",
+    filled = mpi.with_ssh_key(secret, "-----BEGIN OPENSSH PRIVATE KEY-----\nx\n-----END OPENSSH PRIVATE KEY-----",
                                  "ssh-ed25519 AAAAC3 dlsched\n")
     assert filled["stringData"] == {
         "ssh-privatekey": "-----BEGIN OPENSSH PRIVATE KEY-----\nx\n-----END OPENSSH PRIVATE KEY-----\n",
@@ -224,11 +224,10 @@ def test_with_ssh_key_pins_the_key_for_the_service_names() -> None:
 
 def test_the_driver_makes_a_fresh_openssh_key_pair(tmp_path: pathlib.Path) -> None:
     pytest.importorskip("cryptography")
-    from drivers.kubernetes.driver import ssh_keypair
 
-    private, public = ssh_keypair()
+    private, public = mpi.ssh_keypair()
     assert private.startswith("-----BEGIN OPENSSH PRIVATE KEY-----") and public.startswith("ssh-ed25519 ")
-    assert ssh_keypair() != (private, public)
+    assert mpi.ssh_keypair() != (private, public)
     keygen = shutil.which("ssh-keygen")
     if keygen:  # OpenSSH reads the private key and derives the same public key
         key = tmp_path / "id"
@@ -248,11 +247,10 @@ def test_the_rendered_ssh_files_let_the_launcher_into_a_worker(tmp_path: pathlib
     if not (sshd and ssh and os.geteuid() == 0):
         pytest.skip("needs sshd, ssh and root")
     pytest.importorskip("cryptography")
-    from drivers.kubernetes.driver import ssh_keypair
 
     out = render.render_job("sshcheck", SPECS["mpi"], 1, OPTS)
     objs = {m["kind"]: m for m in out.manifests if m["kind"] != "Pod"}
-    data = {"Secret": render.with_ssh_key(objs["Secret"], *ssh_keypair())["stringData"],
+    data = {"Secret": mpi.with_ssh_key(objs["Secret"], *mpi.ssh_keypair())["stringData"],
             "ConfigMap": objs["ConfigMap"]["data"]}
     launcher = next(m["spec"] for m in out.manifests if m["metadata"]["name"] == "sshcheck-1-launcher-0")
     with socket.socket() as sock:
@@ -262,7 +260,7 @@ def test_the_rendered_ssh_files_let_the_launcher_into_a_worker(tmp_path: pathlib
     d.mkdir()
 
     def moved(text: str) -> str:
-        return text.replace(render.SSH_DIR, str(d)).replace("Port 22\n", f"Port {port}\n")
+        return text.replace(mpi.SSH_DIR, str(d)).replace("Port 22\n", f"Port {port}\n")
 
     for src in launcher["volumes"][0]["projected"]["sources"]:  # the projection as rendered
         kind, ref = next(iter(src.items()))
@@ -295,7 +293,7 @@ def test_without_cryptography_mpi_is_not_offered(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setitem(sys.modules, "cryptography.hazmat.primitives.asymmetric.ed25519", None)
     with pytest.raises(FailedPrecondition) as e:
-        driver.ssh_keypair()
+        mpi.ssh_keypair()
     assert e.value.reason == "MPI_NOT_AVAILABLE"
     monkeypatch.setattr(driver.importlib.util, "find_spec", lambda name: None)
     assert RunMode.MPI not in driver._run_modes() and RunMode.MASTER_WORKER in driver._run_modes()
@@ -308,6 +306,6 @@ def test_manifests_round_trip_through_the_client_models(name: str) -> None:
 
     for m in render.render_job("golden", SPECS[name], 1, OPTS).manifests:
         if m["kind"] == "Secret":
-            m = render.with_ssh_key(m, "-----BEGIN OPENSSH PRIVATE KEY-----\n", "ssh-ed25519 AAAA")
+            m = mpi.with_ssh_key(m, "-----BEGIN OPENSSH PRIVATE KEY-----\n", "ssh-ed25519 AAAA")
         model = client.deserialize(json.dumps(m), f"V1{m['kind']}", "application/json")
         assert client.sanitize_for_serialization(model) == m

@@ -64,14 +64,6 @@ class RequestBudget:
             self._sleep(wait)
 
 
-def is_unreachable(exc: BaseException) -> bool:
-    """Connection problems and 5xx: the API server is not answering."""
-    status = getattr(exc, "status", None)
-    if isinstance(status, int) and status > 0:
-        return status >= 500 or status == 429
-    return True
-
-
 class PodInformer:
     """List + watch of the dlsched pods of one namespace, in a daemon thread."""
 

@@ -1,0 +1,224 @@
+"""Job logs from the pod log API: one reader per replica container, merged into batches.
+
+The pod log API per replica container (``timestamps=true`` for line times;
+``tail_lines``; ``since_time`` as ``sinceSeconds`` rounded up, then
+filtered exactly). Kubernetes merges a container's stdout and stderr, so
+every line is reported as STDOUT; a query that does not want STDOUT opens
+nothing. A pod that has not started yet gives one line saying so (without
+follow), or is waited for (with follow); a follow ends once every replica's
+stream has ended and the job is terminal. Each reader runs in a worker
+thread (the client blocks); closing the stream (``LogStream.close``) shuts
+the socket down so a reader blocked on a silent follow ends at once and no
+reader outlives its consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import Any
+
+from dlsched.errors import DlschedError
+from dlsched.kit import metrics
+from drivers.common.base import JobNotFound, JobRef, LogEntry, LogQuery, LogStream, ReplicaState
+from drivers.kubernetes import states
+from drivers.kubernetes.api import api_error, raise_for_status, status_of, status_text
+from drivers.kubernetes.tracking import KubeCluster, Replica, TrackedJob
+
+BATCH_ENTRIES = 500
+FOLLOW_READ_TIMEOUT = 24 * 3600.0  # a followed log may stay silent for long
+
+_Queue = asyncio.Queue[list[LogEntry] | BaseException | None]
+
+
+class _LogStream:
+    """One open pod log response, closable from the event loop while a thread reads it."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._resp: Any = None
+
+    def is_set(self) -> bool:
+        return self._stop.is_set()
+
+    def attach(self, resp: Any) -> bool:
+        with self._lock:
+            if self._stop.is_set():
+                return False
+            self._resp = resp
+            return True
+
+    def close(self) -> None:
+        """Stop the reader without blocking the caller (the event loop).
+
+        Closing the response here would wait for the reading thread's buffer
+        lock; shutting the socket down instead ends a read blocked on a silent
+        follow at once, and the reader closes the response itself.
+        """
+        with self._lock:
+            self._stop.set()
+            resp, self._resp = self._resp, None
+        sock = getattr(getattr(resp, "connection", None), "sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+def line_time(line: str) -> tuple[int | None, str]:
+    """``<RFC3339Nano> <text>`` (the log API with timestamps) -> (unix nanos, text)."""
+    stamp, sep, text = line.partition(" ")
+    if not sep:
+        return None, line
+    s = stamp.rstrip("Z")
+    frac = ""
+    if "." in s:
+        s, frac = s.split(".", 1)
+    try:
+        secs = datetime.fromisoformat(s + "+00:00").timestamp()
+    except ValueError:
+        return None, line
+    nanos = int((frac + "000000000")[:9]) if frac.isdigit() else 0
+    return int(secs) * 1_000_000_000 + nanos, text
+
+
+def _entries(role: str, index: int, lines: list[bytes], query: LogQuery) -> list[LogEntry]:
+    out = []
+    for raw in lines:
+        ns, text = line_time(raw.decode("utf-8", "replace").rstrip("\r"))
+        if query.since_ns is not None and ns is not None and ns < query.since_ns:
+            continue
+        out.append(LogEntry(role=role, replica_index=index, stream=LogStream.STDOUT, text=text, time_ns=ns))
+    return out
+
+
+def _note(r: Replica, index: int, text: str) -> list[LogEntry]:
+    return [LogEntry(role=r.role, replica_index=index, stream=LogStream.STDERR, text=f"dlsched: {text}")]
+
+
+async def tail(c: KubeCluster, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
+    """Batches of the job's log lines, every wanted replica container's reader merged."""
+    job = c.find(ref)
+    if job is None:
+        raise JobNotFound(ref.job_id)
+    if not query.wants_stream(LogStream.STDOUT):
+        return  # the pod log API merges stderr into one stream, reported as STDOUT
+    targets = [(r, r.index * max(1, len(r.containers)) + k, cname)
+               for r in job.replicas for k, cname in enumerate(r.containers or ("",))]
+    targets = [(r, index, cname) for r, index, cname in targets if query.wants_replica(r.role, index)]
+    queue: _Queue = asyncio.Queue()
+    stops: list[_LogStream] = []
+    tasks = [asyncio.ensure_future(_tail_one(c, job, r, index, cname, query, queue, stops))
+             for r, index, cname in targets]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            batch = await queue.get()
+            if batch is None:
+                remaining -= 1
+                continue
+            if isinstance(batch, BaseException):
+                raise batch
+            for i in range(0, len(batch), BATCH_ENTRIES):
+                yield batch[i:i + BATCH_ENTRIES]
+    finally:
+        for st in stops:
+            st.close()
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
+
+
+async def _started(job: TrackedJob, r: Replica, index: int, query: LogQuery, queue: _Queue) -> bool:
+    """Whether the replica's pod has started; without follow (or once it is gone) a note says it has not."""
+    while True:
+        pod = job.pods.get(r.pod)
+        view = states.replica_of(pod) if pod is not None else None
+        if view is not None and view.state is not ReplicaState.PENDING:
+            return True
+        gone = (pod is None and (r.pod in job.seen or r.pod in job.deleted)) or job.final is not None
+        if not query.follow or gone:
+            why = view.reason if view is not None else "not created yet"
+            await queue.put(_note(r, index, f"pod {r.pod} has not started yet ({why})"))
+            return False
+        changed = job.changed
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(changed.wait(), timeout=5)
+
+
+def _request(c: KubeCluster, r: Replica, container: str, query: LogQuery) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"timestamps": True, "follow": query.follow,
+                              "_request_timeout": (c.api.timeout, FOLLOW_READ_TIMEOUT) if query.follow
+                              else c.api.timeout}
+    if container:
+        kwargs["container"] = container
+    if query.tail_lines:
+        kwargs["tail_lines"] = query.tail_lines
+    if query.since_ns is not None:
+        kwargs["since_seconds"] = max(1, math.ceil(time.time() - query.since_ns / 1e9) + 1)
+    return kwargs
+
+
+async def _tail_one(c: KubeCluster, job: TrackedJob, r: Replica, index: int, container: str,
+                    query: LogQuery, queue: _Queue, stops: list[_LogStream]) -> None:
+    try:
+        if not await _started(job, r, index, query, queue):
+            return
+        stop = _LogStream()
+        stops.append(stop)
+        loop = asyncio.get_running_loop()
+        kwargs = _request(c, r, container, query)
+
+        def put(lines: list[bytes]) -> None:
+            entries = _entries(r.role, index, lines, query)
+            if entries:
+                loop.call_soon_threadsafe(queue.put_nowait, entries)
+
+        def read() -> None:
+            c.api.budget.acquire()
+            metrics.backend_call("kubernetes", "read_namespaced_pod_log")
+            resp = c.api.core.read_namespaced_pod_log(r.pod, c.namespace, _preload_content=False, **kwargs)
+            if not stop.attach(resp):
+                with contextlib.suppress(Exception):
+                    resp.close()
+                return
+            try:
+                raise_for_status(resp)
+                buf = b""
+                for chunk in resp.stream(amt=None, decode_content=True):
+                    if stop.is_set():
+                        return
+                    buf += chunk
+                    *lines, buf = buf.split(b"\n")
+                    put(lines)
+                if buf:
+                    put([buf])
+            finally:
+                if stop.is_set():  # the socket was shut down: never back into the pool
+                    with contextlib.suppress(Exception):
+                        resp.close()
+                else:
+                    resp.release_conn()
+
+        try:
+            await asyncio.to_thread(read)
+        except DlschedError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            if stop.is_set():
+                return  # closed by the consumer
+            if status_of(e) not in (400, 404):
+                raise api_error(e, f"reading the log of {r.pod}") from None
+            await queue.put(_note(r, index, f"no log for pod {r.pod} ({status_text(e)})"))
+    except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+        queue.put_nowait(e)
+    finally:
+        queue.put_nowait(None)

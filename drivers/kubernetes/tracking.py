@@ -1,0 +1,180 @@
+"""What the driver tracks per cluster and per job, and a job's observation from its pods.
+
+``KubeCluster`` is one configured cluster: its ``KubeApi``, namespace,
+informer, staleness and the jobs, keyed by ``naming.job_label(job_id)``
+(the pods' job label; a request's job id is looked up through the same
+function, ``find``). ``TrackedJob`` is one job's newest attempt: its
+replicas (one pod each), the pods the watch shows, what the driver deleted,
+and the latched end. ``observation`` turns that into a ``JobObservation``
+with ``states.job_state`` and the attempt's success rule; while the API
+server is unreachable a job keeps its last state with reason
+``BackendStale`` (never FAILED).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from drivers.common.base import (
+    ClusterConfig,
+    JobObservation,
+    JobRef,
+    JobState,
+    NativeSpec,
+    ReplicaState,
+    ReplicaStatus,
+)
+from drivers.common.planner import SuccessRule
+from drivers.kubernetes import naming, states
+
+if TYPE_CHECKING:
+    from drivers.kubernetes.api import KubeApi
+    from drivers.kubernetes.informer import PodInformer
+    from drivers.kubernetes.render import Rendered
+    from drivers.kubernetes.usage import Sampled
+
+
+@dataclass
+class Replica:
+    role: str
+    index: int
+    pod: str
+    containers: tuple[str, ...]
+
+
+class TrackedJob:
+    """One job's newest attempt, as the watch shows its pods."""
+
+    def __init__(self, cluster: str, job_id: str, attempt: int, backend_job_id: str, service: str,
+                 replicas: list[Replica], rule: SuccessRule, native: NativeSpec | None,
+                 others: Sequence[tuple[str, str]] = ()) -> None:
+        self.cluster = cluster
+        self.others = tuple(others)  # (kind, name) besides the Service and the Pods
+        self.job_id = job_id
+        self.attempt = attempt
+        self.backend_job_id = backend_job_id
+        self.service = service
+        self.replicas = replicas
+        self.rule = rule
+        self.native = native
+        self.pods: dict[str, dict[str, Any]] = {}
+        self.seen: set[str] = set()
+        self.deleted: set[str] = set()
+        self.stop_requested = False
+        self.final: JobObservation | None = None
+        self.last: JobObservation | None = None
+        self.start_time: float | None = None
+        self.end_time: float | None = None
+        self.changed = asyncio.Event()
+        self.usage: dict[str, Sampled] = {}  # by pod: what metrics.k8s.io said so far
+
+    @classmethod
+    def launched(cls, cluster: str, rendered: Rendered, native: NativeSpec) -> TrackedJob:
+        """The job a launch of ``rendered`` creates (``native``: its native spec, as the launch reports it)."""
+        return cls(cluster, rendered.job_id, rendered.attempt, rendered.backend_job_id, rendered.service,
+                   [Replica(p.role, p.index, p.name, p.containers) for p in rendered.pods],
+                   rendered.success, native, rendered.others)
+
+    @classmethod
+    def adopted(cls, cluster: str, meta: naming.JobMeta, namespace: str) -> TrackedJob:
+        """A job found on the watch (after a driver restart), rebuilt from its pods' metadata."""
+        return cls(cluster, meta.job_id, meta.attempt, naming.backend_job_id(namespace, meta.job_id, meta.attempt),
+                   naming.service_name(meta.job_id, meta.attempt),
+                   [Replica(role, i, pod, ()) for role, i, pod in meta.pods()], meta.success, None, meta.others)
+
+    def by_pod(self, name: str) -> Replica | None:
+        for r in self.replicas:
+            if r.pod == name:
+                return r
+        return None
+
+    def notify(self) -> None:
+        """Wake whoever waits for a change of this job (log followers)."""
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+class KubeCluster:
+    """One configured cluster: its API, informer and tracked jobs."""
+
+    def __init__(self, config: ClusterConfig, api: KubeApi, namespace: str) -> None:
+        self.config = config
+        self.api = api
+        self.namespace = namespace
+        self.informer: PodInformer | None = None
+        self.stale: str | None = "not synced yet"
+        self.synced = asyncio.Event()
+        self.jobs: dict[str, TrackedJob] = {}  # by naming.job_label(job_id), the pods' job label
+        self.pods_forbidden_until = 0.0  # monotonic: skip the cluster-wide pod list (403) until then
+
+    def find(self, ref: JobRef) -> TrackedJob | None:
+        job = self.jobs.get(naming.job_label(ref.job_id))
+        if job is None or job.job_id != ref.job_id or (
+                ref.backend_job_id and ref.backend_job_id != job.backend_job_id):
+            return None
+        return job
+
+
+# --------------------------------------------------------------------------- observations
+
+
+def views(job: TrackedJob) -> list[tuple[Replica, states.PodView]]:
+    """Each replica with its pod's view (a pod the driver deleted reads as stopping, then STOPPED)."""
+    out = []
+    for r in job.replicas:
+        pod = job.pods.get(r.pod)
+        if pod is None:
+            v = states.missing(deleted_by_us=r.pod in job.deleted, seen=r.pod in job.seen)
+        else:
+            v = states.replica_of(pod)
+            if r.pod in job.deleted and not v.state.is_terminal():
+                v = states.PodView(ReplicaState.STOPPED if job.stop_requested or job.final else v.state,
+                                   states.REASON_STOPPING, "deleting the pod", node=v.node,
+                                   start_time=v.start_time)
+        out.append((r, v))
+    return out
+
+
+def live_pods(job: TrackedJob) -> list[str]:
+    """The job's pods still there that have not ended."""
+    return [r.pod for r, v in views(job) if r.pod in job.pods and not v.state.is_terminal()]
+
+
+def _replica_statuses(vs: list[tuple[Replica, states.PodView]]) -> tuple[ReplicaStatus, ...]:
+    return tuple(ReplicaStatus(role=r.role, index=r.index, state=v.state, exit_code=v.exit_code,
+                               host=v.node, message=f"{v.reason}: {v.message}" if v.message else v.reason)
+                 for r, v in vs)
+
+
+def observation(job: TrackedJob, stale: str | None) -> JobObservation:
+    """The job's observation now (``stale``: why the API server is not answering, else ``None``)."""
+    vs = views(job)
+    if job.final is not None:  # the job's state is latched; its replicas still move (the rest stopping)
+        return dataclasses.replace(job.final, replicas=_replica_statuses(vs))
+    jv = states.job_state([(r.role, r.index, v) for r, v in vs], job.rule, stop_requested=job.stop_requested)
+    if job.stop_requested and jv.state is JobState.STOPPED:
+        # STOPPED only once the watch shows every deleted pod gone.
+        if any(r.pod in job.pods for r in job.replicas):
+            jv = states.JobView(JobState.STOPPING, states.REASON_STOPPING, "deleting the pods")
+    starts = [v.start_time for _, v in vs if v.start_time is not None]
+    if starts and job.start_time is None:
+        job.start_time = min(starts)
+    if jv.state.is_terminal() and job.end_time is None:
+        ends = [v.end_time for _, v in vs if v.end_time is not None]
+        job.end_time = max(ends) if ends else time.time()
+    reason, message = jv.reason, jv.message
+    if stale is not None and not jv.state.is_terminal():
+        if job.last is not None:
+            return dataclasses.replace(job.last, reason=states.REASON_STALE,
+                                       message=f"Kubernetes API server unreachable ({stale}); last known state")
+        reason, message = states.REASON_STALE, f"Kubernetes API server unreachable ({stale})"
+    return JobObservation(
+        job_id=job.job_id, backend_job_id=job.backend_job_id, found=True, state=jv.state,
+        reason=reason, message=message, exit_code=jv.exit_code, replicas=_replica_statuses(vs),
+        start_time=job.start_time, end_time=job.end_time if jv.state.is_terminal() else None,
+        attempt=job.attempt)

@@ -1,0 +1,226 @@
+"""The Kubernetes driver launching jobs: every run mode, failures, names, idempotency, stop, pacing."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+
+pytest.importorskip("kmock")
+pytest.importorskip("kubernetes")
+
+
+from dlsched.v1 import driver_service_pb2 as dpb  # noqa: E402
+from dlsched.v1 import driver_service_pb2_grpc, job_pb2  # noqa: E402
+from drivers.kubernetes import naming  # noqa: E402
+from tests import security  # noqa: E402
+from tests.harness import ServiceProcess  # noqa: E402
+from tests.kube_emulator import (  # noqa: E402, F401 - the fixtures driver, emu, stub, by their names
+    MODES,
+    NS,
+    STOPPED_AFTER,
+    TERMINAL,
+    Emulator,
+    all_replicas_running,
+    configure,
+    driver_fixture,
+    emu_fixture,
+    emulator,
+    eventually,
+    exited,
+    group,
+    has,
+    has_service,
+    kubelet,
+    launch,
+    new_id,
+    observe,
+    pods_of,
+    spec,
+    stub_fixture,
+    unique,
+    wait_for,
+)
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+async def test_each_mode_runs_to_success(stub: Any, emu: tuple[Emulator, str], mode: str) -> None:
+    e, url = emu
+    job = new_id(mode.replace("_", "-"))
+    res = await launch(stub, job, spec(mode))
+    assert res.backend_job_id == f"{NS}/{job}-1"
+    assert res.native_spec.media_type == "application/yaml"
+    pods = pods_of(e, job)
+    assert has_service(e, f"{job}-1")
+    assert len(pods) == sum(g.replicas for g in MODES[mode][1])
+    for p in pods.values():
+        assert p["spec"]["subdomain"] == f"{job}-1" and p["spec"]["restartPolicy"] == "Never"
+        assert p["metadata"]["ownerReferences"][0]["name"] == f"{job}-1"
+    for name in pods:
+        await kubelet(url, name, "Running")
+    obs = await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
+    obs = await all_replicas_running(stub, job, obs)
+    assert all(r.state == job_pb2.REPLICA_STATE_RUNNING and r.host == "node-1" for r in obs.replicas)
+    rest = STOPPED_AFTER.get(mode)
+    role_of = {n: p["metadata"]["labels"][naming.LABEL_ROLE] for n, p in pods.items()}
+    deciding = [n for n in pods if role_of[n] != rest]
+    for name in deciding:
+        await kubelet(url, name, "Succeeded", **exited(0, "Completed"))
+    obs = await wait_for(stub, job, TERMINAL)
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
+    if rest:  # the parameter servers / MPI workers are stopped once the deciding roles are done
+        await eventually(lambda: not any(role_of[n] == rest for n in pods_of(e, job)))
+        obs = await observe(stub, job)
+        assert obs.state == job_pb2.JOB_STATE_SUCCEEDED
+        stopped = [r for r in obs.replicas if r.role == rest]
+        assert stopped and all(r.state == job_pb2.REPLICA_STATE_STOPPED for r in stopped)
+
+@pytest.mark.parametrize("mode", ["multi_process", "master_worker", "ps_worker"])
+async def test_a_failed_worker_fails_the_job_with_its_replica_and_reason(stub: Any, emu: tuple[Emulator, str],
+                                                                         mode: str) -> None:
+    e, url = emu
+    job = new_id(f"oom-{mode.replace('_', '-')}")
+    groups = [group("worker", 2)] if mode == "multi_process" else MODES[mode][1]
+    await launch(stub, job, job_pb2.JobSpec(run_mode=MODES[mode][0], replica_groups=groups))
+    failing = f"{job}-1-worker-1"
+    for name in pods_of(e, job):
+        if name != failing:
+            await kubelet(url, name, "Running")
+    await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
+    await kubelet(url, failing, "Failed", **exited(137, "OOMKilled"))
+    obs = await wait_for(stub, job, TERMINAL)
+    assert (obs.state, obs.reason, obs.exit_code) == (job_pb2.JOB_STATE_FAILED, "OOMKilled", 137)
+    assert obs.message.startswith("worker-1: OOMKilled"), obs.message
+    (bad,) = [r for r in obs.replicas if r.state == job_pb2.REPLICA_STATE_FAILED]
+    assert (bad.role, bad.index, bad.exit_code) == ("worker", 1, 137)
+    await eventually(lambda: list(pods_of(e, job)) == [failing])  # the rest (master, ps, chief) is stopped
+    obs = await observe(stub, job)
+    assert obs.state == job_pb2.JOB_STATE_FAILED and obs.reason == "OOMKilled"  # latched
+    assert all(r.state == job_pb2.REPLICA_STATE_STOPPED for r in obs.replicas if (r.role, r.index) != ("worker", 1))
+
+@pytest.mark.parametrize("job", ["odd--id", "trailing-"])
+async def test_job_ids_that_are_not_labels_are_tracked_by_their_label(stub: Any, emu: tuple[Emulator, str],
+                                                                      job: str) -> None:
+    e, url = emu
+    job = f"{job}{unique()}" if job.endswith("--id") else f"{job}{unique()}-"
+    label = naming.job_label(job)
+    assert label != job and naming.is_dns_label(label)  # validation accepts the id; the label differs
+    res = await launch(stub, job, spec("master_worker"))
+    pods = pods_of(e, job)
+    assert len(pods) == 3 and res.backend_job_id == f"{NS}/{naming.service_name(job, 1)}"
+    for name in pods:
+        await kubelet(url, name, "Running")
+    obs = await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
+    obs = await all_replicas_running(stub, job, obs)
+    assert obs.job_id == job and all(r.state == job_pb2.REPLICA_STATE_RUNNING for r in obs.replicas)
+    before = len(e.paths)
+    with pytest.raises(grpc.aio.AioRpcError):  # no metrics.k8s.io here; the query still names the label
+        await stub.MeasureJobUsage(dpb.MeasureJobUsageRequest(cluster="clusters/k8s",
+                                                              job=dpb.JobRef(job_id=job)), timeout=10)
+    assert any("metrics.k8s.io" in p and f"job-id%3D{label}" in p for p in e.paths[before:]), e.paths[before:]
+    for name in pods:
+        await kubelet(url, name, "Succeeded", **exited(0, "Completed"))
+    obs = await wait_for(stub, job, TERMINAL)
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
+    await stub.CleanupJob(dpb.CleanupJobRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job)), timeout=10)
+    assert pods_of(e, job) == {} and not has_service(e, naming.service_name(job, 1))
+
+async def test_a_messy_job_name_still_gives_valid_objects(stub: Any, emu: tuple[Emulator, str]) -> None:
+    """The longest, oddest id and labels validation lets through (capitals, dots, a DNS prefix):
+    every object the API gets is valid. Labels validation refuses (unicode, 200 characters, a
+    space) are refused here too, naming the field, as JobManager refuses them (dlsched.spec_rules)."""
+    from tests.test_kubernetes_render import MESSY, assert_valid_metadata
+
+    e, url = emu
+    job = f"m{unique()}-" + "a-" * 28 + "-"  # the longest, oddest id validation lets through
+    assert len(job) <= 63
+    refused = spec("mpi")
+    refused.labels.update({"name": MESSY, "bad key!": "x"})
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await launch(stub, job, refused)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "spec.labels" in (ei.value.details() or "")
+    sp = spec("mpi")  # the mode with the most kinds of objects
+    sp.labels.update({"Team.Name": "Vision.ML", "example.com/Odd_Key.x": "A-b_c.9", "empty": ""})
+    await launch(stub, job, sp)
+    mine = [obj.raw for (_res, _ns, _name), obj in list(e.objects.items()) if not obj.deleted and
+            (obj.raw.get("metadata", {}).get("labels") or {}).get(naming.LABEL_JOB) == naming.job_label(job)]
+    assert sorted(m["kind"] for m in mine) == ["ConfigMap", "Pod", "Pod", "Pod", "Secret", "Service"]
+    for m in mine:
+        assert_valid_metadata(m)
+        assert m["metadata"]["labels"]["Team.Name"] == "Vision.ML"
+    pods = pods_of(e, job)
+    for name in pods:
+        await kubelet(url, name, "Running")
+    await kubelet(url, naming.pod_name(job, 1, "launcher", 0), "Succeeded", **exited(0, "Completed"))
+    obs = await wait_for(stub, job, TERMINAL)
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED and obs.job_id == job
+
+async def test_pending_reasons_and_idempotent_launch(stub: Any, emu: tuple[Emulator, str]) -> None:
+    e, url = emu
+    job = new_id("pend")
+    before = sum(1 for p in e.paths if p.startswith("POST"))
+    first = await launch(stub, job, spec("single_process"))
+    again = await launch(stub, job, spec("single_process"))
+    assert again.backend_job_id == first.backend_job_id
+    assert sum(1 for p in e.paths if p.startswith("POST")) - before == 2  # one Service, one Pod
+    pod = f"{job}-1-main-0"
+    await kubelet(url, pod, "Pending", conditions=[{"type": "PodScheduled", "status": "False",
+                                                    "reason": "Unschedulable", "message": "0/3 nodes"}])
+    obs = await wait_for(stub, job, [job_pb2.JOB_STATE_PENDING], reason="Unschedulable")
+    assert "0/3 nodes" in obs.message
+    await kubelet(url, pod, "Pending", conditions=[], containerStatuses=[
+        {"name": "main", "state": {"waiting": {"reason": "ImagePullBackOff", "message": "no such image"}}}])
+    await wait_for(stub, job, [job_pb2.JOB_STATE_PENDING], reason="ImagePullBackOff")
+    # Not started yet: the log says so instead of failing.
+    out = []
+    async for r in stub.TailJobLogs(dpb.TailJobLogsRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job)),
+                                    timeout=10):
+        out.extend(r.entries)
+    assert len(out) == 1 and "has not started" in out[0].text
+
+async def test_stop_and_delete_remove_the_right_objects(stub: Any, emu: tuple[Emulator, str]) -> None:
+    e, url = emu
+    job, other = new_id("stop"), new_id("keep")
+    await launch(stub, job, spec("master_worker"))
+    await launch(stub, other, spec("single_process"))
+    for name in pods_of(e, job):
+        await kubelet(url, name, "Running")
+    await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
+    ref = dpb.JobRef(job_id=job)
+    resp = await stub.TerminateJob(dpb.TerminateJobRequest(cluster="clusters/k8s", job=ref), timeout=10)
+    assert resp.observation.state in (job_pb2.JOB_STATE_STOPPING, job_pb2.JOB_STATE_STOPPED)
+    obs = await wait_for(stub, job, [job_pb2.JOB_STATE_STOPPED])
+    assert all(r.state == job_pb2.REPLICA_STATE_STOPPED for r in obs.replicas)
+    assert pods_of(e, job) == {} and has_service(e, f"{job}-1")  # the record is kept
+    await stub.TerminateJob(dpb.TerminateJobRequest(cluster="clusters/k8s", job=ref), timeout=10)
+    await stub.CleanupJob(dpb.CleanupJobRequest(cluster="clusters/k8s", job=ref), timeout=10)
+    assert not has_service(e, f"{job}-1")
+    await stub.CleanupJob(dpb.CleanupJobRequest(cluster="clusters/k8s", job=ref), timeout=10)
+    assert not (await observe(stub, job)).found
+    assert len(pods_of(e, other)) == 1 and has_service(e, f"{other}-1")  # untouched
+
+async def test_the_request_budget_paces_api_requests() -> None:
+    """--qps 5 --burst 5: 20 concurrent launches (40 creates) reach the API server paced, not all at once."""
+    qps, burst = 5, 5
+    svc = ServiceProcess("drivers.kubernetes", ["--qps", str(qps), "--burst", str(burst), "--request-timeout", "5"],
+                         name="kubernetes-paced").start()
+    try:
+        async with security.channel(svc.address) as ch, emulator() as (e, url):
+            stub = driver_service_pb2_grpc.DriverServiceStub(ch)
+            await configure(stub, "clusters/paced", url)
+            before = len(e.stamps)
+            ids = [new_id("paced") for _ in range(20)]
+            await asyncio.gather(*(stub.LaunchJob(dpb.LaunchJobRequest(
+                cluster="clusters/paced", job_id=j, spec=spec("single_process"), attempt=1), timeout=60)
+                for j in ids))
+            posts = [t for t, p in e.stamps[before:] if p.startswith("POST ")]
+            assert len(posts) == 40  # a Service and a Pod each
+            # A bucket of 5 lets 5 through at once, then one every 0.2 s: 35 more take 7 s (allow 5).
+            assert posts[-1] - posts[0] >= (len(posts) - burst) / qps * 0.7, posts[-1] - posts[0]
+            # No second ever sees more than burst + qps of them (plus slack for arrival jitter).
+            assert max(sum(1 for u in posts if t <= u < t + 1) for t in posts) <= burst + qps + 2
+            await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/paced"), timeout=10)
+    finally:
+        svc.stop()

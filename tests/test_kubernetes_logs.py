@@ -1,0 +1,90 @@
+"""The Kubernetes driver's logs: the pod log API, followed, tailed and since a time."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("kmock")
+pytest.importorskip("kubernetes")
+
+
+from dlsched.v1 import driver_service_pb2 as dpb  # noqa: E402
+from dlsched.v1 import job_pb2  # noqa: E402
+from tests.kube_emulator import (  # noqa: E402, F401 - the fixtures driver, emu, stub, by their names
+    Emulator,
+    driver_fixture,
+    emu_fixture,
+    eventually,
+    exited,
+    kubelet,
+    launch,
+    new_id,
+    spec,
+    stub_fixture,
+    wait_for,
+)
+
+
+async def test_logs_follow_a_replica_until_the_job_ends(stub: Any, emu: tuple[Emulator, str]) -> None:
+    e, url = emu
+    job = new_id("logs")
+    await launch(stub, job, spec("single_process"))
+    pod = f"{job}-1-main-0"
+    got: list[str] = []
+
+    async def follow() -> None:
+        req = dpb.TailJobLogsRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job), follow=True)
+        async for r in stub.TailJobLogs(req, timeout=30):
+            got.extend(x.text for x in r.entries)
+
+    task = asyncio.create_task(follow())
+    await asyncio.sleep(0.3)
+    await kubelet(url, pod, "Running")
+    e.write_log(pod, "epoch 1")
+    await eventually(lambda: "epoch 1" in got)
+    assert got == ["epoch 1"]
+    e.write_log(pod, "epoch 2")
+    await kubelet(url, pod, "Succeeded", **exited(0, "Completed"))
+    await asyncio.wait_for(task, 15)
+    assert got == ["epoch 1", "epoch 2"]
+    tail = []
+    async for r in stub.TailJobLogs(dpb.TailJobLogsRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job),
+                                                           tail_lines=1), timeout=10):
+        tail.extend(r.entries)
+    assert [t.text for t in tail] == ["epoch 2"] and tail[0].time.seconds > 0
+    # A client that cancels a follow of a silent replica leaves no reader behind (see the fixture).
+    quiet = new_id("quiet")
+    await launch(stub, quiet, spec("single_process"))
+    await kubelet(url, f"{quiet}-1-main-0", "Running")
+    await wait_for(stub, quiet, [job_pb2.JOB_STATE_RUNNING])
+    call = stub.TailJobLogs(dpb.TailJobLogsRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=quiet),
+                                                   follow=True), timeout=30)
+    await asyncio.sleep(0.5)
+    call.cancel()
+
+async def test_logs_since_a_time_ask_the_pod_log_api_for_since_seconds(stub: Any, emu: tuple[Emulator, str]) -> None:
+    e, url = emu
+    job = new_id("since")
+    await launch(stub, job, spec("single_process"))
+    pod = f"{job}-1-main-0"
+    await kubelet(url, pod, "Running")
+    since = time.time() - 60
+    e.write_log(pod, "long before", at=since - 3600)
+    e.write_log(pod, "just before", at=since - 0.5)  # inside the API's whole-second rounding: the driver drops it
+    e.write_log(pod, "at the time", at=since + 0.001)
+    e.write_log(pod, "now")
+    before = len(e.paths)
+    req = dpb.TailJobLogsRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job))
+    req.since_time.FromNanoseconds(int(since * 1e9))
+    got = [x.text async for r in stub.TailJobLogs(req, timeout=10) for x in r.entries]
+    assert got == ["at the time", "now"]
+    (asked,) = [p for p in e.paths[before:] if f"/pods/{pod}/log?" in p]
+    from urllib.parse import parse_qs, urlsplit
+
+    q = parse_qs(urlsplit(asked.split(" ", 1)[1]).query)
+    assert 60 <= int(q["sinceSeconds"][0]) <= 63, asked  # rounded up, never short
+    assert q["timestamps"] == ["true"]

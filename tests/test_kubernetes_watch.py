@@ -1,0 +1,168 @@
+"""The Kubernetes driver's status: one list + watch per cluster, re-lists, and an API server in trouble."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import pytest
+
+pytest.importorskip("kmock")
+pytest.importorskip("kubernetes")
+
+
+from dlsched.v1 import cluster_pb2, driver_service_pb2_grpc, job_pb2  # noqa: E402
+from dlsched.v1 import driver_service_pb2 as dpb  # noqa: E402
+from drivers.kubernetes import render  # noqa: E402
+from tests import security  # noqa: E402
+from tests.harness import ServiceProcess  # noqa: E402
+from tests.kube_emulator import (  # noqa: E402, F401 - the fixtures driver, emu, stub, by their names
+    NS,
+    TOKEN,
+    Emulator,
+    backend_calls,
+    configure,
+    driver_fixture,
+    emu_fixture,
+    emulator,
+    eventually,
+    exited,
+    kubelet,
+    launch,
+    measure,
+    new_id,
+    observe,
+    pods_of,
+    render_spec,
+    spec,
+    stub_fixture,
+    wait_for,
+)
+
+
+async def test_status_of_many_jobs_comes_from_one_watch(driver: ServiceProcess) -> None:
+    n = 1000
+    ids = [f"bulk-{i}" for i in range(n)]
+    async with security.channel(driver.address) as ch, emulator() as (e, url):
+        stub = driver_service_pb2_grpc.DriverServiceStub(ch)
+        for j in ids:  # pods the driver did not create: it adopts them from its list + watch
+            pod = dict(render.render_job(j, render_spec(), 1, {"namespace": NS, "default_image": "x"}).manifests[1])
+            pod["status"] = {"phase": "Running"}
+            e.objects["v1/pods", NS, pod["metadata"]["name"]] = pod
+        counted_before = backend_calls(driver)
+        await configure(stub, "clusters/bulk", url)
+        refs = [dpb.JobRef(job_id=j) for j in ids]
+
+        async def batch() -> list[dpb.JobObservation]:
+            resp = await stub.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
+                cluster="clusters/bulk", jobs=refs), timeout=10)
+            return list(resp.observations)
+
+        for _ in range(100):
+            if all(o.state == job_pb2.JOB_STATE_RUNNING for o in await batch()):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the list did not deliver every pod")
+        driver_requests = lambda: sum(1 for p in e.paths if not p.startswith("PATCH"))  # noqa: E731
+        before = driver_requests()
+        for i in range(5):  # five status intervals over 1,000 jobs, one job finishing in each
+            await kubelet(url, f"bulk-{i}-1-main-0", "Succeeded", **exited(0, "Completed"))
+            await wait_for(stub, f"bulk-{i}", [job_pb2.JOB_STATE_SUCCEEDED], cluster="clusters/bulk")
+            obs = await batch()
+            assert len(obs) == n and all(o.found for o in obs)
+        assert driver_requests() - before <= 1  # at most a watch reconnect; never a request per job
+        # /metrics counts exactly the API calls the emulator saw from the driver.
+        assert backend_calls(driver) - counted_before == driver_requests()
+        await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/bulk"), timeout=10)
+
+async def test_an_unreachable_api_server_never_fails_jobs(driver: ServiceProcess) -> None:
+    async with security.channel(driver.address) as ch:
+        stub = driver_service_pb2_grpc.DriverServiceStub(ch)
+        cluster = "clusters/flaky"
+        async with emulator() as (e, url):
+            await configure(stub, cluster, url)
+            job = new_id("flaky")
+            await launch(stub, job, spec("single_process"), cluster=cluster)
+            await kubelet(url, f"{job}-1-main-0", "Running")
+            await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING], cluster=cluster)
+            assert f"Bearer {TOKEN}" in e.auth  # the token reached the API server (and no log line)
+        # The emulator is gone: connection refused.
+        obs = await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING], reason="BackendStale", cluster=cluster)
+        assert obs.state == job_pb2.JOB_STATE_RUNNING
+        info = (await stub.GetClusterInfo(dpb.GetClusterInfoRequest(cluster=cluster), timeout=15)).info
+        assert info.state == cluster_pb2.CLUSTER_STATE_UNREACHABLE
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await launch(stub, new_id("flaky"), spec("single_process"), cluster=cluster)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=cluster), timeout=10)
+
+async def test_a_410_gone_watch_relists(stub: Any, emu: tuple[Emulator, str]) -> None:
+    e, url = emu
+    job = new_id("gone")
+    await launch(stub, job, spec("single_process"))
+    def relisted() -> bool:
+        return e.gone_at > 0 and any(p.startswith("GET /api/v1/namespaces/dl/pods?") and "watch" not in p
+                                     for p in e.paths[e.gone_at:])
+
+    e.gone, e.gone_at = True, 0
+    e.drop_streams()  # the watch breaks; the next one is answered 410 Gone
+    await eventually(relisted)
+    await kubelet(url, f"{job}-1-main-0", "Running")
+    await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])  # watching again after the re-list
+
+async def test_render_and_watch_observations(stub: Any, emu: tuple[Emulator, str]) -> None:
+    e, url = emu
+    job = new_id("watched")
+    rendered = await stub.RenderJob(dpb.RenderJobRequest(cluster="clusters/k8s", job_id=job,
+                                                         spec=spec("master_worker")), timeout=10)
+    assert rendered.native_spec.media_type == "application/yaml"
+    assert f"master-0.{job}-1.{NS}.svc" in rendered.native_spec.content
+    assert pods_of(e, job) == {}  # a dry run creates nothing
+    call = stub.WatchJobObservations(dpb.WatchJobObservationsRequest(cluster="clusters/k8s"), timeout=20)
+    try:
+        async for ev in call:
+            if ev.snapshot_complete:
+                break
+        await launch(stub, job, spec("single_process"))
+        await kubelet(url, f"{job}-1-main-0", "Running")
+        async for ev in call:
+            if ev.observation.job_id == job and ev.observation.state == job_pb2.JOB_STATE_RUNNING:
+                break
+    finally:
+        call.cancel()
+
+async def test_an_api_server_answering_5xx_never_fails_jobs(driver: ServiceProcess) -> None:
+    cluster = "clusters/five-xx"
+    async with security.channel(driver.address) as ch, emulator() as (e, url):
+        stub = driver_service_pb2_grpc.DriverServiceStub(ch)
+        await configure(stub, cluster, url)
+        job = new_id("five-xx")
+        await launch(stub, job, spec("single_process"), cluster=cluster)
+        pod = f"{job}-1-main-0"
+        await kubelet(url, pod, "Running")
+        await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING], cluster=cluster)
+
+        e.fail_with = 503
+        e.drop_streams()  # the watch breaks; every request after it is answered 503
+        await eventually(lambda: e.failed >= 2)  # the informer's re-list was refused, and retried
+        await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING], reason="BackendStale", cluster=cluster)
+        info = (await stub.GetClusterInfo(dpb.GetClusterInfoRequest(cluster=cluster), timeout=10)).info
+        assert info.state == cluster_pb2.CLUSTER_STATE_UNREACHABLE
+        for call in (launch(stub, new_id("five-xx"), spec("single_process"), cluster=cluster), measure(stub, job, cluster)):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        for _ in range(5):  # the last state is kept, never FAILED
+            obs = await observe(stub, job, cluster)
+            assert (obs.state, obs.reason) == (job_pb2.JOB_STATE_RUNNING, "BackendStale")
+            await asyncio.sleep(0.1)
+
+        e.fail_with = None  # the API server is well again: the informer re-lists and the job is current
+        await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING], reason="Running", within=20, cluster=cluster)
+        info = (await stub.GetClusterInfo(dpb.GetClusterInfoRequest(cluster=cluster), timeout=10)).info
+        assert info.state == cluster_pb2.CLUSTER_STATE_READY
+        await kubelet(url, pod, "Succeeded", **exited(0, "Completed"))
+        await wait_for(stub, job, [job_pb2.JOB_STATE_SUCCEEDED], cluster=cluster)
+        await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=cluster), timeout=10)
