@@ -75,7 +75,7 @@ class DriverClients:
                     address, tls_kit.client_credentials(self._tls, client_cert=True),
                     options=_CHANNEL_OPTIONS)
             self._channels[address] = ch
-            stub = self._stubs[address] = pb_grpc.DriverServiceStub(ch)  # type: ignore[no-untyped-call]
+            stub = self._stubs[address] = pb_grpc.DriverServiceStub(ch)
         return stub
 
     async def configure(self, driver_address: str, cluster: str, address: str,

@@ -76,19 +76,27 @@ SINGLETON: Mapping[int, tuple[str, ...]] = {
 
 
 class _Resources(Protocol):
-    cpu: float
-    memory_bytes: int
-    gpus: int
-    gpu_type: str
+    @property
+    def cpu(self) -> float: ...
+    @property
+    def memory_bytes(self) -> int: ...
+    @property
+    def gpus(self) -> int: ...
+    @property
+    def gpu_type(self) -> str: ...
 
 
 class _Group(Protocol):
-    role: str
-    replicas: int
-    processes_per_replica: int
-    image: str
-    working_dir: str
-
+    @property
+    def role(self) -> str: ...
+    @property
+    def replicas(self) -> int: ...
+    @property
+    def processes_per_replica(self) -> int: ...
+    @property
+    def image(self) -> str: ...
+    @property
+    def working_dir(self) -> str: ...
     @property
     def command(self) -> Sequence[str]: ...
     @property

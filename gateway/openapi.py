@@ -142,9 +142,9 @@ class _Schemas:
         return self.ref(desc.full_name)
 
     def single(self, f: descriptor.FieldDescriptor) -> dict[str, Any]:
-        if f.type == FD.TYPE_MESSAGE:
+        if f.type == FD.TYPE_MESSAGE and f.message_type is not None:
             return self.message(f.message_type)
-        if f.type == FD.TYPE_ENUM:
+        if f.type == FD.TYPE_ENUM and f.enum_type is not None:
             return self.enum(f.enum_type)
         return dict(_SCALARS[f.type])
 
@@ -176,7 +176,7 @@ def _query_params(route: Route, schemas: _Schemas) -> list[dict[str, Any]]:
             is_map = f.message_type is not None and f.message_type.GetOptions().map_entry
             if is_map:
                 continue
-            if f.type == FD.TYPE_MESSAGE and f.message_type.full_name not in _WKT:
+            if f.type == FD.TYPE_MESSAGE and f.message_type is not None and f.message_type.full_name not in _WKT:
                 if not is_repeated(f) and depth < _QUERY_DEPTH:
                     walk(f.message_type, name + ".", depth + 1)
                 continue

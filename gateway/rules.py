@@ -84,7 +84,9 @@ def _decode(raw: str, multi_segment: bool) -> str:
 
 def _split_top(text: str, sep: str) -> list[str]:
     """Split on ``sep`` outside braces."""
-    parts, depth, cur = [], 0, []
+    parts: list[str] = []
+    cur: list[str] = []
+    depth = 0
     for ch in text:
         if ch == "{":
             depth += 1

@@ -56,7 +56,7 @@ def http_status(code: int) -> int:
 def from_rpc_error(exc: grpc.aio.AioRpcError) -> status_pb2.Status:
     """The service's rich status, or one built from the call's code and message."""
     try:
-        st = rpc_status.from_call(exc)  # type: ignore[arg-type]
+        st = rpc_status.from_call(exc)
     except ValueError:  # trailer and call disagree on the code
         st = None
     if st is not None:

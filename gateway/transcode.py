@@ -126,7 +126,7 @@ def _apply_query(route: Route, msg: message.Message, pairs: list[tuple[str, str]
         leaf = fields[-1]
         if leaf.message_type is not None and leaf.message_type.GetOptions().map_entry:
             raise _invalid(key, "map fields cannot be set from the query; use the body")
-        if leaf.type == FD.TYPE_MESSAGE and leaf.message_type.full_name not in _SCALAR_WKT:
+        if leaf.type == FD.TYPE_MESSAGE and _message_type(leaf).full_name not in _SCALAR_WKT:
             raise _invalid(key, "a message field cannot be set from the query; "
                                 "name one of its fields (a.b=…)")
         repeated = is_repeated(leaf)
@@ -148,12 +148,18 @@ def _apply_query(route: Route, msg: message.Message, pairs: list[tuple[str, str]
     msg.MergeFrom(parsed)
 
 
+def _message_type(f: descriptor.FieldDescriptor) -> descriptor.Descriptor:
+    """The message type of a TYPE_MESSAGE field (never None for one)."""
+    assert f.message_type is not None, f.full_name
+    return f.message_type
+
+
 def _query_value(f: descriptor.FieldDescriptor, text: str) -> Any:
     """A query string value as the JSON value json_format expects for ``f``."""
     kind = f.type
     if kind == FD.TYPE_MESSAGE:  # a scalar well-known type
-        inner = f.message_type.fields_by_name.get("value")
-        if f.message_type.full_name == "google.protobuf.BoolValue" or (
+        inner = _message_type(f).fields_by_name.get("value")
+        if _message_type(f).full_name == "google.protobuf.BoolValue" or (
                 inner is not None and inner.type == FD.TYPE_BOOL):
             return _bool(text)
         if inner is not None and inner.type in _FLOATS:
@@ -176,7 +182,7 @@ def _bool(text: str) -> bool:
 
 
 def _set_path_field(msg: message.Message, path: str, value: str) -> None:
-    fields = resolve_field_path(msg.DESCRIPTOR, path.split("."))
+    fields = resolve_field_path(msg.DESCRIPTOR, path.split("."))  # type: ignore[arg-type]  # upb's Descriptor
     target = msg
     for f in fields[:-1]:
         target = getattr(target, f.name)
@@ -189,7 +195,7 @@ def _set_path_field(msg: message.Message, path: str, value: str) -> None:
         elif leaf.type in _FLOATS:
             converted = float(value)
         elif leaf.type == FD.TYPE_ENUM:
-            ev = leaf.enum_type.values_by_name.get(value)
+            ev = leaf.enum_type.values_by_name.get(value) if leaf.enum_type is not None else None
             converted = ev.number if ev is not None else int(value)
         else:
             converted = int(value)

@@ -81,10 +81,10 @@ class JobStore:
                    failure: list[rpc.RequestOp]) -> rpc.TxnResponse:
         async def go() -> rpc.TxnResponse:
             await self.client.connect()
-            return await self.client.kvstub.Txn(  # type: ignore[no-any-return]
+            return await self.client.kvstub.Txn(
                 rpc.TxnRequest(compare=compare, success=success, failure=failure),
                 timeout=self._timeout, metadata=self.client.metadata)
-        return await self._call(go)  # type: ignore[return-value]
+        return await self._call(go)
 
     @staticmethod
     def _cmp(key: bytes, target: str, value: int) -> rpc.Compare:

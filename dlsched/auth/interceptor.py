@@ -49,7 +49,7 @@ def _authorization(context: grpc.aio.ServicerContext) -> str | None:
     return None
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
+class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
     """Authenticates every non-public call with ``authenticate``; with
     ``control_plane_only`` (drivers) only control-plane principals pass."""
 

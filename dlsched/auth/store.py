@@ -88,9 +88,9 @@ class AccessStore:
             res = await self._c.get_prefix(self._root)
         except (aetcd.exceptions.ClientError, OSError) as e:
             raise StoreUnavailable(f"etcd: {e}") from e
-        for kv in res:  # type: ignore[attr-defined]
+        for kv in res:
             self._apply(bytes(kv.key), bytes(kv.value))
-        rev = int(res.header.revision)  # type: ignore[attr-defined]
+        rev = int(res.header.revision)
         self._task = asyncio.create_task(self._follow(rev + 1), name="access-watch")
 
     async def close(self) -> None:
@@ -120,8 +120,8 @@ class AccessStore:
                 # Missed events: reload the whole (small) view.
                 try:
                     res = await self._c.get_prefix(self._root)
-                    self._reset([(bytes(kv.key), bytes(kv.value)) for kv in res])  # type: ignore[attr-defined]
-                    next_rev = int(res.header.revision) + 1  # type: ignore[attr-defined]
+                    self._reset([(bytes(kv.key), bytes(kv.value)) for kv in res])
+                    next_rev = int(res.header.revision) + 1
                     continue
                 except Exception as e:  # noqa: BLE001
                     log.warning("access view reload failed (%s)", e)

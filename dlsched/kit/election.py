@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import aetcd
 import aetcd.exceptions
@@ -41,7 +42,7 @@ class Leadership:
         self.is_leader = False
         self._task: asyncio.Task[None] | None = None
 
-    def start(self, lead: Callable[[], Awaitable[None]]) -> None:
+    def start(self, lead: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Campaign in the background; ``lead()`` runs while this replica leads
         and is cancelled when it stops leading."""
         self._task = asyncio.create_task(self._campaign(lead), name=f"election-{self.key.decode()}")
@@ -57,7 +58,7 @@ class Leadership:
         kv = await self._client.get(self.key)
         return kv.value.decode() if kv is not None else None
 
-    async def _campaign(self, lead: Callable[[], Awaitable[None]]) -> None:
+    async def _campaign(self, lead: Callable[[], Coroutine[Any, Any, None]]) -> None:
         while True:
             try:
                 lease = await self._client.lease(self.ttl)
@@ -86,7 +87,7 @@ class Leadership:
             await self._client.watch_once(self.key, timeout=self.ttl * 2, start_revision=kv.mod_revision + 1,
                                           kind=aetcd.rtypes.EventKind.DELETE)
 
-    async def _lead(self, lease: aetcd.leases.Lease, lead: Callable[[], Awaitable[None]]) -> None:
+    async def _lead(self, lease: aetcd.leases.Lease, lead: Callable[[], Coroutine[Any, Any, None]]) -> None:
         self.is_leader = True
         log.info("%s leads %s", self.identity, self.key.decode())
         work = asyncio.create_task(lead(), name=f"leader-{self.key.decode()}")

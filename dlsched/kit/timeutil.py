@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from typing import overload
 
 from google.protobuf import duration_pb2, timestamp_pb2
 
 
+@overload
+def to_timestamp(dt: datetime | float) -> timestamp_pb2.Timestamp: ...
+@overload
+def to_timestamp(dt: None) -> None: ...
+@overload
+def to_timestamp(dt: datetime | float | None) -> timestamp_pb2.Timestamp | None: ...
 def to_timestamp(dt: datetime | float | None) -> timestamp_pb2.Timestamp | None:
     if dt is None:
         return None
@@ -24,6 +31,12 @@ def from_timestamp(ts: timestamp_pb2.Timestamp | None) -> datetime | None:
     return ts.ToDatetime(tzinfo=UTC)
 
 
+@overload
+def to_duration(seconds: float) -> duration_pb2.Duration: ...
+@overload
+def to_duration(seconds: None) -> None: ...
+@overload
+def to_duration(seconds: float | None) -> duration_pb2.Duration | None: ...
 def to_duration(seconds: float | None) -> duration_pb2.Duration | None:
     if seconds is None:
         return None

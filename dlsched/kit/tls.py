@@ -145,9 +145,9 @@ def bind(server: grpc.aio.Server, listen: str, opts: TlsOptions, *, require_clie
     if opts.insecure:
         log.warning("%s serves PLAINTEXT gRPC on %s (--insecure): only safe inside a mesh "
                     "that encrypts and authenticates every connection", service, listen)
-        return server.add_insecure_port(listen)
-    return server.add_secure_port(
-        listen, server_credentials(opts, require_client_cert=require_client_cert))
+        return int(server.add_insecure_port(listen))
+    return int(server.add_secure_port(
+        listen, server_credentials(opts, require_client_cert=require_client_cert)))
 
 
 def client_credentials(opts: TlsOptions, *, client_cert: bool) -> grpc.ChannelCredentials:

@@ -194,7 +194,7 @@ def observation_pb(obs: base.JobObservation) -> driver_service_pb2.JobObservatio
     if obs.exit_code is not None:
         pb.exit_code = obs.exit_code
     for r in obs.replicas:
-        rs = pb.replicas.add(role=r.role, index=r.index, state=int(r.state),  # type: ignore[arg-type]
+        rs = pb.replicas.add(role=r.role, index=r.index, state=int(r.state),
                              host=r.host, message=r.message)
         if r.exit_code is not None:
             rs.exit_code = r.exit_code
@@ -224,7 +224,7 @@ def log_entries_pb(entries: list[base.LogEntry]) -> driver_service_pb2.TailJobLo
     out = driver_service_pb2.TailJobLogsResponse()
     for e in entries:
         pe = out.entries.add(role=e.role, replica_index=e.replica_index,
-                             stream=int(e.stream), text=e.text)  # type: ignore[arg-type]
+                             stream=int(e.stream), text=e.text)
         if e.time_ns is not None:
             pe.time.FromNanoseconds(e.time_ns)
     return out

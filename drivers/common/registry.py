@@ -103,8 +103,8 @@ class ClusterRegistry(Generic[C]):
             for attr in carry_over:
                 setattr(new, attr, getattr(old, attr))
             await _call(drop, old)
-        self._records[name] = new  # type: ignore[assignment]
-        return new  # type: ignore[return-value]
+        self._records[name] = new
+        return new
 
     async def remove(self, cluster: str, *, drop: Callable[[C], object] | None = None) -> None:
         """Forget the cluster (idempotent): drop its record, end its watches."""

@@ -35,7 +35,6 @@ What the wrappers own, once for every backend:
 from __future__ import annotations
 
 import abc
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import ClassVar, Generic, Protocol, TypeVar
@@ -235,11 +234,16 @@ class BackendDriver(Driver, Generic[C, R]):
         if not self.supports_logs:
             raise Unimplemented(f"{self.name} driver cannot tail logs")
         await self._ready(c)
-        async with contextlib.aclosing(self._tail(c, ref, query)) as batches:
+        batches = self._tail(c, ref, query)
+        try:
             async for batch in batches:
                 wanted = filter_entries(batch, query)
                 if wanted:
                     yield wanted
+        finally:
+            close = getattr(batches, "aclose", None)  # a generator: close it now, not at GC
+            if close is not None:
+                await close()
 
     async def usage(self, cluster: str, ref: JobRef) -> JobUsage:
         c = self.clusters.require(cluster)
