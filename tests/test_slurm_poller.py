@@ -2,7 +2,7 @@
 number of tracked jobs, at most one follow-up, and no round added by wakes or ``fresh()``.
 
 Intervals are short here (``floor`` lowered); the same rules against the real Slurm, through
-the driver process, are in test_slurm_driver.py."""
+the driver process, are in test_slurm_remote.py."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ slurmd runs the jobs on this machine as the test's user, so the replicas'
 probes write what they saw as JSON files into the test's tmp dir (the #3
 contract, docs/ENVIRONMENT.md); the driver's own files live in the cluster
 option ``state_dir`` (an absolute path in the cluster's temp dir, as in
-tests/test_slurm_driver.py).
+tests/slurm_peer.py).
 
 Skips where the cluster cannot run (not root, Debian's ``slurmctld slurmd
 slurm-client munge openssh-server`` missing, asyncssh missing); under CI

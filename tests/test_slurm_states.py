@@ -119,7 +119,7 @@ def test_wait_status_decoding():
 
 
 def test_capacity_from_scontrol_nodes():
-    slurm_driver = pytest.importorskip("drivers.slurm.driver", reason="needs asyncssh (the slurm extra)")
+    slurm_driver = pytest.importorskip("drivers.slurm.usage", reason="needs asyncssh (the slurm extra)")
     cap = slurm_driver.capacity(SCONTROL_NODES)
     assert (cap.nodes_total, cap.nodes_free) == (2, 1)
     assert (cap.cpus_total, cap.cpus_free) == (6, 1)  # the drained node offers nothing
@@ -129,7 +129,7 @@ def test_capacity_from_scontrol_nodes():
 
 
 def test_sstat_durations_and_sizes():
-    d = pytest.importorskip("drivers.slurm.driver", reason="needs asyncssh (the slurm extra)")
+    d = pytest.importorskip("drivers.slurm.usage", reason="needs asyncssh (the slurm extra)")
     assert d._duration("00:00:01") == 1 and d._duration("01:02.500") == 62.5
     assert d._duration("1-00:00:10") == 86410 and d._duration("junk") == 0
     assert d._size("64608K") == 64608 << 10 and d._size("1.5M") == 3 << 19 and d._size("7") == 7
@@ -149,7 +149,7 @@ STEP_NAMES = "41.0|worker-0\n41.1|worker-1\n41.batch|batch\n41.extern|extern\n"
 
 
 def test_sstat_gives_cpu_memory_and_gpu_figures_per_replica():
-    d = pytest.importorskip("drivers.slurm.driver", reason="needs asyncssh (the slurm extra)")
+    d = pytest.importorskip("drivers.slurm.usage", reason="needs asyncssh (the slurm extra)")
     got = d.parse_sstat(SSTAT_GPU, STEP_NAMES, launcher=None)
     assert set(got) == {("worker", 0), ("worker", 1)}  # the batch and extern steps are no replica here
     w0 = got[("worker", 0)]
@@ -162,7 +162,7 @@ def test_sstat_gives_cpu_memory_and_gpu_figures_per_replica():
 
 
 def test_sacct_gives_an_ended_jobs_final_figures_per_replica():
-    d = pytest.importorskip("drivers.slurm.driver", reason="needs asyncssh (the slurm extra)")
+    d = pytest.importorskip("drivers.slurm.usage", reason="needs asyncssh (the slurm extra)")
     text = ("41|dlsched-j|01:32.500||\n41.batch|batch|00:00.010|5000K\n41.extern|extern|00:00:00|0\n"
             "41.0|main-0|01:30.250|812M\n41.1|main-1|2-00:00:01|1G\n")
     got = d.parse_sacct_steps(text, launcher=None)
@@ -174,7 +174,7 @@ def test_sacct_gives_an_ended_jobs_final_figures_per_replica():
 def test_ps_worker_tasks_share_their_one_steps_figures():
     """PS-Worker's tasks run in one --multi-prog step, measured as a whole: each task gets the
     step's per-task average CPU and memory (so they add up to the step's) and its peak."""
-    d = pytest.importorskip("drivers.slurm.driver", reason="needs asyncssh (the slurm extra)")
+    d = pytest.importorskip("drivers.slurm.usage", reason="needs asyncssh (the slurm extra)")
     tasks = [("ps", 0), ("worker", 0), ("worker", 1)]
     stats = "52.0|00:00:04|300M|100M|cpu=00:00:04,mem=100M\n52.batch|00:00:00|5M|5M|cpu=00:00:00,mem=5M\n"
     got = d.parse_sstat(stats, "52.0|dlsched-tasks\n52.batch|batch\n", launcher=None, tasks=tasks)

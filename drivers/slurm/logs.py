@@ -36,23 +36,53 @@ written); a line the index does not cover yet (a running job's last second,
 a job killed before its last index round, a job from before the index) gets
 its file's mtime at the read, which is its last write. ``since_time`` keeps
 the lines dated at or after it.
+
+Following (``tail``): a tail starts with one framed read of every file on the
+control connection (``tail_lines``: each file from its last N lines, found
+from its end, so a large log is never read whole; ``since_time``: from the
+log index's last entry before it). A follower then streams: one long-lived
+remote loop on one channel of the cluster's second SSH connection
+(``SlurmClient.log_ssh``, opened on first use, at most ``--max-log-streams``
+channels, default 8, below sshd's MaxSessions) sends each file's new bytes
+as they come and, once the poller has seen the job end and the driver closes
+the loop's input, drains every file and ends. Followers beyond the bound (and
+a follower whose stream broke) read by polls on the control connection (one
+command per ``min(1 s, poll interval)``, floor ``LOG_POLL_FLOOR``) and take a
+stream slot when one frees. Either way the cursor holds each file's offset
+and applies whole rounds only, so nothing is lost or said twice.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import re
 import shlex
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import TYPE_CHECKING
 
+from dlsched.errors import DlschedError
 from drivers.common.base import LogEntry, LogQuery, LogStream
+from drivers.common.registry import BackendUnavailable
 from drivers.slurm.render import LOG_INDEX
+
+if TYPE_CHECKING:
+    from drivers.slurm.adapter import SlurmClient
+
+log = logging.getLogger("dlsched.driver.slurm")
 
 FILE_RE = re.compile(r"^([a-z][a-z0-9-]{0,62})-(\d+)\.(stdout|stderr)$")
 MAX_CHUNK = 1 << 20
+#: Log tails read files on the login node, not the controller: their own, lower floor.
+LOG_POLL_FLOOR = 0.2
+#: A log stream's remote loop looks at its files this often (a stat on the login node, no SSH
+#: round trip), whatever the poll interval.
+STREAM_INTERVAL = 0.2
 FILTERED_INDEX = LOG_INDEX + ".filtered"
 ROUND_END = "."
 STREAM_END = "end"
@@ -68,7 +98,8 @@ def log_globs(query: LogQuery | None = None) -> str:
     """The shell globs of the log files a query wants (plus the index), so a filtered tail
     reads only those; a role that is not a plain name is not put in a glob (the driver
     filters it). Globs may match more (role ``a`` matches ``a-b-0``), never less."""
-    role, index, streams = "*", "*", ("stdout", "stderr")
+    role, index = "*", "*"
+    streams: tuple[str, ...] = ("stdout", "stderr")
     if query is not None:
         if query.role and _ROLE_RE.match(query.role):
             role = query.role
@@ -317,3 +348,98 @@ class LogCursor:
         if f.index:
             return f.index[0][1]
         return f.mtime_ns if f.mtime_ns is not None else time.time_ns()
+
+
+# --------------------------------------------------------------------------- following
+
+
+async def tail(client: Callable[[], SlurmClient], adir: str, query: LogQuery, ended: Callable[[], bool],
+               poll_interval: float) -> AsyncGenerator[list[LogEntry], None]:
+    """A tail of the attempt directory ``adir``: one framed read of every file on the
+    control connection, then (``query.follow``) a stream on one channel of the log
+    connection (``_stream``) while one is free, else polls every ``poll_interval``
+    (and a stream slot taken when one frees). ``client()`` is looked up again each
+    round (a reconfigured cluster has new connections); ``ended()`` says the job has
+    ended (or was forgotten): then every file is drained and the tail ends."""
+    cursor = LogCursor(query)
+    while True:
+        c = client()
+        done = ended()
+        out = await c.ssh.run_bytes(cursor.read_script(adir), time_limit=c.timeout, call="tail")
+        batch = cursor.feed(parse_frames(out.stdout), done)
+        if batch:
+            yield batch
+        if cursor.more():
+            continue  # a capped chunk: read on at once
+        if done or not query.follow:
+            return
+        if c.log_ssh.channel_free():
+            try:
+                async with contextlib.aclosing(_stream(c, adir, cursor, ended, poll_interval)) as stream:
+                    async for batch in stream:
+                        yield batch
+                return
+            except DlschedError as e:  # go on reading from where the stream's last round left off
+                log.info("log stream of %s ended early (%s); reading by polls", adir, e.message)
+        await asyncio.sleep(poll_interval)
+
+
+async def _stream(c: SlurmClient, adir: str, cursor: LogCursor, ended: Callable[[], bool],
+                  check: float) -> AsyncGenerator[list[LogEntry], None]:
+    """Follow on one long-lived channel of the cluster's log connection (``stream_script``)
+    until the job has ended and every file is drained. Rounds are applied whole, so when the
+    channel fails the cursor stands at the end of the last whole round and nothing is lost or
+    said twice."""
+    proc = await c.log_ssh.start(stream_script(adir, cursor.offsets(), STREAM_INTERVAL, cursor.query),
+                                 call="tail", wait=False)
+    rounds: asyncio.Queue[list[Frame] | None | DlschedError] = asyncio.Queue()
+
+    async def read() -> None:
+        frames: list[Frame] = []
+        try:
+            while True:
+                line = await proc.readline()
+                h = parse_header(line) if line else None
+                if h is None:
+                    raise BackendUnavailable("the log stream ended without its end frame")
+                n, start, size, mtime, name = h
+                if name == STREAM_END:
+                    await rounds.put(None)
+                    return
+                if name == ROUND_END:
+                    await rounds.put(frames)
+                    frames = []
+                    continue
+                frames.append(Frame(name, start, size, mtime, await proc.readexactly(n) if n else b""))
+        except DlschedError as e:
+            await rounds.put(e)
+
+    reader = asyncio.create_task(read(), name=f"slurm-log-stream-{adir}")
+    ending = False
+    getter: asyncio.Task[list[Frame] | None | DlschedError] | None = None
+    try:
+        while True:
+            # not wait_for(rounds.get()): its timeout can race the get and lose the item
+            getter = getter or asyncio.create_task(rounds.get())
+            done, _ = await asyncio.wait({getter}, timeout=check)
+            if not done:
+                if not ending and ended():
+                    proc.end_input()  # drain every file, then the end frame
+                    ending = True
+                continue
+            got, getter = getter.result(), None
+            if isinstance(got, DlschedError):
+                raise got
+            if got is None:
+                if batch := cursor.feed([], ended=True):
+                    yield batch
+                return
+            if batch := cursor.feed(got, ended=False):
+                yield batch
+    finally:
+        proc.close()
+        if getter is not None:
+            getter.cancel()
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader

@@ -160,7 +160,7 @@ def parse_scontrol_jobs(text: str) -> dict[str, SlurmJob]:
     """``scontrol --oneliner show job`` output: one ``Key=Value ...`` line per job."""
     out: dict[str, SlurmJob] = {}
     for line in text.splitlines():
-        kv = _key_values(line)
+        kv = key_values(line)
         jid = kv.get("JobId", "")
         if not jid:
             continue
@@ -173,7 +173,7 @@ def parse_scontrol_jobs(text: str) -> dict[str, SlurmJob]:
     return out
 
 
-def _key_values(line: str) -> dict[str, str]:
+def key_values(line: str) -> dict[str, str]:
     """Split ``A=1 B=x y C=2`` (values may hold spaces) into a dict."""
     out: dict[str, str] = {}
     key = None

@@ -1,8 +1,15 @@
 """Translate a job into an sbatch script: a pure function of (job, cluster options).
 
 ``render_job(job_id, spec, attempt, options)`` returns the ``SlurmScript``
-``SlurmDriver.launch`` sends to ``sbatch --parsable`` on stdin (and that
-``RenderJob`` returns). No I/O, no clock; golden-file tested.
+``SlurmDriver`` sends to ``sbatch --parsable`` on stdin (and that
+``RenderJob`` returns). No I/O, no clock; golden-file tested. It is three
+steps: ``check`` (every value Slurm cannot take, as field violations of one
+``InvalidArgument``) → ``place`` (replicas onto nodes, the planner's plan,
+the per-node allocation: a ``Layout``) → ``emit`` (the script text). The
+job's metadata codec lives here too, beside its encoder: ``job_name``,
+``job_comment`` and ``parse_comment`` (how the poller and a restarted
+driver recognise an attempt), and the file layout (``state_dir_of``,
+``attempt_dir``, ``batch_output``).
 
 Layout. A replica runs on one node; the job asks for
 ``nodes = min(replicas, max_nodes)`` nodes (cluster option ``max_nodes``,
@@ -47,7 +54,7 @@ daemons through Slurm) after writing the hostfile from the node list; the
 workers are hosts only, nothing is started for them.
 
 Success rule (the plan's ``SuccessRule``), in the script, one shell function
-(``dlsched_decide``, ``_SUCCESS_RULE``) fed two ways: per-process steps are
+(``dlsched_decide``, ``shell.SUCCESS_RULE``) fed two ways: per-process steps are
 waited for one by one (``wait -n``) and their exit statuses written to
 ``<role>-<index>.exit``; PS_WORKER's tasks write those files themselves and
 the script reads them. The first failing process ends the job with its exit
@@ -57,7 +64,7 @@ and the script exits 0. So Slurm's own state (COMPLETED / FAILED)
 and ``ExitCode`` are the job's.
 
 Quoting. Every user value that reaches the script (command, args, env
-values, working directory) is shell-quoted by ``sh_quote``: printable ASCII
+values, working directory) is shell-quoted by ``shell.sh_quote``: printable ASCII
 in single quotes (``shlex.quote``), anything else (newlines, control bytes,
 non-ASCII) as bash ``$'...'`` with every other byte ``\\xHH``, so each value
 is one line, no ``#SBATCH`` line can be smuggled in, and the program gets
@@ -95,9 +102,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from dlsched.errors import FieldViolation, InvalidArgument
+from dlsched.spec_rules import ENV_NAME_RE, ID_RE
 from drivers.common import planner
-from drivers.common.base import JobSpec, LogStream, NativeSpec, RunMode
-from drivers.common.convert import ENV_NAME_RE, ID_RE
+from drivers.common.base import JobSpec, LogStream, NativeSpec, ReplicaGroup, RunMode
+from drivers.slurm import shell
+from drivers.slurm.shell import sh_quote
 
 MEDIA_TYPE = "text/x-shellscript"
 DEFAULT_STATE_DIR = ".dlsched/slurm"
@@ -113,43 +122,9 @@ TASK_CHECK_INTERVAL = 0.5
 PARTITION_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}(,[A-Za-z0-9_.-]{1,64}){0,15}$")
 GPU_TYPE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 STATE_DIR_RE = re.compile(r"^(?!-)[A-Za-z0-9_./-]{1,255}$")
-_NODE_TOKEN = "@DLSCHED_NODE_{}@"
-_NODE_TOKEN_RE = re.compile(r"@DLSCHED_NODE_(\d+)@")
-_PRINTABLE = re.compile(r"^[\x20-\x7e]*$")
 
-
-def sh_quote(value: str) -> str:
-    """One shell word that bash reads back as exactly ``value``, on one line."""
-    if _PRINTABLE.match(value):
-        return shlex.quote(value)
-    out = []
-    for b in value.encode("utf-8", "surrogatepass"):
-        c = chr(b)
-        if c in "\\'":
-            out.append("\\" + c)
-        elif 0x20 <= b <= 0x7E:
-            out.append(c)
-        else:
-            out.append(f"\\x{b:02x}")
-    return "$'" + "".join(out) + "'"
-
-
-def _dq_with_nodes(value: str) -> str:
-    """A planner value with node tokens -> a double-quoted word naming the nodes."""
-    parts = []
-    pos = 0
-    for m in _NODE_TOKEN_RE.finditer(value):
-        parts.append(_dq_literal(value[pos:m.start()]))
-        parts.append("${DLSCHED_NODES[" + m.group(1) + "]}")
-        pos = m.end()
-    parts.append(_dq_literal(value[pos:]))
-    return '"' + "".join(parts) + '"'
-
-
-def _dq_literal(s: str) -> str:
-    if not _PRINTABLE.match(s):
-        raise ValueError("planner values are printable ASCII")
-    return re.sub(r'([\\$`"])', r"\\\1", s)
+__all__ = ["MEDIA_TYPE", "Checked", "Layout", "SlurmScript", "StepFiles", "attempt_dir", "batch_output", "check",
+           "emit", "job_comment", "job_name", "parse_comment", "place", "render_job", "sh_quote", "state_dir_of"]
 
 
 @dataclass(frozen=True)
@@ -167,6 +142,9 @@ class StepFiles:
 
 @dataclass(frozen=True)
 class SlurmScript:
+    """The rendered job (``skeleton.Rendered``): the script sbatch reads on stdin, and what
+    the driver keeps of it (the name and comment a look-up finds it by, its files)."""
+
     job_id: str
     attempt: int
     job_name: str
@@ -177,6 +155,9 @@ class SlurmScript:
 
     def native_spec(self) -> NativeSpec:
         return NativeSpec(media_type=MEDIA_TYPE, content=self.script)
+
+
+# --------------------------------------------------------------------------- metadata codec and files
 
 
 def job_name(job_id: str) -> str:
@@ -195,6 +176,11 @@ def parse_comment(comment: str) -> tuple[str, int] | None:
     if not sep or not attempt.isdigit() or not ID_RE.match(job_id):
         return None
     return job_id, int(attempt)
+
+
+def is_ours(comment: str) -> bool:
+    """Whether a Slurm job's comment is a dlsched attempt's (cheap: the prefix only)."""
+    return comment.startswith(NAME_PREFIX)
 
 
 def state_dir_of(options: Mapping[str, str]) -> str:
@@ -222,10 +208,30 @@ def _time(seconds: float) -> str:
     return f"{d}-{h:02d}:{m:02d}:{s:02d}"
 
 
+# --------------------------------------------------------------------------- check → place → emit
+
+
 def render_job(job_id: str, spec: JobSpec, attempt: int,
                options: Mapping[str, str] | None = None) -> SlurmScript:
     """The sbatch script; raises InvalidArgument for specs Slurm cannot take."""
-    options = options or {}
+    return emit(place(check(job_id, spec, attempt, options or {})))
+
+
+@dataclass(frozen=True)
+class Checked:
+    """A job Slurm can take, with the values that land in ``#SBATCH`` lines validated."""
+
+    job_id: str
+    spec: JobSpec
+    attempt: int
+    options: Mapping[str, str]
+    partition: str  #: ``spec.queue``, else the cluster's default partition ("" for Slurm's)
+    max_nodes: int | None  #: cluster option ``max_nodes``
+    gpu_type: str  #: the one GPU type the groups name ("" for any)
+
+
+def check(job_id: str, spec: JobSpec, attempt: int, options: Mapping[str, str]) -> Checked:
+    """Every value Slurm cannot take, as the field violations of one ``InvalidArgument``."""
     vs: list[FieldViolation] = []
     if not ID_RE.match(job_id):
         vs.append(FieldViolation("job_id", "must match [a-z][a-z0-9-]{0,62}"))
@@ -235,43 +241,66 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
     if partition and not PARTITION_RE.match(partition):
         field = "spec.queue" if spec.queue else "cluster.options[partition]"
         vs.append(FieldViolation(field, "must be a Slurm partition name [A-Za-z0-9_.-] (comma-separated)"))
-    max_nodes_opt = options.get("max_nodes", "")
-    if max_nodes_opt and not (max_nodes_opt.isdigit() and int(max_nodes_opt) >= 1):
+    max_nodes = options.get("max_nodes", "")
+    if max_nodes and not (max_nodes.isdigit() and int(max_nodes) >= 1):
         vs.append(FieldViolation("cluster.options[max_nodes]", "must be a positive integer"))
     gpu_types = set()
     for i, g in enumerate(spec.replica_groups):
-        gf = f"spec.replica_groups[{i}]"
+        vs += _group_violations(f"spec.replica_groups[{i}]", g)
         if g.resources.gpus and g.resources.gpu_type:
-            if not GPU_TYPE_RE.match(g.resources.gpu_type):
-                vs.append(FieldViolation(f"{gf}.resources.gpu_type", "must match [A-Za-z0-9_.-]{1,64}"))
             gpu_types.add(g.resources.gpu_type)
-        for k in g.env:
-            if not ENV_NAME_RE.match(k):
-                vs.append(FieldViolation(f"{gf}.env[{k!r}]", "name must match [A-Za-z_][A-Za-z0-9_]*"))
-        if g.image:
-            vs.append(FieldViolation(f"{gf}.image", "the Slurm driver runs no container images"))
     if len(gpu_types) > 1:
         vs.append(FieldViolation("spec.replica_groups", "every group asking for GPUs must name the same gpu_type"))
     if vs:
         raise InvalidArgument("; ".join(f"{v.field}: {v.description}" for v in vs), vs)
     state_dir_of(options)
+    return Checked(job_id, spec, attempt, options, partition, int(max_nodes) if max_nodes else None,
+                   next(iter(gpu_types), ""))
 
-    # ---- placement: replica q of the layout order -> node q * nodes // R
+
+def _group_violations(gf: str, g: ReplicaGroup) -> list[FieldViolation]:
+    vs = []
+    if g.resources.gpus and g.resources.gpu_type and not GPU_TYPE_RE.match(g.resources.gpu_type):
+        vs.append(FieldViolation(f"{gf}.resources.gpu_type", "must match [A-Za-z0-9_.-]{1,64}"))
+    for k in g.env:
+        if not ENV_NAME_RE.match(k):
+            vs.append(FieldViolation(f"{gf}.env[{k!r}]", "name must match [A-Za-z_][A-Za-z0-9_]*"))
+    if g.image:
+        vs.append(FieldViolation(f"{gf}.image", "the Slurm driver runs no container images"))
+    return vs
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where everything goes: replica ``q`` of the layout order on node ``q * nodes // R``,
+    the planner's plan for those placements, and what each node must hold."""
+
+    job: Checked
+    nodes: int
+    node_of: Mapping[tuple[str, int], int]  #: (role, replica index) -> node of the allocation
+    plan: planner.JobPlan
+    dir: str  #: the attempt directory
+    tasks_per_node: int  #: the most processes one node runs (MPI: the ranks, not the launcher)
+    cpus_per_task: int
+    mem_per_node: int  #: bytes, the most one node's replicas ask for
+    gpus_per_node: int
+
+
+def place(job: Checked) -> Layout:
+    """Replicas onto nodes (late-resolving host tokens), the plan, the per-node allocation."""
+    spec = job.spec
     ordered = [g for _, g in planner.groups_in_order(spec)]
     replicas = [(g, r) for g in ordered for r in range(g.replicas)]
     total = len(replicas)
-    nodes = min(total, int(max_nodes_opt)) if max_nodes_opt else total
+    nodes = min(total, job.max_nodes) if job.max_nodes else total
     node_of = {(g.role, r): q * nodes // total for q, (g, r) in enumerate(replicas)}
     placements = [planner.Placement(role=g.role, replica_index=r,
-                                    host=_NODE_TOKEN.format(node_of[(g.role, r)]),
+                                    host=shell.NODE_TOKEN.format(node_of[(g.role, r)]),
                                     node_rank=node_of[(g.role, r)],
                                     port=TASK_PORT_BASE + q if spec.run_mode is RunMode.PS_WORKER else 0)
                   for q, (g, r) in enumerate(replicas)]
-    adir = attempt_dir(options, job_id, attempt)
-    hostfile = f"{adir}/{planner.HOSTFILE}"
-    plan = planner.plan_job(job_id, spec, placements, hostfile_path=hostfile)
-
-    # ---- allocation, per node
+    adir = attempt_dir(job.options, job.job_id, job.attempt)
+    plan = planner.plan_job(job.job_id, spec, placements, hostfile_path=f"{adir}/{planner.HOSTFILE}")
     procs_on = [0] * nodes
     mem_on = [0] * nodes
     gpus_on = [0] * nodes
@@ -282,65 +311,72 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
         mem_on[n] += g.resources.memory_bytes
         gpus_on[n] += g.resources.gpus
     cpt = max([math.ceil(g.resources.cpu / g.processes) if g.resources.cpu > 0 else 1 for g in ordered] + [1])
-    name, comment = job_name(job_id), job_comment(job_id, attempt)
-    h = [
-        "#!/bin/bash",
-        f"#SBATCH --job-name={name}",
-        f"#SBATCH --comment={comment}",
-    ]
-    if partition:
-        h.append(f"#SBATCH --partition={partition}")
-    if spec.time_limit_seconds:
-        h.append(f"#SBATCH --time={_time(spec.time_limit_seconds)}")
-    h += [
-        f"#SBATCH --nodes={nodes}",
-        f"#SBATCH --ntasks-per-node={max(procs_on)}",
-        f"#SBATCH --cpus-per-task={cpt}",
-    ]
-    if max(mem_on) > 0:
-        h.append(f"#SBATCH --mem={math.ceil(max(mem_on) / (1 << 20))}M")
-    if max(gpus_on) > 0:
-        t = next(iter(gpu_types), "")
-        h.append(f"#SBATCH --gres=gpu:{t + ':' if t else ''}{max(gpus_on)}")
-    h += [
-        f"#SBATCH --output={batch_output(options, job_id, attempt, LogStream.STDOUT)}",
-        f"#SBATCH --error={batch_output(options, job_id, attempt, LogStream.STDERR)}",
+    return Layout(job, nodes, node_of, plan, adir, max(procs_on), cpt, max(mem_on), max(gpus_on))
+
+
+def emit(lay: Layout) -> SlurmScript:
+    """The script text: ``#SBATCH`` lines, the prologue, the steps, the success rule."""
+    job, spec, plan = lay.job, lay.job.spec, lay.plan
+    name, comment = job_name(job.job_id), job_comment(job.job_id, job.attempt)
+    h = _sbatch_lines(lay, name, comment) + [
         "",
-        f"# dlsched job {job_id}, attempt {attempt}: {spec.run_mode.name}, "
-        f"{len(plan.processes)} process(es) on {nodes} node(s)",
+        f"# dlsched job {job.job_id}, attempt {job.attempt}: {spec.run_mode.name}, "
+        f"{len(plan.processes)} process(es) on {lay.nodes} node(s)",
         f"# success: {plan.success.description}",
         "set -u",
-        f"DLSCHED_DIR={shlex.quote(adir)}",
+        f"DLSCHED_DIR={shlex.quote(lay.dir)}",
         'mkdir -p -- "$DLSCHED_DIR" || exit 1',
         'mapfile -t DLSCHED_NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
-        'if [ "${#DLSCHED_NODES[@]}" -lt ' + str(nodes) + ' ]; then',
-        f'  echo "dlsched: the allocation has ${{#DLSCHED_NODES[@]}} node(s), {nodes} needed" >&2',
+        'if [ "${#DLSCHED_NODES[@]}" -lt ' + str(lay.nodes) + ' ]; then',
+        f'  echo "dlsched: the allocation has ${{#DLSCHED_NODES[@]}} node(s), {lay.nodes} needed" >&2',
         "  exit 1",
         "fi",
         "declare -A DLSCHED_NAME=() DLSCHED_DECIDES=()",
-    ] + _INDEXER.format(interval=INDEX_INTERVAL, index=LOG_INDEX).splitlines()
+    ] + shell.INDEXER.format(interval=INDEX_INTERVAL, index=LOG_INDEX).splitlines()
     if planner.HOSTFILE in plan.files:
-        lines = plan.files[planner.HOSTFILE].splitlines()
         h.append("{")
-        for ln in lines:
-            h.append(f"  printf '%s\\n' {_dq_with_nodes(ln)}")
+        for ln in plan.files[planner.HOSTFILE].splitlines():
+            h.append(f"  printf '%s\\n' {shell.dq_with_nodes(ln)}")
         h.append(f'}} > "$DLSCHED_DIR/{planner.HOSTFILE}"')
     steps: list[StepFiles] = []
     if spec.run_mode is RunMode.PS_WORKER:
-        h += _multi_prog(spec, plan, node_of, cpt, adir, steps)
+        h += _multi_prog(lay, steps)
     else:
-        h += _srun_steps(spec, plan, node_of, cpt, adir, steps)
-    h += _SCRIPT_END.splitlines()
-    script = "\n".join(h) + "\n"
-    return SlurmScript(job_id=job_id, attempt=attempt, job_name=name, comment=comment, dir=adir,
-                       script=script, steps=tuple(steps))
+        h += _srun_steps(lay, steps)
+    h += shell.SCRIPT_END.splitlines()
+    return SlurmScript(job_id=job.job_id, attempt=job.attempt, job_name=name, comment=comment, dir=lay.dir,
+                       script="\n".join(h) + "\n", steps=tuple(steps))
 
 
-def _srun_steps(spec: JobSpec, plan: planner.JobPlan, node_of: Mapping[tuple[str, int], int], cpt: int,
-                adir: str, steps: list[StepFiles]) -> list[str]:
+def _sbatch_lines(lay: Layout, name: str, comment: str) -> list[str]:
+    job = lay.job
+    h = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --comment={comment}"]
+    if job.partition:
+        h.append(f"#SBATCH --partition={job.partition}")
+    if job.spec.time_limit_seconds:
+        h.append(f"#SBATCH --time={_time(job.spec.time_limit_seconds)}")
+    h += [
+        f"#SBATCH --nodes={lay.nodes}",
+        f"#SBATCH --ntasks-per-node={lay.tasks_per_node}",
+        f"#SBATCH --cpus-per-task={lay.cpus_per_task}",
+    ]
+    if lay.mem_per_node > 0:
+        h.append(f"#SBATCH --mem={math.ceil(lay.mem_per_node / (1 << 20))}M")
+    if lay.gpus_per_node > 0:
+        t = job.gpu_type
+        h.append(f"#SBATCH --gres=gpu:{t + ':' if t else ''}{lay.gpus_per_node}")
+    h += [
+        f"#SBATCH --output={batch_output(job.options, job.job_id, job.attempt, LogStream.STDOUT)}",
+        f"#SBATCH --error={batch_output(job.options, job.job_id, job.attempt, LogStream.STDERR)}",
+    ]
+    return h
+
+
+def _srun_steps(lay: Layout, steps: list[StepFiles]) -> list[str]:
     """Every mode but PS-Worker: an ``srun`` step per process (the MPI launcher runs in
     the batch script itself), each in a background subshell; the success rule waits
     for them one by one (``wait -n``) and writes their exit files."""
+    spec, plan, adir = lay.job.spec, lay.plan, lay.dir
     decisive = plan.success.decisive_roles
     h: list[str] = []
     for p in plan.processes:
@@ -359,9 +395,9 @@ def _srun_steps(spec: JobSpec, plan: planner.JobPlan, node_of: Mapping[tuple[str
                 h.append(f"  cd -- {sh_quote(p.working_dir)} || exit 126")
             h.append(f"  exec {argv}")
         else:
-            node = node_of[(p.role, p.replica_index)]
+            node = lay.node_of[(p.role, p.replica_index)]
             opts = [f"--job-name={label}", "--nodes=1", "--ntasks=1", f"--relative={node}",
-                    f"--cpus-per-task={cpt}", "--overlap", "--export=ALL", "--kill-on-bad-exit=1"]
+                    f"--cpus-per-task={lay.cpus_per_task}", "--overlap", "--export=ALL", "--kill-on-bad-exit=1"]
             if p.working_dir:
                 opts.append(f"--chdir={sh_quote(p.working_dir)}")
             h.append(f"  exec srun {' '.join(opts)} -- {argv}")
@@ -369,7 +405,7 @@ def _srun_steps(spec: JobSpec, plan: planner.JobPlan, node_of: Mapping[tuple[str
         h.append(f"DLSCHED_NAME[$!]={label}")
         if p.role in decisive:
             h.append("DLSCHED_DECIDES[$!]=1")
-    h += (_SUCCESS_RULE + _WAIT_LOOP).splitlines()
+    h += (shell.SUCCESS_RULE + shell.WAIT_LOOP).splitlines()
     return h
 
 
@@ -380,13 +416,12 @@ def _exports(spec: JobSpec, p: planner.ProcessLaunch, indent: str) -> list[str]:
     for k, v in p.env.items():
         if not ENV_NAME_RE.match(k):
             raise InvalidArgument.for_field("spec.replica_groups.env", f"bad variable name {k!r}")
-        val = sh_quote(v) if k in user_env else _dq_with_nodes(v)
+        val = sh_quote(v) if k in user_env else shell.dq_with_nodes(v)
         out.append(f"{indent}export {k}={val}")
     return out
 
 
-def _multi_prog(spec: JobSpec, plan: planner.JobPlan, node_of: Mapping[tuple[str, int], int], cpt: int,
-                adir: str, steps: list[StepFiles]) -> list[str]:
+def _multi_prog(lay: Layout, steps: list[StepFiles]) -> list[str]:
     """PS-Worker: every task in one ``srun --multi-prog`` step (one step launch for
     the whole job, where a step per task costs slurmctld one launch each).
 
@@ -401,6 +436,7 @@ def _multi_prog(spec: JobSpec, plan: planner.JobPlan, node_of: Mapping[tuple[str
     watches the exit files (every ``TASK_CHECK_INTERVAL`` s, and at once when
     the step ends): the first failure, or every deciding task's success, stops
     the step. A task stopped that way gets srun's exit status in its exit file."""
+    spec, plan, adir, node_of = lay.job.spec, lay.plan, lay.dir, lay.node_of
     procs = [p for p in plan.processes if not p.placeholder]
     h = [
         f"# {len(procs)} task(s) in one step: srun --multi-prog runs task t's wrapper {adir}/task-t.sh",
@@ -434,14 +470,14 @@ def _multi_prog(spec: JobSpec, plan: planner.JobPlan, node_of: Mapping[tuple[str
         h.append(end)
     h.append(f"printf '%s\\n' '* bash {adir}/task-%t.sh' >\"$DLSCHED_DIR/tasks.conf\"")
     opts = ["--job-name=" + TASKS_STEP, f"--ntasks={len(procs)}", "--distribution=arbitrary",
-            f"--cpus-per-task={cpt}", "--overlap", "--export=ALL"]
+            f"--cpus-per-task={lay.cpus_per_task}", "--overlap", "--export=ALL"]
     h.append(f'SLURM_HOSTFILE="$DLSCHED_DIR/tasks.hosts" srun {" ".join(opts)} '
              f'--multi-prog {adir}/tasks.conf </dev/null &')
     h.append("DLSCHED_SRUN=$!")
     h.append("DLSCHED_TASKS=(" + " ".join(labels) + ")")
     h += [f"DLSCHED_DECIDES[{lb}]=1" for lb, p in zip(labels, procs, strict=True)
           if p.role in plan.success.decisive_roles]
-    h += (_SUCCESS_RULE + _TASKS_LOOP.format(interval=TASK_CHECK_INTERVAL)).splitlines()
+    h += (shell.SUCCESS_RULE + shell.TASKS_LOOP.format(interval=TASK_CHECK_INTERVAL)).splitlines()
     return h
 
 
@@ -450,112 +486,3 @@ def _group_env(spec: JobSpec, role: str) -> Mapping[str, str]:
         if g.role == role:
             return g.env
     return {}
-
-
-#: The success rule both launch styles share: ``dlsched_decide LABEL STATUS DECIDES``
-#: hears of each process's exit once; the first failure ends the job with its code, the
-#: deciding processes' success ends it with 0 (``DLSCHED_DECIDES`` is filled by then).
-_SUCCESS_RULE = r"""
-# the success rule: the first failure ends the job; the deciding processes' success ends it too
-dlsched_left=${#DLSCHED_DECIDES[@]}
-dlsched_rc=0
-dlsched_done=0
-dlsched_decide() {
-  [ "$dlsched_done" = 0 ] || return 0
-  if [ "$2" != 0 ]; then
-    echo "dlsched: $1 exited with code $2; stopping the rest" >&2
-    dlsched_rc=$2
-    dlsched_done=1
-  elif [ -n "$3" ]; then
-    dlsched_left=$((dlsched_left - 1))
-    [ "$dlsched_left" -gt 0 ] || dlsched_done=1
-  fi
-}
-"""
-
-#: Steps in background subshells: their exits, from ``wait -n``.
-_WAIT_LOOP = r"""dlsched_stop() {
-  local p
-  for p in "${!DLSCHED_NAME[@]}"; do kill -TERM "$p" 2>/dev/null; done
-}
-while [ "${#DLSCHED_NAME[@]}" -gt 0 ]; do
-  dlsched_pid=""
-  wait -n -p dlsched_pid "${!DLSCHED_NAME[@]}"
-  dlsched_status=$?
-  [ -n "$dlsched_pid" ] || break
-  [ -n "${DLSCHED_NAME[$dlsched_pid]:-}" ] || continue
-  dlsched_label=${DLSCHED_NAME[$dlsched_pid]}
-  unset "DLSCHED_NAME[$dlsched_pid]"
-  printf '%s\n' "$dlsched_status" >"$DLSCHED_DIR/$dlsched_label.exit"
-  [ "$dlsched_done" = 0 ] || continue
-  dlsched_decide "$dlsched_label" "$dlsched_status" "${DLSCHED_DECIDES[$dlsched_pid]:-}"
-  [ "$dlsched_done" = 0 ] || dlsched_stop
-done
-"""
-
-#: PS-Worker's one multi-prog step: its tasks' exits, from the exit files their wrappers write.
-_TASKS_LOOP = r"""dlsched_srun_status=""
-declare -A DLSCHED_SEEN=()
-dlsched_check() {{
-  local label status
-  for label in "${{DLSCHED_TASKS[@]}}"; do
-    [ -z "${{DLSCHED_SEEN[$label]:-}}" ] && [ -e "$DLSCHED_DIR/$label.exit" ] || continue
-    DLSCHED_SEEN[$label]=1
-    read -r status <"$DLSCHED_DIR/$label.exit" || status=1
-    dlsched_decide "$label" "$status" "${{DLSCHED_DECIDES[$label]:-}}"
-  done
-}}
-while :; do
-  dlsched_check
-  [ "$dlsched_done" = 0 ] && [ -z "$dlsched_srun_status" ] || break
-  sleep {interval} &
-  dlsched_sleep=$!
-  dlsched_pid=""
-  wait -n -p dlsched_pid "$DLSCHED_SRUN" "$dlsched_sleep"
-  dlsched_status=$?
-  if [ "$dlsched_pid" = "$DLSCHED_SRUN" ]; then
-    dlsched_srun_status=$dlsched_status
-    kill "$dlsched_sleep" 2>/dev/null
-  fi
-done
-if [ -z "$dlsched_srun_status" ]; then
-  kill -TERM "$DLSCHED_SRUN" 2>/dev/null
-  wait "$DLSCHED_SRUN"
-  dlsched_srun_status=$?
-fi
-if [ "$dlsched_done" = 0 ]; then  # the step ended with no task's word on it (srun could not launch)
-  echo "dlsched: the step ended with status $dlsched_srun_status before the tasks decided" >&2
-  dlsched_rc=$dlsched_srun_status
-  [ "$dlsched_rc" != 0 ] || dlsched_rc=1
-fi
-for dlsched_label in "${{DLSCHED_TASKS[@]}}"; do
-  [ -e "$DLSCHED_DIR/$dlsched_label.exit" ] || printf '%s\n' "$dlsched_srun_status" >"$DLSCHED_DIR/$dlsched_label.exit"
-done
-"""
-
-_SCRIPT_END = r"""kill "$DLSCHED_INDEXER" 2>/dev/null
-dlsched_index once
-exit "$dlsched_rc"
-"""
-
-#: The log index: every ``INDEX_INTERVAL`` seconds, the size of each log file that grew,
-#: with the time it was seen (``<unix seconds.micros> <size> <name>``): what dates a line.
-_INDEXER = r"""# the log index: when each log file reached each size (dates lines for since_time)
-dlsched_index() {{
-  local LC_ALL=C
-  local -A seen=()
-  local sizes s f t
-  while :; do
-    sizes=$(cd -- "$DLSCHED_DIR" && stat -c '%s %n' -- *.stdout *.stderr 2>/dev/null)
-    t=${{EPOCHREALTIME:-$(date +%s.%N)}}
-    while read -r s f; do
-      [ -n "$f" ] && [ "${{seen[$f]:-0}}" != "$s" ] || continue
-      seen[$f]=$s
-      printf '%s %s %s\n' "$t" "$s" "$f"
-    done <<<"$sizes"
-    [ "${{1:-}}" != once ] || return 0
-    sleep {interval}
-  done >>"$DLSCHED_DIR/{index}"
-}}
-dlsched_index </dev/null &
-DLSCHED_INDEXER=$!"""

@@ -1,8 +1,8 @@
 """One persistent asyncssh connection per cluster, with pinned host keys.
 
-(The driver opens a second ``SshClient`` per cluster for log followers'
-long-lived streams, on first use, so that they never take the channels that
-polls, submits and stops need; see ``driver.py``.)
+(``adapter.SlurmClient`` opens a second ``SshClient`` per cluster for log
+followers' long-lived streams, on first use, so that they never take the
+channels that polls, submits and stops need.)
 
 ``SshClient.run(command, input=...)`` runs one command on the login node in a
 channel of the cluster's single connection. The connection opens on first

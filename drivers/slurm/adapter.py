@@ -1,0 +1,310 @@
+"""The Slurm commands of one cluster, on its login node over SSH; one mapping of their exits to errors.
+
+``SlurmClient`` holds one cluster configuration's two SSH connections
+(``ssh.SshClient``: the control connection for every command, and a second
+one, opened on first use, for log followers' long-lived streams, so that they
+never take the channels polls, submits and stops need) and runs the Slurm
+commands the driver needs: ``sbatch`` (``submit``), the look-up of an
+attempt by name, ``scancel``, the cluster's nodes and accounting type
+(``info``) and removing a job's files. Transport failures are mapped once, in
+``ssh`` (``BACKEND_UNAVAILABLE``, ``HOST_KEY_MISMATCH``); a command's exit is
+mapped once, here, by ``exit_error``:
+
+- 0, or ``scancel`` of a job that has already ended or left Slurm: no error;
+- ``sbatch`` with a message that says nothing about the controller
+  (``TRANSIENT_RE``) is FAILED_PRECONDITION ``SBATCH_REJECTED`` (an unknown
+  partition), carrying Slurm's message;
+- anything else is UNAVAILABLE ``BACKEND_UNAVAILABLE``: retry later.
+
+Submission (exactly once). The script goes to ``sbatch --parsable`` on stdin
+(the first launch of a cluster configuration also makes the state dir:
+``mkdir -p <state dir> && sbatch ...``; the script makes its attempt dir
+itself, see render). Whether Slurm may already hold the attempt (comment
+``dlsched-<job_id>.<attempt>``) is known without a call in the common case:
+the last poll round listed every job of the user (``--states=all``), so an
+attempt it did not list, that this process never sent an unanswered
+``sbatch`` for, is submitted straight away, and one it listed is adopted.
+Only before this process's first round (a restart: an earlier process may
+have submitted it) and after a failed or ambiguous ``sbatch`` (an error
+exit, a dead connection, a timeout) is the attempt looked up (``squeue
+--states=all --name=dlsched-<job_id>``) and what it finds adopted; only when
+Slurm holds no such job is it submitted (again); should a timed-out
+``sbatch`` land after that look-up, the retry finds two jobs, keeps the
+oldest and cancels the other before anything is reported. So a launch costs
+what a bare ``sbatch`` on the open connection costs, less: a warm ``mkdir -p
+<state dir> && exec sbatch --parsable`` per cluster is started ahead of the
+launch and waits for the script on stdin (``_WarmSubmitter``), so the first
+try costs writing the script and sbatch's RPC; retries use a fresh command.
+A transient refusal is retried, and after the last try is UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import shlex
+import time
+from collections.abc import Awaitable, Mapping, MutableSet
+
+from dlsched.errors import DlschedError, FailedPrecondition, Unavailable
+from drivers.common.base import SshCredentials
+from drivers.common.registry import BackendUnavailable
+from drivers.slurm import poller as poll
+from drivers.slurm import render
+from drivers.slurm.render import SlurmScript
+from drivers.slurm.ssh import SshClient, Started
+
+log = logging.getLogger("dlsched.driver.slurm")
+
+SUBMIT_TRIES = 3
+#: squeue look-ups of one attempt before a launch says UNAVAILABLE.
+LOOKUP_TRIES = 3
+#: A warm sbatch older than this is replaced before use (seconds).
+WARM_MAX_AGE = 300.0
+#: Seconds ``info`` waits for the controller (ClusterManager's default deadline for GetClusterInfo is 5 s).
+INFO_TIME_LIMIT = 3.0
+#: Each step of ``close`` is bounded: a login node that stops answering must not hold a caller.
+CLOSE_STEP_SECONDS = 5.0
+ACCOUNTING_MARK = "--- accounting"
+#: sbatch errors that say nothing about the job itself: retried (after a look-up), never a refusal.
+TRANSIENT_RE = re.compile(r"Socket timed out|Unable to contact slurm controller|temporarily unavailable|"
+                          r"Slurm temporarily unable|Connection refused|Zero Bytes were transmitted")
+#: scancel of a job that has ended or that Slurm no longer holds: the stop is done.
+_GONE_RE = re.compile(r"already|Invalid job id")
+
+
+class SbatchRejected(FailedPrecondition):
+    reason = "SBATCH_REJECTED"
+
+
+def exit_error(call: str, rc: int, err: str, *, job_id: str = "") -> DlschedError | None:
+    """The error a Slurm command's exit means (None: none); see the module docstring."""
+    text = err.strip()
+    if rc == 0 or (call == "scancel" and _GONE_RE.search(err)):
+        return None
+    if call == "sbatch" and rc != 255 and text and not TRANSIENT_RE.search(err):
+        return SbatchRejected(f"sbatch refused the job: {text[:500]}", metadata={"job_id": job_id})
+    return BackendUnavailable(f"{call} exited {rc}: {text[:300]}")
+
+
+class _WarmSubmitter:
+    """One ``sbatch --parsable`` per cluster started ahead of the next launch, waiting for
+    its script on stdin: a launch pays only writing the script and sbatch's own RPC, not
+    opening a channel and exec'ing. At most one idle process per cluster; it holds one
+    channel of the bound (so it is used only where the bound is at least 3); one that died
+    (a lost connection) or is older than ``WARM_MAX_AGE`` is closed and replaced; ``close``
+    (RemoveCluster, reconfigure, driver close) gives it up. Given up unused, sbatch reads an
+    empty script and submits nothing. The command and environment are the cold path's."""
+
+    def __init__(self, ssh: SshClient, command: str, enabled: bool) -> None:
+        self._ssh = ssh
+        self._command = command
+        self._enabled = enabled
+        self._idle: Started | None = None
+        self._starting: asyncio.Task[None] | None = None
+        self._closed = False
+
+    def take(self) -> Started | None:
+        """The idle process if it is usable (then the next one starts in the background)."""
+        p, self._idle = self._idle, None
+        if p is not None and (not p.alive() or time.monotonic() - p.started > WARM_MAX_AGE):
+            p.close()
+            p = None
+        self.refill()
+        return p
+
+    def refill(self) -> None:
+        if not self._enabled or self._closed or self._idle is not None:
+            return
+        if self._starting is not None and not self._starting.done():
+            return
+        self._starting = asyncio.create_task(self._start(), name="slurm-warm-sbatch")
+
+    async def _start(self) -> None:
+        try:
+            p = await self._ssh.start(self._command, call="sbatch")
+        except DlschedError as e:
+            log.debug("no warm sbatch: %s", e.message)
+            return
+        if self._closed or self._idle is not None:
+            p.close()
+        else:
+            self._idle = p
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._starting is not None:
+            self._starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._starting
+        if self._idle is not None:
+            self._idle.close()
+            self._idle = None
+
+
+class SlurmClient:
+    """The Slurm commands of one cluster configuration (address, credentials, options)."""
+
+    def __init__(self, address: str, creds: SshCredentials, env: Mapping[str, str], options: Mapping[str, str],
+                 *, command_timeout: float, max_channels: int, max_log_streams: int) -> None:
+        self.ssh = SshClient(address, creds.username, creds.private_key, creds.known_host_keys, env=env,
+                             max_channels=max(1, min(9, max_channels)))
+        #: log followers' streams: a connection of their own, opened on first use
+        self.log_ssh = SshClient(address, creds.username, creds.private_key, creds.known_host_keys, env=env,
+                                 max_channels=max(0, min(9, max_log_streams)))
+        self.username = creds.username
+        self.timeout = command_timeout
+        self.state_dir = render.state_dir_of(options)
+        self._state_dir_made = False
+        self.warm = _WarmSubmitter(self.ssh, f"mkdir -p -- {shlex.quote(self.state_dir)} && exec sbatch --parsable",
+                                   max_channels >= 3)
+
+    async def run(self, command: str, input: str | None = None) -> tuple[int, str, str]:
+        """One command; a non-zero exit is returned, transport failures raise."""
+        r = await self.ssh.run(command, input=input, time_limit=self.timeout)
+        return r.exit_status, r.stdout, r.stderr
+
+    async def close(self) -> None:
+        """Give up the warm sbatch and both connections, each step bounded."""
+        for step in (self.warm.close, self.ssh.close, self.log_ssh.close):
+            await bounded(step())
+
+    # ------------------------------------------------------------------ commands
+
+    async def info(self, ask_accounting: bool) -> tuple[str, bool | None]:
+        """``scontrol show nodes`` (and, when asked, whether the cluster has accounting
+        storage: None when the answer did not say), bounded by ``INFO_TIME_LIMIT``."""
+        cmd = "scontrol --oneliner show nodes"
+        if ask_accounting:
+            cmd += f"; echo {ACCOUNTING_MARK}; scontrol show config | grep '^AccountingStorageType'"
+        r = await self.ssh.run(cmd, time_limit=INFO_TIME_LIMIT)
+        if e := exit_error("scontrol", r.exit_status, r.stderr):
+            raise e
+        nodes, mark, config = r.stdout.partition(f"{ACCOUNTING_MARK}\n")
+        accounting = "accounting_storage/none" not in config if mark and "AccountingStorageType" in config else None
+        return nodes, accounting
+
+    async def cancel(self, backend_job_id: str) -> None:
+        """``scancel`` (Slurm sends SIGTERM, then SIGKILL after KillWait); an ended job is fine."""
+        rc, _, err = await self.run(f"scancel {shlex.quote(backend_job_id)}")
+        if e := exit_error("scancel", rc, err):
+            raise e
+
+    async def remove_files(self, job_id: str, job_dir: str) -> None:
+        """The job's directory and its batch outputs in the state dir (errors ignored)."""
+        batch = shlex.quote(f"{self.state_dir}/{job_id}.")  # ids hold no dot
+        await self.run(f"rm -rf -- {shlex.quote(job_dir)} {batch}*.batch.stdout {batch}*.batch.stderr")
+
+    async def lookup(self, script: SlurmScript) -> list[str]:
+        """Slurm job ids of this attempt, oldest first; raises when Slurm cannot tell.
+        squeue only reads, so a failed look-up is tried again (a loaded controller or
+        login node fails one now and then) before the caller hears of it."""
+        error: DlschedError | None = None
+        for tries in range(LOOKUP_TRIES):
+            if tries:
+                await asyncio.sleep(0.3 * tries)
+            try:
+                rc, out, err = await self.run(poll.squeue_command(self.username, script.job_name))
+            except Unavailable:  # transport: a changed host key etc. is not retried
+                if tries + 1 == LOOKUP_TRIES:
+                    raise
+                continue
+            error = exit_error("squeue", rc, err)
+            if error is None:
+                found = [j.job_id for j in poll.parse_squeue(out).values() if j.comment == script.comment]
+                return sorted(found, key=lambda s: int(s) if s.isdigit() else 0)
+            log.warning("look-up of %s: %s", script.comment, error.message)
+        assert error is not None
+        raise error
+
+    async def submit(self, script: SlurmScript, listed: Mapping[str, str] | None, unsure: MutableSet[str]) -> str:
+        """Submit the attempt once (see the module docstring): its Slurm job id.
+
+        ``listed``: comment -> Slurm job id of every dlsched job the last good poll
+        round listed (None before one); ``unsure``: comments of attempts whose sbatch
+        may have landed unseen (kept by the caller across reconfigurations)."""
+        if listed is None or script.comment in unsure:
+            found = await self.lookup(script)  # Slurm may hold it and no round has said so
+            existing = found[0] if found else None
+        else:
+            existing = listed.get(script.comment)
+        if existing is not None:
+            log.info("adopting Slurm job %s for %s", existing, script.comment)
+            unsure.discard(script.comment)
+            return existing
+        unsure.add(script.comment)  # until sbatch answers (a cancelled launch leaves it here)
+        try:
+            jid = await self._sbatch(script)
+        except SbatchRejected:
+            unsure.discard(script.comment)  # refused, and the look-up found nothing
+            raise
+        unsure.discard(script.comment)
+        return jid
+
+    async def _sbatch(self, script: SlurmScript) -> str:
+        cmd = "exec sbatch --parsable"  # exec: the shell never forks, sbatch replaces it
+        if not self._state_dir_made:  # the batch output goes there; it must exist before the job starts
+            cmd = f"mkdir -p -- {shlex.quote(self.state_dir)} && {cmd}"
+        last = ""
+        for attempt in range(SUBMIT_TRIES):
+            if attempt:
+                await asyncio.sleep(0.5 * attempt)
+            rc, out, err, error = 255, "", "", None
+            try:
+                if attempt:
+                    rc, out, err = await self.run(cmd, input=script.script)
+                else:  # the warm sbatch, if one is ready: the same command, started earlier
+                    rc, out, err = await self._submit_warm(script.script, cmd)
+                error = exit_error("sbatch", rc, err, job_id=script.job_id)
+            except DlschedError as e:
+                error = e
+            if error is None and (jid := out.strip().split(";")[0].strip()).isdigit():
+                self._state_dir_made = True
+                return jid if not attempt else await self._converge(script, jid)
+            last = f"{error.reason}: {error.message}" if error is not None else f"sbatch printed {out.strip()[:300]!r}"
+            # Failed or ambiguous: Slurm may hold the job anyway. Look before any retry.
+            try:
+                found = await self.lookup(script)
+            except DlschedError as e:
+                last = f"{e.reason}: {e.message}"
+                continue
+            if found:
+                log.warning("sbatch for %s reported failure but submitted job %s; adopting it",
+                            script.comment, found[0])
+                return found[0]
+            if isinstance(error, SbatchRejected):
+                raise error  # refused, and the look-up found nothing
+        raise BackendUnavailable(f"could not submit to Slurm: {last}")
+
+    async def _submit_warm(self, script: str, cold: str) -> tuple[int, str, str]:
+        """``script`` to the warm sbatch if one is ready, else ``cold`` (a fresh command)."""
+        p = self.warm.take()
+        if p is None:
+            return await self.run(cold, input=script)
+        r = await p.finish(script.encode(), self.timeout)
+        return r.exit_status, r.stdout.decode("utf-8", "replace"), r.stderr.decode("utf-8", "replace")
+
+    async def _converge(self, script: SlurmScript, submitted: str) -> str:
+        """After a retried sbatch: if an earlier, ambiguous sbatch also made a job
+        (it landed after our look-up), keep the oldest and cancel the others."""
+        try:
+            found = await self.lookup(script)
+        except DlschedError:
+            return submitted
+        if len(found) <= 1:
+            return found[0] if found else submitted
+        extra = " ".join(shlex.quote(j) for j in found[1:])
+        log.warning("duplicate Slurm jobs %s for %s; keeping %s", found[1:], script.comment, found[0])
+        with contextlib.suppress(DlschedError):
+            await self.run(f"scancel {extra}")
+        return found[0]
+
+
+async def bounded(step: Awaitable[object], seconds: float = CLOSE_STEP_SECONDS) -> None:
+    """Await ``step`` for at most ``seconds``; what did not finish in time is abandoned (logged)."""
+    try:
+        await asyncio.wait_for(step, seconds)
+    except TimeoutError:
+        log.warning("closing a cluster: a step took over %ss; abandoned", seconds)

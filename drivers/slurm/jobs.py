@@ -1,0 +1,116 @@
+"""A tracked Slurm job: what the poller's answers make of it, and what the driver reports.
+
+``TrackedJob`` is one dlsched attempt the driver knows (launched, or adopted
+after a restart). ``apply`` takes one poll answer for it (``poller.SlurmJob``,
+mapped by ``states.job_state``); ``lost`` ends it when Slurm no longer knows
+it; ``stop_sent`` marks a ``scancel``; ``observation`` is what every RPC and
+the watch report, with the last round's error when the job is stale.
+
+Requeues: Slurm's ``RestartCnt`` growing is a new run of the same dlsched
+attempt (a node failure, ``scontrol requeue``): the old run's start, end, exit
+code and usage are forgotten, ``backend_restarts`` carries the count and every
+message says ``(Slurm restart N)``. ``JobObservation.attempt`` stays the
+dlsched attempt on purpose: JobManager drops observations of any other
+attempt, and a requeue is not a dlsched retry.
+"""
+
+from __future__ import annotations
+
+import time
+
+from drivers.common.base import JobObservation, JobState, NativeSpec, ReplicaStatus, ReplicaUsage
+from drivers.common.registry import STOP_REQUESTED
+from drivers.slurm import states
+from drivers.slurm.poller import SlurmJob
+
+
+class TrackedJob:
+    """One attempt of a dlsched job on one Slurm cluster."""
+
+    def __init__(self, cluster: str, job_id: str, attempt: int, backend_job_id: str, adir: str,
+                 native: NativeSpec | None, roles: tuple[tuple[str, int], ...] = ()) -> None:
+        self.cluster = cluster
+        self.job_id = job_id
+        self.attempt = attempt
+        self.backend_job_id = backend_job_id
+        self.dir = adir
+        self.native = native  # None for a job adopted after a restart
+        self.state = JobState.QUEUED
+        self.reason = states.REASON_SUBMITTED
+        self.message = "submitted to Slurm"
+        self.exit_code: int | None = None
+        self.start_time: float | None = None
+        self.end_time: float | None = None
+        self.nodes = ""
+        self.stale = False
+        self.stop_requested = False
+        self.seen = False  # Slurm has answered about it at least once
+        self.restarts = 0  # Slurm requeues seen (RestartCnt)
+        self.roles = roles  # (role, index) of every replica the script runs a step for
+        self.usage: dict[tuple[str, int], ReplicaUsage] = {}  # last sample per replica
+        self.accounted = False  # usage holds sacct's final figures
+
+    def _reported(self) -> tuple[object, ...]:
+        return (self.state, self.reason, self.message, self.exit_code, self.stale, self.start_time,
+                self.end_time, self.nodes)
+
+    def round(self, sj: SlurmJob | None, error: str | None, complete: bool) -> bool:
+        """One poll round's word on the job (``error``: the round failed; ``complete``:
+        a job missing from the answer is known to be gone); True when the report changed."""
+        before = self._reported()
+        if error is not None:
+            self.stale = True
+        else:
+            self.stale = False
+            if sj is not None:
+                self.apply(sj)
+            elif complete and self.seen:
+                self.lost()
+        return self._reported() != before
+
+    def apply(self, sj: SlurmJob) -> None:
+        """Slurm's current word on the job."""
+        self.seen = True
+        m = states.job_state(sj.state, sj.reason)
+        self.state, self.reason, self.message = m.state, m.reason, m.message
+        if sj.restarts > self.restarts:  # requeued: a new run of the same attempt; forget the old one's end
+            self.restarts = sj.restarts
+            self.start_time = self.end_time = self.exit_code = None
+            self.usage.clear()
+        if self.restarts:
+            self.message = f"{self.message} (Slurm restart {self.restarts})"
+        if self.stop_requested and not m.state.is_terminal():
+            self.state, self.reason = JobState.STOPPING, STOP_REQUESTED
+        if m.state in (JobState.RUNNING, JobState.STOPPING) or m.state.is_terminal():
+            self.start_time = sj.start_time or self.start_time
+        self.nodes = sj.nodes if sj.nodes not in ("", "(null)") else self.nodes
+        if m.state.is_terminal():
+            self.exit_code = sj.exit_status
+            self.end_time = sj.end_time or time.time()
+            if m.state is JobState.FAILED and sj.exit_status:
+                self.message = f"{m.message}; exit code {sj.exit_status}"
+
+    def lost(self) -> None:
+        """Neither squeue nor the follow-up knows the job any more, and its end was never seen."""
+        self.state, self.reason = JobState.FAILED, states.REASON_LOST
+        self.message = "Slurm no longer knows the job and its end was never seen"
+        self.end_time = time.time()
+
+    def stop_sent(self) -> None:
+        """``scancel`` accepted: STOPPING until Slurm reports the end."""
+        self.stop_requested = True
+        self.state, self.reason, self.message = JobState.STOPPING, STOP_REQUESTED, "scancel sent"
+
+    def observation(self, last_error: str | None) -> JobObservation:
+        """What the driver reports; a stale job keeps its state, the error in the message."""
+        reason, message = self.reason, self.message
+        if self.stale and not self.state.is_terminal():
+            reason, message = states.REASON_STALE, f"last known: {self.reason} ({self.message}); {last_error}"
+        rstate = states.replica_state(self.state)
+        replicas = tuple(ReplicaStatus(role=r, index=i, state=rstate, host=self.nodes,
+                                       exit_code=self.exit_code if self.state.is_terminal() else None)
+                         for r, i in self.roles)
+        return JobObservation(job_id=self.job_id, backend_job_id=self.backend_job_id, found=True,
+                              state=self.state, reason=reason, message=message, exit_code=self.exit_code,
+                              replicas=replicas, start_time=self.start_time, end_time=self.end_time,
+                              attempt=self.attempt, backend_restarts=self.restarts)

@@ -1,0 +1,165 @@
+"""The shell side of the sbatch script: quoting values into it, and its fixed bash parts.
+
+``sh_quote`` makes one bash word of any user value (printable ASCII in single
+quotes, anything else as ``$'...'`` with ``\\xHH`` escapes), so each value is
+one line and reaches the program byte for byte. ``dq_with_nodes`` turns a
+planner value holding node tokens (``@DLSCHED_NODE_<n>@``) into a
+double-quoted word naming the allocation's node ``n`` at run time.
+
+The constants below are the script's fixed functions (see ``render``): the
+success rule both launch styles share, the two ways of hearing of the
+processes' exits, the log indexer and the script's end. ``render`` fills in
+the job's parts; nothing here depends on a job.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+NODE_TOKEN = "@DLSCHED_NODE_{}@"
+NODE_TOKEN_RE = re.compile(r"@DLSCHED_NODE_(\d+)@")
+_PRINTABLE = re.compile(r"^[\x20-\x7e]*$")
+
+
+def sh_quote(value: str) -> str:
+    """One shell word that bash reads back as exactly ``value``, on one line."""
+    if _PRINTABLE.match(value):
+        return shlex.quote(value)
+    out = []
+    for b in value.encode("utf-8", "surrogatepass"):
+        c = chr(b)
+        if c in "\\'":
+            out.append("\\" + c)
+        elif 0x20 <= b <= 0x7E:
+            out.append(c)
+        else:
+            out.append(f"\\x{b:02x}")
+    return "$'" + "".join(out) + "'"
+
+
+def dq_with_nodes(value: str) -> str:
+    """A planner value with node tokens -> a double-quoted word naming the nodes."""
+    parts = []
+    pos = 0
+    for m in NODE_TOKEN_RE.finditer(value):
+        parts.append(_dq_literal(value[pos:m.start()]))
+        parts.append("${DLSCHED_NODES[" + m.group(1) + "]}")
+        pos = m.end()
+    parts.append(_dq_literal(value[pos:]))
+    return '"' + "".join(parts) + '"'
+
+
+def _dq_literal(s: str) -> str:
+    if not _PRINTABLE.match(s):
+        raise ValueError("planner values are printable ASCII")
+    return re.sub(r'([\\$`"])', r"\\\1", s)
+
+
+#: The success rule both launch styles share: ``dlsched_decide LABEL STATUS DECIDES``
+#: hears of each process's exit once; the first failure ends the job with its code, the
+#: deciding processes' success ends it with 0 (``DLSCHED_DECIDES`` is filled by then).
+SUCCESS_RULE = r"""
+# the success rule: the first failure ends the job; the deciding processes' success ends it too
+dlsched_left=${#DLSCHED_DECIDES[@]}
+dlsched_rc=0
+dlsched_done=0
+dlsched_decide() {
+  [ "$dlsched_done" = 0 ] || return 0
+  if [ "$2" != 0 ]; then
+    echo "dlsched: $1 exited with code $2; stopping the rest" >&2
+    dlsched_rc=$2
+    dlsched_done=1
+  elif [ -n "$3" ]; then
+    dlsched_left=$((dlsched_left - 1))
+    [ "$dlsched_left" -gt 0 ] || dlsched_done=1
+  fi
+}
+"""
+
+#: Steps in background subshells: their exits, from ``wait -n``.
+WAIT_LOOP = r"""dlsched_stop() {
+  local p
+  for p in "${!DLSCHED_NAME[@]}"; do kill -TERM "$p" 2>/dev/null; done
+}
+while [ "${#DLSCHED_NAME[@]}" -gt 0 ]; do
+  dlsched_pid=""
+  wait -n -p dlsched_pid "${!DLSCHED_NAME[@]}"
+  dlsched_status=$?
+  [ -n "$dlsched_pid" ] || break
+  [ -n "${DLSCHED_NAME[$dlsched_pid]:-}" ] || continue
+  dlsched_label=${DLSCHED_NAME[$dlsched_pid]}
+  unset "DLSCHED_NAME[$dlsched_pid]"
+  printf '%s\n' "$dlsched_status" >"$DLSCHED_DIR/$dlsched_label.exit"
+  [ "$dlsched_done" = 0 ] || continue
+  dlsched_decide "$dlsched_label" "$dlsched_status" "${DLSCHED_DECIDES[$dlsched_pid]:-}"
+  [ "$dlsched_done" = 0 ] || dlsched_stop
+done
+"""
+
+#: PS-Worker's one multi-prog step: its tasks' exits, from the exit files their wrappers write.
+TASKS_LOOP = r"""dlsched_srun_status=""
+declare -A DLSCHED_SEEN=()
+dlsched_check() {{
+  local label status
+  for label in "${{DLSCHED_TASKS[@]}}"; do
+    [ -z "${{DLSCHED_SEEN[$label]:-}}" ] && [ -e "$DLSCHED_DIR/$label.exit" ] || continue
+    DLSCHED_SEEN[$label]=1
+    read -r status <"$DLSCHED_DIR/$label.exit" || status=1
+    dlsched_decide "$label" "$status" "${{DLSCHED_DECIDES[$label]:-}}"
+  done
+}}
+while :; do
+  dlsched_check
+  [ "$dlsched_done" = 0 ] && [ -z "$dlsched_srun_status" ] || break
+  sleep {interval} &
+  dlsched_sleep=$!
+  dlsched_pid=""
+  wait -n -p dlsched_pid "$DLSCHED_SRUN" "$dlsched_sleep"
+  dlsched_status=$?
+  if [ "$dlsched_pid" = "$DLSCHED_SRUN" ]; then
+    dlsched_srun_status=$dlsched_status
+    kill "$dlsched_sleep" 2>/dev/null
+  fi
+done
+if [ -z "$dlsched_srun_status" ]; then
+  kill -TERM "$DLSCHED_SRUN" 2>/dev/null
+  wait "$DLSCHED_SRUN"
+  dlsched_srun_status=$?
+fi
+if [ "$dlsched_done" = 0 ]; then  # the step ended with no task's word on it (srun could not launch)
+  echo "dlsched: the step ended with status $dlsched_srun_status before the tasks decided" >&2
+  dlsched_rc=$dlsched_srun_status
+  [ "$dlsched_rc" != 0 ] || dlsched_rc=1
+fi
+for dlsched_label in "${{DLSCHED_TASKS[@]}}"; do
+  [ -e "$DLSCHED_DIR/$dlsched_label.exit" ] || printf '%s\n' "$dlsched_srun_status" >"$DLSCHED_DIR/$dlsched_label.exit"
+done
+"""
+
+SCRIPT_END = r"""kill "$DLSCHED_INDEXER" 2>/dev/null
+dlsched_index once
+exit "$dlsched_rc"
+"""
+
+#: The log index: every ``INDEX_INTERVAL`` seconds, the size of each log file that grew,
+#: with the time it was seen (``<unix seconds.micros> <size> <name>``): what dates a line.
+INDEXER = r"""# the log index: when each log file reached each size (dates lines for since_time)
+dlsched_index() {{
+  local LC_ALL=C
+  local -A seen=()
+  local sizes s f t
+  while :; do
+    sizes=$(cd -- "$DLSCHED_DIR" && stat -c '%s %n' -- *.stdout *.stderr 2>/dev/null)
+    t=${{EPOCHREALTIME:-$(date +%s.%N)}}
+    while read -r s f; do
+      [ -n "$f" ] && [ "${{seen[$f]:-0}}" != "$s" ] || continue
+      seen[$f]=$s
+      printf '%s %s %s\n' "$t" "$s" "$f"
+    done <<<"$sizes"
+    [ "${{1:-}}" != once ] || return 0
+    sleep {interval}
+  done >>"$DLSCHED_DIR/{index}"
+}}
+dlsched_index </dev/null &
+DLSCHED_INDEXER=$!"""

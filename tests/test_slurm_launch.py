@@ -1,0 +1,340 @@
+"""The Slurm driver launching jobs: every run mode on a real Slurm, stop and cleanup, refusals
+at submit, the warm sbatch, exactly-once submission (an ambiguous sbatch, a restarted
+driver) and Slurm's requeues (``slurm_peer``: the driver as a real process, real sshd)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import time
+
+import grpc
+import pytest
+
+from dlsched.kit.rpc_errors import error_info
+from dlsched.v1 import cluster_pb2, driver_service_pb2_grpc, job_pb2
+from dlsched.v1 import driver_service_pb2 as dpb
+from drivers.slurm import render
+from tests import security, slurm_cluster
+from tests.harness import ServiceProcess
+from tests.slurm_peer import (
+    CLUSTER,
+    PY,
+    TERMINAL,
+    configure_request,
+    driver_fixtures,
+    launch,
+    logs,
+    new_id,
+    observe,
+    sbatch_processes,
+    single,
+    wait_state,
+)
+
+cluster, driver, stub = driver_fixtures()
+
+
+async def test_cluster_info_reports_the_node(stub):
+    info = (await stub.GetClusterInfo(dpb.GetClusterInfoRequest(cluster=CLUSTER), timeout=30)).info
+    assert info.state == cluster_pb2.CLUSTER_STATE_READY, info.message
+    assert info.capacity.nodes_total == 1
+    assert info.capacity.cpus_total == 2
+    assert info.capacity.memory_bytes_total > 0
+
+
+async def test_single_process_succeeds_with_its_output(stub):
+    jid = new_id("single")
+    args = ["a b", "$(touch CANARY)", "-x", "line\nbreak"]
+    code = "import os, sys; print('hello', os.environ['DLSCHED_JOB_ID']); print(repr(sys.argv[1:]))"
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+        job_pb2.ReplicaGroup(role="main", replicas=1, command=[PY, "-u", "-c", code], args=args)])
+    first = await launch(stub, jid, spec)
+    assert first.backend_job_id.isdigit()
+    assert "#SBATCH --job-name=dlsched-" + jid in first.native_spec.content
+    again = await launch(stub, jid, spec)
+    assert again.backend_job_id == first.backend_job_id  # idempotent: one Slurm job
+    obs = await wait_state(stub, jid)
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
+    assert obs.exit_code == 0
+    lines = [e.text for e in await logs(stub, jid) if e.stream == job_pb2.LOG_STREAM_STDOUT]
+    assert lines == [f"hello {jid}", repr(args)]
+
+
+async def test_multi_process_succeeds_with_ranks(stub):
+    jid = new_id("multi")
+    code = "import os; print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], os.environ['MASTER_ADDR'])"
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MULTI_PROCESS, replica_groups=[
+        job_pb2.ReplicaGroup(role="worker", replicas=1, processes_per_replica=2,
+                             command=[PY, "-u", "-c", code])])
+    await launch(stub, jid, spec)
+    obs = await wait_state(stub, jid)
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
+    entries = await logs(stub, jid)
+    by_index = {e.replica_index: e.text for e in entries if e.stream == job_pb2.LOG_STREAM_STDOUT}
+    node = slurm_cluster.socket.gethostname().split(".")[0]
+    assert by_index == {0: f"rank 0 of 2 {node}", 1: f"rank 1 of 2 {node}"}
+
+
+async def test_failure_is_failed_with_the_exit_code(stub):
+    jid = new_id("fail")
+    await launch(stub, jid, single("import sys; sys.exit(3)"))
+    obs = await wait_state(stub, jid)
+    assert obs.state == job_pb2.JOB_STATE_FAILED
+    assert obs.exit_code == 3
+
+
+async def test_stop_ends_a_running_job_as_stopped(stub):
+    jid = new_id("stop")
+    await launch(stub, jid, single("import time; print('up', flush=True); time.sleep(300)"))
+    await wait_state(stub, jid, [job_pb2.JOB_STATE_RUNNING])
+    ref = dpb.JobRef(job_id=jid)
+    await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=ref), timeout=30)
+    obs = await wait_state(stub, jid)
+    assert obs.state == job_pb2.JOB_STATE_STOPPED, obs
+    again = await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=ref), timeout=30)
+    assert again.observation.state == job_pb2.JOB_STATE_STOPPED  # idempotent
+
+
+async def test_cleanup_cancels_a_running_job_and_removes_its_files(stub, cluster):
+    jid = new_id("cleanup")
+    await launch(stub, jid, single("import time; print('up', flush=True); time.sleep(300)"))
+    running = await wait_state(stub, jid, [job_pb2.JOB_STATE_RUNNING])
+    job_dir = pathlib.Path(render.attempt_dir(cluster.options(), jid, 1)).parent
+    assert job_dir.is_dir()  # the login node is this machine
+    ref = dpb.JobRef(job_id=jid, backend_job_id=running.backend_job_id)
+    await stub.CleanupJob(dpb.CleanupJobRequest(cluster=CLUSTER, job=ref), timeout=60)
+    assert not job_dir.exists()
+    assert not list(job_dir.parent.glob(f"{jid}.*.batch.*"))
+    assert not (await observe(stub, jid)).found  # forgotten
+    r = await asyncio.to_thread(subprocess.run, ["squeue", "--noheader", "--jobs", running.backend_job_id,
+                                                  "--states", "RUNNING,PENDING"],
+                                capture_output=True, text=True, env=cluster.env)
+    assert running.backend_job_id not in r.stdout  # cancelled, not left running
+    await stub.CleanupJob(dpb.CleanupJobRequest(cluster=CLUSTER, job=ref), timeout=60)  # idempotent
+
+
+async def test_unknown_partition_is_refused_at_submit(stub):
+    spec = single("print(1)")
+    spec.queue = "no-such-partition"
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await launch(stub, new_id("nopart"), spec)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error_info(e.value).reason == "SBATCH_REJECTED"
+
+
+async def test_master_worker_succeeds_with_rank_zero_on_the_master(stub):
+    jid = new_id("mw")
+    code = "import os; print(os.environ['DLSCHED_ROLE'], os.environ['RANK'], os.environ['MASTER_ADDR'])"
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MASTER_WORKER, replica_groups=[
+        job_pb2.ReplicaGroup(role=r, replicas=1, command=[PY, "-u", "-c", code]) for r in ("worker", "master")])
+    await launch(stub, jid, spec)
+    obs = await wait_state(stub, jid)
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
+    node = slurm_cluster.socket.gethostname().split(".")[0]
+    out = {(e.role, e.text) for e in await logs(stub, jid) if e.stream == job_pb2.LOG_STREAM_STDOUT}
+    assert out == {("master", f"master 0 {node}"), ("worker", f"worker 1 {node}")}
+
+
+async def test_ps_worker_runs_every_task_in_one_multi_prog_step(stub, cluster):
+    """PS-Worker: the tasks share one `srun --multi-prog` step (squeue lists one step, named
+    dlsched-tasks, while they run), each with its own TF_CONFIG and log files; usage covers every
+    task; the job succeeds when the worker does and the parameter server is stopped."""
+    jid = new_id("ps")
+    worker = ("import json, os, time; t = json.loads(os.environ['TF_CONFIG']); print(t['task'], len(t['cluster']['ps']), "
+              "os.environ['DLSCHED_ROLE'], flush=True); end = time.time() + 4\nwhile time.time() < end: pass")
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_PS_WORKER, replica_groups=[
+        job_pb2.ReplicaGroup(role="ps", replicas=1, command=[PY, "-u", "-c", "print('ps up'); import time; time.sleep(301)"]),
+        job_pb2.ReplicaGroup(role="worker", replicas=1, command=[PY, "-u", "-c", worker])])
+    resp = await launch(stub, jid, spec)
+    await wait_state(stub, jid, [job_pb2.JOB_STATE_RUNNING])
+    req = dpb.MeasureJobUsageRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=jid))
+    deadline = time.monotonic() + 30
+    while True:
+        steps = (await asyncio.to_thread(cluster.run, "squeue", "--noheader", "--steps",
+                                         f"--jobs={resp.backend_job_id}", "-o", "%i|%j")).stdout.split()
+        usage = {(u.role, u.replica_index): u for u in (await stub.MeasureJobUsage(req, timeout=30)).usage.replicas}
+        if steps and all(u.running and u.cpu_seconds > 0 for u in usage.values()):
+            break
+        assert time.monotonic() < deadline, (steps, usage)
+        await asyncio.sleep(0.5)
+    assert [s.split("|")[1] for s in steps if not s.split("|")[0].endswith((".batch", ".extern"))] == ["dlsched-tasks"]
+    assert set(usage) == {("ps", 0), ("worker", 0)}
+    obs = await wait_state(stub, jid)
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
+    assert [e.text for e in await logs(stub, jid, role="worker")] == ["{'index': 0, 'type': 'worker'} 1 worker"]
+    assert [e.text for e in await logs(stub, jid, role="ps")] == ["ps up"]
+    # The parameter server never exits by itself: it was stopped once the worker succeeded.
+    deadline = time.monotonic() + 15
+    while (left := await asyncio.to_thread(subprocess.run, ["pgrep", "-f", r"time\.sleep\(301\)"],
+                                           capture_output=True, text=True)).returncode == 0:
+        assert time.monotonic() < deadline, left.stdout
+        await asyncio.sleep(0.3)
+
+
+async def test_hostile_env_arrives_byte_for_byte_and_runs_nothing(stub, cluster):
+    jid = new_id("hostile")
+    canary = os.path.join(cluster.home, "CANARY")
+    env = {"H1": f"$(touch {canary})", "H2": f"`touch {canary}`", "H3": f"a\n#SBATCH --wrap=touch {canary}\n",
+           "H4": "'; touch CANARY; '", "H5": "ünï ✓ \t\r"}
+    code = "import json, os; print(json.dumps({k: os.environ[k] for k in sorted(os.environ) if k[:1] == 'H' and k[1:].isdigit()}))"
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+        job_pb2.ReplicaGroup(role="main", replicas=1, command=[PY, "-u", "-c", code], env=env)])
+    await launch(stub, jid, spec)
+    obs = await wait_state(stub, jid)
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
+    lines = [e.text for e in await logs(stub, jid) if e.stream == job_pb2.LOG_STREAM_STDOUT]
+    assert json.loads(lines[0]) == env
+    assert not await asyncio.to_thread(os.path.exists, canary)
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (bash scripts/install-system-deps.sh)")
+async def test_mpi_runs_mpirun_inside_the_allocation(stub):
+    jid = new_id("mpi")
+    code = "import os; print('rank', os.environ['OMPI_COMM_WORLD_RANK'], 'of', os.environ['OMPI_COMM_WORLD_SIZE'])"
+    root_ok = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MPI, replica_groups=[
+        job_pb2.ReplicaGroup(role="launcher", replicas=1, command=[PY, "-u", "-c", code], env=root_ok),
+        job_pb2.ReplicaGroup(role="worker", replicas=1, processes_per_replica=2, command=["unused"])])
+    await launch(stub, jid, spec)
+    obs = await wait_state(stub, jid)
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
+    lines = sorted(e.text for e in await logs(stub, jid) if e.stream == job_pb2.LOG_STREAM_STDOUT)
+    assert lines == ["rank 0 of 2", "rank 1 of 2"]
+
+
+async def test_more_cpus_than_any_node_has_stays_pending_with_slurms_reason(stub):
+    jid = new_id("toobig")
+    spec = single("print(1)")
+    spec.replica_groups[0].resources.cpu = 64
+    await launch(stub, jid, spec)
+    deadline = time.monotonic() + 30
+    while (obs := await observe(stub, jid)).reason in ("Submitted", "Pending"):
+        assert time.monotonic() < deadline, obs
+        await asyncio.sleep(0.2)
+    assert obs.state == job_pb2.JOB_STATE_QUEUED
+    assert obs.reason == "PartitionConfig"  # never silent: Slurm's own "why pending"
+    await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=jid)), timeout=30)
+    assert (await wait_state(stub, jid)).state == job_pb2.JOB_STATE_STOPPED
+
+
+async def test_sbatch_that_submits_then_fails_yields_one_job(stub, cluster, tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "sbatch").write_text("#!/bin/bash\n/usr/bin/sbatch \"$@\" >/dev/null\n"
+                                   "echo 'sbatch: error: Batch job submission failed: Socket timed out' >&2\n"
+                                   "exit 1\n")
+    (bindir / "sbatch").chmod(0o755)
+    req = configure_request(cluster, "clusters/slurm-flaky")
+    req.options["PATH"] = f"{bindir}:/usr/bin:/bin"
+    await stub.ConfigureCluster(req, timeout=30)
+    jid = new_id("flaky")
+    resp = await stub.LaunchJob(dpb.LaunchJobRequest(cluster="clusters/slurm-flaky", job_id=jid,
+                                                     spec=single("print(1)"), attempt=1), timeout=60)
+    assert resp.backend_job_id.isdigit()
+    out = cluster.run("squeue", "--noheader", "--states=all", f"--name=dlsched-{jid}", "-o", "%i").stdout
+    assert out.split() == [resp.backend_job_id]
+    await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/slurm-flaky"), timeout=30)
+
+
+async def test_a_launch_hands_its_script_to_an_sbatch_started_before_it(stub, cluster, tmp_path):
+    """The warm submitter: the sbatch that takes a launch's script was exec'd before the launch,
+    the next one waits (never more than one idle per cluster), concurrent launches still make
+    one Slurm job each, and RemoveCluster ends the idle one without a job."""
+    calls = str(tmp_path / "calls.log")
+    req = configure_request(cluster, "clusters/slurm-warm")
+    req.options["PATH"] = slurm_cluster.command_log_path(str(tmp_path / "bin"), calls, ("sbatch",))
+    before = set(sbatch_processes())
+    await stub.ConfigureCluster(req, timeout=30)
+
+    def sbatch_starts() -> list[float]:
+        return [t for t, name, _ in slurm_cluster.read_command_log(calls) if name == "sbatch"]
+
+    async def launch_on(jid: str) -> str:
+        return (await stub.LaunchJob(dpb.LaunchJobRequest(cluster="clusters/slurm-warm", job_id=jid,
+                                                          spec=single("print(1)"), attempt=1),
+                                     timeout=60)).backend_job_id
+
+    deadline = time.monotonic() + 10
+    while not sbatch_starts():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    t0 = time.time()
+    ids = [new_id("warm") for _ in range(4)]
+    first = await launch_on(ids[0])
+    assert sbatch_starts()[0] < t0  # started ahead, then fed the script
+    backends = [first, *await asyncio.gather(*(launch_on(j) for j in ids[1:]))]
+    assert len(set(backends)) == 4
+    await asyncio.sleep(1)
+    idle = [p for p in sbatch_processes() if p not in before]
+    assert len(idle) == 1, idle  # the next one waits; only one
+    await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/slurm-warm"), timeout=30)
+    deadline = time.monotonic() + 10
+    while [p for p in sbatch_processes() if p not in before]:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+    for jid, backend in zip(ids, backends, strict=True):
+        out = cluster.run("squeue", "--noheader", "--states=all", f"--name=dlsched-{jid}", "-o", "%i").stdout
+        assert out.split() == [backend]
+    jobs = cluster.run("squeue", "--noheader", "--states=all", "-o", "%j").stdout.split()
+    assert not [j for j in jobs if not j.startswith("dlsched-")]  # the given-up sbatch made none
+
+
+async def test_a_new_driver_process_adopts_earlier_jobs_and_never_submits_them_again(stub, cluster):
+    """A restarted driver knows nothing: a relaunch before its first poll round is looked up, an
+    observation naming a Slurm job adopts it from the next round, and a relaunch after a round
+    is answered from that round's listing. Each dlsched attempt stays one Slurm job."""
+    before_round, observed_only, after_round = (new_id("adopt") for _ in range(3))
+    first = {j: (await launch(stub, j, single("import time; time.sleep(2)"))).backend_job_id
+             for j in (before_round, observed_only, after_round)}
+    other = ServiceProcess("drivers.slurm", ["--poll-interval", "0.3"], name="slurm-driver-2").start()
+    try:
+        async with security.channel(other.address) as ch:
+            fresh = driver_service_pb2_grpc.DriverServiceStub(ch)
+            await fresh.ConfigureCluster(configure_request(cluster), timeout=30)
+            again = await launch(fresh, before_round, single("import time; time.sleep(2)"))
+            assert again.backend_job_id == first[before_round]
+            ref = dpb.JobRef(job_id=observed_only, backend_job_id=first[observed_only])
+            obs = (await fresh.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
+                cluster=CLUSTER, jobs=[ref]), timeout=30)).observations[0]
+            assert obs.found and obs.backend_job_id == first[observed_only] and obs.attempt == 1
+            again = await launch(fresh, after_round, single("import time; time.sleep(2)"))
+            assert again.backend_job_id == first[after_round]
+            assert (await wait_state(fresh, observed_only)).state == job_pb2.JOB_STATE_SUCCEEDED
+    finally:
+        other.stop()
+    for jid, backend in first.items():
+        out = cluster.run("squeue", "--noheader", "--states=all", f"--name=dlsched-{jid}", "-o", "%i").stdout
+        assert out.split() == [backend]
+
+
+async def test_a_requeued_job_runs_again_as_the_same_attempt_and_never_fails(stub, cluster):
+    jid = new_id("requeue")
+    backend = (await launch(stub, jid, single("import time; time.sleep(4); print('done')"))).backend_job_id
+    await wait_state(stub, jid, [job_pb2.JOB_STATE_RUNNING])
+    cluster.run("scontrol", "requeue", backend)
+    seen: list[dpb.JobObservation] = []
+    deadline = time.monotonic() + 60
+    released = False
+    while True:
+        obs = await observe(stub, jid)
+        seen.append(obs)
+        if obs.reason == "BeginTime" and not released:  # Slurm delays a requeued job; skip the wait
+            cluster.run("scontrol", "update", f"JobId={backend}", "StartTime=now")
+            released = True
+        assert obs.state != job_pb2.JOB_STATE_FAILED, obs
+        if obs.state in TERMINAL:
+            break
+        assert time.monotonic() < deadline, obs
+        await asyncio.sleep(0.2)
+    assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
+    assert obs.backend_job_id == backend and obs.attempt == 1  # same Slurm job, same dlsched attempt
+    assert obs.backend_restarts == 1  # the requeue shows as a count, not as another attempt
+    assert seen[0].backend_restarts == 0
+    states = [o.state for o in seen if "Slurm restart 1" in o.message]
+    assert job_pb2.JOB_STATE_QUEUED in states and job_pb2.JOB_STATE_RUNNING in states, seen
+    assert states.index(job_pb2.JOB_STATE_QUEUED) < states.index(job_pb2.JOB_STATE_RUNNING)
