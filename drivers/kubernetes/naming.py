@@ -59,10 +59,10 @@ GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 DEFAULT_NAMESPACE = "default"
 RESERVED_PREFIX = "dlsched.io"
 MAX_LABEL = 63
-LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-LABEL_VALUE_RE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
-SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_LABEL_NAME_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+LABEL_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?\Z")
+LABEL_VALUE_RE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?\Z")
+SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
+_LABEL_NAME_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?\Z")
 
 
 # --------------------------------------------------------------------------- names
@@ -152,7 +152,7 @@ def label_value(text: str) -> str:
         return text
     clean = re.sub(r"[^A-Za-z0-9_.-]+", "-", text)
     digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
-    head = re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", clean[:MAX_LABEL - 9])
+    head = re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+\Z", "", clean[:MAX_LABEL - 9])
     return f"{head}-{digest}" if head else digest
 
 

@@ -76,7 +76,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("dlsched.driver.slurm")
 
-FILE_RE = re.compile(r"^([a-z][a-z0-9-]{0,62})-(\d+)\.(stdout|stderr)$")
+FILE_RE = re.compile(r"^([a-z][a-z0-9-]{0,62})-(\d+)\.(stdout|stderr)\Z")
 MAX_CHUNK = 1 << 20
 #: Log tails read files on the login node, not the controller: their own, lower floor.
 LOG_POLL_FLOOR = 0.2
@@ -91,7 +91,7 @@ STREAM_END = "end"
 _EMIT = (f"emit() {{ [ \"$3\" -gt \"$2\" ] || return 0; n=$(($3 - $2)); [ $n -le {MAX_CHUNK} ] || "
          f"n={MAX_CHUNK}; printf '%s %s %s %s %s\\n' \"$n\" \"$2\" \"$3\" \"$4\" \"$1\"; "
          "tail -c +$(($2 + 1)) -- \"$1\" | head -c \"$n\"; }; ")
-_ROLE_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}$")
+_ROLE_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}\Z")
 
 
 def log_globs(query: LogQuery | None = None) -> str:
@@ -214,7 +214,7 @@ def parse_frames(data: bytes) -> list[Frame]:
 
 def _mtime_ns(text: str) -> int | None:
     """``2026-12-02T19:43:38.123456789+0000`` -> unix nanoseconds."""
-    m = re.match(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?([+-]\d{4})$", text)
+    m = re.match(r"^(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?([+-]\d{4})\Z", text)
     if m is None:
         return None
     try:

@@ -119,9 +119,9 @@ INDEX_INTERVAL = 1
 TASKS_STEP = "dlsched-tasks"
 TASK_CHECK_INTERVAL = 0.5
 #: Values that land in #SBATCH lines or paths: validated, never quoted.
-PARTITION_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}(,[A-Za-z0-9_.-]{1,64}){0,15}$")
-GPU_TYPE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-STATE_DIR_RE = re.compile(r"^(?!-)[A-Za-z0-9_./-]{1,255}$")
+PARTITION_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}(,[A-Za-z0-9_.-]{1,64}){0,15}\Z")
+GPU_TYPE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
+STATE_DIR_RE = re.compile(r"^(?!-)[A-Za-z0-9_./-]{1,255}\Z")
 
 __all__ = ["MEDIA_TYPE", "Checked", "Layout", "SlurmScript", "StepFiles", "attempt_dir", "batch_output", "check",
            "emit", "job_comment", "job_name", "parse_comment", "place", "render_job", "sh_quote", "state_dir_of"]

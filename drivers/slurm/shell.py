@@ -19,7 +19,7 @@ import shlex
 
 NODE_TOKEN = "@DLSCHED_NODE_{}@"
 NODE_TOKEN_RE = re.compile(r"@DLSCHED_NODE_(\d+)@")
-_PRINTABLE = re.compile(r"^[\x20-\x7e]*$")
+_PRINTABLE = re.compile(r"^[\x20-\x7e]*\Z")
 
 
 def sh_quote(value: str) -> str:

@@ -74,7 +74,7 @@ def call_name(command: str) -> str:
             start = False
     slurm = next((h for h in heads if h.startswith("s") and h in CALL_NAMES), None)
     return slurm or next((h for h in heads if h in CALL_NAMES), "other")
-ENV_RE = re.compile(r"^[A-Z_][A-Z0-9_]*$")
+ENV_RE = re.compile(r"^[A-Z_][A-Z0-9_]*\Z")
 
 
 class HostKeyMismatch(FailedPrecondition):
