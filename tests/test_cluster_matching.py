@@ -68,6 +68,40 @@ def job(cpu: float = 1, gpus: int = 0, replicas: int = 1, mode: RunMode = RunMod
 # --- matcher ----------------------------------------------------------------
 
 
+def test_the_matcher_counts_cpus_as_each_backend_asks_for_them() -> None:
+    """cpu 0.5 per replica of 3 processes: Slurm asks --cpus-per-task=1 for each of the 3 tasks
+    (dlsched.resources, what its renderer writes), so a 2-CPU node cannot hold it and the job is
+    refused at submit with the reason; Kubernetes and Ray ask for 0.5 and take it."""
+    three = JobRequirements(run_mode=RunMode.MULTI_PROCESS, replica_groups=(
+        ReplicaGroup("worker", 1, 3, Resources(cpu=0.5, memory_bytes=GIB)),))
+    two_cpus = cap(cpus=2)
+    with pytest.raises(NoMatchingCluster) as ei:
+        rank(three, [cluster("slurm", two_cpus, ctype=ClusterType.SLURM)])
+    assert "needs 3 CPUs (3 processes, as SLURM asks)" in str(ei.value.violations)
+    for ctype in (ClusterType.KUBERNETES, ClusterType.RAY):
+        assert rank(three, [cluster("c", two_cpus, ctype=ctype)])[0].eligible
+    fits = rank(three, [cluster("slurm", cap(cpus=4), ctype=ClusterType.SLURM)])[0]
+    assert fits.eligible
+
+
+def test_slurm_asks_what_the_matcher_counted() -> None:
+    """The renderer's --cpus-per-task is the resource model's, for the same groups."""
+    from dlsched import resources
+    from drivers.common.base import JobSpec as DSpec
+    from drivers.common.base import ReplicaGroup as DGroup
+    from drivers.common.base import Resources as DRes
+    from drivers.common.base import RunMode as DMode
+    from drivers.slurm import render as slurm_render
+
+    spec = DSpec(DMode.MASTER_WORKER, (DGroup("master", 1, ("python",), processes_per_replica=2,
+                                              resources=DRes(cpu=3)),
+                                       DGroup("worker", 2, ("python",), processes_per_replica=4,
+                                              resources=DRes(cpu=0.5))))
+    script = slurm_render.render_job("j", spec, 1, {})
+    assert f"--cpus-per-task={resources.cpus_per_task(spec.replica_groups)}" in script.native_spec().content
+    assert resources.cpus_per_task(spec.replica_groups) == 2
+
+
 def test_ranks_free_capacity_first_then_headroom() -> None:
     busy = cluster("busy", cap(cpus=16, free_cpus=0.5))
     small = cluster("small", cap(cpus=4))

@@ -14,8 +14,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from dlsched import resources
+from dlsched.resources import CpuRule
+
 from .errors import NoMatchingCluster, UnknownCluster
 from .models import (
+    BACKENDS,
     Candidate,
     Capacity,
     Cluster,
@@ -36,13 +40,17 @@ class _Totals:
     gpus_by_type: dict[str, int]
 
 
-def _totals(job: JobRequirements) -> _Totals:
-    cpus, mem, gpus = 0.0, 0, 0
+def _cpu_rule(c: Cluster) -> CpuRule:
+    backend = BACKENDS.get(c.type)
+    return backend.cpus if backend is not None else CpuRule.AS_GIVEN
+
+
+def _totals(job: JobRequirements, rule: CpuRule) -> _Totals:
+    cpus, mem, gpus = resources.job_cpus(job.replica_groups, rule), 0, 0
     by_type: dict[str, int] = {}
     for g in job.replica_groups:
         n = max(g.replicas, 1)
         r = g.resources
-        cpus += n * r.cpu
         mem += n * r.memory_bytes
         gpus += n * r.gpus
         if r.gpus and r.gpu_type:
@@ -58,7 +66,9 @@ def _fmt_bytes(n: int) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
-def _evaluate(job: JobRequirements, c: Cluster, need: _Totals) -> Candidate:
+def _evaluate(job: JobRequirements, c: Cluster) -> Candidate:
+    rule = _cpu_rule(c)
+    need = _totals(job, rule)
     refusals: list[str] = []
     sel = job.selector
     if sel.cluster_type is not ClusterType.UNSPECIFIED and c.type is not sel.cluster_type:
@@ -84,11 +94,12 @@ def _evaluate(job: JobRequirements, c: Cluster, need: _Totals) -> Candidate:
         reasons.append(f"run mode {job.run_mode.value} is supported")
     cap = c.capacity or Capacity()
     inventory = {g.gpu_type.lower(): g for g in cap.gpus}
-    for g in job.replica_groups:
+    for g, cpus in zip(job.replica_groups, resources.replica_cpus(job.replica_groups, rule), strict=True):
         r = g.resources
         who = f"a {g.role or 'replica'} replica"
-        if r.cpu > cap.max_cpus_per_node:
-            refusals.append(f"{who} needs {r.cpu:g} CPUs; the largest node has "
+        if cpus > cap.max_cpus_per_node:
+            asked = "" if cpus == r.cpu else f" ({g.processes_per_replica or 1} processes, as {c.type.value} asks)"
+            refusals.append(f"{who} needs {cpus:g} CPUs{asked}; the largest node has "
                             f"{cap.max_cpus_per_node:g}")
         if r.memory_bytes > cap.max_memory_bytes_per_node:
             refusals.append(f"{who} needs {_fmt_bytes(r.memory_bytes)} of memory; the largest "
@@ -158,8 +169,7 @@ def rank(job: JobRequirements, clusters: Iterable[Cluster]) -> list[Candidate]:
         cs = [c for c in cs if c.cluster_id == want]
         if not cs:
             raise UnknownCluster(cluster_name(want))
-    need = _totals(job)
-    cands = [_evaluate(job, c, need) for c in cs]
+    cands = [_evaluate(job, c) for c in cs]
     eligible = sorted((x for x in cands if x.eligible), key=lambda x: (-x.score, x.cluster))
     refused = [x for x in cands if not x.eligible]
     if not eligible:

@@ -10,6 +10,8 @@ import enum
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 
+from dlsched.resources import CpuRule
+
 
 class ClusterType(enum.Enum):
     UNSPECIFIED = "UNSPECIFIED"
@@ -60,15 +62,18 @@ class Backend:
     credentials: CredentialsKind | None  # None: takes no credentials
     address: AddressKind
     address_help: str  # what the address is, for error messages
+    cpus: CpuRule  # how the backend hands out CPUs (dlsched.resources): what the matcher counts
 
 
 #: The backends, by type. Adding one: its enum value (here and in the API's
 #: ``ClusterType``), one row here, one driver package (ARCHITECTURE.md).
 BACKENDS: dict[ClusterType, Backend] = {
-    ClusterType.LOCAL: Backend(None, AddressKind.OPTIONAL, "unused"),
-    ClusterType.SLURM: Backend(CredentialsKind.SSH, AddressKind.HOST_PORT, "the login node host[:port]"),
-    ClusterType.KUBERNETES: Backend(CredentialsKind.KUBERNETES, AddressKind.URL, "the API server URL"),
-    ClusterType.RAY: Backend(CredentialsKind.TOKEN, AddressKind.URL, "the dashboard URL"),
+    ClusterType.LOCAL: Backend(None, AddressKind.OPTIONAL, "unused", CpuRule.ONE_PER_PROCESS_DEFAULT),
+    ClusterType.SLURM: Backend(CredentialsKind.SSH, AddressKind.HOST_PORT, "the login node host[:port]",
+                               CpuRule.WHOLE_TASKS),
+    ClusterType.KUBERNETES: Backend(CredentialsKind.KUBERNETES, AddressKind.URL, "the API server URL",
+                                    CpuRule.AS_GIVEN),
+    ClusterType.RAY: Backend(CredentialsKind.TOKEN, AddressKind.URL, "the dashboard URL", CpuRule.AS_GIVEN),
 }
 
 # Which credentials each cluster type takes; LOCAL takes none.

@@ -101,6 +101,7 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from dlsched import resources
 from dlsched.errors import FieldViolation, InvalidArgument
 from dlsched.spec_rules import ENV_NAME_RE, ID_RE
 from drivers.common import planner
@@ -310,7 +311,7 @@ def place(job: Checked) -> Layout:
         procs_on[n] += 0 if launcher else g.processes  # MPI: the tasks are mpirun's ranks
         mem_on[n] += g.resources.memory_bytes
         gpus_on[n] += g.resources.gpus
-    cpt = max([math.ceil(g.resources.cpu / g.processes) if g.resources.cpu > 0 else 1 for g in ordered] + [1])
+    cpt = resources.cpus_per_task(ordered)  # the matcher counts the same (dlsched.resources)
     return Layout(job, nodes, node_of, plan, adir, max(procs_on), cpt, max(mem_on), max(gpus_on))
 
 

@@ -1,0 +1,54 @@
+"""One resource model: what a job asks of a backend, for the matcher and the renderers alike.
+
+ClusterManager's matcher decides "fits" from these numbers and the backends
+ask for exactly these, so a job the matcher places is one the backend can
+hold, and a job no node can hold is refused at submit with the reason.
+
+CPUs depend on how a backend hands them out (``CpuRule``):
+
+- ``AS_GIVEN`` (Kubernetes requests, Ray resources): fractional, per
+  replica as the spec says; 0 asks for nothing.
+- ``ONE_PER_PROCESS_DEFAULT`` (local): as the spec says, or one per process
+  when it says 0.
+- ``WHOLE_TASKS`` (Slurm): every process is a task with
+  ``--cpus-per-task`` whole CPUs, one value for the whole job: the largest
+  ``ceil(cpu / processes)`` of its groups, at least 1. A replica of P
+  processes is asked for ``P * cpus_per_task`` CPUs on its node.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from typing import Any
+
+
+class CpuRule(enum.Enum):
+    AS_GIVEN = "as-given"
+    ONE_PER_PROCESS_DEFAULT = "one-per-process-default"
+    WHOLE_TASKS = "whole-tasks"
+
+
+def _processes(group: Any) -> int:
+    return max(1, int(group.processes_per_replica))
+
+
+def cpus_per_task(groups: Sequence[Any]) -> int:
+    """Slurm's ``--cpus-per-task`` for a job: the largest whole share of any group, at least 1."""
+    return max([math.ceil(g.resources.cpu / _processes(g)) if g.resources.cpu > 0 else 1 for g in groups] + [1])
+
+
+def replica_cpus(groups: Sequence[Any], rule: CpuRule) -> list[float]:
+    """CPUs one replica of each group is asked for, in the order of ``groups``."""
+    if rule is CpuRule.WHOLE_TASKS:
+        cpt = cpus_per_task(groups)
+        return [float(_processes(g) * cpt) for g in groups]
+    if rule is CpuRule.ONE_PER_PROCESS_DEFAULT:
+        return [float(g.resources.cpu) if g.resources.cpu > 0 else float(_processes(g)) for g in groups]
+    return [float(g.resources.cpu) for g in groups]
+
+
+def job_cpus(groups: Sequence[Any], rule: CpuRule) -> float:
+    """CPUs the whole job is asked for."""
+    return sum(max(g.replicas, 1) * c for g, c in zip(groups, replica_cpus(groups, rule), strict=True))
