@@ -51,4 +51,4 @@ def replica_cpus(groups: Sequence[Any], rule: CpuRule) -> list[float]:
 
 def job_cpus(groups: Sequence[Any], rule: CpuRule) -> float:
     """CPUs the whole job is asked for."""
-    return sum(max(g.replicas, 1) * c for g, c in zip(groups, replica_cpus(groups, rule), strict=True))
+    return float(sum(max(g.replicas, 1) * c for g, c in zip(groups, replica_cpus(groups, rule), strict=True)))
