@@ -207,19 +207,20 @@ async def test_mpi_runs_mpirun_inside_the_allocation(stub):
     assert lines == ["rank 0 of 2", "rank 1 of 2"]
 
 
-async def test_more_cpus_than_any_node_has_stays_pending_with_slurms_reason(stub):
+async def test_more_cpus_than_any_node_has_fails_unschedulable_and_leaves_the_queue(stub, cluster):
+    """Slurm queues it with reason PartitionConfig, which no wait resolves: the job is FAILED
+    Unschedulable, naming Slurm's reason, and cancelled (not QUEUED forever)."""
     jid = new_id("toobig")
     spec = single("print(1)")
     spec.replica_groups[0].resources.cpu = 64
-    await launch(stub, jid, spec)
+    backend_id = (await launch(stub, jid, spec)).backend_job_id
+    obs = await wait_state(stub, jid)
+    assert (obs.state, obs.reason) == (job_pb2.JOB_STATE_FAILED, "Unschedulable"), obs
+    assert "PartitionConfig" in obs.message  # never silent: Slurm's own "why"
     deadline = time.monotonic() + 30
-    while (obs := await observe(stub, jid)).reason in ("Submitted", "Pending"):
-        assert time.monotonic() < deadline, obs
-        await asyncio.sleep(0.2)
-    assert obs.state == job_pb2.JOB_STATE_QUEUED
-    assert obs.reason == "PartitionConfig"  # never silent: Slurm's own "why pending"
-    await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=jid)), timeout=30)
-    assert (await wait_state(stub, jid)).state == job_pb2.JOB_STATE_STOPPED
+    while cluster.run("squeue", "--noheader", "--jobs", backend_id, "-o", "%i").stdout.strip():
+        assert time.monotonic() < deadline, "the unschedulable job is still in Slurm's queue"
+        await asyncio.sleep(0.3)
 
 
 async def test_sbatch_that_submits_then_fails_yields_one_job(stub, cluster, tmp_path):

@@ -199,3 +199,24 @@ def test_parse_sacct_allocations():
     assert states.job_state(jobs["8"].state).state is JobState.STOPPED and jobs["8"].exit_status == 128 + 15
     assert jobs["8"].comment == "x|y"  # a '|' in a comment stays in it
     assert jobs["9"].exit_status == 3 and jobs["9"].start_time is None
+
+
+@pytest.mark.parametrize("reason", sorted(states.UNSCHEDULABLE_REASONS))
+def test_a_job_slurm_can_never_start_fails_unschedulable(reason):
+    """Pending for a partition limit or bad constraints: FAILED Unschedulable (the driver then
+    cancels it), not QUEUED forever; passing reasons keep it queued, a stop keeps STOPPING."""
+    from drivers.slurm.jobs import TrackedJob
+
+    job = TrackedJob("clusters/s", "j", 1, "42", "/tmp/j", None, (("main", 0),))
+    job.apply(poller.SlurmJob("42", "PENDING", reason))
+    obs = job.observation(None)
+    assert (obs.state, obs.reason, job.unschedulable) == (JobState.FAILED, "Unschedulable", True)
+    assert reason in obs.message and obs.end_time is not None
+    for passing in ("Resources", "Priority", "QOSJobLimit", "ReqNodeNotAvail"):
+        queued = TrackedJob("clusters/s", "k", 1, "43", "/tmp/k", None)
+        queued.apply(poller.SlurmJob("43", "PENDING", passing))
+        assert (queued.state, queued.unschedulable) == (JobState.QUEUED, False)
+    stopping = TrackedJob("clusters/s", "m", 1, "44", "/tmp/m", None)
+    stopping.stop_sent()
+    stopping.apply(poller.SlurmJob("44", "PENDING", reason))
+    assert stopping.state is JobState.STOPPING and not stopping.unschedulable

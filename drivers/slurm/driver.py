@@ -45,6 +45,7 @@ stopping an ended or unknown job is fine. CANCELLED maps to STOPPED.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -137,6 +138,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
 
     def __init__(self, config: SlurmConfig | None = None) -> None:
         super().__init__()
+        self._background: set[asyncio.Task[None]] = set()
         self.config = config or SlurmConfig()
 
     # ------------------------------------------------------------------ clusters
@@ -232,6 +234,19 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         for job in list(c.jobs.values()):
             if not job.state.is_terminal() and job.round(jobs.get(job.backend_job_id), error, complete):
                 self._publish(c, job)
+                if job.unschedulable:  # reported FAILED; take it out of Slurm's queue
+                    self._cancel_later(c, job.backend_job_id)
+
+    def _cancel_later(self, c: _Cluster, backend_job_id: str) -> None:
+        async def cancel() -> None:
+            try:
+                await c.client.cancel(backend_job_id)
+            except DlschedError as e:  # the job is FAILED already; a stray queued job is all it costs
+                log.warning("scancel of unschedulable job %s: %s", backend_job_id, e.message)
+
+        task = asyncio.create_task(cancel(), name=f"cancel-unschedulable-{backend_job_id}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _publish(self, c: _Cluster, job: TrackedJob) -> None:
         self.hub.publish(job.cluster, c.observation(job))

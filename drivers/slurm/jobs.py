@@ -49,6 +49,7 @@ class TrackedJob:
         self.roles = roles  # (role, index) of every replica the script runs a step for
         self.usage: dict[tuple[str, int], ReplicaUsage] = {}  # last sample per replica
         self.accounted = False  # usage holds sacct's final figures
+        self.unschedulable = False  # Slurm can never start it: FAILED here, to be cancelled there
 
     def _reported(self) -> tuple[object, ...]:
         return (self.state, self.reason, self.message, self.exit_code, self.stale, self.start_time,
@@ -72,6 +73,12 @@ class TrackedJob:
         """Slurm's current word on the job."""
         self.seen = True
         m = states.job_state(sj.state, sj.reason)
+        if m.state is JobState.QUEUED and sj.reason in states.UNSCHEDULABLE_REASONS and not self.stop_requested:
+            self.unschedulable = True
+            self.state, self.reason = JobState.FAILED, states.REASON_UNSCHEDULABLE
+            self.message = f"Slurm can never start the job as asked ({sj.reason}); cancelled"
+            self.end_time = time.time()
+            return
         self.state, self.reason, self.message = m.state, m.reason, m.message
         if sj.restarts > self.restarts:  # requeued: a new run of the same attempt; forget the old one's end
             self.restarts = sj.restarts

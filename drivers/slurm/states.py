@@ -76,11 +76,15 @@ SHORT: dict[str, str] = {
     "PR": "PREEMPTED", "SE": "SPECIAL_EXIT", "RV": "REVOKED",
 }
 
-#: Pending reasons that mean the job can never start as asked.
-HOPELESS_REASONS = frozenset({
-    "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints", "InvalidAccount",
-    "InvalidQOS", "QOSJobLimit", "PartitionDown", "PartitionInactive", "ReqNodeNotAvail",
+#: Pending reasons that mean the job can never start as asked (the partition's limits or
+#: configuration refuse it; nothing but an administrator's change would let it run). A job
+#: pending for one is FAILED ``Unschedulable`` and cancelled, not left queued forever.
+#: Not here: reasons that pass (Resources, Priority, QOSJobLimit, ReqNodeNotAvail, PartitionDown).
+UNSCHEDULABLE_REASONS = frozenset({
+    "PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit", "BadConstraints",
+    "InvalidAccount", "InvalidQOS",
 })
+REASON_UNSCHEDULABLE = "Unschedulable"
 
 
 def normalise(slurm_state: str) -> str:
