@@ -146,7 +146,7 @@ async def test_ps_worker_runs_every_task_in_one_multi_prog_step(stub, cluster):
     task; the job succeeds when the worker does and the parameter server is stopped."""
     jid = new_id("ps")
     worker = ("import json, os, time; t = json.loads(os.environ['TF_CONFIG']); print(t['task'], len(t['cluster']['ps']), "
-              "os.environ['DLSCHED_ROLE'], flush=True); end = time.time() + 4\nwhile time.time() < end: pass")
+              "os.environ['DLSCHED_ROLE'], flush=True); end = time.time() + 12\nwhile time.time() < end: pass")
     spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_PS_WORKER, replica_groups=[
         job_pb2.ReplicaGroup(role="ps", replicas=1, command=[PY, "-u", "-c", "print('ps up'); import time; time.sleep(301)"]),
         job_pb2.ReplicaGroup(role="worker", replicas=1, command=[PY, "-u", "-c", worker])])
