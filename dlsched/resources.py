@@ -6,10 +6,10 @@ hold, and a job no node can hold is refused at submit with the reason.
 
 CPUs depend on how a backend hands them out (``CpuRule``):
 
-- ``AS_GIVEN`` (Kubernetes requests, Ray resources): fractional, per
-  replica as the spec says; 0 asks for nothing.
-- ``ONE_PER_PROCESS_DEFAULT`` (local): as the spec says, or one per process
-  when it says 0.
+- ``AS_GIVEN`` (Kubernetes requests, Ray resources, local): fractional, per
+  replica as the spec says; 0 asks for nothing (the local backend enforces
+  nothing: it runs what it is given, so the matcher refuses only what the
+  spec itself asks beyond the host).
 - ``WHOLE_TASKS`` (Slurm): every process is a task with
   ``--cpus-per-task`` whole CPUs, one value for the whole job: the largest
   ``ceil(cpu / processes)`` of its groups, at least 1. A replica of P
@@ -26,7 +26,6 @@ from typing import Any
 
 class CpuRule(enum.Enum):
     AS_GIVEN = "as-given"
-    ONE_PER_PROCESS_DEFAULT = "one-per-process-default"
     WHOLE_TASKS = "whole-tasks"
 
 
@@ -44,8 +43,6 @@ def replica_cpus(groups: Sequence[Any], rule: CpuRule) -> list[float]:
     if rule is CpuRule.WHOLE_TASKS:
         cpt = cpus_per_task(groups)
         return [float(_processes(g) * cpt) for g in groups]
-    if rule is CpuRule.ONE_PER_PROCESS_DEFAULT:
-        return [float(g.resources.cpu) if g.resources.cpu > 0 else float(_processes(g)) for g in groups]
     return [float(g.resources.cpu) for g in groups]
 
 

@@ -68,7 +68,7 @@ class Backend:
 #: The backends, by type. Adding one: its enum value (here and in the API's
 #: ``ClusterType``), one row here, one driver package (ARCHITECTURE.md).
 BACKENDS: dict[ClusterType, Backend] = {
-    ClusterType.LOCAL: Backend(None, AddressKind.OPTIONAL, "unused", CpuRule.ONE_PER_PROCESS_DEFAULT),
+    ClusterType.LOCAL: Backend(None, AddressKind.OPTIONAL, "unused", CpuRule.AS_GIVEN),
     ClusterType.SLURM: Backend(CredentialsKind.SSH, AddressKind.HOST_PORT, "the login node host[:port]",
                                CpuRule.WHOLE_TASKS),
     ClusterType.KUBERNETES: Backend(CredentialsKind.KUBERNETES, AddressKind.URL, "the API server URL",
