@@ -13,7 +13,8 @@ CPUs depend on how a backend hands them out (``CpuRule``):
 - ``WHOLE_TASKS`` (Slurm): every process is a task with
   ``--cpus-per-task`` whole CPUs, one value for the whole job: the largest
   ``ceil(cpu / processes)`` of its groups, at least 1. A replica of P
-  processes is asked for ``P * cpus_per_task`` CPUs on its node.
+  processes that asks for CPUs is asked for ``P * cpus_per_task`` on its
+  node; one that asks for none (0: the backend's default) is not counted.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def replica_cpus(groups: Sequence[Any], rule: CpuRule) -> list[float]:
     """CPUs one replica of each group is asked for, in the order of ``groups``."""
     if rule is CpuRule.WHOLE_TASKS:
         cpt = cpus_per_task(groups)
-        return [float(_processes(g) * cpt) for g in groups]
+        # cpu 0 is "the backend's default": the site decides (Slurm may share or overcommit), not counted.
+        return [float(_processes(g) * cpt) if g.resources.cpu > 0 else 0.0 for g in groups]
     return [float(g.resources.cpu) for g in groups]
 
 
