@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import Any
 
 import pytest
@@ -12,6 +13,8 @@ pytest.importorskip("kubernetes")
 
 from dlsched.v1 import driver_service_pb2 as dpb  # noqa: E402
 from dlsched.v1 import driver_service_pb2_grpc, job_pb2  # noqa: E402
+from drivers.common import planner  # noqa: E402
+from drivers.kubernetes import mpi  # noqa: E402
 from tests import security  # noqa: E402
 from tests.harness import ServiceProcess  # noqa: E402
 from tests.kube_emulator import (  # noqa: E402, F401 - the fixtures driver, emu, stub, by their names
@@ -43,7 +46,10 @@ async def test_mpi_runs_with_a_per_attempt_ssh_key(stub: Any, emu: tuple[Emulato
                                                    driver: ServiceProcess) -> None:
     e, url = emu
     job = new_id("mpi-key")
-    res = await launch(stub, job, spec("mpi"))
+    sp = spec("mpi")
+    sp.replica_groups[0].args[:] = [":", "touch", "/tmp/canary", "-np", "1", "--version"]
+    sp.replica_groups[0].env["MY_VAR"] = "a b"
+    res = await launch(stub, job, sp)
     secret, config_map = f"{job}-1-ssh", f"{job}-1-mpi"
     assert has(e, SECRETS, secret) and has(e, CONFIG_MAPS, config_map)
     keys = e.objects[SECRETS, NS, secret].raw["stringData"]
@@ -60,6 +66,16 @@ async def test_mpi_runs_with_a_per_attempt_ssh_key(stub: Any, emu: tuple[Emulato
     pods = pods_of(e, job)
     launcher = pods[f"{job}-1-launcher-0"]
     assert [c["name"] for c in launcher["spec"]["initContainers"]] == ["wait-for-workers"]
+    # the launcher as the API server stored it: mpirun gets no user token, and -x hands every rank (started
+    # through a worker's sshd, which gives it a clean environment) the contract and the group's env
+    (main,) = launcher["spec"]["containers"]
+    env = {x["name"]: x["value"] for x in main["env"]}
+    argv = main["command"]
+    assert argv[-3:] == list(planner.MPI_RANK_PROGRAM) and "args" not in main
+    exported = {argv[i + 1] for i, t in enumerate(argv[:-3]) if t == "-x"}
+    assert exported == set(env) - set(mpi.MPI_LAUNCHER_ENV)
+    assert {"DLSCHED_JOB_ID", "DLSCHED_ROLE", "DLSCHED_MPI_ARGV", "DLSCHED_MPI_HOSTFILE", "MY_VAR"} <= exported
+    assert shlex.split(env["DLSCHED_MPI_ARGV"]) == [*sp.replica_groups[0].command, *sp.replica_groups[0].args]
     for name in pods:
         await kubelet(url, name, "Running")
     await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])

@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 import yaml
 
 from dlsched.errors import FailedPrecondition, InvalidArgument
+from drivers.common import planner
 from drivers.common.base import JobSpec, ReplicaGroup, Resources, RunMode
 from drivers.kubernetes import mpi, naming, render
 
@@ -41,8 +43,8 @@ SPECS: dict[str, JobSpec] = {
     "master_worker": JobSpec(RunMode.MASTER_WORKER, (g("worker", 2), g("master"))),
     "ps_worker": JobSpec(RunMode.PS_WORKER, (g("chief"), g("ps", 2), g("worker", 2))),
     "mpi": JobSpec(RunMode.MPI, (g("worker", 2, 4, command=("unused",), cpu=4, memory_bytes=8 << 30),
-                                 g("launcher", command=("python", "allreduce.py"), args=("--n", "10"),
-                                   cpu=1))),
+                                 g("launcher", command=("python", "allreduce.py"), args=("--n", "10", ":", "-np", "1"),
+                                   env={"OMP_NUM_THREADS": "1"}, cpu=1))),
 }
 
 
@@ -190,10 +192,15 @@ def test_mpi_launcher_reaches_worker_sshd_with_the_attempt_key() -> None:
     assert set(secret["stringData"].values()) == {""}  # rendering is pure: the key is made at launch
     launcher = objs["Pod", "golden-3-launcher-0"]["spec"]
     main = launcher["containers"][0]
+    # mpirun sees no user token; ranks on the workers' sshd get the contract and the group's env by -x
+    exported = ["DLSCHED_JOB_ID", "DLSCHED_JOB_NAME", "DLSCHED_ROLE", "DLSCHED_REPLICA_INDEX",
+                "DLSCHED_NUM_REPLICAS", "DLSCHED_MPI_HOSTFILE", "DLSCHED_MPI_ARGV", "OMP_NUM_THREADS"]
     assert main["command"] == ["mpirun", "-np", "8", "--hostfile", "/etc/dlsched/mpi/hostfile",
-                               "python", "allreduce.py", "--n", "10"]
+                               *(t for k in exported for t in ("-x", k)), *planner.MPI_RANK_PROGRAM]
+    assert "args" not in main
     env = {e["name"]: e["value"] for e in main["env"]}
     assert env["DLSCHED_MPI_HOSTFILE"] == "/etc/dlsched/mpi/hostfile" and env["OMPI_ALLOW_RUN_AS_ROOT"] == "1"
+    assert env["DLSCHED_MPI_ARGV"] == "python allreduce.py --n 10 : -np 1" and env["OMP_NUM_THREADS"] == "1"
     (wait,) = launcher["initContainers"]
     assert wait["command"][:3] == ["sh", "-c", mpi.WAIT_SCRIPT]  # a constant script;
     assert wait["command"][4:] == ["worker-0.golden-3.ml.svc", "worker-1.golden-3.ml.svc"]  # names as args
@@ -208,6 +215,52 @@ def test_mpi_launcher_reaches_worker_sshd_with_the_attempt_key() -> None:
     assert sshd["resources"]["limits"] == {"cpu": "4", "memory": str(8 << 30)}
     assert [(p.role, p.containers) for p in out.pods] == [("launcher", ("main",)), ("worker", ("sshd",)),
                                                           ("worker", ("sshd",))]
+
+
+def kubelet_expand(text: str, env: dict[str, str]) -> str:
+    """What the kubelet makes of a command, args or env value (Kubernetes' ``expansion.Expand``):
+    ``$$`` is ``$``, ``$(NAME)`` the value of a variable defined before it, anything else as it is."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "$" and i + 1 < len(text):
+            nxt = text[i + 1]
+            if nxt == "$":
+                out.append("$")
+                i += 2
+                continue
+            if nxt == "(":
+                end = text.find(")", i + 2)
+                if end >= 0:
+                    name = text[i + 2:end]
+                    out.append(env.get(name, f"$({name})"))
+                    i = end + 1
+                    continue
+        out.append(text[i])
+        i += 1
+    return "".join(out)
+
+
+@pytest.mark.parametrize("mode", ["single_process", "mpi"])
+def test_argv_and_env_reach_the_process_verbatim_through_the_kubelet(mode: str) -> None:
+    """The kubelet expands ``$(NAME)`` and ``$$`` in command, args and env values; what it hands the
+    process is still exactly the user's argv and env."""
+    tricky = ("$(DLSCHED_JOB_ID)", "$$", "$(A)", "$HOME", "$(", "a$(B)c", "$")
+    base = SPECS[mode]
+    groups = tuple(dataclasses.replace(x, args=tricky, env={"A": "$(DLSCHED_ROLE)", "B": "$$x"})
+                   if x.role in ("main", "launcher") else x for x in base.replica_groups)
+    out = render.render_job("verbatim", dataclasses.replace(base, replica_groups=groups), 1, OPTS)
+    pod = next(m for m in out.manifests if m["kind"] == "Pod")
+    c = pod["spec"]["containers"][0]
+    env: dict[str, str] = {}
+    for e in c["env"]:  # each value expanded against those before it, as the kubelet does
+        env[e["name"]] = kubelet_expand(e["value"], env)
+    assert env["A"] == "$(DLSCHED_ROLE)" and env["B"] == "$$x"
+    argv = [kubelet_expand(a, env) for a in [*c["command"], *c.get("args", [])]]
+    if mode == "mpi":
+        assert argv[-3:] == list(planner.MPI_RANK_PROGRAM)
+        assert shlex.split(env["DLSCHED_MPI_ARGV"]) == ["python", "allreduce.py", *tricky]
+    else:
+        assert argv == ["python", "train.py", *tricky]
 
 
 def test_with_ssh_key_pins_the_key_for_the_service_names() -> None:
@@ -277,7 +330,7 @@ def test_the_rendered_ssh_files_let_the_launcher_into_a_worker(tmp_path: pathlib
         f.write(f"PidFile {d}/sshd.pid\nListenAddress 127.0.0.1\n")
     server = subprocess.Popen([sshd, "-De", "-f", str(d / "sshd_config")], stderr=subprocess.DEVNULL)
     try:
-        wait = [moved(a) for a in launcher["initContainers"][0]["command"]]
+        wait = [moved(kubelet_expand(a, {})) for a in launcher["initContainers"][0]["command"]]
         assert wait[4:] == workers
         subprocess.run(wait, check=True, timeout=60, capture_output=True)  # the init container's wait ends
         other = subprocess.run([ssh, "-F", str(d / "config"), "worker-0.other-1.ml.svc", "true"],

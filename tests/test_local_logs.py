@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import pathlib
+import random
 import time
+import tracemalloc
+
+import pytest
 
 from dlsched.v1 import driver_service_pb2 as dpb
 from dlsched.v1 import job_pb2
+from drivers.common.base import LogEntry, LogQuery, LogStream
+from drivers.local import logs as local_logs
 from tests.local_peer import (
     CLUSTER,
     driver_fixtures,
@@ -65,3 +72,108 @@ async def test_tail_lines_since_time_and_stream_filters(stub):
     since = await logs(stub, job_id, since_time=line6.time, streams=[job_pb2.LOG_STREAM_STDOUT])
     assert texts(since) == [f"line-{i}" for i in range(6, 11)]
     assert await logs(stub, job_id, role="other") == []
+
+
+# --------------------------------------------------------------------------- the files, read in bounded pieces
+
+
+def _write_lines(path: pathlib.Path, lines: list[tuple[int, str]], tail: bytes = b"") -> None:
+    path.write_bytes(b"".join(f"{ns} {t}\n".encode() for ns, t in lines) + tail)
+
+
+def _big_log(path: pathlib.Path, mib: int, width: int = 1000) -> int:
+    """A log of ``mib`` MiB of ``width``-byte lines stamped 1, 2, ...; returns the number of lines."""
+    per_mib = (1 << 20) // width
+    with open(path, "wb") as f:
+        n = 0
+        for _ in range(mib):
+            block = b"".join(b"%019d %s\n" % (n + i + 1, b"x" * (width - 21)) for i in range(per_mib))
+            f.write(block)
+            n += per_mib
+    return n
+
+
+def _collect(files: list[local_logs.LogFile], query: LogQuery) -> list[LogEntry]:
+    async def go() -> list[LogEntry]:
+        return [e async for batch in local_logs.tail(files, query, ended=lambda: True, gone=lambda: False) for e in batch]
+    return asyncio.run(go())
+
+
+def test_tail_lines_reads_only_the_end_of_a_big_file(tmp_path):
+    """``tail_lines=1`` of a 100 MiB log: one chunk read, memory a few chunks (it used to read the whole file)."""
+    path = tmp_path / "main-0.stdout"
+    n = _big_log(path, 100)
+    r = local_logs.LogFileReader(str(path))
+    assert [ns for ns, _ in r.read_last(1)] == [n]
+    assert r.bytes_read <= local_logs.READ_CHUNK
+    assert [ns for ns, _ in local_logs.LogFileReader(str(path)).read_last(3, since_ns=n - 1)] == [n - 1, n]
+    files = [local_logs.LogFile("main", 0, LogStream.STDOUT, str(path))]
+    tracemalloc.start()
+    try:
+        got = _collect(files, LogQuery(tail_lines=5))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert [e.time_ns for e in got] == list(range(n - 4, n + 1))
+    assert peak < 4 * local_logs.READ_CHUNK, peak
+
+
+def test_a_whole_backlog_streams_in_bounded_memory_merged_by_time(tmp_path):
+    out, err = tmp_path / "w-0.stdout", tmp_path / "w-0.stderr"
+    n = _big_log(out, 24)  # stamps 1..n
+    _write_lines(err, [(ns, f"err {ns}") for ns in range(5, n, 5000)])
+    files = [local_logs.LogFile("w", 0, LogStream.STDOUT, str(out)), local_logs.LogFile("w", 0, LogStream.STDERR, str(err))]
+    tracemalloc.start()
+    try:
+        async def go() -> tuple[int, list[int], list[int]]:
+            count, stamps, batch_sizes = 0, [], []
+            async for batch in local_logs.tail(files, LogQuery(), ended=lambda: True, gone=lambda: False):
+                batch_sizes.append(sum(len(e.text) for e in batch))
+                count += len(batch)
+                stamps.extend(e.time_ns for e in batch if e.stream is LogStream.STDERR or e.time_ns % 997 == 0)
+            return count, stamps, batch_sizes
+        count, stamps, sizes = asyncio.run(go())
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert count == n + len(range(5, n, 5000))
+    assert stamps == sorted(stamps)  # one time order across the two files
+    assert max(sizes) <= local_logs.BATCH_BYTES
+    assert peak < 12 * local_logs.READ_CHUNK + 2 * local_logs.BATCH_BYTES, peak  # the file is 24 MiB
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5, 64, local_logs.READ_CHUNK])
+def test_read_last_agrees_with_reading_everything(tmp_path, chunk):
+    rnd = random.Random(chunk)
+    path = tmp_path / "log"
+    for trial in range(30):
+        lines = [(1000 + i, "".join(rnd.choice("ab é\t") for _ in range(rnd.randrange(0, 12))))
+                 for i in range(rnd.randrange(0, 12))]
+        partial = rnd.choice([b"", b"17", b"1234 unfinished"])
+        _write_lines(path, lines, partial)
+        n = rnd.randrange(1, 15)
+        since = rnd.choice([None, 1000 + rnd.randrange(0, 12)])
+        r = local_logs.LogFileReader(str(path), chunk=chunk)
+        want = [ln for ln in lines if since is None or ln[0] >= since][-n:]
+        assert r.read_last(n, since) == want, (trial, lines, n, since)
+        with open(path, "ab") as f:  # the writer goes on: the follow continues with exactly what came after
+            f.write(b" done\n2000 next\n")
+        rest: list[tuple[int, str]] = []
+        while (more := r.read_new()) or not r.eof:
+            rest.extend(more)
+        assert [ns for ns, _ in rest][-1:] == [2000]
+        tail_of_partial = (partial + b" done").decode()
+        assert rest[0] == local_logs._parse(tail_of_partial.encode()), (rest, partial)
+
+
+def test_follow_reads_a_burst_in_chunks(tmp_path):
+    path = tmp_path / "log"
+    path.write_bytes(b"")
+    r = local_logs.LogFileReader(str(path), chunk=4096)
+    _write_lines(path, [(i, "y" * 100) for i in range(1, 1001)])  # ~120 KiB at once
+    first = r.read_new()
+    assert 0 < len(first) < 40 and not r.eof and r.bytes_read == 4096
+    got = list(first)
+    while (more := r.read_new()) or not r.eof:
+        got.extend(more)
+    assert [ns for ns, _ in got] == list(range(1, 1001))

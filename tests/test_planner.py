@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shlex
+import subprocess
+import sys
 
 import pytest
 
@@ -172,19 +175,63 @@ def test_ps_worker_with_chief_and_evaluator_on_late_names():
 
 
 def test_mpi_launcher_runs_mpirun_over_the_hostfile():
-    s = spec(RunMode.MPI, grp("worker", 2, 4, cmd=("sleep",)), grp("launcher", cmd=("python", "allreduce.py")))
-    places = [Placement("launcher", 0, "launcher-0"), Placement("worker", 0, "node-a", 1),
+    s = spec(RunMode.MPI, grp("worker", 2, 4, cmd=("sleep",)),
+             grp("launcher", cmd=("python", "allreduce.py"), env={"OMP_NUM_THREADS": "2", "A_FIRST": "x"}))
+    places = [Placement("launcher", 0, "launcher-0", gpus=("1",)), Placement("worker", 0, "node-a", 1),
               Placement("worker", 1, "node-b", 2)]
     plan = planner.plan_job("j", s, places, hostfile_path="/tmp/j/hostfile", mpirun="/usr/bin/mpirun",
                             mpirun_args=("--oversubscribe",))
     launcher, *workers = plan.processes
     assert launcher.role == "launcher" and launcher.rank == 0 and not launcher.placeholder
+    exported = ["DLSCHED_JOB_ID", "DLSCHED_JOB_NAME", "DLSCHED_ROLE", "DLSCHED_REPLICA_INDEX", "DLSCHED_NUM_REPLICAS",
+                "DLSCHED_MPI_HOSTFILE", "DLSCHED_MPI_ARGV", "A_FIRST", "OMP_NUM_THREADS"]  # not the launcher's GPUs
     assert launcher.argv == ("/usr/bin/mpirun", "-np", "8", "--hostfile", "/tmp/j/hostfile", "--oversubscribe",
-                             "python", "allreduce.py")
+                             *(t for k in exported for t in ("-x", k)), "/bin/sh", "-c", planner.MPI_RANK_SCRIPT)
+    assert launcher.env["DLSCHED_MPI_ARGV"] == "python allreduce.py"
     assert plan.files == {"hostfile": "node-a slots=4\nnode-b slots=4\n"}
     assert len(workers) == 8 and all(w.placeholder and w.role == "worker" for w in workers)
     assert all(p.env["DLSCHED_MPI_HOSTFILE"] == "/tmp/j/hostfile" for p in plan.processes)
+    assert not any("DLSCHED_MPI_ARGV" in w.env for w in workers)
     assert plan.success.decisive_roles == {"launcher"} and plan.success.stopped_after_success == {"worker"}
+
+
+HOSTILE_ARGV = ("prog", ":", "touch", "/tmp/canary", "-np", "1", "--version", "--host", "x", "-x", "PATH", "--",
+                "a b", "it's", 'say "hi"', "$HOME", "`id`", "$(id)", "*", "x\ny", "é", "", "-", ";", "|", "&")
+
+
+def test_mpi_user_argv_never_reaches_mpirun():
+    s = spec(RunMode.MPI, grp("launcher", cmd=HOSTILE_ARGV[:2], args=HOSTILE_ARGV[2:]), grp("worker", 2, 2))
+    launcher = planner.plan_job("j", s, one_host(s)).processes[0]
+    fixed = launcher.argv[launcher.argv.index("/bin/sh"):]
+    assert fixed == planner.MPI_RANK_PROGRAM  # the last tokens mpirun sees are ours
+    assert launcher.argv[:5] == ("mpirun", "-np", "4", "--hostfile", "hostfile")
+    exports = launcher.argv[5:-len(planner.MPI_RANK_PROGRAM)]  # nothing between but -x NAME pairs
+    assert set(exports[0::2]) == {"-x"} and set(exports[1::2]) <= set(launcher.env)
+    assert shlex.split(launcher.env["DLSCHED_MPI_ARGV"]) == list(HOSTILE_ARGV)
+
+
+@pytest.mark.parametrize("argv", [HOSTILE_ARGV, ("--version",), ("-np", "1"), ("-c", "echo hi")])
+def test_mpi_rank_script_execs_the_argv_verbatim(tmp_path, argv):
+    """The rank program, run by the real /bin/sh: the argv arrives byte for byte (or fails, never a silent 0)."""
+    probe = (sys.executable, "-c", "import json, sys; print(json.dumps(sys.argv[1:]))")
+    for full in ((*probe, *argv), argv):
+        r = subprocess.run(planner.MPI_RANK_PROGRAM, env={"PATH": os.environ.get("PATH", os.defpath),
+                                                          planner.MPI_ARGV_ENV: shlex.join(full)},
+                           capture_output=True, text=True, timeout=30)
+        if full[0] == sys.executable:
+            assert r.returncode == 0, r.stderr
+            assert json.loads(r.stdout) == list(argv)
+        else:  # no such program: it fails, like a non-MPI job's would
+            assert r.returncode == 127, (r.returncode, r.stdout, r.stderr)
+    r = subprocess.run(planner.MPI_RANK_PROGRAM, env={}, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 127 and "DLSCHED_MPI_ARGV" in r.stderr  # not exported: never a silent success
+
+
+def test_mpi_argv_too_long_for_the_environment_names_the_field():
+    s = spec(RunMode.MPI, grp("worker"), grp("launcher", cmd=("prog",), args=("x" * 60_000, "'" * 30_000)))
+    with pytest.raises(InvalidArgument) as ei:
+        planner.plan_job("j", s, one_host(s))
+    assert [v.field for v in ei.value.violations] == ["spec.replica_groups[1].args"]
 
 
 def test_mpi_on_one_host_merges_slots():

@@ -75,11 +75,10 @@ def new_id(prefix: str) -> str:
 
 
 def example(path: str, out: pathlib.Path, **env: str) -> S.JobSpec:
-    """An example's spec, run by this interpreter, writing its records to ``out``."""
+    """An example's spec as written (``python3`` is the driver's Python: it comes first on the jobs'
+    PATH), writing its records to ``out``."""
     _, spec = load_job_file(EXAMPLES / path)
     for g in spec.replica_groups:
-        if g.command and g.command[0] == "python3":
-            g.command[0] = PY
         g.env["EXAMPLE_OUT"] = str(out)
         g.env.update(env)
     return spec
@@ -248,10 +247,54 @@ async def test_mpi_probe_hostfile_and_launcher_decides(stub, tmp_path):
     assert set(states_by_replica(obs).values()) == {S.REPLICA_STATE_SUCCEEDED}
 
 
-async def test_mpi_without_mpirun_is_failed_precondition(tmp_path):
-    bindir = tmp_path / "bin"  # a PATH with python and nothing else: no mpirun
+ARGV_PROBE = """
+import json, os, sys
+with open(os.path.join(sys.argv[1], 'rank-' + os.environ['OMPI_COMM_WORLD_RANK'] + '.json'), 'w') as f:
+    json.dump({'argv': sys.argv[2:], 'size': os.environ['OMPI_COMM_WORLD_SIZE'],
+               'env': {k: v for k, v in os.environ.items() if k.startswith('DLSCHED_') or k == 'MY_VAR'}}, f)
+"""
+
+
+@needs_mpirun
+async def test_mpi_user_argv_reaches_every_rank_verbatim_and_never_mpirun(stub, tmp_path):
+    """mpirun parses no user token: ``:`` starts no second program, ``-np 1`` and ``--host`` change
+    nothing, ``--version`` is the program's argument; every rank gets exactly the argv."""
+    canary, out = tmp_path / "canary", tmp_path / "out"
+    out.mkdir()
+    hostile = [":", "touch", str(canary), "-np", "1", "--version", "--host", "x", "-x", "PATH", "--",
+               "a b", "it's", "$HOME", "$(id)", "*", "x\ny", "é", ""]
+    launcher = S.ReplicaGroup(role="launcher", replicas=1, command=[PY, "-c", ARGV_PROBE, str(out)], args=hostile,
+                              env={"MY_VAR": "v 1"})
+    spec = S.JobSpec(run_mode=S.RUN_MODE_MPI, replica_groups=[
+        launcher, S.ReplicaGroup(role="worker", replicas=2, processes_per_replica=2, command=["unused"])])
+    job = new_id("mpi-argv")
+    await launch(stub, job, spec)
+    obs = await wait_state(stub, job)
+    assert obs.state == S.JOB_STATE_SUCCEEDED, (obs, await stderr_of(stub, job))
+    got = [json.loads(p.read_text()) for p in sorted(out.glob("rank-*.json"))]
+    assert len(got) == 4 and {g["size"] for g in got} == {"4"}  # -np stays the workers' slots
+    assert all(g["argv"] == hostile for g in got)
+    assert all(g["env"]["DLSCHED_JOB_ID"] == job and g["env"]["MY_VAR"] == "v 1" for g in got)
+    assert not canary.exists()  # no second program
+
+    # a command that mpirun would take as its own option is the program's name: it is not found
+    job = new_id("mpi-version")
+    spec.replica_groups[0].command[:] = ["--version"]
+    del spec.replica_groups[0].args[:]
+    await launch(stub, job, spec)
+    obs = await wait_state(stub, job)
+    assert obs.state == S.JOB_STATE_FAILED, obs
+    assert not any("Open MPI" in line for line in await stdout_of(stub, job))
+
+
+@pytest.mark.parametrize("mpirun", [None, "#!/bin/sh\necho 'HYDRA build details:'\n"], ids=["none", "mpich"])
+async def test_mpi_without_open_mpi_is_failed_precondition(tmp_path, mpirun):
+    bindir = tmp_path / "bin"  # a PATH with python and nothing else: no mpirun, or not Open MPI's
     bindir.mkdir()
     os.symlink(PY, bindir / "python3")
+    if mpirun is not None:
+        (bindir / "mpirun").write_text(mpirun)
+        (bindir / "mpirun").chmod(0o755)
     svc = ServiceProcess("drivers.local", ["--state-dir", str(tmp_path / "state")],
                          env={"PATH": str(bindir)}, name="local-driver-no-mpi").start()
     try:

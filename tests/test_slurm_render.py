@@ -11,12 +11,14 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shlex
 import subprocess
 import sys
 
 import pytest
 
 from dlsched.errors import InvalidArgument
+from drivers.common import planner
 from drivers.common.base import JobSpec, ReplicaGroup, Resources, RunMode
 from drivers.slurm import render
 
@@ -265,3 +267,17 @@ def test_a_filtered_tail_reads_only_the_files_it_wants_and_never_globs_a_hostile
     hostile = LogQuery(role=f"$(touch {canary})*", replica_index=0)
     assert matched(hostile) == ["log.index", "ps-0.stdout", "worker-0.stderr", "worker-0.stdout"]
     assert not canary.exists()
+
+
+def test_mpi_launcher_argv_reaches_the_ranks_verbatim():
+    """The launcher command travels in DLSCHED_MPI_ARGV (mpirun never parses it), exported as user data:
+    no node-token substitution, any bytes; bash reads back exactly the planner's shlex.join."""
+    args = ("@DLSCHED_NODE_1@", "$HOME", "`id`", "x\ny", "é", ":", "-np", "1", "it's")
+    spec = JobSpec(RunMode.MPI, (g("launcher", command=("./hello",), args=args), g("worker", 2, 2)))
+    script = render.render_job("argv-1", spec, 1, {}).script
+    (line,) = [ln.strip() for ln in script.splitlines() if "export DLSCHED_MPI_ARGV=" in ln]
+    got = subprocess.run(["bash", "-c", f'{line}; printf %s "$DLSCHED_MPI_ARGV"'], capture_output=True,
+                         timeout=30, check=True).stdout.decode()
+    assert shlex.split(got) == ["./hello", *args]
+    (mpirun,) = [ln.strip() for ln in script.splitlines() if "exec mpirun " in ln]
+    assert mpirun.endswith(shlex.join(planner.MPI_RANK_PROGRAM)) and "hello" not in mpirun

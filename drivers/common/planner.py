@@ -33,12 +33,20 @@ with each task's ``host:port`` from its placement. The evaluator, when
 there is one, is not part of ``cluster`` (as in TensorFlow).
 
 MPI: the launcher runs ``mpirun -np <worker slots> --hostfile <path>
-[driver flags] <launcher command>`` with ``DLSCHED_MPI_HOSTFILE=<path>``;
-``JobPlan.files["hostfile"]`` is that file's content (``host slots=N`` per
-worker host, N = processes on that host), which the driver writes to the
-path it passed. Worker processes are *hosts*: ``ProcessLaunch.placeholder``
-is true and the driver only makes the host reachable for mpirun (on the
-local backend: nothing is started); the job's state is the launcher's.
+[driver flags] -x NAME ... /bin/sh -c <MPI_RANK_SCRIPT>`` with
+``DLSCHED_MPI_HOSTFILE=<path>`` and ``DLSCHED_MPI_ARGV=<shlex.join of the
+launcher command>``. mpirun never sees a user token (a user ``:`` would start
+a second program, a ``-np 1`` or ``--version`` would be mpirun's): every rank
+runs the same fixed POSIX sh script, which turns ``DLSCHED_MPI_ARGV`` back
+into the argv and execs it, verbatim. ``-x`` exports the launcher's contract
+variables, ``DLSCHED_MPI_ARGV`` and the group's env names to every rank
+(ranks started through ssh or a remote daemon get nothing else); the flags
+are Open MPI's. ``JobPlan.files["hostfile"]`` is the hostfile's content
+(``host slots=N`` per worker host, N = processes on that host), which the
+driver writes to the path it passed. Worker processes are *hosts*:
+``ProcessLaunch.placeholder`` is true and the driver only makes the host
+reachable for mpirun (on the local backend: nothing is started); the job's
+state is the launcher's.
 
 Late-resolving names (a Kubernetes headless service entry, a Slurm node
 name) are used verbatim as hosts; nothing here resolves them.
@@ -47,6 +55,7 @@ name) are used verbatim as hosts; nothing here resolves them.
 from __future__ import annotations
 
 import json
+import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -60,6 +69,17 @@ DEFAULT_MASTER_PORT = 29500
 DEFAULT_TASK_PORT = 2222  # TensorFlow's customary gRPC port, for placements that name none
 MPIRUN = "mpirun"
 HOSTFILE = "hostfile"
+#: MPI: the launcher command, ``shlex.join``-ed, as every rank receives it.
+MPI_ARGV_ENV = "DLSCHED_MPI_ARGV"
+#: MPI: the fixed program of every rank (POSIX sh, no Python needed on the hosts): the argv back from
+#: ``DLSCHED_MPI_ARGV``, exec'd; a program name starting with ``-`` is run without ``exec`` (bash's exec
+#: would take it as an option); nothing in the environment, no ranks' work: exit 127, never a silent 0.
+MPI_RANK_SCRIPT = ('eval "set -- $DLSCHED_MPI_ARGV" || exit 127; '
+                   '[ "$#" -gt 0 ] || { echo "dlsched: DLSCHED_MPI_ARGV is not set in this rank" >&2; exit 127; }; '
+                   'case $1 in -*) "$@"; exit;; esac; exec "$@"')
+MPI_RANK_PROGRAM = ("/bin/sh", "-c", MPI_RANK_SCRIPT)
+#: Linux's limit on one environment string (MAX_ARG_STRLEN), which ``DLSCHED_MPI_ARGV=...`` must fit in.
+MPI_ARGV_MAX_BYTES = 131072 - len(MPI_ARGV_ENV) - 2
 
 #: Roles each mode accepts, in rank / layout order; required ones; one-replica ones (``dlsched.spec_rules``).
 ROLES: Mapping[RunMode, tuple[str, ...]] = {RunMode(m): r for m, r in spec_rules.ROLES.items()}
@@ -206,6 +226,18 @@ def _task_address(p: Placement) -> str:
     return f"{p.host}:{p.port or DEFAULT_TASK_PORT}"
 
 
+def _mpi_argv(ordered: Sequence[tuple[int, ReplicaGroup]]) -> str:
+    """The launcher command as ``DLSCHED_MPI_ARGV`` carries it; INVALID_ARGUMENT when it cannot fit."""
+    i, g = next((i, g) for i, g in ordered if g.role == "launcher")
+    joined = shlex.join(g.argv)
+    if len(joined.encode()) > MPI_ARGV_MAX_BYTES:
+        field = f"spec.replica_groups[{i}].args"
+        raise InvalidArgument.for_field(field, f"an MPI launcher's command and args, shell-quoted, must fit in "
+                                               f"{MPI_ARGV_MAX_BYTES} bytes (they reach the ranks in "
+                                               f"{MPI_ARGV_ENV})")
+    return joined
+
+
 def plan_job(job_id: str, spec: JobSpec, placements: Sequence[Placement], *,
              master_port: int = DEFAULT_MASTER_PORT, hostfile_path: str = HOSTFILE,
              mpirun: str = MPIRUN, mpirun_args: Sequence[str] = ()) -> JobPlan:
@@ -244,6 +276,7 @@ def plan_job(job_id: str, spec: JobSpec, placements: Sequence[Placement], *,
 
     files: dict[str, str] = {}
     mpi_np = 0
+    mpi_argv = ""
     if mode is RunMode.MPI:
         hosts: dict[str, int] = {}
         for g, _, _, p in slots:
@@ -251,6 +284,7 @@ def plan_job(job_id: str, spec: JobSpec, placements: Sequence[Placement], *,
                 hosts[p.host] = hosts.get(p.host, 0) + 1
                 mpi_np += 1
         files[HOSTFILE] = "".join(f"{h} slots={n}\n" for h, n in hosts.items())
+        mpi_argv = _mpi_argv(ordered)
 
     seen_on_node: dict[int, int] = {}
     out: list[ProcessLaunch] = []
@@ -284,7 +318,10 @@ def plan_job(job_id: str, spec: JobSpec, placements: Sequence[Placement], *,
         elif mode is RunMode.MPI:
             env["DLSCHED_MPI_HOSTFILE"] = hostfile_path
             if g.role == "launcher":
-                argv = (mpirun, "-np", str(mpi_np), "--hostfile", hostfile_path, *mpirun_args, *g.argv)
+                env[MPI_ARGV_ENV] = mpi_argv
+                exported = [k for k in env if k != "CUDA_VISIBLE_DEVICES"] + sorted(g.env)  # the host's own GPUs
+                argv = (mpirun, "-np", str(mpi_np), "--hostfile", hostfile_path, *mpirun_args,
+                        *(t for k in dict.fromkeys(exported) for t in ("-x", k)), *MPI_RANK_PROGRAM)
             else:
                 placeholder = True
         env.update(g.env)

@@ -21,7 +21,9 @@ reaches the workers over SSH with a key made for the attempt.
   (the image's; the group's command is not run: workers are hosts for
   mpirun), with the whole replica's resources.
 - the launcher pod runs the planner's ``mpirun -np <slots> --hostfile ...
-  <command>`` after an init container, ``wait-for-workers``, that retries
+  -x NAME ... /bin/sh -c <rank script>`` (the command reaches the ranks in
+  ``DLSCHED_MPI_ARGV``, the contract and group env through ``-x``, since
+  sshd gives the ranks a clean environment) after an init container, ``wait-for-workers``, that retries
   ``ssh <worker> true`` until every worker's name resolves and its sshd
   lets the job's key in. The init container's ``sh -c`` script is a
   constant; the worker names are its arguments, never part of the script.
@@ -29,8 +31,8 @@ reaches the workers over SSH with a key made for the attempt.
   ``launcher``; the workers are stopped once it ends.
 
 The images must be able to run this: ``sshd`` (openssh-server, with
-``/run/sshd`` present) in the workers, ``ssh`` and ``sh`` in the launcher,
-the MPI runtime on the default PATH of an ssh session, and root as the
+``/run/sshd`` present) and ``/bin/sh`` in the workers, ``ssh`` and ``sh`` in
+the launcher, Open MPI on the default PATH of an ssh session, and root as the
 user (sshd on port 22, keys under ``/root/.ssh``; Open MPI's refusal to run
 as root is lifted with ``OMPI_ALLOW_RUN_AS_ROOT``).
 """

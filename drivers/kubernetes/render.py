@@ -44,6 +44,7 @@ MPI (as MPI Operator v2 does it, with built-in objects only): ``mpi``.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -240,18 +241,28 @@ def _resources(cpu: float, memory: int, gpus: int) -> dict[str, dict[str, str]]:
     return {"requests": dict(q), "limits": dict(q)} if q else {}
 
 
+_KUBELET_SPECIAL = re.compile(r"\$(?=[$(])")
+
+
+def literal(text: str) -> str:
+    """``text`` as the kubelet passes it on: it expands ``$(NAME)`` in command, args and env values
+    and turns ``$$`` into ``$``, so a ``$`` before ``(`` or ``$`` is doubled (any other stays as it is)."""
+    return _KUBELET_SPECIAL.sub("$$", text)
+
+
 def _container(name: str, image: str, argv: Sequence[str], command: Sequence[str],
                env: Mapping[str, str], working_dir: str,
                resources: dict[str, dict[str, str]]) -> dict[str, Any]:
-    """Exec form: ``command`` is the group's command and ``args`` the rest, when argv starts with it."""
-    argv, cmd = list(argv), list(command)
+    """Exec form: ``command`` is the group's command and ``args`` the rest, when argv starts with it.
+    Every value is ``literal``: the process gets its argv and environment verbatim."""
+    argv, cmd = [literal(a) for a in argv], [literal(a) for a in command]
     c: dict[str, Any] = {
         "name": name,
         "image": image,
         "command": cmd if argv[:len(cmd)] == cmd else argv,
     }
     if env:
-        c["env"] = [{"name": k, "value": v} for k, v in env.items()]
+        c["env"] = [{"name": k, "value": literal(v)} for k, v in env.items()]
     if argv[:len(cmd)] == cmd and argv[len(cmd):]:
         c["args"] = argv[len(cmd):]
     if working_dir:

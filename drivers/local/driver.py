@@ -21,6 +21,10 @@ host rebooted) has what is left of its processes killed (after checking
 each pid's start time, so a reused pid is never hit) and is reported FAILED,
 reason ``SupervisorLost``. A driver restart alone never fails a job.
 
+Jobs start from the driver's environment with the directory of the
+driver's own Python first on PATH (``job_path``): ``python3`` in a job is
+the interpreter dlsched runs on.
+
 Run modes: all five, planned by ``drivers.common.planner`` with every
 replica on this host (``127.0.0.1``, node rank 0). At launch the driver picks
 free ports on the host (one ``MASTER_PORT`` per MULTI_PROCESS / MASTER_WORKER
@@ -28,8 +32,8 @@ job, one task port per ps / worker / chief replica of a PS_WORKER job) and,
 for replicas asking for GPUs, distinct GPU indices from ``nvidia-smi`` that no
 running job holds (``CUDA_VISIBLE_DEVICES``; too few is FAILED_PRECONDITION
 ``GPUS_UNAVAILABLE``). MPI runs the launcher under the ``mpirun`` found on
-the driver's PATH with ``--oversubscribe --bind-to none`` (plus
-``--allow-run-as-root`` as root) and the hostfile in the attempt directory;
+the jobs' PATH, when it is Open MPI's, with ``--noprefix --oversubscribe
+--bind-to none`` (plus ``--allow-run-as-root`` as root) and the hostfile in the attempt directory;
 its workers are placeholders: nothing is started for them (mpirun starts
 every rank on this host), they report RUNNING while the launcher runs and
 end with it. Without ``mpirun`` an MPI launch (or render) is
@@ -52,6 +56,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -88,6 +93,35 @@ LIVENESS_SECONDS = 0.5
 #: how long a launch waits for its supervisor to start every process
 SPAWN_WAIT_SECONDS = 30.0
 RECORD_VERSION = 2
+
+
+def job_path(path: str) -> str:
+    """The PATH local jobs get: the driver's, with its own Python's directory first.
+
+    So ``python3`` in a job is the interpreter dlsched runs on (under ``dlsched up`` from a venv: the
+    venv's, with torch and mpi4py), whether or not the shell that started the driver activated it.
+    """
+    bindir = os.path.dirname(sys.executable) if sys.executable else ""
+    if not bindir or path.split(os.pathsep)[:1] == [bindir]:
+        return path
+    return os.pathsep.join([bindir, path]) if path else bindir
+
+
+def open_mpi(path: str) -> str | None:
+    """The ``mpirun`` on ``path`` when it is Open MPI's (the planner's ``-x`` flags are), else None."""
+    found = shutil.which("mpirun", path=path)
+    if found is None:
+        return None
+    try:
+        r = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=30,
+                           stdin=subprocess.DEVNULL, env={"PATH": path})
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("MPI off: %s --version failed: %s", found, e)
+        return None
+    if "Open MPI" not in r.stdout + r.stderr:
+        log.warning("MPI off: %s is not Open MPI's mpirun: %s", found, (r.stdout + r.stderr).strip()[:200])
+        return None
+    return found
 
 
 def _default_state_dir() -> str:
@@ -184,9 +218,11 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
         self._jobs: dict[str, _Job] = {}
         self._gpus = usage.Gpus()
         self._poller: asyncio.Task[None] | None = None
-        path = self._base_env.get("PATH", os.defpath)
-        self._mpirun = shutil.which("mpirun", path=path)
-        self._mpirun_args = ["--oversubscribe", "--bind-to", "none"]
+        self._base_env["PATH"] = job_path(self._base_env.get("PATH", os.defpath))
+        self._mpirun = open_mpi(self._base_env["PATH"])
+        # --noprefix: an absolute mpirun path means --prefix to Open MPI, which puts /usr/bin first on the
+        # ranks' PATH (python3 would be the system's, not the one the job's PATH names)
+        self._mpirun_args = ["--noprefix", "--oversubscribe", "--bind-to", "none"]
         if os.geteuid() == 0:
             self._mpirun_args.insert(0, "--allow-run-as-root")
 

@@ -2,18 +2,26 @@
 
 ``LineWriter`` (the supervisor) turns pipe chunks into stamped lines (a line
 longer than ``MAX_LINE`` is split; a last line without newline is written at
-EOF). ``LogFileReader`` reads whole lines from an offset onwards. ``tail``
-(the driver) answers a TailJobLogs from the files: the backlog (``since``,
-``tail_lines``), then, when following, new lines as the supervisor writes
-them (a read every ``FOLLOW_POLL_SECONDS``) until the job has ended and its
-pipes are drained.
+EOF). ``LogFileReader`` reads whole lines in chunks of ``READ_CHUNK``:
+forwards from an offset, or the last N backwards from the end. ``tail`` (the
+driver) answers a TailJobLogs from the files: the backlog (``tail_lines``:
+each file's last lines, read from the end, so ``tail_lines=1`` of a 100 MB
+file reads one chunk; else every file from its start, merged by time a
+chunk per file at a time; ``since``), then, when following, new lines as
+the supervisor writes them (a read every ``FOLLOW_POLL_SECONDS``, a chunk
+per file per read) until the job has ended and its pipes are drained.
+Memory stays bounded whatever the files' size.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import heapq
+import os
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from drivers.common.base import LogEntry, LogQuery, LogStream
 
@@ -22,6 +30,11 @@ BATCH_ENTRIES = 500
 BATCH_BYTES = 1 << 20
 #: how often a follow reads the files for new lines (the supervisor writes them)
 FOLLOW_POLL_SECONDS = 0.05
+#: bytes one read takes from a log file (a tail reads backwards in these, a backlog or a follow forwards)
+READ_CHUNK = 256 * 1024
+#: a "line" without a newline longer than this is no line the supervisor wrote: it is passed on in pieces
+#: (forwards) or ends the search (backwards), so no read holds more than this beside its chunk
+MAX_SCAN = 4 * MAX_LINE
 
 
 class LineWriter:
@@ -60,37 +73,94 @@ class LineWriter:
         return n
 
 
-class LogFileReader:
-    """Reads the lines appended to a log file since the last call."""
+Line = tuple[int, str]  # (unix nanos, 0 when the stamp is unreadable; text)
 
-    def __init__(self, path: str) -> None:
+
+def _parse(raw: bytes) -> Line:
+    stamp, _, text = raw.partition(b" ")
+    try:
+        return int(stamp), text.decode("utf-8", "replace")
+    except ValueError:
+        return 0, raw.decode("utf-8", "replace")
+
+
+class LogFileReader:
+    """Reads one log file in bounded pieces: forwards from an offset (``read_new``), or its last lines
+    backwards from the end (``read_last``). Memory is a chunk plus the lines asked for, whatever the file's
+    size; ``bytes_read`` counts what it read."""
+
+    def __init__(self, path: str, chunk: int = READ_CHUNK) -> None:
         self.path = path
-        self._offset = 0
+        self.chunk = chunk
+        self.offset = 0
+        self.eof = False  # the last read_new reached the end of the file
+        self.bytes_read = 0
         self._partial = b""
 
-    def read_new(self) -> list[tuple[int, str]]:
+    def read_new(self) -> list[Line]:
+        """The complete lines among the next ``chunk`` bytes after the offset."""
         try:
             with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
+                f.seek(self.offset)
+                data = f.read(self.chunk)
         except OSError:
-            return []
+            data = b""
+        self.eof = len(data) < self.chunk
         if not data:
             return []
-        self._offset += len(data)
-        data = self._partial + data
-        lines = data.split(b"\n")
+        self.offset += len(data)
+        self.bytes_read += len(data)
+        lines = (self._partial + data).split(b"\n")
         self._partial = lines.pop()
-        out: list[tuple[int, str]] = []
-        for raw in lines:
-            stamp, _, text = raw.partition(b" ")
-            try:
-                ns = int(stamp)
-            except ValueError:
-                ns, text = 0, raw
-            out.append((ns, text.decode("utf-8", "replace")))
-        return out
+        if len(self._partial) > MAX_SCAN:  # no file the supervisor writes has such a line: pass it on in pieces
+            lines.append(self._partial)
+            self._partial = b""
+        return [_parse(raw) for raw in lines]
 
+    def read_last(self, n: int, since_ns: int | None = None) -> list[Line]:
+        """The last ``n`` complete lines (only those stamped at or after ``since_ns``), oldest first, read
+        backwards from the end a chunk at a time; ``read_new`` goes on after them."""
+        try:
+            with open(self.path, "rb") as f:
+                newest_first, stop = self._backwards(f, f.seek(0, os.SEEK_END), n, since_ns)
+        except OSError:
+            return []
+        self.offset, self._partial = stop, b""
+        newest_first.reverse()
+        return newest_first
+
+    def _backwards(self, f: BinaryIO, end: int, n: int, since_ns: int | None) -> tuple[list[Line], int]:
+        out: list[Line] = []
+        pos, buf = end, b""  # buf: the bytes from pos not yet taken apart, ending with a newline once stop is known
+        stop: int | None = None  # just after the last complete line: where reading forwards goes on
+        while pos > 0 and len(out) < n:
+            step = min(self.chunk, pos)
+            pos -= step
+            f.seek(pos)
+            buf = f.read(step) + buf
+            self.bytes_read += step
+            if stop is None:
+                cut = buf.rfind(b"\n")
+                if cut < 0:
+                    if len(buf) > MAX_SCAN:  # not a file of ours
+                        return out, end
+                    continue
+                stop, buf = pos + cut + 1, buf[:cut + 1]
+            parts = buf.split(b"\n")[:-1]
+            head = parts.pop(0) if pos > 0 else None  # may begin before pos
+            for raw in reversed(parts):
+                line = _parse(raw)
+                if since_ns is not None and line[0] < since_ns:
+                    return out, stop
+                out.append(line)
+                if len(out) == n:
+                    return out, stop
+            if head is None:
+                break
+            buf = head + b"\n"
+            if len(buf) > MAX_SCAN:  # a line too long to be ours: the tail ends after it
+                break
+        return out, 0 if stop is None else stop  # no newline at all: every byte is still to come
 
 
 @dataclass(frozen=True)
@@ -106,31 +176,33 @@ class LogFile:
 async def tail(files: Sequence[LogFile], query: LogQuery, *,
                ended: Callable[[], bool], gone: Callable[[], bool]) -> AsyncIterator[list[LogEntry]]:
     """Batches of the query's lines; when following, until ``ended()`` (checked before
-    each read, so the last lines are never missed) or ``gone()`` (the job was removed)."""
+    each read, so the last lines are never missed) or ``gone()`` (the job was removed).
+
+    ``tail_lines``: the last lines of each file, read backwards from its end. Otherwise the files
+    from their start, merged by time a chunk per file at a time. Either way memory stays bounded
+    (chunks and the lines asked for), whatever the files' size."""
     wanted = [f for f in files if query.wants_replica(f.role, f.index) and query.wants_stream(f.stream)]
     readers = [LogFileReader(f.path) for f in wanted]
-
-    def entries(per_file: list[list[tuple[int, str]]], last: int) -> list[LogEntry]:
-        out: list[LogEntry] = []
-        for f, lines in zip(wanted, per_file, strict=True):
-            if query.since_ns is not None:
-                lines = [ln for ln in lines if ln[0] >= query.since_ns]
-            if last:
-                lines = lines[-last:]
-            out.extend(LogEntry(role=f.role, replica_index=f.index, stream=f.stream, text=t,
-                                time_ns=ns or None) for ns, t in lines)
-        out.sort(key=lambda e: e.time_ns or 0)
-        return out
-
     done = ended()
-    backlog = await asyncio.to_thread(lambda: [r.read_new() for r in readers])
-    for batch in _batches(entries(backlog, query.tail_lines)):
-        yield batch
+    batcher = _Batcher()
+    if query.tail_lines > 0:
+        n = query.tail_lines
+        per_file = await asyncio.to_thread(lambda: [r.read_last(n, query.since_ns) for r in readers])
+        for e in heapq.merge(*([_entry(f, ln) for ln in lines] for f, lines in zip(wanted, per_file, strict=True)),
+                             key=_when):
+            if full := batcher.add(e):
+                yield full
+    else:
+        async for e in _merged(wanted, readers, query.since_ns):
+            if full := batcher.add(e):
+                yield full
+    if last := batcher.take():
+        yield last
     if not query.follow or done:
         return
     while True:
         done = ended()
-        new = entries([r.read_new() for r in readers], 0)
+        new = sorted((_entry(f, ln) for f, r in zip(wanted, readers, strict=True) for ln in r.read_new()), key=_when)
         if new:
             for batch in _batches(new):
                 yield batch
@@ -140,17 +212,68 @@ async def tail(files: Sequence[LogFile], query: LogQuery, *,
         await asyncio.sleep(FOLLOW_POLL_SECONDS)
 
 
-def _batches(entries: list[LogEntry]) -> list[list[LogEntry]]:
-    out: list[list[LogEntry]] = []
-    cur: list[LogEntry] = []
-    size = 0
-    for e in entries:
+def _entry(f: LogFile, line: Line) -> LogEntry:
+    return LogEntry(role=f.role, replica_index=f.index, stream=f.stream, text=line[1], time_ns=line[0] or None)
+
+
+def _when(e: LogEntry) -> int:
+    return e.time_ns or 0
+
+
+async def _merged(files: Sequence[LogFile], readers: Sequence[LogFileReader],
+                  since_ns: int | None) -> AsyncIterator[LogEntry]:
+    """Every line of the files from their start to their current end, by time (a k-way merge that
+    holds at most one chunk's lines per file)."""
+    bufs: list[collections.deque[Line]] = [collections.deque() for _ in readers]
+
+    def fill(i: int) -> None:  # until the file has a line to offer, or has none left
+        r = readers[i]
+        while not bufs[i]:
+            bufs[i].extend(ln for ln in r.read_new() if since_ns is None or ln[0] >= since_ns)
+            if r.eof:
+                return
+
+    def fill_all() -> None:
+        for i in range(len(readers)):
+            fill(i)
+
+    await asyncio.to_thread(fill_all)
+    heap = [(bufs[i][0][0], i) for i in range(len(readers)) if bufs[i]]
+    heapq.heapify(heap)
+    while heap:
+        _, i = heapq.heappop(heap)
+        yield _entry(files[i], bufs[i].popleft())
+        if not bufs[i] and not readers[i].eof:
+            await asyncio.to_thread(fill, i)
+        if bufs[i]:
+            heapq.heappush(heap, (bufs[i][0][0], i))
+
+
+class _Batcher:
+    """Entries into batches of at most ``BATCH_ENTRIES`` entries and about ``BATCH_BYTES``."""
+
+    def __init__(self) -> None:
+        self._cur: list[LogEntry] = []
+        self._size = 0
+
+    def add(self, e: LogEntry) -> list[LogEntry] | None:
+        """Adds ``e``; returns the batch it closed, if any."""
         n = len(e.text) + 64
-        if cur and (len(cur) >= BATCH_ENTRIES or size + n > BATCH_BYTES):
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(e)
-        size += n
-    if cur:
-        out.append(cur)
+        full = None
+        if self._cur and (len(self._cur) >= BATCH_ENTRIES or self._size + n > BATCH_BYTES):
+            full = self.take()
+        self._cur.append(e)
+        self._size += n
+        return full
+
+    def take(self) -> list[LogEntry]:
+        out, self._cur, self._size = self._cur, [], 0
+        return out
+
+
+def _batches(entries: list[LogEntry]) -> list[list[LogEntry]]:
+    b = _Batcher()
+    out = [full for e in entries if (full := b.add(e))]
+    if last := b.take():
+        out.append(last)
     return out

@@ -129,7 +129,7 @@ def log_path(state_dir: str, job_id: str, attempt: int, role: str, index: int,
 def check(spec: JobSpec, *, mpi_available: bool = True) -> None:
     """The spec's violations for this backend: raises before anything is placed."""
     if spec.run_mode is RunMode.MPI and not mpi_available:
-        raise planner.MpiNotAvailable("no mpirun on the local driver's PATH")
+        raise planner.MpiNotAvailable("no Open MPI mpirun on the local driver's PATH")
     planner.check_run_mode(spec)
     if sum(g.replicas * g.processes for g in spec.replica_groups) > MAX_PROCESSES:
         raise InvalidArgument.for_field(

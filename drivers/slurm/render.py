@@ -417,7 +417,7 @@ def _exports(spec: JobSpec, p: planner.ProcessLaunch, indent: str) -> list[str]:
     for k, v in p.env.items():
         if not ENV_NAME_RE.match(k):
             raise InvalidArgument.for_field("spec.replica_groups.env", f"bad variable name {k!r}")
-        val = sh_quote(v) if k in user_env else shell.dq_with_nodes(v)
+        val = sh_quote(v) if k in user_env or k == planner.MPI_ARGV_ENV else shell.dq_with_nodes(v)  # user data
         out.append(f"{indent}export {k}={val}")
     return out
 
