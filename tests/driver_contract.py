@@ -222,7 +222,6 @@ class KubernetesPeer(Peer):
 
 class RayPeer(Peer):
     name = "ray"
-    unsupported = ("MeasureJobUsage",)  # Ray measures no process of a job (drivers/ray/driver.py)
 
     def __init__(self, cluster: str, head: Any) -> None:
         super().__init__(cluster)

@@ -40,7 +40,7 @@ def head() -> Iterator[RayHead]:
 
 @pytest.fixture(scope="module")
 def driver(head: RayHead) -> Iterator[ServiceProcess]:
-    yield from started_driver("ray-driver")
+    yield from started_driver("ray-driver", "--metrics-listen", "127.0.0.1:0")
 
 
 @pytest.fixture
@@ -151,13 +151,24 @@ async def test_watch_sends_snapshot_marker_then_changes(stub):
     assert seen[0] in (S.JOB_STATE_PENDING, S.JOB_STATE_RUNNING) and seen[-1] == S.JOB_STATE_SUCCEEDED
 
 
-async def test_failing_entrypoint_is_failed_with_rays_message(stub):
+async def wait_replicas(stub: driver_service_pb2_grpc.DriverServiceStub, job_id: str,
+                        within: float = 30.0) -> dpb.JobObservation:
+    """The ended job once its replicas (the launcher's manifest, read after the end) are in."""
+    deadline = time.monotonic() + within
+    while not (obs := await wait_state(stub, job_id)).replicas:
+        assert time.monotonic() < deadline, f"{job_id} ended without replicas: {obs}"
+        await asyncio.sleep(0.1)
+    return obs
+
+
+async def test_failing_entrypoint_is_failed_naming_the_replica_with_rays_message(stub):
     job_id = new_id("fail")
     await launch(stub, job_id, single("import sys; print('boom', file=sys.stderr); sys.exit(3)"))
-    obs = await wait_state(stub, job_id)
+    obs = await wait_replicas(stub, job_id)
     assert obs.state == S.JOB_STATE_FAILED and obs.exit_code == 3
-    assert obs.reason == "JobEntrypointCommandError"
-    assert "exit code 3" in obs.message
+    assert obs.reason == "NonZeroExit", obs
+    assert obs.message.startswith("main-0 exited with code 3; ") and "exit code 3" in obs.message  # then Ray's
+    assert [(r.role, r.index, r.state, r.exit_code) for r in obs.replicas] == [("main", 0, S.REPLICA_STATE_FAILED, 3)]
 
 
 async def test_stop_ends_a_running_job_stopped_and_cleanup_is_idempotent(stub, head):
@@ -302,6 +313,26 @@ async def test_ps_worker_tf_config_and_ps_stopped_after_workers(stub, tmp_path):
     while os.path.exists(f"/proc/{ps['PROBE_PID']}"):  # the ps is stopped once the workers are done
         assert time.monotonic() < deadline, "the ps process outlived its job"
         await asyncio.sleep(0.2)
+
+
+def ray_nodes(head: RayHead) -> list[dict]:
+    import urllib.request
+    with urllib.request.urlopen(f"{head.address}/api/v0/nodes", timeout=10) as r:
+        return json.loads(r.read())["data"]["result"]["result"]
+
+
+async def test_rendezvous_address_is_the_one_ray_registered_the_node_with(stub, head, tmp_path):
+    [node] = await asyncio.to_thread(ray_nodes, head)
+    job_id = new_id("addr")
+    spec = S.JobSpec(run_mode=S.RUN_MODE_MASTER_WORKER, replica_groups=[
+        probe_group("master", tmp_path), probe_group("worker", tmp_path)])
+    await launch(stub, job_id, spec)
+    obs = await wait_replicas(stub, job_id, within=120)
+    assert obs.state == S.JOB_STATE_SUCCEEDED, obs
+    assert {e["MASTER_ADDR"] for e in probes(tmp_path)} == {node["node_ip"]}
+    ip, ok = node["node_ip"], S.REPLICA_STATE_SUCCEEDED
+    assert sorted((r.role, r.index, r.state, r.host) for r in obs.replicas) == [("master", 0, ok, ip),
+                                                                             ("worker", 0, ok, ip)]
 
 
 async def test_stop_of_a_placement_group_job_ends_every_replica_process(stub, tmp_path):
@@ -544,3 +575,112 @@ async def test_one_list_call_per_interval_serves_every_job(fake):
         await d.close()
     assert {(m, p) for m, p, _ in fake.requests} == {("GET", "/api/jobs/")}
     assert 5 <= len(fake.requests) <= 12
+
+
+# --------------------------------------------------------------------------- usage, log streams, log cost
+
+
+def fetched_bytes(svc: ServiceProcess) -> float:
+    """``dlsched_backend_bytes_fetched_total`` of the Ray driver (its /metrics), all calls."""
+    import urllib.request
+
+    with open(svc.port_file + ".metrics") as f:
+        url = f"http://{f.read().strip()}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if ln.startswith("dlsched_backend_bytes_fetched_total{") and 'backend="ray"' in ln)
+
+
+BUSY = """
+import os, sys, time
+block = bytearray(64 << 20)  # resident: written below
+for i in range(0, len(block), 4096):
+    block[i] = 1
+print('busy', os.environ['DLSCHED_ROLE'], flush=True)
+while not os.path.exists(sys.argv[1]):
+    sum(range(100000))
+    time.sleep(0.001)
+"""
+
+
+async def usage(stub: driver_service_pb2_grpc.DriverServiceStub, job_id: str) -> list[S.ReplicaUsage]:
+    resp = await stub.MeasureJobUsage(dpb.MeasureJobUsageRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=job_id)),
+                                      timeout=20)
+    return list(resp.usage.replicas)
+
+
+async def test_usage_of_a_master_worker_job_per_replica_then_not_running(stub, tmp_path):
+    job_id = new_id("usage")
+    stop = tmp_path / "stop"
+    group = lambda role: S.ReplicaGroup(role=role, replicas=1, command=[PY, "-c", BUSY, str(stop)])  # noqa: E731
+    await launch(stub, job_id, S.JobSpec(run_mode=S.RUN_MODE_MASTER_WORKER,
+                                         replica_groups=[group("master"), group("worker")]))
+    deadline = time.monotonic() + 120
+    while True:
+        got = await usage(stub, job_id)
+        busy = {(u.role, u.replica_index) for u in got
+                if u.running and u.cpu_seconds > 0.2 and u.memory_bytes > 64 << 20}
+        if busy == {("master", 0), ("worker", 0)}:
+            break
+        assert time.monotonic() < deadline, f"usage never covered every replica: {got}"
+        await asyncio.sleep(0.5)
+    stop.touch()
+    obs = await wait_state(stub, job_id, within=60)
+    assert obs.state == S.JOB_STATE_SUCCEEDED, obs
+    final = await usage(stub, job_id)
+    assert sorted((u.role, u.replica_index) for u in final) == [("master", 0), ("worker", 0)]
+    for u in final:
+        assert not u.running and u.cpu_seconds > 0.2 and u.peak_memory_bytes > 64 << 20, u
+
+
+async def test_single_process_stdout_and_stderr_apart_without_rays_lines(stub):
+    job_id = new_id("streams")
+    code = ("import sys\n"
+            "for i in range(3):\n"
+            "    print('out', i, flush=True)\n"
+            "    print('err', i, file=sys.stderr, flush=True)\n")
+    await launch(stub, job_id, single(code))
+    await wait_state(stub, job_id)
+    err = await logs(stub, job_id, streams=[S.LOG_STREAM_STDERR])
+    assert [(e.stream, e.text) for e in err] == [(S.LOG_STREAM_STDERR, f"err {i}") for i in range(3)]
+    out = await logs(stub, job_id, streams=[S.LOG_STREAM_STDOUT])
+    assert [(e.stream, e.text) for e in out] == [(S.LOG_STREAM_STDOUT, f"out {i}") for i in range(3)]
+    both = await logs(stub, job_id)
+    assert sorted(e.text for e in both) == sorted([f"out {i}" for i in range(3)] + [f"err {i}" for i in range(3)])
+    assert all(e.HasField("time") and e.time.seconds > 0 for e in both)  # the launcher dates every line
+
+
+LINE = 1024
+LOUD = f"""
+import os, sys, time
+print('ready', flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.01)
+pad = 'x' * {LINE - 8 - 1}
+out = sys.stdout
+for i in range(int(sys.argv[2])):
+    out.write('%07d %s\\n' % (i, pad))
+out.flush()
+"""
+
+
+async def test_a_follower_of_50_mb_gets_every_line_in_order_for_at_most_twice_the_bytes(stub, driver, tmp_path):
+    job_id = new_id("loud")
+    go, n = tmp_path / "go", 50 * 1024  # 50 MB of 1 KB lines
+    await launch(stub, job_id, S.JobSpec(run_mode=S.RUN_MODE_SINGLE_PROCESS, replica_groups=[S.ReplicaGroup(
+        role="main", replicas=1, command=[PY, "-u", "-c", LOUD, str(go), str(n)])]))
+    await wait_state(stub, job_id, (S.JOB_STATE_RUNNING, *TERMINAL))
+    before = fetched_bytes(driver)
+    got: list[str] = []
+    req = dpb.TailJobLogsRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=job_id), follow=True)
+    async for r in stub.TailJobLogs(req, timeout=300):
+        for e in r.entries:
+            if e.text == "ready":
+                go.touch()
+            else:
+                got.append(e.text)
+    spent = fetched_bytes(driver) - before
+    assert len(got) == n and all(t.startswith(f"{i:07d} ") for i, t in enumerate(got)), (len(got), got[:2])
+    written = n * LINE
+    assert spent <= 2 * written, f"fetched {spent:.0f} bytes for {written} written"

@@ -52,13 +52,58 @@ def test_golden(name):
     assert body["metadata"]["dlsched_job_id"] == "golden-1" and body["metadata"]["dlsched_attempt"] == "2"
 
 
-def test_single_process_carries_planner_env_and_resources():
+def test_single_process_runs_under_the_launcher_with_its_resources():
     body = render.render_submission("j", SPECS["single_process"], 1)
-    env = body["runtime_env"]["env_vars"]
-    assert env["DLSCHED_JOB_ID"] == "j" and env["DLSCHED_ROLE"] == "main" and env["USER_VAR"] == "x y"
+    job = json.loads(body["runtime_env"]["env_vars"][render.JOB_ENV])
+    assert job["mode"] == "local" and job["submission_id"] == "dlsched-j-1"
+    assert render.spec_from_json(job["spec"]).replica_groups == SPECS["single_process"].replica_groups
     assert "working_dir" not in body["runtime_env"]  # a path on the nodes, not a URI
-    assert body["entrypoint"] == "cd -- /data/project && exec python3 train.py --lr 0.1"
+    assert shlex.split(body["entrypoint"]) == ["python", "-m", "drivers.ray.launcher"]  # no user value in it
     assert (body["entrypoint_num_cpus"], body["entrypoint_num_gpus"], body["entrypoint_memory"]) == (1.5, 1, 1 << 30)
+
+
+def run_launcher(tmp_path: pathlib.Path, spec: JobSpec, sid: str = "dlsched-j-1") -> tuple[int, pathlib.Path]:
+    """The launcher run as Ray Jobs runs it: stdout to ``<logs>/job-driver-<sid>.log``."""
+    body = render.render_submission("j", spec, 1)
+    logs = tmp_path / "logs"
+    logs.mkdir(exist_ok=True)
+    root = pathlib.Path(__file__).parent.parent
+    with open(logs / f"job-driver-{sid}.log", "ab") as out:
+        res = subprocess.run(["/bin/sh", "-c", body["entrypoint"].replace("python", shlex.quote(PY), 1)],
+                             cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, timeout=60,
+                             env={**os.environ, **body["runtime_env"]["env_vars"], "PYTHONPATH": str(root)})
+    return res.returncode, logs / "dlsched" / sid
+
+
+def lines(path: pathlib.Path) -> list[str]:
+    """The texts of an output file (``<nanos> <text>`` lines), checking nanos increase and the ``eof`` end."""
+    raw = path.read_text().split("\n")
+    assert raw[-2:] == ["eof", ""], raw[-3:]
+    stamps = [int(ln.split(" ", 1)[0]) for ln in raw[:-2]]
+    assert stamps == sorted(set(stamps))
+    return [ln.split(" ", 1)[1] for ln in raw[:-2]]
+
+
+def test_launcher_keeps_stdout_and_stderr_apart_and_samples_usage(tmp_path):
+    code = ("import os, sys, time\n"
+            "print('out', os.environ['DLSCHED_JOB_ID'], os.environ['DLSCHED_ROLE'], os.environ['USER_VAR'])\n"
+            "print('err line', file=sys.stderr)\n"
+            "t = time.time()\n"
+            "while time.time() - t < 1.5: pass\n"
+            "sys.exit(3)\n")
+    spec = JobSpec(RunMode.SINGLE_PROCESS, (ReplicaGroup(role="main", replicas=1, command=(PY, "-c", code),
+                                                         env={"USER_VAR": "x y"}),))
+    rc, out = run_launcher(tmp_path, spec)
+    assert rc == 3
+    assert lines(out / "main-0.out") == ["out j main x y"]
+    assert lines(out / "main-0.err") == ["err line"]
+    samples = [json.loads(ln) for ln in (out / "main-0.usage").read_text().splitlines()]
+    assert samples[-1]["running"] is False and samples[-1]["cpu"] > 0.5
+    assert any(s["running"] and s["rss"] > 0 for s in samples)
+    manifest = [json.loads(ln) for ln in (out / "replicas.jsonl").read_text().splitlines()]
+    assert manifest == [{"role": "main", "index": 0, "node_id": ""}, {"role": "main", "index": 0, "exit": 3}]
+    driver_log = (tmp_path / "logs" / "job-driver-dlsched-j-1.log").read_text()
+    assert "main-0 exited with code 3" in driver_log and "out j" not in driver_log
 
 
 def test_launcher_job_round_trips_the_spec():
@@ -73,7 +118,7 @@ def test_uri_working_dir_goes_to_runtime_env():
     spec = JobSpec(RunMode.SINGLE_PROCESS, (ReplicaGroup(role="main", replicas=1, command=("ls",),
                                                          working_dir="s3://bucket/code.zip"),))
     body = render.render_submission("j", spec, 1)
-    assert body["runtime_env"]["working_dir"] == "s3://bucket/code.zip" and body["entrypoint"] == "ls"
+    assert body["runtime_env"]["working_dir"] == "s3://bucket/code.zip"
 
 
 def test_mpi_is_refused_with_a_reason():
@@ -106,16 +151,15 @@ HOSTILE = ["$(touch CANARY)", "`touch CANARY`", "'; touch CANARY; '", '"; touch 
 def test_hostile_argv_and_working_dir_reach_the_program_byte_for_byte(tmp_path):
     wd = tmp_path / "dir 'q' $(touch CANARY)\nnl"
     wd.mkdir()
-    code = "import json, os, sys; json.dump({'argv': sys.argv[1:], 'cwd': os.getcwd()}, sys.stdout)"
+    code = "import json, os, sys; print(json.dumps({'argv': sys.argv[1:], 'cwd': os.getcwd()}))"
     spec = JobSpec(RunMode.SINGLE_PROCESS, (ReplicaGroup(role="main", replicas=1, command=(PY, "-c", code),
                                                          args=tuple(HOSTILE), working_dir=str(wd)),))
     body = render.render_submission("j", spec, 1)
-    res = subprocess.run(["/bin/sh", "-c", body["entrypoint"]], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=30)
-    assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout) == {"argv": HOSTILE, "cwd": str(wd)}
+    assert not any(h in body["entrypoint"] for h in HOSTILE if h)  # user values travel as JSON in the env
+    rc, out = run_launcher(tmp_path, spec)
+    assert rc == 0, (out / "main-0.err").read_text()
+    assert json.loads(lines(out / "main-0.out")[0]) == {"argv": HOSTILE, "cwd": str(wd)}
     assert not list(tmp_path.rglob("CANARY"))
-    assert shlex.split(body["entrypoint"])[:2] == ["cd", "--"]
 
 
 @pytest.mark.parametrize(("status", "error_type", "want"), [

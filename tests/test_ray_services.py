@@ -253,8 +253,8 @@ async def test_followed_logs_arrive_while_the_job_runs_and_end_after_it(jm, runs
             if e.text == "ready":
                 assert (await r.get()).state not in TERMINAL  # a line of a job that has not ended
                 go.touch()
-    # The stream ended OK, after the job's last line (Ray's own runtime-env lines come first).
-    assert [t for t in texts if t in ("ready", "done")] == ["ready", "done"], texts
+    # The stream ended OK, after the job's last line; Ray's own lines are not the job's output.
+    assert texts == ["ready", "done"], texts
     job = await r.until()
     assert job.state == S.JOB_STATE_SUCCEEDED, job
 
@@ -283,7 +283,67 @@ async def test_failing_entrypoint_is_failed_with_rays_message(jm, runs):
     spec = single("import sys; print('boom', file=sys.stderr); sys.exit(3)")
     r, job = await run_to_end(jm, runs, spec)
     assert job.state == S.JOB_STATE_FAILED and job.exit_code == 3, job
-    assert job.reason == "JobEntrypointCommandError", job
-    assert "exit code 3" in job.message, job.message  # Ray's own words for it
+    assert job.reason == "NonZeroExit", job  # the launcher's word for which replica failed
+    assert [(x.role, x.index, x.state, x.exit_code) for x in job.replicas] == [("main", 0, S.REPLICA_STATE_FAILED, 3)]
+    assert job.message.startswith("main-0 exited with code 3"), job.message
+    assert "exit code 3" in job.message, job.message  # Ray's own words for it follow
     assert S.JOB_STATE_SUCCEEDED not in r.states
     assert "boom" in [e.text for e in await r.logs()]
+
+
+# --------------------------------------------------------------------------- usage, streams
+
+
+BUSY = """
+import os, sys, time
+block = bytearray(64 << 20)
+for i in range(0, len(block), 4096):  # resident
+    block[i] = 1
+while not os.path.exists(sys.argv[1]):
+    sum(range(100000))
+    time.sleep(0.001)
+"""
+
+
+async def test_usage_of_a_running_master_worker_job_then_its_last_sample_not_running(jm, runs, tmp_path):
+    stop = tmp_path / "stop"
+    group = lambda role: S.ReplicaGroup(role=role, replicas=1, command=[PY, "-c", BUSY, str(stop)])  # noqa: E731
+    r = run_of(jm, on_ray(S.RUN_MODE_MASTER_WORKER, group("master"), group("worker")))
+    runs.append(r)
+    await r.submit()
+    await r.until((S.JOB_STATE_RUNNING,))
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while True:
+        u = (await jm.GetJobUsage(jpb.GetJobUsageRequest(name=r.name), timeout=30)).usage
+        busy = {(x.role, x.replica_index) for x in u.replicas
+                if x.running and x.cpu_seconds > 0 and x.memory_bytes > 64 << 20}
+        if busy == {("master", 0), ("worker", 0)}:
+            break
+        assert time.monotonic() < deadline, f"usage never covered every replica: {u}"
+        await asyncio.sleep(0.5)
+    stop.touch()
+    job = await r.until()
+    assert job.state == S.JOB_STATE_SUCCEEDED, job
+    assert sorted((x.role, x.index, x.state) for x in job.replicas) == [
+        ("master", 0, S.REPLICA_STATE_SUCCEEDED), ("worker", 0, S.REPLICA_STATE_SUCCEEDED)]
+    last = (await jm.GetJobUsage(jpb.GetJobUsageRequest(name=r.name), timeout=30)).usage
+    assert sorted((x.role, x.replica_index, x.running) for x in last.replicas) == [
+        ("master", 0, False), ("worker", 0, False)], last
+    assert all(x.cpu_seconds > 0 and x.peak_memory_bytes > 64 << 20 for x in last.replicas), last
+
+
+async def test_stderr_only_and_no_ray_line_in_either_stream(jm, runs):
+    code = """
+    import sys
+    for i in range(3):
+        print('to out', i, flush=True)
+        print('to err', i, file=sys.stderr, flush=True)
+    """
+    r, job = await run_to_end(jm, runs, single(code))
+    assert job.state == S.JOB_STATE_SUCCEEDED, job
+    err = await r.logs(streams=[S.LOG_STREAM_STDERR])
+    assert [(e.stream, e.text) for e in err] == [(S.LOG_STREAM_STDERR, f"to err {i}") for i in range(3)]
+    out = await r.logs(streams=[S.LOG_STREAM_STDOUT])
+    assert [(e.stream, e.text) for e in out] == [(S.LOG_STREAM_STDOUT, f"to out {i}") for i in range(3)]
+    for e in err + out:  # Ray's own lines ("Runtime env is setting up", "Running entrypoint ...") are not output
+        assert "Runtime env" not in e.text and "entrypoint" not in e.text, e.text

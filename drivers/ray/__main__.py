@@ -1,4 +1,4 @@
-"""``python -m drivers.ray --listen HOST:PORT --port-file F [--poll-interval S] [--request-timeout S]``."""
+"""``python -m drivers.ray --listen HOST:PORT --port-file F [--poll-interval S] [--log-poll-interval S] [--request-timeout S]``."""
 
 from __future__ import annotations
 

@@ -6,10 +6,20 @@ statuses >= 300 ``RayHttpError`` (status and body), which callers map once
 more with ``RayHttpError.unavailable`` or treat (404: not there) themselves.
 The token, when the cluster has one, is sent as ``Authorization: Bearer``;
 it is never logged or returned.
+
+Files in a node's Ray log directory (what the launcher writes) are read
+through Ray's state API: ``GET /api/v0/logs/file`` (``node_id``,
+``filename``, ``lines``: the last N lines, -1 all) and, to follow one,
+``GET /api/v0/logs/stream`` (the same, plus ``interval``: Ray's agent sends
+what was appended, checking every ``interval`` seconds, until the client
+closes it). A file that is not there (yet) is ``None`` / ``FileMissing``.
+Every byte read is counted in ``dlsched_backend_bytes_fetched_total``.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -44,6 +54,33 @@ def call_name(method: str, path: str) -> str:
     if len(parts) > 2 and parts[:2] == ["api", "jobs"]:
         parts[2] = "{id}"
     return f"{method} /{'/'.join(parts[:4])}"
+
+
+class FileMissing(Exception):
+    """The file (or its node) is not there, or not yet."""
+
+
+#: Ray's answers for a file or node it cannot find (HTTP 500 with this text; 404 on some versions)
+MISSING_MARKERS = ("not found", "doesn't exist", "does not exist", "Cannot find")
+
+
+def _missing(e: RayHttpError) -> bool:
+    return e.status == 404 or (e.status == 500 and any(m in e.text for m in MISSING_MARKERS))
+
+
+class Stream:
+    """One followed file: ``read`` returns what arrived (b"" once Ray closed it); safe to cancel."""
+
+    def __init__(self, content: aiohttp.StreamReader, counter: Any, unavailable: Any) -> None:
+        self._content, self._counter, self._unavailable = content, counter, unavailable
+
+    async def read(self) -> bytes:
+        try:
+            data = await self._content.readany()
+        except aiohttp.ClientError as e:
+            raise self._unavailable(e) from e
+        self._counter.inc(len(data))
+        return data
 
 
 class RayApi:
@@ -81,6 +118,50 @@ class RayApi:
             raise self._unavailable(e) from e
         finally:
             metrics.backend_call("ray", call_name(method, path), ok)
+
+    async def read_file(self, node_id: str, filename: str, lines: int = -1) -> bytes | None:
+        """A file in ``node_id``'s Ray log directory (its last ``lines`` lines; -1: all); ``None``: not there."""
+        params = {"node_id": node_id, "filename": filename, "lines": str(lines)}
+        ok = False
+        try:
+            async with self.session.get(self.base + "/api/v0/logs/file", params=params) as r:
+                data = await r.read()
+                metrics.BACKEND_BYTES.labels("ray", "GET /api/v0/logs/file").inc(len(data))
+                if r.status >= 300:
+                    err = RayHttpError(r.status, data.decode(errors="replace"))
+                    if _missing(err):
+                        ok = True
+                        return None
+                    raise err.unavailable(f"read {filename}")
+                ok = True
+                return data
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise self._unavailable(e) from e
+        finally:
+            metrics.backend_call("ray", "GET /api/v0/logs/file", ok)
+
+    @contextlib.asynccontextmanager
+    async def stream_file(self, node_id: str, filename: str, interval: float,
+                          lines: int = -1) -> AsyncIterator[Stream]:
+        """Follow a file from its last ``lines`` lines (-1: its start); ``Stream.read``: what was appended.
+
+        Raises ``FileMissing``."""
+        params = {"node_id": node_id, "filename": filename, "lines": str(lines), "interval": repr(interval)}
+        call = "GET /api/v0/logs/stream"
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.session.timeout.total)
+        try:
+            async with self.session.get(self.base + "/api/v0/logs/stream", params=params, timeout=timeout) as r:
+                if r.status >= 300:
+                    data = await r.read()
+                    metrics.backend_call("ray", call, False)
+                    err = RayHttpError(r.status, data.decode(errors="replace"))
+                    if _missing(err):
+                        raise FileMissing(filename)
+                    raise err.unavailable(f"follow {filename}")
+                metrics.backend_call("ray", call, True)
+                yield Stream(r.content, metrics.BACKEND_BYTES.labels("ray", call), self._unavailable)
+        except (aiohttp.ClientError, TimeoutError) as e:
+            raise self._unavailable(e) from e
 
     async def find(self, sid: str) -> dict[str, Any] | None:
         """``GET /api/jobs/{sid}``: the submission, or ``None`` when Ray has none."""

@@ -34,31 +34,42 @@ own ``RAY_JOB_STOP_WAIT_TIME_S``, set on the cluster; a request's grace
 period is not honoured per job). Cleanup: ``DELETE /api/jobs/{id}`` for every
 attempt, stopping a still-running one first. Unknown jobs succeed.
 
-Logs (``logs.py``): ``GET /api/jobs/{id}/logs`` (the entrypoint's combined stdout and
-stderr). A follow re-reads it every
-``--log-poll-interval`` (0.1 s by default; longer for a log of many MB, since
-Ray sends all of it each time) and sends what was appended. Not Ray's
-``/api/jobs/{id}/logs/tail`` websocket (what ``ray job logs --follow`` uses):
-its file tail sleeps 1 s at end of file and its job manager another 1 s, so a
-line waits about 1 s (bench/bench_ray.py: p50 ~1 s there, ~65 ms here). A
-follow ends once the poller saw the job end and a last read drained it.
-Lines the launcher tagged ``[dlsched role-index stream]`` (MULTI_PROCESS,
-MASTER_WORKER, PS_WORKER) are attributed to that replica and stream; other lines belong to the job's first role, replica 0.
-Ray's lines carry no time: history entries have none, followed ones the
-time they were read, and ``since_time`` only filters the followed ones.
+Every job runs under the in-cluster launcher (``launcher.py``, single
+process included), which writes each process's stdout and stderr to files of
+their own in its node's Ray log directory and samples the processes' usage
+(``layout.py`` the files, ``sampler.py`` the sampling).
+
+Logs (``logs.py``): those files through Ray's state API
+(``/api/v0/logs/file`` once; a follow keeps one ``/api/v0/logs/stream`` per
+file, which sends only what was appended, so it costs the bytes the job
+writes; latency about the ``--log-poll-interval`` the agent checks at, 0.1 s
+by default). stdout and stderr stay apart in every mode and Ray's own lines
+(runtime env set-up, "Running entrypoint ...") are not the job's output;
+they stay in Ray's job log, and Ray's message on a failure quotes its end.
+Not Ray's ``/api/jobs/{id}/logs`` (the whole log on every read) nor its
+``/api/jobs/{id}/logs/tail`` websocket (``ray job logs --follow``: its file
+tail sleeps 1 s at end of file). A follow ends once the poller saw the job end
+and every file reached its end (bench/bench_ray.py measures both).
+
+Usage (``usage.py``): the last sample of each process (``lines=1`` of its
+``.usage`` file): CPU seconds, RSS and peak, GPU utilisation and memory where
+NVML is there; ``running`` false once the process, or the job, ended. Ray
+itself measures no process of a job (``usage.py`` says why).
+
+Replicas: when Ray reports a job ended, the driver reads the launcher's
+manifest once (at most ``END_WAIT_SECONDS``, the job keeping its last state
+meanwhile: JobManager takes the first terminal observation as final) and
+reports every process's end; a failed entrypoint whose process exited
+non-zero is reason ``NonZeroExit`` with that process's code and
+``<role>-<index> exited with code N`` before Ray's message.
 
 Capacity: ``GET /api/cluster_status`` (the autoscaler's load report: total
 and used CPU, GPU, memory, per node).
 
-Usage is UNIMPLEMENTED: Ray measures no process of a job. Its reporter
-(``/nodes/{node_id}`` ``workers``) samples only the processes the raylet
-registered (workers, agents), each alone; a job's entrypoint is a subprocess
-of its ``JobSupervisor`` actor and the launcher's replica processes are
-subprocesses of its tasks, so neither appears there, nor in ``/api/v0/tasks``,
-``/api/v0/actors`` or ``/api/v0/workers`` (checked on Ray 2.60: a busy 200 MB
-entrypoint showed in none of them). What Ray does hold per job, the requested
-entrypoint resources and placement-group bundles, is a request, not a
-measurement, so it is not reported as usage.
+Endpoints relied on, all public in Ray 2.x: ``/api/jobs/`` (submit, list,
+get, stop, delete; the list's ``driver_node_id``), ``/api/cluster_status``,
+``/api/v0/logs/file`` and ``/api/v0/logs/stream`` (``node_id``,
+``filename`` relative to the node's log directory, ``lines``, ``interval``).
 """
 
 from __future__ import annotations
@@ -84,6 +95,7 @@ from drivers.common.base import (
     JobRef,
     JobSpec,
     JobState,
+    JobUsage,
     LaunchResult,
     LogEntry,
     LogQuery,
@@ -91,13 +103,14 @@ from drivers.common.base import (
 from drivers.common.launches import Known
 from drivers.common.registry import STOP_REQUESTED, BackendUnavailable
 from drivers.common.skeleton import BackendDriver
-from drivers.ray import logs, render, states
+from drivers.ray import layout, logs, render, states, usage
 from drivers.ray.api import RayApi, RayHttpError, last_line
-from drivers.ray.parse import capacity, observation, over_time_limit
+from drivers.ray.parse import capacity, observation, over_time_limit, with_replicas
 
 log = logging.getLogger("dlsched.driver.ray")
 
 REASON_SUBMITTED = "Submitted"
+END_WAIT_SECONDS = 5.0
 ADDRESS_RE = re.compile(r"https?://[^/\s]+(/\S*)?")
 
 
@@ -106,7 +119,7 @@ class RayConfig:
     """The Ray driver's flags."""
 
     poll_interval: float = field(default=1.0, metadata={"help": "seconds between job list polls"})
-    log_poll_interval: float = field(default=0.1, metadata={"help": "seconds between log reads of a follow"})
+    log_poll_interval: float = field(default=0.1, metadata={"help": "seconds between Ray's checks of a followed log file"})
     request_timeout: float = field(default=10.0, metadata={"help": "HTTP timeout per request"})
 
 
@@ -116,7 +129,11 @@ class _Cluster:
         self.api = RayApi(config, timeout)
         self.jobs: dict[str, JobObservation] = {}  # job id -> newest attempt
         self.submissions: dict[str, set[str]] = {}  # job id -> every submission id seen
-        self.roles: dict[str, str] = {}  # job id -> first role (log attribution)
+        self.nodes: dict[str, str] = {}  # job id -> the newest attempt's entrypoint node (Ray's driver_node_id)
+        self.ends: dict[str, layout.Manifest] = {}  # submission id -> its manifest, read once it ended
+        self.reading: set[str] = set()  # manifests being read
+        self.held: dict[str, tuple[float, JobObservation]] = {}  # ended, waiting for its manifest
+        self.background: set[asyncio.Task[None]] = set()
         self.polled = asyncio.Event()
         self.ok = False  # the last poll answered
         self.known = False  # some poll answered: the cache is the cluster's, if maybe stale
@@ -132,8 +149,9 @@ class _Cluster:
 
 class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
     name = "ray"
-    carry_over = ("jobs", "submissions", "roles", "known", "stop_requested")
+    carry_over = ("jobs", "submissions", "nodes", "ends", "known", "stop_requested")
     supports_logs = True
+    supports_usage = True
 
     def __init__(self, config: RayConfig | None = None) -> None:
         super().__init__()
@@ -150,6 +168,8 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
         return _Cluster(config, self._cfg.request_timeout)
 
     async def _disconnect(self, c: _Cluster) -> None:
+        for t in list(c.background):
+            t.cancel()
         if c.task is not None:
             c.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -217,13 +237,19 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
             seen.setdefault(meta.job_id, set()).add(meta.submission_id)
             if meta.job_id not in newest or meta.attempt > newest[meta.job_id][0]:
                 newest[meta.job_id] = (meta.attempt, it)
-            if meta.role is not None:
-                c.roles.setdefault(meta.job_id, meta.role)
         for job_id, (attempt, it) in newest.items():
             prev = c.jobs.get(job_id)
             if prev is not None and prev.attempt > attempt:
                 continue  # a launch the list does not show yet
             obs = observation(job_id, attempt, it)
+            node = it.get("driver_node_id")
+            if isinstance(node, str) and node:
+                c.nodes[job_id] = node
+            if obs.state.is_terminal():
+                ended = self._ended(name, c, obs)
+                if ended is None:
+                    continue
+                obs = ended
             if obs.state is JobState.RUNNING and over_time_limit(it, time.time()):
                 self._stop_later(c, obs.backend_job_id)
             if not obs.state.is_terminal() and obs.backend_job_id in c.stop_requested:
@@ -236,6 +262,48 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
             if obs.reason != REASON_SUBMITTED:  # a fresh launch may race the list; others were deleted
                 del c.jobs[job_id]
                 self.hub.publish(name, JobObservation.not_found(JobRef(job_id, obs.backend_job_id)))
+
+    def _ended(self, name: str, c: _Cluster, obs: JobObservation) -> JobObservation | None:
+        """An ended job with its replicas; ``None`` (the last state stays) while its manifest is read.
+
+        JobManager takes the first terminal observation as final, so the end
+        waits for the launcher's manifest (one read, ``END_WAIT_SECONDS`` at
+        most; a job that never started, or a driver that first sees it ended,
+        has nothing to wait for).
+        """
+        sid = obs.backend_job_id
+        manifest = c.ends.get(sid)
+        if manifest is not None:
+            c.held.pop(sid, None)
+            return with_replicas(obs, manifest)
+        node, prev = c.nodes.get(obs.job_id), c.jobs.get(obs.job_id)
+        if not node or prev is None or prev.state.is_terminal() or prev.backend_job_id != sid:
+            return obs
+        first, _ = c.held.get(sid, (time.monotonic(), obs))
+        if time.monotonic() - first > END_WAIT_SECONDS:
+            c.held.pop(sid, None)
+            return obs
+        c.held[sid] = (first, obs)
+        if sid not in c.reading:
+            c.reading.add(sid)
+
+            async def read() -> None:
+                try:
+                    m = await logs.read_manifest(c.api, sid, node)
+                except Unavailable:
+                    return  # asked again at the next poll, until END_WAIT_SECONDS
+                finally:
+                    c.reading.discard(sid)
+                c.ends[sid] = m if m is not None else layout.Manifest([], {})
+                held = c.held.pop(sid, None)
+                cur = c.jobs.get(obs.job_id)
+                if held is not None and cur is not None and cur.backend_job_id == sid and not cur.state.is_terminal():
+                    self._set(name, c, with_replicas(held[1], c.ends[sid]))
+
+            task = asyncio.create_task(read())
+            c.background.add(task)
+            task.add_done_callback(c.background.discard)
+        return None
 
     def _stop_later(self, c: _Cluster, sid: str) -> None:
         async def stop() -> None:
@@ -267,7 +335,6 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
     async def _submit(self, c: _Cluster, name: str, job_id: str, spec: JobSpec, attempt: int,
                       rendered: render.RaySubmission) -> LaunchResult:
         sid = rendered.submission_id
-        c.roles[job_id] = rendered.first_role
         try:
             await c.request("POST", "/api/jobs/", dict(rendered.body))
             obs = JobObservation(job_id=job_id, backend_job_id=sid, found=True, state=JobState.PENDING,
@@ -278,6 +345,8 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
             if existing is None:
                 if isinstance(e, Unavailable):
                     raise
+                if e.status >= 500 and "try again later" in e.text:  # e.g. no job agent up yet: retried
+                    raise e.unavailable(f"submit {sid}") from e
                 raise FailedPrecondition(f"Ray refused the submission: {last_line(e.text)}",
                                          reason="BACKEND_REJECTED",
                                          metadata={"http_status": str(e.status)}) from e
@@ -331,6 +400,9 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
         if c.jobs.pop(ref.job_id, None) is not None:
             self.hub.publish(name, JobObservation.not_found(ref))
         c.submissions.pop(ref.job_id, None)
+        c.nodes.pop(ref.job_id, None)
+        for sid in sids:
+            c.ends.pop(sid, None)
 
     async def _delete(self, c: _Cluster, sid: str) -> None:
         for stopped in (False, True):
@@ -353,18 +425,26 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
                     break
                 await asyncio.sleep(0.2)
 
-    # ------------------------------------------------------------------ logs
+    # ------------------------------------------------------------------ logs and usage
+
+    def _ended_job(self, c: _Cluster, job_id: str) -> bool:
+        obs = c.jobs.get(job_id)
+        return obs is None or obs.state.is_terminal()
 
     def _tail(self, c: _Cluster, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
         sid = self._sid(c, ref)
         if sid is None:
             raise JobNotFound(ref.job_id)
+        return logs.tail(c.api, ref.job_id, sid, query, ended=lambda: self._ended_job(c, ref.job_id),
+                         node=lambda: c.nodes.get(ref.job_id), interval=self._cfg.log_poll_interval)
 
-        def ended() -> bool:
-            obs = c.jobs.get(ref.job_id)
-            return obs is None or obs.state.is_terminal()
-
-        return logs.tail(c.api, ref.job_id, sid, c.roles.get(ref.job_id, "main"), query,
-                         ended=ended, interval=self._cfg.log_poll_interval)
-
-    # Usage: not supported (``supports_usage`` False), see the module docstring.
+    async def _usage(self, c: _Cluster, ref: JobRef) -> JobUsage:
+        sid = self._sid(c, ref)
+        if sid is None or ref.job_id not in c.jobs:
+            raise JobNotFound(ref.job_id)
+        ended = self._ended_job(c, ref.job_id)
+        node = c.nodes.get(ref.job_id)
+        manifest = await logs.read_manifest(c.api, sid, node) if node else None
+        if manifest is None:  # not started yet
+            return JobUsage(replicas=(), sample_time=time.time())
+        return await usage.job_usage(c.api, sid, node or "", manifest, ended)

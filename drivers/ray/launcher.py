@@ -1,24 +1,38 @@
-"""The in-cluster launcher: ``python -m drivers.ray.launcher`` as a Ray job's entrypoint.
+"""The in-cluster launcher: ``python -m drivers.ray.launcher``, the entrypoint of every dlsched Ray job.
 
 It reads the job from ``DLSCHED_RAY_JOB`` (``render.render_submission``
 writes it) and runs the job's processes as ``drivers.common.planner`` plans
 them, so every run mode sees the same environment as on any other backend.
 
-- ``local`` (MULTI_PROCESS): every process on this node, ``MASTER_ADDR``
-  127.0.0.1 and a free ``MASTER_PORT``.
+- ``local`` (SINGLE_PROCESS, MULTI_PROCESS): every process on the
+  entrypoint's node, ``MASTER_ADDR`` 127.0.0.1 and a free ``MASTER_PORT``.
 - ``placement-group`` (MASTER_WORKER, PS_WORKER): one bundle per replica
   (its CPUs, or 0.1 when it names none; its GPUs and memory) in a placement
-  group; a probe task per bundle reports the node's address and a free port
-  there; the plan is made with those placements; one task per replica runs
-  that replica's processes. This module imports ``ray`` only here, inside the
-  cluster (the driver never does).
+  group; a probe task per bundle reports its node's id and a free port
+  there; each replica's host is the address Ray registered that node with
+  (``ray.nodes()`` ``NodeManagerAddress``, not what the probe's own
+  interface lookup would pick); the plan is made with those placements; one
+  task per replica runs that replica's processes. This module imports
+  ``ray`` only here, inside the cluster (the driver never does).
 
-Every output line of a process is printed as ``[dlsched <role>-<index>
-<out|err>] <text>`` (the driver attributes it to that replica; Ray may prefix
-task output with ``(task pid=N)``, which the driver skips). The success rule
-is the plan's: once every deciding process exited 0 the rest are stopped and
-the launcher exits 0; the first process that fails stops the rest and the
-launcher exits with its code. SIGTERM (a Ray stop) stops every process.
+Output and usage go to files in the node's Ray log directory
+(``drivers.ray.layout``: per process ``<role>-<index>.out`` / ``.err`` as
+``<unix-nanos> <text>`` lines, ``.usage`` samples; the manifest
+``replicas.jsonl`` on the entrypoint's node says where each process's files
+are and how each process exited), which the driver reads through Ray's
+state API. The log directory is where Ray sends this process's stdout (the
+``job-driver-<id>.log`` of Ray Jobs, a worker's ``worker-*.out``), else
+``<temp-dir>/<session>/logs`` of the runtime context. The launcher's own
+stdout, the job log Ray keeps beside its own lines, carries only a line per
+failed process (``dlsched: <role>-<index> exited with code N``), so Ray's
+failure message names it.
+
+A sampler thread per node (``drivers.ray.sampler``) measures each process's
+session every ``SAMPLE_SECONDS`` and appends a sample; a process that ended
+gets a last one with ``running: false``. The success rule is the plan's:
+once every deciding process exited 0 the rest are stopped and the launcher
+exits 0; the first process that fails stops the rest and the launcher exits
+with its code. SIGTERM (a Ray stop) stops every process.
 """
 
 from __future__ import annotations
@@ -34,14 +48,19 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from drivers.common import planner
 from drivers.common.base import JobSpec
-from drivers.ray import render
+from drivers.ray import layout, render
+from drivers.ray.sampler import Sampler
 
-_print_lock = threading.Lock()
 DEFAULT_BUNDLE_CPU = 0.1
+SAMPLE_SECONDS = 1.0
+FIRST_SAMPLE_SECONDS = 0.1
+CHUNK = 1 << 16
+MAX_LINE = 1 << 16  # a longer line without a newline is written in pieces
 
 
 def _free_port() -> int:
@@ -55,50 +74,166 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _pump(stream: Any, tag: str) -> None:
-    for raw in iter(stream.readline, b""):
-        text = raw.decode(errors="replace").rstrip("\n")
-        with _print_lock:
-            sys.stdout.write(f"[dlsched {tag}] {text}\n")
-            sys.stdout.flush()
-    stream.close()
+def ray_logs_dir() -> str:
+    """This node's Ray log directory (see the module docstring)."""
+    with contextlib.suppress(OSError):
+        d = os.path.dirname(os.readlink("/proc/self/fd/1"))
+        if os.path.basename(d) == "logs" and os.path.isdir(d):
+            return d
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return os.path.join(ctx.get_temp_dir(), ctx.get_session_name(), "logs")
+
+
+def _append(path: str, text: str) -> None:
+    with open(path, "a") as f:
+        f.write(text)
+
+
+@dataclass
+class Outputs:
+    """The files of one submission under one node's Ray log directory."""
+
+    logs_dir: str
+    sid: str
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def path(self, rel: str) -> str:
+        return os.path.join(self.logs_dir, rel)
+
+    def prepare(self) -> None:
+        os.makedirs(self.path(layout.job_dir(self.sid)), exist_ok=True)
+
+    def create(self, p: planner.ProcessLaunch) -> None:
+        for kind in (*layout.STREAMS, "usage"):
+            with open(self.path(layout.output(self.sid, p.role, p.slot_index, kind)), "ab"):
+                pass
+
+    def note(self, doc: dict[str, Any]) -> None:
+        """One manifest line (the entrypoint's node only)."""
+        with self.lock:
+            _append(self.path(layout.manifest(self.sid)), layout.manifest_line(doc))
+
+    def usage(self, p: planner.ProcessLaunch, doc: dict[str, object]) -> None:
+        _append(self.path(layout.output(self.sid, p.role, p.slot_index, "usage")), json.dumps(doc) + "\n")
+
+
+def _pump(fd: int, path: str) -> None:
+    """Copy a pipe to ``path`` as ``<nanos> <line>`` lines, then ``eof``."""
+    last, pending = 0, b""
+
+    def stamp() -> int:
+        nonlocal last
+        last = max(time.time_ns(), last + 1)
+        return last
+
+    with open(path, "ab") as out:
+        while True:
+            try:
+                chunk = os.read(fd, CHUNK)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            *lines, pending = (pending + chunk).split(b"\n")
+            if len(pending) > MAX_LINE:
+                lines.append(pending)
+                pending = b""
+            if lines:
+                out.write(b"".join(b"%d %s\n" % (stamp(), ln) for ln in lines))
+                out.flush()
+        if pending:
+            out.write(b"%d %s\n" % (stamp(), pending))
+        out.write(layout.EOF.encode() + b"\n")
+    os.close(fd)
+
+
+def _sample_loop(sampler: Sampler, procs: dict[int, planner.ProcessLaunch], outputs: Outputs,
+                 done: threading.Event, ended: set[int]) -> None:
+    wait = FIRST_SAMPLE_SECONDS
+    while not done.wait(wait):
+        wait = SAMPLE_SECONDS
+        t = time.time()
+        for pid, smp in sampler.sample().items():
+            if pid not in ended:
+                outputs.usage(procs[pid], smp.doc(t))
 
 
 def run_processes(procs: Sequence[planner.ProcessLaunch], decisive: Callable[[str], bool],
-                  stop_event: threading.Event | None = None) -> int:
-    """Start ``procs``, apply the success rule, return the exit code."""
+                  outputs: Outputs, stop_event: threading.Event | None = None,
+                  on_exit: Callable[[planner.ProcessLaunch, int, bool], None] | None = None,
+                  ) -> tuple[int, planner.ProcessLaunch | None]:
+    """Start ``procs``, apply the success rule; (exit code, the process that failed)."""
     env0 = {k: v for k, v in os.environ.items() if k != render.JOB_ENV}
     running: list[tuple[planner.ProcessLaunch, subprocess.Popen[bytes]]] = []
-    pumps = []
+    pumps: list[threading.Thread] = []
+    outputs.prepare()
+    by_pid: dict[int, planner.ProcessLaunch] = {}
+    ended: set[int] = set()
+    sampler = Sampler([])
+    done = threading.Event()
+    sampling = threading.Thread(target=_sample_loop, args=(sampler, by_pid, outputs, done, ended), daemon=True)
+
+    killed: set[int] = set()
+
+    def finish(p: planner.ProcessLaunch, c: subprocess.Popen[bytes], rc: int) -> None:
+        if c.pid not in ended:
+            ended.add(c.pid)
+            outputs.usage(p, sampler.end(c.pid).doc(time.time()))
+            if on_exit is not None:
+                on_exit(p, rc, c.pid in killed)
     try:
         for p in procs:
-            cwd = p.working_dir or None
-            child = subprocess.Popen(list(p.argv), env={**env0, **p.env}, cwd=cwd, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, start_new_session=True,
-                                     preexec_fn=_die_with_parent)  # noqa: PLW1509
+            outputs.create(p)
+            cwd = p.working_dir if p.working_dir and not render.is_uri(p.working_dir) else None
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            try:
+                child = subprocess.Popen(list(p.argv), env={**env0, **p.env}, cwd=cwd, stdin=subprocess.DEVNULL,
+                                         stdout=out_w, stderr=err_w, start_new_session=True,
+                                         preexec_fn=_die_with_parent)  # noqa: PLW1509
+            except OSError as e:
+                for fd in (out_r, out_w, err_r, err_w):
+                    os.close(fd)
+                _append(outputs.path(layout.output(outputs.sid, p.role, p.slot_index, "err")),
+                        layout.format_line(time.time_ns(), f"dlsched: cannot start {p.argv[0]!r}: {e}")
+                        + layout.EOF + "\n")
+                print(f"dlsched: {p.role}-{p.slot_index} could not start: {e}", flush=True)
+                return 127, p
+            os.close(out_w)
+            os.close(err_w)
             running.append((p, child))
-            for stream, kind in ((child.stdout, "out"), (child.stderr, "err")):
-                t = threading.Thread(target=_pump, args=(stream, f"{p.role}-{p.slot_index} {kind}"), daemon=True)
+            by_pid[child.pid] = p
+            sampler.add(child.pid)
+            for fd, kind in ((out_r, "out"), (err_r, "err")):
+                path = outputs.path(layout.output(outputs.sid, p.role, p.slot_index, kind))
+                t = threading.Thread(target=_pump, args=(fd, path), daemon=True)
                 t.start()
                 pumps.append(t)
+        sampling.start()
         pending = {id(c): (p, c) for p, c in running}
         while pending:
             if stop_event is not None and stop_event.is_set():
-                return 143
-            for key, (_p, c) in list(pending.items()):
+                return 143, None
+            for key, (p, c) in list(pending.items()):
                 rc = c.poll()
                 if rc is None:
                     continue
                 del pending[key]
-                if rc != 0:
-                    return rc if rc > 0 else 128 - rc
+                code = rc if rc >= 0 else 128 - rc
+                finish(p, c, code)
+                if code != 0:
+                    print(f"dlsched: {p.role}-{p.slot_index} exited with code {code}", flush=True)
+                    return code, p
             if not any(decisive(p.role) for p, _ in pending.values()):
-                return 0
+                return 0, None
             time.sleep(0.05)
-        return 0
+        return 0, None
     finally:
         for _, c in running:
             if c.poll() is None:
+                killed.add(c.pid)
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(c.pid, signal.SIGTERM)
         deadline = time.monotonic() + 5
@@ -109,8 +244,13 @@ def run_processes(procs: Sequence[planner.ProcessLaunch], decisive: Callable[[st
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(c.pid, signal.SIGKILL)
                 c.wait()
+        done.set()
+        if sampling.is_alive():
+            sampling.join(5)
+        for p, c in running:
+            finish(p, c, c.returncode if c.returncode >= 0 else 128 - c.returncode)
         for t in pumps:
-            t.join(2)
+            t.join(5)
 
 
 def _layout(spec: JobSpec) -> list[tuple[str, int]]:
@@ -119,12 +259,33 @@ def _layout(spec: JobSpec) -> list[tuple[str, int]]:
     return [(g.role, r) for g in groups for r in range(g.replicas)]
 
 
+def _exit_noter(outputs: Outputs) -> Callable[[planner.ProcessLaunch, int, bool], None]:
+    def note(p: planner.ProcessLaunch, rc: int, stopped: bool) -> None:
+        doc: dict[str, Any] = {"role": p.role, "index": p.slot_index, "exit": rc}
+        if stopped:
+            doc["stopped"] = True
+        outputs.note(doc)
+    return note
+
+
 def run_local(job: dict[str, Any], spec: JobSpec, stop: threading.Event) -> int:
     ports = {(g.role, r): _free_port() for g in spec.replica_groups for r in range(g.replicas)}
     placements = [planner.Placement(role, r, render.LOCAL_HOST, 0, ports[(role, r)]) for role, r in _layout(spec)]
     plan = planner.plan_job(job["job_id"], spec, placements, master_port=_free_port())
     decisive = plan.success.decisive_roles
-    return run_processes(plan.processes, lambda role: role in decisive, stop)
+    outputs = Outputs(ray_logs_dir(), job["submission_id"])
+    outputs.prepare()
+    for p in plan.processes:
+        outputs.create(p)
+        outputs.note({"role": p.role, "index": p.slot_index, "node_id": ""})
+    rc, _ = run_processes(plan.processes, lambda role: role in decisive, outputs, stop, _exit_noter(outputs))
+    return rc
+
+
+def run_replica(sid: str, procs: list[planner.ProcessLaunch]) -> tuple[int, str, int]:
+    """One replica's processes, in a Ray task: (exit code, role, index of the failed process)."""
+    rc, failed = run_processes(procs, lambda role: True, Outputs(ray_logs_dir(), sid))
+    return rc, failed.role if failed else "", failed.slot_index if failed else -1
 
 
 def run_placement_group(job: dict[str, Any], spec: JobSpec) -> int:  # pragma: no cover - needs a Ray cluster
@@ -133,7 +294,10 @@ def run_placement_group(job: dict[str, Any], spec: JobSpec) -> int:  # pragma: n
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     ray.init()
-    layout = _layout(spec)
+    sid = job["submission_id"]
+    outputs = Outputs(ray_logs_dir(), sid)
+    outputs.prepare()
+    layout_ = _layout(spec)
     groups = {g.role: g for g in spec.replica_groups}
 
     def bundle(role: str) -> dict[str, float]:
@@ -145,7 +309,7 @@ def run_placement_group(job: dict[str, Any], spec: JobSpec) -> int:  # pragma: n
             b["memory"] = float(res.memory_bytes)
         return b
 
-    pg = placement_group([bundle(role) for role, _ in layout], strategy=job.get("placement_strategy", "PACK"))
+    pg = placement_group([bundle(role) for role, _ in layout_], strategy=job.get("placement_strategy", "PACK"))
     ray.get(pg.ready())
 
     def in_bundle(i: int) -> PlacementGroupSchedulingStrategy:
@@ -155,43 +319,52 @@ def run_placement_group(job: dict[str, Any], spec: JobSpec) -> int:  # pragma: n
     def probe() -> tuple[str, int, int]:
         from drivers.ray import launcher
 
-        return ray.util.get_node_ip_address(), launcher._free_port(), launcher._free_port()  # type: ignore[no-untyped-call]
+        return ray.get_runtime_context().get_node_id(), launcher._free_port(), launcher._free_port()
 
-    found = ray.get([probe.options(scheduling_strategy=in_bundle(i)).remote() for i in range(len(layout))])
+    found = ray.get([probe.options(scheduling_strategy=in_bundle(i)).remote() for i in range(len(layout_))])
+    registered = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}  # type: ignore[no-untyped-call]
     node_rank: dict[str, int] = {}
     placements = []
-    for (role, r), (ip, port, _) in zip(layout, found, strict=True):
-        node_rank.setdefault(ip, len(node_rank))
-        placements.append(planner.Placement(role, r, ip, node_rank[ip], port))
+    for (role, r), (node_id, port, _) in zip(layout_, found, strict=True):
+        node_rank.setdefault(node_id, len(node_rank))
+        placements.append(planner.Placement(role, r, registered[node_id], node_rank[node_id], port))
     plan = planner.plan_job(job["job_id"], spec, placements, master_port=found[0][2])
+    node_of = {(role, r): node_id for (role, r), (node_id, _, _) in zip(layout_, found, strict=True)}
+    for p in plan.processes:
+        nid = node_of[(p.role, p.replica_index)]
+        outputs.note({"role": p.role, "index": p.slot_index, "node_id": nid, "host": registered[nid]})
 
     @ray.remote
-    def replica(procs: list[planner.ProcessLaunch]) -> int:
+    def replica(procs: list[planner.ProcessLaunch]) -> tuple[int, str, int]:
         # By module name: run as __main__, this module would be pickled by value.
         from drivers.ray import launcher
 
-        return launcher.run_processes(procs, lambda role: True)
+        return launcher.run_replica(sid, procs)
 
     refs = {}
-    for i, (role, r) in enumerate(layout):
+    for i, (role, r) in enumerate(layout_):
         procs = [p for p in plan.processes if (p.role, p.replica_index) == (role, r)]
         b = bundle(role)
         refs[replica.options(scheduling_strategy=in_bundle(i), num_cpus=b["CPU"], num_gpus=b.get("GPU", 0),
-                             memory=b.get("memory")).remote(procs)] = role
+                             memory=b.get("memory")).remote(procs)] = procs
     decisive = plan.success.decisive_roles
     code = 0
     while refs:
         done, _ = ray.wait(list(refs), num_returns=1)
-        role = refs.pop(done[0])
+        procs = refs.pop(done[0])
         try:
-            rc = ray.get(done[0])
+            rc, failed_role, failed_index = ray.get(done[0])
         except Exception as e:  # the task itself failed (node lost, worker killed)
-            print(f"replica task of {role} failed: {e}", file=sys.stderr, flush=True)
-            rc = 1
+            print(f"dlsched: replica task of {procs[0].role}-{procs[0].replica_index} failed: {e}", flush=True)
+            rc, failed_role, failed_index = 1, procs[0].role, procs[0].slot_index
+        for p in procs:
+            failed = (p.role, p.slot_index) == (failed_role, failed_index)
+            outputs.note({"role": p.role, "index": p.slot_index, "exit": rc if failed else 0})
         if rc != 0:
+            print(f"dlsched: {failed_role}-{failed_index} exited with code {rc}", flush=True)
             code = rc
             break
-        if not any(r in decisive for r in refs.values()):
+        if not any(p.role in decisive for ps in refs.values() for p in ps):
             break
     for ref in refs:
         with contextlib.suppress(Exception):

@@ -1,75 +1,241 @@
-"""A Ray job's log: ``GET /api/jobs/{id}/logs`` read as entries, once or followed.
+"""A Ray job's output: the launcher's per-process files, read through Ray's state API.
 
-Ray's log is the entrypoint's combined stdout and stderr. Lines the launcher
-tagged ``[dlsched role-index stream]`` (MULTI_PROCESS, MASTER_WORKER,
-PS_WORKER) are attributed to that replica and stream; other lines belong to
-the job's first role, replica 0, STDOUT. Ray's lines carry no time: history
-entries have none, followed ones the time they were read, and ``since_time``
-only filters the followed ones.
+The launcher (``drivers.ray.launcher``) writes each process's stdout and
+stderr to files of their own in its node's Ray log directory, one
+``<unix-nanos> <text>`` line per line, and lists them in the manifest on
+the entrypoint's node (``drivers.ray.layout``). So every run mode keeps
+stdout and stderr apart, every line has the time it was written, and Ray's
+own lines ("Runtime env is setting up", "Running entrypoint ...", which
+Ray writes to the job's log, ``GET /api/jobs/{id}/logs``) are not part of
+the job's output: they stay in Ray's job log, and the last of them are in
+Ray's message when the job fails.
+
+- Where: the entrypoint's node is the job's ``driver_node_id`` (Ray's job
+  list); its manifest (``GET /api/v0/logs/file``) lists every process's
+  node and files. Only the files the query wants (role, replica, stream)
+  are read.
+- History (no follow): each file once (``/api/v0/logs/file``, its last
+  ``tail_lines`` lines when asked for), merged by time.
+- Follow: one ``GET /api/v0/logs/stream`` per file (Ray's agent sends what
+  was appended, checked every ``--log-poll-interval``), so a follow costs the
+  bytes the job writes, never a re-read of the whole log. Without
+  ``tail_lines`` the stream starts at the file's start (a follow sends the
+  whole history); with it, the history is read first (the last lines of
+  each file) and the stream starts at a window of the last lines that
+  reaches back to them, skipping what was sent (by the nanos). A file's follow ends at its ``eof`` line (the
+  launcher writes it when the pipe closes), or, for a launcher killed before
+  it could (a node lost), once the job has ended and nothing arrived for
+  ``QUIET_SECONDS``. A file not there yet (a replica task not started) is
+  asked for again until the job ends. The manifest is re-read every
+  ``MANIFEST_SECONDS`` while the job runs, for processes placed later.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
-import time
-from collections.abc import AsyncIterator, Callable
+import contextlib
+import heapq
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
 
-from drivers.common.base import JobNotFound, LogEntry, LogQuery, LogStream
-from drivers.ray.api import RayApi, RayHttpError
+from dlsched.errors import Unavailable
+from drivers.common.base import LogEntry, LogQuery, LogStream
+from drivers.ray import layout
+from drivers.ray.api import FileMissing, RayApi
 
-TAG_RE = re.compile(r"\[dlsched (?P<role>[a-z][a-z0-9_-]*)-(?P<index>\d+) (?P<stream>out|err)\] ?")
-#: a big log is re-read less often: about this many bytes per second at most
-READ_RATE_BYTES = 20e6
-
-
-def entry(line: str, role: str, now: int | None) -> LogEntry:
-    m = TAG_RE.search(line)
-    if m is None:
-        return LogEntry(role=role, replica_index=0, stream=LogStream.STDOUT, text=line, time_ns=now)
-    stream = LogStream.STDERR if m.group("stream") == "err" else LogStream.STDOUT
-    return LogEntry(role=m.group("role"), replica_index=int(m.group("index")), stream=stream,
-                    text=line[m.end():], time_ns=now)
+QUIET_SECONDS = 1.0
+MANIFEST_SECONDS = 1.0
+WAIT_SECONDS = 0.2
+RETRIES = 5
+RESUME_LINES = 200
+STREAMS = {"out": LogStream.STDOUT, "err": LogStream.STDERR}
 
 
-def _since(e: LogEntry, q: LogQuery) -> bool:
-    return q.since_ns is None or e.time_ns is None or e.time_ns >= q.since_ns
+@dataclass(frozen=True)
+class OutputFile:
+    role: str
+    index: int
+    stream: LogStream
+    node_id: str
+    path: str
 
 
-async def tail(api: RayApi, job_id: str, sid: str, role: str, query: LogQuery, *,
-               ended: Callable[[], bool], interval: float) -> AsyncIterator[list[LogEntry]]:
-    """Batches of the log's lines (all of them, or a follow until ``ended()`` and drained).
+async def read_manifest(api: RayApi, sid: str, node_id: str) -> layout.Manifest | None:
+    data = await api.read_file(node_id, layout.manifest(sid))
+    return None if data is None else layout.parse_manifest(data.decode(errors="replace"))
 
-    Yields unfiltered by replica and stream (the kit filters); ``tail_lines``
-    counts the lines the query wants.
+
+def files(sid: str, node_id: str, manifest: layout.Manifest, query: LogQuery) -> list[OutputFile]:
+    """The output files of the processes and streams ``query`` wants."""
+    out = []
+    for p in manifest.placed:
+        if not query.wants_replica(p.role, p.index):
+            continue
+        for kind, stream in STREAMS.items():
+            if query.wants_stream(stream):
+                out.append(OutputFile(p.role, p.index, stream, p.node_id or node_id,
+                                      layout.output(sid, p.role, p.index, kind)))
+    return out
+
+
+def parse(f: OutputFile, lines: Iterable[str]) -> tuple[list[LogEntry], bool]:
+    """Entries of complete lines, and whether the ``eof`` line was among them."""
+    out, eof = [], False
+    for line in lines:
+        parsed = layout.parse_line(line)
+        if parsed is None:
+            eof = eof or line == layout.EOF
+            continue
+        out.append(LogEntry(role=f.role, replica_index=f.index, stream=f.stream, text=parsed[1], time_ns=parsed[0]))
+    return out, eof
+
+
+def _since(entries: list[LogEntry], q: LogQuery) -> list[LogEntry]:
+    return entries if q.since_ns is None else [e for e in entries if (e.time_ns or 0) >= q.since_ns]
+
+
+async def history(api: RayApi, wanted: list[OutputFile], query: LogQuery) -> tuple[list[LogEntry], dict[OutputFile, int]]:
+    """Every wanted file once, merged by time, ``tail_lines`` kept; and each file's last nanos."""
+    lines = query.tail_lines + 1 if query.tail_lines > 0 else -1  # + the eof line
+    datas = await asyncio.gather(*(api.read_file(f.node_id, f.path, lines) for f in wanted))
+    per_file, last = [], {}
+    for f, data in zip(wanted, datas, strict=True):
+        entries, _ = parse(f, (data or b"").decode(errors="replace").split("\n"))
+        if entries:
+            last[f] = entries[-1].time_ns or 0
+        per_file.append(_since(entries, query))
+    merged = list(heapq.merge(*per_file, key=lambda e: e.time_ns or 0))
+    if query.tail_lines > 0:
+        merged = merged[-query.tail_lines:]
+    return merged, last
+
+
+async def _follow_file(api: RayApi, f: OutputFile, after_ns: int, query: LogQuery, interval: float,
+                       ended: Callable[[], bool], put: Callable[[list[LogEntry]], None]) -> None:
+    """Send the file's lines after ``after_ns`` (0: all of them) until its end (see the module docstring).
+
+    With lines already sent, the stream starts at a window of the file's last
+    lines (``RESUME_LINES`` more than the tail asked for), which must reach
+    back to the last line sent; when it does not (more was written meanwhile)
+    the file is read from its start after all, skipping what was sent.
     """
-    offset, pending, first = 0, "", True
+    last, failures, from_start = after_ns, 0, after_ns == 0
     while True:
-        done_before_read = ended()
+        lines = -1 if from_start else RESUME_LINES + max(0, query.tail_lines)
         try:
-            doc = await api.request("GET", f"/api/jobs/{sid}/logs")
-        except RayHttpError as e:
-            if e.status == 404:
-                raise JobNotFound(job_id) from e
-            raise e.unavailable(f"read the logs of {sid}") from e
-        text = doc.get("logs", "") if isinstance(doc, dict) else ""
-        if len(text) < offset:  # rewritten (should not happen): start over
-            offset, pending = 0, ""
-        chunk, offset = pending + text[offset:], len(text)
-        lines = chunk.split("\n")
-        done = done_before_read or not query.follow
-        pending = "" if done else lines.pop()
-        if done and lines and lines[-1] == "":
-            lines.pop()
-        now = None if first else time.time_ns()
-        entries = [e for e in (entry(ln, role, now) for ln in lines) if _since(e, query)]
-        if first and query.tail_lines > 0:
-            entries = [e for e in entries if query.wants_stream(e.stream)
-                       and query.wants_replica(e.role, e.replica_index)][-query.tail_lines:]
-        first = False
+            async with api.stream_file(f.node_id, f.path, interval, lines) as stream:
+                failures, pending, quiet, checked = 0, b"", 0.0, from_start
+                while True:
+                    done = ended()
+                    try:
+                        data = await asyncio.wait_for(stream.read(), WAIT_SECONDS)
+                    except TimeoutError:
+                        quiet = quiet + WAIT_SECONDS if done else 0.0
+                        if quiet >= QUIET_SECONDS:
+                            return
+                        continue
+                    if not data:  # Ray closed it: open it again, skipping what was sent
+                        from_start = last == 0
+                        break
+                    quiet = 0.0
+                    *raw, pending = (pending + data).split(b"\n")
+                    entries, eof = parse(f, (ln.decode(errors="replace") for ln in raw))
+                    if not checked and entries:
+                        checked = True
+                        if (entries[0].time_ns or 0) > last:
+                            from_start = True  # the window does not reach back to the last line sent
+                            break
+                    entries = [e for e in entries if (e.time_ns or 0) > last]
+                    if entries:
+                        last = entries[-1].time_ns or last
+                        wanted = _since(entries, query)
+                        if wanted:
+                            put(wanted)
+                    if eof:
+                        return
+        except FileMissing:
+            if ended():
+                return
+        except Unavailable:
+            failures += 1
+            if failures > RETRIES:
+                raise
+        await asyncio.sleep(WAIT_SECONDS)
+
+
+async def tail(api: RayApi, job_id: str, sid: str, query: LogQuery, *, ended: Callable[[], bool],
+               node: Callable[[], str | None], interval: float) -> AsyncIterator[list[LogEntry]]:
+    """Batches of the job's lines (history, or a follow until the job ended and its files are drained).
+
+    Yields unfiltered by replica and stream beyond the files it reads (the kit filters).
+    """
+    manifest: layout.Manifest | None = None
+    nid: str | None = None
+    while True:  # the entrypoint's node and its manifest
+        done = ended()
+        nid = node()
+        manifest = await read_manifest(api, sid, nid) if nid else None
+        if manifest is not None and manifest.placed:
+            break
+        if done or not query.follow:
+            return
+        await asyncio.sleep(WAIT_SECONDS)
+    assert nid is not None
+    wanted = files(sid, nid, manifest, query)
+    after: dict[OutputFile, int] = {}
+    if not query.follow or query.tail_lines > 0:
+        entries, after = await history(api, wanted, query)
         if entries:
             yield entries
-        if done:
+        if not query.follow:
             return
-        # Ray sends the whole log each time: read a big one less often.
-        await asyncio.sleep(min(2.0, max(interval, len(text) / READ_RATE_BYTES)))
+
+    queue: asyncio.Queue[list[LogEntry] | BaseException | None] = asyncio.Queue()
+    tasks: dict[OutputFile, asyncio.Task[None]] = {}
+
+    def start(fs: list[OutputFile]) -> None:
+        for f in fs:
+            if f not in tasks:
+                tasks[f] = asyncio.create_task(_run(f))
+
+    async def _run(f: OutputFile) -> None:
+        try:
+            await _follow_file(api, f, after.get(f, 0), query, interval, ended, queue.put_nowait)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # handed to the consumer
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(None)
+
+    async def watch_manifest() -> None:
+        while not ended():
+            await asyncio.sleep(MANIFEST_SECONDS)
+            with contextlib.suppress(Unavailable):
+                m = await read_manifest(api, sid, nid)
+                if m is not None:
+                    start(files(sid, nid, m, query))
+        queue.put_nowait(None)
+
+    start(wanted)
+    watcher = asyncio.create_task(watch_manifest())
+    try:
+        while True:
+            item = await queue.get()
+            if item is None:  # a task ended (it is done by now): the follow ends with the last one
+                if watcher.done() and all(t.done() for t in tasks.values()):
+                    break
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+        while not queue.empty():  # batches queued behind the last task's end
+            item = queue.get_nowait()
+            if isinstance(item, BaseException):
+                raise item
+            if item:
+                yield item
+    finally:
+        for t in [*tasks.values(), watcher]:
+            t.cancel()
+        await asyncio.gather(*tasks.values(), watcher, return_exceptions=True)

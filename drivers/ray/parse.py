@@ -6,8 +6,15 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from drivers.common.base import ClusterCapacity, GpuInventory, JobObservation, JobState
-from drivers.ray import render, states
+from drivers.common.base import (
+    ClusterCapacity,
+    GpuInventory,
+    JobObservation,
+    JobState,
+    ReplicaState,
+    ReplicaStatus,
+)
+from drivers.ray import layout, render, states
 
 MESSAGE_LIMIT = 2000
 
@@ -55,6 +62,40 @@ def _observation(job_id: str, attempt: int, it: Mapping[str, Any]) -> JobObserva
         exit_code=int(exit_code) if isinstance(exit_code, int) else None,
         start_time=start / 1000 if start else None, end_time=end / 1000 if end and state.is_terminal() else None,
         attempt=attempt)
+
+
+REASON_NON_ZERO_EXIT = "NonZeroExit"
+
+
+def with_replicas(obs: JobObservation, manifest: layout.Manifest) -> JobObservation:
+    """An ended job with each process's end from the launcher's manifest.
+
+    A process that exited 0 SUCCEEDED, one the launcher stopped (the job was
+    decided or stopped) STOPPED, one with another code FAILED, one with no
+    exit recorded (its launcher was killed) STOPPED. When Ray failed the
+    entrypoint and a process failed, the job's reason is ``NonZeroExit``,
+    its exit code that process's and its message names it first (Ray's
+    message follows).
+    """
+    replicas, failed = [], None
+    for p in manifest.placed:
+        end = manifest.exits.get((p.role, p.index))
+        if end is None or end[1]:
+            state, code = ReplicaState.STOPPED, end[0] if end else None
+        elif end[0] == 0:
+            state, code = ReplicaState.SUCCEEDED, 0
+        else:
+            state, code = ReplicaState.FAILED, end[0]
+            failed = failed or (p, code)
+        msg = f"exited with code {code}" if code is not None else "no exit recorded"
+        replicas.append(ReplicaStatus(role=p.role, index=p.index, state=state, exit_code=code,
+                                      host=p.host, message=msg))
+    out = replace(obs, replicas=tuple(replicas))
+    if failed is not None and obs.state is JobState.FAILED and obs.reason == states.camel("JOB_ENTRYPOINT_COMMAND_ERROR"):
+        p, code = failed
+        out = replace(out, reason=REASON_NON_ZERO_EXIT, exit_code=code,
+                      message=trim(f"{p.role}-{p.index} exited with code {code}; {obs.message}"))
+    return out
 
 
 def capacity(report: Mapping[str, Any]) -> ClusterCapacity:

@@ -9,41 +9,39 @@ The submission:
 
 - ``submission_id`` is ``dlsched-{job_id}-{attempt}``: Ray refuses a second
   submission with the same id, so a retried launch can never start a second
-  job. ``metadata`` carries ``dlsched_job_id``, ``dlsched_attempt`` and ``dlsched_role``; the
-  poller knows our jobs by them.
-- ``entrypoint`` is the one shell command line Ray runs (``/bin/sh -c``).
-  Every user value in it (command, args, working directory) is quoted by
-  ``shlex.quote``; nothing user-supplied reaches the shell unquoted.
-- ``runtime_env.env_vars``: the planner's variables (``drivers.common.planner``)
-  and the user's ``env`` (last). ``runtime_env.working_dir`` only when the
-  group's working directory is a URI Ray fetches (``s3://``, ``gs://``,
-  ``https://...zip``, ``gcs://``); a plain path is a directory on the
-  cluster's nodes, entered with ``cd -- <dir> &&`` before the command.
-- ``entrypoint_num_cpus`` / ``entrypoint_num_gpus`` / ``entrypoint_memory``:
-  what the entrypoint's processes ask for (a resource left 0 is omitted: Ray's
-  default).
+  job. ``metadata`` carries ``dlsched_job_id``, ``dlsched_attempt`` and
+  ``dlsched_run_mode`` (plus ``dlsched_time_limit_seconds``); the poller
+  knows our jobs by them.
+- ``entrypoint`` is always ``<python> -m drivers.ray.launcher``, the
+  in-cluster launcher (``drivers.ray.launcher``); ``<python>`` is cluster
+  option ``python`` (default ``python``), an interpreter on the cluster that
+  can import ``dlsched[ray]``. The job reaches it as JSON in the
+  ``DLSCHED_RAY_JOB`` variable (``runtime_env.env_vars``), so no user value
+  is in the command line Ray hands to ``/bin/sh``; the launcher starts each
+  process with its argv as a list, never through a shell.
+- ``runtime_env.working_dir`` only when a group's working directory is a URI
+  Ray fetches (``s3://``, ``gs://``, ``https://...zip``, ``gcs://``); a plain
+  path is a directory on the cluster's nodes, the process's cwd.
+- ``entrypoint_num_cpus`` / ``entrypoint_num_gpus`` / ``entrypoint_memory``
+  (SINGLE_PROCESS, MULTI_PROCESS): what the entrypoint's processes ask for
+  (a resource left 0 is omitted: Ray's default).
 
 Run modes:
 
-- SINGLE_PROCESS: the entrypoint is the command.
-- MULTI_PROCESS: the entrypoint is the launcher (``drivers.ray.launcher``) in
-  ``local`` mode: it starts every process of the plan on the entrypoint's node
-  (``MASTER_ADDR`` 127.0.0.1) and reports the first failure; resources are the
-  sum over replicas.
+- SINGLE_PROCESS, MULTI_PROCESS: the launcher in ``local`` mode: it starts
+  every process of the plan on the entrypoint's node (``MASTER_ADDR``
+  127.0.0.1) and reports the first failure; resources are the sum over
+  replicas. A single process runs under the launcher too, so its stdout and
+  stderr stay apart, Ray's own lines stay out of them, and it is measured.
 - MASTER_WORKER, PS_WORKER: the launcher in ``placement-group`` mode: it
   reserves one bundle per replica (the replica's CPUs, GPUs, memory) in a
   placement group (strategy: cluster option ``placement_strategy``, default
-  ``PACK``), learns each bundle's node address and a free port there, plans
+  ``PACK``), learns each bundle's node and a free port there, plans
   the job with those placements through ``drivers.common.planner`` (so
   ``MASTER_ADDR``/``RANK`` and ``TF_CONFIG`` are exactly those of every other
   backend) and runs one task per replica that starts its processes.
   The entrypoint itself asks for nothing.
 - MPI: refused, FAILED_PRECONDITION ``MPI_NOT_SUPPORTED``.
-
-The launcher gets the job as JSON in the ``DLSCHED_RAY_JOB`` variable (so
-the entrypoint stays ``<python> -m drivers.ray.launcher``, with no user value
-in it); ``<python>`` is cluster option ``python`` (default ``python``), an
-interpreter on the cluster that can import ``dlsched[ray]``.
 """
 
 from __future__ import annotations
@@ -65,11 +63,10 @@ JOB_ENV = "DLSCHED_RAY_JOB"
 META_JOB_ID = "dlsched_job_id"
 META_ATTEMPT = "dlsched_attempt"
 META_TIME_LIMIT = "dlsched_time_limit_seconds"  # the driver stops the job after it (Ray has no limit)
-META_ROLE = "dlsched_role"  # whose lines the untagged log lines are: the single role, or "launcher"
-LAUNCHER_ROLE = "launcher"
 LOCAL_HOST = "127.0.0.1"
 URI_RE = re.compile(r"^[a-z][a-z0-9+.-]*://")
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+LOCAL_MODES = (RunMode.SINGLE_PROCESS, RunMode.MULTI_PROCESS)  # every process on the entrypoint's node
 SUPPORTED_RUN_MODES = (RunMode.SINGLE_PROCESS, RunMode.MULTI_PROCESS, RunMode.PS_WORKER,
                        RunMode.MASTER_WORKER)
 
@@ -113,14 +110,6 @@ def submission_id(job_id: str, attempt: int) -> str:
 
 def is_uri(path: str) -> bool:
     return bool(URI_RE.match(path))
-
-
-def command_line(argv: tuple[str, ...], working_dir: str = "") -> str:
-    """``argv`` as one ``sh`` line, every word quoted; ``cd`` first for a plain directory."""
-    line = shlex.join(argv)
-    if working_dir and not is_uri(working_dir):
-        return f"cd -- {shlex.quote(working_dir)} && exec {line}"
-    return line
 
 
 def _resources(groups: tuple[ReplicaGroup, ...]) -> dict[str, float | int]:
@@ -178,11 +167,6 @@ class RaySubmission:
     def submission_id(self) -> str:
         return str(self.body["submission_id"])
 
-    @property
-    def first_role(self) -> str:
-        """Whose lines the untagged log lines are."""
-        return str(self.body["metadata"][META_ROLE])
-
     def native_spec(self) -> NativeSpec:
         return to_native_spec(self.body)
 
@@ -194,7 +178,6 @@ class SubmissionMeta:
     job_id: str
     attempt: int
     submission_id: str
-    role: str | None
 
 
 def parse_submission(it: Mapping[str, Any]) -> SubmissionMeta | None:
@@ -209,8 +192,7 @@ def parse_submission(it: Mapping[str, Any]) -> SubmissionMeta | None:
         return None
     if not isinstance(job_id, str) or not job_id or not isinstance(sid, str) or not sid:
         return None
-    role = meta.get(META_ROLE)
-    return SubmissionMeta(job_id, attempt, sid, role if isinstance(role, str) else None)
+    return SubmissionMeta(job_id, attempt, sid)
 
 
 def check(spec: JobSpec, options: Mapping[str, str] | None = None) -> RayOptions:
@@ -239,23 +221,15 @@ def render_submission(job_id: str, spec: JobSpec, attempt: int,
     body: dict[str, Any] = {
         "submission_id": sid,
         "metadata": {META_JOB_ID: job_id, META_ATTEMPT: str(attempt),
-                     "dlsched_run_mode": f"RUN_MODE_{spec.run_mode.name}",
-                     META_ROLE: spec.replica_groups[0].role if spec.run_mode is RunMode.SINGLE_PROCESS
-                     else LAUNCHER_ROLE},
+                     "dlsched_run_mode": f"RUN_MODE_{spec.run_mode.name}"},
     }
     if spec.time_limit_seconds:
         body["metadata"][META_TIME_LIMIT] = repr(float(spec.time_limit_seconds))
-    if spec.run_mode is RunMode.SINGLE_PROCESS:
-        g = spec.replica_groups[0]
-        [proc] = planner.plan_job(job_id, spec, [planner.Placement(g.role, 0, LOCAL_HOST)]).processes
-        body["entrypoint"] = command_line(proc.argv, proc.working_dir)
-        body["runtime_env"] = _runtime_env(proc.env, proc.working_dir)
-        body.update(_resources(spec.replica_groups))
-        return body
     launcher = {
         "job_id": job_id,
         "attempt": attempt,
-        "mode": "local" if spec.run_mode is RunMode.MULTI_PROCESS else "placement-group",
+        "submission_id": sid,
+        "mode": "local" if spec.run_mode in LOCAL_MODES else "placement-group",
         "placement_strategy": opts.placement_strategy,
         "spec": spec_to_json(spec),
     }
@@ -264,7 +238,7 @@ def render_submission(job_id: str, spec: JobSpec, attempt: int,
     body["runtime_env"] = _runtime_env(
         {JOB_ENV: json.dumps(launcher, sort_keys=True, separators=(",", ":"))},
         next(iter(uris)) if len(uris) == 1 else "")
-    if spec.run_mode is RunMode.MULTI_PROCESS:
+    if spec.run_mode in LOCAL_MODES:
         body.update(_resources(spec.replica_groups))
     return body
 

@@ -1,0 +1,70 @@
+"""The Ray driver's log follow over an in-memory stand-in for Ray's log endpoints (the resume window).
+
+The real endpoints are exercised against a real Ray head in test_ray_driver.py;
+this covers what a head cannot be made to do on cue: a file that grew past the
+resume window between the history read and the stream's start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from drivers.common.base import LogQuery, LogStream
+from drivers.ray import layout, logs
+
+
+class FakeStream:
+    def __init__(self, chunks: list[bytes]) -> None:
+        self.chunks = chunks
+
+    async def read(self) -> bytes:
+        return self.chunks.pop(0) if self.chunks else b""
+
+
+class FakeApi:
+    """One file, ``lines`` 1..n stamped with their number, then ``eof``; records every stream's ``lines``."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.opened: list[int] = []
+
+    def text(self) -> bytes:
+        return b"".join(layout.format_line(i, f"line {i}").encode() for i in range(1, self.n + 1)) + b"eof\n"
+
+    @contextlib.asynccontextmanager
+    async def stream_file(self, node_id: str, filename: str, interval: float, lines: int = -1,
+                          ) -> AsyncIterator[FakeStream]:
+        self.opened.append(lines)
+        rows = self.text().splitlines(keepends=True)
+        yield FakeStream([b"".join(rows if lines == -1 else rows[-lines:])])
+
+
+F = logs.OutputFile("main", 0, LogStream.STDOUT, "node", "dlsched/s/main-0.out")
+
+
+async def follow(api: FakeApi, after: int, tail: int) -> list[int]:
+    got: list[int] = []
+    await logs._follow_file(api, F, after, LogQuery(follow=True, tail_lines=tail), 0.05,  # type: ignore[arg-type]
+                            ended=lambda: True, put=lambda es: got.extend(e.time_ns or 0 for e in es))
+    return got
+
+
+async def test_a_window_reaching_back_to_the_last_line_sent_is_read_once() -> None:
+    n = 5000 + logs.RESUME_LINES // 2
+    api = FakeApi(n)
+    assert await follow(api, after=5000, tail=3) == list(range(5001, n + 1))
+    assert api.opened == [logs.RESUME_LINES + 3]
+
+
+async def test_a_file_that_outgrew_the_window_is_read_from_its_start_without_gaps_or_repeats() -> None:
+    n = 5000 + 3 * logs.RESUME_LINES
+    api = FakeApi(n)
+    assert await follow(api, after=5000, tail=3) == list(range(5001, n + 1))
+    assert api.opened == [logs.RESUME_LINES + 3, -1]
+
+
+async def test_without_history_the_follow_starts_at_the_files_start() -> None:
+    api = FakeApi(10)
+    assert await follow(api, after=0, tail=0) == list(range(1, 11))
+    assert api.opened == [-1]
