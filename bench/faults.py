@@ -166,7 +166,8 @@ async def driver_kill(etcd: EtcdServer, args: argparse.Namespace, run: int) -> b
                 names[tag] = await submit_until_answered(jm, spec, f"req-{tag}")
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                if all((await jm.get_job(n)).state == job_pb2.JOB_STATE_RUNNING for n in names.values()):
+                states = [(await jm.get_job(n)).state for n in names.values()]
+                if all(s == job_pb2.JOB_STATE_RUNNING for s in states):
                     break
                 await asyncio.sleep(0.5)
             stack.driver.kill()
