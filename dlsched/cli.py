@@ -260,8 +260,13 @@ async def _print_logs(jm: JobManagerClient, name: str, *, prefix: bool, follow: 
                       tail: int = 0, since: datetime | None = None, role: str = "",
                       index: int | None = None, streams: Sequence[str] = (),
                       timestamps: bool = False, output: str = "table") -> None:
+    def reconnecting(e: DlschedRpcError) -> None:
+        # The SDK calls again from the last line printed: nothing lost or repeated.
+        print(f"logs: {e.message}; reconnecting", file=sys.stderr, flush=True)
+
     async for e in jm.stream_job_logs(name, follow=follow, tail_lines=tail, since=since,
-                                      role=role, replica_index=index, streams=streams):
+                                      role=role, replica_index=index, streams=streams,
+                                      on_reconnect=reconnecting):
         if output != "table":
             fmt.json_line(fmt.to_dict(e))
             continue

@@ -20,11 +20,14 @@ clients branch on, its metadata and the field violations::
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import random
 import re
 import shlex
+import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar, cast
 
@@ -80,6 +83,10 @@ TERMINAL_JOB_STATES = frozenset(
 )
 
 _T = TypeVar("_T")
+log = logging.getLogger("dlsched.client")
+# Backoff between calls that resume a log stream (seconds).
+_RECONNECT_FIRST = 0.2
+_RECONNECT_MAX = 5.0
 
 
 def is_terminal(state: int) -> bool:
@@ -343,12 +350,25 @@ class JobManagerClient(_Client):
         role: str = "",
         replica_index: int | None = None,
         streams: Iterable[int | str] = (),
+        resume_cursor: str = "",
+        reconnect: bool = True,
+        reconnect_timeout: float = 120.0,
+        on_reconnect: Callable[[DlschedRpcError], None] | None = None,
     ) -> AsyncIterator[job_pb2.LogEntry]:
         """Yields a job's log lines one ``LogEntry`` at a time (a quiet
         stream's heartbeats, responses with no entries, yield nothing).
 
         ``since`` is a datetime, a Unix time or a Timestamp; ``streams`` holds
-        ``LogStream`` values or ``"stdout"`` / ``"stderr"``.
+        ``LogStream`` values or ``"stdout"`` / ``"stderr"``; ``resume_cursor``
+        (a response's ``resume_cursor``) starts after the line it marks.
+
+        With ``reconnect`` (the default), a stream that ends UNAVAILABLE once
+        it was established (the server shut down or the connection was lost)
+        is called again with the last resume cursor, with backoff (0.2 s
+        doubling to 5 s), on whichever replica the channel's target reaches,
+        until a call succeeds or ``reconnect_timeout`` seconds pass without
+        one; the lines go on with none lost and none repeated.
+        ``on_reconnect`` is told each error that makes it call again.
         """
         stream_values: list[Any] = [_log_stream(s) for s in streams]
         req = jms.StreamJobLogsRequest(
@@ -359,9 +379,34 @@ class JobManagerClient(_Client):
             req.since_time.CopyFrom(ts)
         if replica_index is not None:
             req.replica_index = replica_index
-        async for batch in self._stream(self.stub.StreamJobLogs(req)):
-            for entry in batch.entries:
-                yield entry
+        cursor = resume_cursor
+        connected = bool(resume_cursor)
+        delay = _RECONNECT_FIRST
+        failing_since: float | None = None
+        while True:
+            req.resume_cursor = cursor
+            try:
+                async for batch in self._stream(self.stub.StreamJobLogs(req)):
+                    connected, failing_since, delay = True, None, _RECONNECT_FIRST
+                    cursor = batch.resume_cursor or cursor
+                    for entry in batch.entries:
+                        yield entry
+                return
+            except DlschedRpcError as e:
+                # A server that never answered is not there: say so at once
+                # (gRPC already retried the call before its first message).
+                if not reconnect or e.code != "UNAVAILABLE" or not (
+                        connected or e.reason == "SHUTTING_DOWN"):
+                    raise
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                if now - failing_since > reconnect_timeout:
+                    raise
+                log.info("log stream of %s ended (%s %s); reconnecting", req.name, e.code, e.reason)
+                if on_reconnect is not None:
+                    on_reconnect(e)
+            await asyncio.sleep(delay * random.uniform(0.8, 1.2))  # noqa: S311 - jitter
+            delay = min(delay * 2, _RECONNECT_MAX)
 
     async def get_job_usage(self, name_or_id: str) -> job_pb2.JobUsage:
         resp = await self._unary(self.stub.GetJobUsage, jms.GetJobUsageRequest(

@@ -28,7 +28,8 @@ line so clients reconnect with their last resume token.
 
 Heartbeats pass through like any other message, one line each: WatchJobs'
 ``{"type":"WATCH_EVENT_TYPE_HEARTBEAT","resumeToken":...}`` and StreamJobLogs'
-``{}`` (no entries), sent by JobManager when a stream was quiet for
+``{"resumeCursor":...}`` (no entries; ``{}`` before the first line), sent by
+JobManager when a stream was quiet for
 ``--stream-heartbeat-seconds``. They keep HTTP proxies and load balancers in
 front of the gateway from closing a quiet response as idle, and the first one
 sends the headers of a stream still waiting for its first message (a log

@@ -12,12 +12,20 @@ Both streams send a heartbeat when they have sent nothing for
 HEARTBEAT event with the current resume token, StreamJobLogs a response with
 no entries. L7 proxies close streams idle for a while and HTTP/2 PINGs end at
 the first one; a message keeps the stream open through all of them.
+
+StreamJobLogs puts a resume cursor (``domain/log_cursor.py``) on every
+response, heartbeats included: the position after the last line sent. A
+call with that cursor asks the driver again for the whole attempt (no
+tail) and skips what the cursor says was delivered, so a client whose
+stream ended (this server shut down, a replica died) continues on any
+replica with no line lost or repeated.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from datetime import UTC, datetime
@@ -36,8 +44,10 @@ from job_manager import convert
 from job_manager.domain import access
 from job_manager.domain.errors import JobNotFound, JobNotLaunched
 from job_manager.domain.filter import Filter, parse_filter
+from job_manager.domain.log_cursor import FIELD as CURSOR_FIELD
+from job_manager.domain.log_cursor import LogCursor, Skipper
 from job_manager.domain.model import Job, JobState
-from job_manager.domain.validation import job_id_from_name, validate_request_id
+from job_manager.domain.validation import MAX_SPEC_BYTES, job_id_from_name, validate_request_id
 from job_manager.scheduler import Scheduler
 from job_manager.watch import EventType, WatchHub, decode_token, encode_token
 
@@ -122,6 +132,18 @@ class _WatchPosition:
         self.token = token
 
 
+class _LogPosition:
+    """The resume cursor a StreamJobLogs heartbeat carries: that of the last
+    response sent (before any, the one the call resumed from)."""
+
+    def __init__(self, cursor: str) -> None:
+        self.cursor = cursor
+
+
+def _time_ns(e: job_pb2.LogEntry) -> int:
+    return e.time.seconds * 1_000_000_000 + e.time.nanos if e.HasField("time") else 0
+
+
 class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
     def __init__(self, scheduler: Scheduler, hub: WatchHub, *,
                  heartbeat_seconds: float = 15.0) -> None:
@@ -132,6 +154,9 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
 
     async def SubmitJob(self, request: pb.SubmitJobRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
+        spec_bytes = request.spec.ByteSize()
+        if spec_bytes > MAX_SPEC_BYTES:  # before any conversion: a request costs at most its size
+            raise InvalidArgument.for_field("spec", f"serialized spec is {spec_bytes} bytes, at most {MAX_SPEC_BYTES}")
         spec = convert.spec_from_proto(request.spec) if request.HasField("spec") else None
         if spec is None:
             raise InvalidArgument.for_field("spec", "required")
@@ -139,7 +164,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         spec.project = p.resolve_project(spec.project)
         job, dry = await self.scheduler.submit(
             request.job_id, spec, request.request_id, dry_run=request.dry_run,
-            spec_bytes=request.spec.ByteSize(), owner=p.name)
+            spec_bytes=spec_bytes, owner=p.name)
         resp = pb.SubmitJobResponse(job=convert.job_to_proto(job))
         if dry is not None:
             resp.dry_run.CopyFrom(pb.DryRunResult(
@@ -265,30 +290,60 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         for i, s in enumerate(request.streams):
             if s == job_pb2.LOG_STREAM_UNSPECIFIED:
                 raise InvalidArgument.for_field(f"streams[{i}]", "LOG_STREAM_UNSPECIFIED")
-        # The heartbeat is a response with no entries; it also covers the wait
-        # for a launch and for a retry's next attempt.
-        batches = self._log_batches(request)
+        resumed = LogCursor.decode(request.resume_cursor) if request.resume_cursor else None
+        at = _LogPosition(request.resume_cursor)
+        # The heartbeat is a response with no entries and the current cursor;
+        # it also covers the wait for a launch and for a retry's next attempt.
+        batches = self._log_batches(request, resumed, at)
         async with contextlib.aclosing(with_heartbeats(
-                batches, self.heartbeat_seconds, pb.StreamJobLogsResponse)) as stream:
+                batches, self.heartbeat_seconds,
+                lambda: pb.StreamJobLogsResponse(resume_cursor=at.cursor))) as stream:
             async for resp in stream:
                 yield resp
 
-    async def _log_batches(self, request: pb.StreamJobLogsRequest,
-                           ) -> AsyncGenerator[pb.StreamJobLogsResponse, None]:
+    async def _log_batches(self, request: pb.StreamJobLogsRequest, resumed: LogCursor | None,
+                           at: _LogPosition) -> AsyncGenerator[pb.StreamJobLogsResponse, None]:
         job = await self._launched(request.name, request.follow)
         if job is None:
             return
         p = caller()
+        skip: Skipper | None = None
+        upstream = request
+        if resumed is None:
+            cursor = LogCursor(job.uid)
+        else:
+            if resumed.job_uid != job.uid:
+                raise InvalidArgument.for_field(CURSOR_FIELD, f"not a cursor of {job.name}")
+            cursor, skip = resumed, Skipper(resumed)
+            if resumed.attempt and resumed.attempt != job.backend_job_id:
+                # Finish the attempt the stream was on, then go on as it would have.
+                job = dataclasses.replace(job, backend_job_id=resumed.attempt)
+            # Every line of the attempt again; the skipper drops what was delivered.
+            upstream = pb.StreamJobLogsRequest()
+            upstream.CopyFrom(request)
+            upstream.tail_lines = 0
         while True:
+            cursor.at_attempt(job.backend_job_id)
             drv = await self.scheduler.driver_for(job.cluster)
-            stream = drv.tail_logs(job.cluster, job.id, job.backend_job_id, request)
+            stream = drv.tail_logs(job.cluster, job.id, job.backend_job_id, upstream)
             try:
                 async for entries in stream:
-                    if entries:
+                    out = []
+                    for e in entries:
+                        key, t = (e.role, e.replica_index, int(e.stream)), _time_ns(e)
+                        if skip is not None and skip.seen(key, t):
+                            continue
+                        cursor.delivered(key, t)
+                        out.append(e)
+                    if out:
                         p = p.current()  # a revoked or expired token ends the stream
-                        yield pb.StreamJobLogsResponse(entries=entries)
+                        # No await from here to the yield: a heartbeat never
+                        # carries a cursor past lines not yet sent.
+                        at.cursor = cursor.encode()
+                        yield pb.StreamJobLogsResponse(entries=out, resume_cursor=at.cursor)
             finally:
                 await stream.aclose()  # cancels the upstream call
+            skip, upstream = None, request
             if not request.follow:
                 return
             # The driver's stream ends when its attempt's processes are gone;

@@ -3,8 +3,19 @@
 ``run_server`` builds a grpc.aio server with the error interceptor, health
 checking (grpc.health.v1) and reflection, binds the configured address (port 0
 picks a free port), announces the bound address, serves until SIGTERM/SIGINT,
-then flips health to NOT_SERVING and stops with a grace period. With
-``metrics_listen`` it also serves Prometheus ``/metrics`` (``kit.metrics``).
+then drains (``Drain``): health NOT_SERVING, new calls refused with
+UNAVAILABLE, every open stream ended at once with UNAVAILABLE / SHUTTING_DOWN
+(its last message carries the resume point), unary calls in flight given the
+grace period and those still running at its end failed with UNAVAILABLE too,
+never CANCELLED: clients retry UNAVAILABLE, on this replica once restarted or
+on another. With ``metrics_listen`` it also serves Prometheus ``/metrics``
+(``kit.metrics``).
+
+Keepalive: the server pings every connection after ``keepalive_seconds``
+without activity and closes it when the PING is not answered within
+``keepalive_timeout_seconds``, releasing its streams (a frozen or vanished
+client). gRPC core waits ``grpc.http2.ping_timeout_ms`` (default 60 s) for
+that answer, not ``grpc.keepalive_timeout_ms``; both are set.
 
 The bound address is announced two ways so tests and supervisors never need a
 fixed port: a line ``DLSCHED_LISTENING <service> <host:port>`` on stdout, and,
@@ -18,17 +29,20 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_status import rpc_status
 
+from dlsched import errors
 from dlsched.kit import reflection
 from dlsched.kit import tls as tls_kit
+from dlsched.kit.handlers import responses, rewrap
 from dlsched.kit.metrics import MetricsEndpoint, MetricsInterceptor, serve_metrics
-from dlsched.kit.rpc_errors import ErrorInterceptor
+from dlsched.kit.rpc_errors import ErrorInterceptor, to_status
 
 log = logging.getLogger("dlsched.server")
 
@@ -43,6 +57,15 @@ def add_observability_flags(p: argparse.ArgumentParser) -> None:
                    help="OpenTelemetry tracing (default: env DLSCHED_TRACE_EXPORT, else off)")
 
 
+def add_keepalive_flags(p: argparse.ArgumentParser) -> None:
+    """``--keepalive-seconds`` and ``--keepalive-timeout-seconds``."""
+    p.add_argument("--keepalive-seconds", type=float, default=30.0,
+                   help="ping a connection after this long without activity (default 30)")
+    p.add_argument("--keepalive-timeout-seconds", type=float, default=10.0,
+                   help="close a connection whose ping is not answered in this long, ending "
+                        "its calls (default 10)")
+
+
 @dataclass(frozen=True)
 class ServerOptions:
     """How a service listens and stops."""
@@ -50,6 +73,10 @@ class ServerOptions:
     listen: str = "127.0.0.1:0"
     port_file: str | None = None
     grace_seconds: float = 10.0
+    # Ping idle connections after keepalive_seconds; close one whose ping is
+    # not answered in keepalive_timeout_seconds (a dead or frozen peer).
+    keepalive_seconds: float = 30.0
+    keepalive_timeout_seconds: float = 10.0
     max_message_bytes: int = 8 * 1024 * 1024
     metrics_listen: str | None = None  # HOST:PORT for /metrics; None serves none
     extra_options: Sequence[tuple[str, Any]] = field(default_factory=tuple)
@@ -69,34 +96,190 @@ class Registration:
     full_name: str  # e.g. "dlsched.v1.JobManagerService"
 
 
+_HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+
+async def _shutting_down(context: grpc.aio.ServicerContext) -> None:
+    st = to_status(errors.Unavailable("the server is shutting down; call again (any replica)",
+                                      reason="SHUTTING_DOWN"))
+    await context.abort_with_status(rpc_status.to_status(st))
+
+
+class Drain(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+    """Ends calls for a graceful stop with UNAVAILABLE, which clients retry,
+    before ``grpc.aio.Server.stop`` would cancel them (CANCELLED, which they
+    do not).
+
+    ``begin()``: calls that arrive from now on are refused (health checks
+    excepted: they answer NOT_SERVING) and every open stream ends now; the
+    handler's generator is closed first, so its ``finally`` runs. ``expire()``:
+    the unary calls still running are cancelled and fail. Both work by racing
+    the handler against an event, never by cancelling grpc's own task (which
+    grpc would report as CANCELLED)."""
+
+    #: ``settle`` waits for this many turns of ``QUIET_TURN_SECONDS`` without a new call.
+    QUIET_TURNS = 6
+    QUIET_TURN_SECONDS = 0.05
+
+    def __init__(self) -> None:
+        self.draining = False
+        self._arrivals = 0  # calls that arrived while draining
+        self._streams_end = asyncio.Event()
+        self._unary_end = asyncio.Event()
+        self._unary = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def begin(self) -> None:
+        self.draining = True
+        self._streams_end.set()
+
+    def expire(self) -> None:
+        self._unary_end.set()
+
+    async def settle(self, timeout: float) -> bool:  # noqa: ASYNC109
+        """Waits (at most ``timeout``) until no unary call is running and no
+        call has arrived for a while (``QUIET_TURNS``); whether that happened.
+
+        Only then may ``grpc.aio.Server.stop`` run: it refuses what comes
+        later on the wire (clients retry that transparently) but cancels
+        (CANCELLED) every call gRPC core has received and not yet handed to
+        a handler, a backlog that exists while calls keep arriving."""
+        # Quiet is counted in turns of the event loop, not in time alone: a
+        # process that did not run for a while (a busy host) has not yet
+        # taken in the calls that arrived meanwhile.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        quiet, seen = 0, -1
+        while True:
+            if self._unary == 0 and self._arrivals == seen:
+                quiet += 1
+                if quiet >= self.QUIET_TURNS:
+                    return True
+            else:
+                quiet, seen = 0, self._arrivals
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            await asyncio.sleep(min(self.QUIET_TURN_SECONDS, left))
+
+    def _arrived(self) -> bool:
+        """A call arrives: whether to refuse it (draining)."""
+        if not self.draining:
+            return False
+        self._arrivals += 1
+        return True
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        refuse = handler_call_details.method != _HEALTH_CHECK
+        if handler.unary_unary:
+            inner_uu = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if self._arrived() and refuse:
+                    await _shutting_down(context)
+                self._unary += 1
+                self._idle.clear()
+                call = asyncio.ensure_future(inner_uu(request, context))
+                end = asyncio.ensure_future(self._unary_end.wait())
+                try:
+                    await asyncio.wait((call, end), return_when=asyncio.FIRST_COMPLETED)
+                    if not call.done():
+                        call.cancel()
+                        await asyncio.wait((call,))
+                        await _shutting_down(context)
+                    return call.result()
+                finally:
+                    end.cancel()
+                    if not call.done():  # grpc cancelled us (the client left)
+                        call.cancel()
+                    self._unary -= 1
+                    if self._unary == 0:
+                        self._idle.set()
+
+            return rewrap(handler, unary_unary=unary_unary)
+        if handler.unary_stream:
+            inner_us = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext,
+                                   ) -> AsyncIterator[Any]:
+                if self._arrived() and refuse:
+                    await _shutting_down(context)
+                source = cast(AsyncGenerator[Any, None], responses(inner_us(request, context)))
+                end = asyncio.ensure_future(self._streams_end.wait())
+                step: asyncio.Future[Any] | None = None
+                try:
+                    while True:
+                        step = asyncio.ensure_future(source.__anext__())
+                        await asyncio.wait((step, end), return_when=asyncio.FIRST_COMPLETED)
+                        if not step.done():
+                            break
+                        done, step = step, None
+                        try:
+                            item = done.result()
+                        except StopAsyncIteration:
+                            return
+                        yield item
+                finally:
+                    end.cancel()
+                    if step is not None:
+                        step.cancel()
+                        await asyncio.wait((step,))
+                        if not step.cancelled():
+                            step.exception()  # ours to drop: the stream ends UNAVAILABLE
+                    await source.aclose()  # the handler's own finally runs here
+                await _shutting_down(context)
+
+            return rewrap(handler, unary_stream=unary_stream)
+        return handler
+
+
 class RunningServer:
     """A started server: its bound address, and a way to stop it."""
 
     def __init__(self, server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
                  address: str, names: list[str], grace: float,
-                 metrics: MetricsEndpoint | None = None) -> None:
+                 metrics: MetricsEndpoint | None = None, drain: Drain | None = None) -> None:
         self.server = server
         self.health = health_servicer
         self.address = address
         self.names = names
         self.grace = grace
         self.metrics = metrics
+        self.drain = drain or Drain()
         self._stopped = False
 
     async def stop(self, before_stop: Callable[[], Awaitable[None]] | None = None) -> None:
-        """Health NOT_SERVING, then ``before_stop`` (e.g. end open streams), then
-        ``server.stop(grace)``: in-flight unary calls get the grace period."""
+        """Health NOT_SERVING; new calls refused and open streams ended with
+        UNAVAILABLE; ``before_stop`` (a service's own stream endings); unary
+        calls in flight get the grace period, then those still running fail
+        UNAVAILABLE; once no call has come for a moment (or at the grace's
+        end), ``server.stop``: GOAWAY, no new connections."""
         if self._stopped:
             return
         self._stopped = True
         for name in [*self.names, ""]:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.drain.begin()
         if before_stop is not None:
             try:
                 await before_stop()
             except Exception:  # noqa: BLE001 - shutdown goes on
                 log.exception("before_stop hook failed")
-        await self.server.stop(self.grace)
+        if not await self.drain.settle(self.grace):
+            log.warning("calls still running or arriving after the %.1fs grace: failing "
+                        "those running UNAVAILABLE", self.grace)
+            self.drain.expire()
+        # What still runs now was failed UNAVAILABLE a moment ago; grpc
+        # cancels only what is left after this grace.
+        await self.server.stop(2.0)
         if self.metrics is not None:
             await asyncio.to_thread(self.metrics.close)
 
@@ -112,16 +295,24 @@ async def start_server(opts: ServerOptions, registrations: Sequence[Registration
         ("grpc.so_reuseport", 0),
         # Ping idle connections every 30 s, so a watch or log stream that is
         # quiet for minutes is not cut by a load balancer's idle timeout, and
-        # a dead peer is noticed within 40 s; clients may ping every 10 s.
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
+        # a dead or frozen peer is noticed within 40 s (its calls end and
+        # their handlers' finally runs); clients may ping every 10 s. gRPC
+        # core applies ping_timeout (default 60 s), not keepalive_timeout, to
+        # the keepalive PING's answer: both are set. With no limit on pings
+        # without data, the server keeps pinging a client that only listens.
+        ("grpc.keepalive_time_ms", int(opts.keepalive_seconds * 1000)),
+        ("grpc.keepalive_timeout_ms", int(opts.keepalive_timeout_seconds * 1000)),
+        ("grpc.http2.ping_timeout_ms", int(opts.keepalive_timeout_seconds * 1000)),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ]
-    # Metrics outside the error mapping, so they count the code the client sees.
+    # Metrics outside the error mapping and the drain, so they count the
+    # code the client sees.
+    drain = Drain()
     server = grpc.aio.server(
-        interceptors=[MetricsInterceptor(), ErrorInterceptor(), *opts.interceptors], options=options)
+        interceptors=[MetricsInterceptor(), drain, ErrorInterceptor(), *opts.interceptors],
+        options=options)
     names = []
     for r in registrations:
         r.add_to_server(r.servicer, server)
@@ -143,7 +334,8 @@ async def start_server(opts: ServerOptions, registrations: Sequence[Registration
         metrics = serve_metrics(opts.metrics_listen, announce_as, opts.port_file)
     _announce(announce_as, address, opts.port_file)
     log.info("%s listening on %s", announce_as, address)
-    return RunningServer(server, health_servicer, address, names, opts.grace_seconds, metrics)
+    return RunningServer(server, health_servicer, address, names, opts.grace_seconds, metrics,
+                         drain)
 
 
 def _announce(service: str, address: str, port_file: str | None) -> None:

@@ -119,7 +119,7 @@ class WatchJobsResponse(_message.Message):
     def __init__(self, type: _Optional[_Union[_job_pb2.WatchEventType, str]] = ..., job: _Optional[_Union[_job_pb2.Job, _Mapping]] = ..., resume_token: _Optional[str] = ...) -> None: ...
 
 class StreamJobLogsRequest(_message.Message):
-    __slots__ = ("name", "follow", "tail_lines", "since_time", "role", "replica_index", "streams")
+    __slots__ = ("name", "follow", "tail_lines", "since_time", "role", "replica_index", "streams", "resume_cursor")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
     TAIL_LINES_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,7 @@ class StreamJobLogsRequest(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     REPLICA_INDEX_FIELD_NUMBER: _ClassVar[int]
     STREAMS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_CURSOR_FIELD_NUMBER: _ClassVar[int]
     name: str
     follow: bool
     tail_lines: int
@@ -134,13 +135,16 @@ class StreamJobLogsRequest(_message.Message):
     role: str
     replica_index: int
     streams: _containers.RepeatedScalarFieldContainer[_job_pb2.LogStream]
-    def __init__(self, name: _Optional[str] = ..., follow: _Optional[bool] = ..., tail_lines: _Optional[int] = ..., since_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., role: _Optional[str] = ..., replica_index: _Optional[int] = ..., streams: _Optional[_Iterable[_Union[_job_pb2.LogStream, str]]] = ...) -> None: ...
+    resume_cursor: str
+    def __init__(self, name: _Optional[str] = ..., follow: _Optional[bool] = ..., tail_lines: _Optional[int] = ..., since_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., role: _Optional[str] = ..., replica_index: _Optional[int] = ..., streams: _Optional[_Iterable[_Union[_job_pb2.LogStream, str]]] = ..., resume_cursor: _Optional[str] = ...) -> None: ...
 
 class StreamJobLogsResponse(_message.Message):
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "resume_cursor")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    RESUME_CURSOR_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[_job_pb2.LogEntry]
-    def __init__(self, entries: _Optional[_Iterable[_Union[_job_pb2.LogEntry, _Mapping]]] = ...) -> None: ...
+    resume_cursor: str
+    def __init__(self, entries: _Optional[_Iterable[_Union[_job_pb2.LogEntry, _Mapping]]] = ..., resume_cursor: _Optional[str] = ...) -> None: ...
 
 class GetJobUsageRequest(_message.Message):
     __slots__ = ("name",)

@@ -183,7 +183,11 @@ class JobManagerServiceServicer:
         written and ends OK once the job has ended and its logs are drained.
         While a followed job is quiet (or not launched yet), the server sends a
         response with no entries when nothing else was sent for a while (15 s by
-        default, at most 30 s): a heartbeat, which clients ignore.
+        default, at most 30 s): a heartbeat, which clients ignore. Every response
+        carries a resume_cursor. A server that shuts down ends the stream with
+        UNAVAILABLE (reason SHUTTING_DOWN); on UNAVAILABLE the client should call
+        again (with backoff, on any replica) with the last resume_cursor it got,
+        which continues with the next line: no line lost, none repeated.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

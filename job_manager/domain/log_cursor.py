@@ -1,0 +1,138 @@
+"""Where a StreamJobLogs stream stands, so a new call continues it exactly.
+
+A cursor names the job (its uid), the attempt being streamed (its backend
+job id) and, for every replica stream that has sent lines in that attempt,
+its ``StreamPos``: how many lines were delivered, the time of the last one
+and how many delivered lines share that time. Within one replica stream a
+backend keeps the order the lines were written in and dates them
+non-decreasingly, so on resume (the driver asked again for every line of
+the attempt) a line was already delivered exactly when
+
+- dated: it is older than the last delivered time, or it has that time and
+  fewer than ``at_time`` lines with it were skipped so far (this holds
+  whatever ``tail_lines`` or ``since_time`` the first call used);
+- undated (a backend that does not date lines): it is one of the first
+  ``count`` lines of its stream.
+
+The cursor travels as unpadded base64url of zlib-compressed JSON: opaque to
+clients, its size bounded by the number of replica streams, not of lines.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import zlib
+from dataclasses import dataclass, field
+
+from dlsched.errors import InvalidArgument
+
+FIELD = "resume_cursor"
+#: Longest cursor accepted (characters); far above what a 10 000-replica job makes.
+MAX_CURSOR_CHARS = 1 << 20
+_MAX_JSON_BYTES = 8 << 20
+_VERSION = 1
+
+StreamKey = tuple[str, int, int]  # (role, replica_index, LogStream value)
+
+
+@dataclass
+class StreamPos:
+    """What one replica stream has delivered in the cursor's attempt."""
+
+    count: int = 0  # lines delivered
+    time_ns: int = 0  # time of the last delivered line; 0: undated
+    at_time: int = 0  # delivered lines dated exactly time_ns (the last ones)
+
+
+@dataclass
+class LogCursor:
+    """The position of a log stream; ``delivered`` moves it past one line."""
+
+    job_uid: str
+    attempt: str = ""  # backend job id of the attempt streamed; "" before any line
+    streams: dict[StreamKey, StreamPos] = field(default_factory=dict)
+
+    def at_attempt(self, attempt: str) -> None:
+        """Lines from now on belong to ``attempt``; a new one starts from nothing."""
+        if attempt != self.attempt:
+            self.attempt = attempt
+            self.streams = {}
+
+    def delivered(self, key: StreamKey, time_ns: int) -> None:
+        pos = self.streams.get(key)
+        if pos is None:
+            pos = self.streams[key] = StreamPos()
+        pos.count += 1
+        if time_ns and time_ns == pos.time_ns:
+            pos.at_time += 1
+        else:
+            pos.time_ns, pos.at_time = time_ns, (1 if time_ns else 0)
+
+    def encode(self) -> str:
+        rows = [[r, i, s, p.count, p.time_ns, p.at_time]
+                for (r, i, s), p in sorted(self.streams.items())]
+        data = json.dumps({"v": _VERSION, "u": self.job_uid, "a": self.attempt, "s": rows},
+                          separators=(",", ":")).encode()
+        return base64.urlsafe_b64encode(zlib.compress(data, 6)).decode().rstrip("=")
+
+    @classmethod
+    def decode(cls, text: str) -> LogCursor:
+        """The cursor ``text`` encodes; INVALID_ARGUMENT naming the field if
+        it is not one a server issued."""
+        if len(text) > MAX_CURSOR_CHARS:
+            raise InvalidArgument.for_field(FIELD, f"longer than {MAX_CURSOR_CHARS} characters")
+        try:
+            raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+            inflate = zlib.decompressobj()
+            data = inflate.decompress(raw, _MAX_JSON_BYTES)
+            if inflate.unconsumed_tail or not inflate.eof:
+                raise ValueError("truncated or too large")
+            obj = json.loads(data)
+            if not isinstance(obj, dict) or obj.get("v") != _VERSION:
+                raise ValueError("version")
+            uid, attempt, rows = obj["u"], obj["a"], obj["s"]
+            if not isinstance(uid, str) or not isinstance(attempt, str) or not isinstance(rows, list):
+                raise ValueError("shape")
+            streams: dict[StreamKey, StreamPos] = {}
+            for row in rows:
+                if not isinstance(row, list) or len(row) != 6:
+                    raise ValueError("row")
+                role, idx, stream, count, t, k = row
+                if not isinstance(role, str) or not all(
+                        isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                        for v in (idx, stream, count, t, k)):
+                    raise ValueError("row")
+                streams[(role, idx, stream)] = StreamPos(count, t, k)
+        except (binascii.Error, zlib.error, ValueError, KeyError, TypeError) as e:
+            raise InvalidArgument.for_field(FIELD, "not a log cursor this server issued") from e
+        return cls(uid, attempt, streams)
+
+
+class Skipper:
+    """On resume: which lines of the cursor's attempt were delivered before."""
+
+    def __init__(self, cursor: LogCursor) -> None:
+        self._left = {k: StreamPos(p.count, p.time_ns, p.at_time) for k, p in cursor.streams.items()}
+        self._done: set[StreamKey] = set()
+
+    def seen(self, key: StreamKey, time_ns: int) -> bool:
+        """Whether this line (the next of its stream) was delivered before."""
+        pos = self._left.get(key)
+        if pos is None or key in self._done:
+            return False
+        if pos.time_ns and time_ns:
+            if time_ns < pos.time_ns:
+                skip = True
+            else:
+                skip = time_ns == pos.time_ns and pos.at_time > 0
+                if skip:
+                    pos.at_time -= 1
+        else:
+            skip = pos.count > 0
+        if skip:
+            pos.count = max(pos.count - 1, 0)
+        else:
+            self._done.add(key)  # past the cursor: the rest of the stream is new
+        return skip
