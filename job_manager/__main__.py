@@ -21,6 +21,7 @@ from dlsched.kit.etcd import EtcdOptions, add_etcd_flags, etcd_options_from_args
 from dlsched.kit.server import (
     Registration,
     ServerOptions,
+    add_keepalive_flags,
     add_observability_flags,
     serve_until_signal,
     start_server,
@@ -30,6 +31,7 @@ from dlsched.v1 import access_service_pb2_grpc
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
 from job_manager.clients import ClusterManagerClient, DriverPool
 from job_manager.job_metrics import JobStateGauge
+from job_manager.ownership import ClusterOwnership
 from job_manager.scheduler import Scheduler, SchedulerConfig
 from job_manager.servicer import JobManagerServicer
 from job_manager.store import JobStore
@@ -59,6 +61,10 @@ class Config:
     tls: TlsOptions = TlsOptions(insecure=True)
     auth: AuthOptions = AuthOptions()
     audit_log: str | None = None
+    keepalive_seconds: float = 30.0
+    keepalive_timeout_seconds: float = 10.0
+    replica_id: str = ""
+    owner_ttl: int = 5
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
@@ -77,12 +83,20 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
                    help="WatchJobs and StreamJobLogs send a heartbeat after this long without "
                         "a message, so proxies keep quiet streams open: 0 < S <= 30, or 0 for none")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--replica-id", default="",
+                   help="this replica's name among the JobManagers (default host/pid/random)")
+    p.add_argument("--owner-ttl", type=int, default=5,
+                   help="lease TTL of this replica's cluster ownership: a dead replica's "
+                        "clusters move to another within it")
     add_observability_flags(p)
+    add_keepalive_flags(p)
     add_tls_flags(p)
     add_auth_flags(p)
     p.add_argument("--audit-log", default=os.environ.get("DLSCHED_AUDIT_LOG"),
                    help="append one JSON line per mutating call here (default: the service log)")
     a = p.parse_args(argv)
+    if a.owner_ttl < 2:
+        p.error("--owner-ttl must be at least 2")
     if a.watch_buffer < 1:
         p.error("--watch-buffer must be at least 1")
     if not 0 <= a.stream_heartbeat_seconds <= MAX_STREAM_HEARTBEAT_SECONDS:
@@ -98,7 +112,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
                   stop_grace_seconds=a.stop_grace_seconds,
                   stream_heartbeat_seconds=a.stream_heartbeat_seconds, log_level=a.log_level,
                   metrics_listen=a.metrics_listen, trace_export=a.trace_export,
-                  log_format=a.log_format, tls=tls, auth=auth, audit_log=a.audit_log)
+                  log_format=a.log_format, tls=tls, auth=auth, audit_log=a.audit_log,
+                  keepalive_seconds=a.keepalive_seconds,
+                  keepalive_timeout_seconds=a.keepalive_timeout_seconds,
+                  replica_id=a.replica_id, owner_ttl=a.owner_ttl)
 
 
 async def amain(cfg: Config) -> None:
@@ -116,18 +133,22 @@ async def amain(cfg: Config) -> None:
                 if cfg.auth.control_plane_token_file else None)
     cm = ClusterManagerClient(cfg.cluster_manager, tls=cfg.tls, token=cp_token)
     drivers = DriverPool(tls=cfg.tls)
+    # Each cluster's tracking is done by one replica; it takes over (reconciles)
+    # the clusters it wins as soon as it has joined.
+    ownership = ClusterOwnership(client, store, hub, identity=cfg.replica_id,
+                                 ttl=cfg.owner_ttl, prefix=cfg.prefix)
     scheduler = Scheduler(store, cm, drivers,
-                          SchedulerConfig(stop_grace_seconds=cfg.stop_grace_seconds))
-    try:
-        await asyncio.wait_for(scheduler.reconcile(), 30)
-    except Exception:  # noqa: BLE001 - serve anyway; the trackers keep trying
-        log.exception("reconcile failed")
+                          SchedulerConfig(stop_grace_seconds=cfg.stop_grace_seconds),
+                          ownership=ownership)
+    ownership.start(scheduler)
     gauge = JobStateGauge(store, hub)
     if cfg.metrics_listen:
         gauge.start()
     audit = AuditLog(cfg.audit_log)
     running = await start_server(
         ServerOptions(listen=cfg.listen, port_file=cfg.port_file, grace_seconds=5.0,
+                      keepalive_seconds=cfg.keepalive_seconds,
+                      keepalive_timeout_seconds=cfg.keepalive_timeout_seconds,
                       metrics_listen=cfg.metrics_listen, tls=cfg.tls,
                       interceptors=[AuthInterceptor(authenticator.authenticate, audit=audit)]),
         [Registration(pb_grpc.add_JobManagerServiceServicer_to_server,
@@ -143,6 +164,7 @@ async def amain(cfg: Config) -> None:
         await hub.stop()  # ends open WatchJobs streams now; clients resume elsewhere
 
     async def on_stop() -> None:
+        await ownership.close()  # hands every cluster over now
         await scheduler.close()
         await cm.close()
         await drivers.close()

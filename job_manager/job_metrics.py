@@ -1,4 +1,5 @@
-"""``dlsched_jobs{state}``: jobs in etcd by state, kept from the one job watch.
+"""``dlsched_jobs{state}``: jobs in etcd by state, kept from the one job watch;
+and the families that show which replica tracks which cluster.
 
 A snapshot at revision R, then every WatchHub event after R: the gauge follows
 etcd without a read per scrape. If the subscription ends (a lagging reader,
@@ -11,6 +12,8 @@ import asyncio
 import collections
 import logging
 
+from prometheus_client import Counter, Gauge
+
 from dlsched.errors import DlschedError
 from dlsched.kit.metrics import JOBS
 from job_manager.domain.model import JobState
@@ -18,6 +21,20 @@ from job_manager.store import JobStore
 from job_manager.watch import EventType, WatchHub
 
 log = logging.getLogger("job_manager.metrics")
+
+#: 1 for each cluster whose tracking this replica owns now, 0 once it no longer does
+#: (``job_manager/ownership.py``); the replica is the process serving /metrics.
+CLUSTER_OWNED = Gauge(
+    "dlsched_job_manager_cluster_owned",
+    "1 while this JobManager replica owns the cluster's tracking, else 0", ["cluster"])
+OWNERSHIP_CHANGES = Counter(
+    "dlsched_job_manager_ownership_changes",
+    "this replica's ownership changes: gained, released (rebalance, shutdown), lost (lease)",
+    ["cluster", "change"])
+TRACKING_WRITES = Counter(
+    "dlsched_job_manager_tracking_writes",
+    "fenced job writes of the cluster owner: applied, conflict (retried CAS), fenced (refused: "
+    "ownership lost)", ["cluster", "result"])
 
 
 class JobStateGauge:

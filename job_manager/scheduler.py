@@ -3,12 +3,19 @@
 It joins the domain (state machine, validation) with the adapters (store,
 ClusterManager and driver clients). Background work is one task per pending
 launch or stop retry, and one observation stream per cluster with unfinished
-jobs.
+jobs, all of it done only by the replica that owns the cluster
+(``job_manager/ownership.py``): ``take_over`` starts it when this replica
+gains a cluster (it picks up the cluster's jobs waiting for a launch or a
+termination), ``on_job`` for jobs stored since (SubmitJob on any replica),
+``release`` stops it before the ownership is handed over. Every tracking
+write is fenced on the ownership, so a replica that lost it writes nothing.
 
 SubmitJob semantics worth knowing:
 
 - The job is stored (PENDING, attempt 1) before any driver sees it; then
-  LaunchJob runs inline. A driver that cannot be reached leaves the job
+  LaunchJob runs inline when this replica owns (or may claim) the job's
+  cluster; otherwise the owner launches it from the store and SubmitJob
+  waits (up to ``submit_wait_seconds``) to return the job as launched. A driver that cannot be reached leaves the job
   PENDING with reason ``DriverUnavailable`` and a background retry with
   backoff. A driver that refuses the job (INVALID_ARGUMENT,
   FAILED_PRECONDITION other than CLUSTER_NOT_CONFIGURED, UNIMPLEMENTED,
@@ -39,7 +46,8 @@ from job_manager.domain import states
 from job_manager.domain.errors import JobNotFound, NoMatchingCluster
 from job_manager.domain.model import Candidate, Job, JobSpec, JobState, NativeSpec, Observation
 from job_manager.domain.validation import validate_submit
-from job_manager.store import JobStore
+from job_manager.ownership import Ownership, SoleOwner
+from job_manager.store import JobStore, OwnershipLost
 
 log = logging.getLogger("job_manager.scheduler")
 
@@ -66,6 +74,8 @@ class SchedulerConfig:
     call_timeout_seconds: float = 15.0
     #: a cluster's observation stream down this long marks its running jobs DriverUnreachable
     driver_unreachable_after_seconds: float = 10.0
+    #: SubmitJob on a replica that does not own the cluster waits this long for the owner's launch
+    submit_wait_seconds: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -78,24 +88,34 @@ class DryRun:
 class Scheduler:
     def __init__(self, store: JobStore, cm: ClusterManagerClient, drivers: DriverPool,
                  config: SchedulerConfig = SchedulerConfig(), *,
-                 clock: Callable[[], datetime] = _utcnow) -> None:
+                 clock: Callable[[], datetime] = _utcnow,
+                 ownership: Ownership | None = None) -> None:
         self.store = store
+        self.ownership: Ownership = ownership or SoleOwner()
         self.cm = cm
         self.drivers = drivers
         self.config = config
         self._clock = clock
         self._locks: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
         self._retries: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._retry_cluster: dict[tuple[str, str], str] = {}
+        self._cluster_tasks: dict[str, set[asyncio.Task[Any]]] = collections.defaultdict(set)
         self._trackers: dict[str, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
 
     # ------------------------------------------------------------ helpers
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str = "") -> asyncio.Task[Any]:
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str = "",
+               cluster: str = "") -> asyncio.Task[Any]:
+        """A background task; with ``cluster``, cluster work that a release cancels."""
         t = asyncio.create_task(coro, name=name or None)
         self._tasks.add(t)
         t.add_done_callback(self._tasks.discard)
+        if cluster:
+            tasks = self._cluster_tasks[cluster]
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
         return t
 
     async def driver_for(self, cluster: str) -> DriverClient:
@@ -141,8 +161,7 @@ class Scheduler:
             return await self._after_duplicate(stored, owner), None
         log.info("job %s stored for %s (request %s)", stored.id, stored.cluster,
                  request_id or "-")
-        self.ensure_tracking(stored.cluster)
-        return await self.launch(stored.id), None
+        return await self._launch_or_await_owner(stored), None
 
     async def _after_duplicate(self, job: Job, owner: str) -> Job:
         """The first job of a retried request, only for the caller that made it:
@@ -152,16 +171,41 @@ class Scheduler:
                 "request_id already used by another caller",
                 reason="REQUEST_ID_IN_USE", metadata={"field": "request_id"})
         if job.state == JobState.PENDING and not job.launched:
-            return await self.launch(job.id)
+            return await self._launch_or_await_owner(job)
         return job
+
+    async def _launch_or_await_owner(self, job: Job) -> Job:
+        """Launch inline as the cluster's owner; else the job once its owner launched it."""
+        if await self.ownership.claim(job.cluster):
+            self.ensure_tracking(job.cluster)
+            return await self.launch(job.id)
+        return await self._await_owner(job.id)
+
+    async def _await_owner(self, job_id: str) -> Job:
+        """The job as stored once launched, ended or waiting for its driver, or
+        after ``submit_wait_seconds`` (still PENDING then)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.submit_wait_seconds
+        poll = 0.02
+        while True:
+            job = await self.store.get(job_id)
+            if (job.launched or job.state != JobState.PENDING
+                    or job.reason in ("DriverUnavailable", "ClusterNotConfigured")
+                    or loop.time() >= deadline):
+                return job
+            await asyncio.sleep(poll)
+            poll = min(poll * 2, 0.25)
 
     # ------------------------------------------------------------ launch
 
     async def launch(self, job_id: str) -> Job:
         """Launch now; on a retryable failure keep retrying in the background."""
-        job, done = await self._try_launch(job_id)
+        try:
+            job, done = await self._try_launch(job_id)
+        except OwnershipLost:
+            return await self.store.get(job_id)  # the cluster's new owner launches it
         if not done:
-            self._retry_in_background(job_id, "launch")
+            self._retry_in_background(job_id, "launch", job.cluster)
         return job
 
     async def _try_launch(self, job_id: str) -> tuple[Job, bool]:
@@ -174,6 +218,9 @@ class Scheduler:
             job = await self.store.get(job_id)
             if job.state != JobState.PENDING or job.launched:
                 return job, True
+            if not self.ownership.owns(job.cluster):
+                return job, True  # its owner launches it
+            fence = self.ownership.fence(job.cluster)
             attempt = job.attempt
             try:
                 drv = await self.driver_for(job.cluster)
@@ -185,12 +232,12 @@ class Scheduler:
                     log.warning("launch of %s on %s deferred: %s", job_id, job.cluster, e.reason)
                     msg = e.message[:500]
                     job = await self.store.update(
-                        job_id, lambda j: states.mark_launch_waiting(j, reason, msg))
+                        job_id, lambda j: states.mark_launch_waiting(j, reason, msg), fence=fence)
                     return job, False
                 log.warning("launch of %s refused by %s: %s", job_id, job.cluster, e.reason)
                 msg = f"{e.reason}: {e.message}"[:1000]
                 job = await self.store.update(job_id, lambda j: states.mark_launch_failed(
-                    j, "LaunchRejected", msg, self._clock()))
+                    j, "LaunchRejected", msg, self._clock()), fence=fence)
                 return job, True
             now = self._clock()
 
@@ -199,13 +246,14 @@ class Scheduler:
                     return None
                 return states.mark_launched(j, backend_id, obs, now)
 
-            job = await self.store.update(job_id, record)
+            job = await self.store.update(job_id, record, fence=fence)
             log.info("job %s launched on %s as %s (attempt %d)", job_id, job.cluster,
                      backend_id, attempt)
             if job.backend_job_id != backend_id and job.attempt == attempt:
                 # Stopped (or otherwise ended) while the launch was in flight.
                 log.info("job %s ended during launch; terminating %s", job_id, backend_id)
-                self._spawn(self._terminate_backend(job.cluster, job_id, backend_id))
+                self._spawn(self._terminate_backend(job.cluster, job_id, backend_id),
+                            cluster=job.cluster)
             return job, True
 
     async def _terminate_backend(self, cluster: str, job_id: str, backend_id: str) -> None:
@@ -221,22 +269,25 @@ class Scheduler:
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.config.retry_max_seconds)
 
-    def _retry_in_background(self, job_id: str, op: str) -> None:
+    def _retry_in_background(self, job_id: str, op: str, cluster: str, *,
+                             first_delay: float | None = None) -> None:
+        """Retry ``op`` (launch, terminate) until done, as the owner of ``cluster``."""
         key = (job_id, op)
-        if self._closed or key in self._retries:
+        if self._closed or key in self._retries or not self.ownership.owns(cluster):
             return
 
         async def loop() -> None:
-            delay = self.config.retry_initial_seconds
+            delay = self.config.retry_initial_seconds if first_delay is None else first_delay
             try:
                 while True:
                     await asyncio.sleep(delay)
+                    delay = max(delay, self.config.retry_initial_seconds / 2)
                     try:
                         if op == "launch":
                             _, done = await self._try_launch(job_id)
                         else:
                             done = await self._try_terminate(job_id)
-                    except JobNotFound:
+                    except (JobNotFound, OwnershipLost):
                         return
                     except errors.DlschedError as e:
                         log.warning("%s of %s: %s", op, job_id, e)
@@ -246,8 +297,10 @@ class Scheduler:
                     delay = min(delay * 2, self.config.retry_max_seconds)
             finally:
                 self._retries.pop(key, None)
+                self._retry_cluster.pop(key, None)
 
         self._retries[key] = asyncio.create_task(loop(), name=f"{op}-{job_id}")
+        self._retry_cluster[key] = cluster
 
     # ------------------------------------------------------------ stop / delete
 
@@ -261,7 +314,7 @@ class Scheduler:
                 log.warning("terminate of %s: %s", job_id, e)
                 done = False
             if not done:
-                self._retry_in_background(job_id, "terminate")
+                self._retry_in_background(job_id, "terminate", job.cluster)
             job = await self.store.get(job_id)
         return job
 
@@ -280,7 +333,8 @@ class Scheduler:
             return True
         self.ensure_tracking(job.cluster)
         if obs is not None:
-            await self.apply(job.cluster, obs)
+            with contextlib.suppress(OwnershipLost):  # the new owner's stream tells it
+                await self.apply(job.cluster, obs)
         return True
 
     async def delete(self, job_id: str, allow_missing: bool) -> Job | None:
@@ -299,6 +353,7 @@ class Scheduler:
             except errors.DlschedError as e:
                 log.warning("cleanup of %s on %s failed (ignored): %s", job_id, job.cluster, e)
         for op in ("launch", "terminate"):
+            self._retry_cluster.pop((job_id, op), None)
             t = self._retries.pop((job_id, op), None)
             if t is not None:
                 t.cancel()
@@ -312,7 +367,12 @@ class Scheduler:
     # ------------------------------------------------------------ tracking
 
     async def apply(self, cluster: str, obs: Observation) -> Job | None:
-        """Apply one observation of a job on ``cluster`` (CAS, domain transitions)."""
+        """Apply one observation of a job on ``cluster`` (CAS, domain transitions),
+        as its owner: on another replica nothing; raises ``OwnershipLost`` when
+        the ownership ended under the write."""
+        if not self.ownership.owns(cluster):
+            return None
+        fence = self.ownership.fence(cluster)
         retry = False
         lost = not obs.found
 
@@ -330,19 +390,25 @@ class Scheduler:
                 return states.plan_retry(j, obs, self._clock())
             return states.apply_observation(j, obs, self._clock())
 
+        # The job's lock: a launch being recorded and an observation of it never race
+        # (no CAS retry within this replica).
         with logs.job_context(obs.job_id):
             try:
-                job = await self.store.update(obs.job_id, change)
+                async with self._locks[obs.job_id]:
+                    job = await self.store.update(obs.job_id, change, fence=fence)
             except JobNotFound:
                 return None
+            except OwnershipLost:
+                self.ownership.lost(cluster)
+                raise
             if retry and job.state == JobState.PENDING:
                 log.info("job %s failed (attempt %d); retrying as attempt %d", job.id,
                          job.attempt - 1, job.attempt)
-                self._spawn(self.launch(job.id), name=f"relaunch-{job.id}")
+                self._spawn(self.launch(job.id), name=f"relaunch-{job.id}", cluster=cluster)
             return job
 
     def ensure_tracking(self, cluster: str) -> None:
-        if self._closed or not cluster:
+        if self._closed or not cluster or not self.ownership.owns(cluster):
             return
         t = self._trackers.get(cluster)
         if t is None or t.done():
@@ -380,6 +446,9 @@ class Scheduler:
                 log.info("observation stream of %s ended; reconnecting", cluster)
             except asyncio.CancelledError:
                 raise
+            except OwnershipLost:
+                log.info("tracking of %s ends: ownership lost", cluster)
+                return
             except errors.DlschedError as e:
                 if e.reason == "CLUSTER_NOT_CONFIGURED":
                     log.info("%s not configured on its driver yet; waiting", cluster)
@@ -400,10 +469,14 @@ class Scheduler:
 
     async def _mark_unreachable(self, cluster: str, since: datetime, detail: str) -> bool:
         """Every running job of ``cluster`` says its driver is unreachable (state unchanged)."""
+        fence = self.ownership.fence(cluster)
         try:
             for job in await self._unfinished_launched(cluster):
                 with contextlib.suppress(JobNotFound):
-                    await self.store.update(job.id, lambda j: states.mark_driver_unreachable(j, since, detail))
+                    await self.store.update(job.id, lambda j: states.mark_driver_unreachable(j, since, detail),
+                                            fence=fence)
+        except OwnershipLost:
+            return True  # no longer ours to mark; the release stops this tracker
         except errors.DlschedError as e:  # the store is down too: try again on the next round
             log.warning("marking the jobs of %s: %s", cluster, e)
             return False
@@ -419,40 +492,63 @@ class Scheduler:
                 log.warning("job %s lost by %s", obs.job_id, cluster)
             await self.apply(cluster, obs)
 
-    # ------------------------------------------------------------ reconcile
+    # ------------------------------------------------------------ ownership
 
-    async def reconcile(self) -> dict[str, int]:
-        """Pick up every unfinished job after a (re)start."""
+    async def take_over(self, cluster: str) -> None:
+        """This replica now owns ``cluster``: launch its jobs that wait for a
+        launch, terminate those stopping, open its observation stream (whose
+        snapshot brings the launched jobs up to date)."""
         jobs, _ = await self.store.list_all()
         counts = {"pending": 0, "stopping": 0, "tracked": 0}
-        by_cluster: dict[str, list[Job]] = collections.defaultdict(list)
         for j in jobs:
-            if j.state.is_terminal():
+            if j.cluster != cluster or j.state.is_terminal():
                 continue
             if j.state == JobState.PENDING and not j.launched:
                 counts["pending"] += 1
-                self._spawn(self.launch(j.id), name=f"reconcile-launch-{j.id}")
             elif j.state == JobState.STOPPING:
                 counts["stopping"] += 1
-                self._retry_in_background(j.id, "terminate")
-            if j.launched:
-                counts["tracked"] += 1
-                by_cluster[j.cluster].append(j)
-            self.ensure_tracking(j.cluster)
-        for cluster, cjobs in by_cluster.items():
-            self._spawn(self._refresh(cluster, cjobs), name=f"reconcile-{cluster}")
+            counts["tracked"] += int(j.launched)
+            self.on_job(j)
+        self.ensure_tracking(cluster)
+        log.info("took over %s: %s", cluster, counts)
+
+    def on_job(self, job: Job) -> None:
+        """A stored job of an owned cluster: start what it waits for, if nothing does yet."""
+        if self._closed or not self.ownership.owns(job.cluster):
+            return
+        if job.state == JobState.PENDING and not job.launched:
+            self._retry_in_background(job.id, "launch", job.cluster, first_delay=0)
+        elif job.state == JobState.STOPPING and job.launched:
+            self._retry_in_background(job.id, "terminate", job.cluster, first_delay=0)
+
+    async def release(self, cluster: str) -> None:
+        """Stop every piece of ``cluster``'s work (its ownership is ending)."""
+        tasks = [t for key, t in self._retries.items() if self._retry_cluster.get(key) == cluster]
+        tasks += self._cluster_tasks.pop(cluster, set())
+        tracker = self._trackers.pop(cluster, None)
+        if tracker is not None:
+            tasks.append(tracker)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        log.info("released %s (%d tasks stopped)", cluster, len(tasks))
+
+    async def reconcile(self) -> dict[str, int]:
+        """Take over every owned cluster with unfinished jobs (``SoleOwner``: all)."""
+        jobs, _ = await self.store.list_all()
+        counts = {"pending": 0, "stopping": 0, "tracked": 0}
+        clusters: set[str] = set()
+        for j in jobs:
+            if j.state.is_terminal() or not self.ownership.owns(j.cluster):
+                continue
+            counts["pending"] += int(j.state == JobState.PENDING and not j.launched)
+            counts["stopping"] += int(j.state == JobState.STOPPING)
+            counts["tracked"] += int(j.launched)
+            clusters.add(j.cluster)
+        for cluster in clusters:
+            await self.take_over(cluster)
         log.info("reconciled: %s", counts)
         return counts
-
-    async def _refresh(self, cluster: str, jobs: list[Job]) -> None:
-        try:
-            drv = await self.driver_for(cluster)
-            obs_list = await drv.batch_get(cluster, [(j.id, j.backend_job_id) for j in jobs])
-        except errors.DlschedError as e:
-            log.warning("reconcile of %s: %s (the watch stream will catch up)", cluster, e)
-            return
-        for obs in obs_list:
-            await self.apply(cluster, obs)
 
     async def wait_launched(self, job_id: str, *, poll: float = 0.25) -> Job:
         """The job once it has a backend id or has ended (reads etcd only)."""

@@ -10,6 +10,13 @@ transaction that creates the request key and the job key together, only if
 neither exists; updates are compare-and-swap on the job key's mod revision and
 re-apply the caller's (domain) change on conflict. aetcd and grpc errors are
 translated to ``StoreUnavailable`` here.
+
+Fencing: an update made for a cluster's tracking carries the ``Fence`` of the
+replica's ownership of that cluster (``job_manager/ownership.py``): the
+transaction also compares the owner key's mod revision with the one the
+replica claimed it at. A replica whose lease expired (the key is gone) or
+whose cluster another replica claimed since (a new mod revision) cannot
+write; the update raises ``OwnershipLost`` instead.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import aetcd
@@ -36,6 +44,31 @@ MAX_CAS_ATTEMPTS = 50
 
 def _utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+class OwnershipLost(Aborted):
+    """A fenced write found that this replica no longer owns the cluster."""
+
+    reason = "OWNERSHIP_LOST"
+
+
+@dataclass
+class Fence:
+    """An ownership a write must still hold: ``key`` at mod revision ``revision``.
+
+    ``counts`` tallies the fenced writes by outcome (applied, conflict, fenced).
+    """
+
+    cluster: str
+    key: bytes
+    revision: int
+    counts: dict[str, int] = field(default_factory=dict)
+    on_write: Callable[[str, str], None] | None = None
+
+    def note(self, result: str) -> None:
+        self.counts[result] = self.counts.get(result, 0) + 1
+        if self.on_write is not None:
+            self.on_write(self.cluster, result)
 
 
 def _prefix_end(prefix: bytes) -> bytes:
@@ -171,11 +204,14 @@ class JobStore:
         raise JobAlreadyExists(f"job jobs/{job.id} already exists",
                                metadata={"name": f"jobs/{job.id}"})
 
-    async def update(self, job_id: str, change: Callable[[Job], Job | None]) -> Job:
+    async def update(self, job_id: str, change: Callable[[Job], Job | None], *,
+                     fence: Fence | None = None) -> Job:
         """Compare-and-swap ``change`` onto the stored job; returns the job as stored after.
 
         ``change`` gets the current job and returns the new one, or None for no
         change. On a conflict the job is re-read and ``change`` applied again.
+        With ``fence`` the write also requires the fence's owner key unchanged;
+        when it has changed, raises ``OwnershipLost`` and writes nothing.
         """
         key = self.job_key(job_id)
         for _ in range(MAX_CAS_ATTEMPTS):
@@ -189,10 +225,23 @@ class JobStore:
                 return cur
             new.update_time = self._clock()
             data = job_to_bytes(new)
-            resp = await self._txn([self._cmp(key, "mod", kv.mod_revision)],  # type: ignore[attr-defined]
-                                   [self._put(key, data)], [])
+            compare = [self._cmp(key, "mod", kv.mod_revision)]  # type: ignore[attr-defined]
+            failure: list[rpc.RequestOp] = []
+            if fence is not None:
+                compare.append(self._cmp(fence.key, "mod", fence.revision))
+                failure.append(self._range(fence.key))
+            resp = await self._txn(compare, [self._put(key, data)], failure)
             if resp.succeeded:
+                if fence is not None:
+                    fence.note("applied")
                 return job_from_bytes(data, resp.header.revision)
+            if fence is not None:
+                owner = resp.responses[0].response_range.kvs
+                if not owner or owner[0].mod_revision != fence.revision:
+                    fence.note("fenced")
+                    raise OwnershipLost(f"no longer the owner of {fence.cluster}; "
+                                        f"jobs/{job_id} left as it is")
+                fence.note("conflict")
         raise Aborted(f"too many concurrent updates of jobs/{job_id}")
 
     async def delete(self, job_id: str) -> Job | None:
