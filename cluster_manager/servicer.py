@@ -76,7 +76,9 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
                          context: grpc.aio.ServicerContext) -> pb.GetClusterResponse:
         caller().require_any_role("reading clusters")
         cid = validation.parse_cluster_name(request.name)
-        return pb.GetClusterResponse(cluster=convert.cluster_to_proto(await self._store.get(cid)))
+        cluster = convert.cluster_to_proto(await self._store.get(cid))
+        cluster.tracking_replica = await self._store.tracking_replica(cid)
+        return pb.GetClusterResponse(cluster=cluster)
 
     async def ListClusters(self, request: pb.ListClustersRequest,
                            context: grpc.aio.ServicerContext) -> pb.ListClustersResponse:
@@ -88,8 +90,11 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
         hits = [c for c in clusters if c.cluster_id > after and f.matches(c)]
         page = hits[:size]
         token = flt.encode_page_token(page[-1].cluster_id) if len(hits) > size else ""
-        return pb.ListClustersResponse(clusters=[convert.cluster_to_proto(c) for c in page],
-                                       next_page_token=token)
+        owners = await self._store.tracking_replicas() if page else {}
+        out = [convert.cluster_to_proto(c) for c in page]
+        for c in out:
+            c.tracking_replica = owners.get(c.name, "")
+        return pb.ListClustersResponse(clusters=out, next_page_token=token)
 
     async def UpdateCluster(self, request: pb.UpdateClusterRequest,
                             context: grpc.aio.ServicerContext) -> pb.UpdateClusterResponse:

@@ -83,6 +83,8 @@ class ClusterStore:
         p = prefix if prefix.endswith("/") else prefix + "/"
         self.prefix = p
         self._clusters = f"{p}clusters/".encode()
+        #: JobManager's owner keys (job_manager/ownership.py): which replica tracks each cluster.
+        self._owners = f"{p}cluster-owners/".encode()
         self._creds = f"{p}cluster-credentials/".encode()
         self._requests = f"{p}cluster-requests/".encode()
 
@@ -116,6 +118,19 @@ class ClusterStore:
         if kv is None:
             raise ClusterNotFound(cluster_name(cluster_id))
         return self._decode(kv.value, kv.mod_revision)
+
+    async def tracking_replica(self, cluster_id: str) -> str:
+        """The JobManager replica that tracks the cluster now ("" when none)."""
+        async with _translated("get"):
+            kv = await self._c.get(self._owners + cluster_name(cluster_id).encode())
+        return kv.value.decode(errors="replace") if kv is not None else ""
+
+    async def tracking_replicas(self) -> dict[str, str]:
+        """Cluster name -> tracking replica, for every cluster some replica tracks (one range read)."""
+        async with _translated("list"):
+            res = await self._c.get_prefix(self._owners)
+        return {bytes(kv.key)[len(self._owners):].decode(errors="replace"): bytes(kv.value).decode(errors="replace")
+                for kv in res}
 
     async def list_all(self) -> tuple[list[Cluster], int]:
         """Every cluster by id, and the etcd revision of the read."""

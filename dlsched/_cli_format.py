@@ -242,6 +242,7 @@ def cluster_detail(c: cluster_pb2.Cluster, out: TextIO | None = None) -> None:
         ("Message", c.state_message),
         ("Address", c.address),
         ("Driver", c.driver_address),
+        ("Tracked by", c.tracking_replica),
         ("Credentials", "stored" if c.has_credentials else "none"),
         ("Labels", ", ".join(f"{k}={v}" for k, v in sorted(c.labels.items()))),
         ("Options", ", ".join(f"{k}={v}" for k, v in sorted(c.options.items()))),

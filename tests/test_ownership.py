@@ -15,6 +15,8 @@ import asyncio
 import os
 import pathlib
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -256,6 +258,18 @@ async def test_one_stream_per_cluster_and_one_write_per_transition(system: Syste
             assert system.runs(n.split("/", 1)[1]) == 1, n
 
         owners = {c: await system.settled_owner(c) for c in ("clusters/one", "clusters/two")}
+        # The admin view: ClusterManager says which replica tracks each cluster, and so does the CLI.
+        async with security.channel(system.cm.address) as ch:
+            cm = cm_grpc.ClusterManagerServiceStub(ch)
+            for cluster, owner in owners.items():
+                got = (await cm.GetCluster(cm_pb.GetClusterRequest(name=cluster), timeout=10)).cluster
+                assert got.tracking_replica == owner, (cluster, got.tracking_replica)
+            listed = (await cm.ListClusters(cm_pb.ListClustersRequest(), timeout=10)).clusters
+            assert {c.name: c.tracking_replica for c in listed if c.name in owners} == owners
+        cli = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "dlsched", "cluster", "get", "one",
+                                                       "--cluster-manager", system.cm.address, "-o", "yaml"],
+                                      capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 0 and owners["clusters/one"] in cli.stdout, cli.stderr
         for d in system.drivers:
             await until_streams(d, 1)  # exactly one replica watches each cluster
         per_replica = {rid: scrape(p) for rid, p in system.jms.items()}

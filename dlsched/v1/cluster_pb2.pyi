@@ -99,7 +99,7 @@ class ClusterCapacity(_message.Message):
     def __init__(self, nodes_total: _Optional[int] = ..., nodes_free: _Optional[int] = ..., cpus_total: _Optional[float] = ..., cpus_free: _Optional[float] = ..., memory_bytes_total: _Optional[int] = ..., memory_bytes_free: _Optional[int] = ..., gpus_total: _Optional[int] = ..., gpus_free: _Optional[int] = ..., gpus: _Optional[_Iterable[_Union[GpuInventory, _Mapping]]] = ..., max_cpus_per_node: _Optional[float] = ..., max_memory_bytes_per_node: _Optional[int] = ..., max_gpus_per_node: _Optional[int] = ...) -> None: ...
 
 class Cluster(_message.Message):
-    __slots__ = ("name", "uid", "type", "address", "credentials", "labels", "driver_address", "options", "state", "state_message", "capacity", "supported_run_modes", "has_credentials", "create_time", "update_time", "last_heartbeat_time", "etag", "allowed_projects")
+    __slots__ = ("name", "uid", "type", "address", "credentials", "labels", "driver_address", "options", "state", "state_message", "capacity", "supported_run_modes", "has_credentials", "create_time", "update_time", "last_heartbeat_time", "etag", "allowed_projects", "tracking_replica")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +132,7 @@ class Cluster(_message.Message):
     LAST_HEARTBEAT_TIME_FIELD_NUMBER: _ClassVar[int]
     ETAG_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_PROJECTS_FIELD_NUMBER: _ClassVar[int]
+    TRACKING_REPLICA_FIELD_NUMBER: _ClassVar[int]
     name: str
     uid: str
     type: _job_pb2.ClusterType
@@ -150,7 +151,8 @@ class Cluster(_message.Message):
     last_heartbeat_time: _timestamp_pb2.Timestamp
     etag: str
     allowed_projects: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., uid: _Optional[str] = ..., type: _Optional[_Union[_job_pb2.ClusterType, str]] = ..., address: _Optional[str] = ..., credentials: _Optional[_Union[ClusterCredentials, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., driver_address: _Optional[str] = ..., options: _Optional[_Mapping[str, str]] = ..., state: _Optional[_Union[ClusterState, str]] = ..., state_message: _Optional[str] = ..., capacity: _Optional[_Union[ClusterCapacity, _Mapping]] = ..., supported_run_modes: _Optional[_Iterable[_Union[_job_pb2.RunMode, str]]] = ..., has_credentials: _Optional[bool] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ..., allowed_projects: _Optional[_Iterable[str]] = ...) -> None: ...
+    tracking_replica: str
+    def __init__(self, name: _Optional[str] = ..., uid: _Optional[str] = ..., type: _Optional[_Union[_job_pb2.ClusterType, str]] = ..., address: _Optional[str] = ..., credentials: _Optional[_Union[ClusterCredentials, _Mapping]] = ..., labels: _Optional[_Mapping[str, str]] = ..., driver_address: _Optional[str] = ..., options: _Optional[_Mapping[str, str]] = ..., state: _Optional[_Union[ClusterState, str]] = ..., state_message: _Optional[str] = ..., capacity: _Optional[_Union[ClusterCapacity, _Mapping]] = ..., supported_run_modes: _Optional[_Iterable[_Union[_job_pb2.RunMode, str]]] = ..., has_credentials: _Optional[bool] = ..., create_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., update_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., last_heartbeat_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., etag: _Optional[str] = ..., allowed_projects: _Optional[_Iterable[str]] = ..., tracking_replica: _Optional[str] = ...) -> None: ...
 
 class ClusterCandidate(_message.Message):
     __slots__ = ("cluster", "cluster_type", "eligible", "score", "reasons", "driver_address")
