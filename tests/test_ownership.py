@@ -400,3 +400,57 @@ async def test_a_partitioned_owner_writes_nothing_after_losing_ownership(system:
         if stopped:
             os.kill(proc.pid, signal.SIGCONT)
         rec.close()
+
+
+async def test_a_slurm_cluster_is_tracked_by_one_replica_too(system: System, api) -> None:
+    """The real Slurm behind its driver: three JobManagers, jobs submitted through every replica;
+    the Slurm driver serves exactly one WatchJobObservations stream, every job runs once, only the
+    owner writes and no write loses a race or is fenced. (Slurm's QUEUED changes its reason as the
+    queue moves - Submitted, then Slurm's own - so a state may be written more than once here.)"""
+    import importlib.util
+
+    from tests import slurm_cluster
+
+    if importlib.util.find_spec("asyncssh") is None or (why := slurm_cluster.available()):
+        pytest.skip("no Slurm here" if importlib.util.find_spec("asyncssh") is None else why)
+    backend = await asyncio.to_thread(slurm_cluster.SlurmCluster().start)
+    driver = ServiceProcess("drivers.slurm", ["--poll-interval", "0.5", "--metrics-listen", "127.0.0.1:0"],
+                            name="own-slurm-driver")
+    rec = Recorder(api["jm-b"])
+    try:
+        await asyncio.to_thread(driver.start)
+        async with security.channel(system.cm.address) as ch:
+            cm = cm_grpc.ClusterManagerServiceStub(ch)
+            await cm.CreateCluster(cm_pb.CreateClusterRequest(
+                cluster_id="slurm", request_id="reg-slurm", cluster=cluster_pb2.Cluster(
+                    type=S.CLUSTER_TYPE_SLURM, driver_address=driver.address, address=backend.address,
+                    options=backend.options(),
+                    credentials=cluster_pb2.ClusterCredentials(ssh=cluster_pb2.SshCredentials(
+                        username=backend.user, private_key=backend.user_key,
+                        known_host_keys=[backend.host_key_pub])))))
+            deadline = time.monotonic() + 60
+            while (await cm.GetCluster(cm_pb.GetClusterRequest(name="clusters/slurm"))).cluster.state != \
+                    cluster_pb2.CLUSTER_STATE_READY:
+                assert time.monotonic() < deadline, "clusters/slurm never READY"
+                await asyncio.sleep(0.3)
+        names = []
+        for rid, stub in api.items():
+            names += await submit_all(system, stub, "clusters/slurm", 2, 1, f"s-{rid}")
+        await rec.until_all(names, S.JOB_STATE_SUCCEEDED, 120)
+        for n in names:
+            assert system.runs(n.split("/", 1)[1]) == 1, n
+            states = rec.states(n)
+            assert states == sorted(states) and states[-1] == S.JOB_STATE_SUCCEEDED, (n, states)
+        owner = await system.settled_owner("clusters/slurm")
+        await until_streams(driver, 1)
+        for rid, p in system.alive().items():
+            writes = sample(scrape(p), "dlsched_job_manager_tracking_writes_total", cluster="clusters/slurm",
+                            result="applied")
+            assert (writes > 0) == (rid == owner), (rid, writes)
+            for result in ("conflict", "fenced"):
+                assert sample(scrape(p), "dlsched_job_manager_tracking_writes_total", cluster="clusters/slurm",
+                              result=result) == 0, (rid, result)
+    finally:
+        rec.close()
+        driver.stop()
+        await asyncio.to_thread(backend.stop)
