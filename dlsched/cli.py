@@ -24,7 +24,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 from dlsched import __version__, errors
 from dlsched import _cli_format as fmt
@@ -395,7 +395,7 @@ async def cmd_watch(args: argparse.Namespace) -> int:
 
 async def cmd_cluster_add(args: argparse.Namespace) -> int:
     ctype = _CLUSTER_TYPES[_CLUSTER_TYPE_ALIASES.get(args.type, args.type)]
-    c = cluster_pb2.Cluster(type=ctype, address=args.address or "",
+    c = cluster_pb2.Cluster(type=cast(job_pb2.ClusterType, ctype), address=args.address or "",
                             driver_address=args.driver, labels=dict(args.label or []),
                             options=dict(args.option or []))
     creds = _credentials(args, ctype)
@@ -662,7 +662,7 @@ def _common(sub: bool, *, token_file: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--insecure", action="store_const", const=True,
                    help="plaintext gRPC, no TLS: only inside a mesh (env DLSCHED_INSECURE=1)", **d)
     p.add_argument("-o", "--output", choices=fmt.FORMATS, help="output format (default table)",
-                   **({"default": argparse.SUPPRESS} if sub else {"default": "table"}))
+                   default=argparse.SUPPRESS if sub else "table")
     return p
 
 

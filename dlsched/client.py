@@ -470,7 +470,8 @@ class AccessClient(_Client):
             r = role.strip().upper()
             role = access_pb2.Role.Value(r if r.startswith("ROLE_") else f"ROLE_{r}")
         resp = await self._unary(self.stub.CreateRoleBinding, acs.CreateRoleBindingRequest(
-            role_binding=access_pb2.RoleBinding(principal=principal, project=project, role=role)))
+            role_binding=access_pb2.RoleBinding(principal=principal, project=project,
+                                                role=cast(access_pb2.Role, role))))
         return cast(access_pb2.RoleBinding, resp.role_binding)
 
     async def list_role_bindings(self, *, principal: str = "",
