@@ -295,10 +295,8 @@ class Stack:
         return f"clusters/{cluster_id}"
 
 
-def backend_calls(svc: ServiceProcess, backend: str) -> dict[str, float]:
-    """A driver's backend samples from its /metrics (started with ``--metrics-listen``):
-    ``call/outcome`` -> count of ``dlsched_backend_calls_total``, plus ``poll_rounds``
-    (the poll-duration histogram's count)."""
+def metrics_samples(svc: ServiceProcess) -> dict[str, float]:
+    """A service's /metrics samples (started with ``--metrics-listen``): ``name{labels}`` -> value."""
     import urllib.request
 
     with open(svc.port_file + ".metrics") as f:
@@ -307,10 +305,28 @@ def backend_calls(svc: ServiceProcess, backend: str) -> dict[str, float]:
         text = r.read().decode()
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if line.startswith("dlsched_backend_calls_total{") and f'backend="{backend}"' in line:
-            call = line.split('call="', 1)[1].split('"', 1)[0]
-            outcome = line.split('outcome="', 1)[1].split('"', 1)[0]
-            out[f"{call}/{outcome}"] = float(line.rsplit(" ", 1)[1])
-        elif line.startswith(f'dlsched_driver_poll_duration_seconds_count{{backend="{backend}"}}'):
-            out["poll_rounds"] = float(line.rsplit(" ", 1)[1])
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def sample(samples: dict[str, float], name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    return sum(v for key, v in samples.items()
+               if key.split("{", 1)[0] == name and all(f'{k}="{val}"' in key for k, val in labels.items()))
+
+
+def backend_calls(svc: ServiceProcess, backend: str) -> dict[str, float]:
+    """A driver's backend samples from its /metrics (started with ``--metrics-listen``):
+    ``call/outcome`` -> count of ``dlsched_backend_calls_total``, plus ``poll_rounds``
+    (the poll-duration histogram's count)."""
+    out: dict[str, float] = {}
+    for key, value in metrics_samples(svc).items():
+        if key.startswith("dlsched_backend_calls_total{") and f'backend="{backend}"' in key:
+            call = key.split('call="', 1)[1].split('"', 1)[0]
+            outcome = key.split('outcome="', 1)[1].split('"', 1)[0]
+            out[f"{call}/{outcome}"] = value
+        elif key == f'dlsched_driver_poll_duration_seconds_count{{backend="{backend}"}}':
+            out["poll_rounds"] = value
     return out

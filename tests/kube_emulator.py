@@ -346,14 +346,9 @@ def has(e: Emulator, resource: Any, name: str) -> bool:
 
 def backend_calls(driver: ServiceProcess) -> float:
     """The driver's ``dlsched_backend_calls_total`` for Kubernetes, from its /metrics."""
-    import urllib.request
+    from tests.harness import metrics_samples, sample
 
-    with open(driver.port_file + ".metrics") as f:
-        url = f"http://{f.read().strip()}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("dlsched_backend_calls_total{") and 'backend="kubernetes"' in line)
+    return sample(metrics_samples(driver), "dlsched_backend_calls_total", backend="kubernetes")
 
 
 def render_spec() -> Any:

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -34,33 +33,11 @@ from dlsched.v1 import job_manager_service_pb2 as pb
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
 from job_manager.ownership import rendezvous
 from tests import security
-from tests.harness import EtcdServer, ServiceProcess
+from tests.harness import EtcdServer, ServiceProcess, sample
+from tests.harness import metrics_samples as scrape
 
 TTL = 2
 S = job_pb2
-
-
-def scrape(svc: ServiceProcess) -> dict[str, float]:
-    """A service's /metrics samples: ``name{labels}`` -> value."""
-    with open(svc.port_file + ".metrics") as f:
-        url = f"http://{f.read().strip()}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
-
-
-def sample(samples: dict[str, float], name: str, **labels: str) -> float:
-    """The sum of ``name``'s samples whose labels include ``labels``."""
-    total = 0.0
-    for key, v in samples.items():
-        if key.split("{", 1)[0] == name and all(f'{k}="{val}"' in key for k, val in labels.items()):
-            total += v
-    return total
 
 
 class System:

@@ -582,14 +582,9 @@ async def test_one_list_call_per_interval_serves_every_job(fake):
 
 def fetched_bytes(svc: ServiceProcess) -> float:
     """``dlsched_backend_bytes_fetched_total`` of the Ray driver (its /metrics), all calls."""
-    import urllib.request
+    from tests.harness import metrics_samples, sample
 
-    with open(svc.port_file + ".metrics") as f:
-        url = f"http://{f.read().strip()}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
-               if ln.startswith("dlsched_backend_bytes_fetched_total{") and 'backend="ray"' in ln)
+    return sample(metrics_samples(svc), "dlsched_backend_bytes_fetched_total", backend="ray")
 
 
 BUSY = """
