@@ -104,8 +104,10 @@ async def test_connect_refuses_bad_options() -> None:
 
 async def test_stack_runs_a_job_over_secured_etcd(secure_etcd: EtcdServer) -> None:
     """JobManager and ClusterManager start with the --etcd-* flags, and a job
-    submitted through the SDK runs to SUCCEEDED on the local driver while the
-    services' etcd tokens expire (TTL 2 s) underneath them."""
+    submitted through the SDK runs to SUCCEEDED on the local driver over an etcd
+    whose tokens live 2 s. (Whether a service's token expires depends on how often
+    it calls: JobManager's ownership lease keeps its token in use, so its renewal
+    is shown by test_expired_token_is_renewed, not here.)"""
     args = secure_etcd.service_args()
     assert "--etcd-password-file" in args and password(secure_etcd) not in " ".join(args)
     prefix = f"/dlsched-etcdsec-{uuid.uuid4().hex[:8]}/"
@@ -130,7 +132,6 @@ async def test_stack_runs_a_job_over_secured_etcd(secure_etcd: EtcdServer) -> No
             await client.close()
         assert stored is not None
     assert st.jm is not None
-    assert "token renewed" in st.jm.log()  # the renewal above really happened
     for proc in (st.jm, st.cm):
         log = proc.log()
         assert password(secure_etcd) not in log
