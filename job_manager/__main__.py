@@ -29,6 +29,7 @@ from dlsched.kit.server import (
 from dlsched.kit.tls import TlsOptions, add_tls_flags, tls_options_from_args
 from dlsched.v1 import access_service_pb2_grpc
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
+from job_manager.cache import JobCache
 from job_manager.clients import ClusterManagerClient, DriverPool
 from job_manager.job_metrics import JobStateGauge
 from job_manager.ownership import ClusterOwnership
@@ -50,7 +51,8 @@ class Config:
     etcd: EtcdOptions
     cluster_manager: str
     prefix: str = "/dlsched/"
-    watch_buffer: int = 10000
+    watch_buffer: int = 0
+    watch_buffer_bytes: int = 64 << 20
     watch_history: int = 5000
     stop_grace_seconds: float = 10.0
     stream_heartbeat_seconds: float = 15.0
@@ -74,8 +76,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     add_etcd_flags(p)
     p.add_argument("--cluster-manager", required=True, help="ClusterManager host:port")
     p.add_argument("--prefix", default="/dlsched/")
-    p.add_argument("--watch-buffer", type=int, default=10000,
-                   help="events kept for WatchJobs resume tokens")
+    p.add_argument("--watch-buffer", type=int, default=0,
+                   help="at most this many events kept for WatchJobs resume tokens "
+                        "(0: bounded by --watch-buffer-bytes only)")
+    p.add_argument("--watch-buffer-bytes", type=int, default=64 << 20,
+                   help="bytes of events kept for WatchJobs resume tokens")
     p.add_argument("--watch-history", type=int, default=5000,
                    help="revisions back the job watch starts at, so tokens survive a restart")
     p.add_argument("--stop-grace-seconds", type=float, default=10.0)
@@ -97,8 +102,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     a = p.parse_args(argv)
     if a.owner_ttl < 2:
         p.error("--owner-ttl must be at least 2")
-    if a.watch_buffer < 1:
-        p.error("--watch-buffer must be at least 1")
+    if a.watch_buffer < 0:
+        p.error("--watch-buffer must be 0 (no count bound) or more")
+    if a.watch_buffer_bytes < 1:
+        p.error("--watch-buffer-bytes must be at least 1")
     if not 0 <= a.stream_heartbeat_seconds <= MAX_STREAM_HEARTBEAT_SECONDS:
         p.error(f"--stream-heartbeat-seconds must be 0 (none) to {MAX_STREAM_HEARTBEAT_SECONDS:g}")
     tls = tls_options_from_args(a, p)
@@ -108,7 +115,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
                 "(env DLSCHED_CONTROL_PLANE_TOKEN_FILE); give it, or --no-auth")
     return Config(listen=a.listen, port_file=a.port_file, etcd=etcd_options_from_args(a, p),
                   cluster_manager=a.cluster_manager, prefix=a.prefix,
-                  watch_buffer=a.watch_buffer, watch_history=a.watch_history,
+                  watch_buffer=a.watch_buffer, watch_buffer_bytes=a.watch_buffer_bytes,
+                  watch_history=a.watch_history,
                   stop_grace_seconds=a.stop_grace_seconds,
                   stream_heartbeat_seconds=a.stream_heartbeat_seconds, log_level=a.log_level,
                   metrics_listen=a.metrics_listen, trace_export=a.trace_export,
@@ -121,8 +129,14 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 async def amain(cfg: Config) -> None:
     client = await etcd.connect(cfg.etcd)
     store = JobStore(client, cfg.prefix)
-    hub = WatchHub(client, cfg.prefix, buffer_size=cfg.watch_buffer, history=cfg.watch_history)
+    # The watch cache: every job, loaded page by page at one revision, then kept
+    # by the hub's one watch; reads are served from it.
+    cache = JobCache()
+    hub = WatchHub(client, cfg.prefix, buffer_size=cfg.watch_buffer,
+                   buffer_bytes=cfg.watch_buffer_bytes, history=cfg.watch_history,
+                   cache=cache, store=store)
     await hub.start()
+    log.info("job cache loaded: %d jobs at revision %d", len(cache), cache.revision)
     access = AccessStore(client, cfg.prefix)
     await access.start()
     # JobManager only presents the control-plane token (to ClusterManager);
@@ -136,12 +150,12 @@ async def amain(cfg: Config) -> None:
     # Each cluster's tracking is done by one replica; it takes over (reconciles)
     # the clusters it wins as soon as it has joined.
     ownership = ClusterOwnership(client, store, hub, identity=cfg.replica_id,
-                                 ttl=cfg.owner_ttl, prefix=cfg.prefix)
+                                 ttl=cfg.owner_ttl, prefix=cfg.prefix, cache=cache)
     scheduler = Scheduler(store, cm, drivers,
                           SchedulerConfig(stop_grace_seconds=cfg.stop_grace_seconds),
-                          ownership=ownership)
+                          ownership=ownership, cache=cache)
     ownership.start(scheduler)
-    gauge = JobStateGauge(store, hub)
+    gauge = JobStateGauge(cache, hub)
     if cfg.metrics_listen:
         gauge.start()
     audit = AuditLog(cfg.audit_log)

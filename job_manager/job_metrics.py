@@ -1,7 +1,7 @@
 """``dlsched_jobs{state}``: jobs in etcd by state, kept from the one job watch;
 and the families that show which replica tracks which cluster.
 
-A snapshot at revision R, then every WatchHub event after R: the gauge follows
+A snapshot at revision R (from the watch cache), then every WatchHub event after R: the gauge follows
 etcd without a read per scrape. If the subscription ends (a lagging reader,
 an etcd hiccup) it starts again from a fresh snapshot.
 """
@@ -16,8 +16,8 @@ from prometheus_client import Counter, Gauge
 
 from dlsched.errors import DlschedError
 from dlsched.kit.metrics import JOBS
+from job_manager.cache import JobCache
 from job_manager.domain.model import JobState
-from job_manager.store import JobStore
 from job_manager.watch import EventType, WatchHub
 
 log = logging.getLogger("job_manager.metrics")
@@ -38,8 +38,8 @@ TRACKING_WRITES = Counter(
 
 
 class JobStateGauge:
-    def __init__(self, store: JobStore, hub: WatchHub, *, retry_seconds: float = 1.0) -> None:
-        self._store, self._hub, self._retry = store, hub, retry_seconds
+    def __init__(self, cache: JobCache, hub: WatchHub, *, retry_seconds: float = 1.0) -> None:
+        self._cache, self._hub, self._retry = cache, hub, retry_seconds
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -60,9 +60,8 @@ class JobStateGauge:
         while True:
             sub = self._hub.subscribe()
             try:
-                jobs, rev = await self._store.list_all()
+                states, rev = self._cache.states()  # no await since subscribe()
                 sub.skip_to(rev)
-                states = {j.id: j.state for j in jobs}
                 counts = collections.Counter(states.values())
                 self._publish_all(counts)
                 while True:  # per event: move one job between two states, O(1)

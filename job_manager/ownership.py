@@ -51,6 +51,7 @@ import grpc
 from aetcd import rpc
 
 from dlsched.errors import DlschedError
+from job_manager.cache import JobCache
 from job_manager.domain.model import Job
 from job_manager.job_metrics import CLUSTER_OWNED, OWNERSHIP_CHANGES, TRACKING_WRITES
 from job_manager.store import Fence, JobStore
@@ -122,7 +123,8 @@ class ClusterOwnership:
     """The etcd-backed ownership (see the module docstring)."""
 
     def __init__(self, client: aetcd.Client, store: JobStore, hub: WatchHub, *,
-                 identity: str = "", ttl: int = 5, prefix: str = "/dlsched/") -> None:
+                 identity: str = "", ttl: int = 5, prefix: str = "/dlsched/",
+                 cache: JobCache | None = None) -> None:
         if ttl < 2:
             raise ValueError("ttl must be at least 2 seconds")
         if not prefix.endswith("/"):
@@ -131,6 +133,7 @@ class ClusterOwnership:
         self.ttl = ttl
         self.interval = ttl / 4
         self._client, self._store, self._hub = client, store, hub
+        self._cache = cache  # the watch cache; without one, the view pages through etcd
         self.members_prefix = f"{prefix}job-managers/".encode()
         self.owners_prefix = f"{prefix}cluster-owners/".encode()
         self._held: dict[str, _Held] = {}
@@ -220,7 +223,9 @@ class ClusterOwnership:
         while True:
             sub = self._hub.subscribe()
             try:
-                jobs, rev = await self._store.list_all()
+                # From the cache with no await since subscribe(): nothing falls between.
+                jobs, rev = (self._cache.unfinished() if self._cache is not None
+                             else await self._store.list_all())
                 sub.skip_to(rev)
                 self._unfinished.clear()
                 self._per_cluster.clear()

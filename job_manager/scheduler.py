@@ -41,6 +41,7 @@ from typing import Any
 
 from dlsched import errors
 from dlsched.kit import logs
+from job_manager.cache import JobCache
 from job_manager.clients import ClusterManagerClient, DriverClient, DriverPool
 from job_manager.domain import states
 from job_manager.domain.errors import JobNotFound, NoMatchingCluster
@@ -89,8 +90,9 @@ class Scheduler:
     def __init__(self, store: JobStore, cm: ClusterManagerClient, drivers: DriverPool,
                  config: SchedulerConfig = SchedulerConfig(), *,
                  clock: Callable[[], datetime] = _utcnow,
-                 ownership: Ownership | None = None) -> None:
+                 ownership: Ownership | None = None, cache: JobCache | None = None) -> None:
         self.store = store
+        self.cache = cache  # the watch cache; without one (tests), reads page through etcd
         self.ownership: Ownership = ownership or SoleOwner()
         self.cm = cm
         self.drivers = drivers
@@ -415,10 +417,16 @@ class Scheduler:
             self._trackers[cluster] = asyncio.create_task(self._track(cluster),
                                                           name=f"track-{cluster}")
 
-    async def _unfinished_launched(self, cluster: str) -> list[Job]:
+    async def _unfinished(self, cluster: str | None = None) -> list[Job]:
+        """Jobs not in a terminal state (of ``cluster``, when given)."""
+        if self.cache is not None:
+            return self.cache.unfinished(cluster)[0]
         jobs, _ = await self.store.list_all()
-        return [j for j in jobs if j.cluster == cluster and not j.state.is_terminal()
-                and j.launched]
+        return [j for j in jobs if not j.state.is_terminal()
+                and (cluster is None or j.cluster == cluster)]
+
+    async def _unfinished_launched(self, cluster: str) -> list[Job]:
+        return [j for j in await self._unfinished(cluster) if j.launched]
 
     async def _track(self, cluster: str) -> None:
         """One long-lived WatchJobObservations stream for ``cluster``, reconnecting."""
@@ -498,7 +506,7 @@ class Scheduler:
         """This replica now owns ``cluster``: launch its jobs that wait for a
         launch, terminate those stopping, open its observation stream (whose
         snapshot brings the launched jobs up to date)."""
-        jobs, _ = await self.store.list_all()
+        jobs = await self._unfinished(cluster)
         counts = {"pending": 0, "stopping": 0, "tracked": 0}
         for j in jobs:
             if j.cluster != cluster or j.state.is_terminal():
@@ -535,7 +543,7 @@ class Scheduler:
 
     async def reconcile(self) -> dict[str, int]:
         """Take over every owned cluster with unfinished jobs (``SoleOwner``: all)."""
-        jobs, _ = await self.store.list_all()
+        jobs = await self._unfinished()
         counts = {"pending": 0, "stopping": 0, "tracked": 0}
         clusters: set[str] = set()
         for j in jobs:

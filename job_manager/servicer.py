@@ -1,8 +1,14 @@
 """dlsched.v1.JobManagerService: transport only.
 
 Checks request shapes, converts proto ⇄ domain (``convert.py``), calls the
-scheduler or the store, converts back. Reads (GetJob, ListJobs, WatchJobs)
-touch etcd only. WatchJobs ends with OUT_OF_RANGE / WATCH_TOKEN_EXPIRED for a
+scheduler or the store, converts back. GetJob, ListJobs and WatchJobs
+snapshots are served from the watch cache (``cache.py``): ListJobs walks the
+smallest index its filter names from the page token on, so a page costs the
+page, not every job; GetJob reads etcd only for a job the cache does not
+hold (yet). SubmitJob, StopJob and DeleteJob answer once this replica's
+cache shows their write, so the caller's next read here sees it; another
+replica's cache follows within the watch's delay (a job it lacks is read
+from etcd). WatchJobs ends with OUT_OF_RANGE / WATCH_TOKEN_EXPIRED for a
 token older than the watch buffer, and with UNAVAILABLE /
 WATCH_SUBSCRIBER_LAGGING when the client reads too slowly to keep up - it
 then resumes with its last token.
@@ -26,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from datetime import UTC, datetime
@@ -41,6 +48,7 @@ from dlsched.v1 import job_manager_service_pb2 as pb
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
 from dlsched.v1 import job_pb2
 from job_manager import convert
+from job_manager.cache import JobCache, SortKey
 from job_manager.domain import access
 from job_manager.domain.errors import JobNotFound, JobNotLaunched
 from job_manager.domain.filter import Filter, parse_filter
@@ -103,17 +111,16 @@ async def with_heartbeats(source: AsyncGenerator[_T, None], every: float,
         await source.aclose()
 
 
-def _sort_key(j: Job) -> tuple[float, str]:
-    ct = j.create_time.timestamp() if j.create_time else 0.0
-    return (-ct, j.id)
+#: how long a write waits for this replica's cache to show it (read-your-writes)
+_CACHE_WAIT_SECONDS = 5.0
 
 
-def _encode_page(j: Job) -> str:
-    ct = j.create_time.timestamp() if j.create_time else 0.0
-    return tokens.encode(f"p1:{ct!r}:{j.id}")
+def _encode_page(key: SortKey) -> str:
+    ct = -key[0] if key[0] else 0.0
+    return tokens.encode(f"p1:{ct!r}:{key[1]}")
 
 
-def _decode_page(token: str) -> tuple[float, str]:
+def _decode_page(token: str) -> SortKey:
     try:
         tag, ct, job_id = (tokens.decode(token) or "").split(":", 2)
         if tag != "p1":
@@ -147,9 +154,12 @@ def _time_ns(e: job_pb2.LogEntry) -> int:
 class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
     def __init__(self, scheduler: Scheduler, hub: WatchHub, *,
                  heartbeat_seconds: float = 15.0) -> None:
+        if hub.cache is None:
+            raise ValueError("JobManagerServicer reads from the hub's job cache")
         self.scheduler = scheduler
         self.store = scheduler.store
         self.hub = hub
+        self.cache: JobCache = hub.cache
         self.heartbeat_seconds = heartbeat_seconds
 
     async def SubmitJob(self, request: pb.SubmitJobRequest,  # noqa: N802
@@ -165,6 +175,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         job, dry = await self.scheduler.submit(
             request.job_id, spec, request.request_id, dry_run=request.dry_run,
             spec_bytes=spec_bytes, owner=p.name)
+        await self._written(job)
         resp = pb.SubmitJobResponse(job=convert.job_to_proto(job))
         if dry is not None:
             resp.dry_run.CopyFrom(pb.DryRunResult(
@@ -175,8 +186,19 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
 
     async def GetJob(self, request: pb.GetJobRequest,  # noqa: N802
                      context: grpc.aio.ServicerContext) -> pb.GetJobResponse:
-        job = access.check_read(caller(), await self.store.get(job_id_from_name(request.name)))
-        return pb.GetJobResponse(job=convert.job_to_proto(job))
+        job_id = job_id_from_name(request.name)
+        cached = self.cache.get(job_id)
+        if cached is None:  # not here yet (written on another replica a moment ago), or none
+            job = access.check_read(caller(), await self.store.get(job_id))
+            return pb.GetJobResponse(job=convert.job_to_proto(job))
+        if not access.may_read(caller(), cached):  # type: ignore[arg-type]
+            raise JobNotFound(f"job {cached.name} not found", metadata={"name": cached.name})
+        return pb.GetJobResponse(job=cached.proto())
+
+    async def _written(self, job: Job | None) -> None:
+        """Once this replica's cache shows ``job`` as written (bounded)."""
+        if job is not None and job.etag:
+            await self.cache.wait_for(int(job.etag), _CACHE_WAIT_SECONDS)
 
     async def ListJobs(self, request: pb.ListJobsRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
@@ -185,15 +207,10 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         size = min(request.page_size or DEFAULT_PAGE, MAX_PAGE)
         flt = parse_filter(request.filter)
         after = _decode_page(request.page_token) if request.page_token else None
-        p = caller()
-        jobs, _ = await self.store.list_all()
-        jobs = sorted((j for j in jobs if access.may_read(p, j) and flt.matches(j)), key=_sort_key)
-        if after is not None:
-            jobs = [j for j in jobs if _sort_key(j) > after]
-        page = jobs[:size]
-        token = _encode_page(page[-1]) if len(jobs) > size else ""
-        return pb.ListJobsResponse(jobs=[convert.job_to_proto(j) for j in page],
-                                   next_page_token=token)
+        # One synchronous walk: the page and whether another follows, at one revision.
+        page = list(itertools.islice(self.cache.select(flt, caller(), after), size + 1))
+        token = _encode_page(page[size - 1].key) if len(page) > size else ""
+        return pb.ListJobsResponse(jobs=[j.proto() for j in page[:size]], next_page_token=token)
 
     async def StopJob(self, request: pb.StopJobRequest,  # noqa: N802
                       context: grpc.aio.ServicerContext) -> pb.StopJobResponse:
@@ -201,7 +218,9 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         logs.JOB_ID.set(job_id)  # this handler's task: its records name the job
         validate_request_id(request.request_id)
         access.check_write(caller(), await self.store.get(job_id))
-        return pb.StopJobResponse(job=convert.job_to_proto(await self.scheduler.stop(job_id)))
+        stopped = await self.scheduler.stop(job_id)
+        await self._written(stopped)
+        return pb.StopJobResponse(job=convert.job_to_proto(stopped))
 
     async def DeleteJob(self, request: pb.DeleteJobRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> pb.DeleteJobResponse:
@@ -214,6 +233,8 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                 raise
             return pb.DeleteJobResponse()
         last = await self.scheduler.delete(job_id, request.allow_missing)
+        if last is not None and last.etag:
+            await self.cache.wait_gone(job_id, int(last.etag), _CACHE_WAIT_SECONDS)
         resp = pb.DeleteJobResponse()
         if last is not None:
             resp.job.CopyFrom(convert.job_to_proto(last))
@@ -244,13 +265,14 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             sub = self.hub.subscribe()  # queue live events before reading the snapshot
         try:
             if not request.resume_token:
-                jobs, rev = await self.store.list_all()
+                # The snapshot and the subscription meet at the cache's revision:
+                # no await between subscribe() and here.
+                snapshot, rev = list(self.cache.select(flt, p)), self.cache.revision
                 sub.skip_to(rev)
                 token = encode_token(rev)
-                for j in sorted(jobs, key=_sort_key):
-                    if access.may_read(p, j) and flt.matches(j):
-                        yield pb.WatchJobsResponse(type=job_pb2.WATCH_EVENT_TYPE_EXISTING,
-                                                   job=convert.job_to_proto(j), resume_token=token)
+                for j in snapshot:
+                    yield pb.WatchJobsResponse(type=job_pb2.WATCH_EVENT_TYPE_EXISTING,
+                                               job=j.proto(), resume_token=token)
                 # Heartbeats carry a token only from here: one taken mid-snapshot
                 # would resume without the rest of it.
                 at.token = token

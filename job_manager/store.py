@@ -11,6 +11,12 @@ neither exists; updates are compare-and-swap on the job key's mod revision and
 re-apply the caller's (domain) change on conflict. aetcd and grpc errors are
 translated to ``StoreUnavailable`` here.
 
+Reads of many jobs are paged (``scan``): the keys first, then ranges of at
+most ``page_size`` jobs between known keys, all pinned at one revision, so
+the result is one consistent view, no response nears the etcd client's
+4 MiB receive limit, and no range makes etcd walk every key. The server reads every job only to fill
+its watch cache (``cache.py``); requests never do.
+
 Fencing: an update made for a cluster's tracking carries the ``Fence`` of the
 replica's ownership of that cluster (``job_manager/ownership.py``): the
 transaction also compares the owner key's mod revision with the one the
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
@@ -40,10 +46,32 @@ from job_manager.domain.model import Job
 log = logging.getLogger("job_manager.store")
 
 MAX_CAS_ATTEMPTS = 50
+#: keys per keys-only range of a scan (a key is the prefix plus a job id: ~100 bytes at most)
+KEYS_PAGE = 10_000
+#: what a scan aims for per value range: well under the etcd client's 4 MiB receive limit
+PAGE_BYTES = 1 << 20
 
 
 def _utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class KeyValue:
+    """One job key as read: the job id, its stored bytes, mod revision and version."""
+
+    job_id: str
+    value: bytes
+    mod_revision: int
+    version: int = 0
+
+
+class PageTooLarge(StoreUnavailable):
+    """A page of jobs exceeded the etcd client's receive limit."""
+
+
+class RevisionCompacted(StoreUnavailable):
+    """The revision a paged read was pinned at has been compacted away."""
 
 
 class OwnershipLost(Aborted):
@@ -141,8 +169,13 @@ class JobStore:
     # -- reads
 
     async def revision(self) -> int:
-        """The store's current revision."""
-        res = await self._call(self.client.get_prefix, self.jobs_prefix, keys_only=True)
+        """The store's current revision (one single-key read, whatever the job count)."""
+        async def go() -> rpc.RangeResponse:
+            await self.client.connect()
+            return await self.client.kvstub.Range(
+                rpc.RangeRequest(key=self.jobs_prefix, keys_only=True),
+                timeout=self._timeout, metadata=self.client.metadata)
+        res = await self._call(go)
         return int(res.header.revision)  # type: ignore[attr-defined]
 
     async def get(self, job_id: str) -> Job:
@@ -151,11 +184,85 @@ class JobStore:
             raise JobNotFound(f"job jobs/{job_id} not found", metadata={"name": f"jobs/{job_id}"})
         return job_from_bytes(kv.value, kv.mod_revision)  # type: ignore[attr-defined]
 
+    async def _read_range(self, key: bytes, end: bytes, *, limit: int = 0, revision: int = 0,
+                     keys_only: bool = False) -> rpc.RangeResponse:
+        """One etcd range [key, end) at ``revision`` (0: the current one)."""
+        async def go() -> rpc.RangeResponse:
+            await self.client.connect()
+            return await self.client.kvstub.Range(
+                rpc.RangeRequest(key=key, range_end=end, limit=limit, revision=revision,
+                                 keys_only=keys_only),
+                timeout=self._timeout, metadata=self.client.metadata)
+        try:
+            res: rpc.RangeResponse = await self._call(go)
+            return res
+        except StoreUnavailable as e:
+            cause = e.__cause__
+            if isinstance(cause, grpc.RpcError) and cause.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise PageTooLarge(str(e)) from cause
+            if isinstance(cause, grpc.RpcError) and cause.code() == grpc.StatusCode.OUT_OF_RANGE:
+                raise RevisionCompacted(str(e)) from cause
+            raise
+
+    async def job_keys(self, revision: int = 0) -> tuple[list[bytes], int]:
+        """Every job key at ``revision`` (0: now), and that revision; keys only,
+        ``KEYS_PAGE`` per range."""
+        keys: list[bytes] = []
+        start, end = self.jobs_prefix, _prefix_end(self.jobs_prefix)
+        while True:
+            res = await self._read_range(start, end, limit=KEYS_PAGE, revision=revision, keys_only=True)
+            revision = revision or int(res.header.revision)
+            keys.extend(kv.key for kv in res.kvs)
+            if not res.more or not res.kvs:
+                return keys, revision
+            start = res.kvs[-1].key + b"\0"
+
+    async def scan(self, page_size: int = 2000) -> AsyncIterator[tuple[list[KeyValue], int]]:
+        """Every job's (id, bytes, mod revision), a page at a time, all at one
+        revision, which each page names.
+
+        First the keys (small: thousands per range), then the values, each
+        range bounded by its page's first and last key. etcd counts every key
+        from a range's start to its end, so ranges open to the prefix's end
+        would cost O(jobs) each, O(jobs²) in all; bounded ones cost their page.
+        A page over ``PAGE_BYTES`` makes the next one smaller; one past the
+        client's receive limit (jobs near the size limit) is read again at half
+        the size. Raises ``RevisionCompacted`` when etcd compacted the revision
+        mid-scan (the caller scans again).
+        """
+        keys, revision = await self.job_keys()
+        n, i, limit = len(self.jobs_prefix), 0, max(1, page_size)
+        while i < len(keys):
+            chunk = keys[i:i + limit]
+            try:
+                res = await self._read_range(chunk[0], chunk[-1] + b"\0", revision=revision)
+            except PageTooLarge:
+                if limit == 1:
+                    raise
+                limit = max(1, limit // 2)
+                continue
+            size = 0
+            kvs = []
+            for kv in res.kvs:
+                size += len(kv.value)
+                kvs.append(KeyValue(kv.key[n:].decode(), kv.value, int(kv.mod_revision),
+                                    int(kv.version)))
+            yield kvs, revision
+            i += len(chunk)
+            # the next page: about PAGE_BYTES, at most page_size keys
+            limit = max(1, min(page_size, limit * PAGE_BYTES // max(size, 1)))
+        if not keys:
+            yield [], revision
+
     async def list_all(self) -> tuple[list[Job], int]:
-        """Every job, and the revision the list was read at."""
-        res = await self._call(self.client.get_prefix, self.jobs_prefix)
-        jobs = [job_from_bytes(kv.value, kv.mod_revision) for kv in res]  # type: ignore[attr-defined]
-        return jobs, int(res.header.revision)  # type: ignore[attr-defined]
+        """Every job, and the revision the list was read at (paged: tests, tools;
+        the server reads its jobs from the watch cache, ``cache.py``)."""
+        jobs: list[Job] = []
+        rev = 0
+        async for kvs, page_rev in self.scan():
+            rev = page_rev
+            jobs.extend(job_from_bytes(kv.value, kv.mod_revision) for kv in kvs)
+        return jobs, rev or await self.revision()
 
     async def job_for_request(self, request_id: str) -> Job | None:
         """The job a SubmitJob with this request_id made, if any."""

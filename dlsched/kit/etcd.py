@@ -358,6 +358,13 @@ class _Watcher(aetcd.watcher.Watcher):  # type: ignore[misc]
         self._login = login
         self._opened_with = -1  # the login generation the open stream carries
 
+    def _build_watch_create_request(self, *args: Any, fragment: bool = False, **kwargs: Any) -> Any:
+        # aetcd takes ``fragment`` but drops it: set it, so etcd splits a large
+        # response (a burst, a history replay) instead of exceeding the receive limit.
+        request = super()._build_watch_create_request(*args, **kwargs)
+        request.create_request.fragment = fragment
+        return request
+
     async def setup(self) -> None:
         if self._request_handler is None and self._login is not None:
             self._opened_with = self._login.generation
