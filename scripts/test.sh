@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every check CI runs, from a fresh clone: buf lint, import contracts, ruff, pytest.
+# Every check CI runs, from a fresh clone: buf lint, import contracts, ruff, mypy strict, pytest.
 #
 #   bash scripts/test.sh            # all checks; exits non-zero if any fails
 #   bash scripts/test.sh -k cli     # extra arguments go to pytest
@@ -89,6 +89,7 @@ run() {  # run NAME COMMAND...
 run "buf lint" buf lint
 run "lint-imports" lint-imports
 run "ruff check" ruff check .
+run "mypy (strict)" mypy
 run "pytest" python -m pytest -q "$@"
 
 echo
