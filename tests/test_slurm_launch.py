@@ -339,3 +339,141 @@ async def test_a_requeued_job_runs_again_as_the_same_attempt_and_never_fails(stu
     states = [o.state for o in seen if "Slurm restart 1" in o.message]
     assert job_pb2.JOB_STATE_QUEUED in states and job_pb2.JOB_STATE_RUNNING in states, seen
     assert states.index(job_pb2.JOB_STATE_QUEUED) < states.index(job_pb2.JOB_STATE_RUNNING)
+
+
+# --------------------------------------------------------------------------- exactly once, late sbatch
+
+
+def _fake_sbatch(bindir: pathlib.Path, body: str) -> str:
+    """A remote ``sbatch`` wrapper (``body`` sees the real one as $REAL, the script saved as
+    $SCRIPT); returns the cluster's PATH option that puts it first."""
+    bindir.mkdir(exist_ok=True)
+    (bindir / "sbatch").write_text(f"#!/bin/bash\nREAL={shutil.which('sbatch')}\n"
+                                   f"SCRIPT=$(mktemp)\ncat > \"$SCRIPT\"\n{body}\n")
+    (bindir / "sbatch").chmod(0o755)
+    return f"{bindir}:/usr/bin:/bin"
+
+
+def _slurm_jobs(cluster, jid: str) -> dict[str, str]:
+    """Slurm job id -> state of every Slurm job of the dlsched job."""
+    out = cluster.run("squeue", "--noheader", "--states=all", f"--name=dlsched-{jid}", "-o", "%i|%T").stdout
+    return dict(line.split("|", 1) for line in out.split())
+
+
+async def _until(what, ok, within: float = 90.0):
+    deadline = time.monotonic() + within
+    while not ok(value := await asyncio.to_thread(what)):
+        assert time.monotonic() < deadline, value
+        await asyncio.sleep(0.3)
+    return value
+
+
+def _marking(marker: pathlib.Path) -> job_pb2.JobSpec:
+    return single(f"open({str(marker)!r}, 'a').write('ran\\n')")
+
+
+async def test_an_sbatch_landing_after_its_timeout_never_runs_a_second_job(cluster, tmp_path):
+    """The first sbatch times out and its job lands only afterwards (after the retry's job was
+    adopted): it was submitted held and is never released; the next round cancels it. One Slurm
+    job ran."""
+    marker = pathlib.Path(cluster.home) / f"late-{os.getpid()}-{time.monotonic_ns()}"
+    landed = tmp_path / "landed"
+    late = (f"if mkdir {tmp_path}/late 2>/dev/null; then\n"
+            f"  setsid nohup bash -c 'sleep 10; r=$0 s=$1; shift; \"$r\" \"$@\" < \"$s\" > {landed}' "
+            f"\"$REAL\" \"$SCRIPT\" \"$@\" "
+            f"</dev/null >/dev/null 2>&1 &\n  sleep 60; exit 0\nfi\nexec \"$REAL\" \"$@\" < \"$SCRIPT\"")
+    other = ServiceProcess("drivers.slurm", ["--poll-interval", "0.3", "--command-timeout", "4"],
+                           name="slurm-driver-late").start()
+    try:
+        async with security.channel(other.address) as ch:
+            fresh = driver_service_pb2_grpc.DriverServiceStub(ch)
+            req = configure_request(cluster)
+            req.options["PATH"] = _fake_sbatch(tmp_path / "bin", late)
+            await fresh.ConfigureCluster(req, timeout=30)
+            jid = new_id("late")
+            adopted = (await launch(fresh, jid, _marking(marker))).backend_job_id
+            assert (await wait_state(fresh, jid, within=90)).state == job_pb2.JOB_STATE_SUCCEEDED
+            jobs = await _until(lambda: _slurm_jobs(cluster, jid), lambda j: len(j) == 2, 60)  # the late one landed
+            stray = next(j for j in jobs if j != adopted)
+            await _until(lambda: landed.exists() and landed.read_text().strip(), bool, 30)
+            assert landed.read_text().strip().split(";")[0] == stray  # the late sbatch's job
+            jobs = await _until(lambda: _slurm_jobs(cluster, jid), lambda j: j[stray] == "CANCELLED", 30)
+            assert jobs[adopted] == "COMPLETED"
+    finally:
+        other.stop()
+    assert marker.read_text().splitlines() == ["ran"]  # exactly one Slurm job ran
+
+
+async def test_an_sbatch_that_submits_twice_runs_one_job_and_the_other_is_cancelled(stub, cluster, tmp_path):
+    """A duplicate that sbatch never reported (its job lands beside the one it prints) is held
+    and cancelled by the next round; only the reported one is released and runs."""
+    marker = pathlib.Path(cluster.home) / f"twice-{os.getpid()}-{time.monotonic_ns()}"
+    req = configure_request(cluster, "clusters/slurm-twice")
+    req.options["PATH"] = _fake_sbatch(tmp_path / "bin", "\"$REAL\" \"$@\" < \"$SCRIPT\" >/dev/null\n"
+                                                         "exec \"$REAL\" \"$@\" < \"$SCRIPT\"")
+    await stub.ConfigureCluster(req, timeout=30)
+    try:
+        jid = new_id("twice")
+        resp = await stub.LaunchJob(dpb.LaunchJobRequest(cluster="clusters/slurm-twice", job_id=jid,
+                                                         spec=_marking(marker), attempt=1), timeout=60)
+        jobs = await _until(lambda: _slurm_jobs(cluster, jid),
+                            lambda j: j.get(resp.backend_job_id) == "COMPLETED"
+                            and all(s == "CANCELLED" for k, s in j.items() if k != resp.backend_job_id))
+        assert len(jobs) == 2, jobs
+    finally:
+        await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/slurm-twice"), timeout=30)
+    assert marker.read_text().splitlines() == ["ran"]
+
+
+async def test_a_job_left_held_is_released_when_a_launch_or_a_new_driver_adopts_it(stub, cluster, tmp_path):
+    """A driver that could not release its job (it died, or scontrol release failed) leaves it
+    held: it does not run. The launch's retry adopts and releases it; so does a new driver
+    process that adopts it from an observation. Each runs once, as one Slurm job."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "scontrol").write_text(f"#!/bin/bash\n[ \"$1\" = release ] && {{ echo 'slurm_suspend error: "
+                                     f"Socket timed out' >&2; exit 1; }}\nexec {shutil.which('scontrol')} \"$@\"\n")
+    (bindir / "scontrol").chmod(0o755)
+    name = "clusters/slurm-norelease"
+    req = configure_request(cluster, name)
+    req.options["PATH"] = f"{bindir}:/usr/bin:/bin"
+    await stub.ConfigureCluster(req, timeout=30)
+    markers = {k: pathlib.Path(cluster.home) / f"held-{k}-{os.getpid()}-{time.monotonic_ns()}"
+               for k in ("relaunch", "observed")}
+    ids = {k: new_id(f"held-{k}") for k in markers}
+    try:
+        for k, jid in ids.items():
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.LaunchJob(dpb.LaunchJobRequest(cluster=name, job_id=jid, spec=_marking(markers[k]),
+                                                          attempt=1), timeout=60)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        held = {k: list(_slurm_jobs(cluster, jid)) for k, jid in ids.items()}
+        assert all(len(v) == 1 for v in held.values()), held
+        await asyncio.sleep(2)
+        for k, jid in ids.items():
+            assert _slurm_jobs(cluster, jid) == {held[k][0]: "PENDING"}  # held: nothing ran
+            assert not markers[k].exists()
+        # The same cluster, fixed: the launch's retry looks the attempt up and releases its job.
+        await stub.ConfigureCluster(configure_request(cluster, name), timeout=30)
+        again = await stub.LaunchJob(dpb.LaunchJobRequest(cluster=name, job_id=ids["relaunch"],
+                                                          spec=_marking(markers["relaunch"]), attempt=1), timeout=60)
+        assert again.backend_job_id == held["relaunch"][0]
+        await _until(lambda: _slurm_jobs(cluster, ids["relaunch"]), lambda j: "COMPLETED" in j.values())
+    finally:
+        await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=name), timeout=30)
+    # A new driver process adopting the job from an observation releases it too.
+    other = ServiceProcess("drivers.slurm", ["--poll-interval", "0.3"], name="slurm-driver-held").start()
+    try:
+        async with security.channel(other.address) as ch:
+            fresh = driver_service_pb2_grpc.DriverServiceStub(ch)
+            await fresh.ConfigureCluster(configure_request(cluster), timeout=30)
+            ref = dpb.JobRef(job_id=ids["observed"], backend_job_id=held["observed"][0])
+            obs = (await fresh.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
+                cluster=CLUSTER, jobs=[ref]), timeout=30)).observations[0]
+            assert obs.found, obs
+            assert (await wait_state(fresh, ids["observed"])).state == job_pb2.JOB_STATE_SUCCEEDED
+    finally:
+        other.stop()
+    for k, jid in ids.items():
+        assert _slurm_jobs(cluster, jid) == {held[k][0]: "COMPLETED"}
+        assert markers[k].read_text().splitlines() == ["ran"]

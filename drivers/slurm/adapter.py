@@ -16,26 +16,37 @@ mapped once, here, by ``exit_error``:
   partition), carrying Slurm's message;
 - anything else is UNAVAILABLE ``BACKEND_UNAVAILABLE``: retry later.
 
-Submission (exactly once). The script goes to ``sbatch --parsable`` on stdin
-(the first launch of a cluster configuration also makes the state dir:
-``mkdir -p <state dir> && sbatch ...``; the script makes its attempt dir
-itself, see render). Whether Slurm may already hold the attempt (comment
-``dlsched-<job_id>.<attempt>``) is known without a call in the common case:
-the last poll round listed every job of the user (``--states=all``), so an
-attempt it did not list, that this process never sent an unanswered
-``sbatch`` for, is submitted straight away, and one it listed is adopted.
-Only before this process's first round (a restart: an earlier process may
-have submitted it) and after a failed or ambiguous ``sbatch`` (an error
-exit, a dead connection, a timeout) is the attempt looked up (``squeue
---states=all --name=dlsched-<job_id>``) and what it finds adopted; only when
-Slurm holds no such job is it submitted (again); should a timed-out
-``sbatch`` land after that look-up, the retry finds two jobs, keeps the
-oldest and cancels the other before anything is reported. So a launch costs
-what a bare ``sbatch`` on the open connection costs, less: a warm ``mkdir -p
-<state dir> && exec sbatch --parsable`` per cluster is started ahead of the
-launch and waits for the script on stdin (``_WarmSubmitter``), so the first
-try costs writing the script and sbatch's RPC; retries use a fresh command.
-A transient refusal is retried, and after the last try is UNAVAILABLE.
+Submission (exactly once). The script goes to ``sbatch --parsable --hold``
+on stdin (the first launch of a cluster configuration also makes the state
+dir: ``mkdir -p <state dir> && sbatch ...``; the script makes its attempt dir
+itself, see render): every Slurm job dlsched submits starts held (priority
+0), and only the one job the driver adopts for the attempt (comment
+``dlsched-<job_id>.<attempt>``) is released (``scontrol release``). So a
+submission that lands late (``sbatch`` timed out here, its job appears
+afterwards) can never start: it stays held until the driver's next poll
+round sees it and cancels it (see the driver). The adopted job is the
+oldest Slurm job with the attempt's comment: a late landing always gets a
+larger id than one already there. Whether Slurm may already hold the
+attempt is known without a call in the common case: the last poll round
+listed every job of the user (``--states=all``), so an attempt it did not
+list, that this process never sent an unanswered ``sbatch`` for, is
+submitted straight away, and one it listed is adopted (and released if it
+is still held: its driver died between ``sbatch`` and the release). Only
+before this process's first round (a restart: an earlier process may have
+submitted it) and after a failed or ambiguous ``sbatch`` (an error exit, a
+dead connection, a timeout) is the attempt looked up (``squeue
+--states=all --name=dlsched-<job_id>``) and the oldest it finds adopted;
+only when Slurm holds no such job is it submitted (again), and then looked
+up once more: should an earlier ``sbatch`` have landed meanwhile, the
+oldest is kept and the others are cancelled, before anything is released
+or reported. A look-up or release that fails fails the launch
+(UNAVAILABLE; nothing was released, so nothing runs) and the retry looks up
+again. So a launch costs what a bare ``sbatch`` on the open connection
+costs plus one ``scontrol release``: a warm ``mkdir -p <state dir> && exec
+sbatch --parsable --hold`` per cluster is started ahead of the launch and
+waits for the script on stdin (``_WarmSubmitter``), so the first try costs
+writing the script and sbatch's RPC; retries use a fresh command. A
+transient refusal is retried, and after the last try is UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -46,7 +57,7 @@ import logging
 import re
 import shlex
 import time
-from collections.abc import Awaitable, Mapping, MutableSet
+from collections.abc import Awaitable, Iterable, Mapping, MutableMapping, MutableSet
 
 from dlsched.errors import DlschedError, FailedPrecondition, Unavailable
 from drivers.common.base import SshCredentials
@@ -61,6 +72,9 @@ log = logging.getLogger("dlsched.driver.slurm")
 SUBMIT_TRIES = 3
 #: squeue look-ups of one attempt before a launch says UNAVAILABLE.
 LOOKUP_TRIES = 3
+#: Seconds after an ambiguous sbatch (failed, timed out) during which its job may still land:
+#: the driver keeps polling the attempt that long, to cancel a late landing on sight.
+LATE_WINDOW = 600.0
 #: A warm sbatch older than this is replaced before use (seconds).
 WARM_MAX_AGE = 300.0
 #: Seconds ``info`` waits for the controller (ClusterManager's default deadline for GetClusterInfo is 5 s).
@@ -71,7 +85,12 @@ ACCOUNTING_MARK = "--- accounting"
 #: sbatch errors that say nothing about the job itself: retried (after a look-up), never a refusal.
 TRANSIENT_RE = re.compile(r"Socket timed out|Unable to contact slurm controller|temporarily unavailable|"
                           r"Slurm temporarily unable|Connection refused|Zero Bytes were transmitted")
-#: scancel of a job that has ended or that Slurm no longer holds: the stop is done.
+#: Every submission starts held; only the job the driver adopts is released (see the docstring).
+SBATCH = "sbatch --parsable --hold"
+#: Pending reasons of a job held since its submission (``--hold``; the first is a user's, the
+#: second an operator's): an adopted job in one of them is released.
+HELD_REASONS = frozenset({"JobHeldUser", "JobHeldAdmin"})
+#: scancel / scontrol release of a job that has ended or that Slurm no longer holds: nothing to do.
 _GONE_RE = re.compile(r"already|Invalid job id")
 
 
@@ -82,7 +101,7 @@ class SbatchRejected(FailedPrecondition):
 def exit_error(call: str, rc: int, err: str, *, job_id: str = "") -> DlschedError | None:
     """The error a Slurm command's exit means (None: none); see the module docstring."""
     text = err.strip()
-    if rc == 0 or (call == "scancel" and _GONE_RE.search(err)):
+    if rc == 0 or (call in ("scancel", "scontrol release") and _GONE_RE.search(err)):
         return None
     if call == "sbatch" and rc != 255 and text and not TRANSIENT_RE.search(err):
         return SbatchRejected(f"sbatch refused the job: {text[:500]}", metadata={"job_id": job_id})
@@ -90,7 +109,7 @@ def exit_error(call: str, rc: int, err: str, *, job_id: str = "") -> DlschedErro
 
 
 class _WarmSubmitter:
-    """One ``sbatch --parsable`` per cluster started ahead of the next launch, waiting for
+    """One ``sbatch --parsable --hold`` per cluster started ahead of the next launch, waiting for
     its script on stdin: a launch pays only writing the script and sbatch's own RPC, not
     opening a channel and exec'ing. At most one idle process per cluster; it holds one
     channel of the bound (so it is used only where the bound is at least 3); one that died
@@ -158,7 +177,7 @@ class SlurmClient:
         self.timeout = command_timeout
         self.state_dir = render.state_dir_of(options)
         self._state_dir_made = False
-        self.warm = _WarmSubmitter(self.ssh, f"mkdir -p -- {shlex.quote(self.state_dir)} && exec sbatch --parsable",
+        self.warm = _WarmSubmitter(self.ssh, f"mkdir -p -- {shlex.quote(self.state_dir)} && exec {SBATCH}",
                                    max_channels >= 3)
 
     async def run(self, command: str, input: str | None = None) -> tuple[int, str, str]:
@@ -192,13 +211,19 @@ class SlurmClient:
         if e := exit_error("scancel", rc, err):
             raise e
 
+    async def release(self, backend_job_id: str) -> None:
+        """``scontrol release``: a held job may start; one not held, running or ended is fine."""
+        rc, _, err = await self.run(f"scontrol release {shlex.quote(backend_job_id)}")
+        if e := exit_error("scontrol release", rc, err):
+            raise e
+
     async def remove_files(self, job_id: str, job_dir: str) -> None:
         """The job's directory and its batch outputs in the state dir (errors ignored)."""
         batch = shlex.quote(f"{self.state_dir}/{job_id}.")  # ids hold no dot
         await self.run(f"rm -rf -- {shlex.quote(job_dir)} {batch}*.batch.stdout {batch}*.batch.stderr")
 
-    async def lookup(self, script: SlurmScript) -> list[str]:
-        """Slurm job ids of this attempt, oldest first; raises when Slurm cannot tell.
+    async def lookup(self, script: SlurmScript) -> list[poll.SlurmJob]:
+        """Slurm's jobs of this attempt, oldest first; raises when Slurm cannot tell.
         squeue only reads, so a failed look-up is tried again (a loaded controller or
         login node fails one now and then) before the caller hears of it."""
         error: DlschedError | None = None
@@ -213,38 +238,48 @@ class SlurmClient:
                 continue
             error = exit_error("squeue", rc, err)
             if error is None:
-                found = [j.job_id for j in poll.parse_squeue(out).values() if j.comment == script.comment]
-                return sorted(found, key=lambda s: int(s) if s.isdigit() else 0)
+                return oldest_first(j for j in poll.parse_squeue(out).values() if j.comment == script.comment)
             log.warning("look-up of %s: %s", script.comment, error.message)
         assert error is not None
         raise error
 
-    async def submit(self, script: SlurmScript, listed: Mapping[str, str] | None, unsure: MutableSet[str]) -> str:
-        """Submit the attempt once (see the module docstring): its Slurm job id.
+    async def submit(self, script: SlurmScript, listed: Mapping[str, poll.SlurmJob] | None,
+                     unsure: MutableSet[str], late: MutableMapping[str, float]) -> str:
+        """Submit the attempt once, held, and release the one job adopted for it (see the
+        module docstring): that job's Slurm id.
 
-        ``listed``: comment -> Slurm job id of every dlsched job the last good poll
-        round listed (None before one); ``unsure``: comments of attempts whose sbatch
-        may have landed unseen (kept by the caller across reconfigurations)."""
-        if listed is None or script.comment in unsure:
+        ``listed``: comment -> the oldest Slurm job of every dlsched attempt the last good
+        poll round listed (None before one); ``unsure``: comments of attempts whose sbatch
+        may have landed unseen (kept by the caller across reconfigurations). A comment
+        stays in ``unsure`` until its adopted job is released. ``late``: comment -> when
+        (monotonic) an sbatch of it last failed or timed out, so that a job may still land."""
+        looked = listed is None or script.comment in unsure
+        if looked:
             found = await self.lookup(script)  # Slurm may hold it and no round has said so
             existing = found[0] if found else None
         else:
+            assert listed is not None
             existing = listed.get(script.comment)
         if existing is not None:
-            log.info("adopting Slurm job %s for %s", existing, script.comment)
+            log.info("adopting Slurm job %s for %s", existing.job_id, script.comment)
+            if is_held(existing):  # submitted held by a driver that never released it
+                await self.release(existing.job_id)
             unsure.discard(script.comment)
-            return existing
-        unsure.add(script.comment)  # until sbatch answers (a cancelled launch leaves it here)
+            return existing.job_id
+        unsure.add(script.comment)  # until the adopted job is released (a cancelled launch leaves it here)
         try:
-            jid = await self._sbatch(script)
+            jid = await self._sbatch(script, looked, late)
         except SbatchRejected:
             unsure.discard(script.comment)  # refused, and the look-up found nothing
             raise
+        await self.release(jid)
         unsure.discard(script.comment)
         return jid
 
-    async def _sbatch(self, script: SlurmScript) -> str:
-        cmd = "exec sbatch --parsable"  # exec: the shell never forks, sbatch replaces it
+    async def _sbatch(self, script: SlurmScript, looked: bool, late: MutableMapping[str, float]) -> str:
+        """sbatch (held) until Slurm holds the attempt: the id of the job to adopt (not yet
+        released). ``looked``: the attempt was looked up first (an earlier sbatch may land)."""
+        cmd = f"exec {SBATCH}"  # exec: the shell never forks, sbatch replaces it
         if not self._state_dir_made:  # the batch output goes there; it must exist before the job starts
             cmd = f"mkdir -p -- {shlex.quote(self.state_dir)} && {cmd}"
         last = ""
@@ -262,8 +297,10 @@ class SlurmClient:
                 error = e
             if error is None and (jid := out.strip().split(";")[0].strip()).isdigit():
                 self._state_dir_made = True
-                return jid if not attempt else await self._converge(script, jid)
+                return jid if not (attempt or looked) else await self._converge(script, jid)
             last = f"{error.reason}: {error.message}" if error is not None else f"sbatch printed {out.strip()[:300]!r}"
+            if not isinstance(error, SbatchRejected):
+                late[script.comment] = time.monotonic()  # its job may land any time from now
             # Failed or ambiguous: Slurm may hold the job anyway. Look before any retry.
             try:
                 found = await self.lookup(script)
@@ -272,8 +309,8 @@ class SlurmClient:
                 continue
             if found:
                 log.warning("sbatch for %s reported failure but submitted job %s; adopting it",
-                            script.comment, found[0])
-                return found[0]
+                            script.comment, found[0].job_id)
+                return await self._converge(script, found[0].job_id, found)
             if isinstance(error, SbatchRejected):
                 raise error  # refused, and the look-up found nothing
         raise BackendUnavailable(f"could not submit to Slurm: {last}")
@@ -286,20 +323,32 @@ class SlurmClient:
         r = await p.finish(script.encode(), self.timeout)
         return r.exit_status, r.stdout.decode("utf-8", "replace"), r.stderr.decode("utf-8", "replace")
 
-    async def _converge(self, script: SlurmScript, submitted: str) -> str:
-        """After a retried sbatch: if an earlier, ambiguous sbatch also made a job
-        (it landed after our look-up), keep the oldest and cancel the others."""
-        try:
+    async def _converge(self, script: SlurmScript, submitted: str,
+                        found: list[poll.SlurmJob] | None = None) -> str:
+        """After an sbatch that an earlier, ambiguous one may have raced: the oldest job of
+        the attempt is the one to adopt; the others (held, never released) are cancelled.
+        A look-up that fails raises: nothing is released, the launch's retry looks again."""
+        if found is None:
             found = await self.lookup(script)
-        except DlschedError:
-            return submitted
-        if len(found) <= 1:
-            return found[0] if found else submitted
-        extra = " ".join(shlex.quote(j) for j in found[1:])
-        log.warning("duplicate Slurm jobs %s for %s; keeping %s", found[1:], script.comment, found[0])
-        with contextlib.suppress(DlschedError):
-            await self.run(f"scancel {extra}")
-        return found[0]
+        if not found:
+            return submitted  # squeue does not list it yet; a later duplicate is newer
+        keep, extra = found[0].job_id, [j.job_id for j in found[1:]]
+        if extra:
+            log.warning("duplicate Slurm jobs %s for %s; keeping %s", extra, script.comment, keep)
+            for jid in extra:  # held: none of them ever ran; a failure is retried by the poll rounds
+                with contextlib.suppress(DlschedError):
+                    await self.cancel(jid)
+        return keep
+
+
+def is_held(job: poll.SlurmJob) -> bool:
+    """Whether the job waits in the hold every dlsched submission starts in."""
+    return job.state.startswith("PENDING") and job.reason in HELD_REASONS
+
+
+def oldest_first(jobs: Iterable[poll.SlurmJob]) -> list[poll.SlurmJob]:
+    """Slurm job ids grow with submission time: the oldest (the one to adopt) first."""
+    return sorted(jobs, key=lambda j: int(j.job_id) if j.job_id.isdigit() else 0)
 
 
 async def bounded(step: Awaitable[object], seconds: float = CLOSE_STEP_SECONDS) -> None:

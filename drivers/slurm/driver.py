@@ -17,9 +17,20 @@ exactly-once submission), ``poller`` the shared squeue rounds, ``jobs`` what
 those rounds make of a tracked job, ``states`` the state table, ``logs`` the
 log files and followers, ``usage`` sstat/sacct and the node capacity.
 
-Launch: ``adapter.SlurmClient.submit`` (an ``sbatch --parsable`` started
-ahead of the launch takes the script on stdin; an ambiguous one is resolved
-by looking the attempt up before any retry). An ``sbatch`` that fails with no
+Launch: ``adapter.SlurmClient.submit`` (an ``sbatch --parsable --hold``
+started ahead of the launch takes the script on stdin; an ambiguous one is
+resolved by looking the attempt up before any retry; only the one Slurm job
+adopted for the attempt, the oldest with its comment, is released with
+``scontrol release``). Exactly once: every poll round groups the user's
+jobs by ``dlsched-`` comment, and any job of a tracked attempt other than
+the adopted one that has not ended is cancelled on sight; it was submitted
+held and never released, so it never ran (an ``sbatch`` that timed out and
+landed afterwards; after such an ``sbatch`` the attempt is polled for
+``adapter.LATE_WINDOW``, 10 minutes, even once its job has ended). Extra jobs of an attempt the cluster does not track are
+left held (another cluster configuration sharing the SSH user may own the
+attempt) until a launch adopts it. An adopted job
+still held (its driver died between ``sbatch`` and the release) is released
+on adoption, by a launch or by an observation. An ``sbatch`` that fails with no
 job behind it is FAILED_PRECONDITION reason ``SBATCH_REJECTED`` with Slurm's
 message (an unknown partition), unless the message says the controller was
 unreachable or slow: that is retried, and after the last try UNAVAILABLE
@@ -47,6 +58,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -71,8 +83,15 @@ from drivers.common.planner import ALL_RUN_MODES
 from drivers.common.skeleton import BackendDriver
 from drivers.slurm import logs as slogs
 from drivers.slurm import poller as poll
-from drivers.slurm import render, usage
-from drivers.slurm.adapter import SbatchRejected, SlurmClient, bounded
+from drivers.slurm import render, states, usage
+from drivers.slurm.adapter import (
+    LATE_WINDOW,
+    SbatchRejected,
+    SlurmClient,
+    bounded,
+    is_held,
+    oldest_first,
+)
 from drivers.slurm.jobs import TrackedJob
 from drivers.slurm.render import SlurmScript
 from drivers.slurm.ssh import ENV_RE, HostKeyMismatch
@@ -106,10 +125,17 @@ class _Cluster:
         self.options = {k: v for k, v in config.options.items() if not ENV_RE.match(k)}
         self.jobs: dict[str, TrackedJob] = {}
         self.last_error: str | None = None
-        #: comment -> Slurm job id of every dlsched job the last good round listed; None before one.
-        self.listed: dict[str, str] | None = None
+        #: comment -> the oldest Slurm job of every dlsched attempt the last good round listed; None before one.
+        self.listed: dict[str, poll.SlurmJob] | None = None
         #: comments of attempts whose sbatch may have landed unseen (look them up before submitting).
         self.unsure: set[str] = set()
+        #: comment -> when (monotonic) an sbatch of it last failed or timed out: polled for
+        #: ``LATE_WINDOW`` afterwards, ended or not, so a late-landing job is cancelled on sight.
+        self.late: dict[str, float] = {}
+        #: adopted Slurm jobs found held: released in the background, retried each round until done.
+        self.to_release: set[str] = set()
+        #: (action, Slurm job id) of scancel / scontrol release calls in flight.
+        self.pending: set[tuple[str, str]] = set()
         #: Whether the cluster has accounting storage (sacct answers); None until GetClusterInfo says.
         self.accounting: bool | None = None
         self.poller = poll.Poller(client.run, client.username, driver.config.poll_interval, self.tracked,
@@ -117,7 +143,12 @@ class _Cluster:
                                   accounting=lambda: bool(self.accounting))
 
     def tracked(self) -> list[str]:
-        return [j.backend_job_id for j in self.jobs.values() if not j.state.is_terminal()]
+        now = time.monotonic()
+        for comment, since in list(self.late.items()):
+            if now - since > LATE_WINDOW:
+                del self.late[comment]
+        return [j.backend_job_id for j in self.jobs.values()
+                if not j.state.is_terminal() or render.job_comment(j.job_id, j.attempt) in self.late]
 
     def find(self, ref: JobRef) -> TrackedJob | None:
         job = self.jobs.get(ref.job_id)
@@ -132,7 +163,7 @@ class _Cluster:
 class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
     name = "slurm"
     #: kept across a reconfiguration: what was tracked; the connections, poller and warm sbatch are new
-    carry_over = ("jobs", "unsure")
+    carry_over = ("jobs", "unsure", "late", "to_release")
     supports_logs = True
     supports_usage = True
 
@@ -210,7 +241,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
 
     async def _submit(self, c: _Cluster, name: str, job_id: str, spec: JobSpec, attempt: int,
                       rendered: SlurmScript) -> LaunchResult:
-        backend_id = await c.client.submit(rendered, c.listed, c.unsure)
+        backend_id = await c.client.submit(rendered, c.listed, c.unsure, c.late)
         job = TrackedJob(name, job_id, attempt, backend_id, rendered.dir, rendered.native_spec(),
                          roles=tuple((s.role, s.index) for s in rendered.steps))
         c.jobs[job_id] = job
@@ -226,25 +257,64 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
             return
         c.last_error = error
         if error is None:
-            listed: dict[str, str] = {}
-            for sj in sorted(jobs.values(), key=lambda j: -int(j.job_id) if j.job_id.isdigit() else 0):
-                if render.is_ours(sj.comment):
-                    listed[sj.comment] = sj.job_id  # the oldest job of an attempt wins
-            c.listed = listed
+            attempts: dict[str, list[poll.SlurmJob]] = {}
+            for listed in jobs.values():
+                if render.is_ours(listed.comment):
+                    attempts.setdefault(listed.comment, []).append(listed)
+            c.listed = {comment: oldest_first(sjs)[0] for comment, sjs in attempts.items()}
+            self._cancel_strays(c, attempts)
         for job in list(c.jobs.values()):
-            if not job.state.is_terminal() and job.round(jobs.get(job.backend_job_id), error, complete):
+            sj = jobs.get(job.backend_job_id)
+            if job.backend_job_id in c.to_release and error is None and sj is not None:
+                if is_held(sj):
+                    self._later(c, "release", job.backend_job_id)
+                else:
+                    c.to_release.discard(job.backend_job_id)
+            if not job.state.is_terminal() and job.round(sj, error, complete):
                 self._publish(c, job)
                 if job.unschedulable:  # reported FAILED; take it out of Slurm's queue
-                    self._cancel_later(c, job.backend_job_id)
+                    self._later(c, "cancel", job.backend_job_id)
 
-    def _cancel_later(self, c: _Cluster, backend_job_id: str) -> None:
-        async def cancel() -> None:
+    def _cancel_strays(self, c: _Cluster, attempts: dict[str, list[poll.SlurmJob]]) -> None:
+        """Cancel every job of a tracked attempt but the tracked one: a late-landing
+        sbatch's, held since it landed, so it never ran. An attempt this cluster does not
+        track is left alone (another cluster configuration or driver sharing the SSH user
+        may own it); its extra jobs are held, and cancelled here once a launch adopts it."""
+        for comment, sjs in attempts.items():
+            if len(sjs) < 2 or (parsed := render.parse_comment(comment)) is None:
+                continue
+            tracked = c.jobs.get(parsed[0])
+            if tracked is None or tracked.attempt != parsed[1]:
+                continue
+            for sj in sjs:
+                if sj.job_id != tracked.backend_job_id \
+                        and not states.job_state(sj.state, sj.reason).state.is_terminal():
+                    log.warning("cancelling Slurm job %s: a duplicate of %s's job %s", sj.job_id, comment,
+                                tracked.backend_job_id)
+                    self._later(c, "cancel", sj.job_id)
+
+    def _later(self, c: _Cluster, action: str, backend_job_id: str) -> None:
+        """``scancel`` (``action`` "cancel") or ``scontrol release`` ("release") of one job in
+        the background, one call per job and action at a time; a failure is logged (the next
+        round that sees the job asks again)."""
+        key = (action, backend_job_id)
+        if key in c.pending:
+            return
+        c.pending.add(key)
+
+        async def call() -> None:
             try:
-                await c.client.cancel(backend_job_id)
-            except DlschedError as e:  # the job is FAILED already; a stray queued job is all it costs
-                log.warning("scancel of unschedulable job %s: %s", backend_job_id, e.message)
+                if action == "release":
+                    await c.client.release(backend_job_id)
+                    c.to_release.discard(backend_job_id)
+                else:
+                    await c.client.cancel(backend_job_id)
+            except DlschedError as e:
+                log.warning("%s of Slurm job %s: %s", action, backend_job_id, e.message)
+            finally:
+                c.pending.discard(key)
 
-        task = asyncio.create_task(cancel(), name=f"cancel-unschedulable-{backend_job_id}")
+        task = asyncio.create_task(call(), name=f"slurm-{action}-{backend_job_id}")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -278,6 +348,9 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
                              render.attempt_dir(c.options, ref.job_id, parsed[1]), None)
             job.apply(sj)
             c.jobs[ref.job_id] = job
+            if is_held(sj):  # submitted held by a driver that died before releasing it
+                c.to_release.add(sj.job_id)
+                self._later(c, "release", sj.job_id)
 
     # ------------------------------------------------------------------ stop / cleanup
 
