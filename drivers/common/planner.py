@@ -93,16 +93,17 @@ class Placement:
     """Where one replica runs, as the backend decided.
 
     ``host`` is an address or a name that resolves later. ``port`` is the
-    replica's own task port (PS_WORKER ``host:port``); 0 means
-    ``DEFAULT_TASK_PORT``. ``gpus`` are the device indices the replica was
-    given (empty: the backend does not assign GPUs, or none were asked for).
+    replica's own task port (PS_WORKER ``host:port``), a number or a token
+    the backend resolves later, like ``host``; 0 means ``DEFAULT_TASK_PORT``.
+    ``gpus`` are the device indices the replica was given (empty: the
+    backend does not assign GPUs, or none were asked for).
     """
 
     role: str
     replica_index: int
     host: str
     node_rank: int = 0
-    port: int = 0
+    port: int | str = 0
     gpus: tuple[str, ...] = ()
 
 
@@ -239,11 +240,12 @@ def _mpi_argv(ordered: Sequence[tuple[int, ReplicaGroup]]) -> str:
 
 
 def plan_job(job_id: str, spec: JobSpec, placements: Sequence[Placement], *,
-             master_port: int = DEFAULT_MASTER_PORT, hostfile_path: str = HOSTFILE,
+             master_port: int | str = DEFAULT_MASTER_PORT, hostfile_path: str = HOSTFILE,
              mpirun: str = MPIRUN, mpirun_args: Sequence[str] = ()) -> JobPlan:
     """Every process of the job in rank order, the success rule and any files.
 
-    ``placements`` has one entry per replica (role, replica index). For MPI,
+    ``placements`` has one entry per replica (role, replica index); ``master_port``
+    is a number or a token the backend resolves later (``MASTER_PORT``). For MPI,
     ``hostfile_path`` is where the driver will write ``files["hostfile"]``,
     ``mpirun`` the program and ``mpirun_args`` extra flags the backend needs
     (e.g. ``--oversubscribe``).

@@ -20,6 +20,18 @@ names are read at run time from the allocation (``scontrol show hostnames
 planner as late-resolving hosts, so ``MASTER_ADDR``, ``TF_CONFIG`` and the
 MPI hostfile name the allocation's real nodes.
 
+Ports. Jobs share nodes (Slurm may run several on one), so no rendezvous
+port is fixed: ``MASTER_PORT`` and each PS-Worker task's port (chief, ps,
+worker; the evaluator listens on none) are late-resolving tokens too
+(``@DLSCHED_PORT_k@``), picked by the batch script before any step starts
+(``shell.PORT_PICKER``): from the job's block of ``[PORT_LO, PORT_LO +
+PORT_SPAN)``, starting at ``PORT_LO + (SLURM_JOB_ID * PORT_STRIDE) %
+PORT_SPAN`` (below Linux's ephemeral range, so no outgoing connection holds
+one), each the next port that nothing listens on at the node whose process
+will listen (node 0, where the batch script runs and the master is: a
+connect to 127.0.0.1; another node: a connect to its name). Every step's
+environment gets them, as it gets the node names.
+
 Allocation (``#SBATCH``): ``--nodes``, ``--ntasks-per-node`` (the most
 processes one node runs; for MPI the worker ranks, the launcher being the
 batch script itself), ``--cpus-per-task`` (the largest
@@ -45,8 +57,8 @@ and the user's ``env`` and redirects the step's output to
 ``<role>-<index>.stdout`` / ``.stderr`` in the attempt directory. PS_WORKER
 runs all its tasks in one ``srun --multi-prog`` step (one step launch for
 the job; ``_multi_prog``): each task runs a wrapper the script writes,
-``task-<t>.sh``, with its own ``TF_CONFIG`` and a task port ``2222 +
-<replica position>`` so tasks sharing a node never collide, and
+``task-<t>.sh``, with its own ``TF_CONFIG`` (the picked ports, as
+``DLSCHED_PORT_LIST``), and
 ``SLURM_HOSTFILE`` places task ``t`` on its node. MPI runs the
 launcher's ``mpirun -np N --hostfile <attempt dir>/hostfile ...`` in the
 batch script itself (on the allocation's first node; Open MPI launches its
@@ -112,7 +124,10 @@ from drivers.slurm.shell import sh_quote
 MEDIA_TYPE = "text/x-shellscript"
 DEFAULT_STATE_DIR = ".dlsched/slurm"
 NAME_PREFIX = "dlsched-"
-TASK_PORT_BASE = 2222
+#: Rendezvous ports: the range the batch script picks from, and how far apart concurrent jobs' blocks start.
+PORT_LO = 10000
+PORT_SPAN = 22760  # up to 32759: below Linux's default ephemeral range (32768-60999); a multiple of the stride
+PORT_STRIDE = 8
 #: The log index file in each attempt directory, and how often the job script appends to it.
 LOG_INDEX = "log.index"
 INDEX_INTERVAL = 1
@@ -285,6 +300,7 @@ class Layout:
     cpus_per_task: int
     mem_per_node: int  #: bytes, the most one node's replicas ask for
     gpus_per_node: int
+    port_nodes: tuple[int, ...] = ()  #: port token k -> the node whose process listens on it
 
 
 def place(job: Checked) -> Layout:
@@ -295,13 +311,22 @@ def place(job: Checked) -> Layout:
     total = len(replicas)
     nodes = min(total, job.max_nodes) if job.max_nodes else total
     node_of = {(g.role, r): q * nodes // total for q, (g, r) in enumerate(replicas)}
+    port_nodes: list[int] = []  # a port token per listener: the torch master (node 0), each PS task but the evaluator
+    task_port: dict[tuple[str, int], str] = {}
+    if spec.run_mode in planner.TORCH_MODES:
+        port_nodes.append(0)
+    elif spec.run_mode is RunMode.PS_WORKER:
+        for g, r in replicas:
+            if g.role != "evaluator":
+                task_port[(g.role, r)] = shell.PORT_TOKEN.format(len(port_nodes))
+                port_nodes.append(node_of[(g.role, r)])
     placements = [planner.Placement(role=g.role, replica_index=r,
                                     host=shell.NODE_TOKEN.format(node_of[(g.role, r)]),
-                                    node_rank=node_of[(g.role, r)],
-                                    port=TASK_PORT_BASE + q if spec.run_mode is RunMode.PS_WORKER else 0)
-                  for q, (g, r) in enumerate(replicas)]
+                                    node_rank=node_of[(g.role, r)], port=task_port.get((g.role, r), 0))
+                  for g, r in replicas]
     adir = attempt_dir(job.options, job.job_id, job.attempt)
-    plan = planner.plan_job(job.job_id, spec, placements, hostfile_path=f"{adir}/{planner.HOSTFILE}")
+    plan = planner.plan_job(job.job_id, spec, placements, master_port=shell.PORT_TOKEN.format(0),
+                            hostfile_path=f"{adir}/{planner.HOSTFILE}")
     procs_on = [0] * nodes
     mem_on = [0] * nodes
     gpus_on = [0] * nodes
@@ -312,7 +337,8 @@ def place(job: Checked) -> Layout:
         mem_on[n] += g.resources.memory_bytes
         gpus_on[n] += g.resources.gpus
     cpt = resources.cpus_per_task(ordered)  # the matcher counts the same (dlsched.resources)
-    return Layout(job, nodes, node_of, plan, adir, max(procs_on), cpt, max(mem_on), max(gpus_on))
+    return Layout(job, nodes, node_of, plan, adir, max(procs_on), cpt, max(mem_on), max(gpus_on),
+                  tuple(port_nodes))
 
 
 def emit(lay: Layout) -> SlurmScript:
@@ -333,11 +359,16 @@ def emit(lay: Layout) -> SlurmScript:
         "  exit 1",
         "fi",
         "declare -A DLSCHED_NAME=() DLSCHED_DECIDES=()",
-    ] + shell.INDEXER.format(interval=INDEX_INTERVAL, index=LOG_INDEX).splitlines()
+    ]
+    if lay.port_nodes:
+        h += shell.PORT_PICKER.format(lo=PORT_LO, span=PORT_SPAN, hi=PORT_LO + PORT_SPAN - 1,
+                                      stride=PORT_STRIDE).splitlines()
+        h += [f"dlsched_port {n} || exit 1" for n in lay.port_nodes]
+    h += shell.INDEXER.format(interval=INDEX_INTERVAL, index=LOG_INDEX).splitlines()
     if planner.HOSTFILE in plan.files:
         h.append("{")
         for ln in plan.files[planner.HOSTFILE].splitlines():
-            h.append(f"  printf '%s\\n' {shell.dq_with_nodes(ln)}")
+            h.append(f"  printf '%s\\n' {shell.dq_with_tokens(ln)}")
         h.append(f'}} > "$DLSCHED_DIR/{planner.HOSTFILE}"')
     steps: list[StepFiles] = []
     if spec.run_mode is RunMode.PS_WORKER:
@@ -417,7 +448,7 @@ def _exports(spec: JobSpec, p: planner.ProcessLaunch, indent: str) -> list[str]:
     for k, v in p.env.items():
         if not ENV_NAME_RE.match(k):
             raise InvalidArgument.for_field("spec.replica_groups.env", f"bad variable name {k!r}")
-        val = sh_quote(v) if k in user_env or k == planner.MPI_ARGV_ENV else shell.dq_with_nodes(v)  # user data
+        val = sh_quote(v) if k in user_env or k == planner.MPI_ARGV_ENV else shell.dq_with_tokens(v)  # user data
         out.append(f"{indent}export {k}={val}")
     return out
 
@@ -428,9 +459,9 @@ def _multi_prog(lay: Layout, steps: list[StepFiles]) -> list[str]:
 
     The batch script writes, per task ``t``, a wrapper ``task-<t>.sh`` (a quoted
     heredoc: nothing in it expands while it is written) that exports the task's
-    variables (``TF_CONFIG`` names the nodes through ``DLSCHED_NODE_LIST``, exported
-    as a string: arrays do not export), sends its output to ``<role>-<index>.*``,
-    runs the quoted argv and writes ``<role>-<index>.exit``. The multi-prog file
+    variables (``TF_CONFIG`` names the nodes and ports through ``DLSCHED_NODE_LIST``
+    and ``DLSCHED_PORT_LIST``, exported as strings: arrays do not export), sends its
+    output to ``<role>-<index>.*``, runs the quoted argv and writes ``<role>-<index>.exit``. The multi-prog file
     names only the wrappers, so srun's own parsing of it (which keeps quotes
     literally) never sees a user value; ``SLURM_HOSTFILE`` with
     ``--distribution=arbitrary`` puts task ``t`` on its node. The success rule
@@ -441,7 +472,7 @@ def _multi_prog(lay: Layout, steps: list[StepFiles]) -> list[str]:
     procs = [p for p in plan.processes if not p.placeholder]
     h = [
         f"# {len(procs)} task(s) in one step: srun --multi-prog runs task t's wrapper {adir}/task-t.sh",
-        'export DLSCHED_DIR DLSCHED_NODE_LIST="${DLSCHED_NODES[*]}"',
+        'export DLSCHED_DIR DLSCHED_NODE_LIST="${DLSCHED_NODES[*]}" DLSCHED_PORT_LIST="${DLSCHED_PORTS[*]}"',
         "{",
     ]
     for p in procs:
@@ -452,7 +483,8 @@ def _multi_prog(lay: Layout, steps: list[StepFiles]) -> list[str]:
         label = f"{p.role}-{p.slot_index}"
         labels.append(label)
         steps.append(StepFiles(p.role, p.slot_index, f"{adir}/{label}.stdout", f"{adir}/{label}.stderr"))
-        body = [f"# {label}: rank {p.rank}", 'read -r -a DLSCHED_NODES <<<"$DLSCHED_NODE_LIST"']
+        body = [f"# {label}: rank {p.rank}", 'read -r -a DLSCHED_NODES <<<"$DLSCHED_NODE_LIST"',
+                'read -r -a DLSCHED_PORTS <<<"$DLSCHED_PORT_LIST"']
         body += _exports(spec, p, "")
         argv = " ".join(sh_quote(a) for a in p.argv)
         cd = f"cd -- {sh_quote(p.working_dir)} || exit 126; " if p.working_dir else ""

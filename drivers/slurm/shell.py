@@ -2,14 +2,15 @@
 
 ``sh_quote`` makes one bash word of any user value (printable ASCII in single
 quotes, anything else as ``$'...'`` with ``\\xHH`` escapes), so each value is
-one line and reaches the program byte for byte. ``dq_with_nodes`` turns a
-planner value holding node tokens (``@DLSCHED_NODE_<n>@``) into a
-double-quoted word naming the allocation's node ``n`` at run time.
+one line and reaches the program byte for byte. ``dq_with_tokens`` turns a
+planner value holding node tokens (``@DLSCHED_NODE_<n>@``) and port tokens
+(``@DLSCHED_PORT_<k>@``) into a double-quoted word naming the allocation's
+node ``n`` and the job's rendezvous port ``k`` at run time.
 
 The constants below are the script's fixed functions (see ``render``): the
 success rule both launch styles share, the two ways of hearing of the
-processes' exits, the log indexer and the script's end. ``render`` fills in
-the job's parts; nothing here depends on a job.
+processes' exits, the port picker, the log indexer and the script's end.
+``render`` fills in the job's parts; nothing here depends on a job.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ import re
 import shlex
 
 NODE_TOKEN = "@DLSCHED_NODE_{}@"
-NODE_TOKEN_RE = re.compile(r"@DLSCHED_NODE_(\d+)@")
+PORT_TOKEN = "@DLSCHED_PORT_{}@"
+_TOKEN_RE = re.compile(r"@DLSCHED_(NODE|PORT)_(\d+)@")
+_ARRAY = {"NODE": "DLSCHED_NODES", "PORT": "DLSCHED_PORTS"}
 _PRINTABLE = re.compile(r"^[\x20-\x7e]*\Z")
 
 
@@ -38,13 +41,14 @@ def sh_quote(value: str) -> str:
     return "$'" + "".join(out) + "'"
 
 
-def dq_with_nodes(value: str) -> str:
-    """A planner value with node tokens -> a double-quoted word naming the nodes."""
+def dq_with_tokens(value: str) -> str:
+    """A planner value with node and port tokens -> a double-quoted word naming the nodes
+    (``${DLSCHED_NODES[n]}``) and the ports (``${DLSCHED_PORTS[k]}``) at run time."""
     parts = []
     pos = 0
-    for m in NODE_TOKEN_RE.finditer(value):
+    for m in _TOKEN_RE.finditer(value):
         parts.append(_dq_literal(value[pos:m.start()]))
-        parts.append("${DLSCHED_NODES[" + m.group(1) + "]}")
+        parts.append("${" + _ARRAY[m.group(1)] + "[" + m.group(2) + "]}")
         pos = m.end()
     parts.append(_dq_literal(value[pos:]))
     return '"' + "".join(parts) + '"'
@@ -136,6 +140,35 @@ for dlsched_label in "${{DLSCHED_TASKS[@]}}"; do
   [ -e "$DLSCHED_DIR/$dlsched_label.exit" ] || printf '%s\n' "$dlsched_srun_status" >"$DLSCHED_DIR/$dlsched_label.exit"
 done
 """
+
+#: The rendezvous ports (``DLSCHED_PORTS``), picked at run time by the batch script (on the
+#: allocation's first node): ``dlsched_port NODE`` takes the next port of the job's block (it starts at
+#: ``lo + (SLURM_JOB_ID * stride) % span``, so concurrent jobs start ``stride`` ports apart) that nothing
+#: listens on at node ``NODE`` (bash's /dev/tcp, bounded by ``timeout``): on this node, a connect to
+#: 127.0.0.1, where a connect that hangs is a listener with a full queue (taken); on another node, a connect
+#: to its name, where one that hangs is a firewall's drop (free, or every port would be). Ports taken are
+#: never given twice.
+PORT_PICKER = r"""# rendezvous ports: the job's block from its Slurm job id, each port one nothing listens on where it will
+DLSCHED_PORTS=()
+dlsched_port_next=$(( (${{SLURM_JOB_ID:-0}} * {stride}) % {span} ))
+dlsched_port() {{
+  local p tries=0
+  while [ "$tries" -lt {span} ]; do
+    p=$(( {lo} + dlsched_port_next ))
+    dlsched_port_next=$(( (dlsched_port_next + 1) % {span} ))
+    tries=$((tries + 1))
+    if [ "$1" = 0 ]; then
+      timeout 2 bash -c 'exec 3<>"/dev/tcp/127.0.0.1/$0"' "$p" 2>/dev/null
+      case $? in 0|124) continue;; esac
+    else
+      timeout 2 bash -c 'exec 3<>"/dev/tcp/$0/$1"' "${{DLSCHED_NODES[$1]}}" "$p" 2>/dev/null && continue
+    fi
+    DLSCHED_PORTS+=("$p")
+    return 0
+  done
+  echo "dlsched: no free port in {lo}-{hi} on ${{DLSCHED_NODES[$1]}}" >&2
+  return 1
+}}"""
 
 SCRIPT_END = r"""kill "$DLSCHED_INDEXER" 2>/dev/null
 dlsched_index once
