@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every check CI runs, from a fresh clone: buf lint, import contracts, ruff, mypy strict, pytest.
+# Every check CI runs, from a fresh clone: buf lint and breaking (against the previous commit),
+# import contracts, ruff, mypy strict, pytest.
 #
 #   bash scripts/test.sh            # all checks; exits non-zero if any fails
 #   bash scripts/test.sh -k cli     # extra arguments go to pytest
@@ -86,7 +87,16 @@ run() {  # run NAME COMMAND...
   if ! "$@"; then failed+=("$name"); fi
 }
 
+buf_breaking() {  # the API against the previous commit: no field renumbered, renamed or removed
+  if git rev-parse -q --verify 'HEAD~1^{commit}' >/dev/null 2>&1; then
+    buf breaking --against '.git#ref=HEAD~1'
+  else
+    echo "this clone has no previous commit (shallow): buf breaking has nothing to compare with"
+  fi
+}
+
 run "buf lint" buf lint
+run "buf breaking" buf_breaking
 run "lint-imports" lint-imports
 run "ruff check" ruff check .
 run "mypy (strict)" mypy
