@@ -1,0 +1,120 @@
+"""One request costs memory in proportion to its own size (issue 16 item 4).
+
+The local stack runs as real processes (etcd, ClusterManager, the local
+driver, JobManager). Twenty SubmitJob requests of ~7 MB each are refused
+RESOURCE_EXHAUSTED by gRPC itself (servers take requests up to 1 MiB:
+``ServerOptions.max_request_bytes``; a bare grpc.aio server taking 7 MB
+messages grows by ~150 MiB over twenty of them, whatever its handler does);
+twenty of ~900 KB, under that bound, reach the handler and are refused
+INVALID_ARGUMENT naming ``spec`` before the spec is converted; a dry-run of
+the largest job the validator lets through (10,000 replicas x 10 processes,
+the 100,000-process bound) is refused by the local driver before it plans a
+process. JobManager's and the driver's resident memory stay within +50 MiB
+of where they were (they grew by ~1.3 GiB and ~0.9 GiB before the bounds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from dlsched.client import JobManagerClient
+from dlsched.kit.rpc_errors import error_info, field_violations
+from dlsched.spec_rules import MAX_SPEC_BYTES
+from dlsched.v1 import job_manager_service_pb2 as pb
+from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
+from dlsched.v1 import job_pb2
+from tests.harness import EtcdServer, ServiceProcess, Stack
+
+MIB = 1024 * 1024
+ALLOWED_GROWTH = 50 * MIB
+
+
+def rss(svc: ServiceProcess) -> int:
+    assert svc.proc is not None
+    with open(f"/proc/{svc.proc.pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.fixture(scope="module")
+def stack(etcd: EtcdServer) -> Iterator[Stack]:
+    s = Stack(etcd, f"/dlsched-mem-{uuid.uuid4().hex[:8]}/")
+    with s.running():
+        asyncio.run(s.register_local())
+        yield s
+
+
+def _group(**kw: object) -> job_pb2.ReplicaGroup:
+    return job_pb2.ReplicaGroup(role="main", replicas=1, command=["true"], **kw)  # type: ignore[arg-type]
+
+
+def huge_spec(size: int) -> job_pb2.JobSpec:
+    """A spec of about ``size`` serialized bytes: many env values, each within the string bound."""
+    value = "v" * 60_000
+    env = {f"E{i}": value for i in range(size // 60_000 + 1)}
+    return job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS,
+                           replica_groups=[_group(env=env)])
+
+
+def largest_spec() -> job_pb2.JobSpec:
+    """The largest job validation accepts: 100,000 processes and ~200 KiB of env."""
+    env = {f"E{i}": "x" * 1000 for i in range(200)}
+    return job_pb2.JobSpec(
+        run_mode=job_pb2.RUN_MODE_MULTI_PROCESS,
+        cluster_selector=job_pb2.ClusterSelector(cluster_type=job_pb2.CLUSTER_TYPE_LOCAL),
+        replica_groups=[job_pb2.ReplicaGroup(role="main", replicas=10_000, processes_per_replica=10,
+                                             command=["true"], env=env)])
+
+
+async def _probe(stack: Stack) -> None:
+    assert stack.jm is not None
+    async with JobManagerClient(stack.jm.address) as client:
+        stub = pb_grpc.JobManagerServiceStub(client.channel)
+        # Warm both services' code paths so the baseline is not their first call.
+        ok = await stub.SubmitJob(pb.SubmitJobRequest(
+            spec=job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS,
+                                 replica_groups=[_group()]),
+            request_id=uuid.uuid4().hex, dry_run=True), timeout=60)
+        assert ok.dry_run.native_spec
+        before = (rss(stack.jm), rss(stack.driver))
+
+        big = huge_spec(7 * 1000 * 1000)
+        assert big.ByteSize() > 7_000_000
+        for _ in range(20):
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.SubmitJob(pb.SubmitJobRequest(spec=big, request_id=uuid.uuid4().hex),
+                                     timeout=60)
+            assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, ei.value.details()
+            assert "larger than max" in (ei.value.details() or "")
+
+        over = huge_spec(900 * 1000)
+        assert 4 * MAX_SPEC_BYTES > over.ByteSize() > 3 * MAX_SPEC_BYTES
+        for _ in range(20):
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.SubmitJob(pb.SubmitJobRequest(spec=over, request_id=uuid.uuid4().hex),
+                                     timeout=60)
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value.details()
+            assert [v.field for v in field_violations(ei.value)] == ["spec"]
+
+        largest = largest_spec()
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stub.SubmitJob(pb.SubmitJobRequest(spec=largest, request_id=uuid.uuid4().hex,
+                                                     dry_run=True), timeout=120)
+        assert ei.value.code() in (grpc.StatusCode.INVALID_ARGUMENT,
+                                   grpc.StatusCode.FAILED_PRECONDITION), ei.value.details()
+        assert error_info(ei.value) is not None
+        after = (rss(stack.jm), rss(stack.driver))
+
+    for name, b, a in zip(("JobManager", "local driver"), before, after, strict=True):
+        assert a - b <= ALLOWED_GROWTH, f"{name} grew {(a - b) / MIB:.1f} MiB ({b / MIB:.0f} -> {a / MIB:.0f})"
+
+
+def test_oversized_and_largest_requests_cost_bounded_memory(stack: Stack) -> None:
+    asyncio.run(_probe(stack))
