@@ -41,6 +41,11 @@ MAX_STRING_BYTES = 64 * 1024
 MAX_REPLICAS = 10_000  # per group
 MAX_PROCESSES_PER_REPLICA = 1024
 MAX_PROCESSES = 100_000  # replicas x processes over the job
+# What the job weighs once every process carries its own copy of its group's command, args,
+# env and working dir (Slurm exports per process, Kubernetes writes env per container): the
+# bound on what any renderer may produce from one spec. Without it, a 200 KB spec of 10,000
+# replicas asked the Slurm renderer for a 20 GB script and Kubernetes' for 20 GB of YAML.
+MAX_EXPANDED_BYTES = 16 * 1024 * 1024
 MAX_RETRIES = 10
 MAX_LABEL = 63
 MAX_LABEL_KEY = 253 + 1 + MAX_LABEL
@@ -166,7 +171,20 @@ def check_bounds(spec: Any, spec_bytes: int | None = None, field: str = "spec") 
     for where, s in _strings(spec):
         if len(s) > MAX_STRING_BYTES or len(s.encode("utf-8", "surrogatepass")) > MAX_STRING_BYTES:
             return [FieldViolation(where.replace("spec", field, 1), f"at most {MAX_STRING_BYTES} bytes")]
+    expanded = sum(max(0, g.replicas) * max(1, g.processes_per_replica) * _per_process_bytes(g)
+                   for g in groups)
+    if expanded > MAX_EXPANDED_BYTES:
+        return [FieldViolation(f"{field}.replica_groups",
+                               f"{expanded} bytes of command, args, env and working dir once every "
+                               f"process has its own copy, at most {MAX_EXPANDED_BYTES}: use fewer "
+                               "replicas or a smaller env (e.g. a file the job reads)")]
     return []
+
+
+def _per_process_bytes(g: _Group) -> int:
+    """The bytes of one process's command, args, env and working dir (characters: a bound)."""
+    return (len(g.working_dir) + sum(len(a) + 1 for a in g.command) + sum(len(a) + 1 for a in g.args)
+            + sum(len(k) + len(v) + 2 for k, v in g.env.items()))
 
 
 def _labels(out: list[FieldViolation], field: str, labels: Mapping[str, str]) -> None:
