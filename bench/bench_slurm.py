@@ -18,9 +18,15 @@ a process (tests.harness), then measures, in one run:
 - status freshness: each job writes ``time.time()`` just before it exits; the time from that to
   the terminal event on WatchJobObservations (target p99 <= poll interval + 200 ms);
 - log follow: 4 followers of a job that prints its clock every 0.2 s for 8 s, on this driver
-  (each follower streams on one channel) against a second driver run with
+  (each follower streams on one channel; its remote loop looks every ``--log-stream-interval``,
+  0.1 s), on a driver with the previous 0.2 s loop, and on a driver run with
   ``--max-log-streams 0`` (every follower reads by polls), same job: remote commands per
-  follower (the drivers' /metrics ``tail`` calls) and line latency (receipt - printed time).
+  follower (the drivers' /metrics ``tail`` calls) and line latency (the time the job printed in
+  the line -> the line at the client) (target p50 <= 100 ms);
+- slurmctld RPCs per second (sdiag) of a cluster with 10 tracked jobs, through the real stack
+  (etcd, ClusterManager's health checks every 0.5 s, JobManager's observation stream, the driver)
+  over ``--rpc-window`` seconds, next to the driver alone (its poll rounds at 10 tracked jobs)
+  (target <= 1 RPC/s in total).
 
 Every job is cancelled and every process stopped at the end; each phase has a deadline and the
 whole run is bounded by 5 minutes.
@@ -48,17 +54,23 @@ import asyncssh  # noqa: E402
 import grpc  # noqa: E402
 
 from bench.stats import ms, pct  # noqa: E402
+from dlsched.v1 import cluster_manager_service_pb2 as cm_pb  # noqa: E402
+from dlsched.v1 import cluster_manager_service_pb2_grpc as cm_grpc  # noqa: E402
 from dlsched.v1 import cluster_pb2, driver_service_pb2_grpc, job_pb2  # noqa: E402
 from dlsched.v1 import driver_service_pb2 as dpb  # noqa: E402
+from dlsched.v1 import job_manager_service_pb2 as jpb  # noqa: E402
+from dlsched.v1 import job_manager_service_pb2_grpc as jm_grpc  # noqa: E402
 from drivers.slurm.poller import MIN_INTERVAL  # noqa: E402
 from tests import security, slurm_cluster  # noqa: E402
-from tests.harness import ServiceProcess, backend_calls  # noqa: E402
+from tests.harness import EtcdServer, ServiceProcess, Stack, backend_calls  # noqa: E402
 
 PY = sys.executable
 PLAIN = "clusters/bench"
 COUNTED = "clusters/bench-count"
 TERMINAL = (job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_STOPPED)
-BOUND_S = 300
+BOUND_S = 420
+#: sdiag message types that are not a client's load: sdiag itself, slurmd's registrations, pings
+NOT_LOAD = ("REQUEST_STATS_INFO", "MESSAGE_NODE_REGISTRATION_STATUS", "REQUEST_PING")
 
 
 def spec(code: str, cpu: float = 1) -> job_pb2.JobSpec:
@@ -164,14 +176,15 @@ class Bench:
 
     # ------------------------------------------------------------------ log follow
 
-    async def follow(self, polling: driver_service_pb2_grpc.DriverServiceStub
-                     ) -> dict[str, tuple[list[float], int]]:
-        """The same job followed by 4 streaming and 4 polling followers: line latencies, and
-        the job's id (the caller reads each driver's ``tail`` count)."""
+    async def follow(self, polling: driver_service_pb2_grpc.DriverServiceStub,
+                     before: driver_service_pb2_grpc.DriverServiceStub) -> dict[str, tuple[list[float], int]]:
+        """The same job followed by 4 streaming, 4 streaming at the previous loop interval and
+        4 polling followers: line latencies (the caller reads each driver's ``tail`` count)."""
         jid = self.new_id("follow")
         code = "import time\nfor i in range(40):\n    print(repr(time.time()), flush=True)\n    time.sleep(0.2)"
         backend = (await self.launch(PLAIN, jid, spec(code))).backend_job_id
-        await polling.ConfigureCluster(self.configure_request(PLAIN), timeout=30)
+        for other in (polling, before):
+            await other.ConfigureCluster(self.configure_request(PLAIN), timeout=30)
 
         async def one(stub: driver_service_pb2_grpc.DriverServiceStub) -> list[float]:
             lat: list[float] = []
@@ -181,14 +194,70 @@ class Bench:
                 lat.extend(now - float(e.text) for e in resp.entries if e.text.replace(".", "", 1).isdigit())
             return lat
 
-        await polling.BatchGetJobObservations(  # the second driver adopts the job by its Slurm id
-            dpb.BatchGetJobObservationsRequest(
-            cluster=PLAIN, jobs=[dpb.JobRef(job_id=jid, backend_job_id=backend)]), timeout=60)
+        for other in (polling, before):  # the other drivers adopt the job by its Slurm id
+            await other.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
+                cluster=PLAIN, jobs=[dpb.JobRef(job_id=jid, backend_job_id=backend)]), timeout=60)
         got = await asyncio.wait_for(asyncio.gather(*(one(self.stub) for _ in range(4)),
-                                                    *(one(polling) for _ in range(4))), 120)
+                                                    *(one(polling) for _ in range(4)),
+                                                    *(one(before) for _ in range(4))), 120)
         stream = [x for xs in got[:4] for x in xs]
-        poll = [x for xs in got[4:] for x in xs]
-        return {"stream": (stream, 4), "poll": (poll, 4)}
+        poll = [x for xs in got[4:8] for x in xs]
+        old = [x for xs in got[8:] for x in xs]
+        return {"stream": (stream, 4), "poll": (poll, 4), "before": (old, 4)}
+
+    # ------------------------------------------------------------------ controller load through the stack
+
+    async def through_stack(self, driver_address: str) -> dict[str, float]:
+        """10 tracked jobs submitted through JobManager to the Slurm cluster registered in
+        ClusterManager (health checks every 0.5 s): slurmctld's RPCs per second over the window."""
+        etcd = EtcdServer().start()
+        st = Stack(etcd, f"/bench-slurm-{self.run_id}/")
+        try:
+            await asyncio.to_thread(st.start)
+            assert st.jm is not None
+            c = self.cluster
+            async with security.channel(st.cm.address) as cch, security.channel(st.jm.address) as jch:
+                cm = cm_grpc.ClusterManagerServiceStub(cch)
+                jm = jm_grpc.JobManagerServiceStub(jch)
+                await cm.CreateCluster(cm_pb.CreateClusterRequest(cluster_id="slurm", cluster=cluster_pb2.Cluster(
+                    type=job_pb2.CLUSTER_TYPE_SLURM, address=c.address, driver_address=driver_address,
+                    options=c.options(), credentials=cluster_pb2.ClusterCredentials(ssh=cluster_pb2.SshCredentials(
+                        username=c.user, private_key=c.user_key, known_host_keys=[c.host_key_pub])))), timeout=30)
+                deadline = time.monotonic() + 60
+                while (await cm.GetCluster(cm_pb.GetClusterRequest(name="clusters/slurm"), timeout=10)
+                       ).cluster.state != cluster_pb2.CLUSTER_STATE_READY:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("the Slurm cluster was never READY in ClusterManager")
+                    await asyncio.sleep(0.3)
+                names = []
+                for _ in range(10):  # long sleepers: 8 run (2 CPUs, OverSubscribe=FORCE:4), 2 wait
+                    s = spec("import time; time.sleep(3600)", cpu=0.25)
+                    s.cluster_selector.cluster = "slurm"
+                    names.append((await jm.SubmitJob(jpb.SubmitJobRequest(job_id=self.new_id("stack"), spec=s),
+                                                     timeout=60)).job.name)
+                deadline = time.monotonic() + 90
+                placed = (job_pb2.JOB_STATE_QUEUED, job_pb2.JOB_STATE_RUNNING)
+                while [n for n in names
+                       if (await jm.GetJob(jpb.GetJobRequest(name=n), timeout=10)).job.state not in placed]:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("the stack's jobs never all QUEUED or RUNNING")
+                    await asyncio.sleep(0.5)
+                await asyncio.sleep(3)  # the jobs' own start-up RPCs are over
+                await asyncio.to_thread(self.cluster.run, "sdiag", "--reset")
+                start = time.monotonic()
+                await asyncio.sleep(self.args.rpc_window)
+                sdiag = (await asyncio.to_thread(self.cluster.run, "sdiag")).stdout
+                seconds = time.monotonic() - start
+                for n in names:
+                    await jm.StopJob(jpb.StopJobRequest(name=n), timeout=30)
+                await cm.DeleteCluster(cm_pb.DeleteClusterRequest(name="clusters/slurm"), timeout=30)
+        finally:
+            await asyncio.to_thread(st.stop)
+            await asyncio.to_thread(etcd.stop)
+        counts = sdiag_counts(sdiag)
+        load = {k: v for k, v in counts.items() if k not in NOT_LOAD}
+        return {"rpcs": sum(load.values()), "seconds": seconds, "per_s": sum(load.values()) / seconds,
+                **{k: float(v) for k, v in load.items()}}
 
     # ------------------------------------------------------------------ submit latency
 
@@ -305,12 +374,11 @@ class Bench:
                      for a, b in zip(starts, starts[1:] + [end], strict=False)]
         squeue = sum(1 for _, name, _ in log if name == "squeue")
         follow = sum(1 for _, name, args in log if name == "scontrol" and "show job" in args)
-        rpcs = sum(v for k, v in sdiag_counts(sdiag).items()
-                   if k not in ("REQUEST_STATS_INFO", "MESSAGE_NODE_REGISTRATION_STATUS", "REQUEST_PING"))
+        rpcs = sum(v for k, v in sdiag_counts(sdiag).items() if k not in NOT_LOAD)
         r = max(1, len(starts))
         return {"rounds": len(starts), "squeue": squeue / r, "follow": follow / r,
                 "other": (len(log) - squeue - follow) / r, "max": max(per_round, default=0),
-                "rpcs": rpcs / r, "seconds": end - start,
+                "rpcs": rpcs / r, "seconds": end - start, "rpc_s": rpcs / (end - start),
                 "gap": (starts[-1] - starts[0]) / (len(starts) - 1) if len(starts) > 1 else float("nan")}
 
 
@@ -345,6 +413,7 @@ async def run(args: argparse.Namespace) -> int:
     cluster = slurm_cluster.SlurmCluster()
     driver: ServiceProcess | None = None
     poller: ServiceProcess | None = None
+    before: ServiceProcess | None = None
     try:
         await asyncio.to_thread(cluster.start)
         metrics = ["--metrics-listen", "127.0.0.1:0"]
@@ -353,15 +422,23 @@ async def run(args: argparse.Namespace) -> int:
         poller = ServiceProcess("drivers.slurm", ["--poll-interval", str(args.poll_interval),
                                                   "--max-log-streams", "0", *metrics],
                                 name="slurm-driver-polling-logs").start()
+        before = ServiceProcess("drivers.slurm", ["--poll-interval", str(args.poll_interval),
+                                                  "--log-stream-interval", "0.2", *metrics],
+                                name="slurm-driver-stream-0.2").start()
         async with security.channel(driver.address) as ch, \
-                security.channel(poller.address) as pch:
+                security.channel(poller.address) as pch, security.channel(before.address) as bch:
             stub = driver_service_pb2_grpc.DriverServiceStub(ch)
             b = Bench(args, cluster, stub, tmp)
             await stub.ConfigureCluster(b.configure_request(PLAIN), timeout=30)
             print(f"slurm up: ssh {cluster.address}, driver {driver.address}", file=sys.stderr)
-            tails0 = [_tails(driver), _tails(poller)]
-            follow = await b.follow(driver_service_pb2_grpc.DriverServiceStub(pch))
-            tails = {"stream": _tails(driver) - tails0[0], "poll": _tails(poller) - tails0[1]}
+            tails0 = [_tails(driver), _tails(poller), _tails(before)]
+            follow = await b.follow(driver_service_pb2_grpc.DriverServiceStub(pch),
+                                    driver_service_pb2_grpc.DriverServiceStub(bch))
+            tails = {"stream": _tails(driver) - tails0[0], "poll": _tails(poller) - tails0[1],
+                     "before": _tails(before) - tails0[2]}
+            for other in (pch, bch):
+                await driver_service_pb2_grpc.DriverServiceStub(other).RemoveCluster(
+                    dpb.RemoveClusterRequest(cluster=PLAIN), timeout=30)
             print("log follow: done", file=sys.stderr)
             fresh, missed = await b.freshness()
             print(f"freshness: {len(fresh)} samples", file=sys.stderr)
@@ -371,8 +448,11 @@ async def run(args: argparse.Namespace) -> int:
             cluster.run("scancel", "--user", cluster.user)  # the submit phase's pending jobs
             counts, launch_rate = await b.rounds()
             await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=COUNTED), timeout=30)
+            cluster.run("scancel", "--user", cluster.user)
+            stack = await b.through_stack(driver.address)
+            print("controller load through the stack: done", file=sys.stderr)
     finally:
-        for svc in (driver, poller):
+        for svc in (driver, poller, before):
             if svc is not None:
                 svc.stop()
                 shutil.rmtree(svc.dir, ignore_errors=True)
@@ -401,11 +481,19 @@ async def run(args: argparse.Namespace) -> int:
           " LaunchJob = that hop + the driver's sbatch)")
     print()
     print(f"{'log follow, 4 followers, 8 s job':<40}{'p50':>11}  {'p99':>11}  {'commands/follower':>18}")
-    for name, key in (("streaming (one channel per follower)", "stream"),
+    for name, key in (("streaming, remote loop every 0.1 s", "stream"),
+                      ("streaming, every 0.2 s (before)", "before"),
                       ("polling (--max-log-streams 0)", "poll")):
         lat, k = follow[key]
         print(f"{name:<40}{ms(pct(lat, 50))}  {ms(pct(lat, 99))}  {tails[key] / k:18.1f}")
     print("  (latency: the driver's receipt of a line - the time the job printed in it)")
+    print()
+    driver_alone = next((c for n, c in counts if n == 10), counts[0][1])
+    print(f"slurmctld RPCs per second, 10 tracked jobs (sdiag, less {', '.join(NOT_LOAD)})")
+    print(f"  driver alone (its poll rounds)               {driver_alone['rpc_s']:6.2f} RPC/s")
+    print(f"  through ClusterManager + JobManager + driver {stack['per_s']:6.2f} RPC/s "
+          f"({stack['rpcs']:.0f} in {stack['seconds']:.0f} s: "
+          + ", ".join(f"{k} {v:.0f}" for k, v in stack.items() if k.startswith(("REQUEST_", "MESSAGE_"))) + ")")
     print()
     ratio = pct(ours, 50) / pct(bare, 50)
     speedup = sum(ssh) / sum(ours)
@@ -422,6 +510,9 @@ async def run(args: argparse.Namespace) -> int:
         (f"fresh ssh loop / LaunchJob, {n} jobs", speedup, ">= 5x", speedup >= 5),
         ("status freshness p99 (s)", pct(fresh, 99), f"<= {interval + 0.2:g}",
          bool(fresh) and pct(fresh, 99) <= interval + 0.2),
+        ("log follow p50, streaming (s)", pct(follow["stream"][0], 50), "<= 0.1",
+         bool(follow["stream"][0]) and pct(follow["stream"][0], 50) <= 0.1),
+        ("controller RPC/s, 10 jobs, whole stack", stack["per_s"], "<= 1", stack["per_s"] <= 1.0),
     ]
     print(f"{'target':<40}{'measured':>10}  {'target':>9}  result")
     ok = True
@@ -445,6 +536,8 @@ def main() -> None:
     p.add_argument("--tracked", type=int, nargs="+", default=[10, 100, 1000],
                    help="tracked-job counts, ascending (default 10 100 1000)")
     p.add_argument("--rounds", type=int, default=5, help="poll rounds observed per count")
+    p.add_argument("--rpc-window", type=float, default=60.0,
+                   help="seconds of sdiag counting through the stack (default 60: one capacity look-up)")
     p.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     args = p.parse_args()
     try:

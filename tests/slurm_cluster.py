@@ -50,7 +50,10 @@ def available() -> str:
 
 
 class SlurmCluster:
-    def __init__(self) -> None:
+    def __init__(self, cpus: int = 2) -> None:
+        """``cpus``: the node's CPUs in slurm.conf; more than the machine has, slurmd takes the
+        configured count (``SlurmdParameters=config_overrides``) so a job may run more tasks."""
+        self.cpus = cpus
         self.dir = tempfile.mkdtemp(prefix="dlsched-slurm-")
         os.chmod(self.dir, 0o755)
         self.node = socket.gethostname().split(".")[0]
@@ -153,7 +156,8 @@ InactiveLimit=0
 KillWait=5
 MinJobAge=600
 MessageTimeout=10
-NodeName={self.node} NodeAddr=127.0.0.1 CPUs=2 RealMemory=1000 State=UNKNOWN
+{"SlurmdParameters=config_overrides" if self.cpus != 2 else ""}
+NodeName={self.node} NodeAddr=127.0.0.1 CPUs={self.cpus} RealMemory=1000 State=UNKNOWN
 PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE
 """
         with open(self.conf, "w") as f:

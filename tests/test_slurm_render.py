@@ -280,4 +280,4 @@ def test_mpi_launcher_argv_reaches_the_ranks_verbatim():
                          timeout=30, check=True).stdout.decode()
     assert shlex.split(got) == ["./hello", *args]
     (mpirun,) = [ln.strip() for ln in script.splitlines() if "exec mpirun " in ln]
-    assert mpirun.endswith(shlex.join(planner.MPI_RANK_PROGRAM)) and "hello" not in mpirun
+    assert mpirun.endswith(shlex.join(planner.MPI_RANK_PROGRAM) + " ) &") and "hello" not in mpirun

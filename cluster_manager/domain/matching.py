@@ -2,7 +2,8 @@
 clusters to ranked candidates, each with the reasons for its rank.
 
 Rules, in order: the selector (name, type, labels) filters; the cluster must
-be READY; the run mode must be supported; every replica must fit on one node
+be READY or DEGRADED (reachable but slow: a job matched to it is stored and
+launched as it recovers); the run mode must be supported; every replica must fit on one node
 (CPUs, memory, GPUs, GPU model); the whole job must fit the cluster's total
 capacity. Eligible clusters score 1 when the job fits the *free* capacity now
 (0 when it would queue) plus the share of free capacity left after placing it
@@ -30,6 +31,8 @@ from .models import (
 )
 
 GIB = 1024**3
+#: Cluster states a job may be matched to (DEGRADED: reachable, slow; its launches are retried).
+ELIGIBLE_STATES = frozenset({ClusterState.READY, ClusterState.DEGRADED})
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,7 @@ def _evaluate(job: JobRequirements, c: Cluster) -> Candidate:
         refusals.append(f"project {job.project} may not use this cluster")
     if refusals:
         return _refused(c, refusals)
-    if c.state is not ClusterState.READY:
+    if c.state not in ELIGIBLE_STATES:
         msg = f"state is {c.state.value}"
         refusals.append(f"{msg}: {c.state_message}" if c.state_message else msg)
         return _refused(c, refusals)

@@ -27,6 +27,7 @@ class ClusterState(enum.Enum):
     READY = "READY"
     UNREACHABLE = "UNREACHABLE"
     DRIVER_UNAVAILABLE = "DRIVER_UNAVAILABLE"
+    DEGRADED = "DEGRADED"
 
 
 class RunMode(enum.Enum):

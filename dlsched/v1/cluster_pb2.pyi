@@ -18,11 +18,13 @@ class ClusterState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     CLUSTER_STATE_READY: _ClassVar[ClusterState]
     CLUSTER_STATE_UNREACHABLE: _ClassVar[ClusterState]
     CLUSTER_STATE_DRIVER_UNAVAILABLE: _ClassVar[ClusterState]
+    CLUSTER_STATE_DEGRADED: _ClassVar[ClusterState]
 CLUSTER_STATE_UNSPECIFIED: ClusterState
 CLUSTER_STATE_PENDING: ClusterState
 CLUSTER_STATE_READY: ClusterState
 CLUSTER_STATE_UNREACHABLE: ClusterState
 CLUSTER_STATE_DRIVER_UNAVAILABLE: ClusterState
+CLUSTER_STATE_DEGRADED: ClusterState
 
 class SshCredentials(_message.Message):
     __slots__ = ("username", "private_key", "known_host_keys")

@@ -98,6 +98,7 @@ class ClusterState(enum.IntEnum):
     READY = 2
     UNREACHABLE = 3
     DRIVER_UNAVAILABLE = 4
+    DEGRADED = 5
 
 
 # --------------------------------------------------------------------------- errors

@@ -65,7 +65,7 @@ from drivers.common.registry import BackendUnavailable
 from drivers.slurm import poller as poll
 from drivers.slurm import render
 from drivers.slurm.render import SlurmScript
-from drivers.slurm.ssh import SshClient, Started
+from drivers.slurm.ssh import Congested, SshClient, Started
 
 log = logging.getLogger("dlsched.driver.slurm")
 
@@ -205,6 +205,18 @@ class SlurmClient:
         accounting = "accounting_storage/none" not in config if mark and "AccountingStorageType" in config else None
         return nodes, accounting
 
+    async def controller_down(self) -> str:
+        """Why slurmctld does not answer at all (``scontrol ping``: one quick RPC, DOWN at once
+        when nothing listens, where squeue retries for ~10 s), or "" when it answers or the
+        ping itself was too slow to tell; transport failures other than slowness raise."""
+        try:
+            r = await self.ssh.run("scontrol ping", time_limit=INFO_TIME_LIMIT)
+        except Congested:
+            return ""
+        if r.exit_status != 0 and "DOWN" in r.stdout:
+            return " ".join(r.stdout.split("*", 1)[0].split())[:300]
+        return ""
+
     async def cancel(self, backend_job_id: str) -> None:
         """``scancel`` (Slurm sends SIGTERM, then SIGKILL after KillWait); an ended job is fine."""
         rc, _, err = await self.run(f"scancel {shlex.quote(backend_job_id)}")
@@ -238,7 +250,8 @@ class SlurmClient:
                 continue
             error = exit_error("squeue", rc, err)
             if error is None:
-                return oldest_first(j for j in poll.parse_squeue(out).values() if j.comment == script.comment)
+                return oldest_first(j for j in poll.parse_squeue(out).values()
+                                    if j.comment == script.comment and not voided(j))
             log.warning("look-up of %s: %s", script.comment, error.message)
         assert error is not None
         raise error
@@ -272,7 +285,11 @@ class SlurmClient:
         except SbatchRejected:
             unsure.discard(script.comment)  # refused, and the look-up found nothing
             raise
-        await self.release(jid)
+        try:
+            await self.release(jid)
+        except DlschedError:
+            late[script.comment] = time.monotonic()  # held in Slurm: keep polling, so it is seen
+            raise
         unsure.discard(script.comment)
         return jid
 
@@ -344,6 +361,12 @@ class SlurmClient:
 def is_held(job: poll.SlurmJob) -> bool:
     """Whether the job waits in the hold every dlsched submission starts in."""
     return job.state.startswith("PENDING") and job.reason in HELD_REASONS
+
+
+def voided(job: poll.SlurmJob) -> bool:
+    """Cancelled while still held, before any allocation: never released, so it never ran and
+    no driver adopted it. A launch of its attempt passes over it (submits anew)."""
+    return job.state.startswith("CANCELLED") and job.reason in HELD_REASONS and not job.nodes
 
 
 def oldest_first(jobs: Iterable[poll.SlurmJob]) -> list[poll.SlurmJob]:

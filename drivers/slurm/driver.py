@@ -5,8 +5,8 @@ A cluster's address is the login node ``host[:port]``; its credentials are
 names (``SLURM_CONF``, ``PATH`` ...) are exported before every remote
 command; ``partition`` (the default partition), ``state_dir`` (where job
 scripts write their logs; default ``.dlsched/slurm`` under the SSH user's
-home; must be shared with the compute nodes) and ``max_nodes`` go to
-``render``.
+home; must be shared with the compute nodes), ``max_nodes`` and ``port_range``
+(``LO-HI``, where the job script picks rendezvous ports) go to ``render``.
 
 The driver is the kit's ``BackendDriver`` (``drivers.common.skeleton``: the
 public operations, the attempt rules, cluster look-up) over these hooks and
@@ -26,9 +26,18 @@ jobs by ``dlsched-`` comment, and any job of a tracked attempt other than
 the adopted one that has not ended is cancelled on sight; it was submitted
 held and never released, so it never ran (an ``sbatch`` that timed out and
 landed afterwards; after such an ``sbatch`` the attempt is polled for
-``adapter.LATE_WINDOW``, 10 minutes, even once its job has ended). Extra jobs of an attempt the cluster does not track are
-left held (another cluster configuration sharing the SSH user may own the
-attempt) until a launch adopts it. An adopted job
+``adapter.LATE_WINDOW``, 10 minutes, even once its job has ended). Held
+jobs of an attempt the cluster does not track (another cluster
+configuration or driver replica sharing the SSH user may own it) are
+cancelled only once no driver can want them: one that is not the oldest of
+its attempt (every driver adopts the oldest, and a late landing is always
+newer) after ``DUPLICATE_GRACE``, a minute, so that its own driver cancels
+it first; the oldest, held although its launch ended (a failed release that
+was never retried), after ``--held-grace``, 10 minutes, far past
+JobManager's launch retries (10 s apart at most). Nothing this driver is
+launching counts (``launching``), and a job cancelled while held is
+``voided``: a later launch of its attempt passes over it and submits anew,
+so a retry that comes after the grace never adopts a cancelled job. An adopted job
 still held (its driver died between ``sbatch`` and the release) is released
 on adoption, by a launch or by an observation. An ``sbatch`` that fails with no
 job behind it is FAILED_PRECONDITION reason ``SBATCH_REJECTED`` with Slurm's
@@ -65,6 +74,7 @@ from dataclasses import dataclass, field
 from dlsched import __version__
 from dlsched.errors import DlschedError, InvalidArgument
 from drivers.common.base import (
+    ClusterCapacity,
     ClusterConfig,
     ClusterInfo,
     ClusterState,
@@ -81,9 +91,9 @@ from drivers.common.base import (
 from drivers.common.launches import Known
 from drivers.common.planner import ALL_RUN_MODES
 from drivers.common.skeleton import BackendDriver
+from drivers.slurm import exits, render, states, usage
 from drivers.slurm import logs as slogs
 from drivers.slurm import poller as poll
-from drivers.slurm import render, states, usage
 from drivers.slurm.adapter import (
     LATE_WINDOW,
     SbatchRejected,
@@ -91,12 +101,23 @@ from drivers.slurm.adapter import (
     bounded,
     is_held,
     oldest_first,
+    voided,
 )
 from drivers.slurm.jobs import TrackedJob
 from drivers.slurm.render import SlurmScript
-from drivers.slurm.ssh import ENV_RE, HostKeyMismatch
+from drivers.slurm.ssh import ENV_RE, Congested, HostKeyMismatch
 
 log = logging.getLogger("dlsched.driver.slurm")
+
+#: Seconds GetClusterInfo may spend on the login node in all (ClusterManager waits 5 s): past
+#: it, a look-up in progress counts as slow (the command is given up and killed there).
+INFO_BUDGET = 3.5
+#: Of which the controller ping (one quick RPC) always gets at least this much.
+PING_BUDGET = 1.0
+
+#: Seconds a held job that is not the oldest of an attempt tracked elsewhere waits before it is
+#: cancelled (its own driver cancels it sooner; this is for a driver that went away).
+DUPLICATE_GRACE = 60.0
 
 __all__ = ["SbatchRejected", "SlurmConfig", "SlurmDriver"]
 
@@ -113,6 +134,18 @@ class SlurmConfig:
     max_log_streams: int = field(default=8, metadata={
         "help": "log followers streaming at once per cluster, each on one channel of a second SSH "
                 "connection (at most 9; followers beyond it read by polls)"})
+    log_stream_interval: float = field(default=slogs.STREAM_INTERVAL, metadata={
+        "help": "seconds between a log stream's looks at its files on the login node (a line "
+                "reaches the follower about half of it after it was written)"})
+    capacity_interval: float = field(default=60.0, metadata={
+        "help": "seconds between capacity look-ups (scontrol show nodes) while jobs are polled; "
+                "health then comes from the poll rounds, and each look-up takes one round's slot"})
+    idle_check_interval: float = field(default=10.0, metadata={
+        "help": "seconds between health and capacity look-ups of a cluster with no polled job"})
+    held_grace: float = field(default=600.0, metadata={
+        "help": "seconds a held dlsched job that no driver adopted (a launch never retried after a "
+                "failed release) stays queued before a poll round cancels it; a held duplicate of an "
+                "attempt not tracked here waits min(60, this)"})
 
 
 class _Cluster:
@@ -136,11 +169,22 @@ class _Cluster:
         self.to_release: set[str] = set()
         #: (action, Slurm job id) of scancel / scontrol release calls in flight.
         self.pending: set[tuple[str, str]] = set()
+        #: comments of attempts this driver is submitting or adopting right now (their jobs may be held).
+        self.launching: set[str] = set()
+        #: Slurm job id -> when (monotonic) a round first saw it held, for jobs of attempts not tracked here.
+        self.held_since: dict[str, float] = {}
         #: Whether the cluster has accounting storage (sacct answers); None until GetClusterInfo says.
         self.accounting: bool | None = None
+        #: the capacity the last good look-up (``scontrol show nodes``) found, and when (monotonic) one ended
+        self.capacity: ClusterCapacity | None = None
+        self.looked_up: float | None = None
+        #: (monotonic end, error or None) of the last look-up; the poller's rounds beside it say health
+        self.lookup_result: tuple[float, DlschedError | None] | None = None
+        self.info_lock = asyncio.Lock()
         self.poller = poll.Poller(client.run, client.username, driver.config.poll_interval, self.tracked,
                                   lambda jobs, err, complete: driver._on_round(self, jobs, err, complete),
-                                  accounting=lambda: bool(self.accounting))
+                                  accounting=lambda: bool(self.accounting),
+                                  watching=lambda: bool(self.held_since) or bool(self.late))
 
     def tracked(self) -> list[str]:
         now = time.monotonic()
@@ -163,7 +207,7 @@ class _Cluster:
 class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
     name = "slurm"
     #: kept across a reconfiguration: what was tracked; the connections, poller and warm sbatch are new
-    carry_over = ("jobs", "unsure", "late", "to_release")
+    carry_over = ("jobs", "unsure", "late", "to_release", "launching", "held_since")
     supports_logs = True
     supports_usage = True
 
@@ -180,6 +224,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         if not config.address:
             raise InvalidArgument.for_field("address", "the login node, host[:port]")
         render.state_dir_of(config.options)
+        render.port_range_of(config.options)
 
     def _unchanged(self, old: _Cluster, config: ClusterConfig) -> bool:
         a = old.config
@@ -213,19 +258,70 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         c.client.warm.refill()
 
     async def _info(self, c: _Cluster) -> ClusterInfo:
-        version = f"slurm/{__version__}"
+        """Health and capacity at a bounded controller cost: while the poller polls, health
+        is its last round (no call of its own) and capacity is looked up every
+        ``capacity_interval``, taking one round's slot (``Poller.charge``); with nothing
+        polled, one look-up (``scontrol show nodes``) every ``idle_check_interval`` says
+        both. A cluster answering slowly over a live connection (``ssh.Congested``: a
+        command timed out, no channel or session freed in time) is DEGRADED, unless
+        ``scontrol ping`` says slurmctld is down (a dead controller makes squeue wait ~10 s,
+        which may look slow); one that cannot be reached, or whose commands fail, is
+        UNREACHABLE."""
+        async with c.info_lock:  # concurrent callers share one look-up
+            deadline = time.monotonic() + INFO_BUDGET
+            busy = c.poller.busy()
+            every = self.config.capacity_interval if busy else self.config.idle_check_interval
+            if c.capacity is None:  # never answered yet: look again sooner
+                every = min(every, poll.MIN_INTERVAL)
+            if c.looked_up is None or time.monotonic() - c.looked_up >= every:
+                await self._look_up(c, busy, INFO_BUDGET - PING_BUDGET)
+            state, message = self._health(c)
+            if state is ClusterState.DEGRADED:  # slow, or is nothing answering at all?
+                try:
+                    why = await asyncio.wait_for(c.client.controller_down(),
+                                                 max(PING_BUDGET, deadline - time.monotonic()))
+                    if why:
+                        state, message = ClusterState.UNREACHABLE, f"BACKEND_UNAVAILABLE: {why}"
+                except TimeoutError:
+                    pass  # too slow to tell: DEGRADED
+                except DlschedError as e:
+                    state, message = ClusterState.UNREACHABLE, f"{e.reason}: {e.message}"
+        return ClusterInfo(state=state, message=message,
+                           capacity=c.capacity or ClusterCapacity(),
+                           supported_run_modes=ALL_RUN_MODES, driver_version=f"slurm/{__version__}")
+
+    async def _look_up(self, c: _Cluster, busy: bool, budget: float) -> None:
+        error: DlschedError | None = None
         try:
             # Bounded well below ClusterManager's deadline for GetClusterInfo: a
-            # controller that does not answer (scontrol waits ~10 s) is the
-            # cluster UNREACHABLE, not this driver unresponsive.
-            nodes, accounting = await c.client.info(ask_accounting=c.accounting is None)
+            # controller or login node that does not answer in time is the cluster
+            # slow or UNREACHABLE, never this driver unresponsive.
+            nodes, accounting = await asyncio.wait_for(c.client.info(ask_accounting=c.accounting is None),
+                                                       budget)
+        except TimeoutError:
+            error = Congested(f"the capacity look-up took over {budget:g}s")
         except DlschedError as e:
-            return ClusterInfo(state=ClusterState.UNREACHABLE, message=f"{e.reason}: {e.message}",
-                               supported_run_modes=ALL_RUN_MODES, driver_version=version)
-        if accounting is not None:
-            c.accounting = accounting
-        return ClusterInfo(state=ClusterState.READY, capacity=usage.capacity(nodes),
-                           supported_run_modes=ALL_RUN_MODES, driver_version=version)
+            error = e
+        else:
+            c.capacity = usage.capacity(nodes)
+            if accounting is not None:
+                c.accounting = accounting
+        c.looked_up = time.monotonic()
+        c.lookup_result = (c.looked_up, error)
+        if busy:
+            c.poller.charge()
+
+    def _health(self, c: _Cluster) -> tuple[ClusterState, str]:
+        """The state the latest of the poller's round and the look-up says, and why."""
+        results = [r for r in (c.poller.last_round, c.lookup_result) if r is not None]
+        error = max(results, key=lambda r: r[0])[1] if results else None
+        if isinstance(error, Congested) and c.client.ssh.connected():
+            return ClusterState.DEGRADED, f"the login node answers slowly: {error.reason}: {error.message}"
+        if error is not None:
+            return ClusterState.UNREACHABLE, f"{error.reason}: {error.message}"
+        if c.capacity is None:
+            return ClusterState.PENDING, "capacity not looked up yet"
+        return ClusterState.READY, ""
 
     # ------------------------------------------------------------------ render / launch
 
@@ -241,7 +337,11 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
 
     async def _submit(self, c: _Cluster, name: str, job_id: str, spec: JobSpec, attempt: int,
                       rendered: SlurmScript) -> LaunchResult:
-        backend_id = await c.client.submit(rendered, c.listed, c.unsure, c.late)
+        c.launching.add(rendered.comment)  # its job may sit held a while: not a stray
+        try:
+            backend_id = await c.client.submit(rendered, c.listed, c.unsure, c.late)
+        finally:
+            c.launching.discard(rendered.comment)
         job = TrackedJob(name, job_id, attempt, backend_id, rendered.dir, rendered.native_spec(),
                          roles=tuple((s.role, s.index) for s in rendered.steps))
         c.jobs[job_id] = job
@@ -259,7 +359,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         if error is None:
             attempts: dict[str, list[poll.SlurmJob]] = {}
             for listed in jobs.values():
-                if render.is_ours(listed.comment):
+                if render.is_ours(listed.comment) and not voided(listed):
                     attempts.setdefault(listed.comment, []).append(listed)
             c.listed = {comment: oldest_first(sjs)[0] for comment, sjs in attempts.items()}
             self._cancel_strays(c, attempts)
@@ -274,24 +374,44 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
                 self._publish(c, job)
                 if job.unschedulable:  # reported FAILED; take it out of Slurm's queue
                     self._later(c, "cancel", job.backend_job_id)
+            if job.needs_exits and error is None:  # ended: its processes' ends are read before the end is reported
+                self._read_exits(c, job)
 
     def _cancel_strays(self, c: _Cluster, attempts: dict[str, list[poll.SlurmJob]]) -> None:
-        """Cancel every job of a tracked attempt but the tracked one: a late-landing
-        sbatch's, held since it landed, so it never ran. An attempt this cluster does not
-        track is left alone (another cluster configuration or driver sharing the SSH user
-        may own it); its extra jobs are held, and cancelled here once a launch adopts it."""
+        """Cancel the jobs no driver will ever release (see the module docstring): of a tracked
+        attempt, every unfinished job but the tracked one, at once; of an attempt not tracked
+        here, a held job other than the oldest (every driver adopts only the oldest) after
+        ``DUPLICATE_GRACE``, and a held oldest one (its launch was never retried after a failed
+        release) after ``held_grace``. Held jobs of attempts this driver is launching are left
+        alone."""
+        now = time.monotonic()
+        held: set[str] = set()
+        grace = self.config.held_grace
         for comment, sjs in attempts.items():
-            if len(sjs) < 2 or (parsed := render.parse_comment(comment)) is None:
+            if (parsed := render.parse_comment(comment)) is None:
                 continue
             tracked = c.jobs.get(parsed[0])
-            if tracked is None or tracked.attempt != parsed[1]:
-                continue
-            for sj in sjs:
-                if sj.job_id != tracked.backend_job_id \
-                        and not states.job_state(sj.state, sj.reason).state.is_terminal():
-                    log.warning("cancelling Slurm job %s: a duplicate of %s's job %s", sj.job_id, comment,
-                                tracked.backend_job_id)
+            mine = tracked is not None and tracked.attempt == parsed[1]
+            for i, sj in enumerate(oldest_first(sjs)):
+                if states.job_state(sj.state, sj.reason).state.is_terminal():
+                    continue
+                if mine:
+                    assert tracked is not None
+                    if sj.job_id != tracked.backend_job_id:
+                        log.warning("cancelling Slurm job %s: a duplicate of %s's job %s", sj.job_id, comment,
+                                    tracked.backend_job_id)
+                        self._later(c, "cancel", sj.job_id)
+                    continue
+                if not is_held(sj) or comment in c.launching:
+                    continue
+                held.add(sj.job_id)
+                waited = now - c.held_since.setdefault(sj.job_id, now)
+                if waited >= (min(DUPLICATE_GRACE, grace) if i else grace):
+                    log.warning("cancelling Slurm job %s of %s: held %.0fs and %s", sj.job_id, comment, waited,
+                                "not the oldest of its attempt" if i else "adopted by no launch")
                     self._later(c, "cancel", sj.job_id)
+        for jid in [j for j in c.held_since if j not in held]:
+            del c.held_since[jid]
 
     def _later(self, c: _Cluster, action: str, backend_job_id: str) -> None:
         """``scancel`` (``action`` "cancel") or ``scontrol release`` ("release") of one job in
@@ -315,6 +435,30 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
                 c.pending.discard(key)
 
         task = asyncio.create_task(call(), name=f"slurm-{action}-{backend_job_id}")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _read_exits(self, c: _Cluster, job: TrackedJob) -> None:
+        """Read an ended job's exits file (``exits``) in the background, one read per job at a
+        time; the job reports its end once it is read (or could not be, ``exits.MAX_READS`` times)."""
+        key = ("exits", job.backend_job_id)
+        if key in c.pending:
+            return
+        c.pending.add(key)
+
+        async def call() -> None:
+            found = None
+            try:
+                rc, out, _ = await c.client.run(exits.read_command(job.dir))
+                found = exits.parse(out) if rc == 0 else None
+            except DlschedError as e:
+                log.warning("reading the exits of Slurm job %s: %s", job.backend_job_id, e.message)
+            finally:
+                c.pending.discard(key)
+            if job.exits_read(found) and c.jobs.get(job.job_id) is job:
+                self._publish(c, job)
+
+        task = asyncio.create_task(call(), name=f"slurm-exits-{job.backend_job_id}")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -383,7 +527,8 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         jobs = c.jobs  # the same dict after a reconfiguration (carried over)
         interval = max(slogs.LOG_POLL_FLOOR, min(1.0, self.config.poll_interval))
         return slogs.tail(lambda: self.clusters.require(c.name).client, job.dir, query,
-                          lambda: job.state.is_terminal() or jobs.get(job.job_id) is not job, interval)
+                          lambda: job.state.is_terminal() or jobs.get(job.job_id) is not job, interval,
+                          max(0.01, self.config.log_stream_interval))
 
     async def _usage(self, c: _Cluster, ref: JobRef) -> JobUsage:
         job = c.find(ref)

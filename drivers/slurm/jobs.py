@@ -12,6 +12,16 @@ code and usage are forgotten, ``backend_restarts`` carries the count and every
 message says ``(Slurm restart N)``. ``JobObservation.attempt`` stays the
 dlsched attempt on purpose: JobManager drops observations of any other
 attempt, and a requeue is not a dlsched retry.
+
+Per-replica truth: Slurm reports one state for the job, so when it reports
+the end the job holds it (``held``, still reporting what it reported before)
+until the driver has read the attempt's exits file (``needs_exits``,
+``exits_read``; ``exits``): then the end is reported once, with each
+replica's own state and exit code and the failure that decided the job named
+in the message. JobManager keeps the first terminal report it gets, so the
+replicas must be right in that one. A file that cannot be read
+(``exits.MAX_READS`` tries, one per round) leaves each replica with the
+job's state.
 """
 
 from __future__ import annotations
@@ -20,7 +30,7 @@ import time
 
 from drivers.common.base import JobObservation, JobState, NativeSpec, ReplicaStatus, ReplicaUsage
 from drivers.common.registry import STOP_REQUESTED
-from drivers.slurm import states
+from drivers.slurm import exits, states
 from drivers.slurm.poller import SlurmJob
 
 
@@ -50,6 +60,9 @@ class TrackedJob:
         self.usage: dict[tuple[str, int], ReplicaUsage] = {}  # last sample per replica
         self.accounted = False  # usage holds sacct's final figures
         self.unschedulable = False  # Slurm can never start it: FAILED here, to be cancelled there
+        self.held: SlurmJob | None = None  # Slurm's word that it ended, held until the exits file is read
+        self.exits: exits.Exits | None = None  # each process's end, read once the job ended
+        self.exit_reads = 0  # failed reads of the exits file
 
     def _reported(self) -> tuple[object, ...]:
         return (self.state, self.reason, self.message, self.exit_code, self.stale, self.start_time,
@@ -79,11 +92,18 @@ class TrackedJob:
             self.message = f"Slurm can never start the job as asked ({sj.reason}); cancelled"
             self.end_time = time.time()
             return
+        if m.state.is_terminal() and self.exits is None and self.exit_reads < exits.MAX_READS:
+            self.held = sj  # reported once the exits file is read (``exits_read``)
+            self.start_time = sj.start_time or self.start_time
+            self.nodes = sj.nodes if sj.nodes not in ("", "(null)") else self.nodes
+            return
+        self.held = None
         self.state, self.reason, self.message = m.state, m.reason, m.message
         if sj.restarts > self.restarts:  # requeued: a new run of the same attempt; forget the old one's end
             self.restarts = sj.restarts
             self.start_time = self.end_time = self.exit_code = None
             self.usage.clear()
+            self.exits, self.exit_reads = None, 0
         if self.restarts:
             self.message = f"{self.message} (Slurm restart {self.restarts})"
         if self.stop_requested and not m.state.is_terminal():
@@ -96,6 +116,24 @@ class TrackedJob:
             self.end_time = sj.end_time or time.time()
             if m.state is JobState.FAILED and sj.exit_status:
                 self.message = f"{m.message}; exit code {sj.exit_status}"
+
+    @property
+    def needs_exits(self) -> bool:
+        """Slurm said the job ended; its exits file is to be read before that is reported."""
+        return self.held is not None and not self.state.is_terminal()
+
+    def exits_read(self, found: exits.Exits | None) -> bool:
+        """The exits file (None: it could not be read); True when the job's end is now reported."""
+        if self.held is None or self.state.is_terminal():
+            return False
+        if found is None:
+            self.exit_reads += 1
+            if self.exit_reads < exits.MAX_READS:
+                return False
+        else:
+            self.exits = found
+        self.apply(self.held)
+        return True
 
     def lost(self) -> None:
         """Neither squeue nor the follow-up knows the job any more, and its end was never seen."""
@@ -113,11 +151,21 @@ class TrackedJob:
         reason, message = self.reason, self.message
         if self.stale and not self.state.is_terminal():
             reason, message = states.REASON_STALE, f"last known: {self.reason} ({self.message}); {last_error}"
-        rstate = states.replica_state(self.state)
-        replicas = tuple(ReplicaStatus(role=r, index=i, state=rstate, host=self.nodes,
-                                       exit_code=self.exit_code if self.state.is_terminal() else None)
-                         for r, i in self.roles)
+        exit_code = self.exit_code
+        if self.state.is_terminal() and self.exits is not None:
+            replicas, failure = exits.replicas(self.exits, self.roles, self.state, self.nodes)
+            if failure is not None:  # the process whose exit decided the job: named, its code the job's
+                named = f"{failure.label} exited with code {failure.status}"
+                message = named if reason == "NonZeroExit" else f"{named}; {message}"
+                if self.restarts and reason == "NonZeroExit":
+                    message += f" (Slurm restart {self.restarts})"
+                exit_code = failure.status
+        else:
+            rstate = states.replica_state(self.state)
+            replicas = tuple(ReplicaStatus(role=r, index=i, state=rstate, host=self.nodes,
+                                           exit_code=self.exit_code if self.state.is_terminal() else None)
+                             for r, i in self.roles)
         return JobObservation(job_id=self.job_id, backend_job_id=self.backend_job_id, found=True,
-                              state=self.state, reason=reason, message=message, exit_code=self.exit_code,
+                              state=self.state, reason=reason, message=message, exit_code=exit_code,
                               replicas=replicas, start_time=self.start_time, end_time=self.end_time,
                               attempt=self.attempt, backend_restarts=self.restarts)

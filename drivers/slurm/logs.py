@@ -81,8 +81,9 @@ MAX_CHUNK = 1 << 20
 #: Log tails read files on the login node, not the controller: their own, lower floor.
 LOG_POLL_FLOOR = 0.2
 #: A log stream's remote loop looks at its files this often (a stat on the login node, no SSH
-#: round trip), whatever the poll interval.
-STREAM_INTERVAL = 0.2
+#: round trip), whatever the poll interval: a line reaches the driver about half of it after it
+#: was written (0.2 s measured p50 110 ms; 0.1 s keeps p50 under 100 ms at 10 stats a second).
+STREAM_INTERVAL = 0.1
 FILTERED_INDEX = LOG_INDEX + ".filtered"
 ROUND_END = "."
 STREAM_END = "end"
@@ -354,7 +355,8 @@ class LogCursor:
 
 
 async def tail(client: Callable[[], SlurmClient], adir: str, query: LogQuery, ended: Callable[[], bool],
-               poll_interval: float) -> AsyncGenerator[list[LogEntry], None]:
+               poll_interval: float, stream_interval: float = STREAM_INTERVAL
+               ) -> AsyncGenerator[list[LogEntry], None]:
     """A tail of the attempt directory ``adir``: one framed read of every file on the
     control connection, then (``query.follow``) a stream on one channel of the log
     connection (``_stream``) while one is free, else polls every ``poll_interval``
@@ -375,7 +377,8 @@ async def tail(client: Callable[[], SlurmClient], adir: str, query: LogQuery, en
             return
         if c.log_ssh.channel_free():
             try:
-                async with contextlib.aclosing(_stream(c, adir, cursor, ended, poll_interval)) as stream:
+                async with contextlib.aclosing(_stream(c, adir, cursor, ended, poll_interval,
+                                                       stream_interval)) as stream:
                     async for batch in stream:
                         yield batch
                 return
@@ -385,12 +388,12 @@ async def tail(client: Callable[[], SlurmClient], adir: str, query: LogQuery, en
 
 
 async def _stream(c: SlurmClient, adir: str, cursor: LogCursor, ended: Callable[[], bool],
-                  check: float) -> AsyncGenerator[list[LogEntry], None]:
+                  check: float, interval: float = STREAM_INTERVAL) -> AsyncGenerator[list[LogEntry], None]:
     """Follow on one long-lived channel of the cluster's log connection (``stream_script``)
     until the job has ended and every file is drained. Rounds are applied whole, so when the
     channel fails the cursor stands at the end of the last whole round and nothing is lost or
     said twice."""
-    proc = await c.log_ssh.start(stream_script(adir, cursor.offsets(), STREAM_INTERVAL, cursor.query),
+    proc = await c.log_ssh.start(stream_script(adir, cursor.offsets(), interval, cursor.query),
                                  call="tail", wait=False)
     rounds: asyncio.Queue[list[Frame] | None | DlschedError] = asyncio.Queue()
 

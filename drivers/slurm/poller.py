@@ -21,7 +21,14 @@ and leaves the rest to sbatch, scancel and the user's own commands.
 do starts its next round at once, one that is polling keeps its schedule,
 and any number of wakes before a round coalesce into it. ``fresh()`` waits
 for the answer of the next round (adopting jobs after a restart), again
-without a round of its own.
+without a round of its own. ``charge()`` gives one round's slot to another
+controller call of the same cost (the driver's capacity look-up,
+``scontrol show nodes``, also two RPCs): the next round starts one interval
+later, so the cluster's total stays at the poller's rate.
+
+Health: each round's outcome (``last_round``: when it ended and its error)
+is what the driver's GetClusterInfo reports while the poller is busy, so the
+health check adds no controller call of its own.
 
 A failed round (SSH down, slurmctld down: non-zero exit) changes no state:
 the driver keeps every job's last known state and marks it stale. Each
@@ -42,6 +49,7 @@ from dataclasses import dataclass
 
 from dlsched.errors import DlschedError
 from dlsched.kit import metrics
+from drivers.common.registry import BackendUnavailable
 
 log = logging.getLogger("dlsched.driver.slurm.poller")
 
@@ -200,7 +208,8 @@ class Poller:
     listed, plus what the follow-up found of the wanted ones.
 
     ``tracked()`` names the Slurm job ids that need news; with none (and no
-    ``fresh()`` waiting) the poller issues nothing. ``interval`` is raised
+    ``fresh()`` waiting, and ``watching()`` false: the driver has held jobs to
+    watch) the poller issues nothing. ``interval`` is raised
     to ``floor``; tests pass a smaller floor and their own ``clock``.
     ``accounting()`` says whether the follow-up may be ``sacct``.
     ``rounds`` and ``last_round_commands`` count what the poller issued.
@@ -210,8 +219,10 @@ class Poller:
                  tracked: Callable[[], Iterable[str]],
                  on_round: Callable[[Jobs, str | None, bool], None], *,
                  floor: float = MIN_INTERVAL, clock: Callable[[], float] = time.monotonic,
-                 accounting: Callable[[], bool] = lambda: False) -> None:
+                 accounting: Callable[[], bool] = lambda: False,
+                 watching: Callable[[], bool] = lambda: False) -> None:
         self._run = run
+        self._watching = watching
         self._accounting = accounting
         self._user = user
         if interval < floor:
@@ -227,6 +238,8 @@ class Poller:
         self._waiters: list[asyncio.Future[Jobs | None]] = []
         self.rounds = 0
         self.last_round_commands = 0
+        #: (monotonic end, error or None) of the last round that finished; None before one.
+        self.last_round: tuple[float, DlschedError | None] | None = None
 
     def start(self) -> None:
         if self._task is None:
@@ -256,8 +269,17 @@ class Poller:
         self._wake.set()
         return await fut
 
+    def charge(self) -> None:
+        """Another controller call took a round's cost: the next round starts one interval later."""
+        if self._last_start is not None:
+            self._last_start = max(self._last_start, self._clock() - self.interval) + self.interval
+
+    def busy(self) -> bool:
+        """Whether rounds are running: some job is tracked or an answer is awaited."""
+        return self._task is not None and self._busy()
+
     def _busy(self) -> bool:
-        return bool(self._waiters) or any(True for _ in self._tracked())
+        return bool(self._waiters) or any(True for _ in self._tracked()) or self._watching()
 
     async def _loop(self) -> None:
         while True:
@@ -267,10 +289,11 @@ class Poller:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.interval)
                 continue
-            if self._last_start is not None:
+            while self._last_start is not None:  # again after a sleep: a charge() may have moved it
                 delay = self._last_start + self.interval - self._clock()
-                if delay > 0:
-                    await asyncio.sleep(delay)  # wakes meanwhile coalesce into the round below
+                if delay <= 0:
+                    break
+                await asyncio.sleep(delay)  # wakes meanwhile coalesce into the round below
             self._last_start = self._clock()
             waiters, self._waiters = self._waiters, []
             want, self._want = self._want, set()
@@ -299,10 +322,13 @@ class Poller:
         try:
             rc, out, err = await self._run(squeue_command(self._user))
         except DlschedError as e:
+            self.last_round = (self._clock(), e)
             self._on_round({}, f"{e.reason}: {e.message}", False)
             return None
         if rc != 0:
-            self._on_round({}, f"squeue exited {rc}: {err.strip()[:300]}", False)
+            error = f"squeue exited {rc}: {err.strip()[:300]}"
+            self.last_round = (self._clock(), BackendUnavailable(error))
+            self._on_round({}, error, False)
             return None
         jobs = parse_squeue(out)
         complete = True
@@ -317,5 +343,6 @@ class Poller:
             for jid, j in (parse_sacct(out2) if sacct else parse_scontrol_jobs(out2)).items():
                 if jid in wanted and jid not in jobs:
                     jobs[jid] = j
+        self.last_round = (self._clock(), None)
         self._on_round(jobs, None, complete)
         return jobs

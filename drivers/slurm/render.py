@@ -24,10 +24,11 @@ Ports. Jobs share nodes (Slurm may run several on one), so no rendezvous
 port is fixed: ``MASTER_PORT`` and each PS-Worker task's port (chief, ps,
 worker; the evaluator listens on none) are late-resolving tokens too
 (``@DLSCHED_PORT_k@``), picked by the batch script before any step starts
-(``shell.PORT_PICKER``): from the job's block of ``[PORT_LO, PORT_LO +
-PORT_SPAN)``, starting at ``PORT_LO + (SLURM_JOB_ID * PORT_STRIDE) %
-PORT_SPAN`` (below Linux's ephemeral range, so no outgoing connection holds
-one), each the next port that nothing listens on at the node whose process
+(``shell.PORT_PICKER``): from the job's block of the range ``[LO, HI]``
+(cluster option ``port_range``, ``LO-HI``, validated by ``port_range_of``;
+default ``PORT_LO``-``PORT_LO + PORT_SPAN - 1``, below Linux's ephemeral
+range, so no outgoing connection holds one), starting at ``LO +
+(SLURM_JOB_ID * PORT_STRIDE) % (HI - LO + 1)``, each the next port that nothing listens on at the node whose process
 will listen (node 0, where the batch script runs and the master is: a
 connect to 127.0.0.1; another node: a connect to its name). Every step's
 environment gets them, as it gets the node names.
@@ -56,14 +57,21 @@ replica's processes see all of its node's GPUs and pick one by
 and the user's ``env`` and redirects the step's output to
 ``<role>-<index>.stdout`` / ``.stderr`` in the attempt directory. PS_WORKER
 runs all its tasks in one ``srun --multi-prog`` step (one step launch for
-the job; ``_multi_prog``): each task runs a wrapper the script writes,
+the job; ``steps.multi_prog``): each task runs a wrapper the script writes,
 ``task-<t>.sh``, with its own ``TF_CONFIG`` (the picked ports, as
 ``DLSCHED_PORT_LIST``), and
 ``SLURM_HOSTFILE`` places task ``t`` on its node. MPI runs the
 launcher's ``mpirun -np N --hostfile <attempt dir>/hostfile ...`` in the
 batch script itself (on the allocation's first node; Open MPI launches its
 daemons through Slurm) after writing the hostfile from the node list; the
-workers are hosts only, nothing is started for them.
+workers are hosts only, nothing is started for them. Each rank's output
+goes to files of its own (``--output-filename <attempt dir>/mpi:nocopy``)
+and whole lines of them to the launcher's log (``steps.mpi_launcher``,
+``shell.MPI_MERGE``), so ranks never share a line. The script makes
+``DLSCHED_DIR`` absolute first thing, and the hostfile's path the planner
+gives mpirun and the ranks is that absolute path (``shell.DIR_TOKEN``), so a
+launcher with a working directory of its own finds it. The steps are
+written by ``steps``.
 
 Success rule (the plan's ``SuccessRule``), in the script, one shell function
 (``dlsched_decide``, ``shell.SUCCESS_RULE``) fed two ways: per-process steps are
@@ -73,7 +81,11 @@ the script reads them. The first failing process ends the job with its exit
 code after stopping the rest (SIGTERM to the other sruns, which forward it
 to their tasks); once every deciding process exited 0 the rest are stopped
 and the script exits 0. So Slurm's own state (COMPLETED / FAILED)
-and ``ExitCode`` are the job's.
+and ``ExitCode`` are the job's. Each process's end is also appended to the
+attempt's ``exits`` file (``end <label> <status> exit|stop``: heard of
+before or after the job was decided, after a first ``labels`` line), which
+the driver reads when the job ends (``exits``) to report every replica's
+own state and name the failure that decided the job.
 
 Quoting. Every user value that reaches the script (command, args, env
 values, working directory) is shell-quoted by ``shell.sh_quote``: printable ASCII
@@ -90,7 +102,9 @@ job's working directory by default)::
 
     <state_dir>/<job_id>.<n>.batch.stdout|.batch.stderr
     <state_dir>/<job_id>/attempt-<n>/<role>-<index>.stdout|.stderr|.exit
+    <state_dir>/<job_id>/attempt-<n>/exits             each process's end, in the order heard of
     <state_dir>/<job_id>/attempt-<n>/hostfile          MPI only
+    <state_dir>/<job_id>/attempt-<n>/mpi/<j>/rank.<r>/stdout|stderr, mpi.done   MPI only
     <state_dir>/<job_id>/attempt-<n>/task-<t>.sh, tasks.conf, tasks.hosts   PS_WORKER only
     <state_dir>/<job_id>/attempt-<n>/log.index         when each log file reached each size
 
@@ -118,42 +132,32 @@ from dlsched.errors import FieldViolation, InvalidArgument
 from dlsched.spec_rules import ENV_NAME_RE, ID_RE
 from drivers.common import planner
 from drivers.common.base import JobSpec, LogStream, NativeSpec, ReplicaGroup, RunMode
-from drivers.slurm import shell
+from drivers.slurm import shell, steps
 from drivers.slurm.shell import sh_quote
+from drivers.slurm.steps import TASKS_STEP, StepFiles
 
 MEDIA_TYPE = "text/x-shellscript"
 DEFAULT_STATE_DIR = ".dlsched/slurm"
 NAME_PREFIX = "dlsched-"
-#: Rendezvous ports: the range the batch script picks from, and how far apart concurrent jobs' blocks start.
+#: Rendezvous ports: the range the batch script picks from (cluster option ``port_range``, ``LO-HI``,
+#: default ``PORT_LO``-``PORT_LO + PORT_SPAN - 1``), and how far apart concurrent jobs' blocks start.
 PORT_LO = 10000
 PORT_SPAN = 22760  # up to 32759: below Linux's default ephemeral range (32768-60999); a multiple of the stride
 PORT_STRIDE = 8
+PORT_RANGE_RE = re.compile(r"([0-9]{1,5})-([0-9]{1,5})")
+#: The lowest port a range may start at (below it, binding needs privileges jobs do not have).
+PORT_MIN = 1024
 #: The log index file in each attempt directory, and how often the job script appends to it.
 LOG_INDEX = "log.index"
 INDEX_INTERVAL = 1
-#: PS-Worker: the name of the one ``--multi-prog`` step, and how often the script reads the tasks' exit files.
-TASKS_STEP = "dlsched-tasks"
-TASK_CHECK_INTERVAL = 0.5
 #: Values that land in #SBATCH lines or paths: validated, never quoted.
 PARTITION_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}(,[A-Za-z0-9_.-]{1,64}){0,15}\Z")
 GPU_TYPE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
 STATE_DIR_RE = re.compile(r"^(?!-)[A-Za-z0-9_./-]{1,255}\Z")
 
-__all__ = ["MEDIA_TYPE", "Checked", "Layout", "SlurmScript", "StepFiles", "attempt_dir", "batch_output", "check",
-           "emit", "job_comment", "job_name", "parse_comment", "place", "render_job", "sh_quote", "state_dir_of"]
-
-
-@dataclass(frozen=True)
-class StepFiles:
-    """Where one process's output goes."""
-
-    role: str
-    index: int
-    stdout: str
-    stderr: str
-
-    def log_path(self, stream: LogStream) -> str:
-        return self.stdout if stream is LogStream.STDOUT else self.stderr
+__all__ = ["MEDIA_TYPE", "TASKS_STEP", "Checked", "Layout", "SlurmScript", "StepFiles", "attempt_dir", "batch_output",
+           "check", "emit", "job_comment", "job_name", "parse_comment", "place", "port_range_of", "render_job",
+           "sh_quote", "state_dir_of"]
 
 
 @dataclass(frozen=True)
@@ -207,6 +211,21 @@ def state_dir_of(options: Mapping[str, str]) -> str:
     return d.rstrip("/") or "/"
 
 
+def port_range_of(options: Mapping[str, str]) -> tuple[int, int]:
+    """Cluster option ``port_range`` (``LO-HI``, inclusive) -> (LO, HI); the default without it.
+    INVALID_ARGUMENT unless ``PORT_MIN <= LO`` and ``LO + PORT_STRIDE - 1 <= HI <= 65535``."""
+    raw = options.get("port_range", "")
+    if not raw:
+        return PORT_LO, PORT_LO + PORT_SPAN - 1
+    m = PORT_RANGE_RE.fullmatch(raw)
+    lo, hi = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+    if not m or lo < PORT_MIN or hi > 65535 or hi - lo + 1 < PORT_STRIDE:
+        raise InvalidArgument.for_field(
+            "cluster.options[port_range]",
+            f"must be LO-HI with {PORT_MIN} <= LO, HI <= 65535 and at least {PORT_STRIDE} ports, e.g. 20000-29999")
+    return lo, hi
+
+
 def attempt_dir(options: Mapping[str, str], job_id: str, attempt: int) -> str:
     return f"{state_dir_of(options)}/{job_id}/attempt-{attempt}"
 
@@ -244,6 +263,7 @@ class Checked:
     partition: str  #: ``spec.queue``, else the cluster's default partition ("" for Slurm's)
     max_nodes: int | None  #: cluster option ``max_nodes``
     gpu_type: str  #: the one GPU type the groups name ("" for any)
+    ports: tuple[int, int] = (PORT_LO, PORT_LO + PORT_SPAN - 1)  #: cluster option ``port_range``, inclusive
 
 
 def check(job_id: str, spec: JobSpec, attempt: int, options: Mapping[str, str]) -> Checked:
@@ -267,11 +287,15 @@ def check(job_id: str, spec: JobSpec, attempt: int, options: Mapping[str, str]) 
             gpu_types.add(g.resources.gpu_type)
     if len(gpu_types) > 1:
         vs.append(FieldViolation("spec.replica_groups", "every group asking for GPUs must name the same gpu_type"))
+    try:
+        ports = port_range_of(options)
+    except InvalidArgument as e:
+        vs += e.violations
     if vs:
         raise InvalidArgument("; ".join(f"{v.field}: {v.description}" for v in vs), vs)
     state_dir_of(options)
     return Checked(job_id, spec, attempt, options, partition, int(max_nodes) if max_nodes else None,
-                   next(iter(gpu_types), ""))
+                   next(iter(gpu_types), ""), ports)
 
 
 def _group_violations(gf: str, g: ReplicaGroup) -> list[FieldViolation]:
@@ -326,7 +350,7 @@ def place(job: Checked) -> Layout:
                   for g, r in replicas]
     adir = attempt_dir(job.options, job.job_id, job.attempt)
     plan = planner.plan_job(job.job_id, spec, placements, master_port=shell.PORT_TOKEN.format(0),
-                            hostfile_path=f"{adir}/{planner.HOSTFILE}")
+                            hostfile_path=f"{shell.DIR_TOKEN}/{planner.HOSTFILE}", mpirun_args=steps.MPI_ARGS)
     procs_on = [0] * nodes
     mem_on = [0] * nodes
     gpus_on = [0] * nodes
@@ -353,16 +377,18 @@ def emit(lay: Layout) -> SlurmScript:
         "set -u",
         f"DLSCHED_DIR={shlex.quote(lay.dir)}",
         'mkdir -p -- "$DLSCHED_DIR" || exit 1',
+        'DLSCHED_DIR=$(cd -- "$DLSCHED_DIR" && pwd -P) || exit 1  # absolute: processes run in other directories',
         'mapfile -t DLSCHED_NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
         'if [ "${#DLSCHED_NODES[@]}" -lt ' + str(lay.nodes) + ' ]; then',
         f'  echo "dlsched: the allocation has ${{#DLSCHED_NODES[@]}} node(s), {lay.nodes} needed" >&2',
         "  exit 1",
         "fi",
         "declare -A DLSCHED_NAME=() DLSCHED_DECIDES=()",
+        f"printf '%s\\n' {shlex.quote('labels ' + ' '.join(steps.labels(plan)))} >\"$DLSCHED_DIR/{shell.EXITS}\"",
     ]
     if lay.port_nodes:
-        h += shell.PORT_PICKER.format(lo=PORT_LO, span=PORT_SPAN, hi=PORT_LO + PORT_SPAN - 1,
-                                      stride=PORT_STRIDE).splitlines()
+        lo, hi = job.ports
+        h += shell.PORT_PICKER.format(lo=lo, span=hi - lo + 1, hi=hi, stride=PORT_STRIDE).splitlines()
         h += [f"dlsched_port {n} || exit 1" for n in lay.port_nodes]
     h += shell.INDEXER.format(interval=INDEX_INTERVAL, index=LOG_INDEX).splitlines()
     if planner.HOSTFILE in plan.files:
@@ -370,14 +396,16 @@ def emit(lay: Layout) -> SlurmScript:
         for ln in plan.files[planner.HOSTFILE].splitlines():
             h.append(f"  printf '%s\\n' {shell.dq_with_tokens(ln)}")
         h.append(f'}} > "$DLSCHED_DIR/{planner.HOSTFILE}"')
-    steps: list[StepFiles] = []
+    files: list[StepFiles] = []
     if spec.run_mode is RunMode.PS_WORKER:
-        h += _multi_prog(lay, steps)
+        h += steps.multi_prog(lay, files)
     else:
-        h += _srun_steps(lay, steps)
+        if spec.run_mode is RunMode.MPI:
+            h += shell.MPI_MERGE.splitlines()
+        h += steps.srun_steps(lay, files)
     h += shell.SCRIPT_END.splitlines()
     return SlurmScript(job_id=job.job_id, attempt=job.attempt, job_name=name, comment=comment, dir=lay.dir,
-                       script="\n".join(h) + "\n", steps=tuple(steps))
+                       script="\n".join(h) + "\n", steps=tuple(files))
 
 
 def _sbatch_lines(lay: Layout, name: str, comment: str) -> list[str]:
@@ -402,120 +430,3 @@ def _sbatch_lines(lay: Layout, name: str, comment: str) -> list[str]:
         f"#SBATCH --error={batch_output(job.options, job.job_id, job.attempt, LogStream.STDERR)}",
     ]
     return h
-
-
-def _srun_steps(lay: Layout, steps: list[StepFiles]) -> list[str]:
-    """Every mode but PS-Worker: an ``srun`` step per process (the MPI launcher runs in
-    the batch script itself), each in a background subshell; the success rule waits
-    for them one by one (``wait -n``) and writes their exit files."""
-    spec, plan, adir = lay.job.spec, lay.plan, lay.dir
-    decisive = plan.success.decisive_roles
-    h: list[str] = []
-    for p in plan.processes:
-        if p.placeholder:
-            continue
-        label = f"{p.role}-{p.slot_index}"
-        files = StepFiles(p.role, p.slot_index, f"{adir}/{label}.stdout", f"{adir}/{label}.stderr")
-        steps.append(files)
-        h.append(f"# {label}: rank {p.rank}")
-        h.append("(")
-        h += _exports(spec, p, "  ")
-        argv = " ".join(sh_quote(a) for a in p.argv)
-        launcher = spec.run_mode is RunMode.MPI and p.role == "launcher"
-        if launcher:
-            if p.working_dir:
-                h.append(f"  cd -- {sh_quote(p.working_dir)} || exit 126")
-            h.append(f"  exec {argv}")
-        else:
-            node = lay.node_of[(p.role, p.replica_index)]
-            opts = [f"--job-name={label}", "--nodes=1", "--ntasks=1", f"--relative={node}",
-                    f"--cpus-per-task={lay.cpus_per_task}", "--overlap", "--export=ALL", "--kill-on-bad-exit=1"]
-            if p.working_dir:
-                opts.append(f"--chdir={sh_quote(p.working_dir)}")
-            h.append(f"  exec srun {' '.join(opts)} -- {argv}")
-        h.append(f') >"$DLSCHED_DIR/{label}.stdout" 2>"$DLSCHED_DIR/{label}.stderr" </dev/null &')
-        h.append(f"DLSCHED_NAME[$!]={label}")
-        if p.role in decisive:
-            h.append("DLSCHED_DECIDES[$!]=1")
-    h += (shell.SUCCESS_RULE + shell.WAIT_LOOP).splitlines()
-    return h
-
-
-def _exports(spec: JobSpec, p: planner.ProcessLaunch, indent: str) -> list[str]:
-    """``export`` lines of one process: the user's values quoted, the planner's with node names."""
-    user_env = _group_env(spec, p.role)
-    out = []
-    for k, v in p.env.items():
-        if not ENV_NAME_RE.match(k):
-            raise InvalidArgument.for_field("spec.replica_groups.env", f"bad variable name {k!r}")
-        val = sh_quote(v) if k in user_env or k == planner.MPI_ARGV_ENV else shell.dq_with_tokens(v)  # user data
-        out.append(f"{indent}export {k}={val}")
-    return out
-
-
-def _multi_prog(lay: Layout, steps: list[StepFiles]) -> list[str]:
-    """PS-Worker: every task in one ``srun --multi-prog`` step (one step launch for
-    the whole job, where a step per task costs slurmctld one launch each).
-
-    The batch script writes, per task ``t``, a wrapper ``task-<t>.sh`` (a quoted
-    heredoc: nothing in it expands while it is written) that exports the task's
-    variables (``TF_CONFIG`` names the nodes and ports through ``DLSCHED_NODE_LIST``
-    and ``DLSCHED_PORT_LIST``, exported as strings: arrays do not export), sends its
-    output to ``<role>-<index>.*``, runs the quoted argv and writes ``<role>-<index>.exit``. The multi-prog file
-    names only the wrappers, so srun's own parsing of it (which keeps quotes
-    literally) never sees a user value; ``SLURM_HOSTFILE`` with
-    ``--distribution=arbitrary`` puts task ``t`` on its node. The success rule
-    watches the exit files (every ``TASK_CHECK_INTERVAL`` s, and at once when
-    the step ends): the first failure, or every deciding task's success, stops
-    the step. A task stopped that way gets srun's exit status in its exit file."""
-    spec, plan, adir, node_of = lay.job.spec, lay.plan, lay.dir, lay.node_of
-    procs = [p for p in plan.processes if not p.placeholder]
-    h = [
-        f"# {len(procs)} task(s) in one step: srun --multi-prog runs task t's wrapper {adir}/task-t.sh",
-        'export DLSCHED_DIR DLSCHED_NODE_LIST="${DLSCHED_NODES[*]}" DLSCHED_PORT_LIST="${DLSCHED_PORTS[*]}"',
-        "{",
-    ]
-    for p in procs:
-        h.append(f'  printf \'%s\\n\' "${{DLSCHED_NODES[{node_of[(p.role, p.replica_index)]}]}}"')
-    h.append('} >"$DLSCHED_DIR/tasks.hosts"')
-    labels = []
-    for t, p in enumerate(procs):
-        label = f"{p.role}-{p.slot_index}"
-        labels.append(label)
-        steps.append(StepFiles(p.role, p.slot_index, f"{adir}/{label}.stdout", f"{adir}/{label}.stderr"))
-        body = [f"# {label}: rank {p.rank}", 'read -r -a DLSCHED_NODES <<<"$DLSCHED_NODE_LIST"',
-                'read -r -a DLSCHED_PORTS <<<"$DLSCHED_PORT_LIST"']
-        body += _exports(spec, p, "")
-        argv = " ".join(sh_quote(a) for a in p.argv)
-        cd = f"cd -- {sh_quote(p.working_dir)} || exit 126; " if p.working_dir else ""
-        body += [f'( {cd}exec {argv} ) >"$DLSCHED_DIR/{label}.stdout" 2>"$DLSCHED_DIR/{label}.stderr" </dev/null',
-                 "dlsched_status=$?",
-                 f'printf \'%s\\n\' "$dlsched_status" >"$DLSCHED_DIR/{label}.exit.new"',
-                 f'mv -f -- "$DLSCHED_DIR/{label}.exit.new" "$DLSCHED_DIR/{label}.exit"',
-                 'exit "$dlsched_status"']
-        end = f"DLSCHED_TASK_{t}_END"
-        # Every value is quoted onto one line (sh_quote), so no line can end the heredoc early;
-        # checked all the same, line by line, since a user value that did would run in the script.
-        if any(line == end for b in body for line in b.split("\n")):
-            raise ValueError("a wrapper line equals its heredoc delimiter")
-        h.append(f"cat >\"$DLSCHED_DIR/task-{t}.sh\" <<'{end}'")
-        h += body
-        h.append(end)
-    h.append(f"printf '%s\\n' '* bash {adir}/task-%t.sh' >\"$DLSCHED_DIR/tasks.conf\"")
-    opts = ["--job-name=" + TASKS_STEP, f"--ntasks={len(procs)}", "--distribution=arbitrary",
-            f"--cpus-per-task={lay.cpus_per_task}", "--overlap", "--export=ALL"]
-    h.append(f'SLURM_HOSTFILE="$DLSCHED_DIR/tasks.hosts" srun {" ".join(opts)} '
-             f'--multi-prog {adir}/tasks.conf </dev/null &')
-    h.append("DLSCHED_SRUN=$!")
-    h.append("DLSCHED_TASKS=(" + " ".join(labels) + ")")
-    h += [f"DLSCHED_DECIDES[{lb}]=1" for lb, p in zip(labels, procs, strict=True)
-          if p.role in plan.success.decisive_roles]
-    h += (shell.SUCCESS_RULE + shell.TASKS_LOOP.format(interval=TASK_CHECK_INTERVAL)).splitlines()
-    return h
-
-
-def _group_env(spec: JobSpec, role: str) -> Mapping[str, str]:
-    for g in spec.replica_groups:
-        if g.role == role:
-            return g.env
-    return {}

@@ -5,7 +5,8 @@ quotes, anything else as ``$'...'`` with ``\\xHH`` escapes), so each value is
 one line and reaches the program byte for byte. ``dq_with_tokens`` turns a
 planner value holding node tokens (``@DLSCHED_NODE_<n>@``) and port tokens
 (``@DLSCHED_PORT_<k>@``) into a double-quoted word naming the allocation's
-node ``n`` and the job's rendezvous port ``k`` at run time.
+node ``n`` and the job's rendezvous port ``k`` at run time (and ``@DLSCHED_DIR@`` the attempt
+directory's absolute path, ``DIR_TOKEN``).
 
 The constants below are the script's fixed functions (see ``render``): the
 success rule both launch styles share, the two ways of hearing of the
@@ -20,7 +21,9 @@ import shlex
 
 NODE_TOKEN = "@DLSCHED_NODE_{}@"
 PORT_TOKEN = "@DLSCHED_PORT_{}@"
-_TOKEN_RE = re.compile(r"@DLSCHED_(NODE|PORT)_(\d+)@")
+#: The attempt directory's absolute path (the script makes ``DLSCHED_DIR`` absolute first thing).
+DIR_TOKEN = "@DLSCHED_DIR@"
+_TOKEN_RE = re.compile(r"@DLSCHED_(?:(NODE|PORT)_(\d+)|DIR)@")
 _ARRAY = {"NODE": "DLSCHED_NODES", "PORT": "DLSCHED_PORTS"}
 _PRINTABLE = re.compile(r"^[\x20-\x7e]*\Z")
 
@@ -48,7 +51,7 @@ def dq_with_tokens(value: str) -> str:
     pos = 0
     for m in _TOKEN_RE.finditer(value):
         parts.append(_dq_literal(value[pos:m.start()]))
-        parts.append("${" + _ARRAY[m.group(1)] + "[" + m.group(2) + "]}")
+        parts.append("${" + _ARRAY[m.group(1)] + "[" + m.group(2) + "]}" if m.group(1) else "${DLSCHED_DIR}")
         pos = m.end()
     parts.append(_dq_literal(value[pos:]))
     return '"' + "".join(parts) + '"'
@@ -60,14 +63,27 @@ def _dq_literal(s: str) -> str:
     return re.sub(r'([\\$`"])', r"\\\1", s)
 
 
+#: The file in the attempt directory where the script records each process's end (``exits``
+#: parses it): a first line ``labels <label> ...`` (written when the job starts), then one
+#: ``end <label> <status> exit|stop`` line per process in the order the script heard of them:
+#: ``exit`` when it ended before the job was decided (the first such non-zero one decided a
+#: failure), ``stop`` when it ended after, stopped by the success rule (or with the step).
+EXITS = "exits"
+
 #: The success rule both launch styles share: ``dlsched_decide LABEL STATUS DECIDES``
 #: hears of each process's exit once; the first failure ends the job with its code, the
 #: deciding processes' success ends it with 0 (``DLSCHED_DECIDES`` is filled by then).
+#: ``dlsched_record LABEL STATUS`` appends the process's end to ``EXITS`` first.
 SUCCESS_RULE = r"""
 # the success rule: the first failure ends the job; the deciding processes' success ends it too
 dlsched_left=${#DLSCHED_DECIDES[@]}
 dlsched_rc=0
 dlsched_done=0
+dlsched_record() {
+  local how=exit
+  [ "$dlsched_done" = 0 ] || how=stop
+  printf 'end %s %s %s\n' "$1" "$2" "$how" >>"$DLSCHED_DIR/exits"
+}
 dlsched_decide() {
   [ "$dlsched_done" = 0 ] || return 0
   if [ "$2" != 0 ]; then
@@ -81,20 +97,31 @@ dlsched_decide() {
 }
 """
 
-#: Steps in background subshells: their exits, from ``wait -n``.
+#: Steps in background subshells: their exits, from ``wait -n``. A process that ended while bash
+#: waited for another is no job any more, and ``wait -n`` with its pid fails ("no such job", the
+#: ``-p`` variable unset): its status comes from a plain ``wait`` on that pid (bash keeps it).
 WAIT_LOOP = r"""dlsched_stop() {
   local p
   for p in "${!DLSCHED_NAME[@]}"; do kill -TERM "$p" 2>/dev/null; done
 }
 while [ "${#DLSCHED_NAME[@]}" -gt 0 ]; do
   dlsched_pid=""
-  wait -n -p dlsched_pid "${!DLSCHED_NAME[@]}"
+  wait -n -p dlsched_pid "${!DLSCHED_NAME[@]}" 2>/dev/null
   dlsched_status=$?
-  [ -n "$dlsched_pid" ] || break
+  if [ -z "${dlsched_pid:-}" ]; then  # "no such job": one ended while bash waited for another; by its pid
+    dlsched_pid=""
+    for dlsched_p in "${!DLSCHED_NAME[@]}"; do
+      kill -0 "$dlsched_p" 2>/dev/null || { dlsched_pid=$dlsched_p; break; }
+    done
+    [ -n "$dlsched_pid" ] || break
+    wait "$dlsched_pid"
+    dlsched_status=$?
+  fi
   [ -n "${DLSCHED_NAME[$dlsched_pid]:-}" ] || continue
   dlsched_label=${DLSCHED_NAME[$dlsched_pid]}
   unset "DLSCHED_NAME[$dlsched_pid]"
   printf '%s\n' "$dlsched_status" >"$DLSCHED_DIR/$dlsched_label.exit"
+  dlsched_record "$dlsched_label" "$dlsched_status"
   [ "$dlsched_done" = 0 ] || continue
   dlsched_decide "$dlsched_label" "$dlsched_status" "${DLSCHED_DECIDES[$dlsched_pid]:-}"
   [ "$dlsched_done" = 0 ] || dlsched_stop
@@ -110,6 +137,7 @@ dlsched_check() {{
     [ -z "${{DLSCHED_SEEN[$label]:-}}" ] && [ -e "$DLSCHED_DIR/$label.exit" ] || continue
     DLSCHED_SEEN[$label]=1
     read -r status <"$DLSCHED_DIR/$label.exit" || status=1
+    dlsched_record "$label" "$status"
     dlsched_decide "$label" "$status" "${{DLSCHED_DECIDES[$label]:-}}"
   done
 }}
@@ -136,8 +164,11 @@ if [ "$dlsched_done" = 0 ]; then  # the step ended with no task's word on it (sr
   dlsched_rc=$dlsched_srun_status
   [ "$dlsched_rc" != 0 ] || dlsched_rc=1
 fi
-for dlsched_label in "${{DLSCHED_TASKS[@]}}"; do
+for dlsched_label in "${{DLSCHED_TASKS[@]}}"; do  # the tasks heard of only now: stopped with the step
+  [ -z "${{DLSCHED_SEEN[$dlsched_label]:-}}" ] || continue
   [ -e "$DLSCHED_DIR/$dlsched_label.exit" ] || printf '%s\n' "$dlsched_srun_status" >"$DLSCHED_DIR/$dlsched_label.exit"
+  read -r dlsched_status <"$DLSCHED_DIR/$dlsched_label.exit" || dlsched_status=$dlsched_srun_status
+  dlsched_record "$dlsched_label" "$dlsched_status"
 done
 """
 
@@ -169,6 +200,37 @@ dlsched_port() {{
   echo "dlsched: no free port in {lo}-{hi} on ${{DLSCHED_NODES[$1]}}" >&2
   return 1
 }}"""
+
+#: MPI: ``dlsched_merge STREAM`` copies whole lines from every rank's ``STREAM`` file that mpirun
+#: writes (``mpi/<job>/rank.<r>/STREAM``) to its stdout as they come, keeping each file's partial
+#: last line until its newline arrives; once ``mpi.done`` exists (mpirun ended) one last pass, and
+#: a final line without a newline gets one. One merger per stream is the only writer of it, so
+#: ranks never share a line.
+MPI_MERGE = r"""# MPI: each rank's output, from its own files, to the launcher's log a whole line at a time
+dlsched_merge() {
+  local f line last=0 n
+  local -A fd=() part=()
+  while :; do
+    [ ! -e "$DLSCHED_DIR/mpi.done" ] || last=1
+    for f in "$DLSCHED_DIR"/mpi/*/rank.*/"$1"; do
+      [ -f "$f" ] || continue
+      if [ -z "${fd[$f]:-}" ]; then
+        exec {n}<"$f" || continue
+        fd[$f]=$n
+      fi
+      while IFS= read -r -u "${fd[$f]}" line; do
+        printf '%s\n' "${part[$f]:-}$line"
+        part[$f]=""
+      done
+      part[$f]+=$line
+    done
+    [ "$last" = 0 ] || break
+    sleep 0.1
+  done
+  for f in "${!part[@]}"; do
+    [ -z "${part[$f]}" ] || printf '%s\n' "${part[$f]}"
+  done
+}"""
 
 SCRIPT_END = r"""kill "$DLSCHED_INDEXER" 2>/dev/null
 dlsched_index once

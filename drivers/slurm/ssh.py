@@ -8,9 +8,28 @@ channels that polls, submits and stops need.)
 channel of the cluster's single connection. The connection opens on first
 use and reopens after it dies, with exponential backoff between failed
 attempts (``Unavailable``, reason ``BACKEND_UNAVAILABLE``, while backing
-off); keepalives find a dead peer. A semaphore bounds the channels open at
-once (default 8, below OpenSSH's ``MaxSessions`` 10: an 11th concurrent
-session fails).
+off); keepalives find a dead peer.
+
+Sessions (sshd's ``MaxSessions``, 10 per connection, counts every session
+whose command has not ended, whatever the client did with its channel): a
+semaphore bounds the commands of the bound (default 8), and a command holds
+its slot until sshd has ended its session, not merely until the driver gave
+up on it. Every command first prints its process group on stderr
+(``PGID_MARK``; sshd makes each session's shell a session and group leader;
+the line is taken off the stderr callers see). A command that times out (or
+whose caller leaves) is handed to a reaper that keeps its slot, kills the
+remote process group (``kill -KILL -- -PGID``) over one reserved channel
+(so the bound plus the reserve, 9, stays below ``MaxSessions``), and frees
+the slot only once the server has closed that command's channel (the kill
+is retried meanwhile; a lost connection ends every session at once). A
+session sshd refuses (``ChannelOpenError``: nothing ran) never touches the
+shared connection or the commands in flight: the channel is tried again,
+backing off, for up to the command's time limit; waiting for a slot is
+bounded by it too (each step on its own: a command that got its session has
+its whole time limit to run). A command that times out, or finds no slot or
+no session within its limit, raises ``Congested`` (still reason
+``BACKEND_UNAVAILABLE``): the connection is up but the login node is slow;
+the driver reports such a cluster DEGRADED, not UNREACHABLE.
 
 Host keys: only the keys pinned in the credentials (``known_host_keys``, in
 known_hosts or authorized_keys line form) are trusted; none pinned, or a
@@ -32,6 +51,7 @@ and ``outcome`` error when the transport failed or the exit was non-zero.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import shlex
@@ -48,8 +68,19 @@ from drivers.common.registry import BackendUnavailable
 log = logging.getLogger("dlsched.driver.slurm.ssh")
 
 MAX_CHANNELS = 8
-#: Tries to open a command's channel when the server refuses it (the command has not run).
-CHANNEL_OPEN_TRIES = 3
+#: Channels reserved beside the bound for killing timed-out commands' process groups.
+KILL_CHANNELS = 1
+#: The first stderr line of every command: its process group id (taken off what callers see).
+PGID_MARK = b"dlsched-pgid "
+_PGID_LINE = "printf 'dlsched-pgid %s\\n' \"$$\" >&2; "
+_PGID_RE = re.compile(rb"^dlsched-pgid (\d+)\n", re.M)
+#: Seconds one kill command may take, and the reaper's waits between kills (backing off).
+KILL_TIME_LIMIT = 10.0
+REAP_WAIT_MIN, REAP_WAIT_MAX = 1.0, 30.0
+#: Seconds a command given up (``Started.close``) has to end by itself before it is killed.
+CLOSE_GRACE = 2.0
+#: First and longest pause between tries to open a channel sshd refused.
+OPEN_BACKOFF_MIN, OPEN_BACKOFF_MAX = 0.05, 1.0
 #: The only values the ``call`` label of the backend-call counter takes (plus ``other``).
 CALL_NAMES = frozenset({"squeue", "scontrol", "sbatch", "scancel", "sstat", "sinfo", "sacct", "tail", "cat",
                         "rm", "mkdir", "true"})
@@ -81,6 +112,11 @@ class HostKeyMismatch(FailedPrecondition):
     reason = "HOST_KEY_MISMATCH"
 
 
+class Congested(BackendUnavailable):
+    """The connection is up, but a command timed out or found no slot or session in time
+    (same reason as any ``BackendUnavailable``: callers retry; the driver says DEGRADED)."""
+
+
 @dataclass(frozen=True)
 class Result:
     exit_status: int
@@ -100,11 +136,24 @@ def _completed(r: asyncssh.SSHCompletedProcess) -> BytesResult:
     exit status nor a signal (the connection or sshd went away under it) says nothing
     about the command: that is a transport failure, not an exit code to read."""
     out = r.stdout if isinstance(r.stdout, bytes) else (r.stdout or "").encode()
-    err = r.stderr if isinstance(r.stderr, bytes) else (r.stderr or "").encode()
+    err = _strip_mark(r.stderr if isinstance(r.stderr, bytes) else (r.stderr or "").encode())
     if r.exit_status is None and not r.exit_signal:
         raise BackendUnavailable("the channel closed before the command reported an exit status")
     status = r.exit_status if r.exit_status is not None else 128 + 9
     return BytesResult(status, out, err)
+
+
+def _strip_mark(err: bytes) -> bytes:
+    """``err`` without the process-group line the command printed (first, after anything the
+    login shell itself printed)."""
+    m = _PGID_RE.search(err) if PGID_MARK in err else None
+    return err[:m.start()] + err[m.end():] if m else err
+
+
+def _pgid(err: object) -> int | None:
+    """The process group a command printed on stderr, if it got that far."""
+    m = _PGID_RE.search(err) if isinstance(err, bytes) else None
+    return int(m.group(1)) if m else None
 
 
 def parse_host_keys(lines: Sequence[str]) -> list[asyncssh.SSHKey]:
@@ -143,10 +192,13 @@ def parse_address(address: str) -> tuple[str, int]:
 
 class Started:
     """A remote command already running and waiting for its stdin (``SshClient.start``).
-    ``finish`` (once) or ``close`` ends it and frees its channel; either counts it once."""
+    ``finish`` (once) or ``close`` ends it; either counts it once. Its slot of the bound is
+    freed when its session has ended (see the module docstring)."""
 
-    def __init__(self, client: SshClient, proc: asyncssh.SSHClientProcess[bytes], call: str) -> None:
+    def __init__(self, client: SshClient, conn: asyncssh.SSHClientConnection,
+                 proc: asyncssh.SSHClientProcess[bytes], call: str) -> None:
         self._client = client
+        self._conn = conn
         self._proc = proc
         self._call = call
         self._done = False
@@ -156,10 +208,17 @@ class Started:
         """Still waiting: the process has not exited and its channel is open."""
         return not self._done and self._proc.exit_status is None and not self._proc.is_closing()
 
-    def _end(self, ok: bool) -> None:
+    def _end(self, ok: bool, grace: float | None = None, err: object = None) -> None:
+        """Count it once and free its slot: now (it ended), or through the reaper once its
+        session has ended (``grace``: seconds it has to end by itself before the kill;
+        ``err``: its stderr already taken)."""
         if not self._done:
             self._done = True
-            self._client._sem.release()
+            if grace is None:
+                self._client._sem.release()
+            else:
+                self._client._reap(self._conn, self._proc, grace,
+                                   err if isinstance(err, bytes) else self._proc.collect_output()[1])
             metrics.backend_call("slurm", self._call, ok)
 
     async def finish(self, input: bytes, time_limit: float) -> BytesResult:
@@ -167,23 +226,26 @@ class Started:
         (ambiguous: the input may have been read)."""
         if self._done:
             raise BackendUnavailable("the started command was already used")
-        ok = False
+        ok, grace, err = False, None, None
         try:
             self._proc.stdin.write(input)
             self._proc.stdin.write_eof()
             r = await self._proc.wait(check=False, timeout=time_limit)
         except asyncssh.TimeoutError as e:
-            self._proc.close()
-            raise BackendUnavailable(f"command timed out after {time_limit:g}s") from e
+            grace, err = 0.0, e.stderr
+            raise self._client._congested(f"command timed out after {time_limit:g}s") from e
         except (OSError, asyncssh.Error) as e:
             self._proc.close()
             raise self._client._as_error(e) from e
+        except BaseException:
+            grace = 0.0
+            raise
         else:
             result = _completed(r)
             ok = result.exit_status == 0
             return result
         finally:
-            self._end(ok)
+            self._end(ok, grace, err)
 
     async def readline(self) -> bytes:
         """One line of its stdout (b"" at its end); transport failures raise."""
@@ -206,11 +268,13 @@ class Started:
             self._proc.stdin.write_eof()
 
     def close(self) -> None:
-        """Give it up unused: the channel closes, so the command reads end of input
-        (sbatch: "Batch script is empty", no job) and ends."""
+        """Give it up: its stdin ends (sbatch: "Batch script is empty", no job; a log
+        stream drains and ends); killed if it has not ended within ``CLOSE_GRACE``."""
         if not self._done:
-            self._proc.close()
-            self._end(False)
+            with contextlib.suppress(OSError, asyncssh.Error):
+                if not self._proc.is_closing():
+                    self._proc.stdin.write_eof()
+            self._end(False, CLOSE_GRACE)
 
 
 class SshClient:
@@ -233,6 +297,10 @@ class SshClient:
         prefix = ["export TZ=UTC"] + [f"export {k}={shlex.quote(v)}" for k, v in sorted((env or {}).items())]
         self._prefix = "; ".join(prefix) + "; "
         self._sem = asyncio.Semaphore(max_channels)
+        self._kill_sem = asyncio.Semaphore(KILL_CHANNELS)
+        self._reapers: set[asyncio.Task[None]] = set()
+        #: when (monotonic) a command last timed out or found no slot/session in time
+        self.last_congestion: float | None = None
         self._lock = asyncio.Lock()
         self._conn: asyncssh.SSHClientConnection | None = None
         self._connect_timeout = connect_timeout
@@ -243,6 +311,7 @@ class SshClient:
         self._last_error: Exception | None = None
         self._closed = False
         self.commands = 0  # commands issued, for tests and benchmarks
+        self.sessions_refused = 0  # sessions sshd refused (asked for again), for tests
 
     async def _connection(self) -> asyncssh.SSHClientConnection:
         conn = self._conn
@@ -308,58 +377,152 @@ class SshClient:
 
     async def _run_counted(self, command: str, input: bytes | None, time_limit: float) -> BytesResult:
         conn = await self._connection()
-        async with self._sem:
+        await self._acquire(time.monotonic() + time_limit)
+        proc: asyncssh.SSHClientProcess[bytes] | None = None
+        held = True  # this call still owns its slot (else the reaper does)
+        try:
+            proc = await self._open(conn, command, time.monotonic() + time_limit)
             self.commands += 1
-            try:
-                for tries in range(CHANNEL_OPEN_TRIES):
-                    try:
-                        r = await conn.run(self._prefix + command, input=input, check=False,
-                                           timeout=time_limit, encoding=None)
-                        break
-                    except asyncssh.ChannelOpenError:
-                        # The server refused the session (sshd frees a closed one a moment after
-                        # its close): nothing ran, the connection is fine, so try again shortly.
-                        if tries + 1 == CHANNEL_OPEN_TRIES:
-                            raise
-                        await asyncio.sleep(0.1 * (tries + 1))
-            except asyncssh.TimeoutError as e:
-                raise BackendUnavailable(f"command timed out after {time_limit:g}s") from e
-            except asyncssh.ChannelOpenError as e:  # the connection is fine: keep it for the others
-                raise self._as_error(e) from e
-            except (OSError, asyncssh.Error) as e:
-                if self._conn is conn:
-                    self._conn = None
-                conn.abort()
-                raise self._as_error(e) from e
+            if input is not None:
+                proc.stdin.write(input)
+            proc.stdin.write_eof()
+            r = await proc.wait(check=False, timeout=time_limit)
+        except asyncssh.TimeoutError as e:
+            assert proc is not None
+            held = False
+            self._reap(conn, proc, 0.0, e.stderr)  # the slot stays taken until the command has ended
+            raise self._congested(f"command timed out after {time_limit:g}s") from e
+        except Congested:
+            raise
+        except (OSError, asyncssh.Error) as e:
+            self._lost(conn)
+            raise self._as_error(e) from e
+        except BaseException:  # the caller left (cancelled): end what it started
+            if proc is not None:
+                held = False
+                self._reap(conn, proc, 0.0, proc.collect_output()[1])
+            raise
+        finally:
+            if held:
+                self._sem.release()
         return _completed(r)
+
+    def _congested(self, message: str) -> Congested:
+        self.last_congestion = time.monotonic()
+        return Congested(message)
+
+    def _lost(self, conn: asyncssh.SSHClientConnection) -> None:
+        """The connection failed under a command: forget it (the next command reconnects)."""
+        if self._conn is conn:
+            self._conn = None
+        conn.abort()
+
+    async def _acquire(self, deadline: float) -> None:
+        """A slot of the bound, waiting at most until ``deadline``."""
+        try:
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                await self._sem.acquire()
+        except TimeoutError:
+            raise self._congested("every SSH channel of the bound stayed busy") from None
+
+    async def _open(self, conn: asyncssh.SSHClientConnection, command: str,
+                    deadline: float) -> asyncssh.SSHClientProcess[bytes]:
+        """A session running ``command``; a session sshd refuses (nothing ran; the connection is
+        fine) is asked for again, backing off, until ``deadline``."""
+        pause = OPEN_BACKOFF_MIN
+        while True:
+            try:
+                return await conn.create_process(_PGID_LINE + self._prefix + command, encoding=None)
+            except asyncssh.ChannelOpenError as e:
+                if conn.is_closed():
+                    raise  # "SSH connection closed": the caller's connection handling
+                self.sessions_refused += 1
+                if time.monotonic() + pause > deadline:
+                    raise self._congested(f"sshd refused a session until the time limit: {e.reason}") from e
+                await asyncio.sleep(pause)
+                pause = min(OPEN_BACKOFF_MAX, pause * 2)
+
+    def _reap(self, conn: asyncssh.SSHClientConnection, proc: asyncssh.SSHClientProcess[bytes],
+              grace: float, err: object = None) -> None:
+        """Take over a command's slot until its session has ended, killing its process group
+        after ``grace`` seconds (``err``: stderr already taken from it, holding its group)."""
+        task = asyncio.create_task(self._reaper(conn, proc, grace, err if isinstance(err, bytes) else b""),
+                                   name=f"ssh-reap-{self.host}")
+        self._reapers.add(task)
+        task.add_done_callback(self._reapers.discard)
+
+    async def _reaper(self, conn: asyncssh.SSHClientConnection, proc: asyncssh.SSHClientProcess[bytes],
+                      grace: float, err: bytes) -> None:
+        wait = grace
+        try:
+            while True:
+                try:
+                    await asyncio.wait_for(proc.wait_closed(), wait)
+                    return  # the server closed the session's channel: the session is gone
+                except TimeoutError:
+                    pass
+                if conn.is_closed():
+                    return  # the connection, and with it every session, is gone
+                # An exit status alone is not the end: sshd counts the session until every
+                # process holding its output has ended and the channel is closed.
+                err += proc.collect_output()[1]
+                if (pgid := _pgid(err)) is not None:
+                    await self._kill(conn, pgid)
+                wait = max(REAP_WAIT_MIN, min(REAP_WAIT_MAX, wait * 2))
+        except (OSError, asyncssh.Error):
+            return
+        finally:
+            proc.close()
+            self._sem.release()
+
+    async def _kill(self, conn: asyncssh.SSHClientConnection, pgid: int) -> None:
+        """``kill -KILL`` a command's process group over the reserved channel (best effort)."""
+        async with self._kill_sem:
+            try:
+                r = await asyncio.wait_for(conn.run(
+                    f"kill -KILL -- -{pgid} 2>/dev/null || kill -KILL {pgid} 2>/dev/null; true",
+                    check=False, encoding=None), KILL_TIME_LIMIT)
+                log.info("killed the process group %d of a timed-out command on %s (exit %s)",
+                         pgid, self.host, r.exit_status)
+            except (OSError, asyncssh.Error, TimeoutError) as e:
+                log.warning("killing the process group %d on %s: %s", pgid, self.host, e)
 
     def channel_free(self) -> bool:
         """Whether a channel of the bound is free right now."""
         return not self._sem.locked()
 
-    async def start(self, command: str, *, call: str | None = None, wait: bool = True) -> Started:
+    def connected(self) -> bool:
+        """Whether the connection is open now (no command is issued to tell)."""
+        return self._conn is not None and not self._conn.is_closed()
+
+    async def start(self, command: str, *, call: str | None = None, wait: bool = True,
+                    time_limit: float = 30.0) -> Started:
         """Start ``command`` now and hand it its stdin later (``Started.finish``): the
         channel, the remote shell and the exec are paid before the input exists. It holds
         one channel of the bound until it ends or is closed. ``wait=False``: when no
         channel is free, ``BackendUnavailable`` at once instead of waiting for one."""
+        name = call if call in CALL_NAMES else call_name(command)
         conn = await self._connection()
         if not wait and self._sem.locked():
             raise BackendUnavailable("every channel of the bound is in use")
-        await self._sem.acquire()
+        deadline = time.monotonic() + time_limit
+        await self._acquire(deadline)
         try:
-            proc = await conn.create_process(self._prefix + command, encoding=None)
+            proc = await self._open(conn, command, deadline)
+        except Congested:
+            self._sem.release()
+            metrics.backend_call("slurm", name, False)
+            raise
         except (OSError, asyncssh.Error) as e:
             self._sem.release()
-            if self._conn is conn:
-                self._conn = None
-            conn.abort()
-            metrics.backend_call("slurm", call if call in CALL_NAMES else call_name(command), False)
+            self._lost(conn)
+            metrics.backend_call("slurm", name, False)
             raise self._as_error(e) from e
         except BaseException:
             self._sem.release()
             raise
         self.commands += 1
-        return Started(self, proc, call if call in CALL_NAMES else call_name(command))
+        return Started(self, conn, proc, name)
 
     def drop(self) -> None:
         """Forget the connection (tests: simulate a dead one)."""
@@ -369,6 +532,8 @@ class SshClient:
 
     async def close(self) -> None:
         self._closed = True
+        for task in list(self._reapers):
+            task.cancel()
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()

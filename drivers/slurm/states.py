@@ -112,7 +112,8 @@ def job_state(slurm_state: str, reason: str = "") -> Mapped:
 
 
 def replica_state(state: JobState) -> ReplicaState:
-    """The replicas' state, from the job's: Slurm reports one state per job."""
+    """The replicas' state, from the job's: Slurm reports one state per job. Used while the job
+    runs, and at its end only when its exits file could not be read (``exits`` has each one's)."""
     return {
         JobState.SUCCEEDED: ReplicaState.SUCCEEDED,
         JobState.FAILED: ReplicaState.FAILED,

@@ -1,0 +1,113 @@
+"""Each process's end, as the batch script recorded it: per-replica truth on Slurm.
+
+Slurm knows one state and one exit code per job (the batch script's, which
+is the deciding process's). The script knows more: it hears of every
+process's end and appends it to the attempt's ``exits`` file
+(``shell.EXITS``, ``shell.SUCCESS_RULE``'s ``dlsched_record``)::
+
+    labels master-0 worker-0 worker-1
+    end worker-1 3 exit
+    end master-0 143 stop
+    end worker-0 143 stop
+
+``exit``: the process ended before the job was decided; ``stop``: after it,
+so the success rule (or the step's end) stopped it. When a job ends, the
+driver reads this file once (``read``, one ``cat`` over SSH, no Slurm call)
+before it reports the end, and ``replicas`` makes of it what every backend
+reports (docs/ENVIRONMENT.md, as drivers/local and drivers/ray):
+
+- the process whose non-zero ``exit`` decided a FAILED job is FAILED with
+  its code, and the job's message names it (``worker-1 exited with code 3``)
+  and takes its exit code: the first failure is the one named;
+- any other process that exited 0 before the decision SUCCEEDED;
+- every other one is STOPPED (stopped by the success rule, by a
+  TerminateJob, by the time limit, or never heard of because Slurm killed
+  the script), with its exit code where the script saw it.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from drivers.common.base import JobState, ReplicaState, ReplicaStatus
+from drivers.slurm import shell
+
+#: The exit file is read at most this many times (one per poll round) before the job's end is
+#: reported without it (each replica then takes the job's state, as before the file existed).
+MAX_READS = 3
+
+
+@dataclass(frozen=True)
+class End:
+    """One process's end, as the script heard of it."""
+
+    label: str
+    status: int
+    stopped: bool  #: it ended after the job was decided
+
+
+@dataclass(frozen=True)
+class Exits:
+    """The parsed ``exits`` file."""
+
+    labels: tuple[str, ...]  #: every process the script started, in plan order
+    ends: tuple[End, ...]  #: in the order the script heard of them
+
+    def first_failure(self) -> End | None:
+        """The non-zero end that decided the job (the first heard of before any decision)."""
+        return next((e for e in self.ends if not e.stopped and e.status != 0), None)
+
+
+def read_command(adir: str) -> str:
+    """The remote command that prints the attempt's exits file (nothing when it is missing)."""
+    return f"cat -- {shlex.quote(f'{adir}/{shell.EXITS}')} 2>/dev/null || true"
+
+
+def parse(text: str) -> Exits:
+    """The file's lines; anything malformed (a line cut by a crash) is skipped."""
+    labels: tuple[str, ...] = ()
+    ends: list[End] = []
+    seen: set[str] = set()
+    for line in text.splitlines():
+        words = line.split()
+        if words[:1] == ["labels"]:
+            labels = tuple(words[1:])
+        elif len(words) == 4 and words[0] == "end" and words[2].isdigit() and words[3] in ("exit", "stop"):
+            if words[1] not in seen:  # heard of once; a repeat (never written) would not change it
+                seen.add(words[1])
+                ends.append(End(words[1], int(words[2]), words[3] == "stop"))
+    return Exits(labels, tuple(ends))
+
+
+def split_label(label: str) -> tuple[str, int] | None:
+    """``worker-1`` -> ("worker", 1); roles never hold a ``-`` followed by digits only at the end."""
+    role, sep, index = label.rpartition("-")
+    return (role, int(index)) if sep and role and index.isdigit() else None
+
+
+def replicas(exits: Exits, roles: Sequence[tuple[str, int]], job_state: JobState,
+             host: str) -> tuple[tuple[ReplicaStatus, ...], End | None]:
+    """Every replica's status from the recorded ends, and the failure that decided the job
+    (None unless the job FAILED on a process's non-zero exit). ``roles`` names the replicas
+    (the rendered steps); empty (a job adopted after a restart), the file's labels do."""
+    failure = exits.first_failure() if job_state is JobState.FAILED else None
+    if not roles:
+        roles = [r for r in (split_label(lb) for lb in exits.labels) if r is not None]
+    by_label = {e.label: e for e in exits.ends}
+    out = []
+    for role, index in roles:
+        end = by_label.get(f"{role}-{index}")
+        if end is None:
+            state, code = ReplicaState.STOPPED, None
+            msg = "stopped with the job" if job_state.is_terminal() else ""
+        elif end is failure:
+            state, code, msg = ReplicaState.FAILED, end.status, f"exited with code {end.status}"
+        elif end.status == 0 and not end.stopped:
+            state, code, msg = ReplicaState.SUCCEEDED, 0, "exited with code 0"
+        else:
+            state, code = ReplicaState.STOPPED, end.status
+            msg = f"stopped (exit code {end.status})"
+        out.append(ReplicaStatus(role=role, index=index, state=state, host=host, exit_code=code, message=msg))
+    return tuple(out), failure

@@ -1,0 +1,204 @@
+"""The sbatch script's steps: how each process of the plan is started, and how its end is heard.
+
+``render.emit`` writes the header and prologue; this module writes what runs
+(see ``render``'s docstring for the whole script):
+
+- ``srun_steps`` (every mode but PS-Worker): one ``srun`` step per process in
+  a background subshell, the success rule waiting for them one by one
+  (``wait -n``). The MPI launcher runs in the batch script itself
+  (``mpi_launcher``).
+- ``multi_prog`` (PS-Worker): every task in one ``srun --multi-prog`` step of
+  per-task wrappers that write their own exit files.
+
+Both record each process's end in the attempt's ``exits`` file (``shell.SUCCESS_RULE``'s
+``dlsched_record``; read back by ``exits``), so the driver reports each replica's truth.
+
+MPI output. Ranks on one node share mpirun's output pipe, and Open MPI
+forwards whatever each rank wrote, so two ranks writing partial lines
+interleave within a line ("rankrank 0 of 2"). The launcher runs ``mpirun
+--output-filename <attempt dir>/mpi:nocopy``: Open MPI writes each rank's
+stdout and stderr to files of their own (``mpi/<job>/rank.<r>/stdout``) and
+nothing to its own output; ``shell.MPI_MERGE`` (one process per stream, the
+only writer of the launcher's log besides mpirun's own messages) copies whole
+lines from those files into ``launcher-0.stdout`` / ``.stderr`` as they come,
+and, once mpirun has ended, the last of them (a final line without a newline
+gets one). So a line in the launcher's log is always one rank's whole line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from dlsched.errors import InvalidArgument
+from dlsched.spec_rules import ENV_NAME_RE
+from drivers.common import planner
+from drivers.common.base import JobSpec, LogStream, RunMode
+from drivers.slurm import shell
+from drivers.slurm.shell import sh_quote
+
+if TYPE_CHECKING:
+    from drivers.slurm.render import Layout
+
+#: PS-Worker: the name of the one ``--multi-prog`` step, and how often the script reads the tasks' exit files.
+TASKS_STEP = "dlsched-tasks"
+TASK_CHECK_INTERVAL = 0.5
+#: MPI: the directory (in the attempt directory) mpirun writes each rank's output to, and the
+#: backend flags the planner puts in the mpirun command (``mpirun_args``); the token becomes the
+#: directory's absolute path with Open MPI's ``nocopy``.
+MPI_OUTPUT_DIR = "mpi"
+MPI_OUTPUT_TOKEN = "@DLSCHED_MPI_OUTPUT@"
+MPI_ARGS = ("--output-filename", MPI_OUTPUT_TOKEN)
+
+
+@dataclass(frozen=True)
+class StepFiles:
+    """Where one process's output goes."""
+
+    role: str
+    index: int
+    stdout: str
+    stderr: str
+
+    def log_path(self, stream: LogStream) -> str:
+        return self.stdout if stream is LogStream.STDOUT else self.stderr
+
+
+def labels(plan: planner.JobPlan) -> list[str]:
+    """``<role>-<index>`` of every process the script starts (MPI workers are hosts only)."""
+    return [f"{p.role}-{p.slot_index}" for p in plan.processes if not p.placeholder]
+
+
+def srun_steps(lay: Layout, steps: list[StepFiles]) -> list[str]:
+    """Every mode but PS-Worker: an ``srun`` step per process (the MPI launcher runs in
+    the batch script itself), each in a background subshell; the success rule waits
+    for them one by one (``wait -n``) and writes their exit files."""
+    spec, plan, adir = lay.job.spec, lay.plan, lay.dir
+    decisive = plan.success.decisive_roles
+    h: list[str] = []
+    for p in plan.processes:
+        if p.placeholder:
+            continue
+        label = f"{p.role}-{p.slot_index}"
+        files = StepFiles(p.role, p.slot_index, f"{adir}/{label}.stdout", f"{adir}/{label}.stderr")
+        steps.append(files)
+        h.append(f"# {label}: rank {p.rank}")
+        h.append("(")
+        h += exports(spec, p, "  ")
+        argv = " ".join(sh_quote(a) for a in p.argv)
+        if spec.run_mode is RunMode.MPI and p.role == "launcher":
+            h += mpi_launcher(p)
+        else:
+            node = lay.node_of[(p.role, p.replica_index)]
+            opts = [f"--job-name={label}", "--nodes=1", "--ntasks=1", f"--relative={node}",
+                    f"--cpus-per-task={lay.cpus_per_task}", "--overlap", "--export=ALL", "--kill-on-bad-exit=1"]
+            if p.working_dir:
+                opts.append(f"--chdir={sh_quote(p.working_dir)}")
+            h.append(f"  exec srun {' '.join(opts)} -- {argv}")
+        h.append(f') >"$DLSCHED_DIR/{label}.stdout" 2>"$DLSCHED_DIR/{label}.stderr" </dev/null &')
+        h.append(f"DLSCHED_NAME[$!]={label}")
+        if p.role in decisive:
+            h.append("DLSCHED_DECIDES[$!]=1")
+    h += (shell.SUCCESS_RULE + shell.WAIT_LOOP).splitlines()
+    return h
+
+
+def mpi_launcher(p: planner.ProcessLaunch) -> list[str]:
+    """The launcher's subshell body: the mergers, then ``mpirun`` writing each rank's output
+    to its own files (``MPI_ARGS``: ``--output-filename DIR:nocopy``, an absolute path: mpirun
+    runs in the working directory), SIGTERM passed on to it; its status once the mergers are done."""
+    cd = f"cd -- {sh_quote(p.working_dir)} || exit 126; " if p.working_dir else ""
+    argv = " ".join(f'"$DLSCHED_DIR/{MPI_OUTPUT_DIR}:nocopy"' if a == MPI_OUTPUT_TOKEN
+                    else shell.dq_with_tokens(a) if shell.DIR_TOKEN in a else sh_quote(a) for a in p.argv)
+    return [
+        "  dlsched_merge stdout &",
+        "  dlsched_merge stderr >&2 &",
+        f"  ( {cd}exec {argv} ) &",
+        "  dlsched_mpirun=$!",
+        "  trap 'kill -TERM \"$dlsched_mpirun\" 2>/dev/null' TERM",
+        '  while :; do wait "$dlsched_mpirun"; dlsched_status=$?; kill -0 "$dlsched_mpirun" 2>/dev/null || break; done',
+        f'  : >"$DLSCHED_DIR/{MPI_OUTPUT_DIR}.done"',
+        "  wait",
+        '  exit "$dlsched_status"',
+    ]
+
+
+def exports(spec: JobSpec, p: planner.ProcessLaunch, indent: str) -> list[str]:
+    """``export`` lines of one process: the user's values quoted, the planner's with node names."""
+    user_env = _group_env(spec, p.role)
+    out = []
+    for k, v in p.env.items():
+        if not ENV_NAME_RE.match(k):
+            raise InvalidArgument.for_field("spec.replica_groups.env", f"bad variable name {k!r}")
+        val = sh_quote(v) if k in user_env or k == planner.MPI_ARGV_ENV else shell.dq_with_tokens(v)  # user data
+        out.append(f"{indent}export {k}={val}")
+    return out
+
+
+def multi_prog(lay: Layout, steps: list[StepFiles]) -> list[str]:
+    """PS-Worker: every task in one ``srun --multi-prog`` step (one step launch for
+    the whole job, where a step per task costs slurmctld one launch each).
+
+    The batch script writes, per task ``t``, a wrapper ``task-<t>.sh`` (a quoted
+    heredoc: nothing in it expands while it is written) that exports the task's
+    variables (``TF_CONFIG`` names the nodes and ports through ``DLSCHED_NODE_LIST``
+    and ``DLSCHED_PORT_LIST``, exported as strings: arrays do not export), sends its
+    output to ``<role>-<index>.*``, runs the quoted argv and writes ``<role>-<index>.exit``. The multi-prog file
+    names only the wrappers, so srun's own parsing of it (which keeps quotes
+    literally) never sees a user value; ``SLURM_HOSTFILE`` with
+    ``--distribution=arbitrary`` puts task ``t`` on its node. The success rule
+    watches the exit files (every ``TASK_CHECK_INTERVAL`` s, and at once when
+    the step ends): the first failure, or every deciding task's success, stops
+    the step. A task stopped that way gets srun's exit status in its exit file."""
+    spec, plan, adir, node_of = lay.job.spec, lay.plan, lay.dir, lay.node_of
+    procs = [p for p in plan.processes if not p.placeholder]
+    h = [
+        f"# {len(procs)} task(s) in one step: srun --multi-prog runs task t's wrapper {adir}/task-t.sh",
+        'export DLSCHED_DIR DLSCHED_NODE_LIST="${DLSCHED_NODES[*]}" DLSCHED_PORT_LIST="${DLSCHED_PORTS[*]}"',
+        "{",
+    ]
+    for p in procs:
+        h.append(f'  printf \'%s\\n\' "${{DLSCHED_NODES[{node_of[(p.role, p.replica_index)]}]}}"')
+    h.append('} >"$DLSCHED_DIR/tasks.hosts"')
+    names = []
+    for t, p in enumerate(procs):
+        label = f"{p.role}-{p.slot_index}"
+        names.append(label)
+        steps.append(StepFiles(p.role, p.slot_index, f"{adir}/{label}.stdout", f"{adir}/{label}.stderr"))
+        body = [f"# {label}: rank {p.rank}", 'read -r -a DLSCHED_NODES <<<"$DLSCHED_NODE_LIST"',
+                'read -r -a DLSCHED_PORTS <<<"$DLSCHED_PORT_LIST"']
+        body += exports(spec, p, "")
+        argv = " ".join(sh_quote(a) for a in p.argv)
+        cd = f"cd -- {sh_quote(p.working_dir)} || exit 126; " if p.working_dir else ""
+        body += [f'( {cd}exec {argv} ) >"$DLSCHED_DIR/{label}.stdout" 2>"$DLSCHED_DIR/{label}.stderr" </dev/null',
+                 "dlsched_status=$?",
+                 f'printf \'%s\\n\' "$dlsched_status" >"$DLSCHED_DIR/{label}.exit.new"',
+                 f'mv -f -- "$DLSCHED_DIR/{label}.exit.new" "$DLSCHED_DIR/{label}.exit"',
+                 'exit "$dlsched_status"']
+        end = f"DLSCHED_TASK_{t}_END"
+        # Every value is quoted onto one line (sh_quote), so no line can end the heredoc early;
+        # checked all the same, line by line, since a user value that did would run in the script.
+        if any(line == end for b in body for line in b.split("\n")):
+            raise ValueError("a wrapper line equals its heredoc delimiter")
+        h.append(f"cat >\"$DLSCHED_DIR/task-{t}.sh\" <<'{end}'")
+        h += body
+        h.append(end)
+    h.append(f"printf '%s\\n' '* bash {adir}/task-%t.sh' >\"$DLSCHED_DIR/tasks.conf\"")
+    opts = ["--job-name=" + TASKS_STEP, f"--ntasks={len(procs)}", "--distribution=arbitrary",
+            f"--cpus-per-task={lay.cpus_per_task}", "--overlap", "--export=ALL"]
+    h.append(f'SLURM_HOSTFILE="$DLSCHED_DIR/tasks.hosts" srun {" ".join(opts)} '
+             f'--multi-prog {adir}/tasks.conf </dev/null &')
+    h.append("DLSCHED_SRUN=$!")
+    h.append("DLSCHED_TASKS=(" + " ".join(names) + ")")
+    h += [f"DLSCHED_DECIDES[{lb}]=1" for lb, p in zip(names, procs, strict=True)
+          if p.role in plan.success.decisive_roles]
+    h += (shell.SUCCESS_RULE + shell.TASKS_LOOP.format(interval=TASK_CHECK_INTERVAL)).splitlines()
+    return h
+
+
+def _group_env(spec: JobSpec, role: str) -> Mapping[str, str]:
+    for g in spec.replica_groups:
+        if g.role == role:
+            return g.env
+    return {}
