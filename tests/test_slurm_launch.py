@@ -105,7 +105,10 @@ async def test_cleanup_cancels_a_running_job_and_removes_its_files(stub, cluster
     await launch(stub, jid, single("import time; print('up', flush=True); time.sleep(300)"))
     running = await wait_state(stub, jid, [job_pb2.JOB_STATE_RUNNING])
     job_dir = pathlib.Path(render.attempt_dir(cluster.options(), jid, 1)).parent
-    assert job_dir.is_dir()  # the login node is this machine
+    deadline = time.monotonic() + 60  # RUNNING comes from Slurm; the script makes its directory soon after
+    while not job_dir.is_dir():  # the login node is this machine
+        assert time.monotonic() < deadline, job_dir
+        await asyncio.sleep(0.2)
     ref = dpb.JobRef(job_id=jid, backend_job_id=running.backend_job_id)
     await stub.CleanupJob(dpb.CleanupJobRequest(cluster=CLUSTER, job=ref), timeout=60)
     assert not job_dir.exists()
@@ -145,15 +148,20 @@ async def test_ps_worker_runs_every_task_in_one_multi_prog_step(stub, cluster):
     dlsched-tasks, while they run), each with its own TF_CONFIG and log files; usage covers every
     task; the job succeeds when the worker does and the parameter server is stopped."""
     jid = new_id("ps")
+    release = os.path.join(cluster.home, f"{jid}.release")
+    # The worker burns CPU until the test has seen both tasks run (an event, not a wall-clock
+    # span: under load a 12 s worker could end before usage was sampled).
     worker = ("import json, os, time; t = json.loads(os.environ['TF_CONFIG']); print(t['task'], len(t['cluster']['ps']), "
-              "os.environ['DLSCHED_ROLE'], flush=True); end = time.time() + 12\nwhile time.time() < end: pass")
+              "os.environ['DLSCHED_ROLE'], flush=True)\n"
+              f"end = time.time() + 300\nwhile not os.path.exists({release!r}) and time.time() < end:\n"
+              "    t = time.process_time() + 0.05\n    while time.process_time() < t: pass")
     spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_PS_WORKER, replica_groups=[
         job_pb2.ReplicaGroup(role="ps", replicas=1, command=[PY, "-u", "-c", "print('ps up'); import time; time.sleep(301)"]),
         job_pb2.ReplicaGroup(role="worker", replicas=1, command=[PY, "-u", "-c", worker])])
     resp = await launch(stub, jid, spec)
     await wait_state(stub, jid, [job_pb2.JOB_STATE_RUNNING])
     req = dpb.MeasureJobUsageRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=jid))
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while True:
         steps = (await asyncio.to_thread(cluster.run, "squeue", "--noheader", "--steps",
                                          f"--jobs={resp.backend_job_id}", "-o", "%i|%j")).stdout.split()
@@ -164,7 +172,8 @@ async def test_ps_worker_runs_every_task_in_one_multi_prog_step(stub, cluster):
         await asyncio.sleep(0.5)
     assert [s.split("|")[1] for s in steps if not s.split("|")[0].endswith((".batch", ".extern"))] == ["dlsched-tasks"]
     assert set(usage) == {("ps", 0), ("worker", 0)}
-    obs = await wait_state(stub, jid)
+    pathlib.Path(release).touch()
+    obs = await wait_state(stub, jid, within=120)
     assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
     assert [e.text for e in await logs(stub, jid, role="worker")] == ["{'index': 0, 'type': 'worker'} 1 worker"]
     assert [e.text for e in await logs(stub, jid, role="ps")] == ["ps up"]
