@@ -172,7 +172,7 @@ async def test_ps_worker_runs_every_task_in_one_multi_prog_step(stub, cluster):
         await asyncio.sleep(0.5)
     assert [s.split("|")[1] for s in steps if not s.split("|")[0].endswith((".batch", ".extern"))] == ["dlsched-tasks"]
     assert set(usage) == {("ps", 0), ("worker", 0)}
-    pathlib.Path(release).touch()
+    await asyncio.to_thread(pathlib.Path(release).touch)
     obs = await wait_state(stub, jid, within=120)
     assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
     assert [e.text for e in await logs(stub, jid, role="worker")] == ["{'index': 0, 'type': 'worker'} 1 worker"]
