@@ -84,8 +84,28 @@ async def _unary(call: Awaitable[T]) -> T:
         raise translate(e) from e
 
 
+def match_spec(spec: job_pb2.JobSpec) -> job_pb2.JobSpec:
+    """What ClusterManager's matching reads of a spec (its run mode, each group's role,
+    replicas, processes and resources, the selector, the project), nothing else:
+    commands, environment and labels differ from job to job and never change a match.
+    ``tests/test_submit_path.py`` checks ClusterManager derives the same requirements."""
+    return job_pb2.JobSpec(
+        run_mode=spec.run_mode, cluster_selector=spec.cluster_selector, project=spec.project,
+        replica_groups=[job_pb2.ReplicaGroup(role=g.role, replicas=g.replicas,
+                                             processes_per_replica=g.processes_per_replica,
+                                             resources=g.resources)
+                        for g in spec.replica_groups])
+
+
 class ClusterManagerClient:
-    """MatchClusters, and the driver address of a cluster (cached briefly)."""
+    """MatchClusters, and the driver address of a cluster (cached briefly).
+
+    MatchClusters gets what matching reads of a spec (``match_spec``), and
+    identical requests in flight at once share one call (a burst of jobs alike
+    in their needs, e.g. a sweep or an array of jobs, costs ClusterManager one
+    match): a request that joins gets the answer of a call made after it could
+    have been sent alone, never an older one.
+    """
 
     def __init__(self, address: str, *, timeout: float = 15.0, cache_seconds: float = 10.0,
                  tls: tls_kit.TlsOptions | None = None, token: TokenSource | None = None) -> None:
@@ -94,16 +114,28 @@ class ClusterManagerClient:
         self._timeout = timeout
         self._cache_seconds = cache_seconds
         self._drivers: dict[str, tuple[str, float]] = {}
+        self._matching: dict[bytes, asyncio.Future[cm_pb2.MatchClustersResponse]] = {}  # in flight
 
     async def match(self, spec: JobSpec) -> list[Candidate]:
-        resp = await _unary(self._stub.MatchClusters(
-            cm_pb2.MatchClustersRequest(spec=spec_to_proto(spec), project=spec.project),
-            timeout=self._timeout))
+        req = cm_pb2.MatchClustersRequest(spec=match_spec(spec_to_proto(spec)), project=spec.project)
+        key = req.SerializeToString(deterministic=True)
+        call = self._matching.get(key)
+        if call is None:  # the call is a task of its own: a caller that leaves never ends it
+            call = self._matching[key] = asyncio.ensure_future(
+                _unary(self._stub.MatchClusters(req, timeout=self._timeout)))
+            call.add_done_callback(lambda done: self._match_done(key, done))
+        resp = await asyncio.shield(call)
         out = [candidate_from_proto(c) for c in resp.candidates]
         for c in out:
             if c.driver_address:
                 self._drivers[c.cluster] = (c.driver_address, time.monotonic())
         return out
+
+    def _match_done(self, key: bytes, call: asyncio.Future[cm_pb2.MatchClustersResponse]) -> None:
+        if self._matching.get(key) is call:
+            del self._matching[key]
+        if not call.cancelled():
+            call.exception()  # retrieved: every caller still waiting gets it
 
     async def driver_address(self, cluster: str) -> str:
         hit = self._drivers.get(cluster)
@@ -185,6 +217,17 @@ class DriverClient:
         await _unary(self._stub.CleanupJob(drv_pb2.CleanupJobRequest(
             cluster=cluster, job=drv_pb2.JobRef(job_id=job_id, backend_job_id=backend_job_id)),
             timeout=self._timeout))
+
+    async def forget(self, cluster: str, refs: list[tuple[str, str]]) -> int:
+        """ForgetJobs: these ended jobs' final states are recorded (1000 per call)."""
+        n = 0
+        for i in range(0, len(refs), 1000):
+            resp = await _unary(self._stub.ForgetJobs(drv_pb2.ForgetJobsRequest(
+                cluster=cluster,
+                jobs=[drv_pb2.JobRef(job_id=j, backend_job_id=b) for j, b in refs[i:i + 1000]]),
+                timeout=self._timeout))
+            n += resp.forgotten
+        return n
 
     async def tail_logs(self, cluster: str, job_id: str, backend_job_id: str,
                         req: jm_pb2.StreamJobLogsRequest

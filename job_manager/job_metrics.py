@@ -12,7 +12,7 @@ import asyncio
 import collections
 import logging
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 from dlsched.errors import DlschedError
 from dlsched.kit.metrics import JOBS
@@ -35,6 +35,12 @@ TRACKING_WRITES = Counter(
     "dlsched_job_manager_tracking_writes",
     "fenced job writes of the cluster owner: applied, conflict (retried CAS), fenced (refused: "
     "ownership lost)", ["cluster", "result"])
+
+#: SubmitJob's store to the recorded backend id (the launch runs after SubmitJob answered)
+LAUNCH_LATENCY = Histogram(
+    "dlsched_job_launch_latency_seconds",
+    "from a job's creation (SubmitJob stored it) to its first attempt's backend id recorded",
+    ["cluster"], buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300))
 
 
 class JobStateGauge:

@@ -12,19 +12,24 @@ write is fenced on the ownership, so a replica that lost it writes nothing.
 
 SubmitJob semantics worth knowing:
 
-- The job is stored (PENDING, attempt 1) before any driver sees it; then
-  LaunchJob runs inline when this replica owns (or may claim) the job's
-  cluster; otherwise the owner launches it from the store and SubmitJob
-  waits (up to ``submit_wait_seconds``) to return the job as launched. A driver that cannot be reached leaves the job
-  PENDING with reason ``DriverUnavailable`` and a background retry with
-  backoff. A driver that refuses the job (INVALID_ARGUMENT,
-  FAILED_PRECONDITION other than CLUSTER_NOT_CONFIGURED, UNIMPLEMENTED,
-  NOT_FOUND) fails it: SubmitJob still succeeds and returns the job FAILED,
-  reason ``LaunchRejected`` - the job was accepted and stored, and its record
-  says why it did not run.
+- SubmitJob answers once the job is durably stored: one etcd transaction
+  writes the job (PENDING, attempt 1, reason ``LaunchQueued``) together with
+  its request-id key. The launch runs in the background, on the cluster's
+  owner: this replica when it owns (or may claim) the cluster, else the
+  owner, which sees the stored job through its job watch (``on_job``). The
+  job's state says where the launch is: PENDING ``LaunchQueued`` until the
+  driver answers, then the backend id and the driver's state; PENDING
+  ``DriverUnavailable``/``ClusterNotConfigured`` while a retry with backoff
+  waits for the driver; FAILED ``LaunchRejected`` when the driver refuses the
+  job (INVALID_ARGUMENT, FAILED_PRECONDITION other than
+  CLUSTER_NOT_CONFIGURED, UNIMPLEMENTED, NOT_FOUND). Nothing is lost between
+  the store and the launch: a replica killed there leaves a PENDING job
+  without a backend id, which the cluster's next owner launches (``take_over``
+  and ``reconcile`` pick up every such job). The time from the store to the
+  recorded backend id is ``dlsched_job_launch_latency_seconds``.
 - A retried SubmitJob (same request_id) returns the stored job and launches
-  nothing, except a job still PENDING without a backend id, where launching
-  again is safe because LaunchJob is idempotent on (cluster, job, attempt).
+  nothing, except a job still PENDING without a backend id, whose launch is
+  queued again: safe, since LaunchJob is idempotent on (cluster, job, attempt).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import collections
 import contextlib
 import logging
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -47,6 +52,7 @@ from job_manager.domain import states
 from job_manager.domain.errors import JobNotFound, NoMatchingCluster
 from job_manager.domain.model import Candidate, Job, JobSpec, JobState, NativeSpec, Observation
 from job_manager.domain.validation import validate_submit
+from job_manager.job_metrics import LAUNCH_LATENCY
 from job_manager.ownership import Ownership, SoleOwner
 from job_manager.store import JobStore, OwnershipLost
 
@@ -55,6 +61,10 @@ log = logging.getLogger("job_manager.scheduler")
 # Driver errors after which retrying a launch cannot help.
 _PERMANENT = (errors.InvalidArgument, errors.FailedPrecondition, errors.Unimplemented,
               errors.NotFound, errors.AlreadyExists)
+
+
+#: how long ended jobs are gathered before one ForgetJobs call tells their driver
+FORGET_BATCH_SECONDS = 0.2
 
 
 def _utcnow() -> datetime:
@@ -75,8 +85,8 @@ class SchedulerConfig:
     call_timeout_seconds: float = 15.0
     #: a cluster's observation stream down this long marks its running jobs DriverUnreachable
     driver_unreachable_after_seconds: float = 10.0
-    #: SubmitJob on a replica that does not own the cluster waits this long for the owner's launch
-    submit_wait_seconds: float = 10.0
+    #: LaunchJob calls in flight at once per cluster (the rest wait, PENDING ``LaunchQueued``)
+    max_concurrent_launches: int = 32
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,32 @@ class DryRun:
     cluster: str
     candidates: list[Candidate]
     native_spec: NativeSpec
+
+
+class KeyedLocks:
+    """One ``asyncio.Lock`` per key, alive only while held or waited for, so the
+    table never grows with the jobs seen (the issue's "one lock per job never pruned")."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, key: str) -> AsyncIterator[None]:
+        entry = self._locks.get(key)
+        if entry is None:
+            entry = self._locks[key] = (asyncio.Lock(), [0])
+        lock, users = entry
+        users[0] += 1
+        try:
+            async with lock:
+                yield
+        finally:
+            users[0] -= 1
+            if users[0] == 0:
+                del self._locks[key]
 
 
 class Scheduler:
@@ -98,11 +134,15 @@ class Scheduler:
         self.drivers = drivers
         self.config = config
         self._clock = clock
-        self._locks: dict[str, asyncio.Lock] = collections.defaultdict(asyncio.Lock)
+        self._locks = KeyedLocks()
+        self._launch_slots: dict[str, asyncio.Semaphore] = {}  # per cluster: one down never starves another
         self._retries: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._retry_cluster: dict[tuple[str, str], str] = {}
         self._cluster_tasks: dict[str, set[asyncio.Task[Any]]] = collections.defaultdict(set)
         self._trackers: dict[str, asyncio.Task[None]] = {}
+        # ended jobs whose final state is stored, to tell their driver (ForgetJobs), per cluster
+        self._to_forget: dict[str, dict[str, str]] = {}
+        self._forgetters: dict[str, asyncio.Task[Any]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
 
@@ -134,14 +174,18 @@ class Scheduler:
 
     async def submit(self, job_id: str, spec: JobSpec, request_id: str, *, dry_run: bool,
                      spec_bytes: int, owner: str = "") -> tuple[Job, DryRun | None]:
-        """Store and launch a job; ``spec.project`` is already resolved and
-        allowed for ``owner`` (the servicer asks ``Principal.resolve_project``)."""
+        """Store a job and queue its launch; the job as stored (PENDING
+        ``LaunchQueued``). ``spec.project`` is already resolved and allowed for
+        ``owner`` (the servicer asks ``Principal.resolve_project``)."""
         validate_submit(job_id, spec, request_id, spec_bytes)
-        if request_id and not dry_run:
-            seen = await self.store.job_for_request(request_id)
-            if seen is not None:
-                return await self._after_duplicate(seen, owner), None
-        candidates = await self.cm.match(spec)
+        try:
+            candidates = await self.cm.match(spec)
+        except NoMatchingCluster:
+            # A retried request whose job exists answers that job, whatever the clusters now.
+            seen = await self.store.job_for_request(request_id) if request_id and not dry_run else None
+            if seen is None:
+                raise
+            return await self._after_duplicate(seen, owner), None
         chosen = next((c for c in candidates if c.eligible), None)
         if chosen is None:
             raise NoMatchingCluster(
@@ -151,7 +195,7 @@ class Scheduler:
         job = Job(id=job_id or f"job-{uuid.uuid4().hex[:12]}", spec=spec,
                   uid=str(uuid.uuid4()), state=JobState.PENDING, cluster=chosen.cluster,
                   attempt=1, create_time=now, update_time=now, labels=dict(spec.labels),
-                  owner=owner, project=spec.project)
+                  owner=owner, project=spec.project, reason=states.LAUNCH_QUEUED)
         logs.JOB_ID.set(job.id)  # this handler's task: its records name the job
         if dry_run:
             native = await self.drivers.get(chosen.driver_address).render(
@@ -159,11 +203,12 @@ class Scheduler:
             job.uid = ""
             return job, DryRun(chosen.cluster, candidates, native)
         stored, created = await self.store.create(job, request_id)
-        if not created:  # a concurrent submit with the same request id won
+        if not created:  # a retried request, or a concurrent one with its request id, came first
             return await self._after_duplicate(stored, owner), None
         log.info("job %s stored for %s (request %s)", stored.id, stored.cluster,
                  request_id or "-")
-        return await self._launch_or_await_owner(stored), None
+        await self._queue_launch(stored)
+        return stored, None
 
     async def _after_duplicate(self, job: Job, owner: str) -> Job:
         """The first job of a retried request, only for the caller that made it:
@@ -173,51 +218,51 @@ class Scheduler:
                 "request_id already used by another caller",
                 reason="REQUEST_ID_IN_USE", metadata={"field": "request_id"})
         if job.state == JobState.PENDING and not job.launched:
-            return await self._launch_or_await_owner(job)
+            await self._queue_launch(job)
         return job
 
-    async def _launch_or_await_owner(self, job: Job) -> Job:
-        """Launch inline as the cluster's owner; else the job once its owner launched it."""
+    async def _queue_launch(self, job: Job) -> None:
+        """Launch ``job`` in the background as its cluster's owner (claimed now if
+        this replica is the owner-to-be); else its owner does, from the job watch."""
         if await self.ownership.claim(job.cluster):
             self.ensure_tracking(job.cluster)
-            return await self.launch(job.id)
-        return await self._await_owner(job.id)
-
-    async def _await_owner(self, job_id: str) -> Job:
-        """The job as stored once launched, ended or waiting for its driver, or
-        after ``submit_wait_seconds`` (still PENDING then)."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.submit_wait_seconds
-        poll = 0.02
-        while True:
-            job = await self.store.get(job_id)
-            if (job.launched or job.state != JobState.PENDING
-                    or job.reason in ("DriverUnavailable", "ClusterNotConfigured")
-                    or loop.time() >= deadline):
-                return job
-            await asyncio.sleep(poll)
-            poll = min(poll * 2, 0.25)
+            self._retry_in_background(job.id, "launch", job.cluster, first_delay=0, known=job)
 
     # ------------------------------------------------------------ launch
 
-    async def launch(self, job_id: str) -> Job:
+    async def launch(self, job_id: str, cluster: str, known: Job | None = None) -> Job:
         """Launch now; on a retryable failure keep retrying in the background."""
         try:
-            job, done = await self._try_launch(job_id)
+            job, done = await self._try_launch(job_id, cluster, known)
         except OwnershipLost:
             return await self.store.get(job_id)  # the cluster's new owner launches it
         if not done:
             self._retry_in_background(job_id, "launch", job.cluster)
         return job
 
-    async def _try_launch(self, job_id: str) -> tuple[Job, bool]:
-        """One launch attempt: (the job, whether no further attempt is needed)."""
+    async def _try_launch(self, job_id: str, cluster: str, known: Job | None = None) -> tuple[Job, bool]:
+        """One launch attempt of a job of ``cluster``: (the job, whether no further
+        attempt is needed). ``known``: the job as just written (by SubmitJob, a
+        retry, the watch), read instead of etcd unless the cache holds a newer one."""
+        slots = self._launch_slots.get(cluster)
+        if slots is None:
+            slots = self._launch_slots[cluster] = asyncio.Semaphore(max(1, self.config.max_concurrent_launches))
         with logs.job_context(job_id):
-            return await self._try_launch_locked(job_id)
+            async with slots:
+                return await self._try_launch_locked(job_id, known)
 
-    async def _try_launch_locked(self, job_id: str) -> tuple[Job, bool]:
-        async with self._locks[job_id]:
-            job = await self.store.get(job_id)
+    def _newest(self, job_id: str, known: Job | None) -> Job | None:
+        """``known`` or, when newer, the cache's copy (e.g. a stop while the launch waited)."""
+        if known is None or not known.etag:
+            return None
+        cached = self.cache.get(job_id) if self.cache is not None else None
+        if cached is not None and cached.revision > int(known.etag):
+            return cached.job()
+        return known
+
+    async def _try_launch_locked(self, job_id: str, known: Job | None) -> tuple[Job, bool]:
+        async with self._locks.hold(job_id):
+            job = self._newest(job_id, known) or await self.store.get(job_id)
             if job.state != JobState.PENDING or job.launched:
                 return job, True
             if not self.ownership.owns(job.cluster):
@@ -234,12 +279,13 @@ class Scheduler:
                     log.warning("launch of %s on %s deferred: %s", job_id, job.cluster, e.reason)
                     msg = e.message[:500]
                     job = await self.store.update(
-                        job_id, lambda j: states.mark_launch_waiting(j, reason, msg), fence=fence)
+                        job_id, lambda j: states.mark_launch_waiting(j, reason, msg), fence=fence,
+                        current=job)
                     return job, False
                 log.warning("launch of %s refused by %s: %s", job_id, job.cluster, e.reason)
                 msg = f"{e.reason}: {e.message}"[:1000]
                 job = await self.store.update(job_id, lambda j: states.mark_launch_failed(
-                    j, "LaunchRejected", msg, self._clock()), fence=fence)
+                    j, "LaunchRejected", msg, self._clock()), fence=fence, current=job)
                 return job, True
             now = self._clock()
 
@@ -248,7 +294,10 @@ class Scheduler:
                     return None
                 return states.mark_launched(j, backend_id, obs, now)
 
-            job = await self.store.update(job_id, record, fence=fence)
+            job = await self.store.update(job_id, record, fence=fence, current=job)
+            if job.backend_job_id == backend_id and attempt == 1 and job.create_time is not None:
+                LAUNCH_LATENCY.labels(job.cluster).observe(
+                    max(0.0, (self._clock() - job.create_time).total_seconds()))
             log.info("job %s launched on %s as %s (attempt %d)", job_id, job.cluster,
                      backend_id, attempt)
             if job.backend_job_id != backend_id and job.attempt == attempt:
@@ -272,21 +321,24 @@ class Scheduler:
             delay = min(delay * 2, self.config.retry_max_seconds)
 
     def _retry_in_background(self, job_id: str, op: str, cluster: str, *,
-                             first_delay: float | None = None) -> None:
-        """Retry ``op`` (launch, terminate) until done, as the owner of ``cluster``."""
+                             first_delay: float | None = None, known: Job | None = None) -> None:
+        """Retry ``op`` (launch, terminate) until done, as the owner of ``cluster``
+        (a launch's first attempt starts from ``known``, the job as just written)."""
         key = (job_id, op)
         if self._closed or key in self._retries or not self.ownership.owns(cluster):
             return
 
         async def loop() -> None:
             delay = self.config.retry_initial_seconds if first_delay is None else first_delay
+            start = known
             try:
                 while True:
                     await asyncio.sleep(delay)
                     delay = max(delay, self.config.retry_initial_seconds / 2)
                     try:
                         if op == "launch":
-                            _, done = await self._try_launch(job_id)
+                            _, done = await self._try_launch(job_id, cluster, start)
+                            start = None
                         else:
                             done = await self._try_terminate(job_id)
                     except (JobNotFound, OwnershipLost):
@@ -396,18 +448,45 @@ class Scheduler:
         # (no CAS retry within this replica).
         with logs.job_context(obs.job_id):
             try:
-                async with self._locks[obs.job_id]:
+                async with self._locks.hold(obs.job_id):
                     job = await self.store.update(obs.job_id, change, fence=fence)
             except JobNotFound:
+                if obs.found and obs.state.is_terminal():
+                    self._forget_later(cluster, obs.job_id, obs.backend_job_id)  # deleted or archived
                 return None
             except OwnershipLost:
                 self.ownership.lost(cluster)
                 raise
+            if (obs.found and obs.state.is_terminal() and job.state.is_terminal()
+                    and obs.backend_job_id == job.backend_job_id):
+                self._forget_later(cluster, job.id, job.backend_job_id)
             if retry and job.state == JobState.PENDING:
                 log.info("job %s failed (attempt %d); retrying as attempt %d", job.id,
                          job.attempt - 1, job.attempt)
-                self._spawn(self.launch(job.id), name=f"relaunch-{job.id}", cluster=cluster)
+                self._spawn(self.launch(job.id, cluster, job), name=f"relaunch-{job.id}", cluster=cluster)
             return job
+
+    def _forget_later(self, cluster: str, job_id: str, backend_job_id: str) -> None:
+        """Tell the driver, in a batch, that this ended job's final state is stored:
+        it drops the job from memory (``ForgetJobs``). A call that fails is not
+        retried: the driver names the job again in its next snapshot."""
+        self._to_forget.setdefault(cluster, {})[job_id] = backend_job_id
+        if cluster not in self._forgetters and not self._closed:
+            self._forgetters[cluster] = self._spawn(self._forget_batches(cluster),
+                                                    name=f"forget-{cluster}", cluster=cluster)
+
+    async def _forget_batches(self, cluster: str) -> None:
+        try:
+            await asyncio.sleep(FORGET_BATCH_SECONDS)  # gather the jobs ending together
+            while refs := self._to_forget.pop(cluster, None):
+                try:
+                    drv = await self.driver_for(cluster)
+                    await drv.forget(cluster, list(refs.items()))
+                except errors.DlschedError as e:
+                    log.info("ForgetJobs on %s (%d jobs): %s", cluster, len(refs), e.reason)
+        finally:
+            self._forgetters.pop(cluster, None)
+            self._to_forget.pop(cluster, None)  # left only by a cancel: the next snapshot names them
 
     def ensure_tracking(self, cluster: str) -> None:
         if self._closed or not cluster or not self.ownership.owns(cluster):
@@ -525,7 +604,7 @@ class Scheduler:
         if self._closed or not self.ownership.owns(job.cluster):
             return
         if job.state == JobState.PENDING and not job.launched:
-            self._retry_in_background(job.id, "launch", job.cluster, first_delay=0)
+            self._retry_in_background(job.id, "launch", job.cluster, first_delay=0, known=job)
         elif job.state == JobState.STOPPING and job.launched:
             self._retry_in_background(job.id, "terminate", job.cluster, first_delay=0)
 

@@ -284,8 +284,9 @@ class JobStore:
         collided.
         """
         jkey = self.job_key(job.id)
+        data = job_to_bytes(job)
         compare = [self._cmp(jkey, "create", 0)]
-        success = [self._put(jkey, job_to_bytes(job))]
+        success = [self._put(jkey, data)]
         failure = [self._range(jkey)]
         if request_id:
             rkey = self.request_key(request_id)
@@ -294,8 +295,7 @@ class JobStore:
             failure.insert(0, self._range(rkey))
         resp = await self._txn(compare, success, failure)
         if resp.succeeded:
-            stored = job_from_bytes(job_to_bytes(job), resp.header.revision)
-            return stored, True
+            return job_from_bytes(data, resp.header.revision), True
         if request_id:
             rkvs = resp.responses[0].response_range.kvs
             if rkvs:
@@ -312,27 +312,33 @@ class JobStore:
                                metadata={"name": f"jobs/{job.id}"})
 
     async def update(self, job_id: str, change: Callable[[Job], Job | None], *,
-                     fence: Fence | None = None) -> Job:
+                     fence: Fence | None = None, current: Job | None = None) -> Job:
         """Compare-and-swap ``change`` onto the stored job; returns the job as stored after.
 
         ``change`` gets the current job and returns the new one, or None for no
         change. On a conflict the job is re-read and ``change`` applied again.
         With ``fence`` the write also requires the fence's owner key unchanged;
-        when it has changed, raises ``OwnershipLost`` and writes nothing.
+        when it has changed, raises ``OwnershipLost`` and writes nothing. With
+        ``current`` (the job as read, its etag set) the first attempt starts
+        from it instead of reading the key: one round trip less when it is
+        fresh, a conflict and a re-read when it is not.
         """
         key = self.job_key(job_id)
         for _ in range(MAX_CAS_ATTEMPTS):
-            kv = await self._call(self.client.get, key)
-            if kv is None:
-                raise JobNotFound(f"job jobs/{job_id} not found",
-                                  metadata={"name": f"jobs/{job_id}"})
-            cur = job_from_bytes(kv.value, kv.mod_revision)  # type: ignore[attr-defined]
+            if current is not None and current.etag:
+                cur, current = current, None
+            else:
+                kv = await self._call(self.client.get, key)
+                if kv is None:
+                    raise JobNotFound(f"job jobs/{job_id} not found",
+                                      metadata={"name": f"jobs/{job_id}"})
+                cur = job_from_bytes(kv.value, kv.mod_revision)  # type: ignore[attr-defined]
             new = change(cur)
             if new is None:
                 return cur
             new.update_time = self._clock()
             data = job_to_bytes(new)
-            compare = [self._cmp(key, "mod", kv.mod_revision)]  # type: ignore[attr-defined]
+            compare = [self._cmp(key, "mod", int(cur.etag))]
             failure: list[rpc.RequestOp] = []
             if fence is not None:
                 compare.append(self._cmp(fence.key, "mod", fence.revision))
@@ -360,6 +366,43 @@ class JobStore:
         if not prev:
             return None
         return job_from_bytes(prev[0].value, prev[0].mod_revision)
+
+    async def delete_unchanged(self, job_id: str, revision: int, *, holder_key: bytes,
+                               holder: bytes) -> str:
+        """Delete the job key only while its mod revision is ``revision`` and
+        ``holder_key`` holds ``holder`` (the archiver's leadership): one
+        transaction, one job key. ``deleted``, ``changed`` (written since),
+        ``missing`` (deleted since) or ``not-holder``."""
+        key = self.job_key(job_id)
+        value_cmp = rpc.Compare(key=holder_key, result=rpc.Compare.EQUAL,
+                                target=rpc.Compare.VALUE, value=holder)
+        op = rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))
+        resp = await self._txn([self._cmp(key, "mod", revision), value_cmp], [op],
+                               [self._range(holder_key), self._range(key)])
+        if resp.succeeded:
+            return "deleted"
+        held = resp.responses[0].response_range.kvs
+        if not held or held[0].value != holder:
+            return "not-holder"
+        return "changed" if resp.responses[1].response_range.kvs else "missing"
+
+    async def request_keys(self, revision: int, limit: int = KEYS_PAGE,
+                           ) -> AsyncIterator[list[tuple[bytes, str, int]]]:
+        """Every request key at ``revision``, a page at a time: (key, job id, mod revision)."""
+        start, end = self.requests_prefix, _prefix_end(self.requests_prefix)
+        while True:
+            res = await self._read_range(start, end, limit=limit, revision=revision)
+            yield [(kv.key, kv.value.decode(), int(kv.mod_revision)) for kv in res.kvs]
+            if not res.more or not res.kvs:
+                return
+            start = res.kvs[-1].key + b"\0"
+
+    async def delete_request_key(self, key: bytes, mod_revision: int) -> bool:
+        """Delete one request key if unchanged since ``mod_revision``."""
+        resp = await self._txn(
+            [self._cmp(key, "mod", mod_revision)],
+            [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))], [])
+        return bool(resp.succeeded)
 
     async def delete_request_keys(self, job_id: str) -> int:
         """Delete the request keys that name ``job_id`` (each in its own transaction)."""

@@ -282,9 +282,10 @@ def cluster_calls(peer: Peer, job_id: str = "") -> dict[str, Callable[[str], Any
         "TerminateJob": lambda c: s.TerminateJob(dpb.TerminateJobRequest(cluster=c, job=ref), timeout=t),
         "CleanupJob": lambda c: s.CleanupJob(dpb.CleanupJobRequest(cluster=c, job=ref), timeout=t),
         "TailJobLogs": lambda c: _first(s.TailJobLogs(dpb.TailJobLogsRequest(cluster=c, job=ref), timeout=t)),
+        "ForgetJobs": lambda c: s.ForgetJobs(dpb.ForgetJobsRequest(cluster=c, jobs=[ref]), timeout=t),
         "MeasureJobUsage": lambda c: s.MeasureJobUsage(dpb.MeasureJobUsageRequest(cluster=c, job=ref), timeout=t),
     }
 
 
 CLUSTER_RPCS = ("GetClusterInfo", "RenderJob", "LaunchJob", "BatchGetJobObservations", "WatchJobObservations",
-                "TerminateJob", "CleanupJob", "TailJobLogs", "MeasureJobUsage")
+                "TerminateJob", "CleanupJob", "TailJobLogs", "MeasureJobUsage", "ForgetJobs")

@@ -374,6 +374,7 @@ async def test_every_method_refuses_bad_credentials_without_side_effects(env: En
         "dlsched.v1.DriverService.TerminateJob": drv.TerminateJobRequest(
             cluster=local, job=ref, grace_period=duration_pb2.Duration(seconds=0)),
         "dlsched.v1.DriverService.CleanupJob": drv.CleanupJobRequest(cluster=local, job=ref),
+        "dlsched.v1.DriverService.ForgetJobs": drv.ForgetJobsRequest(cluster=local, jobs=[ref]),
         "dlsched.v1.DriverService.TailJobLogs": drv.TailJobLogsRequest(cluster=local, job=ref),
         "dlsched.v1.DriverService.MeasureJobUsage": drv.MeasureJobUsageRequest(cluster=local, job=ref),
     }

@@ -15,6 +15,7 @@ from dlsched import errors
 from dlsched.kit.etcd import connect
 from job_manager.domain.model import (
     Candidate,
+    Job,
     JobSpec,
     JobState,
     NativeSpec,
@@ -45,6 +46,7 @@ class FakeDriver:
         self.launches: list[tuple[str, int]] = []
         self.terminated: list[str] = []
         self.known: set[str] = set()
+        self.forgotten: list[str] = []
         self.launch_gate: asyncio.Event | None = None
         self.events: asyncio.Queue[Observation | None] = asyncio.Queue()
 
@@ -79,6 +81,10 @@ class FakeDriver:
     async def cleanup(self, cluster: str, job_id: str, backend_job_id: str) -> None:
         pass
 
+    async def forget(self, cluster: str, refs: list[tuple[str, str]]) -> int:
+        self.forgotten.extend(j for j, _ in refs)
+        return len(refs)
+
 
 class FakePool:
     def __init__(self, drv: FakeDriver) -> None:
@@ -108,12 +114,34 @@ async def until(pred: Any, timeout: float = 5) -> None:
             await asyncio.sleep(0.02)
 
 
+async def stored(sched: Scheduler, job_id: str, pred: Any, timeout: float = 10) -> Job:
+    """The stored job once ``pred`` holds of it (the launch runs after submit answered)."""
+    async with asyncio.timeout(timeout):
+        while not pred(job := await sched.store.get(job_id)):
+            await asyncio.sleep(0.02)
+    return job
+
+
+async def test_submit_answers_before_the_launch(env: Any) -> None:
+    sched, drv = env
+    drv.launch_gate = asyncio.Event()  # the driver does not answer yet
+    job, _ = await asyncio.wait_for(sched.submit("q", SPEC, "rq", dry_run=False, spec_bytes=10), 10)
+    assert job.state == JobState.PENDING and job.reason == "LaunchQueued" and not job.launched
+    assert (await sched.store.get("q")).reason == "LaunchQueued"
+    drv.launch_gate.set()
+    j = await stored(sched, "q", lambda j: j.launched)
+    assert j.backend_job_id == "b-q-1" and j.reason == "" and drv.launches == [("q", 1)]
+    assert len(sched._locks) == 0  # the job's lock went with the launch
+
+
 async def test_unreachable_driver_leaves_job_pending_and_retries(env: Any) -> None:
     sched, drv = env
     drv.launch_errors = [errors.Unavailable("down"), errors.Unavailable("down")]
+    drv.launch_gate = asyncio.Event()
     job, _ = await sched.submit("a", SPEC, "r", dry_run=False, spec_bytes=10)
-    assert job.state == JobState.PENDING and job.reason == "DriverUnavailable"
-    assert not job.launched
+    assert job.state == JobState.PENDING and not job.launched
+    drv.launch_gate.set()
+    await stored(sched, "a", lambda j: j.reason == "DriverUnavailable" or j.launched)
 
     async def launched() -> bool:
         return (await sched.store.get("a")).launched
@@ -128,7 +156,8 @@ async def test_unreachable_driver_leaves_job_pending_and_retries(env: Any) -> No
 async def test_refused_launch_fails_the_job(env: Any) -> None:
     sched, drv = env
     drv.launch_errors = [errors.InvalidArgument("no such mode")]
-    job, _ = await sched.submit("b", SPEC, "", dry_run=False, spec_bytes=10)
+    await sched.submit("b", SPEC, "", dry_run=False, spec_bytes=10)
+    job = await stored(sched, "b", lambda j: j.state.is_terminal())
     assert job.state == JobState.FAILED and job.reason == "LaunchRejected"
     assert drv.launches == []
 
@@ -136,12 +165,12 @@ async def test_refused_launch_fails_the_job(env: Any) -> None:
 async def test_stop_during_launch_terminates_backend_job(env: Any) -> None:
     sched, drv = env
     drv.launch_gate = asyncio.Event()
-    submit = asyncio.create_task(sched.submit("c", SPEC, "", dry_run=False, spec_bytes=10))
-    await asyncio.sleep(0.2)
+    await sched.submit("c", SPEC, "", dry_run=False, spec_bytes=10)
+    await asyncio.sleep(0.2)  # the launch waits in the driver
     stopped = await sched.stop("c")
     assert stopped.state == JobState.STOPPED
     drv.launch_gate.set()
-    job, _ = await submit
+    job = await stored(sched, "c", lambda j: "c" in drv.known)
     assert job.state == JobState.STOPPED
 
     async def terminated() -> bool:
@@ -152,6 +181,7 @@ async def test_stop_during_launch_terminates_backend_job(env: Any) -> None:
 async def test_driver_losing_a_job_fails_it_after_snapshot(env: Any) -> None:
     sched, drv = env
     await sched.submit("d", SPEC, "", dry_run=False, spec_bytes=10)
+    await stored(sched, "d", lambda j: j.launched)
     drv.known.discard("d")  # the backend forgot it
     sched._trackers.pop(CLUSTER).cancel()  # reconnect: a fresh snapshot without "d"
     sched.ensure_tracking(CLUSTER)
@@ -165,6 +195,7 @@ async def test_driver_losing_a_job_fails_it_after_snapshot(env: Any) -> None:
 async def test_late_observations_never_reopen_a_terminal_job(env: Any) -> None:
     sched, drv = env
     await sched.submit("e", SPEC, "", dry_run=False, spec_bytes=10)
+    await stored(sched, "e", lambda j: j.launched)
     b = "b-e-1"
     drv.events.put_nowait(Observation("e", b, state=JobState.SUCCEEDED, exit_code=0, attempt=1))
     drv.events.put_nowait(Observation("e", b, state=JobState.RUNNING, attempt=1))
@@ -175,3 +206,7 @@ async def test_late_observations_never_reopen_a_terminal_job(env: Any) -> None:
     await asyncio.sleep(0.1)
     j = await sched.store.get("e")
     assert j.state == JobState.SUCCEEDED and j.exit_code == 0
+
+    async def forgotten() -> bool:  # the driver hears the end is recorded
+        return drv.forgotten == ["e"]
+    await until(forgotten)

@@ -161,6 +161,15 @@ async def run_to_end(jm: jm_grpc.JobManagerServiceStub, runs: list[Run], spec: S
     return await run_spec_to_end(run_of(jm, spec), runs)
 
 
+async def launch_settled(jm: jm_grpc.JobManagerServiceStub, job: S.Job, within: float = 60) -> S.Job:
+    """The job once its launch is decided (SubmitJob answers before it: PENDING LaunchQueued)."""
+    deadline = time.monotonic() + within
+    while job.state == S.JOB_STATE_PENDING and not job.backend_job_id and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        job = (await jm.GetJob(jpb.GetJobRequest(name=job.name), timeout=10)).job
+    return job
+
+
 def assert_one_slurm_world(envs: list[dict], size: int) -> None:
     assert_one_torch_world(envs, size)
     assert envs[0]["MASTER_ADDR"] == NODE  # the allocation's (only) node
@@ -353,6 +362,7 @@ async def test_a_job_that_cannot_start_is_refused_or_says_why(jm, runs, tmp_path
     no_partition = single("print(1)")
     no_partition.queue = "no-such-partition"
     job = (await jm.SubmitJob(jpb.SubmitJobRequest(job_id=new_id("nopart"), spec=no_partition), timeout=30)).job
+    job = await launch_settled(jm, job)
     assert job.state == S.JOB_STATE_FAILED and job.reason == "LaunchRejected", job  # stored, says why
     assert "SBATCH_REJECTED" in job.message, job.message
 
@@ -438,7 +448,7 @@ async def test_hostile_partition_never_reaches_an_sbatch_line(jm):
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert any(v.startswith("spec.queue") for v in _violated_fields(e)), _violated_fields(e)
     else:  # stored, then refused by the driver: FAILED with the reason, never run
-        job = resp.job
+        job = await launch_settled(jm, resp.job)
         assert job.state == S.JOB_STATE_FAILED and job.reason == "LaunchRejected", job
         assert "spec.queue" in job.message, job.message
         assert not job.backend_job_id

@@ -203,6 +203,20 @@ class CleanupJobResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class ForgetJobsRequest(_message.Message):
+    __slots__ = ("cluster", "jobs")
+    CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    cluster: str
+    jobs: _containers.RepeatedCompositeFieldContainer[JobRef]
+    def __init__(self, cluster: _Optional[str] = ..., jobs: _Optional[_Iterable[_Union[JobRef, _Mapping]]] = ...) -> None: ...
+
+class ForgetJobsResponse(_message.Message):
+    __slots__ = ("forgotten",)
+    FORGOTTEN_FIELD_NUMBER: _ClassVar[int]
+    forgotten: int
+    def __init__(self, forgotten: _Optional[int] = ...) -> None: ...
+
 class TailJobLogsRequest(_message.Message):
     __slots__ = ("cluster", "job", "follow", "tail_lines", "since_time", "role", "replica_index", "streams")
     CLUSTER_FIELD_NUMBER: _ClassVar[int]

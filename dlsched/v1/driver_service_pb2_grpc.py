@@ -88,6 +88,11 @@ class DriverServiceStub:
                 request_serializer=dlsched_dot_v1_dot_driver__service__pb2.CleanupJobRequest.SerializeToString,
                 response_deserializer=dlsched_dot_v1_dot_driver__service__pb2.CleanupJobResponse.FromString,
                 _registered_method=True)
+        self.ForgetJobs = channel.unary_unary(
+                '/dlsched.v1.DriverService/ForgetJobs',
+                request_serializer=dlsched_dot_v1_dot_driver__service__pb2.ForgetJobsRequest.SerializeToString,
+                response_deserializer=dlsched_dot_v1_dot_driver__service__pb2.ForgetJobsResponse.FromString,
+                _registered_method=True)
         self.TailJobLogs = channel.unary_stream(
                 '/dlsched.v1.DriverService/TailJobLogs',
                 request_serializer=dlsched_dot_v1_dot_driver__service__pb2.TailJobLogsRequest.SerializeToString,
@@ -186,6 +191,19 @@ class DriverServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForgetJobs(self, request, context):
+        """Tells the driver that the caller (JobManager) has recorded the final
+        state of these ended jobs, so the driver may drop them from memory: they
+        leave WatchJobObservations snapshots and the driver's poller, and what
+        logs and usage need stays on disk or in the backend (TailJobLogs,
+        MeasureJobUsage, BatchGetJobObservations and CleanupJob still answer for
+        them where the backend can). A job that has not ended, or that the
+        driver does not know, is left as it is. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def TailJobLogs(self, request, context):
         """Streams a job's log lines; semantics as JobManagerService.StreamJobLogs.
         """
@@ -247,6 +265,11 @@ def add_DriverServiceServicer_to_server(servicer, server):
                     servicer.CleanupJob,
                     request_deserializer=dlsched_dot_v1_dot_driver__service__pb2.CleanupJobRequest.FromString,
                     response_serializer=dlsched_dot_v1_dot_driver__service__pb2.CleanupJobResponse.SerializeToString,
+            ),
+            'ForgetJobs': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForgetJobs,
+                    request_deserializer=dlsched_dot_v1_dot_driver__service__pb2.ForgetJobsRequest.FromString,
+                    response_serializer=dlsched_dot_v1_dot_driver__service__pb2.ForgetJobsResponse.SerializeToString,
             ),
             'TailJobLogs': grpc.unary_stream_rpc_method_handler(
                     servicer.TailJobLogs,
@@ -511,6 +534,33 @@ class DriverService:
             '/dlsched.v1.DriverService/CleanupJob',
             dlsched_dot_v1_dot_driver__service__pb2.CleanupJobRequest.SerializeToString,
             dlsched_dot_v1_dot_driver__service__pb2.CleanupJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForgetJobs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dlsched.v1.DriverService/ForgetJobs',
+            dlsched_dot_v1_dot_driver__service__pb2.ForgetJobsRequest.SerializeToString,
+            dlsched_dot_v1_dot_driver__service__pb2.ForgetJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,

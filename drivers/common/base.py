@@ -416,6 +416,11 @@ class Driver(abc.ABC):
     async def cleanup(self, cluster: str, ref: JobRef) -> None:
         """Remove a job's backend objects and files. Unknown jobs succeed."""
 
+    async def forget(self, cluster: str, refs: Sequence[JobRef]) -> int:
+        """Drop ended jobs whose final state JobManager has recorded from memory
+        (logs and usage stay readable from disk or the backend); how many were dropped."""
+        return 0
+
     def tail_logs(self, cluster: str, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
         """Batches of log lines. With ``query.follow`` the stream ends once the
         job has ended and its logs are drained; otherwise after what exists."""

@@ -103,6 +103,12 @@ class DriverServicer(driver_service_pb2_grpc.DriverServiceServicer):
         await self._driver.cleanup(cluster, convert.job_ref(request.job))
         return pb.CleanupJobResponse()
 
+    async def ForgetJobs(self, request: pb.ForgetJobsRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ForgetJobsResponse:
+        cluster = convert.cluster_name(request.cluster)
+        n = await self._driver.forget(cluster, convert.job_refs(list(request.jobs)))
+        return pb.ForgetJobsResponse(forgotten=n)
+
     async def TailJobLogs(self, request: pb.TailJobLogsRequest,
                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TailJobLogsResponse]:
         cluster = convert.cluster_name(request.cluster)

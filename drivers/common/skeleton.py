@@ -29,6 +29,10 @@ What the wrappers own, once for every backend:
 - logs and usage: ``UNIMPLEMENTED``/``UNSUPPORTED`` when the backend has no
   hook (after the cluster look-up), the query's role/replica/stream filter
   applied to whatever the backend yields;
+- forget: only a job the backend reports ended is handed to ``_forget``
+  (JobManager recorded its final state; the driver drops it from memory and
+  keeps on disk what logs and usage need); others are left as they are. A
+  backend without the hook keeps its jobs until ``cleanup``;
 - close: in-flight launches finish (bounded), then every cluster is dropped.
 """
 
@@ -159,6 +163,12 @@ class BackendDriver(Driver, Generic[C, R]):
     async def _cleanup(self, c: C, name: str, ref: JobRef) -> None:
         """Remove the job's backend objects and files (unknown jobs: nothing to do)."""
 
+    def _forget(self, c: C, ref: JobRef) -> bool:
+        """Drop an ended job from memory (its final state is recorded upstream); True when
+        dropped. What logs, usage and observations of it need must stay readable (disk,
+        backend); a restarted driver must not load it back into memory."""
+        return False
+
     def _tail(self, c: C, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
         """Batches of log lines (``supports_logs``); the wrapper filters them by the query."""
         raise NotImplementedError
@@ -225,6 +235,16 @@ class BackendDriver(Driver, Generic[C, R]):
         c = self.clusters.require(cluster)
         await self._ready(c)
         await self._cleanup(c, cluster, ref)
+
+    async def forget(self, cluster: str, refs: Sequence[JobRef]) -> int:
+        c = self.clusters.require(cluster)
+        await self._ready(c)
+        n = 0
+        for ref in refs:
+            known = self._lookup(c, ref)
+            if known is not None and known.found and known.state.is_terminal() and self._forget(c, ref):
+                n += 1
+        return n
 
     def tail_logs(self, cluster: str, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
         return self._tail_filtered(cluster, ref, query)

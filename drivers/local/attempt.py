@@ -38,6 +38,9 @@ STATUS = "status.json"
 STOP = "stop.json"
 LOCK = "supervisor.lock"
 SUPERVISOR_LOG = "supervisor.log"
+#: written when JobManager has recorded the attempt's end (ForgetJobs): the driver
+#: no longer holds the job in memory, nor loads it on start; holds the usage peaks
+RECORDED = "recorded.json"
 #: the folder ``python -m drivers.local.supervisor`` runs in (where ``drivers`` is importable)
 _ROOT = str(pathlib.Path(__file__).resolve().parent.parent.parent)
 

@@ -40,6 +40,12 @@ end with it. Without ``mpirun`` an MPI launch (or render) is
 FAILED_PRECONDITION ``MPI_NOT_AVAILABLE`` and ``supported_run_modes`` omits
 MPI.
 
+Bounded memory: once JobManager has recorded a job's end (``ForgetJobs``)
+and its supervisor is gone, the driver writes ``recorded.json`` (the usage
+peaks) in the attempt directory and drops the job from memory; a restarted
+driver does not load it again. Logs, usage, observations, a repeated launch
+and cleanup of a forgotten job are answered from its files, read when asked.
+
 Success rule, failures, stops, time limit: ``machine.py``. ``terminate``:
 STOPPING, SIGTERM to every process group, SIGKILL after the grace period,
 then STOPPED. Logs: ``logs.py`` (tails read the files the supervisor
@@ -83,6 +89,7 @@ from drivers.common.planner import ALL_RUN_MODES, DEFAULT_MASTER_PORT, TORCH_MOD
 from drivers.common.skeleton import BackendDriver
 from drivers.local import attempt, logs, render, states, usage
 from drivers.local.machine import JobMachine
+from drivers.local.tracked import RECORD_VERSION, TrackedJob
 
 log = logging.getLogger("dlsched.driver.local")
 
@@ -92,7 +99,6 @@ POLL_SECONDS = 0.1
 LIVENESS_SECONDS = 0.5
 #: how long a launch waits for its supervisor to start every process
 SPAWN_WAIT_SECONDS = 30.0
-RECORD_VERSION = 2
 
 
 def job_path(path: str) -> str:
@@ -147,49 +153,6 @@ class _Cluster:
     options: Mapping[str, str]
 
 
-class _Job:
-    """One job's newest attempt: its launch record and its supervisor's last status."""
-
-    def __init__(self, state_dir: str, cluster: str, job_id: str, attempt_no: int, plan: render.LocalPlan,
-                 request: tuple[float, int]) -> None:
-        self.cluster = cluster
-        self.job_id = job_id
-        self.attempt = attempt_no
-        self.plan = plan
-        self.native = plan.native_spec()
-        self.request = request
-        self.dir = render.attempt_dir(state_dir, job_id, attempt_no)
-        self.machine = JobMachine(plan)
-        self.status: dict[str, Any] | None = None
-        self.signature: tuple[int, int, int] | None = None
-        self.proc: subprocess.Popen[bytes] | None = None  # the supervisor, while it is our child
-        self.next_liveness = 0.0
-        self.pending_stop: float | None = None  # a stop the supervisor has not shown yet
-        self.final = False  # ended and the supervisor gone: nothing more to read
-        self.finished = asyncio.Event()  # set with ``final``
-        self.published: JobObservation | None = None
-        self.peaks = [usage.Peak() for _ in plan.processes]
-
-    @property
-    def backend_job_id(self) -> str:
-        return self.plan.backend_job_id
-
-    @property
-    def logs_ended(self) -> bool:
-        return self.final or self.machine.ended
-
-    def record(self) -> dict[str, Any]:
-        return {"version": RECORD_VERSION, "cluster": self.cluster, "job_id": self.job_id,
-                "attempt": self.attempt, "native_spec": self.native.content, "request": list(self.request)}
-
-    def gpus_held(self) -> set[str]:
-        out: set[str] = set()
-        for p in self.plan.processes:
-            if v := p.env.get("CUDA_VISIBLE_DEVICES"):
-                out.update(v.split(","))
-        return out
-
-
 def _free_ports(n: int) -> list[int]:
     """``n`` distinct free ports (all bound at once, then released)."""
     socks = []
@@ -215,7 +178,7 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
         self._grace = config.grace_seconds
         self._base_env = dict(os.environ if base_env is None else base_env)
         self._host = socket.gethostname()
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, TrackedJob] = {}
         self._gpus = usage.Gpus()
         self._poller: asyncio.Task[None] | None = None
         self._base_env["PATH"] = job_path(self._base_env.get("PATH", os.defpath))
@@ -286,7 +249,8 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
         return assign_gpus(inventory, sorted(held), requests)
 
     def _known(self, c: _Cluster, job_id: str, rendered: render.LocalRequest) -> Known | None:
-        prev = self._jobs.get(job_id)  # keyed by id alone: one host under every cluster name
+        # keyed by id alone: one host under every cluster name
+        prev = self._jobs.get(job_id) or self._forgotten(job_id)
         if prev is None:
             return None
         return Known(prev.cluster, prev.attempt, not prev.machine.state.is_terminal(),
@@ -295,7 +259,7 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
     async def _submit(self, c: _Cluster, name: str, job_id: str, spec: JobSpec, attempt_no: int,
                       rendered: render.LocalRequest) -> LaunchResult:
         plan = await self._launch_plan(rendered)
-        job = _Job(self._state_dir, name, job_id, attempt_no, plan, usage.requested(spec))
+        job = TrackedJob(self._state_dir, name, job_id, attempt_no, plan, usage.requested(spec))
         self._jobs[job_id] = job  # before any await: a stop or an observation during the spawn finds it
         try:
             self._write_files(job)
@@ -311,7 +275,7 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
                  job.backend_job_id, len(plan.processes), job.machine.state.name)
         return LaunchResult(job.backend_job_id, job.native, self._observation(job))
 
-    def _write_files(self, job: _Job) -> None:
+    def _write_files(self, job: TrackedJob) -> None:
         os.makedirs(job.dir, exist_ok=True)
         for fname, content in job.plan.files.items():
             with open(os.path.join(job.dir, fname), "w") as f:
@@ -323,11 +287,11 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
 
     # ------------------------------------------------------------------ hooks: observations
 
-    def _observation(self, job: _Job) -> JobObservation:
+    def _observation(self, job: TrackedJob) -> JobObservation:
         return job.machine.observation(job.job_id, job.backend_job_id, job.attempt, self._host)
 
-    def _find(self, cluster: str, ref: JobRef) -> _Job | None:
-        job = self._jobs.get(ref.job_id)
+    def _find(self, cluster: str, ref: JobRef) -> TrackedJob | None:
+        job = self._jobs.get(ref.job_id) or self._forgotten(ref.job_id)
         if job is None or job.cluster != cluster:
             return None
         if ref.backend_job_id and ref.backend_job_id != job.backend_job_id:
@@ -344,10 +308,11 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
         job = self._find(c.name, ref)
         return self._observation(job) if job is not None else None
 
-    def _publish(self, job: _Job) -> None:
+    def _publish(self, job: TrackedJob) -> None:
         obs = self._observation(job)
-        if obs != job.published:
-            job.published = obs
+        h = hash(obs)  # an equal hash of a changed observation (2^-64) would skip one publish
+        if h != job.published:
+            job.published = h
             self.hub.publish(job.cluster, obs)
 
     # ------------------------------------------------------------------ hooks: stop / cleanup
@@ -364,7 +329,8 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
             except OSError as e:
                 raise Internal(f"cannot ask the job to stop: {e.strerror or e}") from e
             job.pending_stop = grace
-            attempt.wake_supervisor(job.status)
+            pid, ticks = job.supervisor or (None, None)
+            attempt.wake_supervisor({"supervisor": {"pid": pid, "start_ticks": ticks}})
             self._publish(job)
         return self._observation(job)
 
@@ -379,6 +345,56 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
         if self._jobs.get(job.job_id) is job:
             del self._jobs[job.job_id]
         await asyncio.to_thread(shutil.rmtree, render.job_dir(self._state_dir, job.job_id), True)
+
+    # ------------------------------------------------------------------ hooks: forget
+
+    def _forget(self, c: _Cluster, ref: JobRef) -> bool:
+        job = self._jobs.get(ref.job_id)
+        if job is None or job.cluster != c.name or (ref.backend_job_id and ref.backend_job_id != job.backend_job_id):
+            return False
+        if not job.final:  # ended, but its supervisor may still write: dropped once it is gone
+            job.forget_when_final = True
+            return False
+        self._drop(job)
+        return True
+
+    def _drop(self, job: TrackedJob) -> None:
+        """Mark the attempt recorded on disk (with the usage peaks) and let go of it."""
+        try:
+            attempt.write_json(os.path.join(job.dir, attempt.RECORDED),
+                               {"peaks": [[p.cpu_seconds, p.peak_bytes] for p in job.peaks]})
+        except OSError as e:  # kept in memory: a later ForgetJobs tries again
+            log.warning("cannot mark job %s recorded: %s", job.job_id, e)
+            return
+        if self._jobs.get(job.job_id) is job:
+            del self._jobs[job.job_id]
+
+    def _forgotten(self, job_id: str) -> TrackedJob | None:
+        """A forgotten job's newest attempt, read from its files (not kept in memory)."""
+        jdir = render.job_dir(self._state_dir, job_id)
+        if not ID_RE.match(job_id) or not os.path.isdir(jdir):
+            return None
+        attempts = [int(n[8:]) for n in os.listdir(jdir) if n.startswith("attempt-") and n[8:].isdigit()]
+        if not attempts:
+            return None
+        adir = render.attempt_dir(self._state_dir, job_id, max(attempts))
+        marker = attempt.read_json(os.path.join(adir, attempt.RECORDED))
+        if marker is None:
+            return None  # not forgotten (in memory, or being removed)
+        try:
+            job = self._job_from_record(attempt.read_json(os.path.join(adir, attempt.RECORD)))
+            doc = attempt.read_json(os.path.join(adir, attempt.STATUS))
+            if doc is not None:
+                job.machine = JobMachine.from_json(job.plan, doc)
+            for peak, (cpu, mem) in zip(job.peaks, marker.get("peaks", []), strict=False):
+                peak.cpu_seconds, peak.peak_bytes = float(cpu), int(mem)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            log.warning("unreadable files of forgotten job %s: %s", job_id, e)
+            return None
+        job.machine.logs_done = True
+        job.end()
+        job.published = hash(self._observation(job))
+        return job
 
     # ------------------------------------------------------------------ hooks: logs / usage
 
@@ -408,7 +424,7 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
                 except Exception:  # one broken job must not stop the others' updates
                     log.exception("cannot follow job %s", job.job_id)
 
-    def _refresh(self, job: _Job) -> None:
+    def _refresh(self, job: TrackedJob) -> None:
         """Read the job's status if it changed; publish; notice a supervisor gone."""
         if job.final:
             return
@@ -418,11 +434,12 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
         self._read_status(job)  # its last words, written before it exited
         if not job.machine.ended:
             self._lost(job)
-        job.final = True
-        job.finished.set()
+        job.end()
         self._publish(job)
+        if job.forget_when_final:
+            self._drop(job)
 
-    def _read_status(self, job: _Job) -> None:
+    def _read_status(self, job: TrackedJob) -> None:
         path = os.path.join(job.dir, attempt.STATUS)
         sig = attempt.signature(path)
         if sig is None or sig == job.signature:
@@ -435,7 +452,9 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
         except (KeyError, TypeError, ValueError) as e:
             log.warning("unreadable status of job %s: %s", job.job_id, e)
             return
-        job.signature, job.status, job.machine = sig, doc, machine
+        sup = doc.get("supervisor") or {}
+        job.signature, job.machine = sig, machine
+        job.supervisor = (sup.get("pid"), sup.get("start_ticks")) if sup else None
         if job.pending_stop is not None:
             if machine.stop is not None or machine.succeeding or machine.state.is_terminal():
                 job.pending_stop = None  # the supervisor has it
@@ -443,7 +462,7 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
                 machine.request_stop(job.pending_stop)
         self._publish(job)
 
-    def _supervisor_gone(self, job: _Job) -> bool:
+    def _supervisor_gone(self, job: TrackedJob) -> bool:
         if job.proc is not None:
             if job.proc.poll() is None:
                 return False
@@ -455,7 +474,7 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
         job.next_liveness = now + LIVENESS_SECONDS
         return not attempt.supervisor_alive(job.dir)
 
-    def _lost(self, job: _Job) -> None:
+    def _lost(self, job: TrackedJob) -> None:
         """The supervisor died before the job ended: kill what is left, report it honestly."""
         m = job.machine
         if m.state.is_terminal():
@@ -471,7 +490,7 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
 
     # ------------------------------------------------------------------ records
 
-    def _load(self) -> list[_Job]:
+    def _load(self) -> list[TrackedJob]:
         root = os.path.join(self._state_dir, "jobs")
         out = []
         for job_id in sorted(os.listdir(root)):
@@ -480,6 +499,9 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
                 continue
             attempts = sorted((int(n[8:]) for n in os.listdir(jdir) if n.startswith("attempt-") and n[8:].isdigit()),
                               reverse=True)
+            if attempts and os.path.exists(os.path.join(
+                    render.attempt_dir(self._state_dir, job_id, attempts[0]), attempt.RECORDED)):
+                continue  # JobManager recorded its end: read from its files when asked
             for n in attempts:
                 path = os.path.join(render.attempt_dir(self._state_dir, job_id, n), attempt.RECORD)
                 try:
@@ -489,18 +511,18 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
                     log.warning("skipping unreadable record %s: %s", path, e)
         return out
 
-    def _job_from_record(self, rec: dict[str, Any] | None) -> _Job:
+    def _job_from_record(self, rec: dict[str, Any] | None) -> TrackedJob:
         if rec is None:
             raise ValueError("missing or not JSON")
         plan = render.plan_from_json(json.loads(rec["native_spec"]))
         cpu, gpu = rec.get("request") or (0.0, 0)
-        job = _Job(self._state_dir, rec["cluster"], rec["job_id"], int(rec["attempt"]), plan, (float(cpu), int(gpu)))
+        job = TrackedJob(self._state_dir, rec["cluster"], rec["job_id"], int(rec["attempt"]), plan, (float(cpu), int(gpu)))
         if rec.get("version", 1) < RECORD_VERSION:
             _legacy(job, rec)
         return job
 
 
-def _legacy(job: _Job, rec: Mapping[str, Any]) -> None:
+def _legacy(job: TrackedJob, rec: Mapping[str, Any]) -> None:
     """A record from before supervisors: its outcome, or (still running) kill it as that driver did."""
     doc = {"state": rec["state"], "reason": rec["reason"], "message": rec["message"],
            "exit_code": rec["exit_code"], "start_time": rec["start_time"], "end_time": rec["end_time"],
@@ -511,5 +533,4 @@ def _legacy(job: _Job, rec: Mapping[str, Any]) -> None:
         attempt.kill_leftovers((p.pid, p.start_ticks) for p in job.machine.procs)
         job.machine.lost(states.REASON_DRIVER_RESTARTED,
                          "the driver restarted while the job ran (started before job supervisors)", time.time())
-    job.final = True
-    job.finished.set()
+    job.end()

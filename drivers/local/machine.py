@@ -43,7 +43,7 @@ from drivers.local.render import LocalPlan
 STATUS_VERSION = 1
 
 
-@dataclass
+@dataclass(slots=True)
 class Proc:
     """One process of the job (one slot of the plan)."""
 
@@ -68,6 +68,9 @@ class Proc:
 
 class JobMachine:
     """The state of one job attempt and its processes."""
+
+    __slots__ = ("plan", "procs", "state", "reason", "message", "exit_code", "start_time", "end_time",
+                 "spawned", "stop", "signalled", "succeeding", "failure", "logs_done")
 
     def __init__(self, plan: LocalPlan) -> None:
         self.plan = plan

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import json
 import os
+import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,7 +69,7 @@ LOCAL_HOST = "127.0.0.1"
 MAX_PROCESSES = 256
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ProcessPlan:
     role: str
     index: int
@@ -84,7 +85,7 @@ class ProcessPlan:
         return self.stdout if stream is LogStream.STDOUT else self.stderr
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class LocalPlan:
     job_id: str
     attempt: int
@@ -167,9 +168,19 @@ def emit(job_id: str, spec: JobSpec, placements: Sequence[planner.Placement], *,
     return LocalPlan(job_id=job_id, attempt=attempt, backend_job_id=backend_job_id(job_id, attempt),
                      run_mode=f"RUN_MODE_{spec.run_mode.name}",
                      time_limit_seconds=spec.time_limit_seconds, processes=tuple(procs),
-                     decisive_roles=frozenset() if decisive == all_roles else decisive,
-                     stopped_after_success=jp.success.stopped_after_success,
-                     success_description=jp.success.description, files=dict(jp.files))
+                     decisive_roles=_NO_ROLES if decisive == all_roles else _shared(decisive),
+                     stopped_after_success=_shared(jp.success.stopped_after_success),
+                     success_description=jp.success.description,
+                     files=dict(jp.files) if jp.files else _NO_FILES)
+
+
+#: shared empties: a tracked job's plan holds no set or dict of its own for nothing
+_NO_ROLES: frozenset[str] = frozenset()
+_NO_FILES: Mapping[str, str] = types.MappingProxyType({})
+
+
+def _shared(roles: frozenset[str]) -> frozenset[str]:
+    return roles or _NO_ROLES
 
 
 @dataclass(frozen=True)

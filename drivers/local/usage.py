@@ -91,7 +91,7 @@ def cluster_info(gpus: Sequence[tuple[str, int]], running: Iterable[tuple[float,
                        driver_version=f"local/{__version__}")
 
 
-@dataclass
+@dataclass(slots=True)
 class Peak:
     """The highest CPU time and memory seen of one replica."""
 

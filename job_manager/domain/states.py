@@ -15,6 +15,9 @@ from job_manager.domain.model import Job, JobState, Observation
 
 S = JobState
 
+#: the reason of a stored job whose launch is queued (SubmitJob answered before it)
+LAUNCH_QUEUED = "LaunchQueued"
+
 #: Legal transitions. A retry (FAILED attempt n → PENDING attempt n+1) is not
 #: an observation; it goes through ``plan_retry``.
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
@@ -152,7 +155,7 @@ def mark_launched(job: Job, backend_job_id: str, obs: Observation | None,
     if job.state.is_terminal() or job.launched:
         return None
     new = dataclasses.replace(job, backend_job_id=backend_job_id)
-    if new.reason in ("DriverUnavailable", "ClusterNotConfigured", "Retrying"):
+    if new.reason in (LAUNCH_QUEUED, "DriverUnavailable", "ClusterNotConfigured", "Retrying"):
         new.reason, new.message = "", ""
     if obs is not None:
         applied = apply_observation(new, obs, now)
