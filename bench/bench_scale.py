@@ -14,6 +14,17 @@ each, the store's encoding, 128 per transaction), then starts the local stack
   list (by token), a page of a selective label filter, next to a bare etcd
   range of 50 keys;
 - how long JobManager took to start (the cache's paged load) and its RSS.
+
+``--streams`` (e.g. ``--streams --jobs 0``) measures WatchJobs instead, next to
+a bare grpc.aio streaming server (another process, the same TLS) in the same
+run, for each ``--watchers`` count: the time to open that many idle streams
+(each until its first message, 100 opening at a time), the server's RSS per
+open stream and what stays after they close (targets <= 30 KiB per stream,
+5,000 open in <= 5 s); and, for each ``--fanout`` count, one event to that
+many watchers, p50/p99 from the write (an etcd put of a job; the bare
+server's broadcast call) to each stream's receipt (targets p99 <= 100 ms at
+1,000, <= 200 ms at 10,000). The client is one process, so both rows carry
+its cost alike.
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ from datetime import UTC, datetime, timedelta
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import grpc  # noqa: E402
 from aetcd import rpc  # noqa: E402
 
 from bench.stats import ms, pct  # noqa: E402
@@ -71,6 +83,39 @@ def synthetic(i: int) -> Job:
                owner="bench", message="m" * 700, backend_job_id=f"b{i}",
                spec=JobSpec(run_mode=1, replica_groups=[ReplicaGroup(role="main", replicas=1,
                                                                      command=["true"])]))
+
+
+STREAM_SERVER = r"""
+import asyncio, sys, grpc
+from dlsched.kit import tls
+class Hub:
+    def __init__(self):
+        self.event = asyncio.Event()
+        self.payload = b""
+hub = Hub()
+async def watch(req, ctx):
+    yield b"snapshot-complete"
+    while True:
+        ev = hub.event
+        await ev.wait()
+        yield hub.payload
+async def fire(req, ctx):
+    hub.payload = req
+    ev, hub.event = hub.event, asyncio.Event()
+    ev.set()
+    return b""
+async def main():
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("bench.Stream", {
+        "Watch": grpc.unary_stream_rpc_method_handler(watch),
+        "Fire": grpc.unary_unary_rpc_method_handler(fire)})])
+    port = server.add_secure_port("127.0.0.1:0", tls.server_credentials(tls.TlsOptions(
+        sys.argv[1], sys.argv[2], sys.argv[3]), require_client_cert=False))
+    await server.start()
+    print(port, flush=True)
+    await server.wait_for_termination()
+asyncio.run(main())
+"""
 
 
 async def write_jobs(client, n: int) -> None:  # type: ignore[no-untyped-def]
@@ -114,6 +159,136 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
+class Streams:
+    """N idle server streams from this process, each read by its own task;
+    ``received[i]`` the time stream i got its latest message."""
+
+    def __init__(self, open_call, n: int) -> None:  # type: ignore[no-untyped-def]
+        self.open_call = open_call  # (stream index) -> call
+        self.n = n
+        self.calls: list = []  # type: ignore[type-arg]
+        self.tasks: list[asyncio.Task[None]] = []
+        self.received: list[float] = []
+        self.counts: list[int] = []
+
+    async def open(self) -> float:
+        """Seconds until every stream has its first message (100 opening at a time)."""
+        t = time.perf_counter()
+        for start in range(0, self.n, 100):
+            batch = [self.open_call(i) for i in range(start, min(self.n, start + 100))]
+            await asyncio.gather(*(c.read() for c in batch))
+            self.calls += batch
+        took = time.perf_counter() - t
+        self.received = [0.0] * self.n
+        self.counts = [0] * self.n
+        self.tasks = [asyncio.create_task(self._read(i, c)) for i, c in enumerate(self.calls)]
+        return took
+
+    async def _read(self, i: int, call) -> None:  # type: ignore[no-untyped-def]
+        try:
+            async for _ in call:
+                self.received[i] = time.perf_counter()
+                self.counts[i] += 1
+        except Exception:  # noqa: BLE001 - cancelled at the end
+            pass
+
+    async def fanout(self, fire, within: float = 60) -> list[float]:  # type: ignore[no-untyped-def]
+        """Latencies from ``fire()`` (called now) to each stream's receipt of one more message."""
+        before = list(self.counts)
+        t0 = time.perf_counter()
+        await fire()
+        deadline = t0 + within
+        while any(c <= b for c, b in zip(self.counts, before, strict=True)):
+            if time.perf_counter() > deadline:
+                raise RuntimeError("not every stream got the event")
+            await asyncio.sleep(0.005)
+        return [r - t0 for r in self.received]
+
+    async def close(self) -> None:
+        for c in self.calls:
+            c.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.calls, self.tasks = [], []
+
+
+async def settle_rss(pid: int, seconds: float = 2.0) -> float:
+    await asyncio.sleep(seconds)
+    return rss_mb(pid)
+
+
+STREAMS_PER_CONNECTION = 500
+
+
+def pool(address: str, n: int) -> list[grpc.aio.Channel]:
+    """Channels on separate connections, one per ``STREAMS_PER_CONNECTION`` streams."""
+    from dlsched.kit import tls
+    from dlsched.kit.channel import TokenSource
+
+    sec = security.current()
+    return [tls.channel(address, sec.service_tls(), client_cert=True,
+                        token=TokenSource(token=sec.admin_token),
+                        extra_options=[("grpc.use_local_subchannel_pool", 1)])
+            for _ in range(max(1, -(-n // STREAMS_PER_CONNECTION)))]
+
+
+async def stream_rows(args: argparse.Namespace, jm_address: str, jm_pid: int,  # type: ignore[no-untyped-def]
+                      bare_address: str, bare_pid: int, client) -> None:
+    watch_req = jms.WatchJobsRequest(filter="labels.bench=fanout")
+    payload = jms.WatchJobsResponse(job=jms.GetJobResponse().job).SerializeToString()
+    addresses = {"jm": jm_address, "bare": bare_address}
+    pids = {"jm": jm_pid, "bare": bare_pid}
+    labels = {"jm": "WatchJobs", "bare": "bare grpc.aio stream"}
+
+    def opener(kind: str, chans: list[grpc.aio.Channel]):  # type: ignore[no-untyped-def]
+        if kind == "jm":
+            stubs = [jms_grpc.JobManagerServiceStub(c) for c in chans]
+            return lambda i: stubs[i // STREAMS_PER_CONNECTION].WatchJobs(watch_req)
+        calls = [c.unary_stream("/bench.Stream/Watch") for c in chans]
+        return lambda i: calls[i // STREAMS_PER_CONNECTION](b"")
+
+    print("\nidle streams: open time, server RSS per stream, RSS left after close")
+    for n in args.watchers:
+        for kind in ("bare", "jm"):
+            chans = pool(addresses[kind], n)
+            base = await settle_rss(pids[kind], 1.0)
+            st = Streams(opener(kind, chans), n)
+            took = await st.open()
+            peak = await settle_rss(pids[kind])
+            await st.close()
+            for c in chans:
+                await c.close()
+            after = await settle_rss(pids[kind], 10.0)
+            print(f"  {labels[kind]:22s} {n:6d} streams  open {took:6.2f} s"
+                  f"  {(peak - base) * 1024 / n:6.1f} KiB/stream"
+                  f"  after close {(after - base) * 1024 / n:6.1f} KiB/stream")
+    key = f"{PREFIX}jobs/fanout".encode()
+    seq_no = [0]
+
+    async def put_job() -> None:
+        seq_no[0] += 1
+        job = synthetic(10_000_000 + seq_no[0])
+        job.labels = {"bench": "fanout"}
+        await client.put(key, job_to_bytes(job))
+
+    print("\none event to N watchers (write -> receipt at every stream):")
+    for n in args.fanout:
+        for kind in ("bare", "jm"):
+            chans = pool(addresses[kind], n)
+            fire = (put_job if kind == "jm" else
+                    lambda ch=chans[0]: ch.unary_unary("/bench.Stream/Fire")(payload, timeout=30))
+            st = Streams(opener(kind, chans), n)
+            await st.open()
+            lat: list[float] = []
+            for _ in range(args.events):
+                lat += await st.fanout(fire)
+                await asyncio.sleep(0.2)
+            await st.close()
+            for c in chans:
+                await c.close()
+            await asyncio.sleep(10.0)  # the server lets go of the streams
+            print(f"  {labels[kind]:22s} {n:6d} watchers  p50 {ms(pct(lat, 50))}  p99 {ms(pct(lat, 99))}")
+
+
 async def run(args: argparse.Namespace) -> int:
     sec = security.install()
     etcd = EtcdServer().start()
@@ -133,6 +308,21 @@ async def run(args: argparse.Namespace) -> int:
         started = time.perf_counter() - t
         assert stack.jm.proc is not None
         print(f"JobManager serving after {started:.1f} s (cache load), RSS {rss_mb(stack.jm.proc.pid):.0f} MB")
+
+        if args.streams:
+            bare = subprocess.Popen(  # noqa: ASYNC220 - set-up, before anything is measured
+                [sys.executable, "-c", STREAM_SERVER, sec.service.cert_file, sec.service.key_file,
+                 sec.ca.cert_file], stdout=subprocess.PIPE, cwd=str(ROOT),
+                env={**os.environ, "PYTHONPATH": str(ROOT)})
+            try:
+                assert bare.stdout is not None
+                bare_port = int(bare.stdout.readline())
+                await stream_rows(args, stack.jm.address, stack.jm.proc.pid,
+                                  f"127.0.0.1:{bare_port}", bare.pid, client)
+            finally:
+                bare.kill()
+            await client.close()
+            return 0
 
         echo = subprocess.Popen(  # noqa: ASYNC220 - set-up, before anything is measured
             [sys.executable, "-c", ECHO_SERVER, sec.service.cert_file, sec.service.key_file,
@@ -209,6 +399,13 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--duration", type=float, default=4.0)
     p.add_argument("--pages", type=int, default=50)
+    p.add_argument("--streams", action="store_true",
+                   help="measure WatchJobs streams (open, memory, fan-out) instead of reads")
+    p.add_argument("--watchers", type=lambda v: [int(x) for x in v.split(",")],
+                   default=[1000, 5000], help="idle stream counts, comma-separated")
+    p.add_argument("--fanout", type=lambda v: [int(x) for x in v.split(",")],
+                   default=[1000, 10000], help="watcher counts for one event, comma-separated")
+    p.add_argument("--events", type=int, default=5, help="events per fan-out row")
     args = p.parse_args()
     with tempfile.TemporaryDirectory():
         sys.exit(asyncio.run(run(args)))

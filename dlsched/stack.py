@@ -414,6 +414,8 @@ class LocalStack:
         jm = self._service("job-manager", "job_manager", self.port,
                            ["--etcd", self.etcd_endpoint, *sec.etcd_client_args(),
                             "--cluster-manager", cm_address,
+                            # the job history: SQLite, DIR/job-manager/history.db
+                            "--data-dir", str(self.data / "job-manager"),
                             "--prefix", "/dlsched/", *sec.tls_args(), *auth])
         self.children.append(jm)
         jm.start()

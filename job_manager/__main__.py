@@ -31,6 +31,12 @@ from dlsched.v1 import access_service_pb2_grpc
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
 from job_manager.cache import JobCache
 from job_manager.clients import ClusterManagerClient, DriverPool
+from job_manager.history.options import (
+    HistoryOptions,
+    add_history_flags,
+    history_options_from_args,
+    start_history,
+)
 from job_manager.job_metrics import JobStateGauge
 from job_manager.ownership import ClusterOwnership
 from job_manager.scheduler import Scheduler, SchedulerConfig
@@ -54,6 +60,7 @@ class Config:
     watch_buffer: int = 0
     watch_buffer_bytes: int = 64 << 20
     watch_history: int = 5000
+    consistent_reads: bool = True
     stop_grace_seconds: float = 10.0
     stream_heartbeat_seconds: float = 15.0
     log_level: str = "INFO"
@@ -67,6 +74,7 @@ class Config:
     keepalive_timeout_seconds: float = 10.0
     replica_id: str = ""
     owner_ttl: int = 5
+    history: HistoryOptions = HistoryOptions()
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
@@ -81,6 +89,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
                         "(0: bounded by --watch-buffer-bytes only)")
     p.add_argument("--watch-buffer-bytes", type=int, default=64 << 20,
                    help="bytes of events kept for WatchJobs resume tokens")
+    p.add_argument("--consistent-reads", action=argparse.BooleanOptionalAction, default=True,
+                   help="GetJob and ListJobs show every write made before them, on any replica "
+                        "(one etcd read each); --no-consistent-reads: this replica's cache as it is")
     p.add_argument("--watch-history", type=int, default=5000,
                    help="revisions back the job watch starts at, so tokens survive a restart")
     p.add_argument("--stop-grace-seconds", type=float, default=10.0)
@@ -93,6 +104,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--owner-ttl", type=int, default=5,
                    help="lease TTL of this replica's cluster ownership: a dead replica's "
                         "clusters move to another within it")
+    add_history_flags(p)
     add_observability_flags(p)
     add_keepalive_flags(p)
     add_tls_flags(p)
@@ -109,6 +121,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     if not 0 <= a.stream_heartbeat_seconds <= MAX_STREAM_HEARTBEAT_SECONDS:
         p.error(f"--stream-heartbeat-seconds must be 0 (none) to {MAX_STREAM_HEARTBEAT_SECONDS:g}")
     tls = tls_options_from_args(a, p)
+    history = history_options_from_args(a, p)
     auth = auth_options_from_args(a, p)
     if not auth.disabled and not auth.control_plane_token_file:
         p.error("JobManager calls ClusterManager with --control-plane-token-file "
@@ -117,13 +130,14 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
                   cluster_manager=a.cluster_manager, prefix=a.prefix,
                   watch_buffer=a.watch_buffer, watch_buffer_bytes=a.watch_buffer_bytes,
                   watch_history=a.watch_history,
+                  consistent_reads=a.consistent_reads,
                   stop_grace_seconds=a.stop_grace_seconds,
                   stream_heartbeat_seconds=a.stream_heartbeat_seconds, log_level=a.log_level,
                   metrics_listen=a.metrics_listen, trace_export=a.trace_export,
                   log_format=a.log_format, tls=tls, auth=auth, audit_log=a.audit_log,
                   keepalive_seconds=a.keepalive_seconds,
                   keepalive_timeout_seconds=a.keepalive_timeout_seconds,
-                  replica_id=a.replica_id, owner_ttl=a.owner_ttl)
+                  replica_id=a.replica_id, owner_ttl=a.owner_ttl, history=history)
 
 
 async def amain(cfg: Config) -> None:
@@ -134,6 +148,7 @@ async def amain(cfg: Config) -> None:
     cache = JobCache()
     hub = WatchHub(client, cfg.prefix, buffer_size=cfg.watch_buffer,
                    buffer_bytes=cfg.watch_buffer_bytes, history=cfg.watch_history,
+                   consistent_reads=cfg.consistent_reads,
                    cache=cache, store=store)
     await hub.start()
     log.info("job cache loaded: %d jobs at revision %d", len(cache), cache.revision)
@@ -151,6 +166,10 @@ async def amain(cfg: Config) -> None:
     # the clusters it wins as soon as it has joined.
     ownership = ClusterOwnership(client, store, hub, identity=cfg.replica_id,
                                  ttl=cfg.owner_ttl, prefix=cfg.prefix, cache=cache)
+    # Job history: terminal jobs past the retention move out of etcd (the
+    # archiver, leader-only), and reads look there after the cache and etcd.
+    history, archiving = await start_history(cfg.history, client, store, cache, cfg.prefix,
+                                             ownership.identity, hub.wait_current)
     scheduler = Scheduler(store, cm, drivers,
                           SchedulerConfig(stop_grace_seconds=cfg.stop_grace_seconds),
                           ownership=ownership, cache=cache)
@@ -167,7 +186,8 @@ async def amain(cfg: Config) -> None:
                       interceptors=[AuthInterceptor(authenticator.authenticate, audit=audit)]),
         [Registration(pb_grpc.add_JobManagerServiceServicer_to_server,
                       JobManagerServicer(scheduler, hub,
-                                         heartbeat_seconds=cfg.stream_heartbeat_seconds),
+                                         heartbeat_seconds=cfg.stream_heartbeat_seconds,
+                                         history=history),
                       "dlsched.v1.JobManagerService"),
          Registration(access_service_pb2_grpc.add_AccessServiceServicer_to_server,
                       AccessServicer(access), "dlsched.v1.AccessService")],
@@ -179,6 +199,10 @@ async def amain(cfg: Config) -> None:
 
     async def on_stop() -> None:
         await ownership.close()  # hands every cluster over now
+        if archiving is not None:
+            await archiving.close()
+        if history is not None:
+            await history.close()
         await scheduler.close()
         await cm.close()
         await drivers.close()

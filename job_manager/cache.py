@@ -15,8 +15,13 @@ term (or the caller's readable projects) names, from the page token's
 position, and stops once the page is full: its cost is the page plus what
 the filter skips in that index, not the number of jobs.
 
-``revision`` is the etcd revision the view reflects; ``wait_for`` lets a
-replica that wrote a job answer its next read with it (read-your-writes).
+``revision`` is the revision of the last job event the view applied;
+``synced`` the revision the watch has proved it reached with a progress
+notification (``WatchHub.wait_current``: etcd's revision moves with writes
+to other keys too, which bring no job event). ``current``, the larger, is
+what ``wait_for`` waits on: a replica that wrote a job answers its next read
+with it, and any replica answers a read with every write etcd had made when
+the read came (read-your-writes across replicas).
 """
 
 from __future__ import annotations
@@ -114,6 +119,7 @@ class JobCache:
         self._order: list[SortKey] = []
         self._index: dict[IndexKey, list[SortKey]] = {}
         self.revision = 0
+        self.synced = 0  # proved by a watch progress notification (no job event needed)
         self._advanced = asyncio.Event()
         self.loads = 0  # full loads so far (a compaction that outran the watch makes one)
 
@@ -176,12 +182,27 @@ class JobCache:
     def _advance(self, revision: int) -> None:
         if revision > self.revision:
             self.revision = revision
-            self._advanced.set()
-            self._advanced = asyncio.Event()
+            self._wake()
+
+    def confirm(self, revision: int) -> None:
+        """The watch has delivered (and this view applied) every job event up
+        to ``revision``: a progress notification, with no event of its own."""
+        if revision > self.synced:
+            self.synced = revision
+            self._wake()
+
+    def _wake(self) -> None:
+        self._advanced.set()
+        self._advanced = asyncio.Event()
+
+    @property
+    def current(self) -> int:
+        """The etcd revision this view is known to reflect."""
+        return max(self.revision, self.synced)
 
     async def wait_for(self, revision: int, within: float = 5.0) -> bool:
         """Until the view reflects ``revision`` (False after ``within`` seconds)."""
-        return await self._wait(lambda: self.revision >= revision, within)
+        return await self._wait(lambda: self.current >= revision, within)
 
     async def wait_gone(self, job_id: str, revision: int, within: float = 5.0) -> bool:
         """Until the view no longer holds ``job_id`` as of ``revision`` or before (a delete)."""
@@ -236,6 +257,16 @@ class JobCache:
             e = self._jobs[key[1]]
             if flt.matches(e) and (p is None or access.may_read(p, e)):  # type: ignore[arg-type]
                 yield e
+
+    def terminal_oldest_first(self) -> Iterator[CachedJob]:
+        """The terminal jobs, oldest created first (the history archiver's
+        order). Lazy, as ``select``: consume it without an await between steps."""
+        lists = [self._index.get(("state", int(s)), []) for s in JobState if s.is_terminal()]
+        for key in heapq.merge(*(reversed(lst) for lst in lists), reverse=True):
+            yield self._jobs[key[1]]
+
+    def terminal_count(self) -> int:
+        return sum(len(self._index.get(("state", int(s)), ())) for s in JobState if s.is_terminal())
 
     def unfinished(self, cluster: str | None = None) -> tuple[list[Job], int]:
         """The jobs not in a terminal state (of ``cluster``, when given), decoded, and the revision."""

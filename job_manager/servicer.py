@@ -13,6 +13,12 @@ token older than the watch buffer, and with UNAVAILABLE /
 WATCH_SUBSCRIBER_LAGGING when the client reads too slowly to keep up - it
 then resumes with its last token.
 
+With a job history (``history/``: finished jobs moved out of etcd), GetJob
+looks there for a job neither the cache nor etcd holds, ListJobs merges the
+history's keyset page after the same token into the cache's (a job in both
+is etcd's: the archiver is moving it), and DeleteJob of an archived job
+deletes its row; the same access rules apply.
+
 Both streams send a heartbeat when they have sent nothing for
 ``heartbeat_seconds`` (``--stream-heartbeat-seconds``; 0: never): WatchJobs a
 HEARTBEAT event with the current resume token, StreamJobLogs a response with
@@ -32,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import heapq
 import itertools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -41,23 +48,24 @@ from typing import TypeVar
 import grpc
 
 from dlsched.auth.interceptor import caller
-from dlsched.errors import InvalidArgument
+from dlsched.errors import DlschedError, InvalidArgument
 from dlsched.kit import logs, tokens
 from dlsched.kit.timeutil import to_timestamp
 from dlsched.v1 import job_manager_service_pb2 as pb
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
 from dlsched.v1 import job_pb2
 from job_manager import convert
-from job_manager.cache import JobCache, SortKey
+from job_manager.cache import CachedJob, JobCache, SortKey
 from job_manager.domain import access
-from job_manager.domain.errors import JobNotFound, JobNotLaunched
+from job_manager.domain.errors import JobAlreadyExists, JobNotFound, JobNotLaunched
 from job_manager.domain.filter import Filter, parse_filter
 from job_manager.domain.log_cursor import FIELD as CURSOR_FIELD
 from job_manager.domain.log_cursor import LogCursor, Skipper
 from job_manager.domain.model import Job, JobState
 from job_manager.domain.validation import MAX_SPEC_BYTES, job_id_from_name, validate_request_id
+from job_manager.history.store import ArchivedJob, HistoryStore
 from job_manager.scheduler import Scheduler
-from job_manager.watch import EventType, WatchHub, decode_token, encode_token
+from job_manager.watch import EventType, JobEvent, WatchHub, decode_token, encode_token
 
 log = logging.getLogger("job_manager.servicer")
 
@@ -130,13 +138,19 @@ def _decode_page(token: str) -> SortKey:
         raise InvalidArgument.for_field("page_token", "not a page token this server issued") from e
 
 
-class _WatchPosition:
-    """The resume token a WatchJobs heartbeat carries: that of the last event
-    the stream sent or skipped (filtered out, unreadable), so resuming with it
-    loses and repeats nothing."""
-
-    def __init__(self, token: str) -> None:
-        self.token = token
+def _response(ev: JobEvent) -> pb.WatchJobsResponse:
+    """The WatchJobs response of ``ev``, built once and shared by every stream
+    that sends it (never changed after: each stream only serializes it)."""
+    resp = ev.memo
+    if not isinstance(resp, pb.WatchJobsResponse):
+        job = job_pb2.Job.FromString(ev.data)
+        if not job.name:
+            job.name = f"jobs/{ev.job_id}"
+        job.etag = str(ev.job_revision) if ev.job_revision else ""
+        resp = pb.WatchJobsResponse(type=_EVENT_TYPES[ev.type], job=job,
+                                    resume_token=encode_token(ev.revision))
+        ev.memo = resp
+    return resp
 
 
 class _LogPosition:
@@ -153,7 +167,7 @@ def _time_ns(e: job_pb2.LogEntry) -> int:
 
 class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
     def __init__(self, scheduler: Scheduler, hub: WatchHub, *,
-                 heartbeat_seconds: float = 15.0) -> None:
+                 heartbeat_seconds: float = 15.0, history: HistoryStore | None = None) -> None:
         if hub.cache is None:
             raise ValueError("JobManagerServicer reads from the hub's job cache")
         self.scheduler = scheduler
@@ -161,6 +175,8 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         self.hub = hub
         self.cache: JobCache = hub.cache
         self.heartbeat_seconds = heartbeat_seconds
+        # Archived jobs (job_manager/history): read after the cache and etcd, which win.
+        self.history = history
 
     async def SubmitJob(self, request: pb.SubmitJobRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
@@ -172,6 +188,11 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             raise InvalidArgument.for_field("spec", "required")
         p = caller()
         spec.project = p.resolve_project(spec.project)
+        if request.job_id and not request.dry_run and self.history is not None \
+                and await self.history.get(request.job_id) is not None:
+            # An id lives on in the history: a new job must not hide the archived one.
+            raise JobAlreadyExists(f"job jobs/{request.job_id} already exists (archived)",
+                                   metadata={"name": f"jobs/{request.job_id}"})
         job, dry = await self.scheduler.submit(
             request.job_id, spec, request.request_id, dry_run=request.dry_run,
             spec_bytes=spec_bytes, owner=p.name)
@@ -187,9 +208,16 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
     async def GetJob(self, request: pb.GetJobRequest,  # noqa: N802
                      context: grpc.aio.ServicerContext) -> pb.GetJobResponse:
         job_id = job_id_from_name(request.name)
-        cached = self.cache.get(job_id)
+        # Consistent read: the cache has every write made before this call, or etcd is read.
+        cached = self.cache.get(job_id) if await self.hub.wait_current() else None
         if cached is None:  # not here yet (written on another replica a moment ago), or none
-            job = access.check_read(caller(), await self.store.get(job_id))
+            try:
+                job = access.check_read(caller(), await self.store.get(job_id))
+            except JobNotFound:
+                archived = await self._archived(job_id)
+                if archived is None:
+                    raise
+                return pb.GetJobResponse(job=archived.proto())
             return pb.GetJobResponse(job=convert.job_to_proto(job))
         if not access.may_read(caller(), cached):  # type: ignore[arg-type]
             raise JobNotFound(f"job {cached.name} not found", metadata={"name": cached.name})
@@ -207,10 +235,48 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         size = min(request.page_size or DEFAULT_PAGE, MAX_PAGE)
         flt = parse_filter(request.filter)
         after = _decode_page(request.page_token) if request.page_token else None
+        await self.hub.wait_current()  # every write made before this call (bounded)
         # One synchronous walk: the page and whether another follows, at one revision.
-        page = list(itertools.islice(self.cache.select(flt, caller(), after), size + 1))
+        page: list[CachedJob | ArchivedJob] = list(
+            itertools.islice(self.cache.select(flt, caller(), after), size + 1))
+        if self.history is not None:
+            page = await self._with_archived(page, flt, after, size + 1)
         token = _encode_page(page[size - 1].key) if len(page) > size else ""
         return pb.ListJobsResponse(jobs=[j.proto() for j in page[:size]], next_page_token=token)
+
+    async def _archived(self, job_id: str) -> ArchivedJob | None:
+        """The archived job ``job_id`` if the caller may read it (else None)."""
+        if self.history is None:
+            return None
+        archived = await self.history.get(job_id)
+        if archived is None or not access.may_read(caller(), archived):  # type: ignore[arg-type]
+            return None
+        return archived
+
+    async def _with_archived(self, live: list[CachedJob | ArchivedJob], flt: Filter,
+                             after: SortKey | None, want: int) -> list[CachedJob | ArchivedJob]:
+        """The first ``want`` of ``live`` (the cache's page, read before this)
+        and the history's matches after ``after``, in ListJobs' order. A job
+        the cache holds is taken from it (etcd wins over a copy being archived);
+        history rows past the cache's page end are not read beyond ``want``."""
+        assert self.history is not None
+        p = caller()
+        bound = live[-1].key if len(live) >= want else None
+        seen = {e.id for e in live}
+        archived: list[ArchivedJob] = []
+        cursor = after
+        while len(archived) < want:
+            rows = await self.history.select(flt, p, cursor, want)
+            for r in rows:
+                if bound is not None and r.key > bound:
+                    rows = []
+                    break
+                if r.id not in seen and self.cache.get(r.id) is None:
+                    archived.append(r)
+            if len(rows) < want:
+                break
+            cursor = rows[-1].key
+        return list(itertools.islice(heapq.merge(live, archived, key=lambda e: e.key), want))
 
     async def StopJob(self, request: pb.StopJobRequest,  # noqa: N802
                       context: grpc.aio.ServicerContext) -> pb.StopJobResponse:
@@ -229,10 +295,16 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         try:
             access.check_write(caller(), await self.store.get(job_id))
         except JobNotFound:
+            archived = await self._archived(job_id)
+            if archived is not None:
+                return await self._delete_archived(archived)
             if not request.allow_missing:
                 raise
             return pb.DeleteJobResponse()
         last = await self.scheduler.delete(job_id, request.allow_missing)
+        if self.history is not None:
+            # A copy the archiver wrote before the delete (etcd won until now) goes too.
+            await self.history.delete(job_id)
         if last is not None and last.etag:
             await self.cache.wait_gone(job_id, int(last.etag), _CACHE_WAIT_SECONDS)
         resp = pb.DeleteJobResponse()
@@ -240,23 +312,23 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             resp.job.CopyFrom(convert.job_to_proto(last))
         return resp
 
+    async def _delete_archived(self, archived: ArchivedJob) -> pb.DeleteJobResponse:
+        assert self.history is not None
+        job = access.check_write(caller(), archived.job())
+        if job.cluster:  # its backend objects (logs kept for it), as a live delete does
+            try:
+                drv = await self.scheduler.driver_for(job.cluster)
+                await drv.cleanup(job.cluster, job.id, job.backend_job_id)
+            except DlschedError as e:
+                log.warning("cleanup of archived %s on %s failed (ignored): %s", job.id, job.cluster, e)
+        await self.history.delete(job.id)
+        return pb.DeleteJobResponse(job=archived.proto())
+
     async def WatchJobs(self, request: pb.WatchJobsRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WatchJobsResponse]:
-        at = _WatchPosition(request.resume_token)
-
-        def heartbeat() -> pb.WatchJobsResponse | None:
-            # None (no heartbeat) only while a fresh watch reads its snapshot.
-            return (pb.WatchJobsResponse(type=job_pb2.WATCH_EVENT_TYPE_HEARTBEAT,
-                                         resume_token=at.token) if at.token else None)
-
-        events = self._watch_events(request, at)
-        async with contextlib.aclosing(
-                with_heartbeats(events, self.heartbeat_seconds, heartbeat)) as stream:
-            async for resp in stream:
-                yield resp
-
-    async def _watch_events(self, request: pb.WatchJobsRequest, at: _WatchPosition,
-                            ) -> AsyncGenerator[pb.WatchJobsResponse, None]:
+        # One task and one generator per stream: the heartbeat is the
+        # subscription's own timeout, not a task per step (``with_heartbeats``),
+        # and an event's response is built once for every stream (``_response``).
         flt: Filter = parse_filter(request.filter)
         p = caller()
         if request.resume_token:
@@ -264,6 +336,10 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         else:
             sub = self.hub.subscribe()  # queue live events before reading the snapshot
         try:
+            # The resume token a heartbeat carries: that of the last event the
+            # stream sent or skipped (filtered out, unreadable), so resuming
+            # with it loses and repeats nothing.
+            at = request.resume_token
             if not request.resume_token:
                 # The snapshot and the subscription meet at the cache's revision:
                 # no await between subscribe() and here.
@@ -275,21 +351,23 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                                                job=j.proto(), resume_token=token)
                 # Heartbeats carry a token only from here: one taken mid-snapshot
                 # would resume without the rest of it.
-                at.token = token
+                at = token
                 yield pb.WatchJobsResponse(type=job_pb2.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE,
                                            resume_token=token)
+            every = self.heartbeat_seconds if self.heartbeat_seconds > 0 else None
             while True:
-                ev = await sub.next()
-                # No await from here to the yield: a heartbeat never carries a
-                # token past an event not yet sent.
-                at.token = encode_token(ev.revision)
+                ev = await sub.next_within(every)
+                if ev is None:
+                    yield pb.WatchJobsResponse(type=job_pb2.WATCH_EVENT_TYPE_HEARTBEAT,
+                                               resume_token=at)
+                    continue
+                resp = _response(ev)
+                at = resp.resume_token
                 # The caller as of now: a revoked or expired token ends the
                 # stream (UNAUTHENTICATED), a lost role hides what follows.
                 p = p.current()
                 if access.may_read(p, ev.job) and flt.matches(ev.job):
-                    yield pb.WatchJobsResponse(type=_EVENT_TYPES[ev.type],
-                                               job=convert.job_to_proto(ev.job),
-                                               resume_token=at.token)
+                    yield resp
         finally:
             sub.close()
 

@@ -16,6 +16,25 @@ never makes a message past the client's receive limit. When etcd compacted
 revisions the watch had not seen yet, the cache is loaded again and every
 subscriber ends with ``WatchTokenExpired`` (they re-list).
 
+Consistent reads (``wait_current``, before GetJob and ListJobs): read etcd's
+current revision R (one single-key range; concurrent readers share one, but
+never one that started before they came), then wait, bounded, until the
+cache reflects R (kube-apiserver's consistent reads from cache, KEP-2340).
+Writes to other keys (leases, ownership, clusters) move R without a job
+event, so the cache has to be proved current another way:
+
+- etcd 3.5.13+ / 3.4.31+: a progress notification. The hub asks for one on
+  its watch stream (``WatchProgressRequest``); the answer, revision P, comes
+  after every job event up to P.
+- older etcd answers a progress request at once, ahead of events still
+  queued or being replayed (etcd #15220), so there the hub writes the sync
+  key ``jobs.sync``, which its watch covers (the watch spans ``jobs.sync`` up
+  to the end of ``jobs/``; ``jobs/`` scans never see it): its event, at
+  revision S > R, arrives after every job event before it. One write serves
+  every read waiting at the time, and none is made while the cache is at R.
+
+When neither proves it in time the caller falls back (GetJob reads the key).
+
 A subscriber whose queue overflows (a client that reads too slowly) is ended
 with UNAVAILABLE, reason ``WATCH_SUBSCRIBER_LAGGING``: it reconnects with its
 last token and resumes from the buffer while the buffer still covers it.
@@ -27,15 +46,18 @@ import asyncio
 import collections
 import enum
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
 
 import aetcd
 import aetcd.exceptions
+import aetcd.utils
 import grpc
 from aetcd import rpc
 
 from dlsched.errors import DlschedError, InvalidArgument, Unavailable, WatchTokenExpired
 from dlsched.kit import tokens
+from dlsched.kit.etcd import EtcdClient, WatchProgress, progress_exact
 from job_manager.convert import job_from_bytes
 from job_manager.domain.model import Job
 
@@ -73,12 +95,36 @@ class EventType(enum.Enum):
 
 #: what one buffered event costs beyond its bytes (the object, the deque slot)
 EVENT_OVERHEAD = 160
+#: how long a consistent read waits for the cache (then the caller falls back)
+CONSISTENT_READ_SECONDS = 2.0
+#: how long the hub waits for etcd to answer a progress request before asking again
+_PROGRESS_ANSWER_SECONDS = 1.0
+
+
+class _SharedRead:
+    """One etcd read shared by the callers that came before it was sent, and
+    only by them: a read already sent may predate a write a later caller saw
+    answered, so that caller starts the next one (sent at once, not after)."""
+
+    def __init__(self, fetch: Callable[[], Awaitable[int]]) -> None:
+        self._fetch = fetch
+        self._unsent: asyncio.Future[int] | None = None
+
+    async def get(self) -> int:
+        fut = self._unsent
+        if fut is None:
+            fut = self._unsent = asyncio.ensure_future(self._send())
+        return await asyncio.shield(fut)
+
+    async def _send(self) -> int:
+        self._unsent = None  # sent from here: later callers start another
+        return await self._fetch()
 
 
 class JobEvent:
     """One job event; the job is decoded from ``data`` once, when first asked for."""
 
-    __slots__ = ("_job", "data", "job_id", "job_revision", "revision", "type")
+    __slots__ = ("_job", "data", "job_id", "job_revision", "memo", "revision", "type")
 
     def __init__(self, revision: int, type: EventType, job_id: str, data: bytes,
                  job_revision: int) -> None:
@@ -88,6 +134,9 @@ class JobEvent:
         self.data = data  # the job as stored (DELETED: as it was last)
         self.job_revision = job_revision  # its etag's revision
         self._job: Job | None = None
+        # What the servicer sends for this event, built once for every stream
+        # (not kept in the buffer: ``compact`` drops it).
+        self.memo: object | None = None
 
     @property
     def job(self) -> Job:
@@ -108,50 +157,93 @@ class JobEvent:
 
 
 class Subscription:
-    """One subscriber's bounded queue of events with revision > ``after``."""
+    """One subscriber's bounded queue of events with revision > ``after``.
+
+    Small while idle (thousands are): no queue until an event comes, and a
+    future only while its reader waits."""
+
+    __slots__ = ("_error", "_fired", "_hub", "_items", "_limit", "_waiter", "after")
 
     def __init__(self, hub: WatchHub, after: int, limit: int) -> None:
         self._hub = hub
         self.after = after
         self._limit = limit
-        self._items: collections.deque[JobEvent] = collections.deque()
-        self._wake = asyncio.Event()
+        self._items: collections.deque[JobEvent] | None = None
+        self._waiter: asyncio.Future[None] | None = None
         self._error: DlschedError | None = None
+        self._fired = False
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def _push(self, ev: JobEvent) -> None:
         if self._error is not None or ev.revision <= self.after:
             return
+        if self._items is None:
+            self._items = collections.deque()
         if len(self._items) >= self._limit:
             self._fail(Unavailable("watch subscriber fell behind; resume with the last token",
                                    reason="WATCH_SUBSCRIBER_LAGGING"))
             return
         self._items.append(ev)
-        self._wake.set()
+        self._wake()
 
     def _fail(self, err: DlschedError) -> None:
         if self._error is None:
             self._error = err
-            self._items.clear()
-            self._wake.set()
+            self._items = None
+            self._wake()
 
     def skip_to(self, revision: int) -> None:
         """Drop queued events at or below ``revision`` and ignore later ones too."""
         self.after = max(self.after, revision)
-        while self._items and self._items[0].revision <= self.after:
-            self._items.popleft()
+        items = self._items
+        while items and items[0].revision <= self.after:
+            items.popleft()
 
     async def next(self) -> JobEvent:
-        while True:
-            if self._items:
-                ev = self._items.popleft()
-                if ev.revision > self.after:
-                    self.after = ev.revision
-                    return ev
-                continue
-            if self._error is not None:
-                raise self._error
-            self._wake.clear()
-            await self._wake.wait()
+        """The next event."""
+        ev = await self.next_within(None)
+        assert ev is not None
+        return ev
+
+    async def next_within(self, within: float | None) -> JobEvent | None:
+        """The next event; None when none came within ``within`` seconds (None: wait on)."""
+        timer: asyncio.TimerHandle | None = None
+        self._fired = False
+        try:
+            while True:
+                items = self._items
+                if items:
+                    ev = items.popleft()
+                    if not items:
+                        self._items = None  # an idle subscription keeps no queue
+                    if ev.revision > self.after:
+                        self.after = ev.revision
+                        return ev
+                    continue
+                if self._error is not None:
+                    raise self._error
+                if self._fired:
+                    return None
+                loop = asyncio.get_running_loop()
+                if within is not None and within > 0 and timer is None:
+                    # a timer, not wait_for: no task per wait, for thousands of idle streams
+                    timer = loop.call_later(within, self._timed_out)
+                self._waiter = loop.create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _timed_out(self) -> None:
+        self._fired = True
+        self._wake()
 
     def close(self) -> None:
         self._hub._subs.discard(self)
@@ -161,7 +253,8 @@ class WatchHub:
     def __init__(self, client: aetcd.Client, prefix: str, *, buffer_size: int = 0,
                  buffer_bytes: int = 64 << 20, history: int = 5000,
                  subscriber_limit: int | None = None, cache: JobCache | None = None,
-                 store: JobStore | None = None) -> None:
+                 store: JobStore | None = None, progress: bool | None = None,
+                 consistent_reads: bool = True) -> None:
         if not prefix.endswith("/"):
             prefix += "/"
         if (cache is None) != (store is None):
@@ -181,13 +274,106 @@ class WatchHub:
         self._task: asyncio.Task[None] | None = None
         self._ready = asyncio.Event()
         self._start_error: BaseException | None = None
+        # consistent reads: see the module's doc
+        self._sync_key = f"{prefix}jobs.sync".encode()
+        self._consistent = consistent_reads  # False: wait_current answers at once
+        self._can_progress = isinstance(client, EtcdClient) and cache is not None
+        # etcd sends a progress answer after the events it covers (None: ask its version)
+        self._exact = bool(progress)
+        self._ask_version = progress is None
+        self._live = False  # the watch is open: a progress answer speaks for it
+        self._answered = asyncio.Event()
+        self._want = 0  # the largest revision a consistent read waits for
+        self._waiting = 0
+        self._pump: asyncio.Task[None] | None = None
+        self._current = _SharedRead(self._revision)
+        self._synced_write = _SharedRead(self._write_sync)
+        self.progress_answers = 0
+        self.sync_writes = 0
+        self.stale_reads = 0  # consistent reads that gave up waiting (the caller fell back)
 
     async def _revision(self) -> int:
         """etcd's current revision (one single-key read)."""
         await self._client.connect()
         res = await self._client.kvstub.Range(rpc.RangeRequest(key=self._key, keys_only=True),
+                                              timeout=CONSISTENT_READ_SECONDS,
                                               metadata=self._client.metadata)
         return int(res.header.revision)
+
+    async def _write_sync(self) -> int:
+        """Write the sync key; its revision."""
+        await self._client.connect()
+        res = await self._client.kvstub.Put(rpc.PutRequest(key=self._sync_key, value=b""),
+                                            timeout=CONSISTENT_READ_SECONDS,
+                                            metadata=self._client.metadata)
+        self.sync_writes += 1
+        return int(res.header.revision)
+
+    @property
+    def proves_by_progress(self) -> bool:
+        """Whether consistent reads wait for progress notifications (else sync writes)."""
+        return self._can_progress and self._exact
+
+    async def wait_current(self, within: float = CONSISTENT_READ_SECONDS) -> bool:
+        """Until the cache reflects every write etcd had made when this was
+        called (read-your-writes across replicas); False when that was not
+        proved within ``within`` seconds or etcd could not be reached: the
+        caller then reads etcd itself, or serves the cache as it is."""
+        assert self.cache is not None
+        if not self._consistent:
+            return True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        self._waiting += 1  # the progress pump runs while reads wait
+        try:
+            async with asyncio.timeout(within):  # no task per read, unlike wait_for
+                target = await self._current.get()
+                if self.cache.current >= target:
+                    return True
+                self._want = max(self._want, target)
+                if self.proves_by_progress:
+                    if self._pump is None:
+                        self._pump = asyncio.create_task(self._ask_progress(),
+                                                         name="job-watch-progress")
+                else:
+                    target = await self._synced_write.get()
+                ok = await self.cache.wait_for(target, deadline - loop.time())
+        except (TimeoutError, aetcd.exceptions.ClientError, grpc.RpcError, OSError) as e:
+            log.debug("consistent read: %s", e)
+            ok = False
+        finally:
+            self._waiting -= 1
+        if not ok:
+            self.stale_reads += 1
+        return ok
+
+    async def _ask_progress(self) -> None:
+        """While reads wait for a revision the cache has not shown: ask etcd for
+        progress notifications, one at a time."""
+        assert self.cache is not None and isinstance(self._client, EtcdClient)
+        try:
+            while self._waiting and self.cache.current < self._want:
+                if not self._live:
+                    await asyncio.sleep(0.05)
+                    continue
+                self._answered.clear()
+                try:
+                    await self._client.request_progress()
+                    await asyncio.wait_for(self._answered.wait(), _PROGRESS_ANSWER_SECONDS)
+                except TimeoutError:
+                    log.debug("job watch: no answer to a progress request")
+                except (aetcd.exceptions.ClientError, grpc.RpcError, OSError) as e:
+                    log.debug("job watch: progress request: %s", e)
+                    await asyncio.sleep(0.05)
+        finally:
+            self._pump = None
+
+    def _on_progress(self, revision: int) -> None:
+        assert self.cache is not None
+        self.progress_answers += 1
+        if self._exact and self._live:
+            self.cache.confirm(revision)
+        self._answered.set()
 
     async def start(self) -> None:
         try:
@@ -195,6 +381,9 @@ class WatchHub:
                 current = await self.cache.load(self._store)
             else:
                 current = await self._revision()
+            if self._can_progress and self._ask_version:
+                assert isinstance(self._client, EtcdClient)
+                self._exact = progress_exact(await self._client.server_version())
         except (aetcd.exceptions.ClientError, grpc.RpcError, OSError) as e:
             raise Unavailable(f"etcd: {e}", reason="STORE_UNAVAILABLE") from e
         start = max(1, current - self._history)
@@ -207,6 +396,8 @@ class WatchHub:
             raise Unavailable("etcd watch did not start", reason="STORE_UNAVAILABLE")
 
     async def stop(self) -> None:
+        if self._pump is not None:
+            self._pump.cancel()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -238,6 +429,10 @@ class WatchHub:
 
     def _on_event(self, ev: aetcd.rtypes.Event) -> None:
         rev = int(ev.kv.mod_revision)
+        if not ev.kv.key.startswith(self._key):  # the sync key: every job event before it is here
+            if self.cache is not None:
+                self.cache.confirm(rev)
+            return
         job_id = ev.kv.key[len(self._key):].decode()
         deleted = ev.kind == "DELETE"
         if self.cache is not None:
@@ -302,16 +497,32 @@ class WatchHub:
         delay = 0.2
         while True:
             try:
-                watch = await self._client.watch_prefix(self._key, start_revision=next_rev,
-                                                        prev_kv=True, fragment=True)
+                # jobs.sync up to the end of jobs/: the jobs and the sync key
+                watch: Any
+                end = aetcd.utils.prefix_range_end(self._key)
+                if self._can_progress:
+                    assert isinstance(self._client, EtcdClient)
+                    watch = await self._client.watch_progress(
+                        self._sync_key, end, start_revision=next_rev, prev_kv=True, fragment=True)
+                else:
+                    watch = await self._client.watch(self._sync_key, range_end=end,
+                                                     start_revision=next_rev, prev_kv=True,
+                                                     fragment=True)
                 self._ready.set()
+                self._live = True
                 delay = 0.2
                 async for ev in watch:
+                    if isinstance(ev, WatchProgress):
+                        self._on_progress(ev.revision)
+                        continue
                     self._on_event(ev)
                     next_rev = max(next_rev, int(ev.kv.mod_revision) + 1)
+                self._live = False
             except asyncio.CancelledError:
+                self._live = False
                 raise
             except aetcd.exceptions.RevisionCompactedError as e:
+                self._live = False
                 compacted = int(e.compacted_revision)
                 lost_to = compacted - 1
                 if lost_to >= next_rev:
@@ -334,6 +545,7 @@ class WatchHub:
                 else:
                     continue
             except Exception as e:  # noqa: BLE001 - reconnect on any etcd trouble
+                self._live = False
                 log.warning("job watch interrupted (%s); reconnecting from revision %d", e, next_rev)
                 if _too_large(e) and self.cache is not None and self._store is not None:
                     next_rev = await self._past_oversized(next_rev)

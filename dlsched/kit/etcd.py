@@ -22,15 +22,26 @@ one with a created-and-canceled response that aetcd would take for a live
 watch that never fires. ``_Watcher`` turns that answer into an error, logs in
 again, reopens the stream (the watches on it end with an error; every watch
 loop here resumes from its next revision) and creates the watch once more.
+
+Progress (``EtcdClient.watch_progress``, ``request_progress``): a
+watch made that way also yields ``WatchProgress(revision)`` when etcd answers
+a ``WatchProgressRequest`` on the stream, meaning every event up to
+``revision`` has been sent on it (aetcd has no API for either and drops the
+answer). That lets a watch cache prove it is current without a write
+(kube-apiserver's consistent reads from cache, KEP-2340). etcd before
+3.5.13 / 3.4.31 may send the answer ahead of events still queued for the
+stream (etcd #15220, #17557); ``progress_exact`` says whether the server is
+past that, so a caller can confirm a revision only with a second answer.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -349,6 +360,31 @@ class WatchRejected(aetcd.exceptions.ClientError):  # type: ignore[misc]
         self.generation = generation
 
 
+@dataclass(frozen=True)
+class WatchProgress:
+    """etcd's answer to a progress request on a watch stream: the stream has
+    sent every event up to ``revision`` (see ``progress_exact``)."""
+
+    revision: int
+
+
+#: etcd answers progress requests with the watch id -1 (clientv3.InvalidWatchID)
+_PROGRESS_WATCH_ID = -1
+#: a callback (function) with this attribute set receives ``WatchProgress`` too
+_WANTS_PROGRESS = "dlsched_wants_progress"
+
+
+def progress_exact(version: str) -> bool:
+    """Whether etcd ``version`` sends a requested progress notification only
+    after the events it covers (3.5.13+, 3.4.31+, 3.6+)."""
+    try:
+        major, minor, patch = (int(x) for x in version.split("-")[0].split(".")[:3])
+    except ValueError:
+        return False
+    return (major, minor, patch) >= (3, 5, 13) or (major == 3 and minor == 4 and patch >= 31) \
+        or (major, minor) > (3, 5)
+
+
 class _Watcher(aetcd.watcher.Watcher):  # type: ignore[misc]
     """aetcd's watcher, plus: a refused create is an error, and with a login a
     refused create logs in again, reopens the stream and tries once more."""
@@ -370,7 +406,20 @@ class _Watcher(aetcd.watcher.Watcher):  # type: ignore[misc]
             self._opened_with = self._login.generation
         await super().setup()
 
+    async def request_progress(self) -> None:
+        """Ask etcd for a progress notification on this stream (opening it if need be)."""
+        await self.setup()
+        await self._request_queue.put(
+            aetcd.rpc.WatchRequest(progress_request=aetcd.rpc.WatchProgressRequest()))
+
     async def _handle_response(self, response: Any) -> None:
+        if (response.watch_id == _PROGRESS_WATCH_ID and not response.created
+                and not response.canceled and not response.events):
+            mark = WatchProgress(int(response.header.revision))
+            for cb in list(self._callbacks.values()):
+                if getattr(cb.callback, _WANTS_PROGRESS, False):
+                    await self._process_callback(cb, mark)
+            return
         if response.created and response.canceled and not response.compact_revision:
             async with self._lock:
                 if self._new_callback is not None:
@@ -435,6 +484,49 @@ class EtcdClient(aetcd.Client):  # type: ignore[misc]
             self._connected.set()
         finally:
             self._is_connecting = False
+
+    async def watch_progress(self, key: bytes, range_end: bytes, *, start_revision: int,
+                             prev_kv: bool = False, fragment: bool = False) -> AsyncIterator[Any]:
+        """A watch of ``[key, range_end)`` from ``start_revision`` yielding
+        aetcd's events and, after each ``request_progress`` answered, a
+        ``WatchProgress``, in stream order. Raises what ends the watch (as
+        aetcd's ``watch``)."""
+        await self.connect()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def on_response(item: Any) -> None:
+            await queue.put(item)
+
+        setattr(on_response, _WANTS_PROGRESS, True)
+        cb = await self._watcher.add_callback(
+            key, on_response, range_end=range_end, start_revision=start_revision, prev_kv=prev_kv, fragment=fragment)
+        return self._progress_iter(queue, cb.watch_id)
+
+    async def _progress_iter(self, queue: asyncio.Queue[Any], watch_id: int) -> AsyncIterator[Any]:
+        try:
+            while True:
+                item = await queue.get()
+                if item is None:
+                    return
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            with contextlib.suppress(Exception):
+                await self._watcher.cancel(watch_id)
+
+    async def request_progress(self) -> None:
+        """Ask etcd for a progress notification on the watch stream; every
+        ``watch_progress`` watch on it yields the answer."""
+        await self.connect()
+        await self._watcher.request_progress()
+
+    async def server_version(self) -> str:
+        """etcd's version (Maintenance.Status)."""
+        await self.connect()
+        res = await self.maintenancestub.Status(aetcd.rpc.StatusRequest(), timeout=self._timeout,
+                                                metadata=self.metadata)
+        return str(res.version)
 
     async def check(self, endpoint: str) -> None:
         """Log in (with a user) and ask for etcd's status: proves the TLS

@@ -129,7 +129,8 @@ class Drain(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untype
     def __init__(self) -> None:
         self.draining = False
         self._arrivals = 0  # calls that arrived while draining
-        self._streams_end = asyncio.Event()
+        self._waiting: set[asyncio.Task[Any]] = set()  # streams waiting for their next item
+        self._drained: set[asyncio.Task[Any]] = set()  # ... that begin() cancelled
         self._unary_end = asyncio.Event()
         self._unary = 0
         self._idle = asyncio.Event()
@@ -137,7 +138,9 @@ class Drain(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untype
 
     def begin(self) -> None:
         self.draining = True
-        self._streams_end.set()
+        for task in list(self._waiting):
+            self._drained.add(task)
+            task.cancel()
 
     def expire(self) -> None:
         self._unary_end.set()
@@ -217,29 +220,32 @@ class Drain(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untype
                                    ) -> AsyncIterator[Any]:
                 if self._arrived() and refuse:
                     await _shutting_down(context)
+                # No task or event of its own per stream (thousands idle at
+                # once): ``begin`` cancels this task where it waits for the
+                # handler's next item, and the cancellation, caught here,
+                # becomes UNAVAILABLE. Cancelled while gRPC sends an item,
+                # the task is grpc's to report; so only waiting ones are.
+                task = asyncio.current_task()
+                assert task is not None
                 source = cast(AsyncGenerator[Any, None], responses(inner_us(request, context)))
-                end = asyncio.ensure_future(self._streams_end.wait())
-                step: asyncio.Future[Any] | None = None
                 try:
-                    while True:
-                        step = asyncio.ensure_future(source.__anext__())
-                        await asyncio.wait((step, end), return_when=asyncio.FIRST_COMPLETED)
-                        if not step.done():
-                            break
-                        done, step = step, None
+                    while not self.draining:
+                        self._waiting.add(task)
                         try:
-                            item = done.result()
+                            item = await source.__anext__()
                         except StopAsyncIteration:
                             return
+                        except asyncio.CancelledError:
+                            if task not in self._drained:
+                                raise  # grpc's: the client left
+                            task.uncancel()
+                            break
+                        finally:
+                            self._waiting.discard(task)
                         yield item
                 finally:
-                    end.cancel()
-                    if step is not None:
-                        step.cancel()
-                        await asyncio.wait((step,))
-                        if not step.cancelled():
-                            step.exception()  # ours to drop: the stream ends UNAVAILABLE
-                    await source.aclose()  # the handler's own finally runs here
+                    self._drained.discard(task)
+                    await source.aclose()  # the handler's own finally runs here (if not yet)
                 await _shutting_down(context)
 
             return rewrap(handler, unary_stream=unary_stream)

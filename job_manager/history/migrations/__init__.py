@@ -1,0 +1,1 @@
+"""Alembic migrations of the job history (run by ``HistoryStore.open``, not by hand)."""

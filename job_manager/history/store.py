@@ -1,0 +1,415 @@
+"""The job history database: SQLAlchemy 2 Core, async (aiosqlite or asyncpg).
+
+``HistoryStore.open(dsn)`` connects, runs the Alembic migrations to head
+(``migrate.py``) and starts the one writer task. Every write (upserts from
+the archiver, deletes, pruning) is queued to that task, which runs what is
+queued in one transaction at a time: on SQLite (WAL mode, so readers never
+wait for it) there is never a second writer to find the database locked,
+whatever the number of concurrent callers; PostgreSQL gets the same batching.
+Reads use pooled connections of their own.
+
+Listing is keyset pagination on ``(create_us DESC, id)``, the watch cache's
+order (``cache.sort_key``), from the position a page token names; a filter's
+terms and the caller's readable projects become WHERE terms on indexed
+columns, a positive ``labels.KEY=VALUE`` term walks the labels index.
+
+Pruning deletes in batches (``prune_batch`` rows per statement, each its own
+short transaction through the writer), by age of ``end_us`` and/or a count
+of rows kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql as pg_dialect
+from sqlalchemy.dialects import sqlite as sqlite_dialect
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from dlsched.auth.model import DEFAULT_PROJECT, Principal
+from dlsched.errors import StoreUnavailable
+from dlsched.v1 import job_pb2
+from job_manager.convert import job_from_bytes
+from job_manager.domain.filter import Filter, Term
+from job_manager.domain.model import Job, JobState
+from job_manager.history import migrate
+from job_manager.history.schema import jobs as T
+from job_manager.history.schema import labels as L
+
+log = logging.getLogger("job_manager.history")
+
+SortKey = tuple[float, str]
+
+#: rows per pruning DELETE (one short transaction each)
+PRUNE_BATCH = 5000
+#: most operations the writer runs in one transaction
+WRITER_BATCH = 256
+
+
+def to_us(seconds: float) -> int:
+    return round(seconds * 1_000_000)
+
+
+def _ts_us(ts: Any) -> int:
+    return int(ts.seconds) * 1_000_000 + int(ts.nanos) // 1000
+
+
+def url_of(dsn: str) -> str:
+    """The SQLAlchemy URL of ``dsn``: a ``postgresql://``/``postgres://`` DSN
+    (asyncpg), a ``sqlite:///`` URL or a plain file path (aiosqlite)."""
+    if dsn.startswith(("postgresql://", "postgres://")):
+        return "postgresql+asyncpg://" + dsn.split("://", 1)[1]
+    if dsn.startswith("sqlite:///"):
+        return "sqlite+aiosqlite:///" + dsn[len("sqlite:///"):]
+    if "://" in dsn:
+        return dsn  # already a SQLAlchemy async URL (postgresql+asyncpg://, sqlite+aiosqlite://)
+    return "sqlite+aiosqlite:///" + os.path.abspath(dsn)
+
+
+class ArchivedJob:
+    """One job as the history holds it: its stored bytes, the etcd mod
+    revision it was archived at and the fields filters and access rules read
+    (so ``Filter.matches``/``access.may_read`` apply without decoding)."""
+
+    __slots__ = ("cluster", "create_us", "data", "end_us", "id", "key", "labels", "owner",
+                 "project", "revision", "run_mode", "state")
+
+    def __init__(self, job_id: str, data: bytes, revision: int) -> None:
+        p = job_pb2.Job.FromString(data)
+        self.id = job_id
+        self.data = data
+        self.revision = revision
+        self.create_us = _ts_us(p.create_time) if p.HasField("create_time") else 0
+        end = p.end_time if p.HasField("end_time") else p.update_time
+        self.end_us = _ts_us(end) if (p.HasField("end_time") or p.HasField("update_time")) \
+            else self.create_us
+        self.key: SortKey = (-self.create_us / 1_000_000, job_id)
+        self.state = JobState.of(p.state)
+        self.run_mode = int(p.spec.run_mode)
+        self.cluster = p.cluster
+        self.project = p.project
+        self.owner = p.owner
+        self.labels = dict(p.labels)
+
+    @property
+    def spec(self) -> ArchivedJob:  # Filter reads job.spec.run_mode
+        return self
+
+    @property
+    def name(self) -> str:
+        return f"jobs/{self.id}"
+
+    def job(self) -> Job:
+        return job_from_bytes(self.data, self.revision)
+
+    def proto(self) -> job_pb2.Job:
+        p = job_pb2.Job.FromString(self.data)
+        p.etag = str(self.revision) if self.revision else ""
+        return p
+
+
+@dataclass
+class _Op:
+    fn: Callable[[AsyncConnection], Awaitable[Any]]
+    done: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+@dataclass
+class WriterStats:
+    transactions: int = 0
+    operations: int = 0
+    failures: int = 0
+
+
+class HistoryStore:
+    """The history database behind one writer task; see the module docstring."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+        self.dialect = engine.dialect.name
+        self._queue: asyncio.Queue[_Op] = asyncio.Queue()
+        self._writer: asyncio.Task[None] | None = None
+        self.stats = WriterStats()
+
+    @classmethod
+    async def open(cls, dsn: str, *, migrate_schema: bool = True) -> HistoryStore:
+        engine = _engine(url_of(dsn))
+        store = cls(engine)
+        try:
+            if migrate_schema:
+                await migrate.upgrade(engine)
+        except Exception:
+            await engine.dispose()
+            raise
+        store._writer = asyncio.create_task(store._write_loop(), name="history-writer")
+        return store
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._writer
+            self._writer = None
+        while not self._queue.empty():
+            op = self._queue.get_nowait()
+            if not op.done.done():
+                op.done.set_exception(StoreUnavailable("history: closed"))
+        await self.engine.dispose()
+
+    # -- the one writer
+
+    async def _write(self, fn: Callable[[AsyncConnection], Awaitable[Any]]) -> Any:
+        if self._writer is None or self._writer.done():
+            raise StoreUnavailable("history: writer not running")
+        op = _Op(fn)
+        self._queue.put_nowait(op)
+        return await op.done
+
+    async def _write_loop(self) -> None:
+        while True:
+            ops = [await self._queue.get()]
+            while len(ops) < WRITER_BATCH and not self._queue.empty():
+                ops.append(self._queue.get_nowait())
+            try:
+                results = await self._run(ops)
+            except Exception as e:  # one failing op must not fail its batch-mates
+                if len(ops) == 1:
+                    self.stats.failures += 1
+                    _settle(ops[0], exc=_unavailable(e))
+                    continue
+                for op in ops:  # each alone: only the failing one fails
+                    try:
+                        (r,) = await self._run([op])
+                        _settle(op, result=r)
+                    except Exception as e1:
+                        self.stats.failures += 1
+                        _settle(op, exc=_unavailable(e1))
+                continue
+            for op, r in zip(ops, results, strict=True):
+                _settle(op, result=r)
+
+    async def _run(self, ops: list[_Op]) -> list[Any]:
+        async with self.engine.begin() as conn:
+            out = [await op.fn(conn) for op in ops]
+        self.stats.transactions += 1
+        self.stats.operations += len(ops)
+        return out
+
+    # -- writes
+
+    def _insert(self, table: sa.Table) -> Any:
+        return (pg_dialect.insert(table) if self.dialect == "postgresql"
+                else sqlite_dialect.insert(table))
+
+    async def put(self, entries: Sequence[ArchivedJob]) -> None:
+        """Upsert ``entries`` (idempotent; a row archived at a newer revision is
+        kept over an older one), committed when this returns."""
+        if not entries:
+            return
+        latest: dict[str, ArchivedJob] = {}
+        for e in entries:  # one row per id (an upsert may touch a row once per statement)
+            if e.id not in latest or latest[e.id].revision <= e.revision:
+                latest[e.id] = e
+        entries = list(latest.values())
+        now = to_us(time.time())
+        rows = [{"id": e.id, "create_us": e.create_us, "end_us": e.end_us, "archived_us": now,
+                 "state": int(e.state), "run_mode": e.run_mode, "cluster": e.cluster,
+                 "project": e.project or DEFAULT_PROJECT, "owner": e.owner,
+                 "revision": e.revision, "data": e.data} for e in entries]
+        label_rows = [{"job_id": e.id, "key": k, "value": v, "create_us": e.create_us}
+                      for e in entries for k, v in e.labels.items()]
+        ids = [e.id for e in entries]
+        revisions = {e.id: e.revision for e in entries}
+        ins = self._insert(T)
+        upsert = ins.on_conflict_do_update(
+            index_elements=[T.c.id],
+            set_={c.name: ins.excluded[c.name] for c in T.columns if c.name != "id"},
+            where=T.c.revision <= ins.excluded.revision)
+
+        async def go(conn: AsyncConnection) -> None:
+            await conn.execute(upsert, rows)
+            # The labels of the rows as stored now (a newer revision may have won).
+            stored = {str(r[0]) for r in await conn.execute(
+                sa.select(T.c.id, T.c.revision).where(T.c.id.in_(ids))) if revisions[r[0]] == r[1]}
+            if not stored:
+                return
+            await conn.execute(L.delete().where(L.c.job_id.in_(sorted(stored))))
+            keep = [r for r in label_rows if r["job_id"] in stored]
+            if keep:
+                await conn.execute(L.insert(), keep)
+        await self._write(go)
+
+    async def delete(self, job_id: str, revision: int | None = None) -> bool:
+        """Delete one job (only as archived at ``revision``, when given); whether it was there."""
+        cond = T.c.id == job_id
+        if revision is not None:
+            cond = sa.and_(cond, T.c.revision == revision)
+
+        async def go(conn: AsyncConnection) -> bool:
+            res = await conn.execute(T.delete().where(cond))
+            if res.rowcount:
+                await conn.execute(L.delete().where(L.c.job_id == job_id))
+            return bool(res.rowcount)
+        return bool(await self._write(go))
+
+    async def _delete_batch(self, cond: sa.ColumnElement[bool], limit: int) -> int:
+        """Delete up to ``limit`` of the oldest-ended rows matching ``cond`` in one transaction."""
+        async def go(conn: AsyncConnection) -> int:
+            ids = [r[0] for r in await conn.execute(
+                sa.select(T.c.id).where(cond).order_by(T.c.end_us, T.c.id).limit(limit))]
+            if not ids:
+                return 0
+            await conn.execute(L.delete().where(L.c.job_id.in_(ids)))
+            res = await conn.execute(T.delete().where(T.c.id.in_(ids)))
+            return int(res.rowcount)
+        return int(await self._write(go))
+
+    async def prune(self, *, max_age_seconds: float = 0.0, max_jobs: int = 0,
+                    batch: int = PRUNE_BATCH, now: float | None = None) -> int:
+        """Delete jobs that ended more than ``max_age_seconds`` ago and the
+        oldest-ended beyond ``max_jobs`` (0: no such bound), ``batch`` rows per
+        transaction; the number deleted."""
+        deleted = 0
+        if max_age_seconds > 0:
+            cutoff = to_us((now if now is not None else time.time()) - max_age_seconds)
+            while True:
+                n = await self._delete_batch(T.c.end_us < cutoff, batch)
+                deleted += n
+                if n < batch:
+                    break
+        if max_jobs > 0:
+            excess = await self.count() - max_jobs
+            while excess > 0:
+                n = await self._delete_batch(sa.true(), min(batch, excess))
+                if n == 0:
+                    break
+                deleted += n
+                excess -= n
+        return deleted
+
+    # -- reads
+
+    async def count(self) -> int:
+        async with self.engine.connect() as conn:
+            return int((await conn.execute(sa.select(sa.func.count()).select_from(T))).scalar_one())
+
+    async def get(self, job_id: str) -> ArchivedJob | None:
+        try:
+            async with self.engine.connect() as conn:
+                row = (await conn.execute(
+                    sa.select(T.c.data, T.c.revision).where(T.c.id == job_id))).first()
+        except sa.exc.SQLAlchemyError as e:
+            raise _unavailable(e) from e
+        return ArchivedJob(job_id, row[0], int(row[1])) if row is not None else None
+
+    async def select(self, flt: Filter, p: Principal | None, after: SortKey | None,
+                     limit: int) -> list[ArchivedJob]:
+        """Up to ``limit`` jobs ``flt`` matches and ``p`` may read, in ListJobs'
+        order, from just after ``after``: one index range."""
+        q = _select_query(flt, p, after, limit)
+        if q is None:
+            return []
+        try:
+            async with self.engine.connect() as conn:
+                rows = (await conn.execute(q)).all()
+        except sa.exc.SQLAlchemyError as e:
+            raise _unavailable(e) from e
+        return [ArchivedJob(r[0], r[1], int(r[2])) for r in rows]
+
+
+def _settle(op: _Op, *, result: Any = None, exc: BaseException | None = None) -> None:
+    if op.done.done():
+        return
+    if exc is not None:
+        op.done.set_exception(exc)
+    else:
+        op.done.set_result(result)
+
+
+def _unavailable(e: BaseException) -> StoreUnavailable:
+    if isinstance(e, StoreUnavailable):
+        return e
+    return StoreUnavailable(f"history: {e.__class__.__name__}: {e}")
+
+
+def _engine(url: str) -> AsyncEngine:
+    if url.startswith("sqlite"):
+        path = url.split(":///", 1)[1]
+        if path and path != ":memory:":
+            os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+        engine = create_async_engine(url, pool_size=4, max_overflow=4)
+        sa.event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_async_engine(url, pool_size=4, max_overflow=4, pool_pre_ping=True)
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    # Only this process's one writer writes; the timeout covers another
+    # process's migration or a checkpoint, never a second writer here.
+    cur.execute("PRAGMA busy_timeout=10000")
+    cur.close()
+
+
+_COLUMNS = {"state": T.c.state, "run_mode": T.c.run_mode, "cluster": T.c.cluster,
+            "project": T.c.project, "owner": T.c.owner}
+
+
+def _select_query(flt: Filter, p: Principal | None, after: SortKey | None,
+                  limit: int) -> sa.Select[Any] | None:
+    where: list[sa.ColumnElement[bool]] = []
+    label_terms: list[Term] = []
+    for t in flt.terms:
+        if t.field in _COLUMNS:
+            col = _COLUMNS[t.field]
+            where.append(col != t.value if t.negate else col == t.value)
+        else:
+            label_terms.append(t)
+    if p is not None and not p.reads_everything():
+        projects = sorted(p.readable_projects())
+        if not projects:
+            return None
+        where.append(T.c.project.in_(projects))
+    # The first positive label term drives the walk (its index is in listing order).
+    drive = next((t for t in label_terms if not t.negate), None)
+    for t in label_terms:
+        if t is drive:
+            continue
+        key = t.field[len("labels."):]
+        # The job's value of that label (NULL: none) by a primary-key look-up
+        # per row walked: a correlated scalar subquery the planners cannot
+        # turn into a scan of every row with that label.
+        other = L.alias()  # not the driving labels row
+        value = (sa.select(other.c.value).where(other.c.job_id == T.c.id, other.c.key == key)
+                 .scalar_subquery())
+        where.append(value.is_distinct_from(str(t.value)) if t.negate else value == str(t.value))
+    if drive is not None:
+        order_ct, order_id = L.c.create_us, L.c.job_id
+        q = (sa.select(T.c.id, T.c.data, T.c.revision)
+             .select_from(L.join(T, T.c.id == L.c.job_id))
+             .where(L.c.key == drive.field[len("labels."):], L.c.value == str(drive.value)))
+    else:
+        order_ct, order_id = T.c.create_us, T.c.id
+        q = sa.select(T.c.id, T.c.data, T.c.revision)
+    if after is not None:
+        ct, after_id = to_us(-after[0]), after[1]
+        # newest first: strictly older, or as old with a greater id. The first
+        # term bounds the index range; the second trims its first step.
+        where.append(order_ct <= ct)
+        where.append(sa.or_(order_ct < ct, order_id > after_id))
+    return q.where(*where).order_by(order_ct.desc(), order_id.asc()).limit(limit)
+
+
+def archived_entries(items: Iterable[tuple[str, bytes, int]]) -> list[ArchivedJob]:
+    """``ArchivedJob``s of (id, stored bytes, mod revision) triples."""
+    return [ArchivedJob(i, d, r) for i, d, r in items]

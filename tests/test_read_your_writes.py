@@ -1,0 +1,274 @@
+# ruff: noqa: ASYNC109  -- tests wait on real processes
+"""Read-your-writes across JobManager replicas (issue 18 item 1).
+
+A client that got an answer from SubmitJob or StopJob on replica A sees that
+write in GetJob and ListJobs on replica B, although B serves both from its
+watch cache: B reads etcd's current revision and waits until its watch has
+shown it, proved by an etcd progress notification when the revision moved
+through keys that bring no job event (``WatchHub.wait_current``).
+
+Real etcd, real processes. B reaches etcd through ``FreezingProxy``, a TCP
+proxy that can hold back what etcd sends to B: while it does, B's watch lags
+(as a replica's watch does under load, only longer); B's read of the
+revision is held back with it, and arrives after the events etcd sent
+before it. Without the consistent read, B answers from its stale cache at
+once and the test fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import aetcd
+import pytest
+
+from dlsched.kit.etcd import EtcdClient, connect
+from dlsched.v1 import job_manager_service_pb2 as pb
+from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
+from dlsched.v1 import job_pb2
+from job_manager.cache import JobCache
+from job_manager.convert import job_to_bytes
+from job_manager.domain.model import Job, JobSpec, JobState, ReplicaGroup
+from job_manager.store import JobStore
+from job_manager.watch import WatchHub
+from tests import security
+from tests.harness import EtcdServer, ServiceProcess, Stack
+
+# ------------------------------------------------------------ the hub against a real etcd
+
+def _job(i: int) -> Job:
+    return Job(id=f"r{i}", uid=f"u{i}", state=JobState.PENDING, cluster="clusters/x",
+               spec=JobSpec(run_mode=1, replica_groups=[ReplicaGroup(role="m", replicas=1,
+                                                                     command=["true"])]))
+
+
+async def _moved_on(client: aetcd.Client, prefix: str, store: JobStore, hub: WatchHub) -> int:
+    """A job written and seen by the hub, then writes to other keys: etcd's
+    revision, past the last job event."""
+    assert hub.cache is not None
+    await client.put(f"{prefix}jobs/r1".encode(), job_to_bytes(_job(1)))
+    deadline = time.monotonic() + 20
+    while hub.cache.get("r1") is None:  # the watch is past its replay and keeps up
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    for i in range(5):  # keys outside jobs/: no job event, a higher revision
+        await client.put(f"{prefix}other/{i}".encode(), b"x")
+    now = await store.revision()
+    assert hub.cache.revision < now
+    return now
+
+
+async def test_progress_notification_proves_the_cache_current(etcd: EtcdServer,
+                                                              etcd_prefix: str) -> None:
+    """etcd's revision moved past the last job event (other keys): the hub
+    proves its cache current with a progress notification, writing nothing.
+    (Forced on: the etcd here predates 3.5.13, where progress answers are
+    ordered after the events they cover; the watch keeps up, so none is queued.)"""
+    client = await connect(etcd.endpoint)
+    assert isinstance(client, EtcdClient)
+    store = JobStore(client, etcd_prefix)
+    hub = WatchHub(client, etcd_prefix, cache=JobCache(), store=store, progress=True)
+    try:
+        await hub.start()
+        assert hub.cache is not None and hub.proves_by_progress
+        now = await _moved_on(client, etcd_prefix, store, hub)
+        assert await hub.wait_current(within=20)
+        assert hub.cache.synced >= now  # proved by progress, not by an event
+        assert hub.progress_answers >= 1 and hub.sync_writes == 0
+        # Quiet: the next read needs no new answer once the cache is at etcd's revision.
+        answers = hub.progress_answers
+        assert await hub.wait_current(within=20)
+        assert hub.progress_answers == answers
+        assert hub.stale_reads == 0
+    finally:
+        await hub.stop()
+        await client.delete_prefix(etcd_prefix.encode())
+        await client.close()
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["etcd-version", "plain-aetcd"])
+async def test_sync_write_proves_the_cache_current(etcd: EtcdServer, etcd_prefix: str,
+                                                   plain: bool) -> None:
+    """Where progress answers are not ordered (this etcd, by its version) or
+    cannot be asked for (a plain aetcd client): one write of the sync key,
+    whose event proves the cache current; none while it stays current."""
+    client = (aetcd.Client(host="127.0.0.1", port=etcd.client_port) if plain
+              else await connect(etcd.endpoint))
+    store = JobStore(client, etcd_prefix)
+    hub = WatchHub(client, etcd_prefix, cache=JobCache(), store=store)
+    try:
+        await hub.start()
+        assert hub.cache is not None and not hub.proves_by_progress
+        now = await _moved_on(client, etcd_prefix, store, hub)
+        results = await asyncio.gather(*(hub.wait_current(within=20) for _ in range(20)))
+        assert all(results)
+        assert hub.cache.synced > now
+        assert 1 <= hub.sync_writes <= 2  # shared by the reads waiting together
+        writes = hub.sync_writes
+        assert await hub.wait_current(within=20)
+        assert hub.sync_writes == writes  # etcd did not move: nothing to prove
+        # The sync key is no job: not in the cache, not an event.
+        assert len(hub.cache) == 1 and hub.cache.get("r1") is not None
+        assert hub.stale_reads == 0
+    finally:
+        await hub.stop()
+        await client.delete_prefix(etcd_prefix.encode())
+        await client.close()
+
+
+# ------------------------------------------------------------ two JobManager processes
+
+class FreezingProxy:
+    """A TCP proxy to etcd whose etcd→client direction can be held back (``freeze``)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = 0
+        self._open = asyncio.Event()
+        self._open.set()
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def __aenter__(self) -> FreezingProxy:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        for t in list(self._tasks):
+            t.cancel()
+
+    def freeze(self) -> None:
+        self._open.clear()
+
+    def thaw(self) -> None:
+        self._open.set()
+
+    async def _serve(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        er, ew = await asyncio.open_connection("127.0.0.1", self.target_port)
+        up = asyncio.create_task(self._pipe(cr, ew, gated=False))
+        down = asyncio.create_task(self._pipe(er, cw, gated=True))
+        self._tasks |= {up, down}
+        await asyncio.wait({up, down}, return_when=asyncio.FIRST_COMPLETED)
+        for t in (up, down):
+            t.cancel()
+        for w in (cw, ew):
+            w.close()
+
+    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter, *, gated: bool) -> None:
+        with contextlib.suppress(ConnectionError, asyncio.CancelledError):
+            while data := await r.read(65536):
+                if gated:
+                    await self._open.wait()
+                w.write(data)
+                await w.drain()
+
+
+class Replicas:
+    def __init__(self, etcd: EtcdServer, prefix: str, b_etcd_port: int) -> None:
+        self.stack = Stack(etcd, prefix)
+        self.b_port = b_etcd_port
+        self.b: ServiceProcess | None = None
+
+    def start(self) -> Replicas:
+        self.stack.start()
+        self.b = ServiceProcess("job_manager", ["--etcd", f"127.0.0.1:{self.b_port}", "--prefix",
+                                                self.stack.prefix, "--cluster-manager",
+                                                self.stack.cm.address], name="job-manager-b")
+        self.b.start()
+        return self
+
+    def stop(self) -> None:
+        if self.b is not None:
+            self.b.stop()
+        self.stack.stop()
+
+
+@pytest.fixture
+async def replicas(etcd: EtcdServer) -> AsyncIterator[tuple[Replicas, FreezingProxy]]:
+    async with FreezingProxy(etcd.client_port) as proxy:
+        r = Replicas(etcd, f"/dlsched-ryw-{uuid.uuid4().hex[:8]}/", proxy.port)
+        try:
+            await asyncio.to_thread(r.start)
+            await r.stack.register_local()
+            yield r, proxy
+        finally:
+            proxy.thaw()
+            await asyncio.to_thread(r.stop)
+
+
+@contextlib.contextmanager
+def frozen(proxy: FreezingProxy) -> Iterator[None]:
+    proxy.freeze()
+    try:
+        yield
+    finally:
+        proxy.thaw()
+
+
+def _spec(cmd: list[str]) -> job_pb2.JobSpec:
+    return job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+        job_pb2.ReplicaGroup(role="main", replicas=1, command=cmd)])
+
+
+async def _until(pred, within: float = 60) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + within
+    while not await pred():
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.1)
+
+
+async def _thaw_later(proxy: FreezingProxy, after: float) -> None:
+    await asyncio.sleep(after)
+    proxy.thaw()
+
+
+async def test_writes_on_one_replica_are_read_on_the_other(
+        replicas: tuple[Replicas, FreezingProxy], etcd: EtcdServer) -> None:
+    r, proxy = replicas
+    assert r.stack.jm is not None and r.b is not None
+    other = await connect(etcd.endpoint)
+    async with security.channel(r.stack.jm.address) as ca, security.channel(r.b.address) as cb:
+        a, b = pb_grpc.JobManagerServiceStub(ca), pb_grpc.JobManagerServiceStub(cb)
+        first = (await a.SubmitJob(pb.SubmitJobRequest(spec=_spec(["sleep", "300"])),
+                                   timeout=60)).job
+
+        async def b_has_first() -> bool:
+            return any(j.name == first.name for j in (await b.ListJobs(pb.ListJobsRequest())).jobs)
+        await _until(b_has_first)  # B is up and its watch flows
+
+        for round_ in range(3):
+            # A write on A, answered while B cannot hear etcd: B's cache lags.
+            with frozen(proxy):
+                made = (await a.SubmitJob(pb.SubmitJobRequest(spec=_spec(["sleep", "300"])),
+                                          timeout=60)).job
+                # A write to a key that brings B no job event: etcd's revision moves on.
+                await other.put(f"{r.stack.prefix}unrelated/{round_}".encode(), b"x")
+                thaw = asyncio.create_task(_thaw_later(proxy, 0.5))
+                listed = (await b.ListJobs(pb.ListJobsRequest(page_size=1000), timeout=60)).jobs
+                got = (await b.GetJob(pb.GetJobRequest(name=made.name), timeout=60)).job
+                await thaw
+            assert got.name == made.name and int(got.etag) >= int(made.etag)
+            assert made.name in [j.name for j in listed], f"round {round_}: ListJobs on B missed it"
+
+        # StopJob on A; B's GetJob and ListJobs show the stop, not the state B cached before.
+        before = (await b.GetJob(pb.GetJobRequest(name=first.name), timeout=60)).job
+        with frozen(proxy):
+            stopped = (await a.StopJob(pb.StopJobRequest(name=first.name), timeout=60)).job
+            assert int(stopped.etag) > int(before.etag)
+            await other.put(f"{r.stack.prefix}unrelated/stop".encode(), b"x")
+            thaw = asyncio.create_task(_thaw_later(proxy, 0.5))
+            got = (await b.GetJob(pb.GetJobRequest(name=first.name), timeout=60)).job
+            listed = (await b.ListJobs(pb.ListJobsRequest(page_size=1000), timeout=60)).jobs
+            await thaw
+        assert int(got.etag) >= int(stopped.etag), (got.state, stopped.state)
+        row = next(j for j in listed if j.name == first.name)
+        assert int(row.etag) >= int(stopped.etag), (row.state, stopped.state)
+    await other.delete_prefix(r.stack.prefix.encode())
+    await other.close()
