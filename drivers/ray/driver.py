@@ -63,6 +63,17 @@ reports every process's end; a failed entrypoint whose process exited
 non-zero is reason ``NonZeroExit`` with that process's code and
 ``<role>-<index> exited with code N`` before Ray's message.
 
+Bounded memory (``ForgetJobs``): once JobManager has recorded a job's end,
+the driver drops everything it keeps of it (its observation, entrypoint
+node, submission ids, manifests, stop marks). The poller keeps only jobs it
+saw before they ended: a submission first listed ended (forgotten, or ended
+while no driver watched) is not tracked, by this driver or a restarted one.
+Such a job is answered when asked, from Ray by its submission id (the ref's
+``backend_job_id``): an observation is one ``GET /api/jobs/{id}`` (and the
+manifest for its replicas), logs and usage read the files on its node as
+for a tracked job, and cleanup lists Ray's jobs for its every attempt. Nothing
+of it stays in memory.
+
 Capacity: ``GET /api/cluster_status`` (the autoscaler's load report: total
 and used CPU, GPU, memory, per node).
 
@@ -111,6 +122,8 @@ log = logging.getLogger("dlsched.driver.ray")
 
 REASON_SUBMITTED = "Submitted"
 END_WAIT_SECONDS = 5.0
+#: look-ups of untracked (forgotten) jobs one observation may have in flight at once
+UNTRACKED_CONCURRENCY = 8
 ADDRESS_RE = re.compile(r"https?://[^/\s]+(/\S*)?")
 
 
@@ -242,6 +255,8 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
             if prev is not None and prev.attempt > attempt:
                 continue  # a launch the list does not show yet
             obs = observation(job_id, attempt, it)
+            if prev is None and obs.state.is_terminal():
+                continue  # ended before it was tracked, or forgotten: answered when asked (``_untracked``)
             node = it.get("driver_node_id")
             if isinstance(node, str) and node:
                 c.nodes[job_id] = node
@@ -256,12 +271,13 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
                 obs = replace(obs, state=JobState.STOPPING, reason=STOP_REQUESTED,
                               message="stop sent to Ray")  # until Ray reports the end
             self._set(name, c, obs)
-        c.submissions = {**{k: v for k, v in c.submissions.items() if k in seen}, **seen}
         for job_id in [j for j in c.jobs if j not in newest]:
             obs = c.jobs[job_id]
             if obs.reason != REASON_SUBMITTED:  # a fresh launch may race the list; others were deleted
-                del c.jobs[job_id]
+                self._drop(c, job_id)
                 self.hub.publish(name, JobObservation.not_found(JobRef(job_id, obs.backend_job_id)))
+        # every attempt of the tracked jobs only (cleanup lists Ray's jobs for an untracked one)
+        c.submissions = {k: v for k, v in {**c.submissions, **seen}.items() if k in c.jobs}
 
     def _ended(self, name: str, c: _Cluster, obs: JobObservation) -> JobObservation | None:
         """An ended job with its replicas; ``None`` (the last state stays) while its manifest is read.
@@ -362,7 +378,41 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
         return c.jobs.get(ref.job_id)
 
     async def _observe(self, c: _Cluster, refs: Sequence[JobRef]) -> list[JobObservation | None]:
-        return [c.jobs.get(r.job_id) for r in refs]
+        untracked = {r.backend_job_id: r for r in refs if r.job_id not in c.jobs and r.backend_job_id}
+        found: dict[str, JobObservation | None] = {}
+        if untracked:
+            gate = asyncio.Semaphore(UNTRACKED_CONCURRENCY)
+
+            async def one(ref: JobRef) -> None:
+                async with gate:
+                    found[ref.backend_job_id] = await self._untracked(c, ref)
+            await asyncio.gather(*(one(r) for r in untracked.values()))
+        return [c.jobs.get(r.job_id) or found.get(r.backend_job_id) for r in refs]
+
+    async def _submission(self, c: _Cluster, ref: JobRef) -> tuple[dict[str, Any], int, str | None] | None:
+        """An untracked job's submission (the ref's), its attempt and entrypoint node; None when
+        Ray has no such submission of this job."""
+        if not ref.backend_job_id:
+            return None
+        doc = await c.api.find(ref.backend_job_id)
+        meta = render.parse_submission(doc) if doc is not None else None
+        if doc is None or meta is None or meta.job_id != ref.job_id:
+            return None
+        node = doc.get("driver_node_id")
+        return doc, meta.attempt, node if isinstance(node, str) and node else None
+
+    async def _untracked(self, c: _Cluster, ref: JobRef) -> JobObservation | None:
+        """An untracked job's observation, from Ray now (with its replicas once it ended)."""
+        found = await self._submission(c, ref)
+        if found is None:
+            return None
+        doc, attempt, node = found
+        obs = observation(ref.job_id, attempt, doc)
+        if obs.state.is_terminal() and node:
+            manifest = await logs.read_manifest(c.api, ref.backend_job_id, node)
+            if manifest is not None:
+                obs = with_replicas(obs, manifest)
+        return obs
 
     def _sid(self, c: _Cluster, ref: JobRef) -> str | None:
         obs = c.jobs.get(ref.job_id)
@@ -376,6 +426,10 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
         if sid is None:
             return None
         obs = c.jobs.get(ref.job_id)
+        if obs is None:  # not tracked: an ended (forgotten) job is not stopped again
+            gone = await self._untracked(c, ref)
+            if gone is not None and gone.state.is_terminal():
+                return gone
         try:
             await c.request("POST", f"/api/jobs/{sid}/stop")
         except RayHttpError as e:
@@ -395,14 +449,36 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
         sids = set(c.submissions.get(ref.job_id, ()))
         if ref.backend_job_id:
             sids.add(ref.backend_job_id)
+        if ref.job_id not in c.jobs:  # untracked (forgotten): its attempts, from Ray's list
+            items = await c.request("GET", "/api/jobs/")
+            for it in items if isinstance(items, list) else ():
+                meta = render.parse_submission(it) if isinstance(it, dict) else None
+                if meta is not None and meta.job_id == ref.job_id:
+                    sids.add(meta.submission_id)
         for sid in sorted(sids):
             await self._delete(c, sid)
-        if c.jobs.pop(ref.job_id, None) is not None:
+        if c.jobs.get(ref.job_id) is not None:
             self.hub.publish(name, JobObservation.not_found(ref))
-        c.submissions.pop(ref.job_id, None)
-        c.nodes.pop(ref.job_id, None)
-        for sid in sids:
+        self._drop(c, ref.job_id, sids)
+
+    def _forget(self, c: _Cluster, ref: JobRef) -> bool:
+        obs = c.jobs.get(ref.job_id)
+        if obs is None or not obs.state.is_terminal() or ref.backend_job_id not in ("", obs.backend_job_id):
+            return False
+        self._drop(c, ref.job_id, {obs.backend_job_id})
+        return True
+
+    def _drop(self, c: _Cluster, job_id: str, sids: Iterable[str] = ()) -> None:
+        """Let go of everything kept of a job (and of these submissions of it)."""
+        obs = c.jobs.pop(job_id, None)
+        gone = set(sids) | c.submissions.pop(job_id, set())
+        if obs is not None:
+            gone.add(obs.backend_job_id)
+        c.nodes.pop(job_id, None)
+        for sid in gone:
             c.ends.pop(sid, None)
+            c.held.pop(sid, None)
+            c.stop_requested.discard(sid)
 
     async def _delete(self, c: _Cluster, sid: str) -> None:
         for stopped in (False, True):
@@ -432,18 +508,39 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
         return obs is None or obs.state.is_terminal()
 
     def _tail(self, c: _Cluster, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
+        if ref.job_id not in c.jobs:
+            return self._tail_untracked(c, ref, query)
         sid = self._sid(c, ref)
         if sid is None:
             raise JobNotFound(ref.job_id)
         return logs.tail(c.api, ref.job_id, sid, query, ended=lambda: self._ended_job(c, ref.job_id),
                          node=lambda: c.nodes.get(ref.job_id), interval=self._cfg.log_poll_interval)
 
-    async def _usage(self, c: _Cluster, ref: JobRef) -> JobUsage:
-        sid = self._sid(c, ref)
-        if sid is None or ref.job_id not in c.jobs:
+    async def _tail_untracked(self, c: _Cluster, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
+        """An untracked job's logs: its node from Ray, then the files as for a tracked job."""
+        found = await self._submission(c, ref)
+        if found is None:
             raise JobNotFound(ref.job_id)
-        ended = self._ended_job(c, ref.job_id)
-        node = c.nodes.get(ref.job_id)
+        doc, _, node = found
+        ended = observation(ref.job_id, 0, doc).state.is_terminal()
+        tail = logs.tail(c.api, ref.job_id, ref.backend_job_id, query,
+                         ended=lambda: ended or self._ended_job(c, ref.job_id),
+                         node=lambda: node or c.nodes.get(ref.job_id), interval=self._cfg.log_poll_interval)
+        async with contextlib.aclosing(tail) as batches:  # type: ignore[type-var]
+            async for batch in batches:
+                yield batch
+
+    async def _usage(self, c: _Cluster, ref: JobRef) -> JobUsage:
+        if ref.job_id not in c.jobs:  # untracked: its node from Ray
+            found = await self._submission(c, ref)
+            if found is None:
+                raise JobNotFound(ref.job_id)
+            doc, attempt, node = found
+            sid, ended = ref.backend_job_id, observation(ref.job_id, attempt, doc).state.is_terminal()
+        else:
+            sid = self._sid(c, ref) or ""
+            ended = self._ended_job(c, ref.job_id)
+            node = c.nodes.get(ref.job_id)
         manifest = await logs.read_manifest(c.api, sid, node) if node else None
         if manifest is None:  # not started yet
             return JobUsage(replicas=(), sample_time=time.time())

@@ -61,12 +61,30 @@ them, with no call of its own.
 
 Stop: ``scancel`` (Slurm sends SIGTERM, then SIGKILL after KillWait);
 stopping an ended or unknown job is fine. CANCELLED maps to STOPPED.
+
+Bounded memory (``ForgetJobs``): once JobManager has recorded a job's end,
+the driver drops its ``TrackedJob`` and per-job entries (``to_release``,
+``held_since``, ``unsure``; a ``late`` window runs out by itself), after
+writing ``recorded.json`` (``jobs.TrackedJob.record``: the reported end,
+the replicas' ends, the last usage samples) into the attempt directory on
+the login node, in one batched remote command (until it is written the job
+waits in ``recording``, still answered from memory). An observation naming a
+job the driver does not track (with its Slurm id), a log tail, a usage
+query or a cleanup first looks for that file (one ``grep`` over the job's
+attempt directories, for all such refs at once); a recorded job is answered
+from it (usage: sacct, with accounting) and never tracked again, by this
+driver or a restarted one; only the others are adopted from the next poll
+round. A ref without a Slurm id is answered from the file for logs, usage
+and cleanup (the newest recorded attempt), not for observations.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
+import shlex
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -90,6 +108,7 @@ from drivers.common.base import (
 )
 from drivers.common.launches import Known
 from drivers.common.planner import ALL_RUN_MODES
+from drivers.common.registry import BackendUnavailable
 from drivers.common.skeleton import BackendDriver
 from drivers.slurm import exits, render, states, usage
 from drivers.slurm import logs as slogs
@@ -103,7 +122,7 @@ from drivers.slurm.adapter import (
     oldest_first,
     voided,
 )
-from drivers.slurm.jobs import TrackedJob
+from drivers.slurm.jobs import RECORDED, TrackedJob
 from drivers.slurm.render import SlurmScript
 from drivers.slurm.ssh import ENV_RE, Congested, HostKeyMismatch
 
@@ -114,6 +133,9 @@ log = logging.getLogger("dlsched.driver.slurm")
 INFO_BUDGET = 3.5
 #: Of which the controller ping (one quick RPC) always gets at least this much.
 PING_BUDGET = 1.0
+
+#: Seconds between tries to write the records of forgotten jobs while the login node fails them.
+RECORD_RETRY_SECONDS = 5.0
 
 #: Seconds a held job that is not the oldest of an attempt tracked elsewhere waits before it is
 #: cancelled (its own driver cancels it sooner; this is for a driver that went away).
@@ -157,6 +179,9 @@ class _Cluster:
         self.client = client
         self.options = {k: v for k, v in config.options.items() if not ENV_RE.match(k)}
         self.jobs: dict[str, TrackedJob] = {}
+        #: forgotten jobs whose ``recorded.json`` is being written (answered from here until it is)
+        self.recording: dict[str, TrackedJob] = {}
+        self.record_writer: asyncio.Task[None] | None = None
         self.last_error: str | None = None
         #: comment -> the oldest Slurm job of every dlsched attempt the last good round listed; None before one.
         self.listed: dict[str, poll.SlurmJob] | None = None
@@ -200,6 +225,14 @@ class _Cluster:
             return None
         return job
 
+    def find_known(self, ref: JobRef) -> TrackedJob | None:
+        """A tracked job, or a forgotten one whose record is still being written."""
+        job = self.find(ref)
+        if job is None and (gone := self.recording.get(ref.job_id)) is not None \
+                and ref.backend_job_id in ("", gone.backend_job_id):
+            job = gone
+        return job
+
     def observation(self, job: TrackedJob) -> JobObservation:
         return job.observation(self.last_error)
 
@@ -207,7 +240,7 @@ class _Cluster:
 class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
     name = "slurm"
     #: kept across a reconfiguration: what was tracked; the connections, poller and warm sbatch are new
-    carry_over = ("jobs", "unsure", "late", "to_release", "launching", "held_since")
+    carry_over = ("jobs", "recording", "unsure", "late", "to_release", "launching", "held_since")
     supports_logs = True
     supports_usage = True
 
@@ -251,11 +284,15 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         # under load) must not hold RemoveCluster/ConfigureCluster past the
         # caller's deadline; what did not close in time is abandoned.
         await bounded(c.poller.stop())
+        if c.record_writer is not None:  # a new record of the cluster carries ``recording`` on
+            c.record_writer.cancel()
         await c.client.close()
 
     async def _activate(self, name: str, c: _Cluster) -> None:
         c.poller.start()
         c.client.warm.refill()
+        if c.recording:  # carried over from the record a reconfiguration replaced
+            self._start_record_writer(c)
 
     async def _info(self, c: _Cluster) -> ClusterInfo:
         """Health and capacity at a bounded controller cost: while the poller polls, health
@@ -329,7 +366,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         return render.render_job(job_id, spec, attempt, c.options)
 
     def _known(self, c: _Cluster, job_id: str, rendered: SlurmScript) -> Known | None:
-        prev = c.jobs.get(job_id)
+        prev = c.jobs.get(job_id) or c.recording.get(job_id)
         if prev is None:
             return None
         return Known(prev.cluster, prev.attempt, not prev.state.is_terminal(), lambda: LaunchResult(
@@ -342,7 +379,8 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
             backend_id = await c.client.submit(rendered, c.listed, c.unsure, c.late)
         finally:
             c.launching.discard(rendered.comment)
-        job = TrackedJob(name, job_id, attempt, backend_id, rendered.dir, rendered.native_spec(),
+        # no native spec kept (a few KiB): a repeated launch renders it again (``_known``)
+        job = TrackedJob(name, job_id, attempt, backend_id, rendered.dir, None,
                          roles=tuple((s.role, s.index) for s in rendered.steps))
         c.jobs[job_id] = job
         self._publish(c, job)
@@ -469,14 +507,20 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         return [c.observation(j) for j in c.jobs.values()]
 
     def _lookup(self, c: _Cluster, ref: JobRef) -> JobObservation | None:
-        job = c.find(ref)
+        job = c.find_known(ref)
         return c.observation(job) if job is not None else None
 
     async def _observe(self, c: _Cluster, refs: Sequence[JobRef]) -> list[JobObservation | None]:
-        unknown = [r for r in refs if r.job_id not in c.jobs and r.backend_job_id.isdigit()]
+        untracked = [r for r in refs if c.find_known(r) is None and r.backend_job_id.isdigit()]
+        recorded = await self._recorded(c, untracked) if untracked else {}
+        unknown = [r for r in untracked if r.job_id not in c.jobs and (r.job_id, r.backend_job_id) not in recorded]
         if unknown:
             await self._adopt(c, unknown)
-        return [self._lookup(c, ref) for ref in refs]
+        out: list[JobObservation | None] = []
+        for ref in refs:
+            gone = recorded.get((ref.job_id, ref.backend_job_id))
+            out.append(gone.observation(None) if gone is not None else self._lookup(c, ref))
+        return out
 
     async def _adopt(self, c: _Cluster, refs: Sequence[JobRef]) -> None:
         """Track jobs submitted before this driver started, from the next poll round's answer."""
@@ -501,8 +545,9 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
     async def _terminate(self, c: _Cluster, name: str, ref: JobRef,
                          grace_seconds: float | None) -> JobObservation | None:
         job = c.find(ref)
-        if job is None:
-            return None
+        if job is None:  # forgotten: it ended; unknown: nothing to stop
+            gone = await self._forgotten(c, ref) if ref.backend_job_id.isdigit() else None
+            return c.observation(gone) if gone is not None else None
         await c.client.cancel(job.backend_job_id)
         job.stop_sent()
         self._publish(c, job)
@@ -511,7 +556,16 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
 
     async def _cleanup(self, c: _Cluster, name: str, ref: JobRef) -> None:
         job = c.find(ref)
-        if job is None:
+        if job is None:  # forgotten (its record written or being written), or unknown: nothing to do
+            job = await self._forgotten(c, ref)
+            if job is None:
+                return
+            if c.recording.get(job.job_id) is job:
+                del c.recording[job.job_id]
+                if (writer := c.record_writer) is not None and not writer.done():
+                    # a write in flight may hold its record: removed after it, not before
+                    await asyncio.wait([writer], timeout=self.config.command_timeout)
+            await c.client.remove_files(job.job_id, job.dir.rsplit("/", 1)[0])
             return
         if not job.state.is_terminal():
             await self._terminate(c, name, ref, None)
@@ -521,17 +575,107 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
     # ------------------------------------------------------------------ logs and usage
 
     def _tail(self, c: _Cluster, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
-        job = c.find(ref)
+        job = c.find_known(ref)
+        if job is None:
+            return self._tail_forgotten(c, ref, query)
+        jobs = c.jobs  # the same dict after a reconfiguration (carried over)
+        return slogs.tail(lambda: self.clusters.require(c.name).client, job.dir, query,
+                          lambda: job.state.is_terminal() or jobs.get(job.job_id) is not job,
+                          self._log_interval(), max(0.01, self.config.log_stream_interval))
+
+    def _log_interval(self) -> float:
+        return max(slogs.LOG_POLL_FLOOR, min(1.0, self.config.poll_interval))
+
+    async def _tail_forgotten(self, c: _Cluster, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
+        job = await self._forgotten(c, ref)
         if job is None:
             raise JobNotFound(ref.job_id)
-        jobs = c.jobs  # the same dict after a reconfiguration (carried over)
-        interval = max(slogs.LOG_POLL_FLOOR, min(1.0, self.config.poll_interval))
-        return slogs.tail(lambda: self.clusters.require(c.name).client, job.dir, query,
-                          lambda: job.state.is_terminal() or jobs.get(job.job_id) is not job, interval,
-                          max(0.01, self.config.log_stream_interval))
+        tail = slogs.tail(lambda: self.clusters.require(c.name).client, job.dir, query, lambda: True,
+                          self._log_interval(), max(0.01, self.config.log_stream_interval))
+        async with contextlib.aclosing(tail) as batches:
+            async for batch in batches:
+                yield batch
 
     async def _usage(self, c: _Cluster, ref: JobRef) -> JobUsage:
-        job = c.find(ref)
+        job = c.find_known(ref) or await self._forgotten(c, ref)
         if job is None:
             raise JobNotFound(ref.job_id)
         return await usage.measure(c.client.run, job, bool(c.accounting))
+
+    # ------------------------------------------------------------------ forgotten jobs
+
+    def _forget(self, c: _Cluster, ref: JobRef) -> bool:
+        job = c.find(ref)
+        if job is None or not job.state.is_terminal():
+            return False
+        del c.jobs[job.job_id]
+        c.recording[job.job_id] = job  # answered from here until its record is written
+        c.to_release.discard(job.backend_job_id)
+        c.held_since.pop(job.backend_job_id, None)
+        c.unsure.discard(render.job_comment(job.job_id, job.attempt))
+        self._start_record_writer(c)
+        return True
+
+    def _start_record_writer(self, c: _Cluster) -> None:
+        if c.record_writer is None or c.record_writer.done():
+            c.record_writer = asyncio.create_task(self._write_records(c.name), name=f"slurm-records-{c.name}")
+
+    async def _write_records(self, name: str) -> None:
+        """Write the records of the cluster's forgotten jobs (one remote command per batch),
+        then let go of them; tried again every ``RECORD_RETRY_SECONDS`` while it fails."""
+        await asyncio.sleep(0)  # the rest of the ForgetJobs batch joins this write
+        while (c := self.clusters.get(name)) is not None and c.recording:
+            batch = list(c.recording.values())
+            lines = []
+            for job in batch:
+                lines += [f"{job.dir}/{RECORDED}", json.dumps(job.record(), separators=(",", ":"))]
+            script = ('while IFS= read -r p && IFS= read -r j; do mkdir -p -- "${p%/*}" && '
+                      'printf \'%s\\n\' "$j" > "$p.tmp" && mv -f -- "$p.tmp" "$p" || exit 1; done')
+            try:
+                rc, _, err = await c.client.run(script, input="\n".join(lines) + "\n")
+            except DlschedError as e:
+                rc, err = 1, e.message
+            if rc != 0:
+                log.warning("cannot write the records of %d forgotten jobs on %s: %s", len(batch), name,
+                            err.strip()[:300])
+                await asyncio.sleep(RECORD_RETRY_SECONDS)
+                continue
+            for job in batch:
+                if c.recording.get(job.job_id) is job:
+                    del c.recording[job.job_id]
+
+    async def _forgotten(self, c: _Cluster, ref: JobRef) -> TrackedJob | None:
+        """A forgotten job (not tracked): being recorded, or read from its record."""
+        if (job := c.find_known(ref)) is not None and c.jobs.get(ref.job_id) is not job:
+            return job
+        return (await self._recorded(c, [ref])).get((ref.job_id, ref.backend_job_id))
+
+    async def _recorded(self, c: _Cluster, refs: Sequence[JobRef]) -> dict[tuple[str, str], TrackedJob]:
+        """The forgotten jobs among ``refs``, read from their records on the login node (one
+        command for all): keyed by (job id, the ref's Slurm id); a ref without a Slurm id
+        gets the newest recorded attempt."""
+        if not refs:
+            return {}
+        state_dir = render.state_dir_of(c.options)
+        globs = " ".join(f"{shlex.quote(f'{state_dir}/{job_id}')}/attempt-*/{RECORDED}"
+                         for job_id in sorted({r.job_id for r in refs}))
+        rc, out, err = await c.client.run(f"grep -sH '' -- {globs}; true")
+        if rc != 0:
+            raise BackendUnavailable(f"cannot read the records of forgotten jobs: {err.strip()[:300]}")
+        found: dict[str, list[TrackedJob]] = {}
+        for line in out.splitlines():
+            path, sep, text = line.partition(f"/{RECORDED}:")
+            if not sep:
+                continue
+            try:
+                job = TrackedJob.from_record(c.name, path, json.loads(text))
+            except (KeyError, TypeError, ValueError) as e:
+                log.warning("unreadable record %s/%s: %s", path, RECORDED, e)
+                continue
+            found.setdefault(job.job_id, []).append(job)
+        out_jobs: dict[tuple[str, str], TrackedJob] = {}
+        for ref in refs:
+            jobs = [j for j in found.get(ref.job_id, ()) if ref.backend_job_id in ("", j.backend_job_id)]
+            if jobs:
+                out_jobs[(ref.job_id, ref.backend_job_id)] = max(jobs, key=lambda j: j.attempt)
+        return out_jobs

@@ -22,20 +22,37 @@ in the message. JobManager keeps the first terminal report it gets, so the
 replicas must be right in that one. A file that cannot be read
 (``exits.MAX_READS`` tries, one per round) leaves each replica with the
 job's state.
+
+Forgotten jobs (``ForgetJobs``: JobManager recorded the end): ``record`` is
+what the driver writes to the attempt's ``recorded.json`` on the login node
+before it lets go of the job, and ``from_record`` rebuilds the ended job
+from it when asked (observations, logs, usage, cleanup), without keeping it.
+Kept compact (slots; no native spec: the launch that needs it renders it):
+issue 18 bounds a tracked job at 2 KiB.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from typing import Any
 
 from drivers.common.base import JobObservation, JobState, NativeSpec, ReplicaStatus, ReplicaUsage
 from drivers.common.registry import STOP_REQUESTED
 from drivers.slurm import exits, states
 from drivers.slurm.poller import SlurmJob
 
+#: the file in the attempt directory that marks a forgotten job and holds its end
+RECORDED = "recorded.json"
+RECORD_VERSION = 1
+
 
 class TrackedJob:
     """One attempt of a dlsched job on one Slurm cluster."""
+
+    __slots__ = ("cluster", "job_id", "attempt", "backend_job_id", "dir", "native", "state", "reason",
+                 "message", "exit_code", "start_time", "end_time", "nodes", "stale", "stop_requested", "seen",
+                 "restarts", "roles", "usage", "accounted", "unschedulable", "held", "exits", "exit_reads")
 
     def __init__(self, cluster: str, job_id: str, attempt: int, backend_job_id: str, adir: str,
                  native: NativeSpec | None, roles: tuple[tuple[str, int], ...] = ()) -> None:
@@ -44,7 +61,7 @@ class TrackedJob:
         self.attempt = attempt
         self.backend_job_id = backend_job_id
         self.dir = adir
-        self.native = native  # None for a job adopted after a restart
+        self.native = native  # None for a job adopted after a restart (or launched: the launch renders it)
         self.state = JobState.QUEUED
         self.reason = states.REASON_SUBMITTED
         self.message = "submitted to Slurm"
@@ -169,3 +186,37 @@ class TrackedJob:
                               state=self.state, reason=reason, message=message, exit_code=exit_code,
                               replicas=replicas, start_time=self.start_time, end_time=self.end_time,
                               attempt=self.attempt, backend_restarts=self.restarts)
+
+    def record(self) -> dict[str, Any]:
+        """What ``recorded.json`` keeps of an ended job: its reported end, its replicas'
+        ends (the exits file) and its last usage samples."""
+        return {"version": RECORD_VERSION, "job_id": self.job_id, "attempt": self.attempt,
+                "backend_job_id": self.backend_job_id, "state": self.state.name, "reason": self.reason,
+                "message": self.message, "exit_code": self.exit_code, "start_time": self.start_time,
+                "end_time": self.end_time, "nodes": self.nodes, "restarts": self.restarts,
+                "roles": [list(r) for r in self.roles], "accounted": self.accounted,
+                "exits": None if self.exits is None else {
+                    "labels": list(self.exits.labels),
+                    "ends": [[e.label, e.status, e.stopped] for e in self.exits.ends]},
+                "usage": [dataclasses.asdict(u) for u in self.usage.values()]}
+
+    @classmethod
+    def from_record(cls, cluster: str, adir: str, doc: dict[str, Any]) -> TrackedJob:
+        """The ended job ``record`` wrote (raises KeyError/TypeError/ValueError when malformed)."""
+        job = cls(cluster, str(doc["job_id"]), int(doc["attempt"]), str(doc["backend_job_id"]), adir, None,
+                  roles=tuple((str(r), int(i)) for r, i in doc.get("roles") or ()))
+        job.state = JobState[doc["state"]]
+        if not job.state.is_terminal():
+            raise ValueError(f"a recorded job must have ended, not {job.state.name}")
+        job.reason, job.message = str(doc["reason"]), str(doc["message"])
+        job.exit_code = None if doc.get("exit_code") is None else int(doc["exit_code"])
+        job.start_time, job.end_time = doc.get("start_time"), doc.get("end_time")
+        job.nodes, job.restarts = str(doc.get("nodes") or ""), int(doc.get("restarts") or 0)
+        job.seen, job.accounted = True, bool(doc.get("accounted"))
+        if (ex := doc.get("exits")) is not None:
+            job.exits = exits.Exits(tuple(ex["labels"]),
+                                    tuple(exits.End(str(lb), int(st), bool(sp)) for lb, st, sp in ex["ends"]))
+        for u in doc.get("usage") or ():
+            ru = ReplicaUsage(**u)
+            job.usage[(ru.role, ru.replica_index)] = ru
+        return job
