@@ -593,8 +593,10 @@ async def test_projects_isolate_jobs_and_roles_limit_what_callers_do(env: Env) -
                     return True
                 return not any(c.eligible for c in resp.candidates)
             await eventually(restricted, "the restriction reaches matching")
+            before = {j.name for j in await bob.jobs.list_all_jobs()}
             err = await refused(bob.jobs.submit_job(sleeper()), "FAILED_PRECONDITION", "NO_MATCHING_CLUSTER")
-            assert not [j for j in await bob.jobs.list_all_jobs() if j.state == job_pb2.JOB_STATE_PENDING]
+            # Refused, so nothing stored (earlier jobs may still be PENDING: launches run after SubmitJob)
+            assert {j.name for j in await bob.jobs.list_all_jobs()} == before
             a3 = (await alice.jobs.submit_job(sleeper(5))).job
             assert a3.cluster == e.cluster and a3.project == "pa"
             await wait_running(alice, a3.name)

@@ -374,7 +374,7 @@ def test_cluster_watch_shows_adds_and_removes(stack: Stack) -> None:
         assert cli(stack, "cluster", "remove", name).returncode == 0
         read_until(f"clusters/{name}", "DELETED")
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=15)
+        _, err = proc.communicate(timeout=90)
         assert proc.returncode == 130 and "Traceback" not in err
     finally:
         if proc.poll() is None:
@@ -399,7 +399,7 @@ def test_watch_shows_jobs_and_ctrl_c_exits_130(stack: Stack) -> None:
         assert any("snapshot complete" in ln for ln in seen), seen
         assert any(ln.startswith("EXISTING") and "jobs/" in ln for ln in seen), seen
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=15)
+        _, err = proc.communicate(timeout=90)
         assert proc.returncode == 130
         assert "Traceback" not in err
     finally:

@@ -85,46 +85,58 @@ async def _probe(stack: Stack) -> None:
     assert stack.jm is not None
     async with JobManagerClient(stack.jm.address) as client:
         stub = pb_grpc.JobManagerServiceStub(client.channel)
-        # Warm both services' code paths so the baseline is not their first call.
-        ok = await stub.SubmitJob(pb.SubmitJobRequest(
-            spec=job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS,
-                                 replica_groups=[_group()]),
-            request_id=uuid.uuid4().hex, dry_run=True), timeout=60)
-        assert ok.dry_run.native_spec
-        before = (rss(stack.jm), rss(stack.driver))
-
         big = huge_spec(7 * 1000 * 1000)
         assert big.ByteSize() > 7_000_000
-        for _ in range(20):
+        over = huge_spec(900 * 1000)
+        assert 4 * MAX_SPEC_BYTES > over.ByteSize() > 3 * MAX_SPEC_BYTES
+
+        async def refuse_big() -> None:
             with pytest.raises(grpc.aio.AioRpcError) as ei:
                 await stub.SubmitJob(pb.SubmitJobRequest(spec=big, request_id=uuid.uuid4().hex),
                                      timeout=60)
             assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, ei.value.details()
             assert "larger than max" in (ei.value.details() or "")
 
-        over = huge_spec(900 * 1000)
-        assert 4 * MAX_SPEC_BYTES > over.ByteSize() > 3 * MAX_SPEC_BYTES
-        for _ in range(20):
+        async def refuse_over() -> None:
             with pytest.raises(grpc.aio.AioRpcError) as ei:
                 await stub.SubmitJob(pb.SubmitJobRequest(spec=over, request_id=uuid.uuid4().hex),
                                      timeout=60)
             assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value.details()
             assert [v.field for v in field_violations(ei.value)] == ["spec"]
 
-        # 100,000 processes x 60 KB of env: refused before anything expands it.
-        with pytest.raises(grpc.aio.AioRpcError) as ei:
-            await stub.SubmitJob(pb.SubmitJobRequest(spec=largest_spec(60_000),
-                                                     request_id=uuid.uuid4().hex, dry_run=True),
-                                 timeout=120)
-        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value.details()
-        assert [v.field for v in field_violations(ei.value)] == ["spec.replica_groups"]
-        # The largest valid one: the local driver refuses it before it plans a process.
-        with pytest.raises(grpc.aio.AioRpcError) as ei:
-            await stub.SubmitJob(pb.SubmitJobRequest(spec=largest_spec(), request_id=uuid.uuid4().hex,
-                                                     dry_run=True), timeout=120)
-        assert ei.value.code() in (grpc.StatusCode.INVALID_ARGUMENT,
-                                   grpc.StatusCode.FAILED_PRECONDITION), ei.value.details()
-        assert error_info(ei.value) is not None
+        async def refuse_dry_runs() -> None:
+            # 100,000 processes x 60 KB of env: refused before anything expands it.
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.SubmitJob(pb.SubmitJobRequest(spec=largest_spec(60_000),
+                                                         request_id=uuid.uuid4().hex, dry_run=True),
+                                     timeout=120)
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value.details()
+            assert [v.field for v in field_violations(ei.value)] == ["spec.replica_groups"]
+            # The largest valid one: the local driver refuses it before it plans a process.
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.SubmitJob(pb.SubmitJobRequest(spec=largest_spec(), request_id=uuid.uuid4().hex,
+                                                         dry_run=True), timeout=120)
+            assert ei.value.code() in (grpc.StatusCode.INVALID_ARGUMENT,
+                                       grpc.StatusCode.FAILED_PRECONDITION), ei.value.details()
+            assert error_info(ei.value) is not None
+
+        # One of each first: the baseline is not any code path's first call (the growth the
+        # bounds prevent is per request: ~4 MiB for each 7 MB request before them).
+        ok = await stub.SubmitJob(pb.SubmitJobRequest(
+            spec=job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS,
+                                 replica_groups=[_group()]),
+            request_id=uuid.uuid4().hex, dry_run=True), timeout=60)
+        assert ok.dry_run.native_spec
+        await refuse_big()
+        await refuse_over()
+        await refuse_dry_runs()
+        before = (rss(stack.jm), rss(stack.driver))
+        for _ in range(20):
+            await refuse_big()
+        for _ in range(20):
+            await refuse_over()
+        for _ in range(3):
+            await refuse_dry_runs()
         after = (rss(stack.jm), rss(stack.driver))
 
     for name, b, a in zip(("JobManager", "local driver"), before, after, strict=True):

@@ -20,12 +20,12 @@ from job_manager.store import JobStore
 log = logging.getLogger("job_manager.history")
 
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-_DURATION = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*([smhd]?)\s*$")
+_DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([smhd]?)\s*")
 
 
 def parse_duration(text: str) -> float:
     """Seconds of ``90``, ``90s``, ``15m``, ``12h`` or ``1d``."""
-    m = _DURATION.match(text)
+    m = _DURATION.fullmatch(text)
     if not m:
         raise argparse.ArgumentTypeError(f"{text!r}: want seconds, or a number with s, m, h or d")
     return float(m.group(1)) * _UNITS[m.group(2)]
