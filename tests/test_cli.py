@@ -53,6 +53,12 @@ def stack(etcd: EtcdServer) -> Iterator[Stack]:
         s.stop()
 
 
+def _interruptible() -> None:
+    """In the child before exec: SIGINT as a terminal's foreground job has it. A shell running
+    the suite in the background hands its children SIGINT ignored, and Python keeps it so."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _env() -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
     for k in ("DLSCHED_SERVER", "DLSCHED_CLUSTER_MANAGER", "DLSCHED_DEBUG"):
@@ -352,7 +358,8 @@ def test_cluster_watch_shows_adds_and_removes(stack: Stack) -> None:
     name = _uid("watched")
     proc = subprocess.Popen(
         [sys.executable, "-m", "dlsched", "--cluster-manager", stack.cm.address, "cluster", "watch"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env(),
+        preexec_fn=_interruptible)
 
     def read_until(text: str, event: str = "") -> list[str]:
         assert proc.stdout is not None
@@ -386,7 +393,8 @@ def test_watch_shows_jobs_and_ctrl_c_exits_130(stack: Stack) -> None:
     assert stack.jm is not None
     proc = subprocess.Popen(
         [sys.executable, "-m", "dlsched", "--server", stack.jm.address, "watch"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env(),
+        preexec_fn=_interruptible)
     try:
         assert proc.stdout is not None
         deadline = time.monotonic() + 30

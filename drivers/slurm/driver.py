@@ -54,40 +54,23 @@ outage. A tracked job that both squeue and the follow-up no longer know,
 while the controller answers, ends FAILED reason ``LeftSlurm`` (or keeps its
 terminal state if one was seen). A job Slurm requeues stays the same dlsched
 attempt (``jobs``): QUEUED again, then RUNNING, ``backend_restarts`` counting.
-
-Jobs the driver does not know (after a driver restart) are adopted on the
-first observation that names them: the next poll round answers for all of
-them, with no call of its own.
+Jobs the driver does not know (after a restart) are adopted on the first
+observation that names them, answered by the next poll round.
 
 Stop: ``scancel`` (Slurm sends SIGTERM, then SIGKILL after KillWait);
 stopping an ended or unknown job is fine. CANCELLED maps to STOPPED.
 
-Bounded memory (``ForgetJobs``): once JobManager has recorded a job's end,
-the driver drops its ``TrackedJob`` and per-job entries (``to_release``,
-``held_since``, ``unsure``; a ``late`` window runs out by itself), after
-writing ``recorded.json`` (``jobs.TrackedJob.record``: the reported end,
-the replicas' ends, the last usage samples) into the attempt directory on
-the login node, in one batched remote command (until it is written the job
-waits in ``recording``, still answered from memory). An observation naming a
-job the driver does not track (with its Slurm id), a log tail, a usage
-query or a cleanup first looks for that file (one ``grep`` over the job's
-attempt directories, for all such refs at once); a recorded job is answered
-from it (usage: sacct, with accounting) and never tracked again, by this
-driver or a restarted one; only the others are adopted from the next poll
-round. A ref without a Slurm id is answered from the file for logs, usage
-and cleanup (the newest recorded attempt), not for observations.
+Bounded memory (``ForgetJobs``): a job whose end JobManager recorded leaves
+memory once its record is written (``records``); untracked jobs are looked up there first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import shlex
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
-from dataclasses import dataclass, field
 
 from dlsched import __version__
 from dlsched.errors import DlschedError, InvalidArgument
@@ -108,9 +91,8 @@ from drivers.common.base import (
 )
 from drivers.common.launches import Known
 from drivers.common.planner import ALL_RUN_MODES
-from drivers.common.registry import BackendUnavailable
 from drivers.common.skeleton import BackendDriver
-from drivers.slurm import exits, render, states, usage
+from drivers.slurm import exits, records, render, states, usage
 from drivers.slurm import logs as slogs
 from drivers.slurm import poller as poll
 from drivers.slurm.adapter import (
@@ -122,7 +104,8 @@ from drivers.slurm.adapter import (
     oldest_first,
     voided,
 )
-from drivers.slurm.jobs import RECORDED, TrackedJob
+from drivers.slurm.config import SlurmConfig
+from drivers.slurm.jobs import TrackedJob
 from drivers.slurm.render import SlurmScript
 from drivers.slurm.ssh import ENV_RE, Congested, HostKeyMismatch
 
@@ -134,40 +117,13 @@ INFO_BUDGET = 3.5
 #: Of which the controller ping (one quick RPC) always gets at least this much.
 PING_BUDGET = 1.0
 
-#: Seconds between tries to write the records of forgotten jobs while the login node fails them.
-RECORD_RETRY_SECONDS = 5.0
+RECORD_RETRY_SECONDS = 5.0  # between tries to write forgotten jobs' records while they fail
 
 #: Seconds a held job that is not the oldest of an attempt tracked elsewhere waits before it is
 #: cancelled (its own driver cancels it sooner; this is for a driver that went away).
 DUPLICATE_GRACE = 60.0
 
 __all__ = ["SbatchRejected", "SlurmConfig", "SlurmDriver"]
-
-
-@dataclass(frozen=True)
-class SlurmConfig:
-    """The Slurm driver's flags."""
-
-    poll_interval: float = field(default=2.0, metadata={
-        "help": f"seconds between squeue rounds per cluster (at least {poll.MIN_INTERVAL:g})"})
-    command_timeout: float = field(default=30.0, metadata={"help": "timeout of one remote command"})
-    max_channels: int = field(default=8, metadata={
-        "help": "concurrent SSH channels per cluster (keep below the server's MaxSessions, 10)"})
-    max_log_streams: int = field(default=8, metadata={
-        "help": "log followers streaming at once per cluster, each on one channel of a second SSH "
-                "connection (at most 9; followers beyond it read by polls)"})
-    log_stream_interval: float = field(default=slogs.STREAM_INTERVAL, metadata={
-        "help": "seconds between a log stream's looks at its files on the login node (a line "
-                "reaches the follower about half of it after it was written)"})
-    capacity_interval: float = field(default=60.0, metadata={
-        "help": "seconds between capacity look-ups (scontrol show nodes) while jobs are polled; "
-                "health then comes from the poll rounds, and each look-up takes one round's slot"})
-    idle_check_interval: float = field(default=10.0, metadata={
-        "help": "seconds between health and capacity look-ups of a cluster with no polled job"})
-    held_grace: float = field(default=600.0, metadata={
-        "help": "seconds a held dlsched job that no driver adopted (a launch never retried after a "
-                "failed release) stays queued before a poll round cancels it; a held duplicate of an "
-                "attempt not tracked here waits min(60, this)"})
 
 
 class _Cluster:
@@ -626,18 +582,8 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         await asyncio.sleep(0)  # the rest of the ForgetJobs batch joins this write
         while (c := self.clusters.get(name)) is not None and c.recording:
             batch = list(c.recording.values())
-            lines = []
-            for job in batch:
-                lines += [f"{job.dir}/{RECORDED}", json.dumps(job.record(), separators=(",", ":"))]
-            script = ('while IFS= read -r p && IFS= read -r j; do mkdir -p -- "${p%/*}" && '
-                      'printf \'%s\\n\' "$j" > "$p.tmp" && mv -f -- "$p.tmp" "$p" || exit 1; done')
-            try:
-                rc, _, err = await c.client.run(script, input="\n".join(lines) + "\n")
-            except DlschedError as e:
-                rc, err = 1, e.message
-            if rc != 0:
-                log.warning("cannot write the records of %d forgotten jobs on %s: %s", len(batch), name,
-                            err.strip()[:300])
+            if (why := await records.write(c.client.run, batch)) is not None:
+                log.warning("cannot write the records of %d forgotten jobs on %s: %s", len(batch), name, why)
                 await asyncio.sleep(RECORD_RETRY_SECONDS)
                 continue
             for job in batch:
@@ -651,31 +597,4 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         return (await self._recorded(c, [ref])).get((ref.job_id, ref.backend_job_id))
 
     async def _recorded(self, c: _Cluster, refs: Sequence[JobRef]) -> dict[tuple[str, str], TrackedJob]:
-        """The forgotten jobs among ``refs``, read from their records on the login node (one
-        command for all): keyed by (job id, the ref's Slurm id); a ref without a Slurm id
-        gets the newest recorded attempt."""
-        if not refs:
-            return {}
-        state_dir = render.state_dir_of(c.options)
-        globs = " ".join(f"{shlex.quote(f'{state_dir}/{job_id}')}/attempt-*/{RECORDED}"
-                         for job_id in sorted({r.job_id for r in refs}))
-        rc, out, err = await c.client.run(f"grep -sH '' -- {globs}; true")
-        if rc != 0:
-            raise BackendUnavailable(f"cannot read the records of forgotten jobs: {err.strip()[:300]}")
-        found: dict[str, list[TrackedJob]] = {}
-        for line in out.splitlines():
-            path, sep, text = line.partition(f"/{RECORDED}:")
-            if not sep:
-                continue
-            try:
-                job = TrackedJob.from_record(c.name, path, json.loads(text))
-            except (KeyError, TypeError, ValueError) as e:
-                log.warning("unreadable record %s/%s: %s", path, RECORDED, e)
-                continue
-            found.setdefault(job.job_id, []).append(job)
-        out_jobs: dict[tuple[str, str], TrackedJob] = {}
-        for ref in refs:
-            jobs = [j for j in found.get(ref.job_id, ()) if ref.backend_job_id in ("", j.backend_job_id)]
-            if jobs:
-                out_jobs[(ref.job_id, ref.backend_job_id)] = max(jobs, key=lambda j: j.attempt)
-        return out_jobs
+        return await records.read(c.client.run, c.name, render.state_dir_of(c.options), refs)

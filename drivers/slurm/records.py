@@ -1,0 +1,79 @@
+"""Records of forgotten jobs on the login node (ForgetJobs, issue 18 item 4).
+
+Once JobManager has recorded a job's end, the driver writes the job's end,
+each replica's exit and its last usage samples to ``recorded.json`` in the
+attempt directory (``write``: one remote command for a batch) and drops it
+from memory; observations, logs, usage, terminate and cleanup of a job no
+longer tracked read those records first (``read``: one command for all the
+refs of a call), so a forgotten job is never tracked again, by this driver
+or a restarted one.
+
+What is dropped: the ``TrackedJob`` and its per-job entries (``to_release``,
+``held_since``, ``unsure``; a ``late`` window runs out by itself). A ref
+without a Slurm id is answered from a record for logs, usage and cleanup
+(the newest recorded attempt), not for observations; usage of a recorded
+job also asks sacct when the cluster has accounting.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+from collections.abc import Awaitable, Callable, Sequence
+
+from dlsched.errors import DlschedError
+from drivers.common.base import JobRef
+from drivers.common.registry import BackendUnavailable
+from drivers.slurm.jobs import RECORDED, TrackedJob
+
+log = logging.getLogger("drivers.slurm")
+
+Run = Callable[..., Awaitable[tuple[int, str, str]]]
+
+#: Each record goes to a temporary file first and is renamed into place.
+_WRITE = ('while IFS= read -r p && IFS= read -r j; do mkdir -p -- "${p%/*}" && '
+          'printf \'%s\\n\' "$j" > "$p.tmp" && mv -f -- "$p.tmp" "$p" || exit 1; done')
+
+
+async def write(run: Run, batch: Sequence[TrackedJob]) -> str | None:
+    """Write the records of ``batch``; None when written, else why not."""
+    lines = []
+    for job in batch:
+        lines += [f"{job.dir}/{RECORDED}", json.dumps(job.record(), separators=(",", ":"))]
+    try:
+        rc, _, err = await run(_WRITE, input="\n".join(lines) + "\n")
+    except DlschedError as e:
+        return e.message
+    return None if rc == 0 else err.strip()[:300]
+
+
+async def read(run: Run, cluster: str, state_dir: str,
+               refs: Sequence[JobRef]) -> dict[tuple[str, str], TrackedJob]:
+    """The forgotten jobs among ``refs``, read from their records (one command for all):
+    keyed by (job id, the ref's Slurm id); a ref without a Slurm id gets the newest
+    recorded attempt."""
+    if not refs:
+        return {}
+    globs = " ".join(f"{shlex.quote(f'{state_dir}/{job_id}')}/attempt-*/{RECORDED}"
+                     for job_id in sorted({r.job_id for r in refs}))
+    rc, out, err = await run(f"grep -sH '' -- {globs}; true")
+    if rc != 0:
+        raise BackendUnavailable(f"cannot read the records of forgotten jobs: {err.strip()[:300]}")
+    found: dict[str, list[TrackedJob]] = {}
+    for line in out.splitlines():
+        path, sep, text = line.partition(f"/{RECORDED}:")
+        if not sep:
+            continue
+        try:
+            job = TrackedJob.from_record(cluster, path, json.loads(text))
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("unreadable record %s/%s: %s", path, RECORDED, e)
+            continue
+        found.setdefault(job.job_id, []).append(job)
+    out_jobs: dict[tuple[str, str], TrackedJob] = {}
+    for ref in refs:
+        jobs = [j for j in found.get(ref.job_id, ()) if ref.backend_job_id in ("", j.backend_job_id)]
+        if jobs:
+            out_jobs[(ref.job_id, ref.backend_job_id)] = max(jobs, key=lambda j: j.attempt)
+    return out_jobs
