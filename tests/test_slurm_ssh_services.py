@@ -50,9 +50,10 @@ TERMINAL = (S.JOB_STATE_SUCCEEDED, S.JOB_STATE_FAILED, S.JOB_STATE_STOPPED)
 
 #: sbatch behaviours, each for 20 % of submissions ($RANDOM % 5 == 0) while its name is in $CTL/sbatch.
 #: The script is on stdin ($SCRIPT once saved); the real sbatch is $REAL. A landing that must outlive
-#: the driver's kill of the timed-out command runs detached (setsid), as slurmctld would go on.
+#: the driver's kill of the timed-out command runs detached (setsid), as slurmctld would go on, with
+#: the driver's own options (``--hold``): in ``bash -c`` "$@" starts at $1, the script, so "${@:2}".
 VARIANTS = {
-    "late": (f'setsid nohup bash -c \'sleep {TIMEOUT + 2}; "$0" "$@" < "$1" >/dev/null 2>&1\' "$REAL" "$SCRIPT" "$@" '
+    "late": (f'setsid nohup bash -c \'sleep {TIMEOUT + 2}; "$0" "${{@:2}}" < "$1" >/dev/null 2>&1\' "$REAL" "$SCRIPT" "$@" '
              '</dev/null >/dev/null 2>&1 & sleep 120; exit 0'),
     "error-after": '"$REAL" "$@" < "$SCRIPT" >/dev/null; echo "sbatch: error: Socket timed out" >&2; exit 1',
     "hang-after": '"$REAL" "$@" < "$SCRIPT" >/dev/null; sleep 120; exit 0',

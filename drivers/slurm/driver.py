@@ -22,20 +22,12 @@ started ahead of the launch takes the script on stdin; an ambiguous one is
 resolved by looking the attempt up before any retry; only the one Slurm job
 adopted for the attempt, the oldest with its comment, is released with
 ``scontrol release``). Exactly once: every poll round groups the user's
-jobs by ``dlsched-`` comment, and any job of a tracked attempt other than
-the adopted one that has not ended is cancelled on sight; it was submitted
-held and never released, so it never ran (an ``sbatch`` that timed out and
-landed afterwards; after such an ``sbatch`` the attempt is polled for
-``adapter.LATE_WINDOW``, 10 minutes, even once its job has ended). Held
-jobs of an attempt the cluster does not track (another cluster
-configuration or driver replica sharing the SSH user may own it) are
-cancelled only once no driver can want them: one that is not the oldest of
-its attempt (every driver adopts the oldest, and a late landing is always
-newer) after ``DUPLICATE_GRACE``, a minute, so that its own driver cancels
-it first; the oldest, held although its launch ended (a failed release that
-was never retried), after ``--held-grace``, 10 minutes, far past
-JobManager's launch retries (10 s apart at most). Nothing this driver is
-launching counts (``launching``), and a job cancelled while held is
+jobs by ``dlsched-`` comment and cancels the ones no driver will ever release
+(``strays``: every unfinished job of a tracked attempt but the adopted one, on
+sight; held jobs that no configuration of this process wants, after a grace);
+they were submitted held and never released, so they never ran. After an
+``sbatch`` that timed out the attempt is polled for ``adapter.LATE_WINDOW``,
+10 minutes, even once its job has ended. A job cancelled while held is
 ``voided``: a later launch of its attempt passes over it and submits anew,
 so a retry that comes after the grace never adopts a cancelled job. An adopted job
 still held (its driver died between ``sbatch`` and the release) is released
@@ -92,7 +84,7 @@ from drivers.common.base import (
 from drivers.common.launches import Known
 from drivers.common.planner import ALL_RUN_MODES
 from drivers.common.skeleton import BackendDriver
-from drivers.slurm import exits, records, render, states, usage
+from drivers.slurm import exits, records, render, strays, usage
 from drivers.slurm import logs as slogs
 from drivers.slurm import poller as poll
 from drivers.slurm.adapter import (
@@ -118,10 +110,6 @@ INFO_BUDGET = 3.5
 PING_BUDGET = 1.0
 
 RECORD_RETRY_SECONDS = 5.0  # between tries to write forgotten jobs' records while they fail
-
-#: Seconds a held job that is not the oldest of an attempt tracked elsewhere waits before it is
-#: cancelled (its own driver cancels it sooner; this is for a driver that went away).
-DUPLICATE_GRACE = 60.0
 
 __all__ = ["SbatchRejected", "SlurmConfig", "SlurmDriver"]
 
@@ -372,40 +360,19 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
                 self._read_exits(c, job)
 
     def _cancel_strays(self, c: _Cluster, attempts: dict[str, list[poll.SlurmJob]]) -> None:
-        """Cancel the jobs no driver will ever release (see the module docstring): of a tracked
-        attempt, every unfinished job but the tracked one, at once; of an attempt not tracked
-        here, a held job other than the oldest (every driver adopts only the oldest) after
-        ``DUPLICATE_GRACE``, and a held oldest one (its launch was never retried after a failed
-        release) after ``held_grace``. Held jobs of attempts this driver is launching are left
-        alone."""
-        now = time.monotonic()
-        held: set[str] = set()
-        grace = self.config.held_grace
-        for comment, sjs in attempts.items():
-            if (parsed := render.parse_comment(comment)) is None:
-                continue
-            tracked = c.jobs.get(parsed[0])
-            mine = tracked is not None and tracked.attempt == parsed[1]
-            for i, sj in enumerate(oldest_first(sjs)):
-                if states.job_state(sj.state, sj.reason).state.is_terminal():
-                    continue
-                if mine:
-                    assert tracked is not None
-                    if sj.job_id != tracked.backend_job_id:
-                        log.warning("cancelling Slurm job %s: a duplicate of %s's job %s", sj.job_id, comment,
-                                    tracked.backend_job_id)
-                        self._later(c, "cancel", sj.job_id)
-                    continue
-                if not is_held(sj) or comment in c.launching:
-                    continue
-                held.add(sj.job_id)
-                waited = now - c.held_since.setdefault(sj.job_id, now)
-                if waited >= (min(DUPLICATE_GRACE, grace) if i else grace):
-                    log.warning("cancelling Slurm job %s of %s: held %.0fs and %s", sj.job_id, comment, waited,
-                                "not the oldest of its attempt" if i else "adopted by no launch")
-                    self._later(c, "cancel", sj.job_id)
-        for jid in [j for j in c.held_since if j not in held]:
-            del c.held_since[jid]
+        """Cancel the jobs no driver will ever release (``strays``)."""
+        def tracked(job_id: str, attempt: int) -> str | None:
+            job = c.jobs.get(job_id)
+            return job.backend_job_id if job is not None and job.attempt == attempt else None
+
+        def wanted(comment: str, job_id: str, attempt: int) -> bool:  # by any configuration of this process
+            return any(comment in x.launching or ((j := x.jobs.get(job_id)) is not None and j.attempt == attempt)
+                       for x in self.clusters.values())
+
+        for jid, why in strays.find(attempts, tracked=tracked, wanted=wanted, held_since=c.held_since,
+                                    now=time.monotonic(), grace=self.config.held_grace):
+            log.warning("cancelling Slurm job %s: %s", jid, why)
+            self._later(c, "cancel", jid)
 
     def _later(self, c: _Cluster, action: str, backend_job_id: str) -> None:
         """``scancel`` (``action`` "cancel") or ``scontrol release`` ("release") of one job in
