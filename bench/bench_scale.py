@@ -303,7 +303,8 @@ async def run(args: argparse.Namespace) -> int:
         stack.cm.start()
         t = time.perf_counter()
         stack.jm = ServiceProcess("job_manager", [*etcd.service_args(), "--prefix", PREFIX,
-                                                 "--cluster-manager", stack.cm.address],
+                                                 "--cluster-manager", stack.cm.address,
+                                                 *os.environ.get("BENCH_JM_ARGS", "").split()],
                                   name="job-manager").start(timeout=600)
         started = time.perf_counter() - t
         assert stack.jm.proc is not None

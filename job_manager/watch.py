@@ -102,23 +102,56 @@ _PROGRESS_ANSWER_SECONDS = 1.0
 
 
 class _SharedRead:
-    """One etcd read shared by the callers that came before it was sent, and
-    only by them: a read already sent may predate a write a later caller saw
-    answered, so that caller starts the next one (sent at once, not after)."""
+    """One etcd read at a time, shared by every caller that came before it was
+    sent, and only by them: a read already sent may predate a write a later
+    caller saw answered, so that caller waits for the next one, sent as soon
+    as the one in flight returns. Under load one read answers every request
+    that arrived during the previous one (batching by round trip); alone, a
+    caller's read is sent at once (in the loop's next turn, with the callers
+    of this one)."""
 
     def __init__(self, fetch: Callable[[], Awaitable[int]]) -> None:
         self._fetch = fetch
-        self._unsent: asyncio.Future[int] | None = None
+        self._next: asyncio.Future[int] | None = None  # the read the next caller joins, not sent yet
+        self._busy = False
+        self._task: asyncio.Future[int] | None = None  # the read in flight (held: not collected)
+        self.sent = 0  # reads sent (the benchmark reports reads per request)
 
     async def get(self) -> int:
-        fut = self._unsent
+        fut = self._next
         if fut is None:
-            fut = self._unsent = asyncio.ensure_future(self._send())
+            loop = asyncio.get_running_loop()
+            fut = self._next = loop.create_future()
+            fut.add_done_callback(_retrieve)
+            if not self._busy:  # sent once the callers ready to run now have joined it
+                self._busy = True
+                loop.call_soon(self._send)
         return await asyncio.shield(fut)
 
-    async def _send(self) -> int:
-        self._unsent = None  # sent from here: later callers start another
-        return await self._fetch()
+    def _send(self) -> None:
+        fut, self._next, self._busy = self._next, None, True
+        assert fut is not None
+        self.sent += 1
+        task = self._task = asyncio.ensure_future(self._fetch())
+
+        def done(t: asyncio.Future[int]) -> None:
+            self._busy, self._task = False, None
+            if t.cancelled():
+                fut.cancel()
+            elif (e := t.exception()) is not None:
+                fut.set_exception(e)
+            else:
+                fut.set_result(t.result())
+            if self._next is not None:  # callers came while it was in flight
+                self._send()
+
+        task.add_done_callback(done)
+
+
+def _retrieve(fut: asyncio.Future[int]) -> None:
+    """A read's error is its callers'; none left (all timed out) is no error."""
+    if not fut.cancelled():
+        fut.exception()
 
 
 class JobEvent:

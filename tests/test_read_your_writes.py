@@ -34,7 +34,7 @@ from job_manager.cache import JobCache
 from job_manager.convert import job_to_bytes
 from job_manager.domain.model import Job, JobSpec, JobState, ReplicaGroup
 from job_manager.store import JobStore
-from job_manager.watch import WatchHub
+from job_manager.watch import WatchHub, _SharedRead
 from tests import security
 from tests.harness import EtcdServer, ServiceProcess, Stack
 
@@ -272,3 +272,34 @@ async def test_writes_on_one_replica_are_read_on_the_other(
         assert int(row.etag) >= int(stopped.etag), (row.state, stopped.state)
     await other.delete_prefix(r.stack.prefix.encode())
     await other.close()
+
+
+async def test_one_revision_read_at_a_time_answers_only_the_callers_that_came_before_it_was_sent() -> None:
+    """The read shared by GetJob/ListJobs: callers arriving while one is in flight wait for the
+    next (a read already sent may predate a write they saw answered), which is sent when it returns."""
+    gates: list[asyncio.Future[int]] = []
+
+    async def fetch() -> int:
+        gates.append(asyncio.get_running_loop().create_future())
+        return await gates[-1]
+
+    shared = _SharedRead(fetch)
+    first = [asyncio.create_task(shared.get()) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    assert len(gates) == 1  # three callers, one read
+    later = [asyncio.create_task(shared.get()) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    assert len(gates) == 1  # not sent while one is in flight
+    gates[0].set_result(10)
+    assert await asyncio.gather(*first) == [10] * 3
+    await asyncio.sleep(0.01)
+    assert len(gates) == 2 and not any(t.done() for t in later)  # theirs was sent after the first returned
+    gates[1].set_exception(OSError("etcd down"))
+    for t in later:
+        with pytest.raises(OSError):
+            await t
+    alone = asyncio.create_task(shared.get())
+    await asyncio.sleep(0.01)
+    assert len(gates) == 3  # nothing in flight: sent at once
+    gates[2].set_result(12)
+    assert await alone == 12 and shared.sent == 3
