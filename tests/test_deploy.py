@@ -933,6 +933,10 @@ def test_tls_and_credentials_from_secrets(kustomization: str) -> None:
         else:
             assert not {"--admin-token-file", "--control-plane-token-file"} & set(flags), name
             assert "envFrom" not in c, name
+        if module == "job_manager":  # the history's DSN holds a password: a Secret, never an arg
+            (dsn,) = [e for e in c["env"] if e["name"] == "DLSCHED_HISTORY_DSN"]
+            assert dsn["valueFrom"]["secretKeyRef"] == {"name": "dlsched-history", "key": "dsn", "optional": True}
+            assert not any(a.startswith(("--history-dsn", "--data-dir")) for a in c["args"]), name
         if module == "cluster_manager":
             m = mounted(d, c, flags["--encryption-key-file"])
             assert m is not None and (m.kind, m.name) == ("secret", "cluster-manager-encryption-key"), m
@@ -1394,6 +1398,10 @@ def _env_of(c: dict[str, Any], objs: list[dict[str, Any]]) -> dict[str, str]:
     for e in c.get("env", []):
         if "value" in e:
             env[e["name"]] = e["value"]
+        elif "secretKeyRef" in e["valueFrom"]:  # a Secret's value is never in the manifests
+            ref = e["valueFrom"]["secretKeyRef"]
+            assert ref.get("optional") is True or any(
+                o["metadata"]["name"] == ref["name"] for o in of_kind(objs, "Secret")), f"no Secret {ref['name']}"
         else:
             ref = e["valueFrom"]["configMapKeyRef"]
             env[e["name"]] = find(objs, "ConfigMap", ref["name"])["data"][ref["key"]]
