@@ -24,7 +24,10 @@ open stream and what stays after they close (targets <= 30 KiB per stream,
 many watchers, p50/p99 from the write (an etcd put of a job; the bare
 server's broadcast call) to each stream's receipt (targets p99 <= 100 ms at
 1,000, <= 200 ms at 10,000). The client is one process, so both rows carry
-its cost alike.
+its cost alike. ``--log-streams`` counts (default 1000) add idle
+StreamJobLogs followers of one running local job: JobManager's and the
+local driver's RSS per stream next to the bare server's (target <= 30 KiB in
+each); ``--watchers '' --fanout ''`` measures only those.
 """
 
 from __future__ import annotations
@@ -289,6 +292,63 @@ async def stream_rows(args: argparse.Namespace, jm_address: str, jm_pid: int,  #
             print(f"  {labels[kind]:22s} {n:6d} watchers  p50 {ms(pct(lat, 50))}  p99 {ms(pct(lat, 99))}")
 
 
+async def log_rows(args: argparse.Namespace, stack: Stack, bare_address: str, bare_pid: int) -> None:
+    """Idle StreamJobLogs followers of one running local job: JobManager's and the local
+    driver's RSS per stream next to the bare streaming server's (target <= 30 KiB each)."""
+    from dlsched.v1 import job_pb2
+
+    assert stack.jm is not None and stack.jm.proc is not None and stack.driver.proc is not None
+    await stack.register_local()
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS,
+                           cluster_selector=job_pb2.ClusterSelector(cluster="local"),
+                           replica_groups=[job_pb2.ReplicaGroup(role="main", replicas=1, command=[
+                               sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(3600)"])])
+    chans = pool(stack.jm.address, 1)
+    jm = jms_grpc.JobManagerServiceStub(chans[0])
+    job = (await jm.SubmitJob(jms.SubmitJobRequest(job_id="bench-logs", spec=spec), timeout=60)).job
+    log_req = jms.StreamJobLogsRequest(name=job.name, follow=True)
+    deadline = time.monotonic() + 120
+    while True:  # the job runs and has printed its line
+        try:
+            async for _ in jm.StreamJobLogs(jms.StreamJobLogsRequest(name=job.name), timeout=10):
+                break
+            else:
+                raise RuntimeError("no line yet")
+            break
+        except (grpc.aio.AioRpcError, RuntimeError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+    print("\nidle log followers (StreamJobLogs follow=True, one running local job): RSS per stream")
+    pids = {"JobManager": stack.jm.proc.pid, "local driver": stack.driver.proc.pid}
+    for n in args.log_streams:
+        for kind in ("bare", "jm"):
+            cs = pool(bare_address if kind == "bare" else stack.jm.address, n)
+            if kind == "bare":
+                calls = [c.unary_stream("/bench.Stream/Watch") for c in cs]
+                opener = lambda i, calls=calls: calls[i // STREAMS_PER_CONNECTION](b"")  # noqa: E731
+                watched = {"bare grpc.aio stream": bare_pid}
+            else:
+                stubs = [jms_grpc.JobManagerServiceStub(c) for c in cs]
+                opener = lambda i, stubs=stubs: stubs[i // STREAMS_PER_CONNECTION].StreamJobLogs(log_req)  # noqa: E731
+                watched = pids
+            base = {k: await settle_rss(pid, 1.0) for k, pid in watched.items()}
+            st = Streams(opener, n)
+            took = await st.open()
+            peak = {k: await settle_rss(pid) for k, pid in watched.items()}
+            await st.close()
+            for c in cs:
+                await c.close()
+            after = {k: await settle_rss(pid, 10.0) for k, pid in watched.items()}
+            for k in watched:
+                print(f"  {k:22s} {n:6d} streams  open {took:6.2f} s"
+                      f"  {(peak[k] - base[k]) * 1024 / n:6.1f} KiB/stream"
+                      f"  after close {(after[k] - base[k]) * 1024 / n:6.1f} KiB/stream")
+    await jm.StopJob(jms.StopJobRequest(name=job.name), timeout=30)
+    for c in chans:
+        await c.close()
+
+
 async def run(args: argparse.Namespace) -> int:
     sec = security.install()
     etcd = EtcdServer().start()
@@ -318,8 +378,11 @@ async def run(args: argparse.Namespace) -> int:
             try:
                 assert bare.stdout is not None
                 bare_port = int(bare.stdout.readline())
-                await stream_rows(args, stack.jm.address, stack.jm.proc.pid,
-                                  f"127.0.0.1:{bare_port}", bare.pid, client)
+                if args.watchers or args.fanout:
+                    await stream_rows(args, stack.jm.address, stack.jm.proc.pid,
+                                      f"127.0.0.1:{bare_port}", bare.pid, client)
+                if args.log_streams:
+                    await log_rows(args, stack, f"127.0.0.1:{bare_port}", bare.pid)
             finally:
                 bare.kill()
             await client.close()
@@ -402,11 +465,13 @@ def main() -> None:
     p.add_argument("--pages", type=int, default=50)
     p.add_argument("--streams", action="store_true",
                    help="measure WatchJobs streams (open, memory, fan-out) instead of reads")
-    p.add_argument("--watchers", type=lambda v: [int(x) for x in v.split(",")],
+    p.add_argument("--watchers", type=lambda v: [int(x) for x in v.split(",") if x],
                    default=[1000, 5000], help="idle stream counts, comma-separated")
-    p.add_argument("--fanout", type=lambda v: [int(x) for x in v.split(",")],
+    p.add_argument("--fanout", type=lambda v: [int(x) for x in v.split(",") if x],
                    default=[1000, 10000], help="watcher counts for one event, comma-separated")
     p.add_argument("--events", type=int, default=5, help="events per fan-out row")
+    p.add_argument("--log-streams", type=lambda v: [int(x) for x in v.split(",") if x],
+                   default=[1000], help="idle StreamJobLogs follower counts (with --streams; '' for none)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory():
         sys.exit(asyncio.run(run(args)))
