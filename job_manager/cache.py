@@ -13,7 +13,9 @@ every job, and per ``state``, ``cluster``, ``project``, ``owner`` and
 ``labels.KEY`` value. A listing walks the smallest index a positive filter
 term (or the caller's readable projects) names, from the page token's
 position, and stops once the page is full: its cost is the page plus what
-the filter skips in that index, not the number of jobs.
+the filter skips in that index, not the number of jobs. A ``create_time``
+range cuts each index to its slice by bisection (the order is by create
+time), so a time-range filter walks only the jobs created in the range.
 
 ``revision`` is the revision of the last job event the view applied;
 ``synced`` the revision the watch has proved it reached with a progress
@@ -89,6 +91,11 @@ class CachedJob:
     @property
     def name(self) -> str:
         return f"jobs/{self.id}"
+
+    @property
+    def create_us(self) -> int:
+        """The create time in microseconds (from the sort key: no field of its own)."""
+        return round(-self.key[0] * 1_000_000)
 
     def index_keys(self) -> list[IndexKey]:
         keys: list[IndexKey] = [("state", int(self.state)), ("cluster", self.cluster),
@@ -229,29 +236,41 @@ class JobCache:
     def get(self, job_id: str) -> CachedJob | None:
         return self._jobs.get(job_id)
 
-    def _sources(self, flt: Filter, p: Principal | None) -> list[list[SortKey]]:
-        """The smallest set of sorted index lists every match is in."""
-        options: list[list[list[SortKey]]] = []
+    def _sources(self, flt: Filter, p: Principal | None) -> list[tuple[list[SortKey], int, int]]:
+        """The smallest set of sorted index slices ``(list, start, end)`` every
+        match is in: each list cut to the filter's create-time range."""
+        rng = flt.create_range
+
+        def cut(lst: list[SortKey]) -> tuple[list[SortKey], int, int]:
+            if rng is None:
+                return lst, 0, len(lst)
+            # newest first: the range's newer end (hi) starts the slice
+            start = 0 if rng.hi is None else bisect.bisect_right(
+                lst, -rng.hi / 1_000_000, key=_first)
+            end = len(lst) if rng.lo is None else bisect.bisect_right(
+                lst, -rng.lo / 1_000_000, key=_first)
+            return lst, start, max(start, end)
+
+        options: list[list[tuple[list[SortKey], int, int]]] = []
         for t in flt.terms:
             if not t.negate and t.field != "run_mode":
-                options.append([self._index.get((t.field, t.value), [])])
+                options.append([cut(self._index.get((t.field, t.value), []))])
         if p is not None and not p.reads_everything():
-            options.append([self._index.get(("project", proj), [])
+            options.append([cut(self._index.get(("project", proj), []))
                             for proj in sorted(p.readable_projects())])
-        if not options:
-            return [self._order]
-        return min(options, key=lambda lists: sum(len(x) for x in lists))
+        if not options or rng is not None:
+            options.append([cut(self._order)])
+        return min(options, key=lambda slices: sum(e - s for _, s, e in slices))
 
     def select(self, flt: Filter, p: Principal | None = None,
                after: SortKey | None = None) -> Iterator[CachedJob]:
         """The jobs ``flt`` matches and ``p`` may read, in ListJobs' order,
         from just after ``after``. Lazy: consume it without an await between
         steps (or materialise it) - the view changes with every event."""
-        lists = self._sources(flt, p)
         starts: list[Iterable[SortKey]] = []
-        for lst in lists:
-            i = bisect.bisect_right(lst, after) if after is not None else 0
-            starts.append(_tail(lst, i))
+        for lst, start, end in self._sources(flt, p):
+            i = max(start, bisect.bisect_right(lst, after)) if after is not None else start
+            starts.append(_tail(lst, i, end))
         keys = starts[0] if len(starts) == 1 else heapq.merge(*starts)
         for key in keys:
             e = self._jobs[key[1]]
@@ -283,9 +302,13 @@ class JobCache:
         return {i: e.state for i, e in self._jobs.items()}, self.revision
 
 
-def _tail(lst: list[SortKey], i: int) -> Iterator[SortKey]:
-    """``lst[i:]`` without copying it (the caller steps through it synchronously)."""
-    n = len(lst)
+def _first(key: SortKey) -> float:
+    return key[0]
+
+
+def _tail(lst: list[SortKey], i: int, end: int) -> Iterator[SortKey]:
+    """``lst[i:end]`` without copying it (the caller steps through it synchronously)."""
+    n = min(end, len(lst))
     while i < n:
         yield lst[i]
         i += 1

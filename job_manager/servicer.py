@@ -17,7 +17,10 @@ With a job history (``history/``: finished jobs moved out of etcd), GetJob
 looks there for a job neither the cache nor etcd holds, ListJobs merges the
 history's keyset page after the same token into the cache's (a job in both
 is etcd's: the archiver is moving it), and DeleteJob of an archived job
-deletes its row; the same access rules apply.
+deletes its row; the same access rules apply. StopJob of an archived job
+returns it unchanged (it has ended, as StopJob of a live terminal job does);
+StreamJobLogs and GetJobUsage ask its driver with the archived record's
+cluster and backend id, as for a live job.
 
 Both streams send a heartbeat when they have sent nothing for
 ``heartbeat_seconds`` (``--stream-heartbeat-seconds``; 0: never): WatchJobs a
@@ -283,8 +286,17 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         job_id = job_id_from_name(request.name)
         logs.JOB_ID.set(job_id)  # this handler's task: its records name the job
         validate_request_id(request.request_id)
-        access.check_write(caller(), await self.store.get(job_id))
-        stopped = await self.scheduler.stop(job_id)
+        try:
+            access.check_write(caller(), await self.store.get(job_id))
+            stopped = await self.scheduler.stop(job_id)
+        except JobNotFound:
+            # An archived job has ended: stopping it changes nothing, as for a
+            # live terminal job (the archiver may have moved it just now).
+            archived = await self._archived(job_id)
+            if archived is None:
+                raise
+            access.check_write(caller(), archived.job())
+            return pb.StopJobResponse(job=archived.proto())
         await self._written(stopped)
         return pb.StopJobResponse(job=convert.job_to_proto(stopped))
 
@@ -371,8 +383,21 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         finally:
             sub.close()
 
+    async def _readable(self, name: str) -> Job:
+        """The job ``name`` the caller may read: from etcd, else from the history
+        (an archived job keeps its cluster, backend id and attempt, which its
+        driver answers logs and usage of a forgotten job by)."""
+        job_id = job_id_from_name(name)
+        try:
+            return access.check_read(caller(), await self.store.get(job_id))
+        except JobNotFound:
+            archived = await self._archived(job_id)
+            if archived is None:
+                raise
+            return archived.job()
+
     async def _launched(self, name: str, follow: bool) -> Job | None:
-        job = access.check_read(caller(), await self.store.get(job_id_from_name(name)))
+        job = await self._readable(name)
         if not job.launched:
             if not follow or job.state.is_terminal():
                 return None
@@ -473,7 +498,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
 
     async def GetJobUsage(self, request: pb.GetJobUsageRequest,  # noqa: N802
                           context: grpc.aio.ServicerContext) -> pb.GetJobUsageResponse:
-        job = access.check_read(caller(), await self.store.get(job_id_from_name(request.name)))
+        job = await self._readable(request.name)
         if not job.launched:
             if job.state == JobState.PENDING or job.state.is_terminal():
                 raise JobNotLaunched(f"job {job.name} has not been launched",

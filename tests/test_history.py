@@ -9,7 +9,11 @@ ClusterManager, local driver, JobManager): jobs past the retention leave etcd
 and stay readable through GetJob, ListJobs (pages spanning live and archived,
 filters, project access) and the CLI; DeleteJob of an archived job; a
 JobManager SIGKILLed between the history write and the etcd deletes loses and
-duplicates nothing.
+duplicates nothing. ``create_time`` ranges in filters (parsed to microsecond
+ranges, walked as a slice of the cache's indexes, a bounded index range in
+the history, applied to WatchJobs' events); StopJob, StreamJobLogs and
+GetJobUsage of a job archived after it ran on the local driver; the
+archiver's metrics.
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import grpc
 import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from dlsched.auth.model import Principal, Role
 from dlsched.client import AccessClient
@@ -115,7 +121,14 @@ def entries(jobs: list[Job], revision: int = 100) -> list[ArchivedJob]:
 FILTERS = ["", "state=FAILED", "state!=FAILED", "labels.group=g3", "labels.group!=g3",
            "labels.rare=yes AND state=SUCCEEDED", "project=p1", "project=default",
            "owner=bob", "cluster=c1 AND labels.group=g1", "labels.group=g2 AND labels.rare!=yes",
-           "run_mode=SINGLE_PROCESS", "state=RUNNING"]
+           "run_mode=SINGLE_PROCESS", "state=RUNNING",
+           # time ranges (jobs created at T0 + i//2 ms): alone, with an index, with labels
+           'create_time >= "2026-01-01T00:00:00.100Z"',
+           'create_time < "2026-01-01T00:00:00.0405Z" AND state=FAILED',
+           'labels.group=g2 AND create_time > "2026-01-01T01:00:00.050+01:00"',
+           'create_time<="2026-01-01T00:00:00.2Z" AND create_time>"2026-01-01T00:00:00.15Z"'
+           ' AND labels.group!=g1',
+           'create_time >= "2026-01-01T00:00:00.2Z" AND create_time < "2026-01-01T00:00:00.1Z"']
 PRINCIPALS = [None, Principal("v", roles={"p1": Role.VIEWER}),
               Principal("w", roles={"p1": Role.VIEWER, "default": Role.VIEWER}),
               Principal("nobody", roles={})]
@@ -347,7 +360,12 @@ async def test_archived_jobs_leave_etcd_and_stay_readable(stack: Stack, etcd: Et
             # ListJobs: keyset pages of 7 across live and archived, and filters
             assert await list_ids(jm) == brute(everything, Filter(), None)
             for text in ["state=FAILED", "labels.group=g2", "project=p1", "state=RUNNING",
-                         "labels.group!=g2 AND state!=STOPPED", "labels.rare=yes"]:
+                         "labels.group!=g2 AND state!=STOPPED", "labels.rare=yes",
+                         # archived (T0 + ms) and live (T0 + ms, unfinished; or minutes ago)
+                         'create_time >= "2026-01-01T00:00:00.030Z"',
+                         'create_time < "2026-01-01T00:00:00.065Z" AND create_time >= '
+                         '"2026-01-01T00:00:00.020Z"',
+                         'project=p1 AND create_time < "2026-01-01T00:00:00.065Z"']:
                 assert await list_ids(jm, text, 5) == brute(everything, parse_filter(text), None), text
 
             # Access: a viewer of p1 sees p1's archived jobs only, and not the others by id
@@ -537,7 +555,251 @@ async def test_archiver_keeps_changed_jobs_drops_deleted_ones_and_is_fenced(
         moved = await history.get(changed.id)
         assert moved is not None and moved.job().message == "changed"
         assert await history.count() == 39
+
+        # /metrics: jobs moved and pruned, the last round
+        from prometheus_client import REGISTRY
+
+        def metric(name: str) -> float:
+            return REGISTRY.get_sample_value(name) or 0.0
+        archived0, pruned0 = metric("dlsched_history_jobs_archived_total"), \
+            metric("dlsched_history_jobs_pruned_total")
+        last0 = metric("dlsched_history_archive_last_round_timestamp_seconds")
+        await put_jobs(client, etcd_prefix, jobs[:3])  # back in etcd: due again
+        assert await hub.wait_current()
+        pruner = Archiver(store, hub.cache, history, ArchiveConfig(retention_seconds=3600,
+                                                                   prune_max_jobs=30),
+                          holder_key=holder_key, holder="me", wait_current=hub.wait_current)
+        assert not await pruner.round()
+        assert metric("dlsched_history_jobs_archived_total") - archived0 == 3
+        assert metric("dlsched_history_jobs_pruned_total") - pruned0 == 39 - 30
+        assert metric("dlsched_history_archive_last_round_timestamp_seconds") > last0
+        assert metric("dlsched_history_archive_due_jobs") == 3
+        assert await history.count() == 30
     finally:
         await hub.stop()
         await client.delete_prefix(etcd_prefix.encode())
         await client.close()
+
+
+# ---------------------------------------------------------------- time ranges: the filter and the cache
+
+def us(text: str) -> int:
+    """Microseconds since the epoch of an ISO time (for the expectations below)."""
+    return (datetime.fromisoformat(text) - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1)
+
+
+def test_create_time_terms_are_half_open_microsecond_ranges() -> None:
+    t = "2026-12-01T00:00:00+00:00"
+    rng = parse_filter('create_time >= "2026-12-01T00:00:00Z"').create_range
+    assert rng is not None and (rng.lo, rng.hi) == (us(t), None)
+    rng = parse_filter("create_time<2026-12-01T00:00:00Z").create_range  # unquoted, no spaces
+    assert rng is not None and (rng.lo, rng.hi) == (None, us(t))
+    rng = parse_filter('create_time > "2026-12-01T01:00:00+01:00"').create_range  # the offset applies
+    assert rng is not None and (rng.lo, rng.hi) == (us(t) + 1, None)
+    # nanoseconds: t*1000 OP ns, over whole microseconds
+    rng = parse_filter('create_time >= "2026-12-01T00:00:00.000000001Z" AND '
+                       'create_time <= "2026-12-01T00:00:00.000002999z"').create_range
+    assert rng is not None and (rng.lo, rng.hi) == (us(t) + 1, us(t) + 3)
+    flt = parse_filter('state=RUNNING AND create_time >= "2026-12-01T00:00:00Z" AND '
+                       'create_time < "2026-12-02T00:00:00Z"')
+    at = datetime(2026, 12, 1, tzinfo=UTC)
+    inside, before = make(1, state=JobState.RUNNING, created=at), make(2, state=JobState.RUNNING,
+                                                                       created=at - timedelta(microseconds=1))
+    assert flt.matches(inside) and not flt.matches(before)  # a domain Job, as WatchJobs' events
+    assert not flt.matches(make(3, state=JobState.RUNNING, created=at + timedelta(days=1)))
+    assert not flt.matches(make(4, state=JobState.FAILED, created=at))
+
+
+@pytest.mark.parametrize("text", [
+    'create_time >= "2026-12-01"', 'create_time >= "2026-12-01T00:00:00"',  # no zone
+    'create_time >= "2026-13-01T00:00:00Z"', 'create_time >= "2026-02-30T00:00:00Z"',
+    'create_time >= "2026-12-01T00:00:60Z"', 'create_time >= "2026-12-01T00:00:00Zjunk"',
+    'create_time >= " 2026-12-01T00:00:00Z"', 'create_time >= "2026-12-01T00:00:00+24:00"',
+    'create_time >= "2026-12-01T00:00:00.Z"', 'create_time >= "2026-12-01T00:00:00.1234567890Z"',
+    'create_time = "2026-12-01T00:00:00Z"', 'create_time != "2026-12-01T00:00:00Z"',
+    "state > RUNNING", "labels.a>=b", 'update_time < "2026-12-01T00:00:00Z"', "create_time >= ",
+])
+def test_bad_time_terms_name_the_filter(text: str) -> None:
+    from dlsched.errors import InvalidArgument
+    with pytest.raises(InvalidArgument) as ei:
+        parse_filter(text)
+    assert [v.field for v in ei.value.violations] == ["filter"]
+
+
+def test_the_cache_walks_only_the_create_time_slice() -> None:
+    from job_manager.cache import JobCache
+
+    class Counting(Filter):
+        checked = 0
+
+        def matches(self, job: Job) -> bool:
+            Counting.checked += 1
+            return super().matches(job)
+
+    cache = JobCache()
+    jobs = [make(i, state=TERMINAL[i % 3], project=["", "p1"][i % 2]) for i in range(4000)]
+    for rev, j in enumerate(jobs, start=1):
+        cache.apply(rev, j.id, job_to_bytes(j))
+    viewer = Principal("v", roles={"p1": Role.VIEWER})
+    for text, p, walked in [
+            # 1000 ms of 2000: jobs 2000..3999
+            ('create_time >= "2026-01-01T00:00:01Z"', None, 2000),
+            # 10 ms: 20 jobs, whichever index names them
+            ('create_time >= "2026-01-01T00:00:00.5Z" AND create_time < "2026-01-01T00:00:00.51Z"',
+             None, 20),
+            ('state=FAILED AND create_time >= "2026-01-01T00:00:00.5Z" AND '
+             'create_time < "2026-01-01T00:00:00.51Z"', None, 20 // 3 + 1),
+            ('create_time < "2026-01-01T00:00:00.005Z"', viewer, 5),
+            ('create_time < "2026-01-01T00:00:00.005Z" AND labels.group!=g1', None, 10)]:
+        flt = parse_filter(text)
+        Counting.checked = 0
+        got = [e.id for e in cache.select(Counting(flt.terms, flt.times), p)]
+        assert got == brute(jobs, flt, p), text
+        assert Counting.checked <= walked, (text, Counting.checked)
+        for cut in (0, len(got) // 3):  # pages: after any position, as a page token does
+            if cut < len(got):
+                e = cache.get(got[cut])
+                assert e is not None
+                assert [x.id for x in cache.select(flt, p, e.key)] == got[cut + 1:]
+
+
+# ---------------------------------------------------------------- an archived job answers like a job
+
+def rfc3339(ts: Timestamp) -> str:
+    return ts.ToDatetime(UTC).isoformat().replace("+00:00", "Z")
+
+
+async def events(call, n: int, within: float = 120) -> list[pb.WatchJobsResponse]:  # type: ignore[no-untyped-def]
+    """The next ``n`` WatchJobs responses that are not heartbeats."""
+    out: list[pb.WatchJobsResponse] = []
+
+    async def take() -> None:
+        while len(out) < n:
+            r = await call.read()
+            assert r is not grpc.aio.EOF
+            if r.type != job_pb2.WATCH_EVENT_TYPE_HEARTBEAT:
+                out.append(r)
+    await asyncio.wait_for(take(), within)
+    return out
+
+
+async def test_an_archived_job_answers_stop_logs_and_usage(etcd: EtcdServer, dsn: str) -> None:
+    """StopJob, StreamJobLogs and GetJobUsage of a job that ran on the local
+    driver and was then archived answer as for a live ended job (its driver
+    answers from its records); a time-range filter reaches WatchJobs' events;
+    the archiver's metrics show on /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.test_metrics import scrape
+
+    st = Stack(etcd, f"/dlsched-hist-{uuid.uuid4().hex[:8]}/", jm_args=[
+        "--history-dsn", dsn, "--history-retention", "0", "--archive-interval", "0.3",
+        "--metrics-listen", "127.0.0.1:0"])
+    client = await connect(etcd.endpoint)
+    store = JobStore(client, st.prefix)
+    try:
+        st.start()
+        assert st.jm is not None
+        cluster = await st.register_local()
+        code = "import sys\nprint('one')\nprint('two', flush=True)\nprint('err', file=sys.stderr)\n"
+        spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+            job_pb2.ReplicaGroup(role="main", replicas=1, command=["python3", "-c", code])])
+        spec.cluster_selector.cluster = cluster
+        async with security.channel(st.jm.address) as ch:
+            jm = pb_grpc.JobManagerServiceStub(ch)
+            job = (await jm.SubmitJob(pb.SubmitJobRequest(
+                job_id=f"a{uuid.uuid4().hex[:8]}", spec=spec), timeout=60)).job
+
+            async def archived() -> bool:
+                return job.name.removeprefix("jobs/") not in await etcd_ids(store)
+            await until(archived, what="the job ending and leaving etcd")
+            got = (await jm.GetJob(pb.GetJobRequest(name=job.name), timeout=30)).job
+            assert got.state == job_pb2.JOB_STATE_SUCCEEDED and got.backend_job_id
+
+            # StopJob of an ended job changes nothing and returns it, archived or not
+            stopped = (await jm.StopJob(pb.StopJobRequest(
+                name=job.name, request_id=uuid.uuid4().hex), timeout=30)).job
+            assert stopped == got
+            assert (await jm.GetJob(pb.GetJobRequest(name=job.name), timeout=30)).job == got
+
+            # Logs and usage: from its driver, with the archived backend id
+            async def lines(**kw: Any) -> list[tuple[int, str]]:
+                return [(e.stream, e.text) async for r in jm.StreamJobLogs(
+                    pb.StreamJobLogsRequest(name=job.name, **kw), timeout=60) for e in r.entries]
+            out = job_pb2.LOG_STREAM_STDOUT
+            assert sorted(await lines()) == sorted([(out, "one"), (out, "two"),
+                                                    (job_pb2.LOG_STREAM_STDERR, "err")])
+            assert await lines(follow=True, streams=[out]) == [(out, "one"), (out, "two")]
+            assert await lines(tail_lines=1, streams=[out]) == [(out, "two")]
+            usage = (await jm.GetJobUsage(pb.GetJobUsageRequest(name=job.name), timeout=30)).usage
+            assert usage.HasField("sample_time")
+
+            # An archived job its driver never knew: the driver's NOT_FOUND, as for a live job
+            ghost = make(7, created=T0 + timedelta(days=1), ended=datetime.now(UTC), cluster=cluster)
+            ghost.id = f"g{uuid.uuid4().hex[:8]}"
+            await put_jobs(client, st.prefix, [ghost])
+
+            async def ghost_archived() -> bool:
+                return ghost.id not in await etcd_ids(store)
+            await until(ghost_archived, what="the ghost leaving etcd")
+            assert (await jm.StopJob(pb.StopJobRequest(name=ghost.name), timeout=30)).job.name == ghost.name
+            for call in (jm.GetJobUsage(pb.GetJobUsageRequest(name=ghost.name), timeout=30),
+                         lines_of(jm, ghost.name)):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call
+                assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+            # WatchJobs with a time range: events of jobs created in it only
+            cut = rfc3339(got.create_time)
+            # A consistent read first: the cache shows the archiver's deletes (the
+            # watches' snapshots come from it)
+            await jm.ListJobs(pb.ListJobsRequest(page_size=1), timeout=60)
+            newer = jm.WatchJobs(pb.WatchJobsRequest(filter=f'create_time > "{cut}"'))
+            older = jm.WatchJobs(pb.WatchJobsRequest(filter=f'create_time <= "{cut}"'))
+            try:
+                for w in (newer, older):  # snapshots: no live job in either range
+                    (first,) = await events(w, 1)
+                    assert first.type == job_pb2.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE
+                b = (await jm.SubmitJob(pb.SubmitJobRequest(spec=spec), timeout=60)).job
+                (ev,) = await events(newer, 1)
+                assert ev.type == job_pb2.WATCH_EVENT_TYPE_CREATED and ev.job.name == b.name
+                # an unfinished job created long ago (nobody runs clusters/ghost): older's
+                # first event, though B's came before it
+                old_live = make(9, state=JobState.RUNNING, cluster="clusters/ghost")
+                old_live.id = f"o{uuid.uuid4().hex[:8]}"
+                await put_jobs(client, st.prefix, [old_live])
+                (ev,) = await events(older, 1)
+                assert ev.job.name == old_live.name
+                c = (await jm.SubmitJob(pb.SubmitJobRequest(spec=spec), timeout=60)).job
+                seen: set[str] = set()
+                while c.name not in seen:
+                    seen |= {r.job.name for r in await events(newer, 1)}
+                assert seen <= {b.name, c.name}
+                # ListJobs: the same ranges over live and archived jobs
+                a = got.name.removeprefix("jobs/")
+                assert await list_ids(jm, f'create_time <= "{cut}"', 1) == [a, ghost.id, old_live.id]
+                assert await list_ids(jm, f'create_time <= "{cut}" AND create_time > '
+                                          '"2026-01-01T00:00:00.004Z"', 1) == [a, ghost.id]
+                assert await list_ids(jm, f'create_time > "{cut}"', 1) == [
+                    c.name.removeprefix("jobs/"), b.name.removeprefix("jobs/")]
+            finally:
+                newer.cancel()
+                older.cancel()
+
+        # The archiver's metrics
+        text, s = scrape(st.jm)
+        assert s[("dlsched_history_jobs_archived_total", ())] >= 2
+        assert s[("dlsched_history_archive_last_round_timestamp_seconds", ())] > time.time() - 600
+        assert ("dlsched_history_archive_round_seconds", ()) in s
+        assert ("dlsched_history_jobs_pruned_total", ()) in s
+        assert [f.name for f in text_string_to_metric_families(text)].count(
+            "dlsched_history_jobs_archived") == 1
+    finally:
+        st.stop()
+        await client.delete_prefix(st.prefix.encode())
+        await client.close()
+
+
+async def lines_of(jm: pb_grpc.JobManagerServiceStub, name: str) -> list[str]:
+    return [e.text async for r in jm.StreamJobLogs(pb.StreamJobLogsRequest(name=name), timeout=60)
+            for e in r.entries]

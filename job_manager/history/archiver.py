@@ -26,6 +26,12 @@ A round, every ``interval`` seconds:
    SubmitJob retried with the request_id of an archived job makes a new job);
 5. prunes the history (``prune_max_age`` / ``prune_max_jobs``).
 
+Metrics (JobManager's /metrics): ``dlsched_history_jobs_archived_total``,
+``dlsched_history_jobs_pruned_total``, the last round's duration
+(``dlsched_history_archive_round_seconds``), when it ended
+(``..._last_round_timestamp_seconds``: how far behind the archiver is) and
+how many jobs it found due (``dlsched_history_archive_due_jobs``).
+
 A crash at any point leaves each job in etcd, in the history, or in both
 (etcd wins: reads look in the cache and etcd first); never in neither.
 
@@ -44,12 +50,31 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from prometheus_client import Counter, Gauge
+
 from dlsched.errors import StoreUnavailable
 from job_manager.cache import JobCache
 from job_manager.history.store import ArchivedJob, HistoryStore, to_us
 from job_manager.store import JobStore
 
 log = logging.getLogger("job_manager.history.archiver")
+
+# On JobManager's /metrics (registered once, at import); only the leader's move.
+ARCHIVED = Counter(
+    "dlsched_history_jobs_archived",
+    "terminal jobs this replica's archiver moved from etcd into the job history")
+PRUNED = Counter(
+    "dlsched_history_jobs_pruned",
+    "archived jobs this replica's archiver deleted from the job history (retention)")
+ROUND_SECONDS = Gauge(
+    "dlsched_history_archive_round_seconds",
+    "how long this replica's last completed archive round took")
+LAST_ROUND = Gauge(
+    "dlsched_history_archive_last_round_timestamp_seconds",
+    "when this replica's last archive round completed (Unix time; lag: now minus this)")
+DUE = Gauge(
+    "dlsched_history_archive_due_jobs",
+    "terminal jobs due to move out of etcd at the start of the last archive round")
 
 #: concurrent etcd deletes per batch
 _DELETES_IN_FLIGHT = 32
@@ -130,14 +155,25 @@ class Archiver:
 
     async def round(self) -> bool:
         """One round; whether jobs were left for another at once."""
+        started = time.monotonic()
+        more = await self._round()
+        if more is None:
+            return False
+        ROUND_SECONDS.set(time.monotonic() - started)
+        LAST_ROUND.set_to_current_time()
+        return more
+
+    async def _round(self) -> bool | None:
+        """A round; None when skipped."""
         self.stats.rounds += 1
         if not await self._wait_current():
             # Not proved current: a job deleted before now could look "missing"
             # only because of us. Nothing this round.
             log.warning("archive round skipped: the job cache is not proved current")
-            return False
+            return None
         proved = self.cache.current
         due = self.candidates()
+        DUE.set(len(due))
         for start in range(0, len(due), self.config.batch):
             await self._move(due[start:start + self.config.batch])
         now = time.monotonic()
@@ -150,6 +186,7 @@ class Archiver:
             n = await self.history.prune(max_age_seconds=self.config.prune_max_age_seconds,
                                          max_jobs=self.config.prune_max_jobs)
             self.stats.pruned += n
+            PRUNED.inc(n)
             if n:
                 log.info("history pruned: %d jobs", n)
         if due:
@@ -194,6 +231,7 @@ class Archiver:
                 done += 1
             if outcome == "deleted":
                 self.stats.archived += 1
+                ARCHIVED.inc()
             elif outcome == "changed":
                 self.stats.kept_changed += 1  # etcd wins; archived again once due
             elif outcome == "missing":

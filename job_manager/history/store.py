@@ -11,7 +11,8 @@ Reads use pooled connections of their own.
 Listing is keyset pagination on ``(create_us DESC, id)``, the watch cache's
 order (``cache.sort_key``), from the position a page token names; a filter's
 terms and the caller's readable projects become WHERE terms on indexed
-columns, a positive ``labels.KEY=VALUE`` term walks the labels index.
+columns, a positive ``labels.KEY=VALUE`` term walks the labels index, a
+``create_time`` range bounds the walked index's create-time column.
 
 Pruning deletes in batches (``prune_batch`` rows per statement, each its own
 short transaction through the writer), by age of ``end_us`` and/or a count
@@ -401,6 +402,12 @@ def _select_query(flt: Filter, p: Principal | None, after: SortKey | None,
     else:
         order_ct, order_id = T.c.create_us, T.c.id
         q = sa.select(T.c.id, T.c.data, T.c.revision)
+    rng = flt.create_range
+    if rng is not None:  # the same index range, cut to the create times asked for
+        if rng.lo is not None:
+            where.append(order_ct >= rng.lo)
+        if rng.hi is not None:
+            where.append(order_ct < rng.hi)
     if after is not None:
         ct, after_id = to_us(-after[0]), after[1]
         # newest first: strictly older, or as old with a greater id. The first
