@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 from collections.abc import Sequence
@@ -169,7 +170,8 @@ async def amain(cfg: Config) -> None:
     # Job history: terminal jobs past the retention move out of etcd (the
     # archiver, leader-only), and reads look there after the cache and etcd.
     history, archiving = await start_history(cfg.history, client, store, cache, cfg.prefix,
-                                             ownership.identity, hub.wait_current)
+                                             ownership.identity,
+                                             functools.partial(hub.wait_current, prove=True))
     scheduler = Scheduler(store, cm, drivers,
                           SchedulerConfig(stop_grace_seconds=cfg.stop_grace_seconds),
                           ownership=ownership, cache=cache)

@@ -143,6 +143,7 @@ class Scheduler:
         # ended jobs whose final state is stored, to tell their driver (ForgetJobs), per cluster
         self._to_forget: dict[str, dict[str, str]] = {}
         self._forgetters: dict[str, asyncio.Task[Any]] = {}
+        self._reaping: set[tuple[str, str]] = set()  # (job, backend id) of orphans being stopped
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
 
@@ -180,8 +181,9 @@ class Scheduler:
         validate_submit(job_id, spec, request_id, spec_bytes)
         try:
             candidates = await self.cm.match(spec)
-        except NoMatchingCluster:
-            # A retried request whose job exists answers that job, whatever the clusters now.
+        except errors.DlschedError:
+            # A retried request whose job exists answers that job, whatever the clusters
+            # now (none matching, ClusterManager unreachable).
             seen = await self.store.job_for_request(request_id) if request_id and not dry_run else None
             if seen is None:
                 raise
@@ -252,13 +254,17 @@ class Scheduler:
                 return await self._try_launch_locked(job_id, known)
 
     def _newest(self, job_id: str, known: Job | None) -> Job | None:
-        """``known`` or, when newer, the cache's copy (e.g. a stop while the launch waited)."""
+        """``known`` or, when newer, the cache's copy (e.g. a stop while the launch waited);
+        None (read etcd) when the cache, past ``known``'s write, no longer holds the job:
+        deleted since, maybe through another replica, it must not be launched."""
         if known is None or not known.etag:
             return None
-        cached = self.cache.get(job_id) if self.cache is not None else None
-        if cached is not None and cached.revision > int(known.etag):
-            return cached.job()
-        return known
+        if self.cache is None:
+            return known
+        cached = self.cache.get(job_id)
+        if cached is not None:
+            return cached.job() if cached.revision > int(known.etag) else known
+        return None if self.cache.current >= int(known.etag) else known
 
     async def _try_launch_locked(self, job_id: str, known: Job | None) -> tuple[Job, bool]:
         async with self._locks.hold(job_id):
@@ -294,7 +300,13 @@ class Scheduler:
                     return None
                 return states.mark_launched(j, backend_id, obs, now)
 
-            job = await self.store.update(job_id, record, fence=fence, current=job)
+            try:
+                job = await self.store.update(job_id, record, fence=fence, current=job)
+            except JobNotFound:
+                # Deleted (through any replica) while the driver launched it: nothing
+                # records the backend job, so it is stopped and its files removed here.
+                self._reap(job.cluster, job_id, backend_id)
+                raise
             if job.backend_job_id == backend_id and attempt == 1 and job.create_time is not None:
                 LAUNCH_LATENCY.labels(job.cluster).observe(
                     max(0.0, (self._clock() - job.create_time).total_seconds()))
@@ -307,12 +319,16 @@ class Scheduler:
                             cluster=job.cluster)
             return job, True
 
-    async def _terminate_backend(self, cluster: str, job_id: str, backend_id: str) -> None:
+    async def _terminate_backend(self, cluster: str, job_id: str, backend_id: str, *,
+                                 cleanup: bool = False) -> None:
+        """Stop a backend job no stored job records (and, with ``cleanup``, remove its files)."""
         delay = self.config.retry_initial_seconds
         while True:
             try:
                 drv = await self.driver_for(cluster)
                 await drv.terminate(cluster, job_id, backend_id, self.config.stop_grace_seconds)
+                if cleanup:
+                    await drv.cleanup(cluster, job_id, backend_id)
                 return
             except errors.DlschedError as e:
                 if not _retryable(e):
@@ -392,6 +408,14 @@ class Scheduler:
         return True
 
     async def delete(self, job_id: str, allow_missing: bool) -> Job | None:
+        # A launch in its driver call finishes first (its backend job is recorded, then
+        # stopped below): its task is cancelled only while it waits, holding no lock.
+        # One that starts later finds the job gone, or terminates what it launched.
+        async with self._locks.hold(job_id):
+            t = self._retries.pop((job_id, "launch"), None)
+            self._retry_cluster.pop((job_id, "launch"), None)
+            if t is not None:
+                t.cancel()
         try:
             job = await self.store.get(job_id)
         except JobNotFound:
@@ -406,11 +430,10 @@ class Scheduler:
                 await drv.cleanup(job.cluster, job.id, job.backend_job_id)
             except errors.DlschedError as e:
                 log.warning("cleanup of %s on %s failed (ignored): %s", job_id, job.cluster, e)
-        for op in ("launch", "terminate"):
-            self._retry_cluster.pop((job_id, op), None)
-            t = self._retries.pop((job_id, op), None)
-            if t is not None:
-                t.cancel()
+        self._retry_cluster.pop((job_id, "terminate"), None)
+        t = self._retries.pop((job_id, "terminate"), None)
+        if t is not None:
+            t.cancel()
         last = await self.store.delete(job_id)
         await self.store.delete_request_keys(job_id)
         log.info("job %s deleted", job_id)
@@ -453,6 +476,8 @@ class Scheduler:
             except JobNotFound:
                 if obs.found and obs.state.is_terminal():
                     self._forget_later(cluster, obs.job_id, obs.backend_job_id)  # deleted or archived
+                elif obs.found and obs.backend_job_id:
+                    self._reap(cluster, obs.job_id, obs.backend_job_id)
                 return None
             except OwnershipLost:
                 self.ownership.lost(cluster)
@@ -465,6 +490,20 @@ class Scheduler:
                          job.attempt - 1, job.attempt)
                 self._spawn(self.launch(job.id, cluster, job), name=f"relaunch-{job.id}", cluster=cluster)
             return job
+
+    def _reap(self, cluster: str, job_id: str, backend_job_id: str) -> None:
+        """A backend job still running for a job the store no longer has (deleted while its
+        launch or stop was in flight, or while the driver was down): stop it and remove its
+        files, once (later observations of it while that runs change nothing)."""
+        key = (job_id, backend_job_id)
+        if key in self._reaping or self._closed:
+            return
+        log.warning("job %s is deleted but %s still runs on %s: terminating it", job_id,
+                    backend_job_id, cluster)
+        self._reaping.add(key)
+        t = self._spawn(self._terminate_backend(cluster, job_id, backend_job_id, cleanup=True),
+                        name=f"reap-{job_id}", cluster=cluster)
+        t.add_done_callback(lambda _: self._reaping.discard(key))
 
     def _forget_later(self, cluster: str, job_id: str, backend_job_id: str) -> None:
         """Tell the driver, in a batch, that this ended job's final state is stored:

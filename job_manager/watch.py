@@ -347,13 +347,16 @@ class WatchHub:
         """Whether consistent reads wait for progress notifications (else sync writes)."""
         return self._can_progress and self._exact
 
-    async def wait_current(self, within: float = CONSISTENT_READ_SECONDS) -> bool:
+    async def wait_current(self, within: float = CONSISTENT_READ_SECONDS, *, prove: bool = False) -> bool:
         """Until the cache reflects every write etcd had made when this was
         called (read-your-writes across replicas); False when that was not
         proved within ``within`` seconds or etcd could not be reached: the
-        caller then reads etcd itself, or serves the cache as it is."""
+        caller then reads etcd itself, or serves the cache as it is.
+        ``--no-consistent-reads`` makes it answer True at once, except with
+        ``prove`` (the archiver: a job its cache still shows after its own
+        delete must not be taken for one deleted by someone else)."""
         assert self.cache is not None
-        if not self._consistent:
+        if not self._consistent and not prove:
             return True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within

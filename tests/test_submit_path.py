@@ -13,9 +13,10 @@ import signal
 import time
 from collections.abc import Iterator
 
+import grpc
 import pytest
 
-from dlsched.client import JobManagerClient
+from dlsched.client import DlschedRpcError, JobManagerClient
 from dlsched.v1 import driver_service_pb2 as dpb
 from dlsched.v1 import driver_service_pb2_grpc, job_pb2
 from tests import security
@@ -152,6 +153,58 @@ async def test_driver_forgets_a_recorded_job_and_keeps_its_logs_and_usage(stack:
             # Cleanup removes its files.
             await stub.CleanupJob(dpb.CleanupJobRequest(cluster="clusters/local", job=ref), timeout=30)
             assert not os.path.exists(os.path.join(state_dir, "jobs", job_id))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie not reaped yet has ended too
+        return f.read().rpartition(")")[2].split()[0] != "Z"
+
+
+async def test_a_backend_job_whose_job_is_gone_is_stopped_and_removed(stack: Stack, tmp_path: pathlib.Path) -> None:
+    """A backend job running for a job the store does not have (deleted while its launch was in
+    flight, or while its driver was down): JobManager sees it in the driver's observations,
+    stops it and removes its files; the job it does have runs on."""
+    await stack.register_local()
+    assert stack.jm is not None
+    state_dir = stack.driver.args[1]
+    pid_file = tmp_path / "orphan.pid"
+    async with JobManagerClient(stack.jm.address) as jm:
+        kept = (await jm.submit_job(spec("import time; time.sleep(600)"))).job  # the cluster is tracked
+        await until_job(jm, kept.name, lambda j: j.state == job_pb2.JOB_STATE_RUNNING)
+        async with security.channel(stack.driver.address) as ch:  # a launch JobManager never recorded
+            stub = driver_service_pb2_grpc.DriverServiceStub(ch)
+            await stub.LaunchJob(dpb.LaunchJobRequest(
+                cluster="clusters/local", job_id="orphan", attempt=1,
+                spec=spec(f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+                          "time.sleep(600)")), timeout=30)
+        deadline = time.monotonic() + 90
+        while "orphan" in await snapshot_ids(stack.driver.address) or \
+                os.path.exists(os.path.join(state_dir, "jobs", "orphan")):
+            assert time.monotonic() < deadline, "the driver still runs the orphan, or its files are still there"
+            await asyncio.sleep(0.2)
+        if pid_file.exists() and pid_file.read_text():  # it may be stopped before it starts
+            assert not alive(int(pid_file.read_text()))
+        assert (await jm.get_job(kept.name)).state == job_pb2.JOB_STATE_RUNNING
+        await jm.stop_job(kept.name)
+
+
+async def test_a_retried_submit_gets_its_job_while_cluster_manager_is_down(stack: Stack) -> None:
+    """The request id answers a retry with the stored job whatever the clusters now, even with
+    ClusterManager unreachable; a new request cannot be placed then and says so."""
+    await stack.register_local()
+    assert stack.jm is not None
+    async with JobManagerClient(stack.jm.address) as jm:
+        first = (await jm.submit_job(spec("print('once')"), request_id="retried")).job
+        stack.cm.kill()
+        again = (await asyncio.wait_for(jm.submit_job(spec("print('once')"), request_id="retried"), 60)).job
+        assert (again.name, again.uid) == (first.name, first.uid)
+        with pytest.raises(DlschedRpcError) as e:
+            await asyncio.wait_for(jm.submit_job(spec("print('new')"), request_id="new"), 60)
+        assert e.value.status_code == grpc.StatusCode.UNAVAILABLE
 
 
 def test_the_match_request_keeps_everything_matching_reads() -> None:
