@@ -68,8 +68,7 @@ def test_exits_name_the_first_failure_and_stop_the_rest():
     reps, failure = exits.replicas(ok, [("ps", 0), ("worker", 0)], DJobState.SUCCEEDED, "")
     assert failure is None
     assert [(r.state, r.exit_code) for r in reps] == [(DReplicaState.STOPPED, 143), (DReplicaState.SUCCEEDED, 0)]
-    reps, _ = exits.replicas(exits.parse(""), [("main", 0)], DJobState.FAILED, "")  # the script never ran
-    assert [(r.state, r.exit_code) for r in reps] == [(DReplicaState.STOPPED, None)]
+    assert exits.parse("") is None  # no file: the script never ran (or wrote none), not "all stopped"
 
 
 def test_tracked_job_holds_its_end_until_the_exits_are_read():
@@ -89,10 +88,14 @@ def test_tracked_job_holds_its_end_until_the_exits_are_read():
         ("master", 0): DReplicaState.STOPPED, ("worker", 0): DReplicaState.STOPPED,
         ("worker", 1): DReplicaState.FAILED}
     unread = TrackedJob("c", "k", 1, "8", "d", None, roles=(("main", 0),))
-    unread.apply(SlurmJob("8", "COMPLETED", exit_status=0))
+    unread.apply(SlurmJob("8", "COMPLETED", exit_status=0, nodes="n1"))
     assert not any(unread.exits_read(None) for _ in range(exits.MAX_READS - 1))
     assert unread.exits_read(None) and unread.state is DJobState.SUCCEEDED  # reported without the file
     assert [r.state for r in unread.observation(None).replicas] == [DReplicaState.SUCCEEDED]
+    never = TrackedJob("c", "q", 1, "9", "d", None, roles=(("main", 0),))
+    never.apply(SlurmJob("9", "CANCELLED", reason="None"))  # cancelled while queued: never ran, no file
+    assert never.exits_read(None) and never.state is DJobState.STOPPED  # reported at the first read
+    assert [r.state for r in never.observation(None).replicas] == [DReplicaState.STOPPED]
 
 
 # --------------------------------------------------------------------------- the batch script, run by bash

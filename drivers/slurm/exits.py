@@ -65,8 +65,10 @@ def read_command(adir: str) -> str:
     return f"cat -- {shlex.quote(f'{adir}/{shell.EXITS}')} 2>/dev/null || true"
 
 
-def parse(text: str) -> Exits:
-    """The file's lines; anything malformed (a line cut by a crash) is skipped."""
+def parse(text: str) -> Exits | None:
+    """The file's lines; anything malformed (a line cut by a crash) is skipped. None without
+    its ``labels`` line: no file (the job never ran its script, or an older driver's script
+    wrote none), which is not "every process stopped"."""
     labels: tuple[str, ...] = ()
     ends: list[End] = []
     seen: set[str] = set()
@@ -78,7 +80,7 @@ def parse(text: str) -> Exits:
             if words[1] not in seen:  # heard of once; a repeat (never written) would not change it
                 seen.add(words[1])
                 ends.append(End(words[1], int(words[2]), words[3] == "stop"))
-    return Exits(labels, tuple(ends))
+    return Exits(labels, tuple(ends)) if labels else None
 
 
 def split_label(label: str) -> tuple[str, int] | None:

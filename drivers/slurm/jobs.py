@@ -144,7 +144,7 @@ class TrackedJob:
         if self.held is None or self.state.is_terminal():
             return False
         if found is None:
-            self.exit_reads += 1
+            self.exit_reads += 1 if self.nodes else exits.MAX_READS  # one that never ran has none
             if self.exit_reads < exits.MAX_READS:
                 return False
         else:
