@@ -803,3 +803,18 @@ async def test_an_archived_job_answers_stop_logs_and_usage(etcd: EtcdServer, dsn
 async def lines_of(jm: pb_grpc.JobManagerServiceStub, name: str) -> list[str]:
     return [e.text async for r in jm.StreamJobLogs(pb.StreamJobLogsRequest(name=name), timeout=60)
             for e in r.entries]
+
+
+async def test_a_postgresql_that_is_down_is_unavailable_not_an_internal_error() -> None:
+    """asyncpg raises bare OSErrors (connection refused) when PostgreSQL is down: every read says
+    STORE_UNAVAILABLE (retry), never an INTERNAL traceback, and gives up in bounded time."""
+    from dlsched.errors import StoreUnavailable
+    from tests.harness import free_port
+
+    store = await HistoryStore.open(f"postgresql://u:p@127.0.0.1:{free_port()}/db", migrate_schema=False)
+    try:
+        for read in (store.count(), store.get("x"), store.select(Filter(), None, None, 10)):
+            with pytest.raises(StoreUnavailable):
+                await asyncio.wait_for(read, 60)
+    finally:
+        await store.close()

@@ -131,6 +131,9 @@ class Archiver:
             except LeadershipLost:
                 log.warning("archiver lost its leadership mid-round")
                 return
+            except Exception:  # never a tight loop of failed rounds (or of re-elections)
+                log.exception("archive round failed; next in %gs", self.config.interval_seconds)
+                more = False
             if not more:
                 await asyncio.sleep(self.config.interval_seconds)
 

@@ -299,15 +299,18 @@ class HistoryStore:
     # -- reads
 
     async def count(self) -> int:
-        async with self.engine.connect() as conn:
-            return int((await conn.execute(sa.select(sa.func.count()).select_from(T))).scalar_one())
+        try:
+            async with self.engine.connect() as conn:
+                return int((await conn.execute(sa.select(sa.func.count()).select_from(T))).scalar_one())
+        except _DOWN as e:
+            raise _unavailable(e) from e
 
     async def get(self, job_id: str) -> ArchivedJob | None:
         try:
             async with self.engine.connect() as conn:
                 row = (await conn.execute(
                     sa.select(T.c.data, T.c.revision).where(T.c.id == job_id))).first()
-        except sa.exc.SQLAlchemyError as e:
+        except _DOWN as e:
             raise _unavailable(e) from e
         return ArchivedJob(job_id, row[0], int(row[1])) if row is not None else None
 
@@ -321,9 +324,14 @@ class HistoryStore:
         try:
             async with self.engine.connect() as conn:
                 rows = (await conn.execute(q)).all()
-        except sa.exc.SQLAlchemyError as e:
+        except _DOWN as e:
             raise _unavailable(e) from e
         return [ArchivedJob(r[0], r[1], int(r[2])) for r in rows]
+
+
+#: What a read raises when the database cannot answer: SQLAlchemy's errors, and the driver's own
+#: (asyncpg raises a bare ConnectionRefusedError / TimeoutError when PostgreSQL is down).
+_DOWN = (sa.exc.SQLAlchemyError, OSError, TimeoutError)
 
 
 def _settle(op: _Op, *, result: Any = None, exc: BaseException | None = None) -> None:
@@ -349,7 +357,9 @@ def _engine(url: str) -> AsyncEngine:
         engine = create_async_engine(url, pool_size=4, max_overflow=4)
         sa.event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
-    return create_async_engine(url, pool_size=4, max_overflow=4, pool_pre_ping=True)
+    # a connection attempt to a PostgreSQL that is down fails in 5 s, not asyncpg's 60
+    return create_async_engine(url, pool_size=4, max_overflow=4, pool_pre_ping=True,
+                               connect_args={"timeout": 5})
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
