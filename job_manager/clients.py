@@ -103,8 +103,9 @@ class ClusterManagerClient:
     MatchClusters gets what matching reads of a spec (``match_spec``), and
     identical requests in flight at once share one call (a burst of jobs alike
     in their needs, e.g. a sweep or an array of jobs, costs ClusterManager one
-    match): a request that joins gets the answer of a call made after it could
-    have been sent alone, never an older one.
+    match): a request that joins gets the answer of the call already in flight,
+    sent at most one round trip before it (a cluster registered within that
+    round trip may be missed by it, as by a call of its own sent a moment sooner).
     """
 
     def __init__(self, address: str, *, timeout: float = 15.0, cache_seconds: float = 10.0,

@@ -6,6 +6,7 @@ polled, once per ``--idle-check-interval``, however often ClusterManager asks.""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from dlsched.v1 import cluster_pb2
 from dlsched.v1 import driver_service_pb2 as dpb
@@ -13,6 +14,7 @@ from tests import slurm_cluster
 from tests.slurm_peer import configure_request, driver_fixtures, new_id, single
 
 cluster, driver, stub = driver_fixtures()
+IDLE_INTERVAL = 10.0  # the driver's --idle-check-interval default
 
 
 def show_nodes(calls: str) -> int:
@@ -35,6 +37,13 @@ async def test_cluster_info_adds_no_controller_call_while_jobs_are_polled(stub, 
     req = configure_request(cluster, name)
     req.options["PATH"] = slurm_cluster.command_log_path(str(tmp_path / "bin"), calls)
     await stub.ConfigureCluster(req, timeout=30)
+    start = time.monotonic()
+
+    def due() -> int:
+        """Look-ups the idle interval (10 s) allows so far: a loaded machine may take longer than
+        one interval over the calls below; one per call would still be far more."""
+        return 1 + int((time.monotonic() - start) // IDLE_INTERVAL)
+
     try:
         first = (await info(stub, name)).info
         assert first.state == cluster_pb2.CLUSTER_STATE_READY and first.capacity.cpus_total == 2, first
@@ -43,7 +52,7 @@ async def test_cluster_info_adds_no_controller_call_while_jobs_are_polled(stub, 
         for _ in range(20):
             assert (await info(stub, name)).info.state == cluster_pb2.CLUSTER_STATE_READY
             await asyncio.sleep(0.1)
-        assert show_nodes(calls) == 1
+        assert show_nodes(calls) <= due()
         # a polled job: the rounds (squeue) say health, capacity stays the last look-up's
         jid = new_id("health")
         await stub.LaunchJob(dpb.LaunchJobRequest(cluster=name, job_id=jid, attempt=1,
@@ -55,6 +64,6 @@ async def test_cluster_info_adds_no_controller_call_while_jobs_are_polled(stub, 
             asked += 1
             assert asked < 3000
             await asyncio.sleep(0.1)
-        assert show_nodes(calls) <= 2  # at most the idle look-up due after 10 s, never one per call
+        assert show_nodes(calls) <= due() + 1  # the idle look-ups due, never one per call
     finally:
         await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=name), timeout=30)
