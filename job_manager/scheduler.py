@@ -39,13 +39,14 @@ import collections
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from dlsched import errors
 from dlsched.kit import logs
+from dlsched.kit.locks import KeyedLocks
 from job_manager.cache import JobCache
 from job_manager.clients import ClusterManagerClient, DriverClient, DriverPool
 from job_manager.domain import states
@@ -94,32 +95,6 @@ class DryRun:
     cluster: str
     candidates: list[Candidate]
     native_spec: NativeSpec
-
-
-class KeyedLocks:
-    """One ``asyncio.Lock`` per key, alive only while held or waited for, so the
-    table never grows with the jobs seen (the issue's "one lock per job never pruned")."""
-
-    def __init__(self) -> None:
-        self._locks: dict[str, tuple[asyncio.Lock, list[int]]] = {}
-
-    def __len__(self) -> int:
-        return len(self._locks)
-
-    @contextlib.asynccontextmanager
-    async def hold(self, key: str) -> AsyncIterator[None]:
-        entry = self._locks.get(key)
-        if entry is None:
-            entry = self._locks[key] = (asyncio.Lock(), [0])
-        lock, users = entry
-        users[0] += 1
-        try:
-            async with lock:
-                yield
-        finally:
-            users[0] -= 1
-            if users[0] == 0:
-                del self._locks[key]
 
 
 class Scheduler:

@@ -33,11 +33,11 @@ without having run.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from dlsched.errors import FailedPrecondition
+from dlsched.kit.locks import KeyedLocks
 from drivers.common.base import LaunchResult
 
 
@@ -78,19 +78,11 @@ class Known:
     result: Callable[[], LaunchResult]  #: that attempt's launch result, for a repeated launch
 
 
-class _Lock:
-    __slots__ = ("lock", "users")
-
-    def __init__(self) -> None:
-        self.lock = asyncio.Lock()
-        self.users = 0
-
-
 class LaunchRules:
     """The attempt rules and the per-job launch lock of one driver."""
 
     def __init__(self) -> None:
-        self._locks: dict[str, _Lock] = {}
+        self._locks = KeyedLocks()
         self._inflight: set[asyncio.Task[LaunchResult]] = set()
 
     @property
@@ -107,19 +99,6 @@ class LaunchRules:
         """Locks held or waited for now (0 when no launch is in flight)."""
         return len(self._locks)
 
-    @contextlib.asynccontextmanager
-    async def _locked(self, job_id: str) -> AsyncIterator[None]:
-        entry = self._locks.get(job_id)
-        if entry is None:
-            entry = self._locks[job_id] = _Lock()
-        entry.users += 1
-        try:
-            async with entry.lock:
-                yield
-        finally:
-            entry.users -= 1
-            if entry.users == 0:
-                del self._locks[job_id]
 
     async def launch(self, cluster: str, job_id: str, attempt: int, *,
                      known: Callable[[], Known | None],
@@ -143,7 +122,7 @@ class LaunchRules:
     async def _launch(self, cluster: str, job_id: str, attempt: int,
                       known: Callable[[], Known | None],
                       submit: Callable[[], Awaitable[LaunchResult]]) -> LaunchResult:
-        async with self._locked(job_id):
+        async with self._locks.hold(job_id):
             prev = known()
             if prev is not None:
                 if prev.cluster != cluster:
