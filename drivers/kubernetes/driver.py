@@ -57,6 +57,16 @@ Secret and ConfigMap) and the Service (and with it, on a real cluster,
 anything the garbage collector finds owned by it).
 Both are idempotent (404 is success).
 
+Forget (ForgetJobs, once JobManager has stored the job's end): the job
+leaves ``c.jobs`` at once; its record goes on its Service and the label
+``dlsched.io/recorded`` on its pods (``records``; retried while the API
+server fails, the job answering from ``c.forgetting`` meanwhile). The watch
+selects recorded pods out (``naming.WATCH_SELECTOR``; a pod that arrives with
+the label anyway is ignored), so neither this driver nor a restarted one
+tracks the attempt again. Observations, stop, logs, usage and cleanup of a
+job not in memory read its Service's record (and, for logs and usage, its
+pods) on demand: one GET (the ref's ``backend_job_id``) or one labelled list.
+
 Logs: ``logs``. Usage and capacity: ``usage``.
 """
 
@@ -75,6 +85,7 @@ from dlsched import __version__
 from drivers.common.base import (
     ClusterConfig,
     ClusterInfo,
+    JobNotFound,
     JobObservation,
     JobRef,
     JobSpec,
@@ -86,8 +97,8 @@ from drivers.common.base import (
 )
 from drivers.common.launches import Known
 from drivers.common.skeleton import BackendDriver
-from drivers.kubernetes import logs, mpi, naming, render, states, usage
-from drivers.kubernetes.api import KubeApi, NameCollision, api_error
+from drivers.kubernetes import logs, mpi, naming, records, render, states, usage
+from drivers.kubernetes.api import KubeApi, NameCollision, api_error, status_of
 from drivers.kubernetes.informer import PodInformer
 from drivers.kubernetes.render import Rendered
 from drivers.kubernetes.tracking import KubeCluster, TrackedJob, live_pods, observation
@@ -119,7 +130,7 @@ def _run_modes() -> tuple[RunMode, ...]:
 
 class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
     name = "kubernetes"
-    carry_over = ("jobs",)  # keep the tracked jobs; swap the API client, budget and informer
+    carry_over = ("jobs", "forgetting")  # keep the tracked jobs; swap the API client, budget and informer
     supports_logs = True
     supports_usage = True
 
@@ -152,7 +163,7 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
             return cb
 
         c.informer = PodInformer(
-            c.api.core, c.namespace, naming.LABEL_JOB, c.api.budget,
+            c.api.core, c.namespace, naming.WATCH_SELECTOR, c.api.budget,
             on_sync=hop(lambda items: self._on_sync(c, items)),
             on_event=hop(lambda kind, obj: self._on_event(c, kind, obj)),
             on_stale=hop(lambda msg: self._on_stale(c, msg)),
@@ -178,11 +189,11 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
         by_job: dict[str, dict[str, dict[str, Any]]] = {}
         for pod in items:
             labels = (pod.get("metadata") or {}).get("labels") or {}
-            if naming.LABEL_JOB in labels:
+            if naming.LABEL_JOB in labels and not naming.is_recorded(pod):
                 self._adopt(c, pod)
                 by_job.setdefault(labels[naming.LABEL_JOB], {})[pod["metadata"].get("name", "")] = pod
         for key, job in list(c.jobs.items()):
-            fresh = {n: p for n, p in by_job.get(key, {}).items()
+            fresh = {n: states.replica_of(p) for n, p in by_job.get(key, {}).items()
                      if job.by_pod(n) is not None and naming.attempt_of(p) == job.attempt}
             job.pods = fresh
             job.seen.update(fresh)
@@ -194,8 +205,8 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
             return  # stale: a re-list follows and replaces the cache
         meta = pod.get("metadata") or {}
         labels = meta.get("labels") or {}
-        if naming.LABEL_JOB not in labels:
-            return
+        if naming.LABEL_JOB not in labels or naming.is_recorded(pod):
+            return  # a forgotten attempt's pod (a watch not applying the selector): never tracked again
         if kind != "DELETED":
             self._adopt(c, pod)
         job = c.jobs.get(labels[naming.LABEL_JOB])
@@ -204,7 +215,7 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
         if kind == "DELETED":
             job.pods.pop(meta["name"], None)
         else:
-            job.pods[meta["name"]] = pod
+            job.pods[meta["name"]] = states.replica_of(pod)
             job.seen.add(meta["name"])
         self._update(c, job)
 
@@ -227,6 +238,9 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
         known = c.jobs.get(key)
         if known is not None and known.attempt >= meta.attempt:
             return
+        forgotten = c.forgetting.get(key)
+        if forgotten is not None and forgotten.attempt >= meta.attempt:
+            return  # forgotten, its record not written yet
         ns = (pod.get("metadata") or {}).get("namespace") or c.namespace
         c.jobs[key] = TrackedJob.adopted(c.config.name, meta, ns)
 
@@ -277,7 +291,13 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
         return [observation(j, c.stale) for j in c.jobs.values()]
 
     async def _observe(self, c: KubeCluster, refs: Sequence[JobRef]) -> list[JobObservation | None]:
-        return [self._lookup(c, ref) for ref in refs]
+        out = []
+        for ref in refs:
+            obs = self._lookup(c, ref)
+            if obs is None and (job := await self._recall(c, ref)) is not None:
+                obs = job.final
+            out.append(obs)
+        return out
 
     def _lookup(self, c: KubeCluster, ref: JobRef) -> JobObservation | None:
         job = c.find(ref)
@@ -290,13 +310,13 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
 
     def _known(self, c: KubeCluster, job_id: str, rendered: Rendered) -> Known | None:
         key = naming.job_label(job_id)
-        job = c.jobs.get(key)
+        job = c.jobs.get(key) or c.forgetting.get(key)
         if job is None:
             return None
         if job.job_id != job_id:
             raise NameCollision(f"job {job_id!r} and job {job.job_id!r} have the same Kubernetes label {key!r}")
         return Known(job.cluster, job.attempt, job.final is None, lambda: LaunchResult(
-            job.backend_job_id, job.native or rendered.native_spec(), observation(job, c.stale)))
+            job.backend_job_id, rendered.native_spec(), observation(job, c.stale)))
 
     async def _submit(self, c: KubeCluster, name: str, job_id: str, spec: JobSpec, attempt: int,
                       rendered: Rendered) -> LaunchResult:
@@ -307,8 +327,10 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
                                      f"service {rendered.service}")
         if created is None:  # 409: an earlier try of this launch, or another job's
             created = await self._existing_service(c, rendered)
+            if (done := records.from_service(name, created)) is not None and done.final is not None:
+                return LaunchResult(rendered.backend_job_id, native, done.final)  # a forgotten attempt
         uid = str((created.get("metadata") or {}).get("uid") or "")
-        job = TrackedJob.launched(name, rendered, native)
+        job = TrackedJob.launched(name, rendered)
         c.jobs[naming.job_label(job_id)] = job
         create = {"Pod": c.api.core.create_namespaced_pod, "Secret": c.api.core.create_namespaced_secret,
                   "ConfigMap": c.api.core.create_namespaced_config_map}
@@ -341,7 +363,8 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
                          grace_seconds: float | None) -> JobObservation | None:
         job = c.find(ref)
         if job is None:
-            return None
+            forgotten = await self._recall(c, ref)
+            return forgotten.final if forgotten is not None else None  # forgotten: it has ended
         grace = self._cfg.grace_seconds if grace_seconds is None else grace_seconds
         job.stop_requested = True
         names = [r.pod for r in job.replicas]
@@ -351,9 +374,10 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
         return observation(job, c.stale)
 
     async def _cleanup(self, c: KubeCluster, name: str, ref: JobRef) -> None:
-        job = c.find(ref)
+        job = c.find(ref) or await self._recall(c, ref)
         if job is None:
             return
+        job.cleaned = True
         if job.final is None:
             job.stop_requested = True
         job.deleted.update(r.pod for r in job.replicas)
@@ -365,11 +389,121 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
         key = naming.job_label(job.job_id)
         if c.jobs.get(key) is job:
             del c.jobs[key]
+        if c.forgetting.get(key) is job:
+            del c.forgetting[key]
 
     # ------------------------------------------------------------------ logs, usage
 
-    def _tail(self, c: KubeCluster, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
-        return logs.tail(c, ref, query)
+    async def _tail(self, c: KubeCluster, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
+        job = c.find(ref) or await self._recall(c, ref, pods=True)
+        if job is None:
+            raise JobNotFound(ref.job_id)
+        batches = logs.tail(c, job, query)
+        try:
+            async for batch in batches:
+                yield batch
+        finally:
+            await batches.aclose()
 
     async def _usage(self, c: KubeCluster, ref: JobRef) -> JobUsage:
-        return await usage.measure(c, ref)
+        job = c.find(ref) or await self._recall(c, ref, pods=True)
+        if job is None:
+            raise JobNotFound(ref.job_id)
+        return await usage.measure(c, job)
+
+    # ------------------------------------------------------------------ forget
+
+    def _forget(self, c: KubeCluster, ref: JobRef) -> bool:
+        """Drop an ended job from memory: its record goes on its Service, its pods get the label the
+        watch selects out (``records``); until that is written it answers from ``c.forgetting``."""
+        key = naming.job_label(ref.job_id)
+        job = c.jobs.get(key)
+        if job is None or job.job_id != ref.job_id or job.final is None or (
+                ref.backend_job_id and ref.backend_job_id != job.backend_job_id):
+            return False
+        final = observation(job, None)
+        del c.jobs[key]
+        c.forgetting[key] = job
+        t = asyncio.ensure_future(self._write_record(c.config.name, key, job, final))
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return True
+
+    async def _write_record(self, name: str, key: str, job: TrackedJob, final: JobObservation) -> None:
+        """Write the forgotten job's record, retried (backoff) while the API server fails; then drop it."""
+        backoff = 0.5
+        while not job.cleaned:
+            c = self.clusters.get(name)
+            if c is None:
+                return  # the cluster was removed
+            try:
+                await self._mark(c, job, final)
+            except Exception as e:  # noqa: BLE001 - retried: the job answers from memory meanwhile
+                log.warning("recording forgotten job %s failed (retrying in %.1fs): %s", job.job_id, backoff, e)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 30.0)
+                continue
+            if c.forgetting.get(key) is job:
+                del c.forgetting[key]
+            return
+
+    async def _mark(self, c: KubeCluster, job: TrackedJob, final: JobObservation) -> None:
+        """The record on the Service, then the label on every pod still there (404: gone, fine)."""
+        record = {"metadata": {"labels": {naming.LABEL_RECORDED: "true"},
+                               "annotations": {naming.ANN_FINAL: records.annotation(job, final)}}}
+        try:
+            await c.api.call(c.api.core.patch_namespaced_service, job.service, c.namespace, record)
+        except Exception as e:
+            if status_of(e) == 404:
+                return  # cleaned up: nothing left to answer from
+            raise
+        label = {"metadata": {"labels": {naming.LABEL_RECORDED: "true"}}}
+        for r in job.replicas:
+            if r.pod in job.pods or r.pod not in job.seen:
+                try:
+                    await c.api.call(c.api.core.patch_namespaced_pod, r.pod, c.namespace, label)
+                except Exception as e:
+                    if status_of(e) != 404:
+                        raise
+
+    async def _recall(self, c: KubeCluster, ref: JobRef, *, pods: bool = False) -> TrackedJob | None:
+        """A forgotten job, read back from its Service's record (``None``: no record of it).
+
+        The Service ``ref.backend_job_id`` names, else the newest recorded attempt of the job's
+        label; with ``pods``, the attempt's pods as listed now (what logs and usage read)."""
+        key = naming.job_label(ref.job_id)
+        ns, _, svc = ref.backend_job_id.partition("/")
+        try:
+            if svc and ns == c.namespace:
+                try:
+                    found = [await c.api.call(c.api.core.read_namespaced_service, svc, c.namespace)]
+                except Exception as e:
+                    if status_of(e) == 404:
+                        return None
+                    raise
+            else:
+                doc = await c.api.call(c.api.core.list_namespaced_service, c.namespace,
+                                       label_selector=f"{naming.LABEL_JOB}={key},{naming.LABEL_RECORDED}")
+                found = list(doc.get("items") or ())
+        except Exception as e:  # noqa: BLE001
+            raise api_error(e, f"reading the service of job {ref.job_id}") from None
+        best: TrackedJob | None = None
+        for obj in found:
+            job = records.from_service(c.config.name, obj)
+            if job is None or job.job_id != ref.job_id or (
+                    ref.backend_job_id and ref.backend_job_id != job.backend_job_id):
+                continue
+            if best is None or job.attempt > best.attempt:
+                best = job
+        if best is not None and pods:
+            selector = f"{naming.LABEL_JOB}={key},{naming.LABEL_ATTEMPT}={best.attempt}"
+            try:
+                doc = await c.api.call(c.api.core.list_namespaced_pod, c.namespace, label_selector=selector)
+            except Exception as e:  # noqa: BLE001
+                raise api_error(e, f"listing the pods of job {ref.job_id}") from None
+            for pod in doc.get("items") or ():
+                podname = (pod.get("metadata") or {}).get("name", "")
+                if naming.attempt_of(pod) == best.attempt and best.by_pod(podname) is not None:
+                    best.pods[podname] = states.replica_of(pod)
+            best.seen = set(best.pods)
+        return best

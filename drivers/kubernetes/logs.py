@@ -20,14 +20,13 @@ import math
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from datetime import datetime
 from typing import Any
 
 from dlsched.errors import DlschedError
 from dlsched.kit import metrics
-from drivers.common.base import JobNotFound, JobRef, LogEntry, LogQuery, LogStream, ReplicaState
-from drivers.kubernetes import states
+from drivers.common.base import LogEntry, LogQuery, LogStream, ReplicaState
 from drivers.kubernetes.api import api_error, raise_for_status, status_of, status_text
 from drivers.kubernetes.tracking import KubeCluster, Replica, TrackedJob
 
@@ -102,11 +101,11 @@ def _note(r: Replica, index: int, text: str) -> list[LogEntry]:
     return [LogEntry(role=r.role, replica_index=index, stream=LogStream.STDERR, text=f"dlsched: {text}")]
 
 
-async def tail(c: KubeCluster, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
-    """Batches of the job's log lines, every wanted replica container's reader merged."""
-    job = c.find(ref)
-    if job is None:
-        raise JobNotFound(ref.job_id)
+async def tail(c: KubeCluster, job: TrackedJob, query: LogQuery) -> AsyncGenerator[list[LogEntry], None]:
+    """Batches of the job's log lines, every wanted replica container's reader merged.
+
+    ``job``: a tracked one, or a forgotten one read back for this request
+    (its pods as listed now, its end latched: nothing to wait for)."""
     if not query.wants_stream(LogStream.STDOUT):
         return  # the pod log API merges stderr into one stream, reported as STDOUT
     targets = [(r, r.index * max(1, len(r.containers)) + k, cname)
@@ -140,11 +139,10 @@ async def tail(c: KubeCluster, ref: JobRef, query: LogQuery) -> AsyncIterator[li
 async def _started(job: TrackedJob, r: Replica, index: int, query: LogQuery, queue: _Queue) -> bool:
     """Whether the replica's pod has started; without follow (or once it is gone) a note says it has not."""
     while True:
-        pod = job.pods.get(r.pod)
-        view = states.replica_of(pod) if pod is not None else None
+        view = job.pods.get(r.pod)
         if view is not None and view.state is not ReplicaState.PENDING:
             return True
-        gone = (pod is None and (r.pod in job.seen or r.pod in job.deleted)) or job.final is not None
+        gone = (view is None and (r.pod in job.seen or r.pod in job.deleted)) or job.final is not None
         if not query.follow or gone:
             why = view.reason if view is not None else "not created yet"
             await queue.put(_note(r, index, f"pod {r.pod} has not started yet ({why})"))

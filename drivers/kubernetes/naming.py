@@ -12,7 +12,8 @@ Labels. Every object carries ``dlsched.io/job-id`` (``job_label``: the job
 id made a DNS-1123 label, so an id such as ``a--b`` or ``ab-`` becomes a
 hashed label), ``dlsched.io/attempt`` and (pods) ``dlsched.io/role`` and
 ``dlsched.io/replica-index``; the driver's one watch selects
-``dlsched.io/job-id`` and keys its jobs by ``job_label``. The job's own
+``dlsched.io/job-id`` without ``dlsched.io/recorded`` (the mark of a
+forgotten attempt, ``WATCH_SELECTOR``) and keys its jobs by ``job_label``. The job's own
 labels go on every object too (``user_labels``): a key that is not a valid
 Kubernetes label key (or is in the reserved ``dlsched.io/`` prefix) is left
 off, and a value that is not a valid label value is made one by
@@ -52,6 +53,12 @@ ANN_STOPPED_AFTER = "dlsched.io/stopped-after-success"
 ANN_REPLICAS = "dlsched.io/replicas"
 ANN_LABELS = "dlsched.io/labels"  # the job's labels verbatim (JSON), when it has any
 ANN_OBJECTS = "dlsched.io/objects"  # "<Kind>/<name>,..." the attempt's objects besides Service and Pods
+#: A forgotten attempt (ForgetJobs): its Service carries the record (``ANN_FINAL``, JSON: the final
+#: observation, replicas, other objects, usage) and every object the label ``LABEL_RECORDED``.
+LABEL_RECORDED = "dlsched.io/recorded"
+ANN_FINAL = "dlsched.io/final"
+#: What the driver's one pod watch selects: dlsched's pods, less the forgotten attempts'.
+WATCH_SELECTOR = f"{LABEL_JOB},!{LABEL_RECORDED}"
 #: The kinds an attempt may own besides its Service and Pods.
 OTHER_KINDS = ("Secret", "ConfigMap")
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -181,6 +188,14 @@ def job_labels(job_id: str, attempt: int) -> dict[str, str]:
 def labels_annotation(labels: Mapping[str, str]) -> dict[str, str]:
     """The job's labels verbatim, as the annotation every object carries (none when it has none)."""
     return {ANN_LABELS: json.dumps(dict(labels), sort_keys=True, ensure_ascii=False)} if labels else {}
+
+
+def is_recorded(obj: Mapping[str, Any]) -> bool:
+    """Whether an object belongs to a forgotten attempt (``LABEL_RECORDED``).
+
+    The watch's selector leaves such pods out; this is the same test made on
+    what arrives, for a list or watch that does not apply it."""
+    return LABEL_RECORDED in ((obj.get("metadata") or {}).get("labels") or {})
 
 
 def attempt_of(obj: Mapping[str, Any]) -> int:

@@ -55,7 +55,7 @@ REASON_STOPPED = "Stopped"
 REASON_STALE = "BackendStale"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PodView:
     state: ReplicaState
     reason: str

@@ -8,7 +8,10 @@ replicas (one pod each), the pods the watch shows, what the driver deleted,
 and the latched end. ``observation`` turns that into a ``JobObservation``
 with ``states.job_state`` and the attempt's success rule; while the API
 server is unreachable a job keeps its last state with reason
-``BackendStale`` (never FAILED).
+``BackendStale`` (never FAILED). A tracked job is kept compact (slots, each
+pod as its ``states.PodView``, no native spec: a duplicate launch renders it
+again); a forgotten one waits in ``KubeCluster.forgetting`` only until its
+record is written (``records``).
 """
 
 from __future__ import annotations
@@ -18,14 +21,13 @@ import dataclasses
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from drivers.common.base import (
     ClusterConfig,
     JobObservation,
     JobRef,
     JobState,
-    NativeSpec,
     ReplicaState,
     ReplicaStatus,
 )
@@ -39,7 +41,12 @@ if TYPE_CHECKING:
     from drivers.kubernetes.usage import Sampled
 
 
-@dataclass
+#: the success rules seen, one object each (jobs of one shape share it); bounded
+_RULES: dict[SuccessRule, SuccessRule] = {}
+_MAX_RULES = 1024
+
+
+@dataclass(slots=True)
 class Replica:
     role: str
     index: int
@@ -48,10 +55,14 @@ class Replica:
 
 
 class TrackedJob:
-    """One job's newest attempt, as the watch shows its pods."""
+    """One job's newest attempt, as the watch shows its pods (compact: slots, pods as views)."""
+
+    __slots__ = ("cluster", "others", "job_id", "attempt", "backend_job_id", "service", "replicas", "rule",
+                 "pods", "seen", "deleted", "stop_requested", "final", "last", "start_time", "end_time",
+                 "_changed", "usage", "cleaned")
 
     def __init__(self, cluster: str, job_id: str, attempt: int, backend_job_id: str, service: str,
-                 replicas: list[Replica], rule: SuccessRule, native: NativeSpec | None,
+                 replicas: list[Replica], rule: SuccessRule,
                  others: Sequence[tuple[str, str]] = ()) -> None:
         self.cluster = cluster
         self.others = tuple(others)  # (kind, name) besides the Service and the Pods
@@ -60,9 +71,9 @@ class TrackedJob:
         self.backend_job_id = backend_job_id
         self.service = service
         self.replicas = replicas
-        self.rule = rule
-        self.native = native
-        self.pods: dict[str, dict[str, Any]] = {}
+        self.rule = _RULES.setdefault(rule, rule) if len(_RULES) < _MAX_RULES else rule  # shared when alike
+        # by pod name: the replica's view of the pod as the watch last showed it (not the pod's JSON)
+        self.pods: dict[str, states.PodView] = {}
         self.seen: set[str] = set()
         self.deleted: set[str] = set()
         self.stop_requested = False
@@ -70,22 +81,23 @@ class TrackedJob:
         self.last: JobObservation | None = None
         self.start_time: float | None = None
         self.end_time: float | None = None
-        self.changed = asyncio.Event()
+        self._changed: asyncio.Event | None = None  # made when a log follower first waits
         self.usage: dict[str, Sampled] = {}  # by pod: what metrics.k8s.io said so far
+        self.cleaned = False  # CleanupJob deleted its objects (a pending record is not written)
 
     @classmethod
-    def launched(cls, cluster: str, rendered: Rendered, native: NativeSpec) -> TrackedJob:
-        """The job a launch of ``rendered`` creates (``native``: its native spec, as the launch reports it)."""
+    def launched(cls, cluster: str, rendered: Rendered) -> TrackedJob:
+        """The job a launch of ``rendered`` creates (its native spec is ``rendered``'s, made again when asked)."""
         return cls(cluster, rendered.job_id, rendered.attempt, rendered.backend_job_id, rendered.service,
                    [Replica(p.role, p.index, p.name, p.containers) for p in rendered.pods],
-                   rendered.success, native, rendered.others)
+                   rendered.success, rendered.others)
 
     @classmethod
     def adopted(cls, cluster: str, meta: naming.JobMeta, namespace: str) -> TrackedJob:
         """A job found on the watch (after a driver restart), rebuilt from its pods' metadata."""
         return cls(cluster, meta.job_id, meta.attempt, naming.backend_job_id(namespace, meta.job_id, meta.attempt),
                    naming.service_name(meta.job_id, meta.attempt),
-                   [Replica(role, i, pod, ()) for role, i, pod in meta.pods()], meta.success, None, meta.others)
+                   [Replica(role, i, pod, ()) for role, i, pod in meta.pods()], meta.success, meta.others)
 
     def by_pod(self, name: str) -> Replica | None:
         for r in self.replicas:
@@ -95,8 +107,16 @@ class TrackedJob:
 
     def notify(self) -> None:
         """Wake whoever waits for a change of this job (log followers)."""
-        self.changed.set()
-        self.changed = asyncio.Event()
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    @property
+    def changed(self) -> asyncio.Event:
+        """Set at the job's next change (for whoever waits: log followers)."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
 
 
 class KubeCluster:
@@ -110,14 +130,21 @@ class KubeCluster:
         self.stale: str | None = "not synced yet"
         self.synced = asyncio.Event()
         self.jobs: dict[str, TrackedJob] = {}  # by naming.job_label(job_id), the pods' job label
+        #: forgotten jobs (same keys) until their record is on the API server, then dropped
+        self.forgetting: dict[str, TrackedJob] = {}
         self.pods_forbidden_until = 0.0  # monotonic: skip the cluster-wide pod list (403) until then
 
     def find(self, ref: JobRef) -> TrackedJob | None:
-        job = self.jobs.get(naming.job_label(ref.job_id))
-        if job is None or job.job_id != ref.job_id or (
-                ref.backend_job_id and ref.backend_job_id != job.backend_job_id):
-            return None
-        return job
+        """The job ``ref`` names, tracked or being forgotten; ``None`` when memory has no such job."""
+        key = naming.job_label(ref.job_id)
+        job = self.jobs.get(key)
+        if job is None or not self._is(job, ref):
+            job = self.forgetting.get(key)
+        return job if job is not None and self._is(job, ref) else None
+
+    @staticmethod
+    def _is(job: TrackedJob, ref: JobRef) -> bool:
+        return job.job_id == ref.job_id and (not ref.backend_job_id or ref.backend_job_id == job.backend_job_id)
 
 
 # --------------------------------------------------------------------------- observations
@@ -131,7 +158,7 @@ def views(job: TrackedJob) -> list[tuple[Replica, states.PodView]]:
         if pod is None:
             v = states.missing(deleted_by_us=r.pod in job.deleted, seen=r.pod in job.seen)
         else:
-            v = states.replica_of(pod)
+            v = pod
             if r.pod in job.deleted and not v.state.is_terminal():
                 v = states.PodView(ReplicaState.STOPPED if job.stop_requested or job.final else v.state,
                                    states.REASON_STOPPING, "deleting the pod", node=v.node,

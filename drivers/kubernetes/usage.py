@@ -32,15 +32,13 @@ from drivers.common.base import (
     ClusterInfo,
     ClusterState,
     GpuInventory,
-    JobNotFound,
-    JobRef,
     JobUsage,
     ReplicaUsage,
     RunMode,
 )
 from drivers.kubernetes import naming, states
 from drivers.kubernetes.api import api_error, status_of, status_text
-from drivers.kubernetes.tracking import KubeCluster
+from drivers.kubernetes.tracking import KubeCluster, TrackedJob
 
 FORBIDDEN_RETRY = 300.0  # seconds before a 403'd cluster-wide pod list is tried again
 
@@ -74,7 +72,7 @@ def go_duration(value: Any) -> float:
 
 
 def integrate(prev: Sampled | None, metrics_item: Mapping[str, Any], cores: float, memory: int,
-              pod: Mapping[str, Any] | None) -> Sampled:
+              start: float | None) -> Sampled:
     """Fold one PodMetrics sample into a replica's running CPU-seconds estimate.
 
     metrics.k8s.io serves a rate (cores, averaged over ``window`` up to
@@ -88,16 +86,13 @@ def integrate(prev: Sampled | None, metrics_item: Mapping[str, Any], cores: floa
         if ts <= prev.time:
             return Sampled(prev.time, prev.cpu_seconds, max(prev.peak_memory_bytes, memory))
         return Sampled(ts, prev.cpu_seconds + cores * (ts - prev.time), max(prev.peak_memory_bytes, memory))
-    start = states.replica_of(pod).start_time if pod is not None else None
     span = ts - start if start is not None and start <= ts else go_duration(metrics_item.get("window"))
     return Sampled(ts, cores * span, memory)
 
 
-async def measure(c: KubeCluster, ref: JobRef) -> JobUsage:
-    """The job's usage now, from one PodMetricsList of its attempt's pods."""
-    job = c.find(ref)
-    if job is None:
-        raise JobNotFound(ref.job_id)
+async def measure(c: KubeCluster, job: TrackedJob) -> JobUsage:
+    """The job's usage now, from one PodMetricsList of its attempt's pods (``job``: tracked, or a
+    forgotten one read back from its record, whose samples it starts from)."""
     selector = f"{naming.LABEL_JOB}={naming.job_label(job.job_id)},{naming.LABEL_ATTEMPT}={job.attempt}"
     try:
         doc = await c.api.pod_metrics(c.namespace, selector)
@@ -121,7 +116,8 @@ async def measure(c: KubeCluster, ref: JobRef) -> JobUsage:
             u = cont.get("usage") or {}
             mem += parse_quantity(u.get("memory", 0))
             cores += parse_quantity(u.get("cpu", 0))
-        sampled = integrate(prev, m, cores, int(mem), job.pods.get(r.pod))
+        view = job.pods.get(r.pod)
+        sampled = integrate(prev, m, cores, int(mem), view.start_time if view is not None else None)
         job.usage[r.pod] = sampled
         out.append(ReplicaUsage(role=r.role, replica_index=r.index, cpu_seconds=sampled.cpu_seconds,
                                 memory_bytes=int(mem), peak_memory_bytes=sampled.peak_memory_bytes,
