@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from dlsched.kit.etcd import find_etcd_binary
 
@@ -330,3 +331,20 @@ def backend_calls(svc: ServiceProcess, backend: str) -> dict[str, float]:
         elif key == f'dlsched_driver_poll_duration_seconds_count{{backend="{backend}"}}':
             out["poll_rounds"] = value
     return out
+
+
+async def snapshot_ids(stub: Any, cluster: str) -> set[str]:
+    """The job ids of a driver's WatchJobObservations snapshot of ``cluster`` (a
+    ``DriverServiceStub``): what the driver holds in memory."""
+    from dlsched.v1 import driver_service_pb2 as dpb
+
+    call = stub.WatchJobObservations(dpb.WatchJobObservationsRequest(cluster=cluster), timeout=30)
+    ids: set[str] = set()
+    try:
+        async for ev in call:
+            if ev.snapshot_complete:
+                return ids
+            ids.add(ev.observation.job_id)
+    finally:
+        call.cancel()
+    raise AssertionError("the watch ended before its snapshot did")

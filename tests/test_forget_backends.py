@@ -24,24 +24,10 @@ from drivers.slurm import exits
 from drivers.slurm.jobs import RECORDED, TrackedJob
 from drivers.slurm.poller import SlurmJob
 from tests import security
-from tests.harness import ServiceProcess
+from tests.harness import ServiceProcess, snapshot_ids
 
 SLURM = "clusters/slurm"
 RAY = "clusters/ray"
-
-
-async def snapshot_ids(stub: driver_service_pb2_grpc.DriverServiceStub, cluster: str) -> set[str]:
-    """The job ids of a watch's snapshot: what the driver holds in memory."""
-    call = stub.WatchJobObservations(dpb.WatchJobObservationsRequest(cluster=cluster), timeout=30)
-    ids: set[str] = set()
-    try:
-        async for ev in call:
-            if ev.snapshot_complete:
-                return ids
-            ids.add(ev.observation.job_id)
-    finally:
-        call.cancel()
-    raise AssertionError("the watch ended before its snapshot did")
 
 
 async def observe_ref(stub: driver_service_pb2_grpc.DriverServiceStub, cluster: str,

@@ -34,7 +34,7 @@ from drivers.common.base import (  # noqa: E402
 )
 from drivers.kubernetes import naming  # noqa: E402
 from drivers.kubernetes.driver import KubernetesConfig, KubernetesDriver  # noqa: E402
-from tests import security  # noqa: E402
+from tests import harness, security  # noqa: E402
 from tests.harness import ServiceProcess  # noqa: E402
 from tests.kube_emulator import (  # noqa: E402, F401 - the fixtures driver, emu, stub, by their names
     NS,
@@ -67,17 +67,7 @@ async def forget(stub: Any, *refs: dpb.JobRef) -> int:
 
 
 async def snapshot_ids(stub: Any) -> set[str]:
-    """The job ids of a watch's snapshot: what the driver holds in memory."""
-    call = stub.WatchJobObservations(dpb.WatchJobObservationsRequest(cluster=CLUSTER), timeout=30)
-    ids: set[str] = set()
-    try:
-        async for ev in call:
-            if ev.snapshot_complete:
-                return ids
-            ids.add(ev.observation.job_id)
-    finally:
-        call.cancel()
-    raise AssertionError("the watch ended before its snapshot did")
+    return await harness.snapshot_ids(stub, CLUSTER)
 
 
 async def observe_ref(stub: Any, ref: dpb.JobRef) -> dpb.JobObservation:

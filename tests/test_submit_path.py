@@ -19,7 +19,7 @@ import pytest
 from dlsched.client import DlschedRpcError, JobManagerClient
 from dlsched.v1 import driver_service_pb2 as dpb
 from dlsched.v1 import driver_service_pb2_grpc, job_pb2
-from tests import security
+from tests import harness, security
 from tests.harness import EtcdServer, Stack, metrics_samples, sample
 
 
@@ -98,17 +98,7 @@ async def test_many_submits_each_launch_once(stack: Stack, tmp_path: pathlib.Pat
 async def snapshot_ids(address: str) -> set[str]:
     """The job ids in the local driver's WatchJobObservations snapshot of clusters/local."""
     async with security.channel(address) as ch:
-        stub = driver_service_pb2_grpc.DriverServiceStub(ch)
-        call = stub.WatchJobObservations(dpb.WatchJobObservationsRequest(cluster="clusters/local"), timeout=30)
-        ids: set[str] = set()
-        try:
-            async for ev in call:
-                if ev.snapshot_complete:
-                    return ids
-                ids.add(ev.observation.job_id)
-        finally:
-            call.cancel()
-    return ids
+        return await harness.snapshot_ids(driver_service_pb2_grpc.DriverServiceStub(ch), "clusters/local")
 
 
 async def test_driver_forgets_a_recorded_job_and_keeps_its_logs_and_usage(stack: Stack) -> None:
