@@ -174,7 +174,7 @@ async def amain(cfg: Config) -> None:
                                              functools.partial(hub.wait_current, prove=True))
     scheduler = Scheduler(store, cm, drivers,
                           SchedulerConfig(stop_grace_seconds=cfg.stop_grace_seconds),
-                          ownership=ownership, cache=cache)
+                          ownership=ownership, cache=cache, history=history)
     ownership.start(scheduler)
     gauge = JobStateGauge(cache, hub)
     if cfg.metrics_listen:

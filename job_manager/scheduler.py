@@ -30,6 +30,9 @@ SubmitJob semantics worth knowing:
 - A retried SubmitJob (same request_id) returns the stored job and launches
   nothing, except a job still PENDING without a backend id, whose launch is
   queued again: safe, since LaunchJob is idempotent on (cluster, job, attempt).
+  A job moved to the job history is found there, by its request key's job id
+  while the key lasts, then by the request id the archiver recorded before
+  sweeping the key: the same answer, nothing created.
 """
 
 from __future__ import annotations
@@ -53,9 +56,10 @@ from job_manager.domain import states
 from job_manager.domain.errors import JobNotFound, NoMatchingCluster
 from job_manager.domain.model import Candidate, Job, JobSpec, JobState, NativeSpec, Observation
 from job_manager.domain.validation import validate_submit
+from job_manager.history.store import HistoryStore
 from job_manager.job_metrics import LAUNCH_LATENCY
 from job_manager.ownership import Ownership, SoleOwner
-from job_manager.store import JobStore, OwnershipLost
+from job_manager.store import JobStore, OwnershipLost, RequestJobGone
 
 log = logging.getLogger("job_manager.scheduler")
 
@@ -101,8 +105,10 @@ class Scheduler:
     def __init__(self, store: JobStore, cm: ClusterManagerClient, drivers: DriverPool,
                  config: SchedulerConfig = SchedulerConfig(), *,
                  clock: Callable[[], datetime] = _utcnow,
-                 ownership: Ownership | None = None, cache: JobCache | None = None) -> None:
+                 ownership: Ownership | None = None, cache: JobCache | None = None,
+                 history: HistoryStore | None = None) -> None:
         self.store = store
+        self.history = history  # archived jobs: a retried SubmitJob's first job may be there
         self.cache = cache  # the watch cache; without one (tests), reads page through etcd
         self.ownership: Ownership = ownership or SoleOwner()
         self.cm = cm
@@ -154,12 +160,19 @@ class Scheduler:
         ``LaunchQueued``). ``spec.project`` is already resolved and allowed for
         ``owner`` (the servicer asks ``Principal.resolve_project``)."""
         validate_submit(job_id, spec, request_id, spec_bytes)
+        if request_id and not dry_run and self.history is not None:
+            # Its job archived and its request key swept: the history has the pair.
+            archived = await self._archived(request_id, owner)
+            if archived is not None:
+                return archived, None
         try:
             candidates = await self.cm.match(spec)
         except errors.DlschedError:
             # A retried request whose job exists answers that job, whatever the clusters
             # now (none matching, ClusterManager unreachable).
             seen = await self.store.job_for_request(request_id) if request_id and not dry_run else None
+            if seen is None and request_id and not dry_run:
+                seen = await self._archived(request_id, owner, await self.store.request_job_id(request_id))
             if seen is None:
                 raise
             return await self._after_duplicate(seen, owner), None
@@ -179,7 +192,13 @@ class Scheduler:
                 chosen.cluster, job.id, spec)
             job.uid = ""
             return job, DryRun(chosen.cluster, candidates, native)
-        stored, created = await self.store.create(job, request_id)
+        try:
+            stored, created = await self.store.create(job, request_id)
+        except RequestJobGone as e:  # its request key names a job gone from etcd: archived?
+            archived = await self._archived(request_id, owner, e.job_id)
+            if archived is None:
+                raise
+            return archived, None
         if not created:  # a retried request, or a concurrent one with its request id, came first
             return await self._after_duplicate(stored, owner), None
         log.info("job %s stored for %s (request %s)", stored.id, stored.cluster,
@@ -197,6 +216,22 @@ class Scheduler:
         if job.state == JobState.PENDING and not job.launched:
             await self._queue_launch(job)
         return job
+
+    async def archived_request(self, request_id: str, owner: str) -> Job | None:
+        """The archived first job of a retried SubmitJob (``owner``'s only), if any."""
+        if not request_id or self.history is None:
+            return None
+        return await self._archived(request_id, owner, await self.store.request_job_id(request_id))
+
+    async def _archived(self, request_id: str, owner: str, job_id: str | None = None) -> Job | None:
+        """The job history's job ``job_id`` (a request key's), else the one recorded
+        for ``request_id``, answered as a duplicate's (same owner rule); None when none."""
+        if self.history is None:
+            return None
+        a = await self.history.get(job_id) if job_id else None
+        if a is None:
+            a = await self.history.job_for_request(request_id)
+        return None if a is None else await self._after_duplicate(a.job(), owner)
 
     async def _queue_launch(self, job: Job) -> None:
         """Launch ``job`` in the background as its cluster's owner (claimed now if

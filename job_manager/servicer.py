@@ -193,7 +193,11 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         spec.project = p.resolve_project(spec.project)
         if request.job_id and not request.dry_run and self.history is not None \
                 and await self.history.get(request.job_id) is not None:
-            # An id lives on in the history: a new job must not hide the archived one.
+            # A retry of the request that made it answers it; else an id that lives
+            # on in the history: a new job must not hide the archived one.
+            first = await self.scheduler.archived_request(request.request_id, p.name)
+            if first is not None:
+                return pb.SubmitJobResponse(job=convert.job_to_proto(first))
             raise JobAlreadyExists(f"job jobs/{request.job_id} already exists (archived)",
                                    metadata={"name": f"jobs/{request.job_id}"})
         job, dry = await self.scheduler.submit(

@@ -80,6 +80,16 @@ class OwnershipLost(Aborted):
     reason = "OWNERSHIP_LOST"
 
 
+class RequestJobGone(Aborted):
+    """A SubmitJob's request key names a job no longer in etcd (archived, or
+    deleted and its request key about to go): the scheduler looks for it in
+    the job history; the client sees ABORTED (retry) otherwise."""
+
+    def __init__(self, message: str, job_id: str) -> None:
+        super().__init__(message)
+        self.job_id = job_id
+
+
 @dataclass
 class Fence:
     """An ownership a write must still hold: ``key`` at mod revision ``revision``.
@@ -264,13 +274,18 @@ class JobStore:
             jobs.extend(job_from_bytes(kv.value, kv.mod_revision) for kv in kvs)
         return jobs, rev or await self.revision()
 
-    async def job_for_request(self, request_id: str) -> Job | None:
-        """The job a SubmitJob with this request_id made, if any."""
+    async def request_job_id(self, request_id: str) -> str | None:
+        """The id of the job a SubmitJob with this request_id made, while its request key lasts."""
         kv = await self._call(self.client.get, self.request_key(request_id))
-        if kv is None:
+        return None if kv is None else str(kv.value.decode())  # type: ignore[attr-defined]
+
+    async def job_for_request(self, request_id: str) -> Job | None:
+        """The job a SubmitJob with this request_id made, if any (in etcd)."""
+        job_id = await self.request_job_id(request_id)
+        if job_id is None:
             return None
         try:
-            return await self.get(kv.value.decode())  # type: ignore[attr-defined]
+            return await self.get(job_id)
         except JobNotFound:
             return None
 
@@ -307,7 +322,8 @@ class JobStore:
                         # The request key is written with its job; a missing job
                         # means it was deleted and its request key goes next.
                         await asyncio.sleep(0.05)
-                raise Aborted(f"request {request_id!r} names deleted job jobs/{other_id}; retry")
+                raise RequestJobGone(
+                    f"request {request_id!r} names deleted job jobs/{other_id}; retry", other_id)
         raise JobAlreadyExists(f"job jobs/{job.id} already exists",
                                metadata={"name": f"jobs/{job.id}"})
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import grpc
 import pytest
+import sqlalchemy as sa
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from dlsched.auth.model import Principal, Role
@@ -547,10 +548,20 @@ async def test_archiver_keeps_changed_jobs_drops_deleted_ones_and_is_fenced(
         await client.put(holder_key, b"me")
         assert not await arch.round()
         assert await etcd_ids(store) == {live.id}
-        # the round swept the request keys of jobs gone from etcd; the live job's stays
-        keys = [k for page in [p async for p in store.request_keys(await store.revision())]
-                for k, _, _ in page]
-        assert keys == [store.request_key(f"req-{live.id}")]
+        # the round swept the request keys of jobs gone from etcd: a deleted job's at once,
+        # an archived job's once its pair is in the history (the next sweep); the live job's stays
+        async def request_keys() -> list[bytes]:
+            return sorted(k for page in [p async for p in store.request_keys(await store.revision())]
+                          for k, _, _ in page)
+        assert await request_keys() == sorted(store.request_key(f"req-{j.id}")
+                                              for j in [*jobs[:10], live] if j is not deleted)
+        assert arch.stats.request_keys_swept == 1
+        archived_req = await history.job_for_request(f"req-{jobs[0].id}")
+        assert archived_req is not None and archived_req.id == jobs[0].id
+        assert await history.job_for_request(f"req-{deleted.id}") is None
+        assert await hub.wait_current()
+        assert await arch.sweep_requests(hub.cache.current) == 9
+        assert await request_keys() == [store.request_key(f"req-{live.id}")]
         assert arch.stats.request_keys_swept == 10
         moved = await history.get(changed.id)
         assert moved is not None and moved.job().message == "changed"
@@ -575,6 +586,11 @@ async def test_archiver_keeps_changed_jobs_drops_deleted_ones_and_is_fenced(
         assert metric("dlsched_history_archive_last_round_timestamp_seconds") > last0
         assert metric("dlsched_history_archive_due_jobs") == 3
         assert await history.count() == 30
+        # pruning took the request ids of the jobs it deleted with them
+        async with history.engine.connect() as conn:
+            rows = (await conn.execute(sa.text("SELECT request_id, job_id FROM job_requests"))).all()
+        kept = {j.id for j in jobs[:10] if await history.get(j.id) is not None}
+        assert len(kept) < 9 and {r[1] for r in rows} == kept
     finally:
         await hub.stop()
         await client.delete_prefix(etcd_prefix.encode())
@@ -818,3 +834,81 @@ async def test_a_postgresql_that_is_down_is_unavailable_not_an_internal_error() 
                 await asyncio.wait_for(read, 60)
     finally:
         await store.close()
+
+
+# ---------------------------------------------------------------- request ids of archived jobs
+
+async def test_a_retried_submit_finds_its_archived_job_and_runs_nothing_twice(
+        etcd: EtcdServer, dsn: str, tmp_path: Any) -> None:
+    """A SubmitJob retried with the request_id of a job that ran, was archived
+    and whose etcd request key was swept answers that job (same uid), with or
+    without its job_id and whatever the clusters now; nothing new is stored or
+    run. Another principal's retry with that request_id is refused."""
+    from tests.test_cluster_manager import reason
+
+    st = Stack(etcd, f"/dlsched-hist-{uuid.uuid4().hex[:8]}/", jm_args=[
+        "--history-dsn", dsn, "--history-retention", "0", "--archive-interval", "0.3",
+        "--request-sweep-interval", "0.5"])
+    client = await connect(etcd.endpoint)
+    store = JobStore(client, st.prefix)
+    marker = tmp_path / "runs"
+    try:
+        st.start()
+        assert st.jm is not None
+        cluster = await st.register_local()
+        code = f"open({str(marker)!r}, 'a').write('ran\\n')"
+        spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+            job_pb2.ReplicaGroup(role="main", replicas=1, command=["python3", "-c", code])])
+        spec.cluster_selector.cluster = cluster
+        job_id, rid = f"r{uuid.uuid4().hex[:8]}", f"req-{uuid.uuid4().hex}"
+        async with security.channel(st.jm.address) as ch:
+            jm = pb_grpc.JobManagerServiceStub(ch)
+
+            async def submit(job_id: str = "", spec: job_pb2.JobSpec = spec,
+                             stub: pb_grpc.JobManagerServiceStub = jm) -> job_pb2.Job:
+                resp: pb.SubmitJobResponse = await stub.SubmitJob(pb.SubmitJobRequest(
+                    job_id=job_id, request_id=rid, spec=spec), timeout=60)
+                return resp.job
+            first = await submit(job_id)
+
+            async def archived() -> bool:
+                return job_id not in await etcd_ids(store)
+            await until(archived, what="the job ending and leaving etcd")
+            # Its request key may still be in etcd, or already swept: the same job
+            again = await submit()
+            assert again.uid == first.uid and again.state == job_pb2.JOB_STATE_SUCCEEDED
+
+            async def swept() -> bool:
+                return await store.request_job_id(rid) is None
+            await until(swept, what="the request key leaving etcd")
+            for retry in (await submit(), await submit(job_id)):
+                assert retry.name == first.name and retry.uid == first.uid
+                assert retry.state == job_pb2.JOB_STATE_SUCCEEDED
+            # whatever the clusters now: no cluster matches this one
+            nowhere = job_pb2.JobSpec()
+            nowhere.CopyFrom(spec)
+            nowhere.cluster_selector.cluster = "clusters/nowhere"
+            assert (await submit(spec=nowhere)).uid == first.uid
+
+            # another principal's retry with that request id: refused, never handed the job
+            acc = AccessClient(st.jm.address, channel=ch)
+            sa_name = f"hr{uuid.uuid4().hex[:6]}"
+            await acc.create_role_binding(f"sa:{sa_name}", "default", "member")
+            _, secret = await acc.create_api_token(sa_name)
+            async with security.user_channel(st.jm.address, secret) as och:
+                other = pb_grpc.JobManagerServiceStub(och)
+                for jid in ("", job_id):
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await submit(jid, stub=other)
+                    assert e.value.code() == grpc.StatusCode.ALREADY_EXISTS
+                    assert reason(e.value) == "REQUEST_ID_IN_USE"
+
+            # nothing new stored, nothing ran twice
+            assert await etcd_ids(store) == set()
+            assert await list_ids(jm) == [job_id]
+        await asyncio.sleep(2)  # a launch made by mistake would have run by now
+        assert marker.read_text() == "ran\n"
+    finally:
+        st.stop()
+        await client.delete_prefix(st.prefix.encode())
+        await client.close()

@@ -22,8 +22,11 @@ A round, every ``interval`` seconds:
    too, so a deleted job never comes back;
 4. every ``request_sweep_seconds``, deletes the request keys (SubmitJob's
    request_id → job id, made with the job) of jobs no longer in etcd as of
-   the round's proved revision, so they do not outgrow etcd either (a
-   SubmitJob retried with the request_id of an archived job makes a new job);
+   the round's proved revision, so they do not outgrow etcd either; first
+   the pairs (request id, job id) of archived jobs are committed to the
+   history (``put_requests``), a sweep before their keys go, so a SubmitJob
+   retried with the request_id of an archived job answers that job for as
+   long as the history keeps it (the scheduler looks there);
 5. prunes the history (``prune_max_age`` / ``prune_max_jobs``).
 
 Metrics (JobManager's /metrics): ``dlsched_history_jobs_archived_total``,
@@ -210,9 +213,18 @@ class Archiver:
                 deleted = await self.store.delete_request_key(key, mod)
             n += deleted  # after the await: concurrent callers each add theirs
 
+        n_prefix = len(self.store.requests_prefix)
         async for page in self.store.request_keys(proved):
-            gone = [(key, mod) for key, job_id, mod in page if self.cache.get(job_id) is None]
-            await asyncio.gather(*(one(k, m) for k, m in gone))
+            gone = {key[n_prefix:].decode(): (key, job_id, mod)
+                    for key, job_id, mod in page if self.cache.get(job_id) is None}
+            # An archived job's pair is committed to the history one sweep
+            # before its key goes: a retried SubmitJob that looked in the
+            # history just before the pair was there still finds the key
+            # (a whole sweep interval later). A deleted job's key goes now.
+            _, recorded_now = await self.history.put_requests(
+                (rid, job_id) for rid, (_, job_id, _) in gone.items())
+            await asyncio.gather(*(one(k, m) for rid, (k, _, m) in gone.items()
+                                   if rid not in recorded_now))
         self.stats.request_keys_swept += n
         return n
 

@@ -40,6 +40,7 @@ class HistoryOptions:
     interval_seconds: float = 30.0
     prune_max_age_seconds: float = 0.0
     prune_max_jobs: int = 0
+    request_sweep_seconds: float = 300.0
 
     @property
     def enabled(self) -> bool:
@@ -67,6 +68,10 @@ def add_history_flags(p: argparse.ArgumentParser) -> None:
                    help="at most this many archived jobs are kept, the oldest-ended go (0: all)")
     g.add_argument("--archive-interval", type=parse_duration, default=30.0,
                    help="how often the archiver looks for jobs to move (default 30s)")
+    g.add_argument("--request-sweep-interval", type=parse_duration, default=300.0,
+                   help="how often SubmitJob request ids of jobs gone from etcd leave etcd; an "
+                        "archived job's go to the history, where a retried SubmitJob finds "
+                        "its job (default 5m)")
 
 
 def history_options_from_args(a: argparse.Namespace, p: argparse.ArgumentParser) -> HistoryOptions:
@@ -79,11 +84,14 @@ def history_options_from_args(a: argparse.Namespace, p: argparse.ArgumentParser)
         p.error("--history-max-terminal and --history-max-jobs must be 0 (no bound) or more")
     if a.archive_interval <= 0:
         p.error("--archive-interval must be more than 0")
+    if a.request_sweep_interval <= 0:
+        p.error("--request-sweep-interval must be more than 0")
     return HistoryOptions(dsn=dsn, retention_seconds=a.history_retention,
                           max_terminal=a.history_max_terminal,
                           interval_seconds=a.archive_interval,
                           prune_max_age_seconds=a.history_max_age,
-                          prune_max_jobs=a.history_max_jobs)
+                          prune_max_jobs=a.history_max_jobs,
+                          request_sweep_seconds=a.request_sweep_interval)
 
 
 async def start_history(opts: HistoryOptions, client: aetcd.Client, store: JobStore,
@@ -103,7 +111,8 @@ async def start_history(opts: HistoryOptions, client: aetcd.Client, store: JobSt
     archiver = Archiver(store, cache, history, ArchiveConfig(
         retention_seconds=opts.retention_seconds, max_terminal=opts.max_terminal,
         interval_seconds=opts.interval_seconds, prune_max_age_seconds=opts.prune_max_age_seconds,
-        prune_max_jobs=opts.prune_max_jobs), holder_key=key, holder=identity,
+        prune_max_jobs=opts.prune_max_jobs, request_sweep_seconds=opts.request_sweep_seconds),
+        holder_key=key, holder=identity,
         wait_current=wait_current)
     leadership.start(archiver.run)
     return history, leadership

@@ -9,7 +9,7 @@ then ``id``: the watch cache's order, so one page token spans both),
 ``project`` is stored resolved (``default`` for a job without one), as
 access rules and filters read it. ``job_history_labels``: one row per label,
 with the job's ``create_us`` so a ``labels.KEY=VALUE`` page walks that
-label's index in listing order.
+label's index in listing order. ``job_requests``: see below.
 
 Every listing index is ``(column, create_us DESC, id)``: a keyset page is one
 index range, never an OFFSET.
@@ -44,6 +44,16 @@ labels = sa.Table(
     sa.Column("create_us", sa.BigInteger, nullable=False),
 )
 
+#: ``job_requests``: SubmitJob's request ids of archived jobs (request_id →
+#: job id), recorded by the archiver before it deletes their etcd request keys,
+#: so a SubmitJob retried after its job left etcd answers that job. Deleted
+#: with their job (``delete``, pruning).
+requests = sa.Table(
+    "job_requests", metadata,
+    sa.Column("request_id", sa.String(128), primary_key=True),
+    sa.Column("job_id", sa.String(128), nullable=False),
+)
+
 #: (name, table, columns): the migrations create exactly these
 INDEXES: list[tuple[str, str, list[str]]] = [
     ("ix_job_history_order", "job_history", ["create_us DESC", "id"]),
@@ -53,4 +63,5 @@ INDEXES: list[tuple[str, str, list[str]]] = [
     ("ix_job_history_owner", "job_history", ["owner", "create_us DESC", "id"]),
     ("ix_job_history_end", "job_history", ["end_us", "id"]),
     ("ix_job_history_labels_kv", "job_history_labels", ["key", "value", "create_us DESC", "job_id"]),
+    ("ix_job_requests_job", "job_requests", ["job_id"]),
 ]

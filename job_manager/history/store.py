@@ -16,7 +16,12 @@ columns, a positive ``labels.KEY=VALUE`` term walks the labels index, a
 
 Pruning deletes in batches (``prune_batch`` rows per statement, each its own
 short transaction through the writer), by age of ``end_us`` and/or a count
-of rows kept.
+of rows kept; a deleted job's labels and request ids go in the same
+transaction.
+
+``job_requests`` keeps SubmitJob's request ids of archived jobs
+(``put_requests``, by the archiver's request-key sweep;
+``job_for_request``), so a retried SubmitJob answers its archived job.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from job_manager.domain.model import Job, JobState
 from job_manager.history import migrate
 from job_manager.history.schema import jobs as T
 from job_manager.history.schema import labels as L
+from job_manager.history.schema import requests as R
 
 log = logging.getLogger("job_manager.history")
 
@@ -258,8 +264,35 @@ class HistoryStore:
             res = await conn.execute(T.delete().where(cond))
             if res.rowcount:
                 await conn.execute(L.delete().where(L.c.job_id == job_id))
+                await conn.execute(R.delete().where(R.c.job_id == job_id))
             return bool(res.rowcount)
         return bool(await self._write(go))
+
+    async def put_requests(self, pairs: Iterable[tuple[str, str]]) -> tuple[set[str], set[str]]:
+        """Record (request_id, job id) pairs whose job is archived here (an
+        idempotent upsert; a pair whose job is not here is skipped), committed
+        when this returns: (the request ids already recorded before, those
+        recorded now)."""
+        wanted = dict(pairs)
+        if not wanted:
+            return set(), set()
+        ins = self._insert(R)
+        upsert = ins.on_conflict_do_update(index_elements=[R.c.request_id],
+                                           set_={"job_id": ins.excluded.job_id})
+
+        async def go(conn: AsyncConnection) -> tuple[set[str], set[str]]:
+            before = {str(r[0]) for r in await conn.execute(
+                sa.select(R.c.request_id).where(R.c.request_id.in_(sorted(wanted))))}
+            ids = sorted({j for r, j in wanted.items() if r not in before})
+            here = {str(r[0]) for r in await conn.execute(
+                sa.select(T.c.id).where(T.c.id.in_(ids)))} if ids else set()
+            rows = [{"request_id": r, "job_id": j} for r, j in wanted.items()
+                    if r not in before and j in here]
+            if rows:
+                await conn.execute(upsert, rows)
+            return before, {r["request_id"] for r in rows}
+        before, now = await self._write(go)
+        return set(before), set(now)
 
     async def _delete_batch(self, cond: sa.ColumnElement[bool], limit: int) -> int:
         """Delete up to ``limit`` of the oldest-ended rows matching ``cond`` in one transaction."""
@@ -269,6 +302,7 @@ class HistoryStore:
             if not ids:
                 return 0
             await conn.execute(L.delete().where(L.c.job_id.in_(ids)))
+            await conn.execute(R.delete().where(R.c.job_id.in_(ids)))
             res = await conn.execute(T.delete().where(T.c.id.in_(ids)))
             return int(res.rowcount)
         return int(await self._write(go))
@@ -313,6 +347,18 @@ class HistoryStore:
         except _DOWN as e:
             raise _unavailable(e) from e
         return ArchivedJob(job_id, row[0], int(row[1])) if row is not None else None
+
+    async def job_for_request(self, request_id: str) -> ArchivedJob | None:
+        """The archived job a SubmitJob with ``request_id`` made, if recorded (``put_requests``)."""
+        try:
+            async with self.engine.connect() as conn:
+                row = (await conn.execute(
+                    sa.select(T.c.id, T.c.data, T.c.revision)
+                    .select_from(R.join(T, T.c.id == R.c.job_id))
+                    .where(R.c.request_id == request_id))).first()
+        except _DOWN as e:
+            raise _unavailable(e) from e
+        return ArchivedJob(str(row[0]), row[1], int(row[2])) if row is not None else None
 
     async def select(self, flt: Filter, p: Principal | None, after: SortKey | None,
                      limit: int) -> list[ArchivedJob]:
