@@ -27,6 +27,10 @@ tokens as in the tests) and measures:
   ClusterManager; SubmitJob -> backend id (WatchJobs) one for one interleaved
   with a bare ``sbatch --parsable`` of the same script on a persistent asyncssh
   connection. Target: p50 <= 1.2x.
+
+``BENCH_JM_ARGS`` adds JobManager flags, e.g. ``--data-dir DIR`` (the job
+history on, as under ``dlsched up``: a retried submit's request id is also
+looked up there).
 """
 
 from __future__ import annotations
@@ -335,7 +339,8 @@ async def run(args: argparse.Namespace) -> int:
     sec = security.install()
     etcd = EtcdServer().start()
     stack = Stack(etcd, f"/dlsched-bench-submit-{uuid.uuid4().hex[:6]}/",
-                  jm_args=["--metrics-listen", "127.0.0.1:0"], cm_args=["--driver-timeout", "300"])
+                  jm_args=["--metrics-listen", "127.0.0.1:0", *os.environ.get("BENCH_JM_ARGS", "").split()],
+                  cm_args=["--driver-timeout", "300"])
     slurm: tuple[list[float], list[float], list[float]] | None = None
     try:
         stack.start()
