@@ -160,14 +160,23 @@ class Scheduler:
         ``LaunchQueued``). ``spec.project`` is already resolved and allowed for
         ``owner`` (the servicer asks ``Principal.resolve_project``)."""
         validate_submit(job_id, spec, request_id, spec_bytes)
-        if request_id and not dry_run and self.history is not None:
-            # Its job archived and its request key swept: the history has the pair.
-            archived = await self._archived(request_id, owner)
-            if archived is not None:
-                return archived, None
+        # Its job archived and its request key swept: the history has the pair. Looked up
+        # beside the match (one round trip, not two), answered before anything is stored.
+        early = (asyncio.ensure_future(self._archived(request_id, owner))
+                 if request_id and not dry_run and self.history is not None else None)
+        try:
+            return await self._submit(job_id, spec, request_id, dry_run, owner, early)
+        finally:
+            if early is not None and not early.done():
+                early.cancel()  # the match failed otherwise than DlschedError, or the call left
+
+    async def _submit(self, job_id: str, spec: JobSpec, request_id: str, dry_run: bool, owner: str,
+                      early: asyncio.Future[Job | None] | None) -> tuple[Job, DryRun | None]:
         try:
             candidates = await self.cm.match(spec)
         except errors.DlschedError:
+            if early is not None and (archived := await early) is not None:
+                return archived, None
             # A retried request whose job exists answers that job, whatever the clusters
             # now (none matching, ClusterManager unreachable).
             seen = await self.store.job_for_request(request_id) if request_id and not dry_run else None
@@ -176,6 +185,8 @@ class Scheduler:
             if seen is None:
                 raise
             return await self._after_duplicate(seen, owner), None
+        if early is not None and (archived := await early) is not None:
+            return archived, None
         chosen = next((c for c in candidates if c.eligible), None)
         if chosen is None:
             raise NoMatchingCluster(
