@@ -284,12 +284,15 @@ class ClusterOwnership:
                 await asyncio.shield(lease.revoke())
 
     async def _round(self) -> None:
-        members = sorted(kv.key[len(self.members_prefix):].decode()
-                         for kv in await self._client.get_prefix(self.members_prefix, keys_only=True))
-        owners = {kv.key[len(self.owners_prefix):].decode(): kv
-                  for kv in await self._client.get_prefix(self.owners_prefix)}
-        self._members = members
+        # The keys are read under the lock claim() takes: a cluster claimed by a SubmitJob
+        # between this read and the checks below would look "lost" (its key not in the
+        # read), be dropped, and, its key still ours, never be claimed again.
         async with self._lock:
+            members = sorted(kv.key[len(self.members_prefix):].decode()
+                             for kv in await self._client.get_prefix(self.members_prefix, keys_only=True))
+            owners = {kv.key[len(self.owners_prefix):].decode(): kv
+                      for kv in await self._client.get_prefix(self.owners_prefix)}
+            self._members = members
             for cluster in list(self._held):
                 kv = owners.get(cluster)
                 if kv is None or kv.mod_revision != self._held[cluster].fence.revision:
