@@ -323,3 +323,12 @@ def test_environment_matches_golden_record(name):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(got)
     assert got == path.read_text()
+
+
+def test_free_ports_never_answer_one_port_twice() -> None:
+    """A job's rendezvous ports come from one call: binding and releasing one port at a time lets the
+    kernel hand a port just freed to the next bind (a Ray PS job once got two tasks on one port)."""
+    from drivers.common.ports import free_ports
+
+    got = free_ports(2000, "127.0.0.1")
+    assert len(set(got)) == 2000 and all(0 < p < 65536 for p in got)

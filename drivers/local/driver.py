@@ -86,6 +86,7 @@ from drivers.common.base import (
 from drivers.common.convert import ID_RE
 from drivers.common.launches import Known
 from drivers.common.planner import ALL_RUN_MODES, DEFAULT_MASTER_PORT, TORCH_MODES, assign_gpus
+from drivers.common.ports import free_ports
 from drivers.common.skeleton import BackendDriver
 from drivers.local import attempt, logs, render, states, usage
 from drivers.local.machine import JobMachine
@@ -153,20 +154,6 @@ class _Cluster:
     options: Mapping[str, str]
 
 
-def _free_ports(n: int) -> list[int]:
-    """``n`` distinct free ports (all bound at once, then released)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            socks.append(s)
-            s.bind((render.LOCAL_HOST, 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
     name = "local"
     supports_logs = True
@@ -232,7 +219,7 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
         spec = request.spec
         keys = [(g.role, r) for g in spec.replica_groups for r in range(g.replicas)
                 if spec.run_mode is RunMode.PS_WORKER and g.role != "evaluator"]
-        free = _free_ports(len(keys) + 1)
+        free = free_ports(len(keys) + 1, render.LOCAL_HOST)
         master_port = free[0] if spec.run_mode in TORCH_MODES else DEFAULT_MASTER_PORT
         return request.plan(master_port=master_port, ports=dict(zip(keys, free[1:], strict=True)),
                             gpus=await self._assign_gpus(spec))

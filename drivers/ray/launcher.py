@@ -8,8 +8,10 @@ them, so every run mode sees the same environment as on any other backend.
   entrypoint's node, ``MASTER_ADDR`` 127.0.0.1 and a free ``MASTER_PORT``.
 - ``placement-group`` (MASTER_WORKER, PS_WORKER): one bundle per replica
   (its CPUs, or 0.1 when it names none; its GPUs and memory) in a placement
-  group; a probe task per bundle reports its node's id and a free port
-  there; each replica's host is the address Ray registered that node with
+  group; a probe task per bundle reports its node's id, then one task per
+  node picks that node's ports all at once (``drivers.common.ports``: a
+  replica's port and, on bundle 0's node, ``MASTER_PORT``; never the same
+  port twice in one job); each replica's host is the address Ray registered that node with
   (``ray.nodes()`` ``NodeManagerAddress``, not what the probe's own
   interface lookup would pick); the plan is made with those placements; one
   task per replica runs that replica's processes. This module imports
@@ -42,7 +44,6 @@ import ctypes
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -53,6 +54,7 @@ from typing import Any
 
 from drivers.common import planner
 from drivers.common.base import JobSpec
+from drivers.common.ports import free_ports
 from drivers.ray import layout, render
 from drivers.ray.sampler import Sampler
 
@@ -61,12 +63,6 @@ SAMPLE_SECONDS = 1.0
 FIRST_SAMPLE_SECONDS = 0.1
 CHUNK = 1 << 16
 MAX_LINE = 1 << 16  # a longer line without a newline is written in pieces
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:
@@ -269,9 +265,11 @@ def _exit_noter(outputs: Outputs) -> Callable[[planner.ProcessLaunch, int, bool]
 
 
 def run_local(job: dict[str, Any], spec: JobSpec, stop: threading.Event) -> int:
-    ports = {(g.role, r): _free_port() for g in spec.replica_groups for r in range(g.replicas)}
-    placements = [planner.Placement(role, r, render.LOCAL_HOST, 0, ports[(role, r)]) for role, r in _layout(spec)]
-    plan = planner.plan_job(job["job_id"], spec, placements, master_port=_free_port())
+    layout_ = _layout(spec)
+    *ports, master_port = free_ports(len(layout_) + 1)
+    placements = [planner.Placement(role, r, render.LOCAL_HOST, 0, port)
+                  for (role, r), port in zip(layout_, ports, strict=True)]
+    plan = planner.plan_job(job["job_id"], spec, placements, master_port=master_port)
     decisive = plan.success.decisive_roles
     outputs = Outputs(ray_logs_dir(), job["submission_id"])
     outputs.prepare()
@@ -316,20 +314,37 @@ def run_placement_group(job: dict[str, Any], spec: JobSpec) -> int:  # pragma: n
         return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
 
     @ray.remote(num_cpus=0)
-    def probe() -> tuple[str, int, int]:
-        from drivers.ray import launcher
+    def probe() -> str:
+        return str(ray.get_runtime_context().get_node_id())
 
-        return ray.get_runtime_context().get_node_id(), launcher._free_port(), launcher._free_port()
+    @ray.remote(num_cpus=0)
+    def ports_on_node(n: int) -> list[int]:
+        from drivers.common.ports import free_ports as free
 
-    found = ray.get([probe.options(scheduling_strategy=in_bundle(i)).remote() for i in range(len(layout_))])
+        return free(n)
+
+    node_ids: list[str] = ray.get([probe.options(scheduling_strategy=in_bundle(i)).remote() for i in range(len(layout_))])
+    # One port call per node, so a node's ports are distinct; the master's port on bundle 0's node.
+    bundles_on: dict[str, list[int]] = {}
+    for i, nid in enumerate(node_ids):
+        bundles_on.setdefault(nid, []).append(i)
+    asked = {nid: len(idx) + (nid == node_ids[0]) for nid, idx in bundles_on.items()}
+    answers: list[list[int]] = ray.get([ports_on_node.options(scheduling_strategy=in_bundle(idx[0])).remote(asked[nid])
+                                        for nid, idx in bundles_on.items()])
+    port_of: dict[int, int] = {}
+    master_port = 0
+    for (nid, idx), got in zip(bundles_on.items(), answers, strict=True):
+        if nid == node_ids[0]:
+            master_port = got.pop()
+        port_of.update(zip(idx, got, strict=True))
     registered = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}  # type: ignore[no-untyped-call]
     node_rank: dict[str, int] = {}
     placements = []
-    for (role, r), (node_id, port, _) in zip(layout_, found, strict=True):
+    for i, ((role, r), node_id) in enumerate(zip(layout_, node_ids, strict=True)):
         node_rank.setdefault(node_id, len(node_rank))
-        placements.append(planner.Placement(role, r, registered[node_id], node_rank[node_id], port))
-    plan = planner.plan_job(job["job_id"], spec, placements, master_port=found[0][2])
-    node_of = {(role, r): node_id for (role, r), (node_id, _, _) in zip(layout_, found, strict=True)}
+        placements.append(planner.Placement(role, r, registered[node_id], node_rank[node_id], port_of[i]))
+    plan = planner.plan_job(job["job_id"], spec, placements, master_port=master_port)
+    node_of = dict(zip(layout_, node_ids, strict=True))
     for p in plan.processes:
         nid = node_of[(p.role, p.replica_index)]
         outputs.note({"role": p.role, "index": p.slot_index, "node_id": nid, "host": registered[nid]})
