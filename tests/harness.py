@@ -35,10 +35,19 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+_handed: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port this test process has not handed out before (the kernel may give a port
+    just released to the next ``bind(0)``: two fixtures must not get the same one)."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed:
+            _handed.add(port)
+            return port
 
 
 class EtcdServer:

@@ -29,14 +29,10 @@ import subprocess
 import tempfile
 import time
 
+from tests.harness import free_port
+
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sinfo", "/usr/sbin/sshd",
             "ssh-keygen")
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def available() -> str:
