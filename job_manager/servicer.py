@@ -377,6 +377,9 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                     yield pb.WatchJobsResponse(type=job_pb2.WATCH_EVENT_TYPE_HEARTBEAT,
                                                resume_token=at)
                     continue
+                if ev.archived:  # moved to the history: the job still exists, unchanged
+                    at = encode_token(ev.revision)
+                    continue
                 resp = _response(ev)
                 at = resp.resume_token
                 # The caller as of now: a revoked or expired token ends the

@@ -109,6 +109,13 @@ class Fence:
             self.on_write(self.cluster, result)
 
 
+def archived_mark_key(prefix: str) -> bytes:
+    """The key the archiver writes (the job's id) in the transaction that deletes an
+    archived job's key, so watches tell an archived job from a deleted one. Inside
+    the watch hub's range (``jobs.sync`` up to the end of ``jobs/``)."""
+    return f"{prefix}jobs.sync.archived".encode()
+
+
 def _prefix_end(prefix: bytes) -> bytes:
     b = bytearray(prefix)
     for i in range(len(b) - 1, -1, -1):
@@ -127,6 +134,7 @@ class JobStore:
         self.prefix = prefix
         self.jobs_prefix = f"{prefix}jobs/".encode()
         self.requests_prefix = f"{prefix}job-requests/".encode()
+        self.archived_mark_key = archived_mark_key(prefix)
         self._timeout = timeout
         self._clock = clock
 
@@ -392,8 +400,10 @@ class JobStore:
         key = self.job_key(job_id)
         value_cmp = rpc.Compare(key=holder_key, result=rpc.Compare.EQUAL,
                                 target=rpc.Compare.VALUE, value=holder)
+        # The mark first: a watch sees it, then the delete it explains, at one revision.
+        mark = self._put(self.archived_mark_key, job_id.encode())
         op = rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))
-        resp = await self._txn([self._cmp(key, "mod", revision), value_cmp], [op],
+        resp = await self._txn([self._cmp(key, "mod", revision), value_cmp], [mark, op],
                                [self._range(holder_key), self._range(key)])
         if resp.succeeded:
             return "deleted"

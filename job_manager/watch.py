@@ -60,6 +60,7 @@ from dlsched.kit import tokens
 from dlsched.kit.etcd import EtcdClient, WatchProgress, progress_exact
 from job_manager.convert import job_from_bytes
 from job_manager.domain.model import Job
+from job_manager.store import archived_mark_key
 
 if TYPE_CHECKING:
     from job_manager.cache import JobCache
@@ -157,15 +158,18 @@ def _retrieve(fut: asyncio.Future[int]) -> None:
 class JobEvent:
     """One job event; the job is decoded from ``data`` once, when first asked for."""
 
-    __slots__ = ("_job", "data", "job_id", "job_revision", "memo", "revision", "type")
+    __slots__ = ("_job", "archived", "data", "job_id", "job_revision", "memo", "revision", "type")
 
     def __init__(self, revision: int, type: EventType, job_id: str, data: bytes,
-                 job_revision: int) -> None:
+                 job_revision: int, archived: bool = False) -> None:
         self.revision = revision
         self.type = type
         self.job_id = job_id
         self.data = data  # the job as stored (DELETED: as it was last)
         self.job_revision = job_revision  # its etag's revision
+        # DELETED because the archiver moved the job to the history (it still
+        # exists): the cache drops it, WatchJobs sends nothing for it.
+        self.archived = archived
         self._job: Job | None = None
         # What the servicer sends for this event, built once for every stream
         # (not kept in the buffer: ``compact`` drops it).
@@ -186,7 +190,7 @@ class JobEvent:
 
     def compact(self) -> JobEvent:
         """This event without its decoded job (what the buffer keeps)."""
-        return JobEvent(self.revision, self.type, self.job_id, self.data, self.job_revision)
+        return JobEvent(self.revision, self.type, self.job_id, self.data, self.job_revision, self.archived)
 
 
 class Subscription:
@@ -309,6 +313,8 @@ class WatchHub:
         self._start_error: BaseException | None = None
         # consistent reads: see the module's doc
         self._sync_key = f"{prefix}jobs.sync".encode()
+        self._archived_mark = archived_mark_key(prefix)
+        self._archiving: tuple[int, bytes] = (0, b"")  # the last mark: its revision, the job id
         self._consistent = consistent_reads  # False: wait_current answers at once
         self._can_progress = isinstance(client, EtcdClient) and cache is not None
         # etcd sends a progress answer after the events it covers (None: ask its version)
@@ -465,11 +471,14 @@ class WatchHub:
 
     def _on_event(self, ev: aetcd.rtypes.Event) -> None:
         rev = int(ev.kv.mod_revision)
-        if not ev.kv.key.startswith(self._key):  # the sync key: every job event before it is here
-            if self.cache is not None:
+        if not ev.kv.key.startswith(self._key):
+            if ev.kv.key == self._archived_mark:  # the delete at this revision archives the job
+                self._archiving = (rev, ev.kv.value)
+            elif self.cache is not None:  # the sync key: every job event before it is here
                 self.cache.confirm(rev)
             return
-        job_id = ev.kv.key[len(self._key):].decode()
+        raw_id = ev.kv.key[len(self._key):]
+        job_id = raw_id.decode()
         deleted = ev.kind == "DELETE"
         if self.cache is not None:
             self.cache.apply(rev, job_id, None if deleted else ev.kv.value)
@@ -478,7 +487,8 @@ class WatchHub:
         if deleted:
             prev = ev.prev_kv
             je = JobEvent(rev, EventType.DELETED, job_id, prev.value if prev is not None else b"",
-                          int(prev.mod_revision) if prev is not None else 0)
+                          int(prev.mod_revision) if prev is not None else 0,
+                          archived=self._archiving == (rev, raw_id))
         else:
             etype = EventType.CREATED if ev.kv.version == 1 else EventType.UPDATED
             je = JobEvent(rev, etype, job_id, ev.kv.value, rev)

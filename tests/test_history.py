@@ -798,6 +798,27 @@ async def test_an_archived_job_answers_stop_logs_and_usage(etcd: EtcdServer, dsn
                                           '"2026-01-01T00:00:00.004Z"', 1) == [a, ghost.id]
                 assert await list_ids(jm, f'create_time > "{cut}"', 1) == [
                     c.name.removeprefix("jobs/"), b.name.removeprefix("jobs/")]
+
+                # Archiving is no deletion: B and C move to the history and their
+                # watchers hear nothing of it; a job deleted from etcd is DELETED
+                archived_ids = {b.name.removeprefix("jobs/"), c.name.removeprefix("jobs/")}
+
+                async def both_archived() -> bool:
+                    return not archived_ids & await etcd_ids(store)
+                await until(both_archived, what="B and C leaving etcd")
+                gone = make(12, state=JobState.RUNNING, cluster="clusters/ghost",
+                            created=datetime.now(UTC))
+                gone.id = f"d{uuid.uuid4().hex[:8]}"
+                await put_jobs(client, st.prefix, [gone])
+                assert await store.delete(gone.id) is not None
+                rest: list[pb.WatchJobsResponse] = []
+                while not any(r.type == job_pb2.WATCH_EVENT_TYPE_DELETED for r in rest):
+                    rest += await events(newer, 1)
+                assert [(r.type, r.job.name) for r in rest][-2:] == [
+                    (job_pb2.WATCH_EVENT_TYPE_CREATED, gone.name),
+                    (job_pb2.WATCH_EVENT_TYPE_DELETED, gone.name)], rest
+                assert {r.job.name for r in rest[:-2]} <= {b.name, c.name}
+                assert all(r.type == job_pb2.WATCH_EVENT_TYPE_UPDATED for r in rest[:-2])
             finally:
                 newer.cancel()
                 older.cancel()

@@ -172,6 +172,9 @@ class JobManagerServiceServicer:
         server sends a HEARTBEAT event: no job, only the current resume_token.
         Clients ignore it (keeping its token is allowed); it is never part of the
         snapshot and says nothing about any job.
+        The stream covers live jobs: a finished job the job history takes over
+        (past the server's retention) leaves it without an event, since it still
+        exists (GetJob and ListJobs answer it), and is not in later snapshots.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
