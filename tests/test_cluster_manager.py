@@ -336,11 +336,18 @@ async def test_update_applies_masked_fields_and_checks_etag(
     e = await rpc_error(stub.UpdateCluster(pb.UpdateClusterRequest(
         cluster=body, update_mask=field_mask_pb2.FieldMask(paths=["labels"]), etag=made.etag)))
     assert e.code() == grpc.StatusCode.ABORTED
-    current = (await stub.GetCluster(pb.GetClusterRequest(name="clusters/upd"))).cluster
     body2 = cluster_pb2.Cluster(name="clusters/upd", options={"partition": "gpu"})
-    resp = await stub.UpdateCluster(pb.UpdateClusterRequest(
-        cluster=body2, update_mask=field_mask_pb2.FieldMask(paths=["options"]),
-        etag=current.etag))
+    for _ in range(20):  # the health checker writes the cluster's state too: re-read and retry
+        current = (await stub.GetCluster(pb.GetClusterRequest(name="clusters/upd"))).cluster
+        try:
+            resp = await stub.UpdateCluster(pb.UpdateClusterRequest(
+                cluster=body2, update_mask=field_mask_pb2.FieldMask(paths=["options"]),
+                etag=current.etag))
+            break
+        except grpc.aio.AioRpcError as err:
+            assert err.code() == grpc.StatusCode.ABORTED, err
+    else:
+        raise AssertionError("UpdateCluster with the current etag kept being ABORTED")
     assert dict(resp.cluster.options) == {"partition": "gpu"}
     assert dict(resp.cluster.labels) == {"team": "web"}
 
