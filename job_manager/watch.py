@@ -197,9 +197,14 @@ class Subscription:
     """One subscriber's bounded queue of events with revision > ``after``.
 
     Small while idle (thousands are): no queue until an event comes, and a
-    future only while its reader waits."""
+    future only while its reader waits. The ``next_within`` deadline is one
+    timer per subscription, armed while the reader waits for the first time
+    and moved lazily: an event only notes the time, and the timer, when it
+    goes off early, sets itself again for the deadline then due (one timer
+    per idle period, not one per event: fan-out to thousands stays cheap)."""
 
-    __slots__ = ("_error", "_fired", "_hub", "_items", "_limit", "_waiter", "after")
+    __slots__ = ("_active", "_error", "_fired", "_hub", "_items", "_limit", "_timer", "_waiter",
+                 "_within", "after")
 
     def __init__(self, hub: WatchHub, after: int, limit: int) -> None:
         self._hub = hub
@@ -209,6 +214,9 @@ class Subscription:
         self._waiter: asyncio.Future[None] | None = None
         self._error: DlschedError | None = None
         self._fired = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._within = 0.0
+        self._active = 0.0  # loop time the current wait began
 
     def _wake(self) -> None:
         w = self._waiter
@@ -248,42 +256,50 @@ class Subscription:
 
     async def next_within(self, within: float | None) -> JobEvent | None:
         """The next event; None when none came within ``within`` seconds (None: wait on)."""
-        timer: asyncio.TimerHandle | None = None
+        loop = asyncio.get_running_loop()
         self._fired = False
-        try:
-            while True:
-                items = self._items
-                if items:
-                    ev = items.popleft()
-                    if not items:
-                        self._items = None  # an idle subscription keeps no queue
-                    if ev.revision > self.after:
-                        self.after = ev.revision
-                        return ev
-                    continue
-                if self._error is not None:
-                    raise self._error
-                if self._fired:
-                    return None
-                loop = asyncio.get_running_loop()
-                if within is not None and within > 0 and timer is None:
-                    # a timer, not wait_for: no task per wait, for thousands of idle streams
-                    timer = loop.call_later(within, self._timed_out)
-                self._waiter = loop.create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
-        finally:
-            if timer is not None:
-                timer.cancel()
+        self._active = loop.time()
+        self._within = within if within is not None and within > 0 else 0.0
+        while True:
+            items = self._items
+            if items:
+                ev = items.popleft()
+                if not items:
+                    self._items = None  # an idle subscription keeps no queue
+                if ev.revision > self.after:
+                    self.after = ev.revision
+                    return ev
+                continue
+            if self._error is not None:
+                raise self._error
+            if self._fired:
+                return None
+            if self._within and self._timer is None:
+                self._timer = loop.call_at(self._active + self._within, self._timed_out)
+            self._waiter = loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
 
     def _timed_out(self) -> None:
-        self._fired = True
-        self._wake()
+        self._timer = None
+        if not self._within:
+            return
+        due = self._active + self._within
+        loop = asyncio.get_running_loop()
+        if loop.time() < due:  # events came meanwhile: the wait began later
+            self._timer = loop.call_at(due, self._timed_out)
+            return
+        if self._waiter is not None:  # the reader waits: the deadline is its own
+            self._fired = True
+            self._wake()
 
     def close(self) -> None:
         self._hub._subs.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class WatchHub:

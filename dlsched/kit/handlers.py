@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -52,15 +52,19 @@ def tolerant(deserializer: Any) -> Any:
     return decode
 
 
-async def responses(result: Any) -> AsyncIterator[Any]:
+def responses(result: Any) -> AsyncIterator[Any]:
     """The messages of a server-streaming handler's result, whatever its shape:
-    an async generator (yields them), a coroutine that writes with
-    ``context.write()`` and returns None (grpc_health's ``Watch``; its writes go
-    out as it runs, nothing is yielded here), or a plain iterator."""
+    an async iterator (itself: no extra layer per message for each interceptor
+    that wraps a stream), a coroutine that writes with ``context.write()`` and
+    returns None (grpc_health's ``Watch``; its writes go out as it runs,
+    nothing is yielded here), or a plain iterator."""
     if hasattr(result, "__aiter__"):
-        async for item in result:
-            yield item
-    elif inspect.isawaitable(result):
+        return cast(AsyncIterator[Any], result.__aiter__())
+    return _other_responses(result)
+
+
+async def _other_responses(result: Any) -> AsyncIterator[Any]:
+    if inspect.isawaitable(result):
         await result
     elif result is not None:
         for item in result:

@@ -245,7 +245,9 @@ class Drain(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untype
                         yield item
                 finally:
                     self._drained.discard(task)
-                    await source.aclose()  # the handler's own finally runs here (if not yet)
+                    aclose = getattr(source, "aclose", None)  # an async generator's (not any iterator's)
+                    if aclose is not None:
+                        await aclose()  # the handler's own finally runs here (if not yet)
                 await _shutting_down(context)
 
             return rewrap(handler, unary_stream=unary_stream)
