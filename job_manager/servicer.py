@@ -371,11 +371,14 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                 yield pb.WatchJobsResponse(type=job_pb2.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE,
                                            resume_token=token)
             every = self.heartbeat_seconds if self.heartbeat_seconds > 0 else None
+            loop = asyncio.get_running_loop()
+            sent = loop.time()  # events filtered out send nothing: the heartbeat counts from here
             while True:
-                ev = await sub.next_within(every)
+                ev = await sub.next_within(every, sent)
                 if ev is None:
                     yield pb.WatchJobsResponse(type=job_pb2.WATCH_EVENT_TYPE_HEARTBEAT,
                                                resume_token=at)
+                    sent = loop.time()
                     continue
                 if ev.archived:  # moved to the history: the job still exists, unchanged
                     at = encode_token(ev.revision)
@@ -387,6 +390,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                 p = p.current()
                 if access.may_read(p, ev.job) and flt.matches(ev.job):
                     yield resp
+                    sent = loop.time()
         finally:
             sub.close()
 

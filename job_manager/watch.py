@@ -254,11 +254,12 @@ class Subscription:
         assert ev is not None
         return ev
 
-    async def next_within(self, within: float | None) -> JobEvent | None:
-        """The next event; None when none came within ``within`` seconds (None: wait on)."""
+    async def next_within(self, within: float | None, since: float | None = None) -> JobEvent | None:
+        """The next event; None when none came within ``within`` seconds (None: wait on) of
+        ``since`` (a loop time: when the reader last sent something; default now)."""
         loop = asyncio.get_running_loop()
         self._fired = False
-        self._active = loop.time()
+        self._active = loop.time() if since is None else since
         self._within = within if within is not None and within > 0 else 0.0
         while True:
             items = self._items

@@ -340,3 +340,37 @@ async def test_heartbeats_keep_quiet_streams_open_through_an_idle_cutting_proxy(
                     break
                 resumed.append(_key(ev))
         assert resumed[:len(after)] == after and after, (resumed, after)
+
+
+async def test_a_watch_whose_filter_drops_every_event_still_gets_heartbeats(
+        services: Services, cm_registered: str) -> None:
+    """Events a stream filters out send nothing, so they must not postpone its heartbeat:
+    while other jobs change more often than every HEARTBEAT seconds, a watcher of a label no
+    job has still hears from the server within a few heartbeat periods."""
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+        job_pb2.ReplicaGroup(role="main", replicas=1, command=["true"])])
+    async with security.channel(services.jm_on.address) as ch:
+        stub = pb_grpc.JobManagerServiceStub(ch)
+        stop = asyncio.Event()
+
+        async def churn() -> int:  # a job change every ~0.3 s, none the watcher sees
+            n = 0
+            while not stop.is_set():
+                await stub.SubmitJob(pb.SubmitJobRequest(spec=spec, request_id=uuid.uuid4().hex))
+                n += 1
+                await asyncio.sleep(0.3)
+            return n
+
+        call = stub.WatchJobs(pb.WatchJobsRequest(filter="labels.nobody=has-this"))
+        first = await call.read()
+        assert first.type == job_pb2.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE
+        churning = asyncio.create_task(churn())
+        try:
+            async with asyncio.timeout(DEADLINE):
+                beat = await call.read()
+            assert beat.type == job_pb2.WATCH_EVENT_TYPE_HEARTBEAT and beat.resume_token
+        finally:
+            stop.set()
+            call.cancel()
+            submitted = await churning
+        assert submitted >= 2  # jobs did change meanwhile
