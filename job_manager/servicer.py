@@ -407,8 +407,10 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                 raise
             return archived.job()
 
-    async def _launched(self, name: str, follow: bool) -> Job | None:
+    async def _launched(self, name: str, follow: bool, resumed: LogCursor | None) -> Job | None:
         job = await self._readable(name)
+        if resumed is not None and resumed.job_uid != job.uid:  # before any wait for a launch
+            raise InvalidArgument.for_field(CURSOR_FIELD, f"not a cursor of {job.name}")
         if not job.launched:
             if not follow or job.state.is_terminal():
                 return None
@@ -439,7 +441,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
 
     async def _log_batches(self, request: pb.StreamJobLogsRequest, resumed: LogCursor | None,
                            at: _LogPosition) -> AsyncGenerator[pb.StreamJobLogsResponse, None]:
-        job = await self._launched(request.name, request.follow)
+        job = await self._launched(request.name, request.follow, resumed)
         if job is None:
             return
         p = caller()
@@ -448,8 +450,6 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         if resumed is None:
             cursor = LogCursor(job.uid)
         else:
-            if resumed.job_uid != job.uid:
-                raise InvalidArgument.for_field(CURSOR_FIELD, f"not a cursor of {job.name}")
             cursor, skip = resumed, Skipper(resumed)
             if resumed.attempt and resumed.attempt != job.backend_job_id:
                 # Finish the attempt the stream was on, then go on as it would have.

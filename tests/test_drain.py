@@ -314,6 +314,39 @@ async def test_a_bad_cursor_is_invalid_argument(stack: Stack, cluster: str) -> N
             assert rpc_status.from_call(ei.value) is not None
 
 
+async def test_a_foreign_cursor_is_refused_before_the_job_launches(stack: Stack, etcd: EtcdServer) -> None:
+    """A job not launched yet (PENDING on a cluster nobody runs) still refuses another
+    job's cursor, followed or not, instead of ending or waiting for the launch."""
+    from datetime import UTC, datetime
+
+    from dlsched.kit.etcd import connect
+    from job_manager.domain.model import Job, JobSpec, JobState, ReplicaGroup
+    from tests.test_watch_cache import put_jobs
+
+    assert stack.jm is not None
+    now = datetime.now(UTC)
+    pending = Job(id=f"p{uuid.uuid4().hex[:8]}", uid=uuid.uuid4().hex, state=JobState.PENDING,
+                  cluster="clusters/nobody-runs-this", attempt=0, create_time=now, update_time=now,
+                  owner="admin", spec=JobSpec(run_mode=1, replica_groups=[
+                      ReplicaGroup(role="main", replicas=1, command=["true"])]))
+    client = await connect(etcd.endpoint)
+    try:
+        await put_jobs(client, stack.prefix, [pending])
+    finally:
+        await client.close()
+    foreign = LogCursor(uuid.uuid4().hex).encode()
+    async with security.channel(stack.jm.address) as ch:
+        stub = pb_grpc.JobManagerServiceStub(ch)
+        for follow in (False, True):
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                async with asyncio.timeout(60):
+                    async for _ in stub.StreamJobLogs(pb.StreamJobLogsRequest(
+                            name=f"jobs/{pending.id}", resume_cursor=foreign, follow=follow)):
+                        pass
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, follow
+            assert [v.field for v in field_violations(ei.value)] == ["resume_cursor"]
+
+
 async def test_resume_from_each_cursor_gives_exactly_the_rest(stack: Stack, cluster: str) -> None:
     """Without any shutdown: a stream resumed from any response's cursor
     (heartbeats included) sends exactly the lines after it."""
