@@ -20,7 +20,7 @@ import grpc
 from dlsched.auth.audit import AuditLog, is_mutating, object_of
 from dlsched.auth.model import Principal
 from dlsched.errors import DlschedError, Internal, PermissionDenied, Unauthenticated
-from dlsched.kit.handlers import responses, rewrap
+from dlsched.kit.handlers import WrappingInterceptor, responses, rewrap
 from dlsched.kit.tls import peer_identities
 
 PUBLIC_SERVICES = frozenset({
@@ -49,12 +49,13 @@ def _authorization(context: grpc.aio.ServicerContext) -> str | None:
     return None
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+class AuthInterceptor(WrappingInterceptor):
     """Authenticates every non-public call with ``authenticate``; with
     ``control_plane_only`` (drivers) only control-plane principals pass."""
 
     def __init__(self, authenticate: Authenticate, *, control_plane_only: bool = False,
                  audit: AuditLog | None = None) -> None:
+        super().__init__()
         self._authenticate = authenticate
         # Only drivers ask for client certificates; elsewhere there is none to read.
         self._control_plane_only = control_plane_only
@@ -76,20 +77,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc
                                    metadata={"principal": p.name})
         return p
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        if handler is None:
-            return handler
-        service = details.method.lstrip("/").split("/", 1)[0]
+    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        service = method.lstrip("/").split("/", 1)[0]
         if service in PUBLIC_SERVICES:
             return handler
 
-        audit = self._audit if is_mutating(details.method) else None
-        method = details.method
+        audit = self._audit if is_mutating(method) else None
         if handler.unary_unary:
             inner_uu = handler.unary_unary
 

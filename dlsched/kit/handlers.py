@@ -4,7 +4,7 @@ and the same (de)serializers."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, cast
 
 import grpc
@@ -25,6 +25,41 @@ def rewrap(handler: grpc.RpcMethodHandler, *, unary_unary: Any = None,
             unary_stream, request_deserializer=deser,
             response_serializer=handler.response_serializer)
     return handler
+
+
+class WrappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+    """A server interceptor whose wrapped handler depends on the method and the inner
+    handler only, so it is built once per method and reused by every call (gRPC asks
+    each interceptor for the handler on every call; building closures and handler
+    tuples each time cost more than the wrapping itself). ``wrap`` builds it."""
+
+    #: more distinct (method, handler) pairs than any service has: a bound, not a limit
+    MAX_WRAPPED = 1024
+
+    def __init__(self) -> None:
+        self._wrapped: dict[tuple[str, int], tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        raise NotImplementedError
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method
+        key = (method, id(handler))
+        hit = self._wrapped.get(key)
+        if hit is not None and hit[0] is handler:
+            return hit[1]
+        wrapped = self.wrap(handler, method)
+        if len(self._wrapped) >= self.MAX_WRAPPED:
+            self._wrapped.clear()
+        self._wrapped[key] = (handler, wrapped)  # holds handler: its id stays its own
+        return wrapped
 
 
 class Undecodable:

@@ -27,14 +27,14 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import prometheus_client
 from prometheus_client import Counter, Gauge, Histogram
 
-from dlsched.kit.handlers import responses, rewrap
+from dlsched.kit.handlers import WrappingInterceptor, responses, rewrap
 
 log = logging.getLogger("dlsched.metrics")
 
@@ -85,18 +85,11 @@ def _code(context: grpc.aio.ServicerContext, exc: BaseException | None) -> str:
     return "OK" if exc is None else "UNKNOWN"
 
 
-class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+class MetricsInterceptor(WrappingInterceptor):
     """Counts and times every unary and server-streaming call, by final code."""
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        service, method = _split(handler_call_details.method)
+    def wrap(self, handler: grpc.RpcMethodHandler, full_method: str) -> grpc.RpcMethodHandler:
+        service, method = _split(full_method)
 
         def done(context: grpc.aio.ServicerContext, start: float, exc: BaseException | None) -> None:
             RPC_REQUESTS.labels(service, method, _code(context, exc)).inc()

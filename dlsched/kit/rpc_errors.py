@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -24,7 +24,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from dlsched import errors
-from dlsched.kit.handlers import Undecodable, responses, rewrap, tolerant
+from dlsched.kit.handlers import Undecodable, WrappingInterceptor, responses, rewrap, tolerant
 
 log = logging.getLogger("dlsched.rpc")
 
@@ -110,18 +110,10 @@ def _refuse_undecodable(request: Any) -> None:
             reason="MALFORMED_REQUEST")
 
 
-class ErrorInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+class ErrorInterceptor(WrappingInterceptor):
     """Maps exceptions from every handler (unary and streaming) to google.rpc.Status."""
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        method = handler_call_details.method
+    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
 
         if handler.unary_unary:
             inner_uu = handler.unary_unary

@@ -40,7 +40,7 @@ from grpc_status import rpc_status
 from dlsched import errors
 from dlsched.kit import reflection
 from dlsched.kit import tls as tls_kit
-from dlsched.kit.handlers import responses, rewrap
+from dlsched.kit.handlers import WrappingInterceptor, responses, rewrap
 from dlsched.kit.metrics import MetricsEndpoint, MetricsInterceptor, serve_metrics
 from dlsched.kit.rpc_errors import ErrorInterceptor, to_status
 
@@ -110,7 +110,7 @@ async def _shutting_down(context: grpc.aio.ServicerContext) -> None:
     await context.abort_with_status(rpc_status.to_status(st))
 
 
-class Drain(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped
+class Drain(WrappingInterceptor):
     """Ends calls for a graceful stop with UNAVAILABLE, which clients retry,
     before ``grpc.aio.Server.stop`` would cancel them (CANCELLED, which they
     do not).
@@ -118,9 +118,11 @@ class Drain(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untype
     ``begin()``: calls that arrive from now on are refused (health checks
     excepted: they answer NOT_SERVING) and every open stream ends now; the
     handler's generator is closed first, so its ``finally`` runs. ``expire()``:
-    the unary calls still running are cancelled and fail. Both work by racing
-    the handler against an event, never by cancelling grpc's own task (which
-    grpc would report as CANCELLED)."""
+    the unary calls still running are cancelled and fail. Both cancel the
+    call's task where it waits inside the handler and turn that cancellation,
+    caught here, into UNAVAILABLE (as ``asyncio.timeout`` turns its own into
+    TimeoutError), with no task or event of their own per call; a cancellation
+    that is not theirs (the client left) passes on to grpc."""
 
     #: ``settle`` waits for this many turns of ``QUIET_TURN_SECONDS`` without a new call.
     QUIET_TURNS = 6
@@ -129,9 +131,11 @@ class Drain(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untype
     def __init__(self) -> None:
         self.draining = False
         self._arrivals = 0  # calls that arrived while draining
+        super().__init__()
         self._waiting: set[asyncio.Task[Any]] = set()  # streams waiting for their next item
         self._drained: set[asyncio.Task[Any]] = set()  # ... that begin() cancelled
-        self._unary_end = asyncio.Event()
+        self._running: set[asyncio.Task[Any]] = set()  # unary calls in their handler
+        self._expired: set[asyncio.Task[Any]] = set()  # ... that expire() cancelled
         self._unary = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -143,7 +147,9 @@ class Drain(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untype
             task.cancel()
 
     def expire(self) -> None:
-        self._unary_end.set()
+        for task in list(self._running):
+            self._expired.add(task)
+            task.cancel()
 
     async def settle(self, timeout: float) -> bool:  # noqa: ASYNC109
         """Waits (at most ``timeout``) until no unary call is running and no
@@ -178,39 +184,32 @@ class Drain(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untype
         self._arrivals += 1
         return True
 
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler
-        refuse = handler_call_details.method != _HEALTH_CHECK
+    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        refuse = method != _HEALTH_CHECK
         if handler.unary_unary:
             inner_uu = handler.unary_unary
 
             async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 if self._arrived() and refuse:
                     await _shutting_down(context)
+                task = asyncio.current_task()
+                assert task is not None
                 self._unary += 1
                 self._idle.clear()
-                call = asyncio.ensure_future(inner_uu(request, context))
-                end = asyncio.ensure_future(self._unary_end.wait())
+                self._running.add(task)
                 try:
-                    await asyncio.wait((call, end), return_when=asyncio.FIRST_COMPLETED)
-                    if not call.done():
-                        call.cancel()
-                        await asyncio.wait((call,))
-                        await _shutting_down(context)
-                    return call.result()
+                    return await inner_uu(request, context)
+                except asyncio.CancelledError:
+                    if task not in self._expired:
+                        raise  # grpc's: the client left
+                    task.uncancel()
                 finally:
-                    end.cancel()
-                    if not call.done():  # grpc cancelled us (the client left)
-                        call.cancel()
+                    self._running.discard(task)
+                    self._expired.discard(task)
                     self._unary -= 1
                     if self._unary == 0:
                         self._idle.set()
+                await _shutting_down(context)  # expired: failed UNAVAILABLE
 
             return rewrap(handler, unary_unary=unary_unary)
         if handler.unary_stream:
