@@ -408,3 +408,47 @@ async def test_sdk_does_not_retry_a_server_that_never_answered() -> None:
                 async for _ in jm.stream_job_logs("jobs/x", follow=True):
                     pass
         assert ei.value.code == "UNAVAILABLE"
+
+
+async def test_expire_fails_running_unary_calls_unavailable_and_leaves_client_cancels_alone() -> None:
+    """``Drain`` in a real grpc.aio server: ``expire()`` ends a unary call still in its
+    handler with UNAVAILABLE / SHUTTING_DOWN (the handler's own ``finally`` ran), and
+    a call its client cancelled is cancelled in the handler too, not turned into anything."""
+    from dlsched.kit.server import Drain
+
+    drain = Drain()
+    entered: list[str] = []
+    cleaned: list[str] = []
+
+    async def hang(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        entered.append(request.decode())
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cleaned.append(request.decode())
+        return b""
+
+    server = grpc.aio.server(interceptors=[drain])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "t.S", {"Hang": grpc.unary_unary_rpc_method_handler(hang)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            call = ch.unary_unary("/t.S/Hang")
+            left = call(b"left")
+            kept = call(b"kept")
+            await until(lambda: sorted(entered) == ["kept", "left"], 60, "both calls in their handler")
+            left.cancel()
+            await until(lambda: "left" in cleaned, 60, "the cancelled call's handler ending")
+            drain.begin()
+            drain.expire()
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await asyncio.wait_for(kept, 60)
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+            info = error_info(ei.value)
+            assert info is not None and info.reason == "SHUTTING_DOWN"
+            assert sorted(cleaned) == ["kept", "left"]
+            assert await drain.settle(30)
+    finally:
+        await server.stop(None)
