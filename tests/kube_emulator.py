@@ -301,7 +301,7 @@ async def all_replicas_running(stub: Any, job_id: str, obs: dpb.JobObservation,
     return obs
 
 
-async def eventually(pred: Any, within: float = 10) -> None:
+async def eventually(pred: Any, within: float = 60) -> None:
     for _ in range(int(within / 0.05)):
         if pred():
             return

@@ -453,7 +453,7 @@ def test_watch_streams_the_job_to_its_end_and_a_disconnect_cancels_it(
     assert "WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE" in events
     # The client hangs up: the gateway cancels the gRPC watch.
     conn.close()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while "client went away; cancelling /dlsched.v1.JobManagerService/WatchJobs" not in gateway.log():
         assert time.monotonic() < deadline, gateway.log()[-3000:]
         time.sleep(0.1)
@@ -755,7 +755,7 @@ def test_a_renewed_certificate_is_served_without_a_restart(
         # Half a renewal (new key, old certificate) does not load: the old
         # pair stays in service, and no handshake breaks.
         _replace(renewed.key_file, first.key_file)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while "do not load" not in gw.log():
             assert time.monotonic() < deadline, gw.log()[-3000:]
             time.sleep(0.1)
@@ -763,7 +763,7 @@ def test_a_renewed_certificate_is_served_without_a_restart(
         assert call(base, "GET", "/v1/caller")[0] == 200
         # The rest of it: new handshakes get the new certificate.
         _replace(renewed.cert_file, first.cert_file)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while _served_certificate(gw.address) != _der(renewed.cert_file):
             assert time.monotonic() < deadline, gw.log()[-3000:]
             time.sleep(0.1)

@@ -252,7 +252,7 @@ async def test_stop_running_multi_process_job(jm: pb_grpc.JobManagerServiceStub)
     """
     job = (await jm.SubmitJob(pb.SubmitJobRequest(job_id=uniq(), spec=multi(code, 2, 2)))).job
     await wait_state(jm, job.name, {S.JOB_STATE_RUNNING})
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while len(os.listdir(pid_dir)) < 4 and time.monotonic() < deadline:
         await asyncio.sleep(0.1)
     pids = [int(p) for p in os.listdir(pid_dir)]
@@ -347,7 +347,7 @@ async def test_watch_resume_has_no_gap_and_no_duplicate(
     for i in ids:
         await jm.SubmitJob(pb.SubmitJobRequest(job_id=i, spec=single(
             "import time; time.sleep(0.3)", labels={"watch": tag})))
-    await asyncio.wait_for(reader, 10)
+    await asyncio.wait_for(reader, 60)
     call1.cancel()  # disconnect while events keep happening
     await asyncio.sleep(1.0)
     token = part1[-1].resume_token

@@ -108,13 +108,13 @@ async def env(etcd: EtcdServer, etcd_prefix: str) -> AsyncIterator[tuple[Schedul
 SPEC = JobSpec(run_mode=1, replica_groups=[ReplicaGroup(role="m", replicas=1, command=["x"])])
 
 
-async def until(pred: Any, timeout: float = 5) -> None:
+async def until(pred: Any, timeout: float = 60) -> None:
     async with asyncio.timeout(timeout):
         while not await pred():
             await asyncio.sleep(0.02)
 
 
-async def stored(sched: Scheduler, job_id: str, pred: Any, timeout: float = 10) -> Job:
+async def stored(sched: Scheduler, job_id: str, pred: Any, timeout: float = 60) -> Job:
     """The stored job once ``pred`` holds of it (the launch runs after submit answered)."""
     async with asyncio.timeout(timeout):
         while not pred(job := await sched.store.get(job_id)):
@@ -125,13 +125,16 @@ async def stored(sched: Scheduler, job_id: str, pred: Any, timeout: float = 10) 
 async def test_submit_answers_before_the_launch(env: Any) -> None:
     sched, drv = env
     drv.launch_gate = asyncio.Event()  # the driver does not answer yet
-    job, _ = await asyncio.wait_for(sched.submit("q", SPEC, "rq", dry_run=False, spec_bytes=10), 10)
+    job, _ = await asyncio.wait_for(sched.submit("q", SPEC, "rq", dry_run=False, spec_bytes=10), 60)
     assert job.state == JobState.PENDING and job.reason == "LaunchQueued" and not job.launched
     assert (await sched.store.get("q")).reason == "LaunchQueued"
     drv.launch_gate.set()
     j = await stored(sched, "q", lambda j: j.launched)
     assert j.backend_job_id == "b-q-1" and j.reason == "" and drv.launches == [("q", 1)]
-    assert len(sched._locks) == 0  # the job's lock went with the launch
+
+    async def unlocked() -> bool:  # the job's lock goes with the launch, just after its write
+        return len(sched._locks) == 0
+    await until(unlocked)
 
 
 async def test_unreachable_driver_leaves_job_pending_and_retries(env: Any) -> None:

@@ -49,7 +49,7 @@ async def test_logs_follow_a_replica_until_the_job_ends(stub: Any, emu: tuple[Em
     assert got == ["epoch 1"]
     e.write_log(pod, "epoch 2")
     await kubelet(url, pod, "Succeeded", **exited(0, "Completed"))
-    await asyncio.wait_for(task, 15)
+    await asyncio.wait_for(task, 60)
     assert got == ["epoch 1", "epoch 2"]
     tail = []
     async for r in stub.TailJobLogs(dpb.TailJobLogsRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job),

@@ -88,8 +88,9 @@ PROBE = """
 import json, os, sys, time
 out = sys.argv[1]
 name = f"{os.environ['DLSCHED_ROLE']}-{os.environ['DLSCHED_REPLICA_INDEX']}-{os.environ.get('RANK', '')}"
-with open(os.path.join(out, name + '.json'), 'w') as f:
+with open(os.path.join(out, name + '.tmp'), 'w') as f:  # whole or not there: readers poll
     json.dump({'env': dict(os.environ), 'pid': os.getpid()}, f)
+os.replace(os.path.join(out, name + '.tmp'), os.path.join(out, name + '.json'))
 mode = os.environ.get('PROBE_' + os.environ['DLSCHED_ROLE'].upper(), 'exit0')
 if mode == 'forever':
     while True:
@@ -218,11 +219,11 @@ async def test_stop_during_a_distributed_run_stops_every_replica(stub, tmp_path)
         probe_group("worker", tmp_path, replicas=2, PROBE_WORKER="forever")])
     job = new_id("ps-stop")
     await launch(stub, job, spec)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + 120
     while len(probes(tmp_path)) < 4:
         assert time.monotonic() < deadline, "the replicas did not all start"
         await asyncio.sleep(0.1)
-    await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=job)), timeout=10)
+    await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=job)), timeout=60)
     obs = await wait_state(stub, job)
     assert obs.state == S.JOB_STATE_STOPPED, obs
     assert set(states_by_replica(obs).values()) == {S.REPLICA_STATE_STOPPED}

@@ -89,7 +89,7 @@ def log_stream_pids() -> list[int]:
     return sorted(loops.values())
 
 
-async def wait_no_log_streams(within: float = 10.0) -> None:
+async def wait_no_log_streams(within: float = 60.0) -> None:
     deadline = time.monotonic() + within
     left = await asyncio.to_thread(log_stream_pids)
     while left and time.monotonic() < deadline:
