@@ -324,7 +324,7 @@ async def test_a_new_driver_process_adopts_earlier_jobs_and_never_submits_them_a
 
 async def test_a_requeued_job_runs_again_as_the_same_attempt_and_never_fails(stub, cluster):
     jid = new_id("requeue")
-    backend = (await launch(stub, jid, single("import time; time.sleep(4); print('done')"))).backend_job_id
+    backend = (await launch(stub, jid, single("import time; time.sleep(10); print('done')"))).backend_job_id
     await wait_state(stub, jid, [job_pb2.JOB_STATE_RUNNING])
     cluster.run("scontrol", "requeue", backend)
     seen: list[dpb.JobObservation] = []

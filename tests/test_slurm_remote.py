@@ -117,7 +117,8 @@ def test_a_channel_closed_without_an_exit_status_is_a_transport_failure_not_an_e
 
 async def test_ssh_outage_keeps_the_last_state_and_reconnects(stub, cluster):
     jid = new_id("sshdown")
-    await launch(stub, jid, single("import time; time.sleep(4)"))
+    # Long enough to outlast the way to the outage on a busy host: its last state stays RUNNING.
+    await launch(stub, jid, single("import time; time.sleep(12)"))
     await wait_state(stub, jid, [job_pb2.JOB_STATE_RUNNING])
     await asyncio.to_thread(cluster.stop_sshd)
     try:
@@ -141,7 +142,7 @@ async def test_ssh_outage_keeps_the_last_state_and_reconnects(stub, cluster):
 
 async def test_controller_outage_keeps_the_last_state_and_recovers(stub, cluster):
     jid = new_id("outage")
-    await launch(stub, jid, single("import time; time.sleep(6)"))
+    await launch(stub, jid, single("import time; time.sleep(12)"))
     await wait_state(stub, jid, [job_pb2.JOB_STATE_RUNNING])
     await asyncio.to_thread(cluster.stop_slurmctld)
     try:
