@@ -220,3 +220,29 @@ def test_a_job_slurm_can_never_start_fails_unschedulable(reason):
     stopping.stop_sent()
     stopping.apply(poller.SlurmJob("44", "PENDING", reason))
     assert stopping.state is JobState.STOPPING and not stopping.unschedulable
+
+
+def test_a_lost_end_is_decided_by_the_exits_file():
+    """NODE_FAIL for a job whose every process ended 0 (its end lost across a controller
+    restart) is SUCCEEDED; NODE_FAIL with a process that never ended, or one that failed,
+    stays FAILED; other failed states are Slurm's word whatever the file says."""
+    from drivers.slurm import exits
+    from drivers.slurm.jobs import TrackedJob
+
+    def ended(state: str, text: str) -> TrackedJob:
+        job = TrackedJob("clusters/s", "j", 1, "42", "/tmp/j", None, (("main", 0), ("worker", 0)))
+        job.apply(poller.SlurmJob("42", "RUNNING", nodes="n1"))
+        job.apply(poller.SlurmJob("42", state, exit_status=1 if state != "COMPLETED" else 0, nodes="n1"))
+        assert job.needs_exits
+        assert job.exits_read(exits.parse(text))
+        return job
+
+    done = "labels main-0 worker-0\nend worker-0 0 exit\nend main-0 0 exit\n"
+    job = ended("NODE_FAIL", done)
+    obs = job.observation(None)
+    assert (obs.state, obs.exit_code) == (JobState.SUCCEEDED, 0) and "NODE_FAIL" in obs.message
+    assert {r.role: r.state for r in obs.replicas} == {"main": ReplicaState.SUCCEEDED, "worker": ReplicaState.SUCCEEDED}
+    for text in ("labels main-0 worker-0\nend main-0 0 exit\n",  # worker-0 never ended
+                 "labels main-0 worker-0\nend worker-0 3 exit\nend main-0 143 stop\n"):
+        assert ended("NODE_FAIL", text).observation(None).state is JobState.FAILED
+    assert ended("OUT_OF_MEMORY", done).observation(None).state is JobState.FAILED

@@ -59,6 +59,12 @@ class Exits:
         """The non-zero end that decided the job (the first heard of before any decision)."""
         return next((e for e in self.ends if not e.stopped and e.status != 0), None)
 
+    def succeeded(self) -> bool:
+        """Every process the script started ended and none failed before the job was decided:
+        the script decided success, whatever Slurm later made of the job's end."""
+        heard = {e.label for e in self.ends}
+        return bool(self.labels) and all(lb in heard for lb in self.labels) and self.first_failure() is None
+
 
 def read_command(adir: str) -> str:
     """The remote command that prints the attempt's exits file (nothing when it is missing)."""

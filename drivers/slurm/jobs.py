@@ -115,6 +115,14 @@ class TrackedJob:
             self.nodes = sj.nodes if sj.nodes not in ("", "(null)") else self.nodes
             return
         self.held = None
+        if (m.state is JobState.FAILED and states.normalise(sj.state) in states.LOST_END_STATES
+                and self.exits is not None and self.exits.succeeded()):
+            # Slurm lost the end of a job whose processes all finished (e.g. its completion
+            # came while slurmctld was down and the restarted controller failed the node's
+            # job): the exits file is the truth.
+            m = states.Mapped(JobState.SUCCEEDED, "", f"every process exited 0 (Slurm reported "
+                                                      f"{states.normalise(sj.state)}: its end was lost)")
+            sj = dataclasses.replace(sj, exit_status=0)
         self.state, self.reason, self.message = m.state, m.reason, m.message
         if sj.restarts > self.restarts:  # requeued: a new run of the same attempt; forget the old one's end
             self.restarts = sj.restarts

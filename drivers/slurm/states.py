@@ -85,6 +85,9 @@ UNSCHEDULABLE_REASONS = frozenset({
     "InvalidAccount", "InvalidQOS",
 })
 REASON_UNSCHEDULABLE = "Unschedulable"
+#: Slurm states that can end a job whose processes all finished (the node's word of the end
+#: lost, e.g. across a controller restart): the exits file decides.
+LOST_END_STATES = frozenset({"NODE_FAIL"})
 
 
 def normalise(slurm_state: str) -> str:
