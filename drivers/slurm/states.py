@@ -11,7 +11,9 @@ state it does not know.
 
 Terminal: COMPLETED -> SUCCEEDED; CANCELLED -> STOPPED; FAILED, TIMEOUT,
 OUT_OF_MEMORY, NODE_FAIL, BOOT_FAIL, DEADLINE, PREEMPTED (when not requeued),
-SPECIAL_EXIT, REVOKED -> FAILED. Non-terminal: PENDING / REQUEUED /
+SPECIAL_EXIT, REVOKED -> FAILED (NODE_FAIL of a job whose exits file shows
+every process ended and none failed is SUCCEEDED: ``jobs.TrackedJob.apply``,
+``LOST_END_STATES``). Non-terminal: PENDING / REQUEUED /
 REQUEUE_HOLD / REQUEUE_FED / RESV_DEL_HOLD -> QUEUED (waiting in Slurm's
 queue), CONFIGURING / RUNNING / COMPLETING / SUSPENDED / STOPPED / SIGNALING
 / STAGE_OUT / RESIZING / UPDATE_DB / POWER_UP_NODE -> RUNNING (with the
