@@ -88,9 +88,10 @@ PROBE = """
 import json, os, sys, time
 out = sys.argv[1]
 name = f"{os.environ['DLSCHED_ROLE']}-{os.environ['DLSCHED_REPLICA_INDEX']}-{os.environ.get('RANK', '')}"
-with open(os.path.join(out, name + '.tmp'), 'w') as f:  # whole or not there: readers poll
+tmp = os.path.join(out, f'{name}.{os.getpid()}.tmp')  # its own: MPI ranks share one name
+with open(tmp, 'w') as f:  # whole or not there: readers poll
     json.dump({'env': dict(os.environ), 'pid': os.getpid()}, f)
-os.replace(os.path.join(out, name + '.tmp'), os.path.join(out, name + '.json'))
+os.replace(tmp, os.path.join(out, name + '.json'))
 mode = os.environ.get('PROBE_' + os.environ['DLSCHED_ROLE'].upper(), 'exit0')
 if mode == 'forever':
     while True:
