@@ -114,7 +114,6 @@ class ErrorInterceptor(WrappingInterceptor):
     """Maps exceptions from every handler (unary and streaming) to google.rpc.Status."""
 
     def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-
         if handler.unary_unary:
             inner_uu = handler.unary_unary
 

@@ -129,9 +129,9 @@ class Drain(WrappingInterceptor):
     QUIET_TURN_SECONDS = 0.05
 
     def __init__(self) -> None:
+        super().__init__()
         self.draining = False
         self._arrivals = 0  # calls that arrived while draining
-        super().__init__()
         self._waiting: set[asyncio.Task[Any]] = set()  # streams waiting for their next item
         self._drained: set[asyncio.Task[Any]] = set()  # ... that begin() cancelled
         self._running: set[asyncio.Task[Any]] = set()  # unary calls in their handler
