@@ -231,15 +231,17 @@ async def test_mpi_is_refused(stub):
 
 
 PROBE = """
-import json, os, sys
+import json, os, sys, time
 out = sys.argv[1]
 name = f"{os.environ['DLSCHED_ROLE']}-{os.environ['DLSCHED_REPLICA_INDEX']}-{os.environ.get('RANK', '')}"
 with open(os.path.join(out, name + '.tmp'), 'w') as f:
     json.dump({**os.environ, 'PROBE_PID': str(os.getpid())}, f)
 os.replace(os.path.join(out, name + '.tmp'), os.path.join(out, name + '.json'))
 print('probe', name, flush=True)
+n = int(os.environ.get('PROBE_AWAIT', '0'))  # like a TF task that needs the whole cluster: a busy host
+while len([f for f in os.listdir(out) if f.endswith('.json')]) < n:  # may start the ps last, and a job
+    time.sleep(0.1)  # that ends on its workers would stop it before it wrote its record
 if os.environ.get('PROBE_FOREVER') == os.environ['DLSCHED_ROLE']:
-    import time
     while True:
         time.sleep(1)
 """
@@ -297,7 +299,8 @@ async def test_master_worker_gloo_all_reduce_across_placement_group_replicas(stu
 async def test_ps_worker_tf_config_and_ps_stopped_after_workers(stub, tmp_path):
     job_id = new_id("ps")
     spec = S.JobSpec(run_mode=S.RUN_MODE_PS_WORKER, replica_groups=[
-        probe_group("ps", tmp_path, PROBE_FOREVER="ps"), probe_group("worker", tmp_path, replicas=2)])
+        probe_group("ps", tmp_path, PROBE_FOREVER="ps"),
+        probe_group("worker", tmp_path, replicas=2, PROBE_AWAIT="3")])
     await launch(stub, job_id, spec)
     obs = await wait_state(stub, job_id, within=120)
     assert obs.state == S.JOB_STATE_SUCCEEDED, obs

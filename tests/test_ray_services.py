@@ -198,7 +198,7 @@ async def test_master_worker_gloo_all_reduce_across_replicas(jm, runs, tmp_path)
 
 async def test_ps_worker_tf_config_and_parameter_servers_stopped_after_workers(jm, runs, tmp_path):
     spec = on_ray(S.RUN_MODE_PS_WORKER, probe_group("ps", tmp_path, replicas=2, PROBE_PS="forever"),
-                  probe_group("worker", tmp_path, replicas=2))
+                  probe_group("worker", tmp_path, replicas=2, PROBE_AWAIT="4"))
     _, job = await run_to_end(jm, runs, spec)
     assert job.state == S.JOB_STATE_SUCCEEDED and job.exit_code == 0, job
     got = probes(tmp_path)

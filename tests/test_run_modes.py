@@ -92,6 +92,9 @@ tmp = os.path.join(out, f'{name}.{os.getpid()}.tmp')  # its own: MPI ranks share
 with open(tmp, 'w') as f:  # whole or not there: readers poll
     json.dump({'env': dict(os.environ), 'pid': os.getpid()}, f)
 os.replace(tmp, os.path.join(out, name + '.json'))
+n = int(os.environ.get('PROBE_AWAIT', '0'))  # like a TF task that needs the whole cluster: a busy host
+while len([f for f in os.listdir(out) if f.endswith('.json')]) < n:  # may start the ps last, and a job
+    time.sleep(0.1)  # that ends on its workers would stop it before it wrote its record
 mode = os.environ.get('PROBE_' + os.environ['DLSCHED_ROLE'].upper(), 'exit0')
 if mode == 'forever':
     while True:
@@ -170,8 +173,8 @@ async def test_master_worker_probe_sees_one_world_with_master_rank_zero(stub, tm
 async def test_ps_worker_probe_tf_config_and_ps_stopped_after_workers(stub, tmp_path):
     spec = S.JobSpec(run_mode=S.RUN_MODE_PS_WORKER, replica_groups=[
         probe_group("ps", tmp_path, replicas=2, PROBE_PS="forever"),
-        probe_group("worker", tmp_path, replicas=3, PROBE_SLEEP="0.5"),
-        probe_group("chief", tmp_path, PROBE_CHIEF="exit0", PROBE_SLEEP="1")])
+        probe_group("worker", tmp_path, replicas=3, PROBE_SLEEP="0.5", PROBE_AWAIT="6"),
+        probe_group("chief", tmp_path, PROBE_CHIEF="exit0", PROBE_SLEEP="1", PROBE_AWAIT="6")])
     job = new_id("ps-probe")
     await launch(stub, job, spec)
     obs = await wait_state(stub, job)
@@ -198,7 +201,7 @@ async def test_ps_worker_probe_tf_config_and_ps_stopped_after_workers(stub, tmp_
 async def test_ps_worker_failing_worker_fails_the_job_naming_it(stub, tmp_path):
     spec = S.JobSpec(run_mode=S.RUN_MODE_PS_WORKER, replica_groups=[
         probe_group("ps", tmp_path, PROBE_PS="forever"),
-        probe_group("worker", tmp_path, replicas=2)])
+        probe_group("worker", tmp_path, replicas=2, PROBE_AWAIT="3")])
     # worker 1 fails: give it its own exit code through its index
     spec.replica_groups[1].command[2] = textwrap.dedent(PROBE).replace(
         "mode = os.environ.get(", "mode = 'exit3' if os.environ['DLSCHED_ROLE'] == 'worker' and "

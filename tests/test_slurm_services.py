@@ -233,7 +233,7 @@ async def test_master_worker_one_world_with_rank_zero_on_the_master(jm, runs, tm
 
 async def test_ps_worker_tf_config_and_parameter_servers_stopped_after_workers(jm, runs, tmp_path):
     spec = on_slurm(S.RUN_MODE_PS_WORKER, probe_group("ps", tmp_path, PROBE_PS="forever"),
-                    probe_group("worker", tmp_path))
+                    probe_group("worker", tmp_path, PROBE_AWAIT="2"))
     _, job = await run_to_end(jm, runs, spec)
     assert job.state == S.JOB_STATE_SUCCEEDED and job.exit_code == 0, job
     got = probes(tmp_path)

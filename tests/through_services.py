@@ -125,7 +125,8 @@ async def run_to_end(r: Run, runs: list[Run]) -> tuple[Run, S.Job]:
 
 
 # Every process writes what it saw (argv, cwd, environment, pid) to <out>/<role>-<index>-<rank>.json,
-# rank being RANK or, under mpirun, OMPI_COMM_WORLD_RANK; PROBE_<ROLE>=forever keeps it running.
+# rank being RANK or, under mpirun, OMPI_COMM_WORLD_RANK; PROBE_<ROLE>=forever keeps it running;
+# PROBE_AWAIT=n waits until n records exist first.
 PROBE = """
 import json, os, sys, time
 out = sys.argv[1]
@@ -135,6 +136,9 @@ with open(os.path.join(out, name + '.tmp'), 'w') as f:
     json.dump({'env': dict(os.environ), 'pid': os.getpid(), 'argv': sys.argv[1:], 'cwd': os.getcwd()}, f)
 os.replace(os.path.join(out, name + '.tmp'), os.path.join(out, name + '.json'))
 print('probe', name, flush=True)
+n = int(os.environ.get('PROBE_AWAIT', '0'))  # like a TF task that needs the whole cluster: a busy host
+while len([f for f in os.listdir(out) if f.endswith('.json')]) < n:  # may start the ps last, and a job
+    time.sleep(0.1)  # that ends on its workers would stop it before it wrote its record
 if os.environ.get('PROBE_' + os.environ['DLSCHED_ROLE'].upper()) == 'forever':
     while True:
         time.sleep(1)
