@@ -166,7 +166,10 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP Over
                    and "UP" in self.run("scontrol", "ping").stdout, "slurmctld", 30)
 
     def stop_slurmctld(self) -> None:
-        self._stop("slurmctld")
+        """A controller shut down as an operator would (SIGTERM: it saves its state and exits),
+        given a minute on a busy host: one killed mid-save restarts without its newest jobs,
+        which is another fault than the outage the tests mean."""
+        self._stop("slurmctld", grace=60)
 
     def _wait_node_idle(self) -> None:
         def idle() -> bool:
@@ -251,7 +254,7 @@ SetEnv SHLVL=1
             time.sleep(0.2)
         raise RuntimeError(f"{name} did not come up in {within:g}s:\n{self._log(name)}")
 
-    def _stop(self, name: str) -> None:
+    def _stop(self, name: str, grace: float = 10) -> None:
         p = self.procs.pop(name, None)
         if p is None or p.poll() is not None:
             return
@@ -260,7 +263,7 @@ SetEnv SHLVL=1
         except ProcessLookupError:
             return
         try:
-            p.wait(10)
+            p.wait(grace)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(5)
@@ -270,7 +273,14 @@ SetEnv SHLVL=1
             self.run("scancel", "--user", self.user, "--full", timeout=5)
         for name in ("sshd", "slurmd", "slurmctld", "munged"):
             self._stop(name)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if not os.environ.get("DLSCHED_KEEP_SLURM_DIR"):  # set it to read the daemons' logs after a failure
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def diagnosis(self, slurm_job_id: str = "") -> str:
+        """What Slurm says, for an assertion message: the job (when given) and the daemons' log tails."""
+        job = self.run("scontrol", "show", "job", slurm_job_id, timeout=10).stdout if slurm_job_id else ""
+        logs = "\n".join(f"--- {n}\n{self._log(n)}" for n in ("slurmctld.daemon", "slurmd.daemon"))
+        return f"--- scontrol show job {slurm_job_id}\n{job}\n{logs}"
 
 
 def command_log_path(bindir: str, logfile: str, commands: tuple[str, ...] = ("squeue", "scontrol")) -> str:

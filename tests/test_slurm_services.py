@@ -537,8 +537,9 @@ async def test_an_outage_turns_the_cluster_unreachable_and_keeps_the_job_state(j
         up = await watch.until(C.CLUSTER_STATE_READY, 90)  # reconnected (with backoff), answering
         assert up.capacity.cpus_total == 2, up
         job = await r.until(within=90)
-        assert job.state == S.JOB_STATE_SUCCEEDED and job.exit_code == 0, job  # its true end
-        assert S.JOB_STATE_FAILED not in r.states, r.states
+        why = f"{job}\nstates {r.states} reasons {r.reasons}\n{slurm.diagnosis(job.backend_job_id)}"
+        assert job.state == S.JOB_STATE_SUCCEEDED and job.exit_code == 0, why  # its true end
+        assert S.JOB_STATE_FAILED not in r.states, why
         assert "BackendStale" in r.reasons, r.reasons
         assert watch.states[-3:] == [C.CLUSTER_STATE_READY, C.CLUSTER_STATE_UNREACHABLE, C.CLUSTER_STATE_READY], \
             watch.states
