@@ -51,7 +51,7 @@ from typing import TypeVar
 import grpc
 
 from dlsched.auth.interceptor import caller
-from dlsched.errors import DlschedError, InvalidArgument
+from dlsched.errors import DlschedError, InvalidArgument, StoreUnavailable
 from dlsched.kit import logs, tokens
 from dlsched.kit.timeutil import to_timestamp
 from dlsched.v1 import job_manager_service_pb2 as pb
@@ -216,16 +216,22 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                      context: grpc.aio.ServicerContext) -> pb.GetJobResponse:
         job_id = job_id_from_name(request.name)
         # Consistent read: the cache has every write made before this call, or etcd is read.
-        cached = self.cache.get(job_id) if await self.hub.wait_current() else None
-        if cached is None:  # not here yet (written on another replica a moment ago), or none
+        current = await self.hub.wait_current()
+        cached = self.cache.get(job_id)
+        if cached is None or not current:  # not here yet (written on another replica a moment ago), or none
             try:
                 job = access.check_read(caller(), await self.store.get(job_id))
+                return pb.GetJobResponse(job=convert.job_to_proto(job))
+            except StoreUnavailable:
+                if cached is None:
+                    raise
+                # etcd cannot be reached: this replica's last view of the job, as ListJobs
+                # answers then (every write needs etcd, so none made since is missed here).
             except JobNotFound:
                 archived = await self._archived(job_id)
                 if archived is None:
                     raise
                 return pb.GetJobResponse(job=archived.proto())
-            return pb.GetJobResponse(job=convert.job_to_proto(job))
         if not access.may_read(caller(), cached):  # type: ignore[arg-type]
             raise JobNotFound(f"job {cached.name} not found", metadata={"name": cached.name})
         return pb.GetJobResponse(job=cached.proto())

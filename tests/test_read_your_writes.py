@@ -303,3 +303,44 @@ async def test_one_revision_read_at_a_time_answers_only_the_callers_that_came_be
     assert len(gates) == 3  # nothing in flight: sent at once
     gates[2].set_result(12)
     assert await alone == 12 and shared.sent == 3
+
+
+async def test_a_replica_cut_off_from_etcd_answers_from_its_last_view(
+        replicas: tuple[Replicas, FreezingProxy]) -> None:
+    """While B cannot hear etcd, GetJob and ListJobs of a job B has seen answer
+    from B's cache (as they would a moment before), not UNAVAILABLE; a job B has
+    never seen is UNAVAILABLE STORE_UNAVAILABLE (retry), never NOT_FOUND."""
+    import grpc
+
+    from dlsched.kit.rpc_errors import error_info
+    r, proxy = replicas
+    assert r.stack.jm is not None and r.b is not None
+    async with security.channel(r.stack.jm.address) as ca, security.channel(r.b.address) as cb:
+        a, b = pb_grpc.JobManagerServiceStub(ca), pb_grpc.JobManagerServiceStub(cb)
+        job = (await a.SubmitJob(pb.SubmitJobRequest(spec=_spec(["sleep", "300"])), timeout=60)).job
+
+        async def b_has_it() -> bool:
+            return any(j.name == job.name for j in (await b.ListJobs(pb.ListJobsRequest())).jobs)
+        await _until(b_has_it)
+        with frozen(proxy):
+            got = (await b.GetJob(pb.GetJobRequest(name=job.name), timeout=60)).job
+            assert got.name == job.name and got.uid == job.uid
+            listed = (await b.ListJobs(pb.ListJobsRequest(page_size=1000), timeout=60)).jobs
+            assert job.name in [j.name for j in listed]
+            # one attempt (no channel retries), so the server's own answer is seen
+            from dlsched.kit import tls as tls_kit
+            from dlsched.kit.channel import TokenSource
+            once = tls_kit.channel(r.b.address, security.current().service_tls(), client_cert=True,
+                                   token=TokenSource(token=security.current().admin_token),
+                                   extra_options=[("grpc.enable_retries", 0)])
+            async with once:
+                with pytest.raises(grpc.aio.AioRpcError) as ei:
+                    await pb_grpc.JobManagerServiceStub(once).GetJob(
+                        pb.GetJobRequest(name="jobs/never-made-here"), timeout=120)
+            assert ei.value.code() == grpc.StatusCode.UNAVAILABLE, ei.value
+            info = error_info(ei.value)
+            assert info is not None and info.reason == "STORE_UNAVAILABLE", info
+        # etcd reachable again: the read is consistent again
+        got = (await b.GetJob(pb.GetJobRequest(name=job.name), timeout=60)).job
+        assert got.name == job.name
+        await a.StopJob(pb.StopJobRequest(name=job.name), timeout=60)
