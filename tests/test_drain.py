@@ -452,3 +452,54 @@ async def test_expire_fails_running_unary_calls_unavailable_and_leaves_client_ca
             assert await drain.settle(30)
     finally:
         await server.stop(None)
+
+
+async def test_closed_streams_memory_is_handed_back_to_the_system() -> None:
+    """``Drain`` counts the streams that end (client gone or handler done) and its
+    ``Trimmer`` runs glibc's malloc_trim once ``threshold`` of them ended, not before."""
+    from dlsched.kit.memory import Trimmer
+    from dlsched.kit.server import Drain
+
+    drain = Drain()
+    trimmed: list[int] = []
+    drain.trimmer = Trimmer(threshold=20, every=0.05, trim=lambda: trimmed.append(1) or 0)
+    assert Trimmer().maybe_trim() is False  # the real one: nothing ended yet, nothing done
+
+    async def watch(request: bytes, context: grpc.aio.ServicerContext):  # type: ignore[no-untyped-def]
+        yield b"x"
+        await asyncio.Event().wait()
+
+    server = grpc.aio.server(interceptors=[drain])
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "t.S", {"Watch": grpc.unary_stream_rpc_method_handler(watch)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    trimming = asyncio.create_task(drain.trimmer.run())
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            calls = [ch.unary_stream("/t.S/Watch")(b"") for _ in range(30)]
+            for c in calls:
+                await c.read()
+            for c in calls[:10]:
+                c.cancel()
+            await asyncio.sleep(1)  # ten ended: under the threshold
+            assert trimmed == []
+            for c in calls[10:]:
+                c.cancel()
+            await until(lambda: trimmed == [1], 60, "a trim after 30 streams ended")
+            await asyncio.sleep(0.5)
+            assert trimmed == [1]  # once: the count starts again
+    finally:
+        trimming.cancel()
+        await server.stop(None)
+
+
+def test_malloc_trim_is_found_on_glibc() -> None:
+    import platform
+
+    from dlsched.kit.memory import _glibc_trim
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("not a glibc system")
+    trim = _glibc_trim()
+    assert trim is not None
+    assert trim() in (0, 1)

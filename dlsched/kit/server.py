@@ -41,6 +41,7 @@ from dlsched import errors
 from dlsched.kit import reflection
 from dlsched.kit import tls as tls_kit
 from dlsched.kit.handlers import WrappingInterceptor, responses, rewrap
+from dlsched.kit.memory import Trimmer
 from dlsched.kit.metrics import MetricsEndpoint, MetricsInterceptor, serve_metrics
 from dlsched.kit.rpc_errors import ErrorInterceptor, to_status
 
@@ -139,6 +140,7 @@ class Drain(WrappingInterceptor):
         self._unary = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self.trimmer = Trimmer()  # closed streams' memory back to the system (``memory``)
 
     def begin(self) -> None:
         self.draining = True
@@ -244,6 +246,7 @@ class Drain(WrappingInterceptor):
                         yield item
                 finally:
                     self._drained.discard(task)
+                    self.trimmer.ended()
                     aclose = getattr(source, "aclose", None)  # an async generator's (not any iterator's)
                     if aclose is not None:
                         await aclose()  # the handler's own finally runs here (if not yet)
@@ -267,6 +270,7 @@ class RunningServer:
         self.metrics = metrics
         self.drain = drain or Drain()
         self._stopped = False
+        self._trimming = asyncio.create_task(self.drain.trimmer.run(), name="malloc-trim")
 
     async def stop(self, before_stop: Callable[[], Awaitable[None]] | None = None) -> None:
         """Health NOT_SERVING; new calls refused and open streams ended with
@@ -277,6 +281,7 @@ class RunningServer:
         if self._stopped:
             return
         self._stopped = True
+        self._trimming.cancel()
         for name in [*self.names, ""]:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.drain.begin()
