@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/faults.py submit-kill [--jobs 1000] [--kills 10] [--runs 3]
     .venv/bin/python bench/faults.py driver-kill [--outage 120] [--runs 1]
+    .venv/bin/python bench/faults.py etcd-outage [--outage 20] [--runs 2]
 
 Real processes on this machine (``tests.harness``: etcd, ClusterManager, the
 local driver, JobManager; TLS and tokens as in the tests), one fresh etcd
@@ -22,6 +23,15 @@ port and state directory. Expected: after the restart 0 jobs falsely FAILED,
 0 ran twice, every record equals the truth (SUCCEEDED / FAILED with exit code
 3) within 10 s; the long jobs keep running and then succeed.
 
+``etcd-outage``: three running jobs (one runs through the outage, two end
+during it, one of them exit 3); etcd is frozen with SIGSTOP (odd runs) or
+SIGKILLed and started again on its data (even runs) for ``--outage`` s. During
+it, once a second: GetJob of a running job, and a SubmitJob with a new request
+id; after it every such submit is retried with its request id. Expected: every
+job ran exactly once and ended as it should, every submit made one job, no
+service died; the line reports how many GetJobs answered (from the replica's
+cache) and the slowest.
+
 Prints one line per run and exits non-zero when any expectation failed.
 """
 
@@ -33,6 +43,7 @@ import collections
 import os
 import pathlib
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -205,9 +216,80 @@ async def driver_kill(etcd: EtcdServer, args: argparse.Namespace, run: int) -> b
         return ok
 
 
+async def etcd_outage(etcd: EtcdServer, args: argparse.Namespace, run: int) -> bool:
+    """etcd frozen (SIGSTOP: connections stay open, nothing answers; odd runs) or killed and
+    started again on its data (even runs) for ``--outage`` s, under running jobs."""
+    stack = Stack(etcd, f"/faults-{uuid.uuid4().hex[:8]}/")
+    frozen = run % 2 == 1
+    with stack.running():
+        assert stack.jm is not None and etcd.proc is not None
+        await stack.register_local()
+        marker = tempfile.mktemp(prefix="dlsched-faults-", suffix=".runs")
+        short_s = min(3.0, args.outage / 4)
+        plan = [("through", dict(sleep=args.outage + 10), job_pb2.JOB_STATE_SUCCEEDED),
+                ("ends-ok", dict(sleep=short_s), job_pb2.JOB_STATE_SUCCEEDED),
+                ("ends-bad", dict(sleep=short_s, code=3), job_pb2.JOB_STATE_FAILED)]
+        async with JobManagerClient(stack.jm.address, timeout=60) as jm:
+            names = {t: await submit_until_answered(jm, marking(t, marker, **kw), f"req-{t}")
+                     for t, kw, _ in plan}
+            deadline = time.monotonic() + 60
+            while [(await jm.get_job(n)).state for n in names.values()] != [job_pb2.JOB_STATE_RUNNING] * 3:
+                assert time.monotonic() < deadline, "the jobs did not start"
+                await asyncio.sleep(0.5)
+            if frozen:
+                etcd.proc.send_signal(signal.SIGSTOP)
+            else:
+                etcd.proc.kill()
+                etcd.proc.wait()
+            down = time.monotonic()
+            reads, read_ok, slowest, refused = 0, 0, 0.0, 0
+            tried: list[str] = []
+            while time.monotonic() - down < args.outage:
+                t0 = time.monotonic()
+                reads += 1
+                try:
+                    await jm.get_job(names["through"])
+                    read_ok += 1
+                except DlschedRpcError:
+                    pass
+                slowest = max(slowest, time.monotonic() - t0)
+                tag = f"mid-{len(tried)}"
+                tried.append(tag)
+                try:
+                    names[tag] = str((await jm.submit_job(marking(tag, marker), request_id=f"req-{tag}")).job.name)
+                except DlschedRpcError as e:
+                    refused += e.status_code in RETRYABLE
+                await asyncio.sleep(1.0)
+            if frozen:
+                etcd.proc.send_signal(signal.SIGCONT)
+            else:
+                await asyncio.to_thread(etcd.start)
+            back = time.monotonic()
+            for tag in tried:  # every client retries its request id until answered
+                names[tag] = await submit_until_answered(jm, marking(tag, marker), f"req-{tag}")
+            final = {t: j for t, j in zip(names, await asyncio.gather(*(
+                jm.wait_for_job(n, timeout=args.outage + 180) for n in names.values())), strict=True)}
+        ran = executions(marker)
+        dead = [p.name for p in (stack.jm, stack.cm, stack.driver) if p is not None and p.proc is not None
+                and p.proc.poll() is not None]
+        wrong = [t for t, _, want in plan if final[t].state != want]
+        wrong += [t for t in tried if final[t].state != job_pb2.JOB_STATE_SUCCEEDED]
+        twice = [t for t in names if ran[t] > 1]
+        lost = [t for t in names if ran[t] == 0]
+        ok = not wrong and not twice and not lost and not dead and len(set(names.values())) == len(names)
+        print(f"etcd-outage run {run}: etcd {'frozen' if frozen else 'killed'} {back - down:.0f} s under "
+              f"{len(plan)} running jobs; GetJob of a cached job answered {read_ok}/{reads} (slowest "
+              f"{slowest:.1f} s); {len(tried)} submits during it, {refused} refused retryably, all retried "
+              f"after; wrong outcome {len(wrong)}, ran twice {len(twice)}, never ran {len(lost)}, "
+              f"services dead {dead or 0}: {'OK' if ok else 'FAIL'}", flush=True)
+        for t in wrong[:3]:
+            print(f"  {t}: {job_pb2.JobState.Name(final[t].state)} {final[t].reason} {final[t].message[:200]}")
+        return ok
+
+
 async def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("scenario", choices=("submit-kill", "driver-kill"))
+    p.add_argument("scenario", choices=("submit-kill", "driver-kill", "etcd-outage"))
     p.add_argument("--jobs", type=int, default=1000)
     p.add_argument("--kills", type=int, default=10)
     p.add_argument("--kill-every", type=float, default=2.0, help="at most this many seconds between kills")
@@ -220,7 +302,8 @@ async def main() -> int:
     try:
         results = []
         for run in range(1, args.runs + 1):
-            fn = submit_kill if args.scenario == "submit-kill" else driver_kill
+            fn = {"submit-kill": submit_kill, "driver-kill": driver_kill,
+                  "etcd-outage": etcd_outage}[args.scenario]
             results.append(await fn(etcd, args, run))
     finally:
         etcd.stop()
