@@ -106,6 +106,12 @@ async def wait_all_ended(jm: JobManagerClient, within: float) -> list[job_pb2.Jo
         await asyncio.sleep(1.0)
 
 
+
+def print_wrong(wrong: list[str], final: dict[str, job_pb2.Job]) -> None:
+    """The first few jobs that ended otherwise than planned, with why."""
+    for t in wrong[:3]:
+        print(f"  {t}: {job_pb2.JobState.Name(final[t].state)} {final[t].reason} {final[t].message[:200]}")
+
 def executions(marker: str) -> collections.Counter[str]:
     try:
         return collections.Counter(pathlib.Path(marker).read_text().split())
@@ -172,7 +178,7 @@ async def driver_kill(etcd: EtcdServer, args: argparse.Namespace, run: int) -> b
         async with JobManagerClient(stack.jm.address) as jm:
             names: dict[str, str] = {}
             for tag, kw, _, retries in plan:
-                spec = marking(tag, marker, **kw)  # type: ignore[arg-type]
+                spec = marking(tag, marker, **kw)
                 spec.max_retries = retries
                 names[tag] = await submit_until_answered(jm, spec, f"req-{tag}")
             deadline = time.monotonic() + 60
@@ -211,8 +217,7 @@ async def driver_kill(etcd: EtcdServer, args: argparse.Namespace, run: int) -> b
               f"long jobs still running {long_running}/5; falsely FAILED {len(falsely_failed)}, wrong outcome "
               f"{len(wrong)}, ran twice {len(twice)}; records saying the driver is unreachable during the "
               f"outage {unreachable}/{len(plan)}: {'OK' if ok else 'FAIL'}", flush=True)
-        for t in wrong[:3]:
-            print(f"  {t}: {job_pb2.JobState.Name(final[t].state)} {final[t].reason} {final[t].message[:200]}")
+        print_wrong(wrong, final)
         return ok
 
 
@@ -229,7 +234,7 @@ async def etcd_outage(etcd: EtcdServer, args: argparse.Namespace, run: int) -> b
         plan = [("through", dict(sleep=args.outage + 10), job_pb2.JOB_STATE_SUCCEEDED),
                 ("ends-ok", dict(sleep=short_s), job_pb2.JOB_STATE_SUCCEEDED),
                 ("ends-bad", dict(sleep=short_s, code=3), job_pb2.JOB_STATE_FAILED)]
-        async with JobManagerClient(stack.jm.address, timeout=60) as jm:
+        async with JobManagerClient(stack.jm.address, timeout=20) as jm:
             names = {t: await submit_until_answered(jm, marking(t, marker, **kw), f"req-{t}")
                      for t, kw, _ in plan}
             deadline = time.monotonic() + 60
@@ -282,8 +287,7 @@ async def etcd_outage(etcd: EtcdServer, args: argparse.Namespace, run: int) -> b
               f"{slowest:.1f} s); {len(tried)} submits during it, {refused} refused retryably, all retried "
               f"after; wrong outcome {len(wrong)}, ran twice {len(twice)}, never ran {len(lost)}, "
               f"services dead {dead or 0}: {'OK' if ok else 'FAIL'}", flush=True)
-        for t in wrong[:3]:
-            print(f"  {t}: {job_pb2.JobState.Name(final[t].state)} {final[t].reason} {final[t].message[:200]}")
+        print_wrong(wrong, final)
         return ok
 
 
