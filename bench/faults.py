@@ -48,6 +48,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterable
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -111,6 +112,17 @@ def print_wrong(wrong: list[str], final: dict[str, job_pb2.Job]) -> None:
     """The first few jobs that ended otherwise than planned, with why."""
     for t in wrong[:3]:
         print(f"  {t}: {job_pb2.JobState.Name(final[t].state)} {final[t].reason} {final[t].message[:200]}")
+
+
+async def until_running(jm: JobManagerClient, names: Iterable[str], within: float = 60) -> bool:
+    """Until every job is RUNNING (bounded); whether they all were."""
+    names = list(names)
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if all([(await jm.get_job(n)).state == job_pb2.JOB_STATE_RUNNING for n in names]):
+            return True
+        await asyncio.sleep(0.5)
+    return False
 
 def executions(marker: str) -> collections.Counter[str]:
     try:
@@ -181,12 +193,7 @@ async def driver_kill(etcd: EtcdServer, args: argparse.Namespace, run: int) -> b
                 spec = marking(tag, marker, **kw)
                 spec.max_retries = retries
                 names[tag] = await submit_until_answered(jm, spec, f"req-{tag}")
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                states = [(await jm.get_job(n)).state for n in names.values()]
-                if all(s == job_pb2.JOB_STATE_RUNNING for s in states):
-                    break
-                await asyncio.sleep(0.5)
+            await until_running(jm, names.values())
             stack.driver.kill()
             down = time.monotonic()
             await asyncio.sleep(args.outage)
@@ -237,10 +244,7 @@ async def etcd_outage(etcd: EtcdServer, args: argparse.Namespace, run: int) -> b
         async with JobManagerClient(stack.jm.address, timeout=20) as jm:
             names = {t: await submit_until_answered(jm, marking(t, marker, **kw), f"req-{t}")
                      for t, kw, _ in plan}
-            deadline = time.monotonic() + 60
-            while [(await jm.get_job(n)).state for n in names.values()] != [job_pb2.JOB_STATE_RUNNING] * 3:
-                assert time.monotonic() < deadline, "the jobs did not start"
-                await asyncio.sleep(0.5)
+            assert await until_running(jm, names.values()), "the jobs did not start"
             if frozen:
                 etcd.proc.send_signal(signal.SIGSTOP)
             else:

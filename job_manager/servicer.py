@@ -226,7 +226,8 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                 if cached is None:
                     raise
                 # etcd cannot be reached: this replica's last view of the job, as ListJobs
-                # answers then (every write needs etcd, so none made since is missed here).
+                # answers then (a write made meanwhile through a replica that reaches etcd may
+                # be missing from it; none made through this one can be).
             except JobNotFound:
                 archived = await self._archived(job_id)
                 if archived is None:

@@ -38,6 +38,16 @@ def pid_alive(pid: int) -> bool:
 _handed: set[int] = set()
 
 
+#: Lines for a probe script (one with ``os``, ``time`` and its output dir ``out``): with
+#: PROBE_AWAIT=n, wait until n ``*.json`` records exist there, as a TF task waits for its
+#: cluster. A job that ends on its workers stops its ps; on a busy host the ps may start
+#: after they finished, and without this it would be stopped before it wrote its record.
+AWAIT_RECORDS = """n = int(os.environ.get('PROBE_AWAIT', '0'))
+while len([f for f in os.listdir(out) if f.endswith('.json')]) < n:
+    time.sleep(0.1)
+"""
+
+
 def free_port() -> int:
     """A free loopback port this test process has not handed out before (the kernel may give a port
     just released to the next ``bind(0)``: two fixtures must not get the same one)."""

@@ -19,7 +19,7 @@ from dlsched.kit.rpc_errors import error_info
 from dlsched.v1 import driver_service_pb2 as dpb
 from dlsched.v1 import driver_service_pb2_grpc, job_pb2
 from tests import security
-from tests.harness import ServiceProcess
+from tests.harness import AWAIT_RECORDS, ServiceProcess
 from tests.ray_head import RayHead, started_driver, started_head
 
 S = job_pb2
@@ -238,10 +238,7 @@ with open(os.path.join(out, name + '.tmp'), 'w') as f:
     json.dump({**os.environ, 'PROBE_PID': str(os.getpid())}, f)
 os.replace(os.path.join(out, name + '.tmp'), os.path.join(out, name + '.json'))
 print('probe', name, flush=True)
-n = int(os.environ.get('PROBE_AWAIT', '0'))  # like a TF task that needs the whole cluster: a busy host
-while len([f for f in os.listdir(out) if f.endswith('.json')]) < n:  # may start the ps last, and a job
-    time.sleep(0.1)  # that ends on its workers would stop it before it wrote its record
-if os.environ.get('PROBE_FOREVER') == os.environ['DLSCHED_ROLE']:
+""" + AWAIT_RECORDS + """if os.environ.get('PROBE_FOREVER') == os.environ['DLSCHED_ROLE']:
     while True:
         time.sleep(1)
 """

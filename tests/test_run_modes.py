@@ -29,7 +29,7 @@ from dlsched.v1 import driver_service_pb2_grpc, job_pb2
 from dlsched.v1 import job_manager_service_pb2 as jpb
 from dlsched.v1 import job_manager_service_pb2_grpc as jm_grpc
 from tests import security
-from tests.harness import ROOT, EtcdServer, ServiceProcess, Stack, pid_alive
+from tests.harness import AWAIT_RECORDS, ROOT, EtcdServer, ServiceProcess, Stack, pid_alive
 
 S = job_pb2
 PY = sys.executable
@@ -92,10 +92,7 @@ tmp = os.path.join(out, f'{name}.{os.getpid()}.tmp')  # its own: MPI ranks share
 with open(tmp, 'w') as f:  # whole or not there: readers poll
     json.dump({'env': dict(os.environ), 'pid': os.getpid()}, f)
 os.replace(tmp, os.path.join(out, name + '.json'))
-n = int(os.environ.get('PROBE_AWAIT', '0'))  # like a TF task that needs the whole cluster: a busy host
-while len([f for f in os.listdir(out) if f.endswith('.json')]) < n:  # may start the ps last, and a job
-    time.sleep(0.1)  # that ends on its workers would stop it before it wrote its record
-mode = os.environ.get('PROBE_' + os.environ['DLSCHED_ROLE'].upper(), 'exit0')
+""" + AWAIT_RECORDS + """mode = os.environ.get('PROBE_' + os.environ['DLSCHED_ROLE'].upper(), 'exit0')
 if mode == 'forever':
     while True:
         time.sleep(1)

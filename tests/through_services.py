@@ -22,7 +22,7 @@ import grpc
 from dlsched.v1 import job_manager_service_pb2 as jpb
 from dlsched.v1 import job_manager_service_pb2_grpc as jm_grpc
 from dlsched.v1 import job_pb2 as S
-from tests.harness import pid_alive
+from tests.harness import AWAIT_RECORDS, pid_alive
 
 PY = sys.executable
 TERMINAL = (S.JOB_STATE_SUCCEEDED, S.JOB_STATE_FAILED, S.JOB_STATE_STOPPED)
@@ -136,10 +136,7 @@ with open(os.path.join(out, name + '.tmp'), 'w') as f:
     json.dump({'env': dict(os.environ), 'pid': os.getpid(), 'argv': sys.argv[1:], 'cwd': os.getcwd()}, f)
 os.replace(os.path.join(out, name + '.tmp'), os.path.join(out, name + '.json'))
 print('probe', name, flush=True)
-n = int(os.environ.get('PROBE_AWAIT', '0'))  # like a TF task that needs the whole cluster: a busy host
-while len([f for f in os.listdir(out) if f.endswith('.json')]) < n:  # may start the ps last, and a job
-    time.sleep(0.1)  # that ends on its workers would stop it before it wrote its record
-if os.environ.get('PROBE_' + os.environ['DLSCHED_ROLE'].upper()) == 'forever':
+""" + AWAIT_RECORDS + """if os.environ.get('PROBE_' + os.environ['DLSCHED_ROLE'].upper()) == 'forever':
     while True:
         time.sleep(1)
 """

@@ -45,7 +45,6 @@ class Trimmer:
         self.every = every
         self._trim = trim if trim is not None else _glibc_trim()
         self._ended = 0
-        self.trims = 0
 
     def ended(self) -> None:
         self._ended += 1
@@ -56,7 +55,6 @@ class Trimmer:
             return False
         self._ended = 0
         self._trim()
-        self.trims += 1
         return True
 
     async def run(self) -> None:
