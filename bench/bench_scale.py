@@ -13,6 +13,9 @@ each, the store's encoding, 128 per transaction), then starts the local stack
 - ListJobs page p50/p99 (page_size 50): the first page, a page deep in the
   list (by token), a page of a selective label filter, next to a bare etcd
   range of 50 keys;
+- for each GetJob row, the CPU per call of the server (JobManager, the echo
+  server, etcd) and of the benchmark client, from /proc and process_time:
+  on a loaded machine a steadier comparison than QPS;
 - how long JobManager took to start (the cache's paged load) and its RSS.
 
 ``--streams`` (e.g. ``--streams --jobs 0``) measures WatchJobs instead, next to
@@ -152,6 +155,13 @@ async def seq(call, n: int) -> list[float]:  # type: ignore[no-untyped-def]
         await call()
         out.append(time.perf_counter() - s)
     return out
+
+
+def cpu_s(pid: int) -> float:
+    """The process's CPU time so far (user + system), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def rss_mb(pid: int) -> float:
@@ -414,16 +424,21 @@ async def run(args: argparse.Namespace) -> int:
                 await client.get(key)
 
             rows = []
-            for label, call in (("echo (bare grpc.aio, TLS)", echo_one),
-                                ("etcd single-key range", etcd_get), ("GetJob", getjob)):
+            for label, call, pid in (("echo (bare grpc.aio, TLS)", echo_one, echo.pid),
+                                     ("etcd single-key range", etcd_get, etcd.proc.pid),
+                                     ("GetJob", getjob, stack.jm.proc.pid)):
                 await qps(call, args.concurrency, 1.0)  # warm-up
+                server0, client0 = cpu_s(pid), time.process_time()
                 q, lat = await qps(call, args.concurrency, args.duration)
-                rows.append((label, q, lat))
+                per = 1e6 / max(len(lat), 1)  # CPU microseconds per call, server's and client's
+                rows.append((label, q, lat, (cpu_s(pid) - server0) * per,
+                             (time.process_time() - client0) * per))
             echo_q = rows[0][1]
-            print(f"\nGetJob at {args.jobs} jobs, concurrency {args.concurrency}:")
-            for label, q, lat in rows:
+            print(f"\nGetJob at {args.jobs} jobs, concurrency {args.concurrency}"
+                  " (CPU per call: the server's, the benchmark client's):")
+            for label, q, lat, server_us, client_us in rows:
                 print(f"  {label:28s} {q:8.0f}/s  p50 {ms(pct(lat, 50))}  p99 {ms(pct(lat, 99))}"
-                      f"  {q / echo_q:.2f}x echo")
+                      f"  {q / echo_q:.2f}x echo  CPU {server_us:4.0f} us, client {client_us:4.0f} us")
             ratio = rows[2][1] / echo_q
 
             first = jms.ListJobsRequest(page_size=50)

@@ -4,7 +4,7 @@ and the same (de)serializers."""
 from __future__ import annotations
 
 import inspect
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, cast
 
 import grpc
@@ -104,3 +104,55 @@ async def _other_responses(result: Any) -> AsyncIterator[Any]:
     elif result is not None:
         for item in result:
             yield item
+
+
+def wrap_all(layers: Sequence[WrappingInterceptor], handler: grpc.RpcMethodHandler,
+             method: str) -> grpc.RpcMethodHandler:
+    """``handler`` wrapped by every layer, the first outermost: what gRPC would
+    run with ``layers`` as its interceptors."""
+    for layer in reversed(layers):
+        handler = layer.wrap(handler, method)
+    return handler
+
+
+class _WrappedGeneric(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc is untyped
+    """A generic handler whose answers are wrapped by the layers, once per method."""
+
+    def __init__(self, inner: grpc.GenericRpcHandler, layers: Sequence[WrappingInterceptor]) -> None:
+        self._inner, self._layers = inner, layers
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = self._inner.service(details)
+        if handler is None:
+            return None
+        method = details.method
+        hit = self._wrapped.get(method)
+        if hit is not None and hit[0] is handler:
+            return hit[1]
+        wrapped = wrap_all(self._layers, handler, method)
+        if len(self._wrapped) >= WrappingInterceptor.MAX_WRAPPED:
+            self._wrapped.clear()
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+
+class WrappingRegistrar:
+    """What generated ``add_*_to_server`` functions register on: it hands
+    ``server`` each handler already wrapped by ``layers`` (the first
+    outermost), as gRPC's interceptors would have wrapped it. The wrapping is
+    built once per method here, at registration; gRPC's interceptors run
+    every layer's ``intercept_service`` coroutine on every call (with four
+    layers a sixth of a GetJob's CPU on the server)."""
+
+    def __init__(self, server: grpc.aio.Server, layers: Sequence[WrappingInterceptor]) -> None:
+        self._server, self._layers = server, tuple(layers)
+
+    def add_generic_rpc_handlers(self, handlers: Sequence[grpc.GenericRpcHandler]) -> None:
+        self._server.add_generic_rpc_handlers([_WrappedGeneric(h, self._layers) for h in handlers])
+
+    def add_registered_method_handlers(self, service_name: str,
+                                       method_handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self._server.add_registered_method_handlers(service_name, {
+            name: wrap_all(self._layers, h, f"/{service_name}/{name}")
+            for name, h in method_handlers.items()})

@@ -20,6 +20,8 @@ from grpc_reflection.v1alpha import reflection as alpha
 from grpc_reflection.v1alpha import reflection_pb2 as alpha_pb2
 from grpc_reflection.v1alpha import reflection_pb2_grpc as alpha_pb2_grpc
 
+from dlsched.kit.handlers import WrappingRegistrar
+
 V1_FILE = "grpc/reflection/v1/reflection.proto"
 V1_PACKAGE = "grpc.reflection.v1"
 V1_SERVICE = f"{V1_PACKAGE}.ServerReflection"
@@ -62,7 +64,7 @@ def v1_file() -> FileDescriptor:
     return pool.FindFileByName(V1_FILE)
 
 
-def enable(service_names: Sequence[str], server: grpc.aio.Server) -> None:
+def enable(service_names: Sequence[str], server: grpc.aio.Server | WrappingRegistrar) -> None:
     """Serve reflection v1 and v1alpha for ``service_names`` (both reflection services listed)."""
     v1_file()
     servicer = alpha.aio.ReflectionServicer([*service_names, *SERVICE_NAMES])

@@ -40,7 +40,7 @@ from grpc_status import rpc_status
 from dlsched import errors
 from dlsched.kit import reflection
 from dlsched.kit import tls as tls_kit
-from dlsched.kit.handlers import WrappingInterceptor, responses, rewrap
+from dlsched.kit.handlers import WrappingInterceptor, WrappingRegistrar, responses, rewrap
 from dlsched.kit.memory import Trimmer
 from dlsched.kit.metrics import MetricsEndpoint, MetricsInterceptor, serve_metrics
 from dlsched.kit.rpc_errors import ErrorInterceptor, to_status
@@ -89,15 +89,16 @@ class ServerOptions:
     # TLS (the default None is plaintext: tests of the kit itself only).
     tls: tls_kit.TlsOptions | None = None
     require_client_cert: bool = False  # mutual TLS (drivers)
-    # Authentication of every call but health and reflection (dlsched.auth).
-    interceptors: Sequence[grpc.aio.ServerInterceptor] = field(default_factory=tuple)
+    # Authentication of every call but health and reflection (dlsched.auth); each
+    # wraps the handlers at registration (dlsched.kit.handlers.WrappingRegistrar).
+    interceptors: Sequence[WrappingInterceptor] = field(default_factory=tuple)
 
 
 @dataclass
 class Registration:
     """One servicer to register: the generated ``add_*_to_server`` and the servicer."""
 
-    add_to_server: Callable[[Any, grpc.aio.Server], None]
+    add_to_server: Callable[[Any, Any], None]  # (servicer, a grpc.aio.Server or WrappingRegistrar)
     servicer: Any
     full_name: str  # e.g. "dlsched.v1.JobManagerService"
 
@@ -327,16 +328,19 @@ async def start_server(opts: ServerOptions, registrations: Sequence[Registration
     # Metrics outside the error mapping and the drain, so they count the
     # code the client sees.
     drain = Drain()
-    server = grpc.aio.server(
-        interceptors=[MetricsInterceptor(), drain, ErrorInterceptor(), *opts.interceptors],
-        options=options)
+    server = grpc.aio.server(options=options)
+    # Every handler is registered already wrapped by these layers (as gRPC's
+    # interceptors would wrap it, without their cost on every call).
+    registrar = WrappingRegistrar(server, [MetricsInterceptor(), drain, ErrorInterceptor(),
+                                           *opts.interceptors])
     names = []
     for r in registrations:
-        r.add_to_server(r.servicer, server)
+        r.add_to_server(r.servicer, registrar)
         names.append(r.full_name)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, registrar)
+    reflection.enable([*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name],
+                      registrar)
     host, _, port = opts.listen.rpartition(":")
     bound = tls_kit.bind(server, opts.listen, opts.tls or tls_kit.TlsOptions(insecure=True),
                      require_client_cert=opts.require_client_cert, service=announce_as)

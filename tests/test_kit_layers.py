@@ -1,0 +1,99 @@
+"""The kit's server layers (metrics, drain, error mapping, authentication) wrap
+every handler once, at registration, in the order gRPC's interceptors would
+have: metrics outermost (they count the code the client sees), a service's own
+layers innermost (they see the handler's exception before it is mapped).
+A real grpc.aio server on loopback, called through a real channel."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dlsched.errors import NotFound
+from dlsched.kit.handlers import WrappingInterceptor, rewrap
+from dlsched.kit.metrics import RPC_REQUESTS
+from dlsched.kit.server import Registration, ServerOptions, start_server
+from dlsched.v1 import job_manager_service_pb2, job_pb2
+from dlsched.v1 import job_manager_service_pb2_grpc as jm_grpc
+from tests import security
+
+
+class Recording(WrappingInterceptor):
+    """A service's own layer: counts how often it wraps and what each call raised."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wrapped: list[str] = []
+        self.calls = 0
+        self.raised: list[type[BaseException]] = []
+
+    async def intercept_service(self, continuation: Any, details: Any) -> Any:
+        raise AssertionError("the kit must not run a layer as a per-call interceptor")
+
+    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        self.wrapped.append(method)
+        if not handler.unary_unary:
+            return handler
+        inner = handler.unary_unary
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            self.calls += 1
+            try:
+                return await inner(request, context)
+            except BaseException as e:
+                self.raised.append(type(e))
+                raise
+
+        return rewrap(handler, unary_unary=unary_unary)
+
+
+class Servicer(jm_grpc.JobManagerServiceServicer):
+    async def GetJob(self, request, context):  # noqa: N802
+        if request.name == "jobs/missing":
+            raise NotFound("job jobs/missing not found", metadata={"name": request.name})
+        return job_manager_service_pb2.GetJobResponse(job=job_pb2.Job(name=request.name))
+
+
+def requests(code: str) -> float:
+    return RPC_REQUESTS.labels("dlsched.v1.JobManagerService", "GetJob", code)._value.get()  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+async def served() -> Any:
+    layer = Recording()
+    running = await start_server(
+        ServerOptions(listen="127.0.0.1:0", tls=security.current().service_tls(), interceptors=[layer]),
+        [Registration(jm_grpc.add_JobManagerServiceServicer_to_server, Servicer(),
+                      "dlsched.v1.JobManagerService")], announce_as="layers")
+    try:
+        yield layer, running.address
+    finally:
+        await running.stop()
+
+
+async def test_layers_wrap_once_per_method_in_interceptor_order(served: Any) -> None:
+    layer, address = served
+    # Every method of the service, health and reflection were wrapped once when registered.
+    assert layer.wrapped.count("/dlsched.v1.JobManagerService/GetJob") >= 1
+    wrapped_at_start = len(layer.wrapped)
+    ok0, missing0 = requests("OK"), requests("NOT_FOUND")
+    async with security.channel(address) as ch:
+        stub = jm_grpc.JobManagerServiceStub(ch)
+        for _ in range(5):
+            got = await stub.GetJob(job_manager_service_pb2.GetJobRequest(name="jobs/a"), timeout=10)
+            assert got.job.name == "jobs/a"
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.GetJob(job_manager_service_pb2.GetJobRequest(name="jobs/missing"), timeout=10)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        # Health is registered through the same layers and still answers.
+        health = await health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert len(layer.wrapped) == wrapped_at_start  # nothing wrapped per call
+    assert layer.calls == 7  # six GetJobs and the health check
+    # The service's layer is inside the error mapping: it saw the handler's own exception ...
+    assert layer.raised == [NotFound]
+    # ... and the metrics are outside it: they counted the code the client got.
+    assert (requests("OK") - ok0, requests("NOT_FOUND") - missing0) == (5, 1)
