@@ -241,6 +241,12 @@ class Poller:
         #: (monotonic end, error or None) of the last round that finished; None before one.
         self.last_round: tuple[float, DlschedError | None] | None = None
 
+    @property
+    def last_start(self) -> float | None:
+        """When (``clock``) the round under way or the last one started; the pacing
+        rule holds between these: each is at least ``interval`` after the one before."""
+        return self._last_start
+
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._loop(), name=f"slurm-poller-{self._user}")
