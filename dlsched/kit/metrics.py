@@ -90,10 +90,17 @@ class MetricsInterceptor(WrappingInterceptor):
 
     def wrap(self, handler: grpc.RpcMethodHandler, full_method: str) -> grpc.RpcMethodHandler:
         service, method = _split(full_method)
+        # This method's children, looked up once (``labels`` takes a lock and builds a key per call).
+        duration = RPC_DURATION.labels(service, method)
+        requests: dict[str, Any] = {}
 
         def done(context: grpc.aio.ServicerContext, start: float, exc: BaseException | None) -> None:
-            RPC_REQUESTS.labels(service, method, _code(context, exc)).inc()
-            RPC_DURATION.labels(service, method).observe(time.perf_counter() - start)
+            code = _code(context, exc)
+            counter = requests.get(code)
+            if counter is None:
+                counter = requests[code] = RPC_REQUESTS.labels(service, method, code)
+            counter.inc()
+            duration.observe(time.perf_counter() - start)
 
         if handler.unary_unary:
             inner_uu = handler.unary_unary
@@ -112,9 +119,10 @@ class MetricsInterceptor(WrappingInterceptor):
         if handler.unary_stream:
             inner_us = handler.unary_stream
 
+            active = RPC_STREAMS.labels(service, method)
+
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 start, err = time.perf_counter(), None
-                active = RPC_STREAMS.labels(service, method)
                 active.inc()
                 try:
                     async for item in responses(inner_us(request, context)):
