@@ -237,6 +237,33 @@ def test_merge_keeps_partial_lines_until_their_newline(tmp_path):
     assert len(lines) == 400 and all(LINE_RE.fullmatch(ln) for ln in lines), [ln[:40] for ln in lines[:4]]
 
 
+def test_merge_loses_no_rank_when_there_are_more_ranks_than_descriptors(tmp_path):
+    """``shell.MPI_MERGE`` with ``ulimit -n 48`` (soft and hard: it cannot raise it) and 40 ranks
+    writing at once: 16 files kept open, the rest read by offset each pass; every line of every
+    rank once, whole, in its rank's order, and each rank's last line without a newline too."""
+    d = tmp_path / "a"
+    ranks = 40
+    for r in range(ranks):
+        (d / "mpi" / "1" / f"rank.{r}").mkdir(parents=True)
+    writer = ('for i in $(seq 0 49); do for p in "rank $R" " line $i" $\'\\n\'; do '
+              'printf %s "$p" >>"$F"; done; sleep 0.002; done; printf %s "rank $R end" >>"$F"')
+    script = "\n".join([
+        "set -u", f"DLSCHED_DIR={d}", shell.MPI_MERGE, "ulimit -n 48",
+        "dlsched_merge stdout >out.txt 2>err.txt &", "m=$!",
+        *[f"R={r} F={d}/mpi/1/rank.{r}/stdout bash -c {_q(writer)} &" for r in range(ranks)],
+        "for p in $(jobs -p); do [ \"$p\" = \"$m\" ] || wait \"$p\"; done",
+        ': >"$DLSCHED_DIR/mpi.done"', 'wait "$m"'])
+    subprocess.run(["bash", "-c", script], cwd=tmp_path, check=True, timeout=300)
+    assert (tmp_path / "err.txt").read_text() == ""
+    lines = (tmp_path / "out.txt").read_text().splitlines()
+    per_rank: dict[int, list[str]] = {}
+    for ln in lines:
+        m = re.fullmatch(r"rank (\d+) (line \d+|end)", ln)
+        assert m, ln[:80]
+        per_rank.setdefault(int(m[1]), []).append(m[2])
+    assert per_rank == {r: [*(f"line {i}" for i in range(50)), "end"] for r in range(ranks)}
+
+
 def _q(s: str) -> str:
     return shell.sh_quote(s)
 

@@ -205,23 +205,44 @@ dlsched_port() {{
 #: writes (``mpi/<job>/rank.<r>/STREAM``) to its stdout as they come, keeping each file's partial
 #: last line until its newline arrives; once ``mpi.done`` exists (mpirun ended) one last pass, and
 #: a final line without a newline gets one. One merger per stream is the only writer of it, so
-#: ranks never share a line.
+#: ranks never share a line. A file stays open between passes while descriptors last (the soft
+#: ``ulimit -n`` is raised to the hard one, 32 kept spare); past that, a file is read by offset
+#: each pass up to the size ``stat`` gave (``tail -c`` | ``head -c``): a job with more ranks than
+#: descriptors loses no rank's output.
 MPI_MERGE = r"""# MPI: each rank's output, from its own files, to the launcher's log a whole line at a time
 dlsched_merge() {
-  local f line last=0 n
-  local -A fd=() part=()
+  local f line last=0 n s LC_ALL=C
+  local -A fd=() part=() off=()
+  ulimit -n "$(ulimit -Hn)" 2>/dev/null || :
+  local spare open=0
+  spare=$(ulimit -n)
+  [ "$spare" != unlimited ] || spare=1048576
+  spare=$(( spare - 32 ))
   while :; do
     [ ! -e "$DLSCHED_DIR/mpi.done" ] || last=1
     for f in "$DLSCHED_DIR"/mpi/*/rank.*/"$1"; do
       [ -f "$f" ] || continue
-      if [ -z "${fd[$f]:-}" ]; then
-        exec {n}<"$f" || continue
-        fd[$f]=$n
+      if [ -z "${fd[$f]:-}" ] && [ -z "${off[$f]:-}" ]; then
+        if [ "$open" -lt "$spare" ] && { exec {n}<"$f"; } 2>/dev/null; then
+          fd[$f]=$n
+          open=$((open + 1))
+        else
+          off[$f]=0  # no descriptor for it: read by offset
+        fi
       fi
-      while IFS= read -r -u "${fd[$f]}" line; do
-        printf '%s\n' "${part[$f]:-}$line"
-        part[$f]=""
-      done
+      line=""
+      if [ -n "${fd[$f]:-}" ]; then
+        while IFS= read -r -u "${fd[$f]}" line; do
+          printf '%s\n' "${part[$f]:-}$line"
+          part[$f]=""
+        done
+      elif s=$(stat -c %s -- "$f") && [ "$s" -gt "${off[$f]}" ]; then
+        while IFS= read -r line; do
+          printf '%s\n' "${part[$f]:-}$line"
+          part[$f]=""
+        done < <(tail -c "+$(( ${off[$f]} + 1 ))" -- "$f" | head -c "$(( s - ${off[$f]} ))")
+        off[$f]=$s
+      fi
       part[$f]+=$line
     done
     [ "$last" = 0 ] || break
