@@ -391,21 +391,22 @@ def test_cluster_watch_shows_adds_and_removes(stack: Stack) -> None:
 
 def test_watch_shows_jobs_and_ctrl_c_exits_130(stack: Stack) -> None:
     assert stack.jm is not None
+    job_id = f"watched-{uuid.uuid4().hex[:8]}"  # a job of its own: the snapshot lists it
+    assert cli(stack, "submit", "examples/hello.yaml", "--id", job_id).returncode == 0
     proc = subprocess.Popen(
         [sys.executable, "-m", "dlsched", "--server", stack.jm.address, "watch"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env(),
         preexec_fn=_interruptible)
     try:
         assert proc.stdout is not None
-        deadline = time.monotonic() + 30
         seen = []
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
+        while not seen or "snapshot complete" not in seen[-1]:
+            line = proc.stdout.readline()  # the watch prints the snapshot at once, or ends
+            if not line:
+                _, err = proc.communicate(timeout=90)
+                raise AssertionError(f"watch ended (exit {proc.returncode}) after {seen}: {err[-3000:]}")
             seen.append(line)
-            if "snapshot complete" in line:
-                break
-        assert any("snapshot complete" in ln for ln in seen), seen
-        assert any(ln.startswith("EXISTING") and "jobs/" in ln for ln in seen), seen
+        assert any(ln.startswith("EXISTING") and f"jobs/{job_id}" in ln for ln in seen), seen
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=90)
         assert proc.returncode == 130
