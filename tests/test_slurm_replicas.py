@@ -237,10 +237,12 @@ def test_merge_keeps_partial_lines_until_their_newline(tmp_path):
     assert len(lines) == 400 and all(LINE_RE.fullmatch(ln) for ln in lines), [ln[:40] for ln in lines[:4]]
 
 
-def test_merge_loses_no_rank_when_there_are_more_ranks_than_descriptors(tmp_path):
-    """``shell.MPI_MERGE`` with ``ulimit -n 48`` (soft and hard: it cannot raise it) and 40 ranks
-    writing at once: 16 files kept open, the rest read by offset each pass; every line of every
-    rank once, whole, in its rank's order, and each rank's last line without a newline too."""
+@pytest.mark.parametrize("inherited", [0, 30])
+def test_merge_loses_no_rank_when_there_are_more_ranks_than_descriptors(tmp_path, inherited):
+    """``shell.MPI_MERGE`` with ``ulimit -n 64`` (soft and hard: it cannot raise it), 40 ranks
+    writing at once, and ``inherited`` descriptors open when it starts (fds 3-9 among them): some
+    files kept open, the rest read by offset each pass; every line of every rank once, whole, in
+    its rank's order, and each rank's last line without a newline too."""
     d = tmp_path / "a"
     ranks = 40
     for r in range(ranks):
@@ -248,7 +250,9 @@ def test_merge_loses_no_rank_when_there_are_more_ranks_than_descriptors(tmp_path
     writer = ('for i in $(seq 0 49); do for p in "rank $R" " line $i" $\'\\n\'; do '
               'printf %s "$p" >>"$F"; done; sleep 0.002; done; printf %s "rank $R end" >>"$F"')
     script = "\n".join([
-        "set -u", f"DLSCHED_DIR={d}", shell.MPI_MERGE, "ulimit -n 48",
+        "set -u", f"DLSCHED_DIR={d}", shell.MPI_MERGE, "ulimit -n 64",
+        *(["exec 3</dev/null 4</dev/null 5</dev/null 6</dev/null 7</dev/null 8</dev/null 9</dev/null",
+            f"for i in $(seq 8 {inherited}); do exec {{x}}</dev/null; done"] if inherited else []),
         "dlsched_merge stdout >out.txt 2>err.txt &", "m=$!",
         *[f"R={r} F={d}/mpi/1/rank.{r}/stdout bash -c {_q(writer)} &" for r in range(ranks)],
         "for p in $(jobs -p); do [ \"$p\" = \"$m\" ] || wait \"$p\"; done",

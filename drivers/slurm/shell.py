@@ -206,20 +206,27 @@ dlsched_port() {{
 #: last line until its newline arrives; once ``mpi.done`` exists (mpirun ended) one last pass, and
 #: a final line without a newline gets one. One merger per stream is the only writer of it, so
 #: ranks never share a line. A file stays open between passes while descriptors last (the soft
-#: ``ulimit -n`` is raised to the hard one, 32 kept spare); past that, a file is read by offset
-#: each pass up to the size ``stat`` gave (``tail -c`` | ``head -c``): a job with more ranks than
-#: descriptors loses no rank's output.
+#: ``ulimit -n`` is raised to the hard one; those already open and 32 more are left alone); past
+#: that, a file is read by offset: one ``stat`` per pass for all such files, and for one that grew,
+#: the new bytes (``tail -c`` | ``head -c``); the offset moves by the bytes read, so a read that
+#: could not run is made again next pass. A job with more ranks than descriptors loses no output.
 MPI_MERGE = r"""# MPI: each rank's output, from its own files, to the launcher's log a whole line at a time
 dlsched_merge() {
-  local f line last=0 n s LC_ALL=C
-  local -A fd=() part=() off=()
+  local f line last=0 n s got LC_ALL=C
+  local -A fd=() part=() off=() size=()
   ulimit -n "$(ulimit -Hn)" 2>/dev/null || :
   local spare open=0
   spare=$(ulimit -n)
   [ "$spare" != unlimited ] || spare=1048576
-  spare=$(( spare - 32 ))
+  spare=$(( spare - 32 - $(ls /proc/$BASHPID/fd 2>/dev/null | wc -l) ))
   while :; do
     [ ! -e "$DLSCHED_DIR/mpi.done" ] || last=1
+    size=()
+    if [ "${#off[@]}" -gt 0 ]; then
+      while read -r s f; do
+        size[$f]=$s
+      done < <(printf '%s\0' "${!off[@]}" | xargs -0 stat -c '%s %n' -- 2>/dev/null)
+    fi
     for f in "$DLSCHED_DIR"/mpi/*/rank.*/"$1"; do
       [ -f "$f" ] || continue
       if [ -z "${fd[$f]:-}" ] && [ -z "${off[$f]:-}" ]; then
@@ -228,6 +235,7 @@ dlsched_merge() {
           open=$((open + 1))
         else
           off[$f]=0  # no descriptor for it: read by offset
+          size[$f]=$(stat -c %s -- "$f" 2>/dev/null) || size[$f]=0
         fi
       fi
       line=""
@@ -236,12 +244,14 @@ dlsched_merge() {
           printf '%s\n' "${part[$f]:-}$line"
           part[$f]=""
         done
-      elif s=$(stat -c %s -- "$f") && [ "$s" -gt "${off[$f]}" ]; then
+      elif s=${size[$f]:-0} && [ "$s" -gt "${off[$f]}" ]; then
+        got=0
         while IFS= read -r line; do
+          got=$(( got + ${#line} + 1 ))
           printf '%s\n' "${part[$f]:-}$line"
           part[$f]=""
-        done < <(tail -c "+$(( ${off[$f]} + 1 ))" -- "$f" | head -c "$(( s - ${off[$f]} ))")
-        off[$f]=$s
+        done < <(tail -c "+$(( ${off[$f]} + 1 ))" -- "$f" 2>/dev/null | head -c "$(( s - ${off[$f]} ))" 2>/dev/null)
+        off[$f]=$(( ${off[$f]} + got + ${#line} ))
       fi
       part[$f]+=$line
     done
