@@ -143,7 +143,7 @@ class WrappingRegistrar:
     outermost), as gRPC's interceptors would have wrapped it. The wrapping is
     built once per method here, at registration; gRPC's interceptors run
     every layer's ``intercept_service`` coroutine on every call (with four
-    layers a sixth of a GetJob's CPU on the server)."""
+    layers, measured: 24-61 us of a GetJob's 330-475 us of server CPU)."""
 
     def __init__(self, server: grpc.aio.Server, layers: Sequence[WrappingInterceptor]) -> None:
         self._server, self._layers = server, tuple(layers)
