@@ -42,6 +42,7 @@ from job_manager.convert import (
     spec_to_proto,
 )
 from job_manager.domain.model import Candidate, JobSpec, NativeSpec, Observation
+from job_manager.driver_logs import LogMux, MultiplexUnsupported
 
 log = logging.getLogger("job_manager.clients")
 T = TypeVar("T")
@@ -57,6 +58,10 @@ _CHANNEL_OPTIONS = [
     # dns:///name) spreads calls over them and skips one that died.
     ("grpc.lb_policy_name", "round_robin"),
 ]
+
+
+#: a tail that failed UNAVAILABLE before its first batch is opened again this often
+_TAIL_RETRIES = 4
 
 
 def _channel(address: str, tls: tls_kit.TlsOptions | None,
@@ -167,6 +172,7 @@ class DriverClient:
         self._channel = _channel(address, tls)
         self._stub = drv_grpc.DriverServiceStub(self._channel)
         self._timeout = timeout
+        self._logs = LogMux(self._stub)
 
     async def render(self, cluster: str, job_id: str, spec: JobSpec) -> NativeSpec:
         resp = await _unary(self._stub.RenderJob(drv_pb2.RenderJobRequest(
@@ -233,7 +239,8 @@ class DriverClient:
     async def tail_logs(self, cluster: str, job_id: str, backend_job_id: str,
                         req: jm_pb2.StreamJobLogsRequest
                         ) -> AsyncGenerator[list[job_pb2.LogEntry], None]:
-        """Log batches, passed through as protos (JobManager only relays them)."""
+        """Log batches, passed through as protos (JobManager only relays them):
+        a tail on the driver's shared MultiplexJobLogs stream (``driver_logs``)."""
         treq = drv_pb2.TailJobLogsRequest(
             cluster=cluster, job=drv_pb2.JobRef(job_id=job_id, backend_job_id=backend_job_id),
             follow=req.follow, tail_lines=req.tail_lines, role=req.role, streams=req.streams)
@@ -241,6 +248,25 @@ class DriverClient:
             treq.since_time.CopyFrom(req.since_time)
         if req.HasField("replica_index"):
             treq.replica_index = req.replica_index
+        retries = 0
+        while not self._logs.unsupported:
+            tail = self._logs.open(treq)
+            got = False
+            try:
+                while (batch := await tail.next()) is not None:
+                    got = True
+                    yield list(batch.entries)
+                return
+            except MultiplexUnsupported:
+                continue  # an older driver: one TailJobLogs call per tail, below
+            except errors.Unavailable:
+                # As the service config retries a stream before its first message.
+                if got or retries >= _TAIL_RETRIES:
+                    raise
+                await asyncio.sleep(min(0.2 * 2 ** retries, 5.0))
+                retries += 1
+            finally:
+                tail.close()
         call = self._stub.TailJobLogs(treq)
         try:
             async for resp in call:
@@ -258,6 +284,7 @@ class DriverClient:
         return usage
 
     async def close(self) -> None:
+        await self._logs.close()
         await self._channel.close()
 
 

@@ -82,6 +82,17 @@ class Peer:
         return job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS,
                                replica_groups=[self.group(f"import time; time.sleep({seconds})")])
 
+    def line(self, i: int) -> str:
+        """Line ``i`` of ``run_printing``'s job."""
+        return f"line {i:05d} " + "x" * 40
+
+    async def run_printing(self, job_id: str, lines: int) -> None:
+        """Runs a job whose one replica prints ``line(0..lines-1)`` to stdout, until it ended."""
+        code = f"import sys\nfor i in range({lines}): sys.stdout.write(f'line {{i:05d}} ' + 'x' * 40 + '\\n')"
+        await self.launch(job_id, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS,
+                                                  replica_groups=[self.group(code)]))
+        await self.wait_state(job_id)
+
     def marking(self, marker: str) -> job_pb2.JobSpec:
         """A single process that appends one line to ``marker`` and exits 0."""
         return job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS,
@@ -206,6 +217,18 @@ class KubernetesPeer(Peer):
         from tests.kube_emulator import pods_of
 
         return len(pods_of(self.emu, job_id))
+
+    async def run_printing(self, job_id: str, lines: int) -> None:
+        """The pod's log is written as its kubelet would, then the pod succeeds."""
+        from tests.kube_emulator import exited, kubelet
+
+        await self.launch(job_id, self.sleeping())
+        pod = f"{job_id}-1-main-0"
+        await kubelet(self.url, pod, "Running")
+        for i in range(lines):
+            self.emu.write_log(pod, self.line(i))
+        await kubelet(self.url, pod, "Succeeded", **exited(0, "Completed"))
+        await self.wait_state(job_id)
 
     @classmethod
     async def open(cls, stack: contextlib.AsyncExitStack) -> Peer:

@@ -172,14 +172,19 @@ async def prefix_snapshot(endpoint: str, prefix: str) -> dict[str, Any]:
 
 async def raw_call(ch: grpc.aio.Channel, m: MethodDescriptor, request: Any,
                    metadata: list[tuple[str, str]], timeout: float = 30) -> None:
-    """Calls ``m`` (unary or server-streaming) by its descriptor; returns when
-    it answered (a stream: its first message), raises ``AioRpcError`` when refused."""
+    """Calls ``m`` (unary, server- or bidi-streaming: ``request`` its one
+    message) by its descriptor; returns when it answered (a stream: its first
+    message), raises ``AioRpcError`` when refused."""
     path = f"/{m.containing_service.full_name}/{m.name}"
     resp = message_factory.GetMessageClass(m.output_type)
     ser = type(request).SerializeToString
     if m.server_streaming:
-        call = ch.unary_stream(path, request_serializer=ser, response_deserializer=resp.FromString)(
-            request, metadata=metadata, timeout=timeout)
+        if m.client_streaming:
+            call = ch.stream_stream(path, request_serializer=ser, response_deserializer=resp.FromString)(
+                iter([request]), metadata=metadata, timeout=timeout)
+        else:
+            call = ch.unary_stream(path, request_serializer=ser, response_deserializer=resp.FromString)(
+                request, metadata=metadata, timeout=timeout)
         try:
             async for _ in call:
                 return
@@ -376,6 +381,8 @@ async def test_every_method_refuses_bad_credentials_without_side_effects(env: En
         "dlsched.v1.DriverService.CleanupJob": drv.CleanupJobRequest(cluster=local, job=ref),
         "dlsched.v1.DriverService.ForgetJobs": drv.ForgetJobsRequest(cluster=local, jobs=[ref]),
         "dlsched.v1.DriverService.TailJobLogs": drv.TailJobLogsRequest(cluster=local, job=ref),
+        "dlsched.v1.DriverService.MultiplexJobLogs": drv.MultiplexJobLogsRequest(
+            tail_id=1, open=drv.OpenTail(request=drv.TailJobLogsRequest(cluster=local, job=ref), credit=1)),
         "dlsched.v1.DriverService.MeasureJobUsage": drv.MeasureJobUsageRequest(cluster=local, job=ref),
     }
     every = {m.full_name: m for svc in SERVICES.values() for m in svc.methods}

@@ -12,13 +12,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import pathlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2
 
 from dlsched.errors import FailedPrecondition
-from dlsched.kit.rpc_errors import error_info
+from dlsched.kit.rpc_errors import error_info, field_violations
 from dlsched.v1 import driver_service_pb2 as dpb
 from dlsched.v1 import job_pb2
 from drivers.common.base import JobObservation, LaunchResult, NativeSpec
@@ -198,6 +201,119 @@ async def test_batch_get_answers_in_the_order_of_the_refs(peer: Peer) -> None:
     await peer.launch(b, peer.sleeping())
     obs = await peer.observe(b, missing, a, b)
     assert [(o.job_id, o.found) for o in obs] == [(b, True), (missing, False), (a, True), (b, True)]
+
+
+# --------------------------------------------------------------------------- logs
+
+
+class _Mux:
+    """A MultiplexJobLogs stream: what arrived for each tail, read by a task."""
+
+    def __init__(self, peer: Peer) -> None:
+        self.out: asyncio.Queue[dpb.MultiplexJobLogsRequest | None] = asyncio.Queue()
+        self.batches: dict[int, list[dpb.TailJobLogsResponse]] = {}
+        self.ends: dict[int, Any] = {}
+        self.changed = asyncio.Event()
+        self.auto: set[int] = set()  # tails given a credit back for each batch, as JobManager does
+        self.call = peer.stub.MultiplexJobLogs(self._requests(), timeout=300)
+        self.reader = asyncio.create_task(self._read())
+
+    async def _requests(self) -> AsyncIterator[dpb.MultiplexJobLogsRequest]:
+        while (msg := await self.out.get()) is not None:
+            yield msg
+
+    async def _read(self) -> None:
+        async for resp in self.call:
+            if resp.HasField("batch"):
+                assert resp.tail_id not in self.ends, "a batch after the end"
+                self.batches.setdefault(resp.tail_id, []).append(resp.batch)
+                if resp.tail_id in self.auto:
+                    self.out.put_nowait(dpb.MultiplexJobLogsRequest(tail_id=resp.tail_id, credit=1))
+            else:
+                self.ends[resp.tail_id] = resp.end
+            self.changed.set()
+
+    def open(self, tail_id: int, request: dpb.TailJobLogsRequest, credit: int) -> None:
+        self.out.put_nowait(dpb.MultiplexJobLogsRequest(
+            tail_id=tail_id, open=dpb.OpenTail(request=request, credit=credit)))
+
+    async def until(self, what: Callable[[], bool], within: float = 90.0) -> None:
+        deadline = time.monotonic() + within
+        while not what():
+            assert not self.reader.done(), self.reader
+            left = deadline - time.monotonic()
+            assert left > 0, (self.batches, self.ends)
+            self.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), min(left, 1.0))
+
+    def lines(self, tail_id: int) -> list[tuple[str, int, int, str]]:
+        return [(e.role, e.replica_index, e.stream, e.text)
+                for b in self.batches.get(tail_id, []) for e in b.entries]
+
+
+async def test_multiplexed_tails_answer_as_tail_calls_each_at_its_own_pace(peer: Peer) -> None:
+    """One MultiplexJobLogs stream: each tail sends what a TailJobLogs call would (lines, then
+    an OK end; a refusal as the end's status with its ErrorInfo), a tail with no credit left
+    waits while another on the stream finishes, and credit lets it go on."""
+    job = new_id()
+    await peer.run_printing(job, 3000)
+    req = dpb.TailJobLogsRequest(cluster=peer.cluster, job=dpb.JobRef(job_id=job))
+    want: list[tuple[str, int, int, str]] = []
+    async for resp in peer.stub.TailJobLogs(req, timeout=60):
+        want += [(e.role, e.replica_index, e.stream, e.text) for e in resp.entries]
+    assert [w[3] for w in want if w[2] == job_pb2.LOG_STREAM_STDOUT] == [peer.line(i) for i in range(3000)]
+
+    mux = _Mux(peer)
+    try:
+        unknown = f"clusters/{new_id('nowhere')}"
+        mux.open(1, dpb.TailJobLogsRequest(cluster=unknown, job=dpb.JobRef(job_id=job)), credit=4)
+        mux.open(2, req, credit=1)  # slow: one batch, then waits for credit
+        mux.auto.add(3)
+        mux.open(3, req, credit=4)
+        await mux.until(lambda: 1 in mux.ends and 3 in mux.ends)
+        st = mux.ends[1]
+        assert st.code == grpc.StatusCode.FAILED_PRECONDITION.value[0], st
+        info = error_details_pb2.ErrorInfo()
+        assert st.details[0].Unpack(info) and info.reason == "CLUSTER_NOT_CONFIGURED", st
+        assert info.metadata["cluster"] == unknown
+        assert mux.ends[3].code == 0 and mux.lines(3) == want
+        many = len(mux.batches[3]) >= 2
+        if many:  # more than one batch: tail 2 has its first and waits
+            assert len(mux.batches.get(2, [])) == 1 and 2 not in mux.ends
+        assert peer.name != "local" or many, "the local backlog comes in several batches"
+        mux.auto.add(2)
+        mux.out.put_nowait(dpb.MultiplexJobLogsRequest(tail_id=2, credit=4))
+        await mux.until(lambda: 2 in mux.ends)
+        assert mux.ends[2].code == 0 and mux.lines(2) == want
+        # A closed tail sends nothing more; ids only grow; the client's end ends the stream.
+        mux.open(4, dpb.TailJobLogsRequest(cluster=peer.cluster, job=dpb.JobRef(job_id=job), follow=True),
+                 credit=1)
+        mux.out.put_nowait(dpb.MultiplexJobLogsRequest(tail_id=4, close=True))
+        mux.out.put_nowait(None)
+        await asyncio.wait_for(mux.reader, 60)
+        assert 4 not in mux.ends and len(mux.batches.get(4, [])) <= 1
+    finally:
+        mux.call.cancel()
+
+
+async def test_a_malformed_multiplex_message_ends_the_stream_invalid_argument(peer: Peer) -> None:
+    req = dpb.TailJobLogsRequest(cluster=peer.cluster, job=dpb.JobRef(job_id=new_id()))
+    cases = [
+        ([dpb.MultiplexJobLogsRequest(tail_id=1, open=dpb.OpenTail(request=req, credit=1)),
+          dpb.MultiplexJobLogsRequest(tail_id=1, open=dpb.OpenTail(request=req, credit=1))], "tail_id"),
+        ([dpb.MultiplexJobLogsRequest(tail_id=0, open=dpb.OpenTail(request=req, credit=1))], "tail_id"),
+        ([dpb.MultiplexJobLogsRequest(tail_id=1, open=dpb.OpenTail(request=req, credit=0))], "open.credit"),
+        ([dpb.MultiplexJobLogsRequest(tail_id=1, open=dpb.OpenTail(request=req, credit=1025))], "open.credit"),
+        ([dpb.MultiplexJobLogsRequest(tail_id=1)], "action"),
+    ]
+    for msgs, field in cases:
+        call = peer.stub.MultiplexJobLogs(iter(msgs), timeout=60)
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            async for _ in call:
+                pass
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, ei.value.details())
+        assert [v.field for v in field_violations(ei.value)] == [field], ei.value.details()
 
 
 # --------------------------------------------------------------------------- optional capabilities

@@ -8,6 +8,8 @@ reads each service's Prometheus endpoint over HTTP.
 from __future__ import annotations
 
 import asyncio
+import pathlib
+import sys
 import time
 import urllib.request
 import uuid
@@ -129,3 +131,39 @@ async def test_every_service_counts_its_calls_jobs_clusters_and_streams(stack: S
 
     for scraped in (text, cm_text, drv_text):
         assert SECRET not in scraped
+
+
+async def test_log_followers_share_one_driver_stream_and_a_stalled_one_holds_up_no_other(
+        stack: Stack, tmp_path: pathlib.Path) -> None:
+    """JobManager tails every follower's logs on one MultiplexJobLogs stream to the driver (no
+    call per follower), and a follower that stops reading holds up no other follower's lines."""
+    assert stack.jm is not None
+    await stack.register_local()
+    go, n = tmp_path / "go", 20_000
+    code = (f"import os, sys, time\nprint('ready', flush=True)\nwhile not os.path.exists({str(go)!r}): "
+            f"time.sleep(0.05)\nfor i in range({n}): sys.stdout.write(f'line {{i:05d}} ' + 'x' * 90 + '\\n')\n")
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+        job_pb2.ReplicaGroup(role="main", replicas=1, command=[sys.executable, "-c", code])])
+    spec.cluster_selector.cluster = "clusters/local"
+    dsvc = "dlsched.v1.DriverService"
+    async with security.channel(stack.jm.address) as ch:
+        jm = pb_grpc.JobManagerServiceStub(ch)
+        job = (await jm.SubmitJob(pb.SubmitJobRequest(job_id=f"mux-{uuid.uuid4().hex[:6]}", spec=spec))).job
+        req = pb.StreamJobLogsRequest(name=job.name, follow=True)
+        calls = [jm.StreamJobLogs(req, timeout=300) for _ in range(5)]
+        try:
+            for call in calls:  # every follower has its first line
+                while not any(e.text == "ready" for e in (await call.read()).entries):
+                    pass
+            _, d = scrape(stack.driver)
+            assert value(d, "dlsched_rpc_streams_active", service=dsvc, method="MultiplexJobLogs") == 1
+            assert value(d, "dlsched_rpc_streams_active", service=dsvc, method="TailJobLogs") == 0
+            go.touch()
+            # calls[0] reads no more: its lines pile up until flow control stops them.
+            got: list[str] = []
+            async for resp in calls[1]:
+                got += [e.text for e in resp.entries]
+            assert got == [f"line {i:05d} " + "x" * 90 for i in range(n)]
+        finally:
+            for call in calls:
+                call.cancel()

@@ -20,7 +20,7 @@ import grpc
 from dlsched.auth.audit import AuditLog, is_mutating, object_of
 from dlsched.auth.model import Principal
 from dlsched.errors import DlschedError, Internal, PermissionDenied, Unauthenticated
-from dlsched.kit.handlers import WrappingInterceptor, responses, rewrap
+from dlsched.kit.handlers import WrappingInterceptor, responses, rewrap, streaming
 from dlsched.kit.tls import peer_identities
 
 PUBLIC_SERVICES = frozenset({
@@ -111,8 +111,8 @@ class AuthInterceptor(WrappingInterceptor):
                                     obj=object_of(request, response), result=result)
 
             return rewrap(handler, unary_unary=unary_unary)
-        if handler.unary_stream:
-            inner_us = handler.unary_stream
+        if streaming(handler):
+            inner_us = streaming(handler)
 
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 _CALLER.set(await self._principal(context))  # this call's own task
@@ -124,8 +124,8 @@ class AuthInterceptor(WrappingInterceptor):
 
 
 def _refuse_other(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """dlsched has no client-streaming RPCs; refuse any that appear rather
-    than serve them unauthenticated."""
+    """dlsched has no client-streaming RPCs (bidi ones are wrapped like server
+    streams); refuse any that appear rather than serve them unauthenticated."""
     async def refuse(request: Any, context: grpc.aio.ServicerContext) -> Any:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not served")
 

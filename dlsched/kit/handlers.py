@@ -12,9 +12,11 @@ import grpc
 
 def rewrap(handler: grpc.RpcMethodHandler, *, unary_unary: Any = None,
            unary_stream: Any = None, request_deserializer: Any = None) -> grpc.RpcMethodHandler:
-    """``handler`` with its unary-unary or unary-stream behaviour replaced
-    (and, when given, its request deserializer); any other kind (client or
-    bidi streaming) is returned unchanged."""
+    """``handler`` with its unary-unary or server-streaming behaviour replaced
+    (and, when given, its request deserializer). ``unary_stream`` replaces a
+    bidi-streaming handler's behaviour too (both take a request, or the
+    request iterator, and the context, and yield responses: see
+    ``streaming``); a client-streaming handler is returned unchanged."""
     deser = request_deserializer or handler.request_deserializer
     if handler.unary_unary and unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(
@@ -24,7 +26,18 @@ def rewrap(handler: grpc.RpcMethodHandler, *, unary_unary: Any = None,
         return grpc.unary_stream_rpc_method_handler(
             unary_stream, request_deserializer=deser,
             response_serializer=handler.response_serializer)
+    if handler.stream_stream and unary_stream is not None:
+        return grpc.stream_stream_rpc_method_handler(
+            unary_stream, request_deserializer=deser,
+            response_serializer=handler.response_serializer)
     return handler
+
+
+def streaming(handler: grpc.RpcMethodHandler) -> Any:
+    """The behaviour of a server- or bidi-streaming handler (None for any
+    other kind). A layer wraps both alike: the first argument is the request,
+    or for bidi the request iterator, passed through untouched."""
+    return handler.unary_stream or handler.stream_stream
 
 
 class WrappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc is untyped

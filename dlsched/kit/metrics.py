@@ -34,7 +34,7 @@ import grpc
 import prometheus_client
 from prometheus_client import Counter, Gauge, Histogram
 
-from dlsched.kit.handlers import WrappingInterceptor, responses, rewrap
+from dlsched.kit.handlers import WrappingInterceptor, responses, rewrap, streaming
 
 log = logging.getLogger("dlsched.metrics")
 
@@ -116,8 +116,8 @@ class MetricsInterceptor(WrappingInterceptor):
                     done(context, start, err)
 
             return rewrap(handler, unary_unary=unary_unary)
-        if handler.unary_stream:
-            inner_us = handler.unary_stream
+        if streaming(handler):
+            inner_us = streaming(handler)
 
             active = RPC_STREAMS.labels(service, method)
 

@@ -24,7 +24,14 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from dlsched import errors
-from dlsched.kit.handlers import Undecodable, WrappingInterceptor, responses, rewrap, tolerant
+from dlsched.kit.handlers import (
+    Undecodable,
+    WrappingInterceptor,
+    responses,
+    rewrap,
+    streaming,
+    tolerant,
+)
 
 log = logging.getLogger("dlsched.rpc")
 
@@ -88,7 +95,9 @@ def internal_error() -> tuple[errors.Internal, str]:
     return err, cid
 
 
-def _status_for(exc: BaseException, method: str) -> status_pb2.Status:
+def status_for(exc: BaseException, method: str) -> status_pb2.Status:
+    """The status a failure of ``method`` is reported with: a DlschedError's own;
+    anything else INTERNAL with a correlation id (the exception is logged, never sent)."""
     if isinstance(exc, errors.DlschedError):
         if exc.code == "INTERNAL":
             log.error("internal error in %s: %s", method, exc.message)
@@ -102,7 +111,7 @@ async def _abort(context: grpc.aio.ServicerContext, st: status_pb2.Status) -> No
     await context.abort_with_status(rpc_status.to_status(st))
 
 
-def _refuse_undecodable(request: Any) -> None:
+def refuse_undecodable(request: Any) -> None:
     if isinstance(request, Undecodable):
         raise errors.InvalidArgument(
             f"the request could not be decoded ({request.error}): not a valid protobuf "
@@ -119,27 +128,27 @@ class ErrorInterceptor(WrappingInterceptor):
 
             async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
-                    _refuse_undecodable(request)
+                    refuse_undecodable(request)
                     return await inner_uu(request, context)
                 except _PASSTHROUGH:
                     raise
                 except BaseException as exc:  # noqa: BLE001 - mapped to a status
-                    await _abort(context, _status_for(exc, method))
+                    await _abort(context, status_for(exc, method))
 
             return rewrap(handler, unary_unary=unary_unary,
                           request_deserializer=tolerant(handler.request_deserializer))
-        if handler.unary_stream:
-            inner_us = handler.unary_stream
+        if streaming(handler):
+            inner_us = streaming(handler)
 
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 try:
-                    _refuse_undecodable(request)
+                    refuse_undecodable(request)
                     async for item in responses(inner_us(request, context)):
                         yield item
                 except _PASSTHROUGH:
                     raise
                 except BaseException as exc:  # noqa: BLE001 - mapped to a status
-                    await _abort(context, _status_for(exc, method))
+                    await _abort(context, status_for(exc, method))
 
             return rewrap(handler, unary_stream=unary_stream,
                           request_deserializer=tolerant(handler.request_deserializer))
@@ -156,40 +165,69 @@ _PASSTHROUGH: tuple[type[BaseException], ...] = (
 )
 
 
+def _status_of_call(exc: grpc.RpcError) -> status_pb2.Status | None:
+    try:
+        st: status_pb2.Status | None = rpc_status.from_call(exc)
+    except ValueError:  # details that contradict the call's code: not trusted
+        return None
+    return st
+
+
+def _details(st: status_pb2.Status | None, kind: Any) -> list[Any]:
+    out: list[Any] = []
+    for d in st.details if st is not None else ():
+        if d.Is(kind.DESCRIPTOR):
+            msg = kind()
+            d.Unpack(msg)
+            out.append(msg)
+    return out
+
+
 def error_info(exc: grpc.aio.AioRpcError | grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
     """The ErrorInfo of a failed call, if the server sent one."""
-    st = rpc_status.from_call(exc)
-    if st is None:
-        return None
-    for d in st.details:
-        if d.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
-            info = error_details_pb2.ErrorInfo()
-            d.Unpack(info)
-            return info
-    return None
+    infos = _details(_status_of_call(exc), error_details_pb2.ErrorInfo)
+    return infos[0] if infos else None
 
 
 def field_violations(exc: grpc.RpcError) -> list[error_details_pb2.BadRequest.FieldViolation]:
     """The BadRequest field violations of a failed call."""
-    st = rpc_status.from_call(exc)
-    out: list[error_details_pb2.BadRequest.FieldViolation] = []
-    if st is None:
-        return out
-    for d in st.details:
-        if d.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            br = error_details_pb2.BadRequest()
-            d.Unpack(br)
-            out.extend(br.field_violations)
-    return out
+    return [v for br in _details(_status_of_call(exc), error_details_pb2.BadRequest)
+            for v in br.field_violations]
+
+
+def precondition_violations(exc: grpc.RpcError) -> list[tuple[str, str]]:
+    """The PreconditionFailure violations of a failed call, as (subject, description)."""
+    return _preconditions(_status_of_call(exc))
+
+
+def _preconditions(st: status_pb2.Status | None) -> list[tuple[str, str]]:
+    return [(v.subject, v.description)
+            for pf in _details(st, error_details_pb2.PreconditionFailure) for v in pf.violations]
 
 
 def from_rpc_error(exc: grpc.RpcError, *, default_reason: str | None = None) -> errors.DlschedError:
     """Rebuild a DlschedError from a failed call to another dlsched service."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     name = code.name if code is not None else "UNKNOWN"
-    cls = _CLASS_BY_CODE.get(name)
     details = exc.details() if hasattr(exc, "details") else str(exc)
-    info = error_info(exc)
+    return _rebuild(name, details, _status_of_call(exc), default_reason)
+
+
+def from_status(st: status_pb2.Status) -> errors.DlschedError:
+    """Rebuild a DlschedError from a ``google.rpc.Status`` another dlsched
+    service sent in a message (a non-OK code; OK is not an error)."""
+    try:
+        name = code_pb2.Code.Name(st.code)
+    except ValueError:
+        name = "UNKNOWN"
+    return _rebuild(name, st.message, st, None)
+
+
+def _rebuild(name: str, details: str, st: status_pb2.Status | None,
+             default_reason: str | None) -> errors.DlschedError:
+    cls = _CLASS_BY_CODE.get(name)
+    infos = _details(st, error_details_pb2.ErrorInfo)
+    info = infos[0] if infos else None
     reason = info.reason if info is not None else (default_reason or name)
     md = dict(info.metadata) if info is not None else {}
     if name in ("UNKNOWN", "CANCELLED"):
@@ -197,24 +235,9 @@ def from_rpc_error(exc: grpc.RpcError, *, default_reason: str | None = None) -> 
     if cls is None:
         cls = errors.Internal
     if cls is errors.InvalidArgument:
-        vs = [errors.FieldViolation(v.field, v.description) for v in field_violations(exc)]
+        vs = [errors.FieldViolation(v.field, v.description)
+              for br in _details(st, error_details_pb2.BadRequest) for v in br.field_violations]
         return errors.InvalidArgument(details or name, vs, reason=reason, metadata=md)
     if cls is errors.FailedPrecondition:
-        return errors.FailedPrecondition(
-            details or name, precondition_violations(exc), reason=reason, metadata=md
-        )
+        return errors.FailedPrecondition(details or name, _preconditions(st), reason=reason, metadata=md)
     return cls(details or name, reason=reason, metadata=md)
-
-
-def precondition_violations(exc: grpc.RpcError) -> list[tuple[str, str]]:
-    """The PreconditionFailure violations of a failed call, as (subject, description)."""
-    st = rpc_status.from_call(exc)
-    out: list[tuple[str, str]] = []
-    if st is None:
-        return out
-    for d in st.details:
-        if d.Is(error_details_pb2.PreconditionFailure.DESCRIPTOR):
-            pf = error_details_pb2.PreconditionFailure()
-            d.Unpack(pf)
-            out.extend((v.subject, v.description) for v in pf.violations)
-    return out

@@ -40,7 +40,13 @@ from grpc_status import rpc_status
 from dlsched import errors
 from dlsched.kit import reflection
 from dlsched.kit import tls as tls_kit
-from dlsched.kit.handlers import WrappingInterceptor, WrappingRegistrar, responses, rewrap
+from dlsched.kit.handlers import (
+    WrappingInterceptor,
+    WrappingRegistrar,
+    responses,
+    rewrap,
+    streaming,
+)
 from dlsched.kit.memory import Trimmer
 from dlsched.kit.metrics import MetricsEndpoint, MetricsInterceptor, serve_metrics
 from dlsched.kit.rpc_errors import ErrorInterceptor, to_status
@@ -215,8 +221,8 @@ class Drain(WrappingInterceptor):
                 await _shutting_down(context)  # expired: failed UNAVAILABLE
 
             return rewrap(handler, unary_unary=unary_unary)
-        if handler.unary_stream:
-            inner_us = handler.unary_stream
+        if streaming(handler):
+            inner_us = streaming(handler)
 
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext,
                                    ) -> AsyncIterator[Any]:

@@ -4,6 +4,7 @@ from dlsched.v1 import cluster_pb2 as _cluster_pb2
 from dlsched.v1 import job_pb2 as _job_pb2
 from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.rpc import status_pb2 as _status_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -242,6 +243,36 @@ class TailJobLogsResponse(_message.Message):
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[_job_pb2.LogEntry]
     def __init__(self, entries: _Optional[_Iterable[_Union[_job_pb2.LogEntry, _Mapping]]] = ...) -> None: ...
+
+class MultiplexJobLogsRequest(_message.Message):
+    __slots__ = ("tail_id", "open", "credit", "close")
+    TAIL_ID_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    tail_id: int
+    open: OpenTail
+    credit: int
+    close: bool
+    def __init__(self, tail_id: _Optional[int] = ..., open: _Optional[_Union[OpenTail, _Mapping]] = ..., credit: _Optional[int] = ..., close: _Optional[bool] = ...) -> None: ...
+
+class OpenTail(_message.Message):
+    __slots__ = ("request", "credit")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
+    request: TailJobLogsRequest
+    credit: int
+    def __init__(self, request: _Optional[_Union[TailJobLogsRequest, _Mapping]] = ..., credit: _Optional[int] = ...) -> None: ...
+
+class MultiplexJobLogsResponse(_message.Message):
+    __slots__ = ("tail_id", "batch", "end")
+    TAIL_ID_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    tail_id: int
+    batch: TailJobLogsResponse
+    end: _status_pb2.Status
+    def __init__(self, tail_id: _Optional[int] = ..., batch: _Optional[_Union[TailJobLogsResponse, _Mapping]] = ..., end: _Optional[_Union[_status_pb2.Status, _Mapping]] = ...) -> None: ...
 
 class MeasureJobUsageRequest(_message.Message):
     __slots__ = ("cluster", "job")

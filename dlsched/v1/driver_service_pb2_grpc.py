@@ -98,6 +98,11 @@ class DriverServiceStub:
                 request_serializer=dlsched_dot_v1_dot_driver__service__pb2.TailJobLogsRequest.SerializeToString,
                 response_deserializer=dlsched_dot_v1_dot_driver__service__pb2.TailJobLogsResponse.FromString,
                 _registered_method=True)
+        self.MultiplexJobLogs = channel.stream_stream(
+                '/dlsched.v1.DriverService/MultiplexJobLogs',
+                request_serializer=dlsched_dot_v1_dot_driver__service__pb2.MultiplexJobLogsRequest.SerializeToString,
+                response_deserializer=dlsched_dot_v1_dot_driver__service__pb2.MultiplexJobLogsResponse.FromString,
+                _registered_method=True)
         self.MeasureJobUsage = channel.unary_unary(
                 '/dlsched.v1.DriverService/MeasureJobUsage',
                 request_serializer=dlsched_dot_v1_dot_driver__service__pb2.MeasureJobUsageRequest.SerializeToString,
@@ -211,6 +216,19 @@ class DriverServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MultiplexJobLogs(self, request_iterator, context):
+        """Many TailJobLogs over one stream: JobManager keeps one per driver and
+        opens a tail on it for each log follower, so an idle follower costs no
+        call of its own. Each tail is a TailJobLogs (same request, batches and
+        end) with its own flow control: the server sends a tail's batches only
+        while the client has given it credit, so a tail whose reader is slow
+        never holds up the others. The stream ends when the client ends it (or
+        half-closes with no tail open); a tail's error ends that tail only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def MeasureJobUsage(self, request, context):
         """Reports a job's resource usage now.
         """
@@ -275,6 +293,11 @@ def add_DriverServiceServicer_to_server(servicer, server):
                     servicer.TailJobLogs,
                     request_deserializer=dlsched_dot_v1_dot_driver__service__pb2.TailJobLogsRequest.FromString,
                     response_serializer=dlsched_dot_v1_dot_driver__service__pb2.TailJobLogsResponse.SerializeToString,
+            ),
+            'MultiplexJobLogs': grpc.stream_stream_rpc_method_handler(
+                    servicer.MultiplexJobLogs,
+                    request_deserializer=dlsched_dot_v1_dot_driver__service__pb2.MultiplexJobLogsRequest.FromString,
+                    response_serializer=dlsched_dot_v1_dot_driver__service__pb2.MultiplexJobLogsResponse.SerializeToString,
             ),
             'MeasureJobUsage': grpc.unary_unary_rpc_method_handler(
                     servicer.MeasureJobUsage,
@@ -588,6 +611,33 @@ class DriverService:
             '/dlsched.v1.DriverService/TailJobLogs',
             dlsched_dot_v1_dot_driver__service__pb2.TailJobLogsRequest.SerializeToString,
             dlsched_dot_v1_dot_driver__service__pb2.TailJobLogsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MultiplexJobLogs(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/dlsched.v1.DriverService/MultiplexJobLogs',
+            dlsched_dot_v1_dot_driver__service__pb2.MultiplexJobLogsRequest.SerializeToString,
+            dlsched_dot_v1_dot_driver__service__pb2.MultiplexJobLogsResponse.FromString,
             options,
             channel_credentials,
             insecure,

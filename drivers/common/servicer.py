@@ -19,6 +19,7 @@ from dlsched.v1 import driver_service_pb2 as pb
 from dlsched.v1 import driver_service_pb2_grpc
 from drivers.common import convert
 from drivers.common.base import Driver
+from drivers.common.logmux import LogMux
 
 
 async def _aclose(it: Any) -> None:
@@ -111,6 +112,15 @@ class DriverServicer(driver_service_pb2_grpc.DriverServiceServicer):
 
     async def TailJobLogs(self, request: pb.TailJobLogsRequest,
                           context: grpc.aio.ServicerContext) -> AsyncIterator[pb.TailJobLogsResponse]:
+        async for batch in self._tail(request):
+            yield batch
+
+    def MultiplexJobLogs(self, request_iterator: AsyncIterator[Any],
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MultiplexJobLogsResponse]:
+        return LogMux(self._tail).run(request_iterator)
+
+    async def _tail(self, request: pb.TailJobLogsRequest) -> AsyncIterator[pb.TailJobLogsResponse]:
+        """What one TailJobLogs call (or one tail of a MultiplexJobLogs) sends."""
         cluster = convert.cluster_name(request.cluster)
         ref = convert.job_ref(request.job)
         query = convert.log_query(request)

@@ -1,0 +1,170 @@
+"""Log tails of one driver over one ``MultiplexJobLogs`` stream (JobManager's side).
+
+Every StreamJobLogs follower needs a tail of its job's logs from the driver.
+A gRPC call per follower cost JobManager ~29 KiB per idle follower (a
+grpc.aio client stream); a tail on the shared stream costs a small object.
+Flow control is per tail: a tail holds at most ``CREDIT`` batches the
+follower has not taken, and gives credit back as it takes them (half a
+window at a time), so a slow follower never stalls another's lines.
+
+The stream is opened on the first tail and kept; when it fails (the driver
+restarted, the connection dropped) each of its tails ends with the stream's
+error after the batches it already holds, and the next tail opens a new
+stream. ``DriverClient.tail_logs`` retries a tail that failed UNAVAILABLE
+before its first batch (as the service config retries a TailJobLogs call),
+and falls back to TailJobLogs calls for a driver that does not serve
+MultiplexJobLogs (an older one during an upgrade).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from dlsched import errors
+from dlsched.kit import rpc_errors
+from dlsched.v1 import driver_service_pb2 as drv_pb2
+
+#: batches a tail may hold that its follower has not taken
+CREDIT = 8
+_DONE = object()
+
+
+class MultiplexUnsupported(Exception):  # noqa: N818 - a signal, not an error the caller sees
+    """The driver does not serve MultiplexJobLogs."""
+
+
+class Tail:
+    """One tail: ``next()`` gives its batches, then None at its end (or raises its error)."""
+
+    __slots__ = ("_stream", "_id", "_batches", "_waiter", "_end", "_taken")
+
+    def __init__(self, stream: _Stream, tail_id: int) -> None:
+        self._stream, self._id = stream, tail_id
+        self._batches: list[drv_pb2.TailJobLogsResponse] = []
+        self._waiter: asyncio.Future[None] | None = None
+        self._end: object = None  # _DONE, or the exception it ended with
+        self._taken = 0
+
+    def _push(self, batch: drv_pb2.TailJobLogsResponse) -> None:
+        self._batches.append(batch)
+        self._wake()
+
+    def _finish(self, end: object) -> None:
+        self._end = end
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def next(self) -> drv_pb2.TailJobLogsResponse | None:
+        while not self._batches:
+            if self._end is _DONE:
+                return None
+            if isinstance(self._end, BaseException):
+                raise self._end
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        batch = self._batches.pop(0)
+        self._taken += 1
+        if self._end is None and self._taken >= CREDIT // 2:
+            self._stream.send(drv_pb2.MultiplexJobLogsRequest(tail_id=self._id, credit=self._taken))
+            self._taken = 0
+        return batch
+
+    def close(self) -> None:
+        """Stops the tail (the driver stops reading for it); idempotent."""
+        if self._end is None:
+            self._end = _DONE
+            if self._stream.tails.pop(self._id, None) is not None:
+                self._stream.send(drv_pb2.MultiplexJobLogsRequest(tail_id=self._id, close=True))
+        self._batches.clear()
+
+
+class _Stream:
+    """One MultiplexJobLogs call and the tails open on it."""
+
+    def __init__(self, stub: Any) -> None:
+        self.tails: dict[int, Tail] = {}
+        self.ended = False
+        self.unsupported = False
+        self._last_id = 0
+        self._outbox: asyncio.Queue[drv_pb2.MultiplexJobLogsRequest] = asyncio.Queue()
+        self._call = stub.MultiplexJobLogs(self._requests())
+        self._reader = asyncio.create_task(self._read())
+
+    def open(self, request: drv_pb2.TailJobLogsRequest) -> Tail:
+        self._last_id += 1
+        tail = self.tails[self._last_id] = Tail(self, self._last_id)
+        self.send(drv_pb2.MultiplexJobLogsRequest(
+            tail_id=self._last_id, open=drv_pb2.OpenTail(request=request, credit=CREDIT)))
+        return tail
+
+    def send(self, msg: drv_pb2.MultiplexJobLogsRequest) -> None:
+        if not self.ended:
+            self._outbox.put_nowait(msg)
+
+    async def _requests(self) -> AsyncIterator[drv_pb2.MultiplexJobLogsRequest]:
+        while True:
+            yield await self._outbox.get()
+
+    async def _read(self) -> None:
+        end: BaseException = errors.Unavailable("the driver ended the log stream", reason="LOG_STREAM_ENDED")
+        try:
+            async for resp in self._call:
+                tail = self.tails.get(resp.tail_id)
+                if tail is None:
+                    continue  # closed meanwhile
+                if resp.HasField("batch"):
+                    tail._push(resp.batch)  # noqa: SLF001 - the stream feeds its tails
+                else:
+                    del self.tails[resp.tail_id]
+                    tail._finish(_DONE if resp.end.code == 0  # noqa: SLF001
+                                 else rpc_errors.from_status(resp.end))
+        except grpc.RpcError as e:
+            end = rpc_errors.from_rpc_error(e)
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED and isinstance(end, errors.Unimplemented) \
+                    and end.reason == "UNIMPLEMENTED":  # no ErrorInfo: gRPC's "method not found"
+                self.unsupported = True
+                end = MultiplexUnsupported()
+        except asyncio.CancelledError:
+            end = errors.Unavailable("log stream closed", reason="LOG_STREAM_ENDED")
+            raise
+        finally:
+            self.ended = True
+            for tail in self.tails.values():
+                tail._finish(end)  # noqa: SLF001
+            self.tails.clear()
+
+    async def close(self) -> None:
+        self.ended = True
+        self._call.cancel()
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+
+
+class LogMux:
+    """The tails of one driver, on the stream open now (a new one after a failure)."""
+
+    def __init__(self, stub: Any) -> None:
+        self._stub = stub
+        self._stream: _Stream | None = None
+        self.unsupported = False
+
+    def open(self, request: drv_pb2.TailJobLogsRequest) -> Tail:
+        if self._stream is not None and self._stream.unsupported:
+            self.unsupported = True
+        if self._stream is None or self._stream.ended:
+            self._stream = _Stream(self._stub)
+        return self._stream.open(request)
+
+    async def close(self) -> None:
+        if self._stream is not None:
+            await self._stream.close()
