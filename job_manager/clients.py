@@ -258,7 +258,7 @@ class DriverClient:
                     yield list(batch.entries)
                 return
             except MultiplexUnsupported:
-                continue  # an older driver: one TailJobLogs call per tail, below
+                self._logs.unsupported = True  # an older driver: one TailJobLogs call per tail, below
             except errors.Unavailable:
                 # As the service config retries a stream before its first message.
                 if got or retries >= _TAIL_RETRIES:

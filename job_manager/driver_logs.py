@@ -96,7 +96,8 @@ class _Stream:
         self.ended = False
         self.unsupported = False
         self._last_id = 0
-        self._outbox: asyncio.Queue[drv_pb2.MultiplexJobLogsRequest] = asyncio.Queue()
+        # What to send; None ends the requests (the call's request task returns).
+        self._outbox: asyncio.Queue[drv_pb2.MultiplexJobLogsRequest | None] = asyncio.Queue()
         self._call = stub.MultiplexJobLogs(self._requests())
         self._reader = asyncio.create_task(self._read())
 
@@ -112,8 +113,8 @@ class _Stream:
             self._outbox.put_nowait(msg)
 
     async def _requests(self) -> AsyncIterator[drv_pb2.MultiplexJobLogsRequest]:
-        while True:
-            yield await self._outbox.get()
+        while (msg := await self._outbox.get()) is not None:
+            yield msg
 
     async def _read(self) -> None:
         end: BaseException = errors.Unavailable("the driver ended the log stream", reason="LOG_STREAM_ENDED")
@@ -139,12 +140,14 @@ class _Stream:
             raise
         finally:
             self.ended = True
+            self._outbox.put_nowait(None)
             for tail in self.tails.values():
                 tail._finish(end)  # noqa: SLF001
             self.tails.clear()
 
     async def close(self) -> None:
         self.ended = True
+        self._outbox.put_nowait(None)
         self._call.cancel()
         self._reader.cancel()
         await asyncio.gather(self._reader, return_exceptions=True)
@@ -156,11 +159,10 @@ class LogMux:
     def __init__(self, stub: Any) -> None:
         self._stub = stub
         self._stream: _Stream | None = None
+        #: set by the caller once a tail ended MultiplexUnsupported
         self.unsupported = False
 
     def open(self, request: drv_pb2.TailJobLogsRequest) -> Tail:
-        if self._stream is not None and self._stream.unsupported:
-            self.unsupported = True
         if self._stream is None or self._stream.ended:
             self._stream = _Stream(self._stub)
         return self._stream.open(request)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 from google.rpc import status_pb2
@@ -67,7 +67,7 @@ class LogMux:
         # None (done) or an exception (the client's malformed message).
         self._out: asyncio.Queue[pb.MultiplexJobLogsResponse | BaseException | None] = asyncio.Queue()
 
-    async def run(self, requests: AsyncIterator[Any]) -> AsyncIterator[pb.MultiplexJobLogsResponse]:
+    async def run(self, requests: AsyncIterator[Any]) -> AsyncGenerator[pb.MultiplexJobLogsResponse, None]:
         reader = asyncio.create_task(self._read(requests))
         try:
             while True:

@@ -9,6 +9,7 @@ releases its subscription at once.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -115,9 +116,11 @@ class DriverServicer(driver_service_pb2_grpc.DriverServiceServicer):
         async for batch in self._tail(request):
             yield batch
 
-    def MultiplexJobLogs(self, request_iterator: AsyncIterator[Any],
-                         context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MultiplexJobLogsResponse]:
-        return LogMux(self._tail).run(request_iterator)
+    async def MultiplexJobLogs(self, request_iterator: AsyncIterator[Any],
+                               context: grpc.aio.ServicerContext) -> AsyncIterator[pb.MultiplexJobLogsResponse]:
+        async with contextlib.aclosing(LogMux(self._tail).run(request_iterator)) as responses:
+            async for resp in responses:
+                yield resp
 
     async def _tail(self, request: pb.TailJobLogsRequest) -> AsyncIterator[pb.TailJobLogsResponse]:
         """What one TailJobLogs call (or one tail of a MultiplexJobLogs) sends."""
