@@ -9,6 +9,7 @@ BadRequest or PreconditionFailure details.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
@@ -42,7 +43,8 @@ from job_manager.convert import (
     spec_to_proto,
 )
 from job_manager.domain.model import Candidate, JobSpec, NativeSpec, Observation
-from job_manager.driver_logs import LogMux, MultiplexUnsupported
+from job_manager.driver_logs import IDLE, LogMux, MultiplexUnsupported
+from job_manager.heartbeats import with_heartbeats
 
 log = logging.getLogger("job_manager.clients")
 T = TypeVar("T")
@@ -237,10 +239,12 @@ class DriverClient:
         return n
 
     async def tail_logs(self, cluster: str, job_id: str, backend_job_id: str,
-                        req: jm_pb2.StreamJobLogsRequest
+                        req: jm_pb2.StreamJobLogsRequest, *, idle: float = 0.0,
                         ) -> AsyncGenerator[list[job_pb2.LogEntry], None]:
         """Log batches, passed through as protos (JobManager only relays them):
-        a tail on the driver's shared MultiplexJobLogs stream (``driver_logs``)."""
+        a tail on the driver's shared MultiplexJobLogs stream (``driver_logs``).
+        With ``idle`` > 0, an empty batch each time that many seconds pass
+        without lines."""
         treq = drv_pb2.TailJobLogsRequest(
             cluster=cluster, job=drv_pb2.JobRef(job_id=job_id, backend_job_id=backend_job_id),
             follow=req.follow, tail_lines=req.tail_lines, role=req.role, streams=req.streams)
@@ -253,10 +257,15 @@ class DriverClient:
             tail = self._logs.open(treq)
             got = False
             try:
-                while (batch := await tail.next()) is not None:
-                    got = True
-                    yield list(batch.entries)
-                return
+                while True:  # no batch held while the follower waits
+                    batch = await tail.next(idle)
+                    if batch is None:
+                        return
+                    got = got or batch is not IDLE
+                    entries = list(batch.entries)
+                    del batch
+                    yield entries
+                    del entries
             except MultiplexUnsupported:
                 self._logs.unsupported = True  # an older driver: one TailJobLogs call per tail, below
             except errors.Unavailable:
@@ -267,6 +276,11 @@ class DriverClient:
                 retries += 1
             finally:
                 tail.close()
+        async with contextlib.aclosing(with_heartbeats(self._tail_call(treq), idle, list)) as batches:
+            async for entries in batches:
+                yield entries
+
+    async def _tail_call(self, treq: drv_pb2.TailJobLogsRequest) -> AsyncGenerator[list[job_pb2.LogEntry], None]:
         call = self._stub.TailJobLogs(treq)
         try:
             async for resp in call:

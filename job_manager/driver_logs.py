@@ -31,6 +31,14 @@ from dlsched.v1 import driver_service_pb2 as drv_pb2
 #: batches a tail may hold that its follower has not taken
 CREDIT = 8
 _DONE = object()
+_EXPIRED = object()
+#: what ``Tail.next`` returns when its timeout passed with nothing (no entries)
+IDLE = drv_pb2.TailJobLogsResponse()
+
+
+def _expire(waiter: asyncio.Future[object]) -> None:
+    if not waiter.done():
+        waiter.set_result(_EXPIRED)
 
 
 class MultiplexUnsupported(Exception):  # noqa: N818 - a signal, not an error the caller sees
@@ -45,7 +53,7 @@ class Tail:
     def __init__(self, stream: _Stream, tail_id: int) -> None:
         self._stream, self._id = stream, tail_id
         self._batches: list[drv_pb2.TailJobLogsResponse] = []
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[object] | None = None
         self._end: object = None  # _DONE, or the exception it ended with
         self._taken = 0
 
@@ -61,17 +69,26 @@ class Tail:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    async def next(self) -> drv_pb2.TailJobLogsResponse | None:
+    async def next(self, idle: float = 0.0) -> drv_pb2.TailJobLogsResponse | None:
+        """The next batch; None at the tail's end (its error raised instead, if
+        it failed); ``IDLE`` (no entries) when ``idle`` (> 0) seconds pass
+        without one, which leaves the tail as it was."""
         while not self._batches:
             if self._end is _DONE:
                 return None
             if isinstance(self._end, BaseException):
                 raise self._end
-            self._waiter = asyncio.get_running_loop().create_future()
+            loop = asyncio.get_running_loop()
+            self._waiter = waiter = loop.create_future()
+            timer = loop.call_later(idle, _expire, waiter) if idle > 0 else None
             try:
-                await self._waiter
+                await waiter
             finally:
                 self._waiter = None
+                if timer is not None:
+                    timer.cancel()
+            if waiter.result() is _EXPIRED and not self._batches and self._end is None:
+                return IDLE
         batch = self._batches.pop(0)
         self._taken += 1
         if self._end is None and self._taken >= CREDIT // 2:

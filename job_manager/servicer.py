@@ -44,9 +44,8 @@ import dataclasses
 import heapq
 import itertools
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
-from typing import TypeVar
 
 import grpc
 
@@ -66,6 +65,7 @@ from job_manager.domain.log_cursor import FIELD as CURSOR_FIELD
 from job_manager.domain.log_cursor import LogCursor, Skipper
 from job_manager.domain.model import Job, JobState
 from job_manager.domain.validation import MAX_SPEC_BYTES, job_id_from_name, validate_request_id
+from job_manager.heartbeats import waiting
 from job_manager.history.store import ArchivedJob, HistoryStore
 from job_manager.scheduler import Scheduler
 from job_manager.watch import EventType, JobEvent, WatchHub, decode_token, encode_token
@@ -81,45 +81,6 @@ MAX_PAGE = 1000
 # How long a followed log stream waits for the job's state after its attempt's logs end.
 _ATTEMPT_SETTLE_SECONDS = 30.0
 DEFAULT_PAGE = 100
-_T = TypeVar("_T")
-
-
-async def with_heartbeats(source: AsyncGenerator[_T, None], every: float,
-                          beat: Callable[[], _T | None]) -> AsyncGenerator[_T, None]:
-    """The items of ``source``, plus ``beat()`` (unless None) whenever
-    nothing was sent for ``every`` seconds; ``every`` <= 0 adds nothing.
-
-    A heartbeat never cancels the source's pending step (a driver's log call,
-    a watch queue): one task awaits it across heartbeats. Closing this closes
-    the source (cancellation reaches it where it waits)."""
-    step: asyncio.Future[_T] | None = None
-    try:
-        if every <= 0:
-            async for item in source:
-                yield item
-            return
-        while True:
-            if step is None:
-                step = asyncio.ensure_future(source.__anext__())
-            done, _ = await asyncio.wait((step,), timeout=every)
-            if not done:
-                hb = beat()
-                if hb is not None:
-                    yield hb
-                continue
-            finished, step = step, None
-            try:
-                item = finished.result()
-            except StopAsyncIteration:
-                return
-            yield item
-    finally:
-        if step is not None:
-            step.cancel()
-            await asyncio.wait((step,))
-            if not step.cancelled():
-                step.exception()  # retrieved: the source's own error is not ours to raise here
-        await source.aclose()
 
 
 #: how long a write waits for this replica's cache to show it (read-your-writes)
@@ -154,14 +115,6 @@ def _response(ev: JobEvent) -> pb.WatchJobsResponse:
                                     resume_token=encode_token(ev.revision))
         ev.memo = resp
     return resp
-
-
-class _LogPosition:
-    """The resume cursor a StreamJobLogs heartbeat carries: that of the last
-    response sent (before any, the one the call resumed from)."""
-
-    def __init__(self, cursor: str) -> None:
-        self.cursor = cursor
 
 
 def _time_ns(e: job_pb2.LogEntry) -> int:
@@ -430,25 +383,24 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
     async def StreamJobLogs(self, request: pb.StreamJobLogsRequest,  # noqa: N802
                             context: grpc.aio.ServicerContext
                             ) -> AsyncIterator[pb.StreamJobLogsResponse]:
+        # One generator per follower, no task of its own while it tails: the
+        # heartbeat (a response with no entries and the current cursor) is the
+        # tail's own timeout; the waits for a launch and for a retry's next
+        # attempt beat from a task of their own (``waiting``), briefly.
         if request.tail_lines < 0:
             raise InvalidArgument.for_field("tail_lines", "0 or more")
         for i, s in enumerate(request.streams):
             if s == job_pb2.LOG_STREAM_UNSPECIFIED:
                 raise InvalidArgument.for_field(f"streams[{i}]", "LOG_STREAM_UNSPECIFIED")
         resumed = LogCursor.decode(request.resume_cursor) if request.resume_cursor else None
-        at = _LogPosition(request.resume_cursor)
-        # The heartbeat is a response with no entries and the current cursor;
-        # it also covers the wait for a launch and for a retry's next attempt.
-        batches = self._log_batches(request, resumed, at)
-        async with contextlib.aclosing(with_heartbeats(
-                batches, self.heartbeat_seconds,
-                lambda: pb.StreamJobLogsResponse(resume_cursor=at.cursor))) as stream:
-            async for resp in stream:
-                yield resp
-
-    async def _log_batches(self, request: pb.StreamJobLogsRequest, resumed: LogCursor | None,
-                           at: _LogPosition) -> AsyncGenerator[pb.StreamJobLogsResponse, None]:
-        job = await self._launched(request.name, request.follow, resumed)
+        every = self.heartbeat_seconds
+        at = request.resume_cursor  # the cursor of the last response sent
+        got: list[Job | None] = []
+        async with contextlib.aclosing(waiting(
+                self._launched(request.name, request.follow, resumed), every, got)) as beats:
+            async for _ in beats:
+                yield pb.StreamJobLogsResponse(resume_cursor=at)
+        job = got.pop()
         if job is None:
             return
         p = caller()
@@ -465,12 +417,18 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             upstream = pb.StreamJobLogsRequest()
             upstream.CopyFrom(request)
             upstream.tail_lines = 0
+        # What the tail needs of the job, not the job (a follower may wait for days).
+        job_id, uid, cluster, attempt = job.id, job.uid, job.cluster, job.backend_job_id
+        del job
         while True:
-            cursor.at_attempt(job.backend_job_id)
-            drv = await self.scheduler.driver_for(job.cluster)
-            stream = drv.tail_logs(job.cluster, job.id, job.backend_job_id, upstream)
+            cursor.at_attempt(attempt)
+            drv = await self.scheduler.driver_for(cluster)
+            stream = drv.tail_logs(cluster, job_id, attempt, upstream, idle=every)
             try:
                 async for entries in stream:
+                    if not entries:  # nothing for ``every`` seconds
+                        yield pb.StreamJobLogsResponse(resume_cursor=at)
+                        continue
                     out = []
                     for e in entries:
                         key, t = (e.role, e.replica_index, int(e.stream)), _time_ns(e)
@@ -478,40 +436,47 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                             continue
                         cursor.delivered(key, t)
                         out.append(e)
+                    del entries, e
                     if out:
                         p = p.current()  # a revoked or expired token ends the stream
-                        # No await from here to the yield: a heartbeat never
-                        # carries a cursor past lines not yet sent.
-                        at.cursor = cursor.encode()
-                        yield pb.StreamJobLogsResponse(entries=out, resume_cursor=at.cursor)
+                        at = cursor.encode()
+                        yield pb.StreamJobLogsResponse(entries=out, resume_cursor=at)
+                        del out
             finally:
-                await stream.aclose()  # cancels the upstream call
+                await stream.aclose()  # ends the tail
             skip, upstream = None, request
             if not request.follow:
                 return
             # The driver's stream ends when its attempt's processes are gone;
             # the stored state follows a moment later. End only once the job
             # is terminal, and follow a retry's new attempt if one starts.
-            nxt = await self._after_attempt(job)
+            after: list[Job | None] = []
+            async with contextlib.aclosing(waiting(self._after_attempt(job_id, uid, attempt), every,
+                                                   after)) as beats:
+                async for _ in beats:
+                    yield pb.StreamJobLogsResponse(resume_cursor=at)
+            nxt = after.pop()
             if nxt is None:
                 return
-            job = access.check_read(p.current(), nxt)
+            nxt = access.check_read(p.current(), nxt)
+            cluster, attempt = nxt.cluster, nxt.backend_job_id
+            del nxt
 
-    async def _after_attempt(self, job: Job) -> Job | None:
+    async def _after_attempt(self, job_id: str, uid: str, attempt: str) -> Job | None:
         """The job once its attempt has ended: None when terminal (or gone),
         the job of the next attempt when a retry was launched."""
         loop_deadline = datetime.now(UTC).timestamp() + _ATTEMPT_SETTLE_SECONDS
         while datetime.now(UTC).timestamp() < loop_deadline:
             try:
-                cur = await self.store.get(job.id)
+                cur = await self.store.get(job_id)
             except JobNotFound:
                 return None
-            if cur.uid != job.uid or cur.state.is_terminal():
+            if cur.uid != uid or cur.state.is_terminal():
                 return None  # ended, or deleted and its id reused by another job
-            if cur.launched and cur.backend_job_id != job.backend_job_id:
+            if cur.launched and cur.backend_job_id != attempt:
                 return cur
             await asyncio.sleep(0.05)
-        log.warning("job %s: log stream ended but the job is still %s", job.id, job.state.name)
+        log.warning("job %s: log stream ended but the job is still running", job_id)
         return None
 
     async def GetJobUsage(self, request: pb.GetJobUsageRequest,  # noqa: N802

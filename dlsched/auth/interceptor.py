@@ -118,6 +118,7 @@ class AuthInterceptor(WrappingInterceptor):
                 _CALLER.set(await self._principal(context))  # this call's own task
                 async for item in responses(inner_us(request, context)):
                     yield item
+                    del item  # not held while the stream waits for its next message
 
             return rewrap(handler, unary_stream=unary_stream)
         return _refuse_other(handler)

@@ -127,6 +127,7 @@ class MetricsInterceptor(WrappingInterceptor):
                 try:
                     async for item in responses(inner_us(request, context)):
                         yield item
+                        del item  # not held while the stream waits for its next message
                 except BaseException as exc:
                     err = exc
                     raise

@@ -145,6 +145,7 @@ class ErrorInterceptor(WrappingInterceptor):
                     refuse_undecodable(request)
                     async for item in responses(inner_us(request, context)):
                         yield item
+                        del item  # not held while the stream waits for its next message
                 except _PASSTHROUGH:
                     raise
                 except BaseException as exc:  # noqa: BLE001 - mapped to a status

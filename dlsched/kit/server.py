@@ -251,6 +251,7 @@ class Drain(WrappingInterceptor):
                         finally:
                             self._waiting.discard(task)
                         yield item
+                        del item  # not held while the stream waits for its next message
                 finally:
                     self._drained.discard(task)
                     self.trimmer.ended()
