@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -60,3 +61,40 @@ async def test_a_killed_driver_marks_its_jobs_then_readopts_them(stack: Stack, t
         done = await _until(jm, name, lambda j: j.state in (job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED))
         assert done.state == job_pb2.JOB_STATE_SUCCEEDED, (done.reason, done.message)
     assert marker.read_text().splitlines() == ["ran"]
+
+
+async def test_log_followers_get_every_line_once_across_a_driver_kill(stack: Stack) -> None:
+    """Followers whose tails share the driver's MultiplexJobLogs stream: the driver is SIGKILLed
+    mid-job and started again; each follower resumes and has every line exactly once."""
+    n = 300
+    code = f"import time\nfor i in range({n}):\n    print(f'line-{{i}}', flush=True)\n    time.sleep(0.05)\n"
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[job_pb2.ReplicaGroup(
+        role="main", replicas=1, command=[sys.executable, "-c", code])])
+    assert stack.jm is not None
+    async with JobManagerClient(stack.jm.address) as jm:
+        name = (await jm.submit_job(spec)).job.name
+        got: list[list[str]] = [[], [], []]
+        reconnects: list[str] = []
+
+        async def follow(into: list[str]) -> None:
+            async for e in jm.stream_job_logs(name, follow=True,
+                                              on_reconnect=lambda err: reconnects.append(err.code)):
+                into.append(e.text)
+
+        tasks = [asyncio.ensure_future(follow(g)) for g in got]
+        try:
+            deadline = time.monotonic() + 90
+            while not all(len(g) >= 10 for g in got):
+                assert time.monotonic() < deadline and not any(t.done() for t in tasks), got
+                await asyncio.sleep(0.05)
+            assert len(got[0]) < n - 50, "the job ended before the kill; make it slower"
+            stack.driver.kill()
+            await asyncio.to_thread(stack.driver.start)
+            await asyncio.wait_for(asyncio.gather(*tasks), 180)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+    want = [f"line-{i}" for i in range(n)]
+    assert got == [want, want, want]
+    assert len(reconnects) >= 3 and set(reconnects) == {"UNAVAILABLE"}, reconnects  # each resumed
