@@ -116,14 +116,24 @@ async def tail(c: KubeCluster, job: TrackedJob, query: LogQuery) -> AsyncGenerat
     tasks = [asyncio.ensure_future(_tail_one(c, job, r, index, cname, query, queue, stops))
              for r, index, cname in targets]
     remaining = len(tasks)
+    held: list[list[LogEntry] | BaseException | None] = []  # a reader's end met while coalescing
     try:
         while remaining:
-            batch = await queue.get()
-            if batch is None:
+            item = held.pop() if held else await queue.get()
+            if item is None:
                 remaining -= 1
                 continue
-            if isinstance(batch, BaseException):
-                raise batch
+            if isinstance(item, BaseException):
+                raise item
+            # A reader puts one network chunk's lines at a time: what is queued
+            # already goes out in one batch, not one (often one-line) batch each.
+            batch = list(item)
+            while len(batch) < BATCH_ENTRIES and not queue.empty():
+                more = queue.get_nowait()
+                if more is None or isinstance(more, BaseException):
+                    held.append(more)
+                    break
+                batch.extend(more)
             for i in range(0, len(batch), BATCH_ENTRIES):
                 yield batch[i:i + BATCH_ENTRIES]
     finally:
