@@ -7,7 +7,8 @@ would (``tail``, the servicer's) in a task of its own and sends a batch only
 while the client has given the tail credit: a tail whose reader is slow
 waits alone, the others go on. Every message out is a batch that used a
 credit or a tail's end, so what waits to be sent is bounded by the credit
-the client gave (at most ``MAX_CREDIT`` per tail, ``MAX_TAILS`` tails).
+the client gave and by ``MAX_QUEUED`` (a client that stops reading the
+whole stream stops every tail).
 
 A tail's error ends that tail (its status in the end message, as the kit's
 error layer would have reported the call); a malformed message from the
@@ -31,10 +32,14 @@ from dlsched.v1 import driver_service_pb2 as pb
 
 log = logging.getLogger("dlsched.driver.logmux")
 
-#: tails open at once on one stream (JobManager opens one per follower)
-MAX_TAILS = 100_000
+#: tails open at once on one stream (JobManager opens one per follower;
+#: an idle tail costs the driver a few KiB)
+MAX_TAILS = 20_000
 #: most batches a tail may have outstanding (credit given and not used)
 MAX_CREDIT = 1024
+#: batches waiting to be sent on one stream: past this, tails wait for the
+#: stream (its reader is slow as a whole), whatever credit they hold
+MAX_QUEUED = 1024
 METHOD = "/dlsched.v1.DriverService/MultiplexJobLogs"
 
 Tailer = Callable[[pb.TailJobLogsRequest], AsyncIterator[pb.TailJobLogsResponse]]
@@ -66,12 +71,16 @@ class LogMux:
         # Batches (each used a credit), ends, and what ends the stream:
         # None (done) or an exception (the client's malformed message).
         self._out: asyncio.Queue[pb.MultiplexJobLogsResponse | BaseException | None] = asyncio.Queue()
+        self._room = asyncio.Event()  # set while fewer than MAX_QUEUED batches wait
+        self._room.set()
 
     async def run(self, requests: AsyncIterator[Any]) -> AsyncGenerator[pb.MultiplexJobLogsResponse, None]:
         reader = asyncio.create_task(self._read(requests))
         try:
             while True:
                 item = await self._out.get()
+                if self._out.qsize() < MAX_QUEUED:
+                    self._room.set()
                 if item is None:
                     return
                 if isinstance(item, BaseException):
@@ -136,6 +145,9 @@ class LogMux:
                         tail.more = loop.create_future()
                         await tail.more
                         tail.more = None
+                    while self._out.qsize() >= MAX_QUEUED:
+                        self._room.clear()
+                        await self._room.wait()
                     tail.credit -= 1
                     self._out.put_nowait(pb.MultiplexJobLogsResponse(tail_id=tid, batch=batch))
             finally:
