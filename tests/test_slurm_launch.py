@@ -434,49 +434,54 @@ async def test_an_sbatch_that_submits_twice_runs_one_job_and_the_other_is_cancel
     assert marker.read_text().splitlines() == ["ran"]
 
 
-async def test_a_job_left_held_is_released_when_a_launch_or_a_new_driver_adopts_it(stub, cluster, tmp_path):
-    """A driver that could not release its job (it died, or scontrol release failed) leaves it
-    held: it does not run. The launch's retry adopts and releases it; so does a new driver
-    process that adopts it from an observation. Each runs once, as one Slurm job."""
+async def test_a_job_left_held_is_released_when_the_release_works_again_or_a_new_driver_adopts_it(
+        stub, cluster, tmp_path):
+    """The launch answers once sbatch gave the held job's id; its ``scontrol release`` runs
+    after, in the background. While the release fails the job stays held (it does not run)
+    and the driver asks again each poll round: once it works (the cluster fixed) the job runs.
+    A job whose driver never released it (here: the cluster removed from it) is released by a
+    new driver process that adopts it from an observation. Each runs once, as one Slurm job."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "scontrol").write_text(f"#!/bin/bash\n[ \"$1\" = release ] && {{ echo 'slurm_suspend error: "
                                      f"Socket timed out' >&2; exit 1; }}\nexec {shutil.which('scontrol')} \"$@\"\n")
     (bindir / "scontrol").chmod(0o755)
-    name = "clusters/slurm-norelease"
-    req = configure_request(cluster, name)
-    req.options["PATH"] = f"{bindir}:/usr/bin:/bin"
-    await stub.ConfigureCluster(req, timeout=30)
-    markers = {k: pathlib.Path(cluster.home) / f"held-{k}-{os.getpid()}-{time.monotonic_ns()}"
-               for k in ("relaunch", "observed")}
-    ids = {k: new_id(f"held-{k}") for k in markers}
+    names = {"fixed": "clusters/slurm-norelease", "observed": "clusters/slurm-norelease-2"}
+    for name in names.values():
+        req = configure_request(cluster, name)
+        req.options["PATH"] = f"{bindir}:/usr/bin:/bin"
+        await stub.ConfigureCluster(req, timeout=30)
+    markers = {k: pathlib.Path(cluster.home) / f"held-{k}-{os.getpid()}-{time.monotonic_ns()}" for k in names}
+    ids = {k: new_id(f"held-{k}") for k in names}
     try:
+        launched = {}
         for k, jid in ids.items():
-            with pytest.raises(grpc.aio.AioRpcError) as e:
-                await stub.LaunchJob(dpb.LaunchJobRequest(cluster=name, job_id=jid, spec=_marking(markers[k]),
-                                                          attempt=1), timeout=60)
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            resp = await stub.LaunchJob(dpb.LaunchJobRequest(cluster=names[k], job_id=jid, spec=_marking(markers[k]),
+                                                             attempt=1), timeout=60)
+            launched[k] = resp.backend_job_id
         held = {k: list(_slurm_jobs(cluster, jid)) for k, jid in ids.items()}
-        assert all(len(v) == 1 for v in held.values()), held
-        await asyncio.sleep(2)
+        assert held == {k: [launched[k]] for k in names}, (held, launched)
+        await asyncio.sleep(2)  # several poll rounds, each asking for the release again
         for k, jid in ids.items():
-            assert _slurm_jobs(cluster, jid) == {held[k][0]: "PENDING"}  # held: nothing ran
+            assert _slurm_jobs(cluster, jid) == {launched[k]: "PENDING"}  # held: nothing ran
             assert not markers[k].exists()
-        # The same cluster, fixed: the launch's retry looks the attempt up and releases its job.
-        await stub.ConfigureCluster(configure_request(cluster, name), timeout=30)
-        again = await stub.LaunchJob(dpb.LaunchJobRequest(cluster=name, job_id=ids["relaunch"],
-                                                          spec=_marking(markers["relaunch"]), attempt=1), timeout=60)
-        assert again.backend_job_id == held["relaunch"][0]
-        await _until(lambda: _slurm_jobs(cluster, ids["relaunch"]), lambda j: "COMPLETED" in j.values())
+        await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=names["observed"]), timeout=30)
+        # The cluster fixed: the next round's release works and the job runs.
+        await stub.ConfigureCluster(configure_request(cluster, names["fixed"]), timeout=30)
+        await _until(lambda: _slurm_jobs(cluster, ids["fixed"]), lambda j: "COMPLETED" in j.values())
+        again = await stub.LaunchJob(dpb.LaunchJobRequest(cluster=names["fixed"], job_id=ids["fixed"],
+                                                          spec=_marking(markers["fixed"]), attempt=1), timeout=60)
+        assert again.backend_job_id == launched["fixed"]
+        assert _slurm_jobs(cluster, ids["observed"]) == {launched["observed"]: "PENDING"}  # nobody released it
     finally:
-        await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=name), timeout=30)
-    # A new driver process adopting the job from an observation releases it too.
+        await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=names["fixed"]), timeout=30)
+    # A new driver process adopting the job from an observation releases it.
     other = ServiceProcess("drivers.slurm", ["--poll-interval", "0.3"], name="slurm-driver-held").start()
     try:
         async with security.channel(other.address) as ch:
             fresh = driver_service_pb2_grpc.DriverServiceStub(ch)
             await fresh.ConfigureCluster(configure_request(cluster), timeout=30)
-            ref = dpb.JobRef(job_id=ids["observed"], backend_job_id=held["observed"][0])
+            ref = dpb.JobRef(job_id=ids["observed"], backend_job_id=launched["observed"])
             obs = (await fresh.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
                 cluster=CLUSTER, jobs=[ref]), timeout=30)).observations[0]
             assert obs.found, obs
@@ -484,5 +489,5 @@ async def test_a_job_left_held_is_released_when_a_launch_or_a_new_driver_adopts_
     finally:
         other.stop()
     for k, jid in ids.items():
-        assert _slurm_jobs(cluster, jid) == {held[k][0]: "COMPLETED"}
+        assert _slurm_jobs(cluster, jid) == {launched[k]: "COMPLETED"}
         assert markers[k].read_text().splitlines() == ["ran"]

@@ -39,10 +39,13 @@ dead connection, a timeout) is the attempt looked up (``squeue
 only when Slurm holds no such job is it submitted (again), and then looked
 up once more: should an earlier ``sbatch`` have landed meanwhile, the
 oldest is kept and the others are cancelled, before anything is released
-or reported. A look-up or release that fails fails the launch
-(UNAVAILABLE; nothing was released, so nothing runs) and the retry looks up
-again. So a launch costs what a bare ``sbatch`` on the open connection
-costs plus one ``scontrol release``: a warm ``mkdir -p <state dir> && exec
+or reported. A look-up that fails fails the launch (UNAVAILABLE; nothing
+was released, so nothing runs) and the retry looks up again. The adopted
+job's ``scontrol release`` runs after the launch answered, in the
+background (the driver's ``to_release``, asked again each poll round until
+Slurm no longer holds it; a driver that dies first releases it when it
+adopts the job again). So a launch costs what a bare ``sbatch`` on the open
+connection costs: a warm ``mkdir -p <state dir> && exec
 sbatch --parsable --hold`` per cluster is started ahead of the launch and
 waits for the script on stdin (``_WarmSubmitter``), so the first try costs
 writing the script and sbatch's RPC; retries use a fresh command. A
@@ -257,14 +260,17 @@ class SlurmClient:
         raise error
 
     async def submit(self, script: SlurmScript, listed: Mapping[str, poll.SlurmJob] | None,
-                     unsure: MutableSet[str], late: MutableMapping[str, float]) -> str:
-        """Submit the attempt once, held, and release the one job adopted for it (see the
-        module docstring): that job's Slurm id.
+                     unsure: MutableSet[str], late: MutableMapping[str, float]) -> tuple[str, bool]:
+        """Submit the attempt once, held, and adopt one job for it (see the module
+        docstring): that job's Slurm id, and whether it is still held. The caller
+        releases a held one (``release``), after it tracks the id: the release is
+        off the launch's critical path, and a driver that dies first finds the job
+        held and releases it when it adopts it again.
 
         ``listed``: comment -> the oldest Slurm job of every dlsched attempt the last good
         poll round listed (None before one); ``unsure``: comments of attempts whose sbatch
         may have landed unseen (kept by the caller across reconfigurations). A comment
-        stays in ``unsure`` until its adopted job is released. ``late``: comment -> when
+        leaves ``unsure`` once a job is adopted for it. ``late``: comment -> when
         (monotonic) an sbatch of it last failed or timed out, so that a job may still land."""
         looked = listed is None or script.comment in unsure
         if looked:
@@ -275,23 +281,16 @@ class SlurmClient:
             existing = listed.get(script.comment)
         if existing is not None:
             log.info("adopting Slurm job %s for %s", existing.job_id, script.comment)
-            if is_held(existing):  # submitted held by a driver that never released it
-                await self.release(existing.job_id)
             unsure.discard(script.comment)
-            return existing.job_id
-        unsure.add(script.comment)  # until the adopted job is released (a cancelled launch leaves it here)
+            return existing.job_id, is_held(existing)  # held: submitted by a driver that never released it
+        unsure.add(script.comment)  # until a job is adopted (a cancelled launch leaves it here)
         try:
             jid = await self._sbatch(script, looked, late)
         except SbatchRejected:
             unsure.discard(script.comment)  # refused, and the look-up found nothing
             raise
-        try:
-            await self.release(jid)
-        except DlschedError:
-            late[script.comment] = time.monotonic()  # held in Slurm: keep polling, so it is seen
-            raise
         unsure.discard(script.comment)
-        return jid
+        return jid, True
 
     async def _sbatch(self, script: SlurmScript, looked: bool, late: MutableMapping[str, float]) -> str:
         """sbatch (held) until Slurm holds the attempt: the id of the job to adopt (not yet

@@ -21,7 +21,9 @@ Launch: ``adapter.SlurmClient.submit`` (an ``sbatch --parsable --hold``
 started ahead of the launch takes the script on stdin; an ambiguous one is
 resolved by looking the attempt up before any retry; only the one Slurm job
 adopted for the attempt, the oldest with its comment, is released with
-``scontrol release``). Exactly once: every poll round groups the user's
+``scontrol release``, after the launch answered: the driver tracks the job,
+then releases it in the background and asks again each poll round while
+Slurm still holds it). Exactly once: every poll round groups the user's
 jobs by ``dlsched-`` comment and cancels the ones no driver will ever release
 (``strays``: every unfinished job of a tracked attempt but the adopted one, on
 sight; held jobs that no configuration of this process wants, after a grace);
@@ -320,13 +322,16 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
                       rendered: SlurmScript) -> LaunchResult:
         c.launching.add(rendered.comment)  # its job may sit held a while: not a stray
         try:
-            backend_id = await c.client.submit(rendered, c.listed, c.unsure, c.late)
+            backend_id, held = await c.client.submit(rendered, c.listed, c.unsure, c.late)
         finally:
             c.launching.discard(rendered.comment)
         # no native spec kept (a few KiB): a repeated launch renders it again (``_known``)
         job = TrackedJob(name, job_id, attempt, backend_id, rendered.dir, None,
                          roles=tuple((s.role, s.index) for s in rendered.steps))
         c.jobs[job_id] = job
+        if held:  # tracked first: the release is ours now, off the launch's path
+            c.to_release.add(backend_id)
+            self._later(c, "release", backend_id)
         self._publish(c, job)
         c.poller.wake()
         return LaunchResult(backend_id, rendered.native_spec(), c.observation(job))
