@@ -26,6 +26,7 @@ from dlsched.v1 import driver_service_pb2 as dpb
 from dlsched.v1 import job_pb2
 from drivers.common.base import JobObservation, LaunchResult, NativeSpec
 from drivers.common.launches import Known, LaunchRules
+from tests import security
 from tests.driver_contract import CLUSTER_RPCS, DRIVERS, PEERS, Peer, cluster_calls, new_id, started
 
 STOPPING_OR_STOPPED = (job_pb2.JOB_STATE_STOPPING, job_pb2.JOB_STATE_STOPPED)
@@ -314,6 +315,17 @@ async def test_a_malformed_multiplex_message_ends_the_stream_invalid_argument(pe
                 pass
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, ei.value.details())
         assert [v.field for v in field_violations(ei.value)] == [field], ei.value.details()
+    # Bytes that are no MultiplexJobLogsRequest: a status of the kit's, not grpc's bare UNKNOWN.
+    assert peer.driver is not None
+    async with security.channel(peer.driver.address) as ch:
+        call = ch.stream_stream("/dlsched.v1.DriverService/MultiplexJobLogs", request_serializer=None,
+                                response_deserializer=None)(iter([b"\xff\xff\xff"]), timeout=60)
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            async for _ in call:
+                pass
+    info = error_info(ei.value)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info is not None, ei.value.details()
+    assert info.reason == "MALFORMED_REQUEST"
 
 
 # --------------------------------------------------------------------------- optional capabilities
