@@ -27,7 +27,7 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -86,10 +86,16 @@ def _code(context: grpc.aio.ServicerContext, exc: BaseException | None) -> str:
 
 
 class MetricsInterceptor(WrappingInterceptor):
-    """Counts and times every unary and server-streaming call, by final code."""
+    """Counts and times every unary and server-streaming call, by final code.
+    With ``streams=False`` it leaves streaming handlers to ``StreamLayers``
+    (``server.py``), which records them through ``stream_hooks``."""
 
-    def wrap(self, handler: grpc.RpcMethodHandler, full_method: str) -> grpc.RpcMethodHandler:
-        service, method = _split(full_method)
+    def __init__(self, *, streams: bool = True) -> None:
+        super().__init__()
+        self.streams = streams
+
+    @staticmethod
+    def _done(service: str, method: str) -> Callable[[grpc.aio.ServicerContext, float, BaseException | None], None]:
         # This method's children, looked up once (``labels`` takes a lock and builds a key per call).
         duration = RPC_DURATION.labels(service, method)
         requests: dict[str, Any] = {}
@@ -101,6 +107,20 @@ class MetricsInterceptor(WrappingInterceptor):
                 counter = requests[code] = RPC_REQUESTS.labels(service, method, code)
             counter.inc()
             duration.observe(time.perf_counter() - start)
+
+        return done
+
+    def stream_hooks(self, full_method: str) -> tuple[Any, Callable[[grpc.aio.ServicerContext, float,
+                                                                     BaseException | None], None]]:
+        """A streaming method's open-streams gauge and its end recorder ``done(context, start, exc)``."""
+        service, method = _split(full_method)
+        return RPC_STREAMS.labels(service, method), self._done(service, method)
+
+    def wrap(self, handler: grpc.RpcMethodHandler, full_method: str) -> grpc.RpcMethodHandler:
+        if streaming(handler) and not self.streams:
+            return handler
+        service, method = _split(full_method)
+        done = self._done(service, method)
 
         if handler.unary_unary:
             inner_uu = handler.unary_unary

@@ -107,7 +107,7 @@ def status_for(exc: BaseException, method: str) -> status_pb2.Status:
     return to_status(err)
 
 
-async def _abort(context: grpc.aio.ServicerContext, st: status_pb2.Status) -> None:
+async def abort_with(context: grpc.aio.ServicerContext, st: status_pb2.Status) -> None:
     await context.abort_with_status(rpc_status.to_status(st))
 
 
@@ -120,9 +120,17 @@ def refuse_undecodable(request: Any) -> None:
 
 
 class ErrorInterceptor(WrappingInterceptor):
-    """Maps exceptions from every handler (unary and streaming) to google.rpc.Status."""
+    """Maps exceptions from every handler (unary and streaming) to google.rpc.Status.
+    With ``streams=False`` it leaves streaming handlers to ``StreamLayers``
+    (``server.py``), which does the same for them."""
+
+    def __init__(self, *, streams: bool = True) -> None:
+        super().__init__()
+        self.streams = streams
 
     def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        if streaming(handler) and not self.streams:
+            return handler
         if handler.unary_unary:
             inner_uu = handler.unary_unary
 
@@ -130,10 +138,10 @@ class ErrorInterceptor(WrappingInterceptor):
                 try:
                     refuse_undecodable(request)
                     return await inner_uu(request, context)
-                except _PASSTHROUGH:
+                except PASSTHROUGH:
                     raise
                 except BaseException as exc:  # noqa: BLE001 - mapped to a status
-                    await _abort(context, status_for(exc, method))
+                    await abort_with(context, status_for(exc, method))
 
             return rewrap(handler, unary_unary=unary_unary,
                           request_deserializer=tolerant(handler.request_deserializer))
@@ -146,10 +154,10 @@ class ErrorInterceptor(WrappingInterceptor):
                     async for item in responses(inner_us(request, context)):
                         yield item
                         del item  # not held while the stream waits for its next message
-                except _PASSTHROUGH:
+                except PASSTHROUGH:
                     raise
                 except BaseException as exc:  # noqa: BLE001 - mapped to a status
-                    await _abort(context, status_for(exc, method))
+                    await abort_with(context, status_for(exc, method))
 
             return rewrap(handler, unary_stream=unary_stream,
                           request_deserializer=tolerant(handler.request_deserializer))
@@ -157,7 +165,7 @@ class ErrorInterceptor(WrappingInterceptor):
 
 
 # Cancellation and grpc's own abort signal must pass through untouched.
-_PASSTHROUGH: tuple[type[BaseException], ...] = (
+PASSTHROUGH: tuple[type[BaseException], ...] = (
     asyncio.CancelledError,
     grpc.aio.AbortError,
     GeneratorExit,

@@ -29,6 +29,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -46,10 +47,18 @@ from dlsched.kit.handlers import (
     responses,
     rewrap,
     streaming,
+    tolerant,
 )
 from dlsched.kit.memory import Trimmer
 from dlsched.kit.metrics import MetricsEndpoint, MetricsInterceptor, serve_metrics
-from dlsched.kit.rpc_errors import ErrorInterceptor, to_status
+from dlsched.kit.rpc_errors import (
+    PASSTHROUGH,
+    ErrorInterceptor,
+    abort_with,
+    refuse_undecodable,
+    status_for,
+    to_status,
+)
 
 log = logging.getLogger("dlsched.server")
 
@@ -136,8 +145,9 @@ class Drain(WrappingInterceptor):
     QUIET_TURNS = 6
     QUIET_TURN_SECONDS = 0.05
 
-    def __init__(self) -> None:
+    def __init__(self, *, streams: bool = True) -> None:
         super().__init__()
+        self.streams = streams  # False: ``StreamLayers`` drains the streaming handlers
         self.draining = False
         self._arrivals = 0  # calls that arrived while draining
         self._waiting: set[asyncio.Task[Any]] = set()  # streams waiting for their next item
@@ -194,6 +204,8 @@ class Drain(WrappingInterceptor):
         return True
 
     def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        if streaming(handler) and not self.streams:
+            return handler
         refuse = method != _HEALTH_CHECK
         if handler.unary_unary:
             inner_uu = handler.unary_unary
@@ -262,6 +274,78 @@ class Drain(WrappingInterceptor):
 
             return rewrap(handler, unary_stream=unary_stream)
         return handler
+
+
+class StreamLayers(WrappingInterceptor):
+    """The kit's metrics, drain and error layers of a server- or bidi-streaming
+    call in one generator, nested in that order as the three layers nest
+    (unary calls get the layers themselves, built with ``streams=False``).
+    Every generator between gRPC and the handler stays for the stream's life:
+    an idle log follower cost JobManager 33.0 KiB with the three nested and
+    29.4 KiB without them (bench_scale, 1,000 followers)."""
+
+    def __init__(self, metrics: MetricsInterceptor, drain: Drain) -> None:
+        super().__init__()
+        self._metrics, self._drain = metrics, drain
+
+    def wrap(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        inner = streaming(handler)
+        if inner is None:
+            return handler
+        active, done = self._metrics.stream_hooks(method)
+        drain = self._drain
+        refuse = method != _HEALTH_CHECK
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            start, err = time.perf_counter(), None
+            active.inc()  # metrics: outermost, they count what the client sees
+            try:
+                if drain._arrived() and refuse:  # noqa: SLF001 - the drain layer's part
+                    await _shutting_down(context)
+                # Drain as in ``Drain.wrap``: ``begin`` cancels this task where it
+                # waits for the next item, and that cancellation becomes UNAVAILABLE.
+                task = asyncio.current_task()
+                assert task is not None
+                source: AsyncGenerator[Any, None] | None = None
+                try:
+                    try:
+                        refuse_undecodable(request)  # the error layer's part, inside the drain's
+                        source = cast(AsyncGenerator[Any, None], responses(inner(request, context)))
+                        while not drain.draining:
+                            drain._waiting.add(task)  # noqa: SLF001
+                            try:
+                                item = await source.__anext__()
+                            except StopAsyncIteration:
+                                return
+                            except asyncio.CancelledError:
+                                if task not in drain._drained:  # noqa: SLF001
+                                    raise  # grpc's: the client left
+                                task.uncancel()
+                                break
+                            finally:
+                                drain._waiting.discard(task)  # noqa: SLF001
+                            yield item
+                            del item  # not held while the stream waits for its next message
+                    finally:
+                        drain._drained.discard(task)  # noqa: SLF001
+                        drain.trimmer.ended()
+                        aclose = getattr(source, "aclose", None)  # an async generator's (not any iterator's)
+                        if aclose is not None:
+                            await aclose()  # the handler's own finally runs here (if not yet)
+                except PASSTHROUGH:
+                    raise
+                except BaseException as exc:  # noqa: BLE001 - mapped to a status
+                    await abort_with(context, status_for(exc, method))
+                await _shutting_down(context)  # drained: UNAVAILABLE
+            except BaseException as exc:
+                err = exc
+                raise
+            finally:
+                active.dec()
+                done(context, start, err)
+
+        return rewrap(handler, unary_stream=stream,
+                      request_deserializer=tolerant(handler.request_deserializer))
 
 
 class RunningServer:
@@ -334,12 +418,13 @@ async def start_server(opts: ServerOptions, registrations: Sequence[Registration
     ]
     # Metrics outside the error mapping and the drain, so they count the
     # code the client sees.
-    drain = Drain()
+    drain = Drain(streams=False)
     server = grpc.aio.server(options=options)
     # Every handler is registered already wrapped by these layers (as gRPC's
     # interceptors would wrap it, without their cost on every call).
-    registrar = WrappingRegistrar(server, [MetricsInterceptor(), drain, ErrorInterceptor(),
-                                           *opts.interceptors])
+    counting = MetricsInterceptor(streams=False)
+    registrar = WrappingRegistrar(server, [StreamLayers(counting, drain), counting, drain,
+                                           ErrorInterceptor(streams=False), *opts.interceptors])
     names = []
     for r in registrations:
         r.add_to_server(r.servicer, registrar)
