@@ -17,7 +17,8 @@ With a job history (``history/``: finished jobs moved out of etcd), GetJob
 looks there for a job neither the cache nor etcd holds, ListJobs merges the
 history's keyset page after the same token into the cache's (a job in both
 is etcd's: the archiver is moving it), and DeleteJob of an archived job
-deletes its row; the same access rules apply. StopJob of an archived job
+deletes its row, after writing the purge mark that makes watches send it
+DELETED (the archive itself sends none); the same access rules apply. StopJob of an archived job
 returns it unchanged (it has ended, as StopJob of a live terminal job does);
 StreamJobLogs and GetJobUsage ask its driver with the archived record's
 cluster and backend id, as for a live job.
@@ -297,6 +298,10 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                 await drv.cleanup(job.cluster, job.id, job.backend_job_id)
             except DlschedError as e:
                 log.warning("cleanup of archived %s on %s failed (ignored): %s", job.id, job.cluster, e)
+        # Watches learn of it first (its key left etcd with no event when it was
+        # archived): a delete that fails after is retried, and a watch sees a
+        # second DELETED, never none.
+        await self.store.mark_purged(job.id, archived.revision, archived.data)
         await self.history.delete(job.id)
         return pb.DeleteJobResponse(job=archived.proto())
 

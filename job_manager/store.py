@@ -116,6 +116,28 @@ def archived_mark_key(prefix: str) -> bytes:
     return f"{prefix}jobs.sync.archived".encode()
 
 
+def purged_mark_key(prefix: str) -> bytes:
+    """The key DeleteJob of an archived job writes (``purged_mark_value``), so
+    watches see the job deleted: its key left etcd when it was archived, with
+    no event. One key, overwritten: etcd stays bounded. Inside the watch hub's
+    range."""
+    return f"{prefix}jobs.sync.purged".encode()
+
+
+def purged_mark_value(job_id: str, revision: int, data: bytes) -> bytes:
+    """The job as last stored (``data``, its etag's ``revision``)."""
+    return b"%d %s\n" % (revision, job_id.encode()) + data
+
+
+def parse_purged_mark(value: bytes) -> tuple[str, int, bytes] | None:
+    """(job id, revision, data) of a ``purged_mark_value``; None if it is not one."""
+    head, sep, data = value.partition(b"\n")
+    rev, _, job_id = head.partition(b" ")
+    if not sep or not rev.isdigit() or not job_id:
+        return None
+    return job_id.decode(errors="replace"), int(rev), data
+
+
 def _prefix_end(prefix: bytes) -> bytes:
     b = bytearray(prefix)
     for i in range(len(b) - 1, -1, -1):
@@ -135,6 +157,7 @@ class JobStore:
         self.jobs_prefix = f"{prefix}jobs/".encode()
         self.requests_prefix = f"{prefix}job-requests/".encode()
         self.archived_mark_key = archived_mark_key(prefix)
+        self.purged_mark_key = purged_mark_key(prefix)
         self._timeout = timeout
         self._clock = clock
 
@@ -390,6 +413,10 @@ class JobStore:
         if not prev:
             return None
         return job_from_bytes(prev[0].value, prev[0].mod_revision)
+
+    async def mark_purged(self, job_id: str, revision: int, data: bytes) -> None:
+        """Tell watches the archived job ``job_id`` is deleted (``purged_mark_key``)."""
+        await self._txn([], [self._put(self.purged_mark_key, purged_mark_value(job_id, revision, data))], [])
 
     async def delete_unchanged(self, job_id: str, revision: int, *, holder_key: bytes,
                                holder: bytes) -> str:

@@ -35,6 +35,12 @@ event, so the cache has to be proved current another way:
 
 When neither proves it in time the caller falls back (GetJob reads the key).
 
+Two marks share the range. The archiver writes ``jobs.sync.archived`` (the
+job id) in the transaction that deletes an archived job's key: that DELETE
+goes to the cache but to no subscriber (the job still exists, in the
+history). DeleteJob of an archived job writes ``jobs.sync.purged`` (the job
+as last stored): subscribers get it DELETED, like a live job's delete.
+
 A subscriber whose queue overflows (a client that reads too slowly) is ended
 with UNAVAILABLE, reason ``WATCH_SUBSCRIBER_LAGGING``: it reconnects with its
 last token and resumes from the buffer while the buffer still covers it.
@@ -60,7 +66,7 @@ from dlsched.kit import tokens
 from dlsched.kit.etcd import EtcdClient, WatchProgress, progress_exact
 from job_manager.convert import job_from_bytes
 from job_manager.domain.model import Job
-from job_manager.store import archived_mark_key
+from job_manager.store import archived_mark_key, parse_purged_mark, purged_mark_key
 
 if TYPE_CHECKING:
     from job_manager.cache import JobCache
@@ -332,6 +338,7 @@ class WatchHub:
         self._sync_key = f"{prefix}jobs.sync".encode()
         self._archived_mark = archived_mark_key(prefix)
         self._archiving: tuple[int, bytes] = (0, b"")  # the last mark: its revision, the job id
+        self._purged_mark = purged_mark_key(prefix)
         self._consistent = consistent_reads  # False: wait_current answers at once
         self._can_progress = isinstance(client, EtcdClient) and cache is not None
         # etcd sends a progress answer after the events it covers (None: ask its version)
@@ -491,8 +498,14 @@ class WatchHub:
         if not ev.kv.key.startswith(self._key):
             if ev.kv.key == self._archived_mark:  # the delete at this revision archives the job
                 self._archiving = (rev, ev.kv.value)
-            elif self.cache is not None:  # the sync key: every job event before it is here
+                return
+            if self.cache is not None:  # a sync or purge mark: every job event before it is here
                 self.cache.confirm(rev)
+            if ev.kv.key == self._purged_mark and ev.kind != "DELETE" and rev > self.last_revision:
+                # DeleteJob of an archived job (its key left with no event): DELETED now
+                mark = parse_purged_mark(ev.kv.value)
+                if mark is not None:
+                    self._publish(JobEvent(rev, EventType.DELETED, mark[0], mark[2], mark[1]))
             return
         raw_id = ev.kv.key[len(self._key):]
         job_id = raw_id.decode()
@@ -509,6 +522,10 @@ class WatchHub:
         else:
             etype = EventType.CREATED if ev.kv.version == 1 else EventType.UPDATED
             je = JobEvent(rev, etype, job_id, ev.kv.value, rev)
+        self._publish(je)
+
+    def _publish(self, je: JobEvent) -> None:
+        """Buffer ``je`` (the buffer bounded) and give it to every subscriber."""
         kept = je.compact()
         self._buffer.append(kept)
         self.buffered_bytes += kept.size
@@ -518,7 +535,7 @@ class WatchHub:
             old = self._buffer.popleft()
             self.buffered_bytes -= old.size
             self.horizon = old.revision
-        self.last_revision = rev
+        self.last_revision = je.revision
         for s in list(self._subs):
             s._push(je)
 

@@ -326,6 +326,26 @@ async def list_ids(jm: pb_grpc.JobManagerServiceStub, flt: str = "", size: int =
             return out
 
 
+async def watch_snapshot(watch: Any) -> tuple[set[str], str]:
+    """A WatchJobs stream's snapshot: (job ids, the resume token after it)."""
+    ids = set()
+    async for r in watch:
+        if r.type == job_pb2.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE:
+            return ids, r.resume_token
+        if r.type == job_pb2.WATCH_EVENT_TYPE_EXISTING:
+            ids.add(r.job.name.removeprefix("jobs/"))
+    raise AssertionError("the watch ended before its snapshot")
+
+
+async def next_event(watch: Any, but: frozenset[str] = frozenset()) -> pb.WatchJobsResponse:
+    """The next response of a WatchJobs stream that is not a heartbeat nor a
+    change to a job named in ``but``."""
+    async for r in watch:
+        if r.type != job_pb2.WATCH_EVENT_TYPE_HEARTBEAT and r.job.name not in but:
+            return r
+    raise AssertionError("the watch ended")
+
+
 def cli(stack: Stack, *args: str) -> subprocess.CompletedProcess[str]:
     assert stack.jm is not None
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -406,10 +426,19 @@ async def test_archived_jobs_leave_etcd_and_stay_readable(stack: Stack, etcd: Et
             got = (await jm.GetJob(pb.GetJobRequest(name=old[5].name), timeout=30)).job
             assert got.state == int(old[5].state)
 
-            # DeleteJob of an archived job removes it from the history
+            # DeleteJob of an archived job removes it from the history, and a
+            # watch sees it DELETED (archiving it sent nothing)
             gone = old[10]
+            watch = jm.WatchJobs(pb.WatchJobsRequest(), timeout=120)
+            snapshot, token = await watch_snapshot(watch)
+            assert snapshot == {j.id for j in stay}
             resp = await jm.DeleteJob(pb.DeleteJobRequest(name=gone.name), timeout=30)
             assert resp.job.name == gone.name
+            ev = await asyncio.wait_for(next_event(watch, frozenset(j.name for j in stay)), 60)
+            watch.cancel()
+            assert (ev.type, ev.job.name, ev.job.state) == (
+                job_pb2.WATCH_EVENT_TYPE_DELETED, gone.name, int(gone.state))
+            assert dict(ev.job.labels) == gone.labels
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await jm.GetJob(pb.GetJobRequest(name=gone.name), timeout=30)
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
@@ -422,6 +451,11 @@ async def test_archived_jobs_leave_etcd_and_stay_readable(stack: Stack, etcd: Et
             jm = pb_grpc.JobManagerServiceStub(ch)
             want = brute([j for j in everything if j.id != gone.id], Filter(), None)
             assert await list_ids(jm, size=50) == want
+            # and resumes a watch from before the delete with it (the watch history)
+            resumed = jm.WatchJobs(pb.WatchJobsRequest(resume_token=token), timeout=120)
+            ev = await asyncio.wait_for(next_event(resumed, frozenset(j.name for j in stay)), 60)
+            resumed.cancel()
+            assert (ev.type, ev.job.name) == (job_pb2.WATCH_EVENT_TYPE_DELETED, gone.name)
     finally:
         await client.delete_prefix(stack.prefix.encode())
         await client.close()
