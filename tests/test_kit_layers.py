@@ -97,3 +97,58 @@ async def test_layers_wrap_once_per_method_in_interceptor_order(served: Any) -> 
     assert layer.raised == [NotFound]
     # ... and the metrics are outside it: they counted the code the client got.
     assert (requests("OK") - ok0, requests("NOT_FOUND") - missing0) == (5, 1)
+
+
+async def test_a_channel_with_a_token_sends_it_on_calls_of_every_kind() -> None:
+    """The kit's client channel (``tls.channel(token=...)``) adds the bearer
+    token to unary, server-, client- and bidi-streaming calls alike (grpc.aio
+    files an interceptor under one kind; one missing kind went unauthenticated)."""
+    from dlsched.kit import tls as tls_kit
+    from dlsched.kit.channel import TokenSource
+
+    seen: list[tuple[str, str]] = []
+
+    def authz(context: grpc.aio.ServicerContext) -> str:
+        return dict(context.invocation_metadata() or ()).get("authorization", "")
+
+    async def uu(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        seen.append(("unary_unary", authz(context)))
+        return request
+
+    async def us(request: bytes, context: grpc.aio.ServicerContext) -> Any:
+        seen.append(("unary_stream", authz(context)))
+        yield request
+
+    async def su(requests: Any, context: grpc.aio.ServicerContext) -> bytes:
+        seen.append(("stream_unary", authz(context)))
+        return b"".join([r async for r in requests])
+
+    async def ss(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        seen.append(("stream_stream", authz(context)))
+        async for r in requests:
+            yield r
+
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.T", {
+        "UU": grpc.unary_unary_rpc_method_handler(uu),
+        "US": grpc.unary_stream_rpc_method_handler(us),
+        "SU": grpc.stream_unary_rpc_method_handler(su),
+        "SS": grpc.stream_stream_rpc_method_handler(ss),
+    })])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async def two() -> Any:
+            yield b"a"
+            yield b"b"
+
+        opts = tls_kit.TlsOptions(insecure=True)
+        async with tls_kit.channel(f"127.0.0.1:{port}", opts, token=TokenSource(token="s3cret")) as ch:
+            assert await ch.unary_unary("/t.T/UU")(b"x", timeout=30) == b"x"
+            assert [r async for r in ch.unary_stream("/t.T/US")(b"y", timeout=30)] == [b"y"]
+            assert await ch.stream_unary("/t.T/SU")(two(), timeout=30) == b"ab"
+            assert [r async for r in ch.stream_stream("/t.T/SS")(two(), timeout=30)] == [b"a", b"b"]
+    finally:
+        await server.stop(None)
+    assert sorted(seen) == sorted((kind, "Bearer s3cret") for kind in
+                                  ("unary_unary", "unary_stream", "stream_unary", "stream_stream"))

@@ -128,8 +128,21 @@ class _BearerStream(_Bearer, grpc.aio.UnaryStreamClientInterceptor):  # type: ig
         return await continuation(self._details(client_call_details), request)
 
 
+class _BearerStreamUnary(_Bearer, grpc.aio.StreamUnaryClientInterceptor):  # type: ignore[misc]
+    async def intercept_stream_unary(self, continuation: Any, client_call_details: Any,
+                                     request_iterator: Any) -> Any:
+        return await continuation(self._details(client_call_details), request_iterator)
+
+
+class _BearerStreamStream(_Bearer, grpc.aio.StreamStreamClientInterceptor):  # type: ignore[misc]
+    async def intercept_stream_stream(self, continuation: Any, client_call_details: Any,
+                                      request_iterator: Any) -> Any:
+        return await continuation(self._details(client_call_details), request_iterator)
+
+
 def bearer_interceptors(source: TokenSource) -> list[Any]:
-    """Interceptors that add ``authorization: Bearer <token>`` to every unary
-    and server-streaming call of a channel (grpc.aio files an interceptor
-    under its first kind only, hence one per kind)."""
-    return [_BearerUnary(source), _BearerStream(source)]
+    """Interceptors that add ``authorization: Bearer <token>`` to every call of
+    a channel, whatever its kind (grpc.aio files an interceptor under its
+    first kind only, hence one per kind)."""
+    return [_BearerUnary(source), _BearerStream(source), _BearerStreamUnary(source),
+            _BearerStreamStream(source)]
