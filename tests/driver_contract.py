@@ -93,6 +93,19 @@ class Peer:
                                                   replica_groups=[self.group(code)]))
         await self.wait_state(job_id)
 
+    def long_lines(self) -> list[str]:
+        """What ``run_long_lines``'s job writes: one 200,000-character line and
+        60 of 40,000 (2.4 MB at once)."""
+        return ["L" * 200000] + [f"{i:05d}" + "y" * 39995 for i in range(60)]
+
+    async def run_long_lines(self, job_id: str) -> None:
+        """Runs a job whose one replica prints ``long_lines()`` to stdout, until it ended."""
+        code = ("import sys\nsys.stdout.write('L' * 200000 + '\\n')\n"
+                "for i in range(60): sys.stdout.write(f'{i:05d}' + 'y' * 39995 + '\\n')\n")
+        await self.launch(job_id, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS,
+                                                  replica_groups=[self.group(code)]))
+        await self.wait_state(job_id)
+
     def marking(self, marker: str) -> job_pb2.JobSpec:
         """A single process that appends one line to ``marker`` and exits 0."""
         return job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS,
@@ -227,6 +240,17 @@ class KubernetesPeer(Peer):
         await kubelet(self.url, pod, "Running")
         for i in range(lines):
             self.emu.write_log(pod, self.line(i))
+        await kubelet(self.url, pod, "Succeeded", **exited(0, "Completed"))
+        await self.wait_state(job_id)
+
+    async def run_long_lines(self, job_id: str) -> None:
+        from tests.kube_emulator import exited, kubelet
+
+        await self.launch(job_id, self.sleeping())
+        pod = f"{job_id}-1-main-0"
+        await kubelet(self.url, pod, "Running")
+        for text in self.long_lines():
+            self.emu.write_log(pod, text)
         await kubelet(self.url, pod, "Succeeded", **exited(0, "Completed"))
         await self.wait_state(job_id)
 

@@ -298,6 +298,26 @@ async def test_multiplexed_tails_answer_as_tail_calls_each_at_its_own_pace(peer:
         mux.call.cancel()
 
 
+async def test_long_lines_come_in_pieces_and_no_message_nears_the_channel_limit(peer: Peer) -> None:
+    """A 200,000-character line and 60 lines of 40,000 (2.4 MB written at once):
+    the long line arrives in order as pieces of MAX_LINE_CHARS, every message
+    carries at most about 1 MiB (one over the channels' 8 MiB limit would end
+    every tail of a MultiplexJobLogs stream), and nothing is lost."""
+    from drivers.common.convert import BATCH_BYTES, MAX_LINE_CHARS
+
+    job = new_id()
+    await peer.run_long_lines(job)
+    req = dpb.TailJobLogsRequest(cluster=peer.cluster, job=dpb.JobRef(job_id=job),
+                                 streams=[job_pb2.LOG_STREAM_STDOUT])
+    texts: list[str] = []
+    async for resp in peer.stub.TailJobLogs(req, timeout=120):
+        assert resp.ByteSize() <= BATCH_BYTES + 4096, resp.ByteSize()
+        texts += [e.text for e in resp.entries]
+    want = [line[i:i + MAX_LINE_CHARS] for line in peer.long_lines()
+            for i in range(0, len(line), MAX_LINE_CHARS)]
+    assert texts == want, [len(t) for t in texts]
+
+
 async def test_a_malformed_multiplex_message_ends_the_stream_invalid_argument(peer: Peer) -> None:
     req = dpb.TailJobLogsRequest(cluster=peer.cluster, job=dpb.JobRef(job_id=new_id()))
     cases = [

@@ -8,6 +8,9 @@ in paths and names, so they must match ``ID_RE``; anything wrong raises
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
+
 from google.protobuf import duration_pb2
 
 from dlsched import spec_rules
@@ -220,6 +223,16 @@ def watch_event_pb(ev: base.WatchEvent) -> driver_service_pb2.WatchJobObservatio
         observation=observation_pb(ev.observation), snapshot_complete=ev.snapshot_complete)
 
 
+#: a longer line goes out in pieces of this many characters (as the local and
+#: Ray drivers write them): every backend's lines fit a message
+MAX_LINE_CHARS = 64 * 1024
+#: a batch of more goes out as several messages (the channels' limit is 8 MiB;
+#: one message of a MultiplexJobLogs stream over it would end every tail on it)
+BATCH_BYTES = 1 << 20
+#: what an entry costs beyond its text (role, index, stream, time, framing)
+_ENTRY_OVERHEAD = 48
+
+
 def log_entries_pb(entries: list[base.LogEntry]) -> driver_service_pb2.TailJobLogsResponse:
     out = driver_service_pb2.TailJobLogsResponse()
     for e in entries:
@@ -228,6 +241,35 @@ def log_entries_pb(entries: list[base.LogEntry]) -> driver_service_pb2.TailJobLo
         if e.time_ns is not None:
             pe.time.FromNanoseconds(e.time_ns)
     return out
+
+
+def log_batches_pb(entries: list[base.LogEntry]) -> Iterator[driver_service_pb2.TailJobLogsResponse]:
+    """``entries`` as messages of at most about ``BATCH_BYTES``, a line longer than
+    ``MAX_LINE_CHARS`` split in order into pieces (the same pieces each time the
+    lines are read, so a resumed follower's count of lines stays true); none
+    for no entries."""
+    if not entries:
+        return
+    if all(len(e.text) <= MAX_LINE_CHARS for e in entries) and (
+            sum(len(e.text) for e in entries) * 4 + _ENTRY_OVERHEAD * len(entries) <= BATCH_BYTES):
+        yield log_entries_pb(entries)  # the usual case: one message, nothing to measure
+        return
+    cur: list[base.LogEntry] = []
+    size = 0
+    for e in entries:
+        pieces = ([e] if len(e.text) <= MAX_LINE_CHARS else
+                  [dataclasses.replace(e, text=e.text[i:i + MAX_LINE_CHARS])
+                   for i in range(0, len(e.text), MAX_LINE_CHARS)])
+        for piece in pieces:
+            n = (len(piece.text) if piece.text.isascii() else len(piece.text.encode(errors="replace"))
+                 ) + _ENTRY_OVERHEAD
+            if cur and size + n > BATCH_BYTES:
+                yield log_entries_pb(cur)
+                cur, size = [], 0
+            cur.append(piece)
+            size += n
+    if cur:
+        yield log_entries_pb(cur)
 
 
 def usage_pb(u: base.JobUsage) -> job_pb2.JobUsage:

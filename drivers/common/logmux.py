@@ -8,7 +8,9 @@ while the client has given the tail credit: a tail whose reader is slow
 waits alone, the others go on. Every message out is a batch that used a
 credit or a tail's end, so what waits to be sent is bounded by the credit
 the client gave and by ``MAX_QUEUED`` (a client that stops reading the
-whole stream stops every tail).
+whole stream stops every tail, and its opens wait too), plus one end per
+open tail. A message carries at most about 1 MiB of lines (the kit splits
+batches and long lines: ``convert.log_batches_pb``).
 
 A tail's error ends that tail (its status in the end message, as the kit's
 error layer would have reported the call); a malformed message from the
@@ -20,6 +22,7 @@ every tail.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
@@ -71,8 +74,9 @@ class LogMux:
         # Batches (each used a credit), ends, and what ends the stream:
         # None (done) or an exception (the client's malformed message).
         self._out: asyncio.Queue[pb.MultiplexJobLogsResponse | BaseException | None] = asyncio.Queue()
-        self._room = asyncio.Event()  # set while fewer than MAX_QUEUED batches wait
-        self._room.set()
+        # Tails (and the reader, before an open) waiting for the queue to be under
+        # MAX_QUEUED, first come first woken: one per message sent, not all of them.
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
     async def run(self, requests: AsyncIterator[Any]) -> AsyncGenerator[pb.MultiplexJobLogsResponse, None]:
         reader = asyncio.create_task(self._read(requests))
@@ -80,7 +84,7 @@ class LogMux:
             while True:
                 item = await self._out.get()
                 if self._out.qsize() < MAX_QUEUED:
-                    self._room.set()
+                    self._wake_one()
                 if item is None:
                     return
                 if isinstance(item, BaseException):
@@ -93,9 +97,33 @@ class LogMux:
                 task.cancel()
             await asyncio.gather(reader, *tasks, return_exceptions=True)
 
+    async def _room(self) -> None:
+        """Until fewer than ``MAX_QUEUED`` messages wait to be sent."""
+        while self._out.qsize() >= MAX_QUEUED:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake_one()  # woken, then cancelled: the room goes to the next
+                raise
+
+    def _wake_one(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
     async def _read(self, requests: AsyncIterator[Any]) -> None:
         try:
             async for msg in requests:
+                rpc_errors.refuse_undecodable(msg)
+                if msg.WhichOneof("action") == "open":
+                    # A client that does not read the stream opens nothing more: what
+                    # waits to be sent stays under MAX_QUEUED plus one end per open tail.
+                    await self._room()
                 self._take(msg)
         except Exception as e:  # noqa: BLE001 - ends the stream (the error layer maps it)
             self._out.put_nowait(e)
@@ -105,7 +133,6 @@ class LogMux:
             self._out.put_nowait(None)
 
     def _take(self, msg: Any) -> None:
-        rpc_errors.refuse_undecodable(msg)
         action = msg.WhichOneof("action")
         tid = msg.tail_id
         if action == "open":
@@ -145,17 +172,19 @@ class LogMux:
                         tail.more = loop.create_future()
                         await tail.more
                         tail.more = None
-                    while self._out.qsize() >= MAX_QUEUED:
-                        self._room.clear()
-                        await self._room.wait()
+                    await self._room()
                     tail.credit -= 1
                     self._out.put_nowait(pb.MultiplexJobLogsResponse(tail_id=tid, batch=batch))
             finally:
                 aclose = getattr(it, "aclose", None)
                 if aclose is not None:
                     await aclose()
-        except asyncio.CancelledError:
-            raise  # closed by the client, or the stream ends: nothing more is sent
+        except asyncio.CancelledError as e:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # closed by the client, or the stream ends: nothing more is sent
+            # a cancellation of something the tail awaited, not of the tail: it ends, and says so
+            end = rpc_errors.status_for(errors.Unavailable(f"log tail interrupted: {e!r}"), METHOD)
         except Exception as e:  # noqa: BLE001 - reported as the tail's end, as the error layer would
             end = rpc_errors.status_for(e, METHOD)
         if self._tails.get(tid) is tail:

@@ -130,8 +130,8 @@ class DriverServicer(driver_service_pb2_grpc.DriverServiceServicer):
         it = self._driver.tail_logs(cluster, ref, query)
         try:
             async for batch in it:
-                if batch:
-                    yield convert.log_entries_pb(batch)
+                for message in convert.log_batches_pb(batch):  # none for an empty batch
+                    yield message
         finally:
             await _aclose(it)
 
