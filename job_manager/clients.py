@@ -267,7 +267,8 @@ class DriverClient:
                     yield entries
                     del entries
             except MultiplexUnsupported:
-                self._logs.unsupported = True  # an older driver: one TailJobLogs call per tail, below
+                self._logs.mark_unsupported()  # an older driver: one TailJobLogs call per tail, below
+                break
             except errors.Unavailable:
                 # As the service config retries a stream before its first message.
                 if got or retries >= _TAIL_RETRIES:
@@ -297,6 +298,10 @@ class DriverClient:
         usage: job_pb2.JobUsage = resp.usage
         return usage
 
+    def retire(self) -> None:
+        """Replaced (a renewed certificate): its log streams end once their tails have."""
+        self._logs.retire()
+
     async def close(self) -> None:
         await self._logs.close()
         await self._channel.close()
@@ -316,6 +321,8 @@ class DriverPool:
         if self._watch is not None and self._watch.changed():
             # A renewed certificate: new calls get new channels; calls in
             # flight finish on the old ones (closed with the pool).
+            for retired in self._clients.values():
+                retired.retire()
             self._retired.extend(self._clients.values())
             self._clients.clear()
         c = self._clients.get(address)

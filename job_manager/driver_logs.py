@@ -19,7 +19,9 @@ MultiplexJobLogs (an older one during an upgrade).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import functools
+import logging
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import grpc
@@ -28,8 +30,15 @@ from dlsched import errors
 from dlsched.kit import rpc_errors
 from dlsched.v1 import driver_service_pb2 as drv_pb2
 
+log = logging.getLogger("job_manager.driver_logs")
+
 #: batches a tail may hold that its follower has not taken
 CREDIT = 8
+#: tails per stream: past it another stream is opened (a driver takes 20,000)
+TAILS_PER_STREAM = 10_000
+#: how long a driver found without MultiplexJobLogs is served by TailJobLogs
+#: calls before it is asked again (an upgrade rolling through its replicas)
+UNSUPPORTED_SECONDS = 300.0
 _DONE = object()
 _EXPIRED = object()
 #: what ``Tail.next`` returns when its timeout passed with nothing (no entries)
@@ -57,9 +66,18 @@ class Tail:
         self._end: object = None  # _DONE, or the exception it ended with
         self._taken = 0
 
-    def _push(self, batch: drv_pb2.TailJobLogsResponse) -> None:
+    def _push(self, batch: drv_pb2.TailJobLogsResponse) -> bool:
+        """Hold ``batch``; False when that is more than the credit given (the
+        driver broke the protocol: the tail is ended and closed)."""
+        if len(self._batches) >= CREDIT:
+            self.close()
+            self._end = errors.Unavailable("the driver sent log batches past the tail's credit",
+                                           reason="LOG_STREAM_PROTOCOL")
+            self._wake()
+            return False
         self._batches.append(batch)
         self._wake()
+        return True
 
     def _finish(self, end: object) -> None:
         self._end = end
@@ -102,17 +120,19 @@ class Tail:
             self._end = _DONE
             if self._stream.tails.pop(self._id, None) is not None:
                 self._stream.send(drv_pb2.MultiplexJobLogsRequest(tail_id=self._id, close=True))
+                self._stream.idle()
         self._batches.clear()
 
 
 class _Stream:
     """One MultiplexJobLogs call and the tails open on it."""
 
-    def __init__(self, stub: Any) -> None:
+    def __init__(self, stub: Any, on_idle: Callable[[_Stream], None] | None = None) -> None:
         self.tails: dict[int, Tail] = {}
         self.ended = False
         self.unsupported = False
         self._last_id = 0
+        self._on_idle = on_idle  # told when its last tail closes
         # What to send; None ends the requests (the call's request task returns).
         self._outbox: asyncio.Queue[drv_pb2.MultiplexJobLogsRequest | None] = asyncio.Queue()
         self._call = stub.MultiplexJobLogs(self._requests())
@@ -133,57 +153,107 @@ class _Stream:
         while (msg := await self._outbox.get()) is not None:
             yield msg
 
+    def idle(self) -> None:
+        if not self.tails and self._on_idle is not None:
+            self._on_idle(self)
+
     async def _read(self) -> None:
-        end: BaseException = errors.Unavailable("the driver ended the log stream", reason="LOG_STREAM_ENDED")
+        # Each tail ends with an exception of its own (one shared by every
+        # follower would carry all their frames, and their tracebacks mixed).
+        end: Callable[[], BaseException] = lambda: errors.Unavailable(  # noqa: E731
+            "the driver ended the log stream", reason="LOG_STREAM_ENDED")
         try:
             async for resp in self._call:
                 tail = self.tails.get(resp.tail_id)
                 if tail is None:
                     continue  # closed meanwhile
-                if resp.HasField("batch"):
+                kind = resp.WhichOneof("event")
+                if kind == "batch":
                     tail._push(resp.batch)  # noqa: SLF001 - the stream feeds its tails
-                else:
+                elif kind == "end":
                     del self.tails[resp.tail_id]
                     tail._finish(_DONE if resp.end.code == 0  # noqa: SLF001
                                  else rpc_errors.from_status(resp.end))
+                # else: a message this JobManager does not know (a newer driver): skipped
         except grpc.RpcError as e:
-            end = rpc_errors.from_rpc_error(e)
-            if e.code() == grpc.StatusCode.UNIMPLEMENTED and isinstance(end, errors.Unimplemented) \
-                    and end.reason == "UNIMPLEMENTED":  # no ErrorInfo: gRPC's "method not found"
+            if e.code() == grpc.StatusCode.UNIMPLEMENTED and isinstance(
+                    (first := rpc_errors.from_rpc_error(e)), errors.Unimplemented) \
+                    and first.reason == "UNIMPLEMENTED":  # no ErrorInfo: gRPC's "method not found"
                 self.unsupported = True
-                end = MultiplexUnsupported()
+                end = MultiplexUnsupported
+            else:
+                end = functools.partial(rpc_errors.from_rpc_error, e)
         except asyncio.CancelledError:
-            end = errors.Unavailable("log stream closed", reason="LOG_STREAM_ENDED")
+            end = lambda: errors.Unavailable("log stream closed", reason="LOG_STREAM_ENDED")  # noqa: E731
             raise
+        except Exception as e:  # noqa: BLE001 - e.g. an end status that does not decode
+            log.warning("log stream of a driver failed: %r", e)
+            end = lambda: errors.Unavailable(  # noqa: E731
+                "the driver's log stream failed", reason="LOG_STREAM_ENDED")
         finally:
             self.ended = True
             self._outbox.put_nowait(None)
+            self._call.cancel()  # ended already, or the driver must stop every tail
             for tail in self.tails.values():
-                tail._finish(end)  # noqa: SLF001
+                tail._finish(end())  # noqa: SLF001
             self.tails.clear()
 
-    async def close(self) -> None:
+    def shut(self) -> None:
+        """End the call now (its reader ends the tails)."""
         self.ended = True
         self._outbox.put_nowait(None)
         self._call.cancel()
         self._reader.cancel()
+
+    async def close(self) -> None:
+        self.shut()
         await asyncio.gather(self._reader, return_exceptions=True)
 
 
 class LogMux:
-    """The tails of one driver, on the stream open now (a new one after a failure)."""
+    """The tails of one driver, on the streams open now: one, or another per
+    ``TAILS_PER_STREAM`` tails; a failed stream is replaced by the next open."""
 
     def __init__(self, stub: Any) -> None:
         self._stub = stub
-        self._stream: _Stream | None = None
-        #: set by the caller once a tail ended MultiplexUnsupported
-        self.unsupported = False
+        self._streams: list[_Stream] = []
+        self._unsupported_until = 0.0
+        self._closed = False
+        self._retired = False
+
+    @property
+    def unsupported(self) -> bool:
+        """Whether tails go by TailJobLogs calls for now (the driver lacked MultiplexJobLogs)."""
+        return asyncio.get_running_loop().time() < self._unsupported_until
+
+    def mark_unsupported(self) -> None:
+        """A tail ended MultiplexUnsupported: TailJobLogs calls for a while."""
+        self._unsupported_until = asyncio.get_running_loop().time() + UNSUPPORTED_SECONDS
 
     def open(self, request: drv_pb2.TailJobLogsRequest) -> Tail:
-        if self._stream is None or self._stream.ended:
-            self._stream = _Stream(self._stub)
-        return self._stream.open(request)
+        if self._closed:
+            raise errors.Unavailable("JobManager is shutting down", reason="SHUTTING_DOWN")
+        self._streams = [st for st in self._streams if not st.ended]
+        stream = next((st for st in self._streams if len(st.tails) < TAILS_PER_STREAM), None)
+        if stream is None:
+            stream = _Stream(self._stub, self._idle)
+            self._streams.append(stream)
+        return stream.open(request)
+
+    def _idle(self, stream: _Stream) -> None:
+        """A stream's last tail closed: an extra one (past the first) or, once
+        its client was retired (a renewed certificate), every one is ended."""
+        if self._retired or (self._streams and stream is not self._streams[0]):
+            stream.shut()
+
+    def retire(self) -> None:
+        """New tails go elsewhere: streams end as their last tail closes."""
+        self._retired = True
+        for stream in self._streams:
+            if not stream.tails:
+                stream.shut()
 
     async def close(self) -> None:
-        if self._stream is not None:
-            await self._stream.close()
+        self._closed = True
+        streams, self._streams = self._streams, []
+        await asyncio.gather(*(st.close() for st in streams), return_exceptions=True)
