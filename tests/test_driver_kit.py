@@ -143,3 +143,37 @@ def test_nvidia_smi_output_parses_to_gpu_types():
     assert procfs.parse_nvidia_smi(recorded) == [
         ("h200", 143771 << 20), ("a100", 81920 << 20), ("rtx-4090", 24564 << 20)]
     assert procfs.parse_nvidia_smi("") == []
+
+
+async def test_the_registry_knows_since_when_a_cluster_is_watched_past_its_snapshot() -> None:
+    """``observed_since``: set once a watch's snapshot is through, kept while any watch
+    stays open (unbroken), gone when the last closes (the Slurm driver's stray rule
+    waits on it for JobManager to have claimed its jobs)."""
+    import contextlib
+
+    from drivers.common.registry import ClusterRegistry
+
+    reg: ClusterRegistry[object] = ClusterRegistry(ObservationHub())
+    await reg.configure("clusters/a", lambda old: object())
+    assert reg.observed_since("clusters/a") is None
+    first = reg.watch("clusters/a", lambda c: [])
+    ev = await first.__anext__()
+    assert ev.snapshot_complete and reg.observed_since("clusters/a") is None  # the marker not yet taken
+    pending = asyncio.ensure_future(first.__anext__())
+    await asyncio.sleep(0)
+    since = reg.observed_since("clusters/a")
+    assert since is not None
+    second = reg.watch("clusters/a", lambda c: [])
+    await second.__anext__()
+    later = asyncio.ensure_future(second.__anext__())
+    await asyncio.sleep(0)
+    pending.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await pending
+    await first.aclose()
+    assert reg.observed_since("clusters/a") == since  # the second watch is still open
+    later.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await later
+    await second.aclose()
+    assert reg.observed_since("clusters/a") is None

@@ -443,7 +443,13 @@ _STACK_CHECKS = {"ddp/ddp.yaml": _check_master_worker, "ps_worker/ps_worker.yaml
 async def test_every_mode_succeeds_through_the_services(jm, tmp_path, path):
     env = {"DDP_STEPS": "2", "PS_STEPS": "10"}
     job = await submit_and_wait(jm, example(path, tmp_path, **env))
-    assert job.state == S.JOB_STATE_SUCCEEDED, job
+    if job.state != S.JOB_STATE_SUCCEEDED:  # what failed (pytest cuts a Job's repr before it)
+        lines = [f"{e.role}-{e.replica_index}: {e.text}" async for r in jm.StreamJobLogs(
+            jpb.StreamJobLogsRequest(name=job.name), timeout=30) for e in r.entries]
+        raise AssertionError(
+            f"{S.JobState.Name(job.state)} {job.reason}: {job.message!r}; replicas "
+            f"{[(r.role, r.index, S.ReplicaState.Name(r.state), r.exit_code, r.message) for r in job.replicas]}"
+            "; last lines:\n" + "\n".join(lines[-40:]))
     assert job.cluster == CLUSTER
     assert {r.state for r in job.replicas} <= {S.REPLICA_STATE_SUCCEEDED, S.REPLICA_STATE_STOPPED}, job
     if check := _STACK_CHECKS.get(path):

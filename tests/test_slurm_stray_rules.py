@@ -7,16 +7,19 @@ from drivers.slurm import strays
 from drivers.slurm.poller import SlurmJob
 
 COMMENT = "dlsched-j1.1"
+WINDOW = 60.0
 
 
 def held(jid: str, comment: str = COMMENT) -> SlurmJob:
     return SlurmJob(jid, "PENDING", "JobHeldUser", comment=comment)
 
 
-def find(attempts, *, tracked=None, wanted=False, held_since=None, now=0.0, grace=600.0):
+def find(attempts, *, tracked=None, wanted=False, held_since=None, now=0.0, grace=600.0,
+         observed_for=WINDOW):
     return strays.find(attempts, tracked=lambda job_id, attempt: tracked,
                        wanted=lambda comment, job_id, attempt: wanted,
-                       held_since={} if held_since is None else held_since, now=now, grace=grace)
+                       held_since={} if held_since is None else held_since, now=now, grace=grace,
+                       window=WINDOW, observed_for=observed_for)
 
 
 def test_a_tracked_attempts_other_unfinished_jobs_are_cancelled_at_once_the_tracked_one_never():
@@ -46,3 +49,17 @@ def test_released_running_and_foreign_jobs_are_left_alone():
     jobs = {COMMENT: [SlurmJob("5", "PENDING", "Priority", comment=COMMENT), SlurmJob("6", "RUNNING", comment=COMMENT)],
             "someone-else": [held("7", "someone-else")]}
     assert find(jobs, now=10_000.0, held_since={"5": 0.0, "6": 0.0}) == []
+
+
+def test_the_oldest_held_job_waits_for_jobmanager_to_have_had_the_chance_to_claim_it():
+    """LaunchJob answers before the release: JobManager may hold the id of a job still
+    held whose driver died or was reconfigured before releasing it. Its grace counts
+    only while a watch of the cluster (JobManager's, which claims its launched jobs
+    right after the snapshot) has been open the window; a duplicate is not waited for."""
+    jobs = [held("5"), held("6")]
+    since = {"5": 0.0, "6": 0.0}
+    for observed in (None, 0.0, WINDOW - 1):  # no watch (JobManager away), or a new one
+        assert [j for j, _ in find({COMMENT: jobs}, held_since=since, now=10_000.0,
+                                   observed_for=observed)] == ["6"], observed
+    assert [j for j, _ in find({COMMENT: jobs}, held_since=since, now=10_000.0,
+                               observed_for=WINDOW)] == ["5", "6"]

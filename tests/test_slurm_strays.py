@@ -1,6 +1,7 @@
 """Held Slurm jobs that no driver will release (real Slurm, the driver as a process with
-``--held-grace 3``): held jobs of attempts this cluster does not track are cancelled after the
-grace, a released one never; a launch whose release failed and was never retried leaves no
+``--held-grace 3 --adopt-window 1``): held jobs of attempts this cluster does not track are
+cancelled after the grace (the oldest of an attempt only while a watch of the cluster, as
+JobManager keeps, has been open the window; never while none is), a released one never; a launch whose release failed and was never retried leaves no
 job queued, and a later retry of it submits anew and runs once; a job held while its own
 launch is still releasing it is never cancelled."""
 
@@ -33,7 +34,8 @@ def cluster() -> Iterator[slurm_cluster.SlurmCluster]:
 
 @pytest.fixture(scope="module")
 def driver(cluster: slurm_cluster.SlurmCluster) -> Iterator[ServiceProcess]:
-    svc = ServiceProcess("drivers.slurm", ["--poll-interval", "0.3", "--held-grace", str(GRACE)],
+    svc = ServiceProcess("drivers.slurm", ["--poll-interval", "0.3", "--held-grace", str(GRACE),
+                                           "--adopt-window", "1"],
                          name="slurm-driver-strays").start()
     yield svc
     svc.stop()
@@ -78,8 +80,21 @@ async def test_held_jobs_of_attempts_no_driver_tracks_are_cancelled_and_released
     newer = sbatch(cluster, dup, "true", hold=True)
     alone = sbatch(cluster, lone, "true", hold=True)
     other = sbatch(cluster, running, "sleep 30", hold=False)  # another driver's adopted job
-    await until(lambda: {**slurm_jobs(cluster, dup), **slurm_jobs(cluster, lone)},
-                lambda j: j == {oldest: "CANCELLED", newer: "CANCELLED", alone: "CANCELLED"})
+    # No watch of the cluster (JobManager away): JobManager may hold the oldest's ids, so
+    # only the duplicate goes, whatever the grace.
+    await until(lambda: slurm_jobs(cluster, dup), lambda j: j == {oldest: "PENDING", newer: "CANCELLED"})
+    await asyncio.sleep(3 * GRACE)
+    assert slurm_jobs(cluster, dup)[oldest] == "PENDING" and slurm_jobs(cluster, lone)[alone] == "PENDING"
+    # JobManager's watch, which claims nothing of these: the oldest go once it has been open a while.
+    watch = stub.WatchJobObservations(dpb.WatchJobObservationsRequest(cluster=CLUSTER), timeout=120)
+    try:
+        async for ev in watch:
+            if ev.snapshot_complete:
+                break
+        await until(lambda: {**slurm_jobs(cluster, dup), **slurm_jobs(cluster, lone)},
+                    lambda j: j == {oldest: "CANCELLED", newer: "CANCELLED", alone: "CANCELLED"})
+    finally:
+        watch.cancel()
     assert slurm_jobs(cluster, running)[other] in ("PENDING", "RUNNING")  # released: never touched
     cluster.run("scancel", other)
     await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=keep_busy)), timeout=30)

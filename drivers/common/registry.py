@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from typing import Generic, TypeVar
 
@@ -60,6 +61,18 @@ class ClusterRegistry(Generic[C]):
     def __init__(self, hub: ObservationHub) -> None:
         self._hub = hub
         self._records: dict[str, C] = {}
+        # cluster -> (watches past their snapshot open now, since when one has been, unbroken)
+        self._observed: dict[str, tuple[int, float]] = {}
+
+    def observed_since(self, cluster: str) -> float | None:
+        """Since when (``time.monotonic``) a WatchJobObservations of ``cluster`` has
+        been open past its snapshot without a break, None when none is: a
+        JobManager that owns the cluster keeps one open and, right after its
+        snapshot, asks for every launched job it has that the snapshot lacked
+        (which adopts it). A job no such watch asked for in a while is none of
+        JobManager's."""
+        seen = self._observed.get(cluster)
+        return seen[1] if seen is not None else None
 
     def require(self, cluster: str) -> C:
         """The cluster's record; ``ClusterNotConfigured`` when there is none."""
@@ -123,6 +136,19 @@ class ClusterRegistry(Generic[C]):
         c = self.require(cluster)
         if ready is not None:
             await ready(c)
-        async with contextlib.aclosing(self._hub.subscribe(cluster, lambda: snapshot(c))) as events:  # type: ignore[type-var]
-            async for ev in events:
-                yield ev
+        counted = False
+        try:
+            async with contextlib.aclosing(self._hub.subscribe(cluster, lambda: snapshot(c))) as events:  # type: ignore[type-var]
+                async for ev in events:
+                    yield ev
+                    if ev.snapshot_complete and not counted:
+                        counted = True
+                        n, since = self._observed.get(cluster, (0, time.monotonic()))
+                        self._observed[cluster] = (n + 1, since)
+        finally:
+            if counted:
+                n, since = self._observed[cluster]
+                if n > 1:
+                    self._observed[cluster] = (n - 1, since)
+                else:
+                    del self._observed[cluster]

@@ -29,6 +29,12 @@ class SlurmConfig:
     idle_check_interval: float = field(default=10.0, metadata={
         "help": "seconds between health and capacity look-ups of a cluster with no polled job"})
     held_grace: float = field(default=600.0, metadata={
-        "help": "seconds a held dlsched job that no driver adopted (a launch never retried after a "
-                "failed release) stays queued before a poll round cancels it; a held duplicate of an "
-                "attempt not tracked here waits min(60, this)"})
+        "help": "seconds a held dlsched job that no driver adopted stays queued before a poll round "
+                "cancels it (a launch whose answer JobManager never got, then gave up on); the oldest "
+                "job of an attempt also waits until JobManager's watch of the cluster has been open "
+                "--adopt-window seconds without claiming it; a held duplicate of an attempt not "
+                "tracked here waits min(60, this)"})
+    adopt_window: float = field(default=60.0, metadata={
+        "help": "seconds a WatchJobObservations of a cluster (JobManager's) must have been open past "
+                "its snapshot before a held job nobody claimed is taken for one JobManager does not "
+                "know: right after the snapshot JobManager claims every launched job it lacked"})

@@ -26,7 +26,9 @@ then releases it in the background and asks again each poll round while
 Slurm still holds it). Exactly once: every poll round groups the user's
 jobs by ``dlsched-`` comment and cancels the ones no driver will ever release
 (``strays``: every unfinished job of a tracked attempt but the adopted one, on
-sight; held jobs that no configuration of this process wants, after a grace);
+sight; held jobs that no configuration of this process wants, after a grace,
+the oldest of an attempt only once JobManager's watch of the cluster has been
+open a minute without claiming it: JobManager may hold its id);
 they were submitted held and never released, so they never ran. After an
 ``sbatch`` that timed out the attempt is polled for ``adapter.LATE_WINDOW``,
 10 minutes, even once its job has ended. A job cancelled while held is
@@ -374,8 +376,12 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
             return any(comment in x.launching or ((j := x.jobs.get(job_id)) is not None and j.attempt == attempt)
                        for x in self.clusters.values())
 
+        now = time.monotonic()
+        since = self.clusters.observed_since(c.name)
+        observed_for = None if since is None else now - since
         for jid, why in strays.find(attempts, tracked=tracked, wanted=wanted, held_since=c.held_since,
-                                    now=time.monotonic(), grace=self.config.held_grace):
+                                    now=now, grace=self.config.held_grace,
+                                    window=self.config.adopt_window, observed_for=observed_for):
             log.warning("cancelling Slurm job %s: %s", jid, why)
             self._later(c, "cancel", jid)
 
@@ -499,6 +505,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
             await self._terminate(c, name, ref, None)
         await c.client.remove_files(job.job_id, job.dir.rsplit("/", 1)[0])
         c.jobs.pop(job.job_id, None)
+        c.to_release.discard(job.backend_job_id)  # cancelled: nothing to release
 
     # ------------------------------------------------------------------ logs and usage
 

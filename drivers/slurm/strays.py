@@ -11,8 +11,16 @@ is held and wanted by no launch never ran and never will: the round cancels it.
   process launches or tracks (``wanted``): another driver replica or configuration
   sharing the SSH user may still adopt them. One that is not the oldest (every
   driver adopts only the oldest, a late landing is always newer) after
-  ``DUPLICATE_GRACE``, so that its own driver cancels it first; the oldest (a launch
-  whose release failed and was never retried) after ``grace`` (``--held-grace``).
+  ``DUPLICATE_GRACE``, so that its own driver cancels it first. The oldest after
+  ``grace`` (``--held-grace``), and only once JobManager has had ``window``
+  (``--adopt-window``) to claim it: LaunchJob answers before the release, so JobManager may hold the
+  id of a job still held (the driver died before releasing it, or was
+  reconfigured). JobManager's owner of the cluster keeps a WatchJobObservations
+  open and, right after its snapshot, asks for every launched job the snapshot
+  lacked, which adopts it; so the oldest held job is cancelled only while such a
+  watch has been open ``window`` seconds without asking for it (``observed_for``).
+  A launch that JobManager never got the answer of (then gave up: the job was
+  deleted) is what is left.
 """
 
 from __future__ import annotations
@@ -30,12 +38,14 @@ DUPLICATE_GRACE = 60.0
 
 def find(attempts: Mapping[str, Sequence[SlurmJob]], *, tracked: Callable[[str, int], str | None],
          wanted: Callable[[str, str, int], bool], held_since: MutableMapping[str, float], now: float,
-         grace: float) -> list[tuple[str, str]]:
+         grace: float, window: float, observed_for: float | None) -> list[tuple[str, str]]:
     """(Slurm job id, why) of each job to cancel now. ``attempts``: comment -> the round's
     jobs of that attempt; ``tracked(job_id, attempt)``: the Slurm id this configuration
     tracks for it, or None; ``wanted(comment, job_id, attempt)``: whether a configuration of
     this process launches or tracks it. ``held_since`` (Slurm id -> when a round first saw
-    it held and unwanted) is updated: jobs no longer in that case leave it."""
+    it held and unwanted) is updated: jobs no longer in that case leave it. ``observed_for``:
+    seconds a watch of the cluster has been open past its snapshot (None: none is open)."""
+    adoptable = observed_for is None or observed_for < window  # JobManager may still claim it
     out: list[tuple[str, str]] = []
     held: set[str] = set()
     for comment, sjs in attempts.items():
@@ -53,7 +63,7 @@ def find(attempts: Mapping[str, Sequence[SlurmJob]], *, tracked: Callable[[str, 
                 continue
             held.add(sj.job_id)
             waited = now - held_since.setdefault(sj.job_id, now)
-            if waited >= (min(DUPLICATE_GRACE, grace) if i else grace):
+            if i and waited >= min(DUPLICATE_GRACE, grace) or not i and waited >= grace and not adoptable:
                 out.append((sj.job_id, f"{comment} held {waited:.0f}s and "
                             + ("not the oldest of its attempt" if i else "adopted by no launch")))
     for jid in [j for j in held_since if j not in held]:
