@@ -174,6 +174,7 @@ class _Stream:
                     del self.tails[resp.tail_id]
                     tail._finish(_DONE if resp.end.code == 0  # noqa: SLF001
                                  else rpc_errors.from_status(resp.end))
+                    self.idle()  # its last tail: an extra or retired stream ends
                 # else: a message this JobManager does not know (a newer driver): skipped
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.UNIMPLEMENTED and isinstance(

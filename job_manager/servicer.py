@@ -301,8 +301,10 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         # Watches learn of it first (its key left etcd with no event when it was
         # archived): a delete that fails after is retried, and a watch sees a
         # second DELETED, never none.
-        await self.store.mark_purged(job.id, archived.revision, archived.data)
-        await self.history.delete(job.id)
+        if await self.store.mark_purged(job.id, archived.revision, archived.data):
+            await self.history.delete(job.id)
+        else:  # its id is a live job's again: this archived copy was deleted meanwhile
+            await self.history.delete(job.id, archived.revision)
         return pb.DeleteJobResponse(job=archived.proto())
 
     async def WatchJobs(self, request: pb.WatchJobsRequest,  # noqa: N802

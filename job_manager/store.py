@@ -133,7 +133,7 @@ def parse_purged_mark(value: bytes) -> tuple[str, int, bytes] | None:
     """(job id, revision, data) of a ``purged_mark_value``; None if it is not one."""
     head, sep, data = value.partition(b"\n")
     rev, _, job_id = head.partition(b" ")
-    if not sep or not rev.isdigit() or not job_id:
+    if not sep or not rev.isdigit() or len(rev) > 20 or not job_id:
         return None
     return job_id.decode(errors="replace"), int(rev), data
 
@@ -414,9 +414,14 @@ class JobStore:
             return None
         return job_from_bytes(prev[0].value, prev[0].mod_revision)
 
-    async def mark_purged(self, job_id: str, revision: int, data: bytes) -> None:
-        """Tell watches the archived job ``job_id`` is deleted (``purged_mark_key``)."""
-        await self._txn([], [self._put(self.purged_mark_key, purged_mark_value(job_id, revision, data))], [])
+    async def mark_purged(self, job_id: str, revision: int, data: bytes) -> bool:
+        """Tell watches the archived job ``job_id`` is deleted (``purged_mark_key``),
+        unless a live job has that id again (a delete of the archived one that came
+        late, after its row went and the id was reused): whether it was written."""
+        absent = rpc.Compare(key=self.job_key(job_id), result=rpc.Compare.EQUAL,
+                             target=rpc.Compare.VERSION, version=0)
+        put = self._put(self.purged_mark_key, purged_mark_value(job_id, revision, data))
+        return bool((await self._txn([absent], [put], [])).succeeded)
 
     async def delete_unchanged(self, job_id: str, revision: int, *, holder_key: bytes,
                                holder: bytes) -> str:

@@ -60,6 +60,7 @@ import aetcd.exceptions
 import aetcd.utils
 import grpc
 from aetcd import rpc
+from google.protobuf.message import DecodeError
 
 from dlsched.errors import DlschedError, InvalidArgument, Unavailable, WatchTokenExpired
 from dlsched.kit import tokens
@@ -504,8 +505,14 @@ class WatchHub:
             if ev.kv.key == self._purged_mark and ev.kind != "DELETE" and rev > self.last_revision:
                 # DeleteJob of an archived job (its key left with no event): DELETED now
                 mark = parse_purged_mark(ev.kv.value)
-                if mark is not None:
-                    self._publish(JobEvent(rev, EventType.DELETED, mark[0], mark[2], mark[1]))
+                je = JobEvent(rev, EventType.DELETED, mark[0], mark[2], mark[1]) if mark else None
+                try:
+                    if je is not None and je.job.id == je.job_id:  # decoded once, here: never in a reader
+                        self._publish(je)
+                        return
+                except (DecodeError, ValueError):
+                    pass
+                log.warning("job watch: purge mark at revision %d is not one; skipped", rev)
             return
         raw_id = ev.kv.key[len(self._key):]
         job_id = raw_id.decode()
@@ -595,7 +602,13 @@ class WatchHub:
                     if isinstance(ev, WatchProgress):
                         self._on_progress(ev.revision)
                         continue
-                    self._on_event(ev)
+                    try:
+                        self._on_event(ev)
+                    except (DecodeError, UnicodeDecodeError, ValueError) as e:
+                        # a key or value no JobManager wrote (one bad event must not stop the
+                        # watch: reconnecting would meet it again, forever)
+                        log.warning("job watch: event at revision %d skipped: %r",
+                                    int(ev.kv.mod_revision), e)
                     next_rev = max(next_rev, int(ev.kv.mod_revision) + 1)
                 self._live = False
             except asyncio.CancelledError:

@@ -146,9 +146,9 @@ def test_nvidia_smi_output_parses_to_gpu_types():
 
 
 async def test_the_registry_knows_since_when_a_cluster_is_watched_past_its_snapshot() -> None:
-    """``observed_since``: set once a watch's snapshot is through, kept while any watch
-    stays open (unbroken), gone when the last closes (the Slurm driver's stray rule
-    waits on it for JobManager to have claimed its jobs)."""
+    """``observed_since``: when the newest watch open got through its snapshot, gone when
+    the last closes (the Slurm driver's stray rule waits on it for JobManager to have
+    claimed its jobs)."""
     import contextlib
 
     from drivers.common.registry import ClusterRegistry
@@ -163,15 +163,18 @@ async def test_the_registry_knows_since_when_a_cluster_is_watched_past_its_snaps
     await asyncio.sleep(0)
     since = reg.observed_since("clusters/a")
     assert since is not None
+    await asyncio.sleep(0.01)
     second = reg.watch("clusters/a", lambda c: [])
     await second.__anext__()
     later = asyncio.ensure_future(second.__anext__())
     await asyncio.sleep(0)
+    newest = reg.observed_since("clusters/a")
+    assert newest is not None and newest > since  # the newest watch's (a new owner's beside a dead one)
     pending.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await pending
     await first.aclose()
-    assert reg.observed_since("clusters/a") == since  # the second watch is still open
+    assert reg.observed_since("clusters/a") == newest  # the second watch is still open
     later.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await later

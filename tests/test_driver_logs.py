@@ -193,6 +193,15 @@ async def test_tails_spread_over_streams_and_each_ends_with_its_own_error(
         await _until(lambda: drv.ended == 2)  # the extra streams ended; the first stays
         tails[0].close()
         assert drv.ended == 2
+        # tails the driver ends (the usual end: a job's lines all sent) end extra streams too
+        drv.script = lambda tid: [dpb.MultiplexJobLogsResponse(tail_id=tid, batch=_batch(str(tid))),
+                                  dpb.MultiplexJobLogsResponse(tail_id=tid, end=status_pb2.Status())]
+        ended = [mux.open(dpb.TailJobLogsRequest(job=dpb.JobRef(job_id=f"e{i}"))) for i in range(4)]
+        for t in ended:
+            while await asyncio.wait_for(t.next(), 30) is not None:
+                pass
+        assert drv.streams == 5  # e0 beside tails[1] on the first stream, the rest on two new ones
+        await _until(lambda: drv.ended == 4)
 
         # a stream that fails: each of its tails raises its own exception
         flaky = ScriptedDriver(lambda tid: [], abort_after=3)

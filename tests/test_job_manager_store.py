@@ -11,6 +11,7 @@ import pytest
 
 from dlsched.errors import InvalidArgument, WatchTokenExpired
 from dlsched.kit.etcd import connect
+from job_manager.convert import job_to_bytes
 from job_manager.domain.errors import JobAlreadyExists, JobNotFound
 from job_manager.domain.model import Job, JobSpec, JobState, ReplicaGroup
 from job_manager.store import JobStore
@@ -146,5 +147,32 @@ async def test_slow_subscriber_is_ended_unavailable(store: JobStore, etcd_prefix
         with pytest.raises(Exception) as ei:
             await _collect(slow, 7)
         assert getattr(ei.value, "reason", "") == "WATCH_SUBSCRIBER_LAGGING"
+    finally:
+        await hub.stop()
+
+
+async def test_purge_marks_reach_watchers_as_deleted_and_bad_events_are_skipped(
+        store: JobStore, etcd_prefix: str) -> None:
+    """DeleteJob of an archived job writes the purge mark, which the hub sends as
+    DELETED (the job as last stored, its etag's revision), but not while a live job
+    has that id again. A mark or job key no JobManager wrote (a revision of 5,000
+    digits, bytes that are no Job, a key that is no UTF-8) is skipped: the watch goes on
+    (it used to meet the same event again on every reconnect)."""
+    hub = WatchHub(store.client, etcd_prefix, buffer_size=100)
+    await hub.start()
+    try:
+        sub = hub.subscribe(0)
+        gone = dataclasses.replace(new_job("gone"), state=JobState.SUCCEEDED)
+        await store.create(new_job("live1"))
+        assert not await store.mark_purged("live1", 5, job_to_bytes(new_job("live1")))
+        assert await store.mark_purged("gone", 7, job_to_bytes(gone))
+        await store.client.put(store.purged_mark_key, b"9" * 5000 + b" gone\n" + job_to_bytes(gone))
+        await store.client.put(store.purged_mark_key, b"3 gone\n\xff\xff\xff")
+        await store.client.put(store.jobs_prefix + b"\xff\xfe", b"junk")
+        await store.create(new_job("after"))
+        evs = [await asyncio.wait_for(sub.next(), 60) for _ in range(3)]
+        assert [(e.type, e.job_id) for e in evs] == [
+            (EventType.CREATED, "live1"), (EventType.DELETED, "gone"), (EventType.CREATED, "after")]
+        assert evs[1].job.state == JobState.SUCCEEDED and evs[1].job.etag == "7"
     finally:
         await hub.stop()

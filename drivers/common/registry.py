@@ -61,18 +61,19 @@ class ClusterRegistry(Generic[C]):
     def __init__(self, hub: ObservationHub) -> None:
         self._hub = hub
         self._records: dict[str, C] = {}
-        # cluster -> (watches past their snapshot open now, since when one has been, unbroken)
-        self._observed: dict[str, tuple[int, float]] = {}
+        # cluster -> when each watch open now got past its snapshot
+        self._observed: dict[str, list[float]] = {}
 
     def observed_since(self, cluster: str) -> float | None:
-        """Since when (``time.monotonic``) a WatchJobObservations of ``cluster`` has
-        been open past its snapshot without a break, None when none is: a
-        JobManager that owns the cluster keeps one open and, right after its
-        snapshot, asks for every launched job it has that the snapshot lacked
-        (which adopts it). A job no such watch asked for in a while is none of
-        JobManager's."""
-        seen = self._observed.get(cluster)
-        return seen[1] if seen is not None else None
+        """When (``time.monotonic``) the newest WatchJobObservations of ``cluster``
+        open now got past its snapshot, None when none is open: a JobManager
+        that owns the cluster keeps one open and, right after its snapshot, asks
+        for every launched job it has that the snapshot lacked (which adopts
+        it). A job no such watch asked for in a while is none of JobManager's.
+        The newest: a new owner's watch may open while its predecessor's, dead,
+        still counts (until keepalive finds it)."""
+        starts = self._observed.get(cluster)
+        return max(starts) if starts else None
 
     def require(self, cluster: str) -> C:
         """The cluster's record; ``ClusterNotConfigured`` when there is none."""
@@ -136,19 +137,17 @@ class ClusterRegistry(Generic[C]):
         c = self.require(cluster)
         if ready is not None:
             await ready(c)
-        counted = False
+        counted: float | None = None  # when this watch got past its snapshot
         try:
             async with contextlib.aclosing(self._hub.subscribe(cluster, lambda: snapshot(c))) as events:  # type: ignore[type-var]
                 async for ev in events:
                     yield ev
-                    if ev.snapshot_complete and not counted:
-                        counted = True
-                        n, since = self._observed.get(cluster, (0, time.monotonic()))
-                        self._observed[cluster] = (n + 1, since)
+                    if ev.snapshot_complete and counted is None:
+                        counted = time.monotonic()
+                        self._observed.setdefault(cluster, []).append(counted)
         finally:
-            if counted:
-                n, since = self._observed[cluster]
-                if n > 1:
-                    self._observed[cluster] = (n - 1, since)
-                else:
+            if counted is not None:
+                starts = self._observed[cluster]
+                starts.remove(counted)
+                if not starts:
                     del self._observed[cluster]

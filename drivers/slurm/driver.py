@@ -63,6 +63,7 @@ memory once its record is written (``records``); untracked jobs are looked up th
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -140,6 +141,8 @@ class _Cluster:
         self.late: dict[str, float] = {}
         #: adopted Slurm jobs found held: released in the background, retried each round until done.
         self.to_release: set[str] = set()
+        #: Slurm ids an observation is adopting (waiting for the poll round that lists them)
+        self.claiming: collections.Counter[str] = collections.Counter()
         #: (action, Slurm job id) of scancel / scontrol release calls in flight.
         self.pending: set[tuple[str, str]] = set()
         #: comments of attempts this driver is submitting or adopting right now (their jobs may be held).
@@ -188,7 +191,7 @@ class _Cluster:
 class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
     name = "slurm"
     #: kept across a reconfiguration: what was tracked; the connections, poller and warm sbatch are new
-    carry_over = ("jobs", "recording", "unsure", "late", "to_release", "launching", "held_since")
+    carry_over = ("jobs", "recording", "unsure", "late", "to_release", "launching", "held_since", "claiming")
     supports_logs = True
     supports_usage = True
 
@@ -382,6 +385,8 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         for jid, why in strays.find(attempts, tracked=tracked, wanted=wanted, held_since=c.held_since,
                                     now=now, grace=self.config.held_grace,
                                     window=self.config.adopt_window, observed_for=observed_for):
+            if any(jid in x.claiming for x in self.clusters.values()):
+                continue  # JobManager claims it: adopted once this round is through
             log.warning("cancelling Slurm job %s: %s", jid, why)
             self._later(c, "cancel", jid)
 
@@ -458,7 +463,15 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
 
     async def _adopt(self, c: _Cluster, refs: Sequence[JobRef]) -> None:
         """Track jobs submitted before this driver started, from the next poll round's answer."""
-        jobs = await c.poller.fresh(r.backend_job_id for r in refs)
+        ids = [r.backend_job_id for r in refs]
+        c.claiming.update(ids)  # the round that lists them must not cancel them as strays
+        try:
+            jobs = await c.poller.fresh(ids)
+        finally:
+            c.claiming.subtract(ids)
+            for jid in ids:
+                if c.claiming[jid] <= 0:
+                    del c.claiming[jid]
         if jobs is None:
             return
         for ref in refs:
