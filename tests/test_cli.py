@@ -367,6 +367,9 @@ def test_cluster_watch_shows_adds_and_removes(stack: Stack) -> None:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             line = proc.stdout.readline()
+            if not line:  # the watch ended: say how (its exit code and stderr)
+                _, err = proc.communicate(timeout=90)
+                raise AssertionError(f"cluster watch ended (exit {proc.returncode}) after {seen}: {err[-3000:]}")
             seen.append(line)
             if text in line and line.startswith(event):
                 return seen
