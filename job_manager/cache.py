@@ -15,7 +15,8 @@ term (or the caller's readable projects) names, from the page token's
 position, and stops once the page is full: its cost is the page plus what
 the filter skips in that index, not the number of jobs. A ``create_time``
 range cuts each index to its slice by bisection (the order is by create
-time), so a time-range filter walks only the jobs created in the range.
+time), so a time-range filter walks only the jobs created in the range; an
+``end_time`` range walks the terminal states' indexes.
 
 ``revision`` is the revision of the last job event the view applied;
 ``synced`` the revision the watch has proved it reached with a progress
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING
 
 from dlsched.auth.model import DEFAULT_PROJECT, Principal
 from dlsched.v1 import job_pb2
-from job_manager.convert import job_from_bytes
+from job_manager.convert import end_us_of_proto, job_from_bytes
 from job_manager.domain import access
 from job_manager.domain.filter import Filter
 from job_manager.domain.model import Job, JobState
@@ -65,8 +66,8 @@ class CachedJob:
     ``labels``), so both apply to it without decoding.
     """
 
-    __slots__ = ("cluster", "data", "id", "key", "labels", "owner", "project", "revision",
-                 "run_mode", "state")
+    __slots__ = ("cluster", "data", "end_us", "id", "key", "labels", "owner", "project",
+                 "revision", "run_mode", "state")
 
     def __init__(self, job_id: str, data: bytes, revision: int) -> None:
         p = job_pb2.Job.FromString(data)
@@ -78,6 +79,8 @@ class CachedJob:
         self.revision = revision
         self.key: SortKey = sort_key(ct, job_id)
         self.state = JobState.of(p.state)
+        # when it ended (``end_time`` filter terms); None while it runs
+        self.end_us = end_us_of_proto(p) if self.state.is_terminal() else None
         self.run_mode = int(p.spec.run_mode)
         self.cluster = sys.intern(p.cluster)
         self.project = sys.intern(p.project)
@@ -258,6 +261,9 @@ class JobCache:
         if p is not None and not p.reads_everything():
             options.append([cut(self._index.get(("project", proj), []))
                             for proj in sorted(p.readable_projects())])
+        if flt.end_range is not None:  # only terminal jobs have ended
+            options.append([cut(self._index.get(("state", int(s)), []))
+                            for s in JobState if s.is_terminal()])
         if not options or rng is not None:
             options.append([cut(self._order)])
         return min(options, key=lambda slices: sum(e - s for _, s, e in slices))

@@ -169,6 +169,20 @@ def native_to_proto(n: NativeSpec) -> job_pb2.NativeSpec:
     return job_pb2.NativeSpec(media_type=n.media_type, content=n.content)
 
 
+def _us(ts: timestamp_pb2.Timestamp) -> int:
+    return ts.seconds * 1_000_000 + ts.nanos // 1000
+
+
+def end_us_of_proto(p: job_pb2.Job) -> int:
+    """When a terminal job ended, in microseconds: its ``end_time``, else its
+    ``update_time``, else its ``create_time`` (what ``end_time`` filter terms
+    compare and the history's retention counts from)."""
+    for f in ("end_time", "update_time", "create_time"):
+        if p.HasField(f):
+            return _us(getattr(p, f))
+    return 0
+
+
 def job_to_bytes(j: Job) -> bytes:
     """The stored form: the Job proto without its etag (the etag is the mod revision)."""
     p = job_to_proto(j)

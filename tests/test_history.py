@@ -129,7 +129,12 @@ FILTERS = ["", "state=FAILED", "state!=FAILED", "labels.group=g3", "labels.group
            'labels.group=g2 AND create_time > "2026-01-01T01:00:00.050+01:00"',
            'create_time<="2026-01-01T00:00:00.2Z" AND create_time>"2026-01-01T00:00:00.15Z"'
            ' AND labels.group!=g1',
-           'create_time >= "2026-01-01T00:00:00.2Z" AND create_time < "2026-01-01T00:00:00.1Z"']
+           'create_time >= "2026-01-01T00:00:00.2Z" AND create_time < "2026-01-01T00:00:00.1Z"',
+           # end times (T0 + i//2 + i*37%500 ms): not in create order
+           'end_time >= "2026-01-01T00:00:00.400Z"',
+           'end_time < "2026-01-01T00:00:00.300Z" AND state=FAILED',
+           'labels.group=g2 AND end_time > "2026-01-01T00:00:00.100Z" AND end_time <= '
+           '"2026-01-01T00:00:00.450Z" AND create_time < "2026-01-01T00:00:00.2Z"']
 PRINCIPALS = [None, Principal("v", roles={"p1": Role.VIEWER}),
               Principal("w", roles={"p1": Role.VIEWER, "default": Role.VIEWER}),
               Principal("nobody", roles={})]
@@ -137,7 +142,8 @@ PRINCIPALS = [None, Principal("v", roles={"p1": Role.VIEWER}),
 
 async def test_keyset_pages_and_filters_answer_like_a_full_read(history: HistoryStore) -> None:
     jobs = [make(i, state=TERMINAL[i % 3], project=["", "p1", "p2"][i % 7 % 3],
-                 cluster=f"clusters/c{i % 4}", owner=["alice", "bob"][i % 2]) for i in range(600)]
+                 cluster=f"clusters/c{i % 4}", owner=["alice", "bob"][i % 2],
+                 ended=T0 + timedelta(milliseconds=i // 2 + i * 37 % 500)) for i in range(600)]
     await history.put(entries(jobs[:300]))
     await history.put(entries(jobs[300:]))
     assert await history.count() == 600
@@ -386,7 +392,10 @@ async def test_archived_jobs_leave_etcd_and_stay_readable(stack: Stack, etcd: Et
                          'create_time >= "2026-01-01T00:00:00.030Z"',
                          'create_time < "2026-01-01T00:00:00.065Z" AND create_time >= '
                          '"2026-01-01T00:00:00.020Z"',
-                         'project=p1 AND create_time < "2026-01-01T00:00:00.065Z"']:
+                         'project=p1 AND create_time < "2026-01-01T00:00:00.065Z"',
+                         # ended: archived ones (T0 + ms) and live ones that ended just now
+                         'end_time >= "2026-01-01T00:00:00.030Z"',
+                         'end_time < "2026-01-01T00:00:00.065Z" AND state!=FAILED']:
                 assert await list_ids(jm, text, 5) == brute(everything, parse_filter(text), None), text
 
             # Access: a viewer of p1 sees p1's archived jobs only, and not the others by id
@@ -660,6 +669,30 @@ def test_create_time_terms_are_half_open_microsecond_ranges() -> None:
     assert not flt.matches(make(4, state=JobState.FAILED, created=at))
 
 
+def test_end_time_terms_match_jobs_that_ended_in_the_range() -> None:
+    at = datetime(2026, 12, 1, tzinfo=UTC)
+    flt = parse_filter('end_time >= "2026-12-01T00:00:00Z" AND end_time < "2026-12-02T00:00:00Z"')
+    rng = flt.end_range
+    assert rng is not None and (rng.lo, rng.hi) == (us("2026-12-01T00:00:00+00:00"),
+                                                    us("2026-12-02T00:00:00+00:00"))
+    assert flt.create_range is None
+    old = at - timedelta(days=3)
+    assert flt.matches(make(1, state=JobState.FAILED, created=old, ended=at))
+    assert not flt.matches(make(2, state=JobState.FAILED, created=old,
+                                ended=at - timedelta(microseconds=1)))
+    assert not flt.matches(make(3, state=JobState.SUCCEEDED, created=old, ended=at + timedelta(days=1)))
+    # a job still running has no end, whatever its other times
+    assert not flt.matches(make(4, state=JobState.RUNNING, created=at, ended=at))
+    assert not parse_filter('end_time > "2000-01-01T00:00:00Z"').matches(
+        make(5, state=JobState.RUNNING, created=at))
+    # a terminal job without end_time ended at its last update, as the history counts it
+    nameless = make(6, state=JobState.STOPPED, created=old, ended=at)
+    nameless.end_time = None
+    assert flt.matches(nameless)
+    [archived] = entries([nameless])
+    assert archived.end_us == us("2026-12-01T00:00:00+00:00") and flt.matches(archived)
+
+
 @pytest.mark.parametrize("text", [
     'create_time >= "2026-12-01"', 'create_time >= "2026-12-01T00:00:00"',  # no zone
     'create_time >= "2026-13-01T00:00:00Z"', 'create_time >= "2026-02-30T00:00:00Z"',
@@ -668,6 +701,7 @@ def test_create_time_terms_are_half_open_microsecond_ranges() -> None:
     'create_time >= "2026-12-01T00:00:00.Z"', 'create_time >= "2026-12-01T00:00:00.1234567890Z"',
     'create_time = "2026-12-01T00:00:00Z"', 'create_time != "2026-12-01T00:00:00Z"',
     "state > RUNNING", "labels.a>=b", 'update_time < "2026-12-01T00:00:00Z"', "create_time >= ",
+    'end_time = "2026-12-01T00:00:00Z"', 'end_time >= "yesterday"',
 ])
 def test_bad_time_terms_name_the_filter(text: str) -> None:
     from dlsched.errors import InvalidArgument
@@ -687,7 +721,9 @@ def test_the_cache_walks_only_the_create_time_slice() -> None:
             return super().matches(job)
 
     cache = JobCache()
-    jobs = [make(i, state=TERMINAL[i % 3], project=["", "p1"][i % 2]) for i in range(4000)]
+    # a third running; the rest ended in reverse create order
+    jobs = [make(i, state=JobState.RUNNING if i % 3 == 2 else TERMINAL[i % 3], project=["", "p1"][i % 2],
+                 ended=T0 + timedelta(milliseconds=4000 - i)) for i in range(4000)]
     for rev, j in enumerate(jobs, start=1):
         cache.apply(rev, j.id, job_to_bytes(j))
     viewer = Principal("v", roles={"p1": Role.VIEWER})
@@ -700,7 +736,12 @@ def test_the_cache_walks_only_the_create_time_slice() -> None:
             ('state=FAILED AND create_time >= "2026-01-01T00:00:00.5Z" AND '
              'create_time < "2026-01-01T00:00:00.51Z"', None, 20 // 3 + 1),
             ('create_time < "2026-01-01T00:00:00.005Z"', viewer, 5),
-            ('create_time < "2026-01-01T00:00:00.005Z" AND labels.group!=g1', None, 10)]:
+            ('create_time < "2026-01-01T00:00:00.005Z" AND labels.group!=g1', None, 10),
+            # ended: the terminal states' indexes (a third of the jobs are still running)
+            ('end_time >= "2026-01-01T00:00:01Z"', None, 4000 * 2 // 3 + 1),
+            ('end_time >= "2026-01-01T00:00:01Z" AND create_time < "2026-01-01T00:00:00.5Z"', None,
+             1000 * 2 // 3 + 1),
+            ('labels.group=g1 AND end_time >= "2026-01-01T00:00:01Z"', None, 800)]:
         flt = parse_filter(text)
         Counting.checked = 0
         got = [e.id for e in cache.select(Counting(flt.terms, flt.times), p)]

@@ -4,11 +4,14 @@ Equality terms ``field=value`` or ``field!=value`` on ``state`` (RUNNING or
 JOB_STATE_RUNNING), ``run_mode`` (MULTI_PROCESS or RUN_MODE_MULTI_PROCESS),
 ``cluster`` (clusters/local or local), ``project``, ``owner`` and
 ``labels.KEY``; values may be double-quoted. Time terms ``create_time OP
-"RFC 3339"`` with OP one of ``<``, ``<=``, ``>``, ``>=`` (e.g.
-``create_time >= "2026-12-01T00:00:00Z"``): each becomes a half-open range
-of whole microseconds (job times have microsecond precision), and the terms
-on one field intersect (``Filter.create_range``), so the watch cache and the
-history walk only that slice of their create-time order.
+"RFC 3339"`` or ``end_time OP "RFC 3339"`` with OP one of ``<``, ``<=``,
+``>``, ``>=`` (e.g. ``create_time >= "2026-12-01T00:00:00Z"``): each becomes
+a half-open range of whole microseconds (job times have microsecond
+precision), and the terms on one field intersect (``Filter.create_range``,
+``Filter.end_range``), so the watch cache and the history walk only that
+slice of their create-time order. ``end_time`` is when a job reached its
+terminal state (``end_us_of``); a job that has not ended matches no
+``end_time`` term.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ _RFC3339 = re.compile(
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _US = timedelta(microseconds=1)
 #: the fields time terms compare
-TIME_FIELDS = ("create_time",)
+TIME_FIELDS = ("create_time", "end_time")
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,24 @@ def create_us_of(job: object) -> int:
     return (ct - _EPOCH) // _US if isinstance(ct, datetime) else 0
 
 
+def end_us_of(job: object) -> int | None:
+    """When a job ended, in microseconds (None: not ended): ``end_us`` of the
+    cache's and the history's entries, else the domain ``Job``'s ``end_time``
+    (``update_time``, then ``create_time``, when a terminal job lacks it, as
+    ``convert.end_us_of_proto``)."""
+    if hasattr(job, "end_us"):
+        us = job.end_us
+        return None if us is None else int(us)
+    state = getattr(job, "state", None)
+    if not isinstance(state, JobState) or not state.is_terminal():
+        return None
+    for f in ("end_time", "update_time", "create_time"):
+        t = getattr(job, f, None)
+        if isinstance(t, datetime):
+            return (t - _EPOCH) // _US
+    return 0
+
+
 @dataclass(frozen=True)
 class Filter:
     terms: tuple[Term, ...] = ()
@@ -91,13 +112,19 @@ class Filter:
         if not all(t.matches(job) for t in self.terms):
             return False
         for r in self.times:
-            if not r.contains(create_us_of(job)):
+            us = create_us_of(job) if r.field == "create_time" else end_us_of(job)
+            if us is None or not r.contains(us):
                 return False
         return True
 
     @property
     def create_range(self) -> TimeRange | None:
         return next((r for r in self.times if r.field == "create_time"), None)
+
+    @property
+    def end_range(self) -> TimeRange | None:
+        """The ``end_time`` range; only terminal jobs can match one."""
+        return next((r for r in self.times if r.field == "end_time"), None)
 
 
 def _enum_value(enum: type[JobState] | type[RunMode], prefix: str, raw: str) -> int:
@@ -172,7 +199,7 @@ def parse_filter(text: str) -> Filter:
         if not m:
             raise InvalidArgument.for_field(
                 "filter", f"bad term {part[:80]!r}; want field=value, field!=value or "
-                "create_time<, <=, >, >= \"RFC 3339\", joined by AND")
+                "create_time or end_time <, <=, >, >= \"RFC 3339\", joined by AND")
         field, op, raw = m.group(1), m.group(2), m.group(3)
         if raw.startswith('"'):
             raw = raw[1:-1]
@@ -196,6 +223,6 @@ def parse_filter(text: str) -> Filter:
         else:
             raise InvalidArgument.for_field(
                 "filter", f"unknown field {field!r}; one of state, cluster, run_mode, project, "
-                "owner, labels.KEY, create_time")
+                "owner, labels.KEY, create_time, end_time")
         terms.append(Term(field, op == "!=", value))
     return Filter(tuple(terms), tuple(times.values()))

@@ -43,7 +43,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from dlsched.auth.model import DEFAULT_PROJECT, Principal
 from dlsched.errors import StoreUnavailable
 from dlsched.v1 import job_pb2
-from job_manager.convert import job_from_bytes
+from job_manager.convert import end_us_of_proto, job_from_bytes
 from job_manager.domain.filter import Filter, Term
 from job_manager.domain.model import Job, JobState
 from job_manager.history import migrate
@@ -95,9 +95,7 @@ class ArchivedJob:
         self.data = data
         self.revision = revision
         self.create_us = _ts_us(p.create_time) if p.HasField("create_time") else 0
-        end = p.end_time if p.HasField("end_time") else p.update_time
-        self.end_us = _ts_us(end) if (p.HasField("end_time") or p.HasField("update_time")) \
-            else self.create_us
+        self.end_us = end_us_of_proto(p)
         self.key: SortKey = (-self.create_us / 1_000_000, job_id)
         self.state = JobState.of(p.state)
         self.run_mode = int(p.spec.run_mode)
@@ -464,6 +462,12 @@ def _select_query(flt: Filter, p: Principal | None, after: SortKey | None,
             where.append(order_ct >= rng.lo)
         if rng.hi is not None:
             where.append(order_ct < rng.hi)
+    ended = flt.end_range
+    if ended is not None:  # every archived job has ended (``ArchivedJob.end_us``)
+        if ended.lo is not None:
+            where.append(T.c.end_us >= ended.lo)
+        if ended.hi is not None:
+            where.append(T.c.end_us < ended.hi)
     if after is not None:
         ct, after_id = to_us(-after[0]), after[1]
         # newest first: strictly older, or as old with a greater id. The first
