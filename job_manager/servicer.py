@@ -324,9 +324,11 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             # with it loses and repeats nothing.
             at = request.resume_token
             if not request.resume_token:
-                # The snapshot and the subscription meet at the cache's revision:
-                # no await between subscribe() and here.
-                snapshot, rev = list(self.cache.select(flt, p)), self.cache.revision
+                # The snapshot and the subscription meet at the revision the
+                # cache is known to reflect (``current``: past a purge mark or
+                # sync write after its last job event, which a token must not
+                # replay): no await between subscribe() and here.
+                snapshot, rev = list(self.cache.select(flt, p)), self.cache.current
                 sub.skip_to(rev)
                 token = encode_token(rev)
                 for j in snapshot:

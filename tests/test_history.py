@@ -308,6 +308,10 @@ def population(n_old: int) -> tuple[list[Job], list[Job]]:
     return old, stay
 
 
+async def etcd_ids_without(store: JobStore, job_id: str) -> bool:
+    return job_id not in await etcd_ids(store)
+
+
 async def etcd_ids(store: JobStore) -> set[str]:
     keys, _ = await store.job_keys()
     n = len(store.jobs_prefix)
@@ -448,6 +452,19 @@ async def test_archived_jobs_leave_etcd_and_stay_readable(stack: Stack, etcd: Et
             assert (ev.type, ev.job.name, ev.job.state) == (
                 job_pb2.WATCH_EVENT_TYPE_DELETED, gone.name, int(gone.state))
             assert dict(ev.job.labels) == gone.labels
+            # A snapshot taken after that DELETED resumes past it: its token
+            # covers the purge (the next event is a new job's, not the DELETED)
+            later = jm.WatchJobs(pb.WatchJobsRequest(), timeout=120)
+            _, later_token = await watch_snapshot(later)
+            later.cancel()
+            resumed = jm.WatchJobs(pb.WatchJobsRequest(resume_token=later_token), timeout=120)
+            fresh = make(99_999, state=JobState.RUNNING, cluster="clusters/ghost")
+            await put_jobs(client, stack.prefix, [fresh])
+            ev = await asyncio.wait_for(next_event(resumed, frozenset(j.name for j in stay)), 60)
+            resumed.cancel()
+            assert (ev.type, ev.job.name) == (job_pb2.WATCH_EVENT_TYPE_CREATED, fresh.name)
+            await client.delete(f"{stack.prefix}jobs/{fresh.id}".encode())
+            await until(lambda: etcd_ids_without(store, fresh.id), what="the new job's key gone")
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await jm.GetJob(pb.GetJobRequest(name=gone.name), timeout=30)
             assert e.value.code() == grpc.StatusCode.NOT_FOUND
