@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 
 from dlsched.v1 import driver_service_pb2 as dpb
-from dlsched.v1 import driver_service_pb2_grpc
+from dlsched.v1 import driver_service_pb2_grpc, job_pb2
 from tests import security, slurm_cluster
 from tests.harness import ServiceProcess
 from tests.slurm_peer import CLUSTER, configure_request, launch, new_id, single
@@ -124,11 +124,28 @@ async def test_a_launch_whose_release_keeps_failing_stays_held_until_it_works(st
         first = await stub.LaunchJob(dpb.LaunchJobRequest(cluster=name, job_id=jid, spec=spec, attempt=1),
                                      timeout=60)
         assert list(slurm_jobs(cluster, jid)) == [first.backend_job_id]
+        ref = dpb.JobRef(job_id=jid, backend_job_id=first.backend_job_id)
+
+        async def observed_until(ok) -> dpb.JobObservation:  # type: ignore[no-untyped-def]
+            deadline = time.monotonic() + 90
+            while True:
+                o = (await stub.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
+                    cluster=name, jobs=[ref]), timeout=30)).observations[0]
+                if ok(o):
+                    return o
+                assert time.monotonic() < deadline, o
+                await asyncio.sleep(0.3)
+
+        # the job says why it waits, not only Slurm's JobHeldUser
+        obs = await observed_until(lambda o: "could not release" in o.message)
+        assert obs.state == job_pb2.JOB_STATE_QUEUED and "Socket timed out" in obs.message, obs
         await asyncio.sleep(3 * GRACE)  # rounds past the grace: tracked, so never cancelled
         assert slurm_jobs(cluster, jid) == {first.backend_job_id: "PENDING"}
         assert not marker.exists()
         await stub.ConfigureCluster(configure_request(cluster, name), timeout=30)
         await until(lambda: slurm_jobs(cluster, jid), lambda j: j == {first.backend_job_id: "COMPLETED"})
+        obs = await observed_until(lambda o: o.state == job_pb2.JOB_STATE_SUCCEEDED)
+        assert "could not release" not in obs.message, obs
         again = await stub.LaunchJob(dpb.LaunchJobRequest(cluster=name, job_id=jid, spec=spec, attempt=1),
                                      timeout=60)
         assert again.backend_job_id == first.backend_job_id

@@ -357,12 +357,15 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
             self._cancel_strays(c, attempts)
         for job in list(c.jobs.values()):
             sj = jobs.get(job.backend_job_id)
+            released = False
             if job.backend_job_id in c.to_release and error is None and sj is not None:
                 if is_held(sj):
                     self._later(c, "release", job.backend_job_id)
                 else:
                     c.to_release.discard(job.backend_job_id)
-            if not job.state.is_terminal() and job.round(sj, error, complete):
+            if job.release_error is not None and job.backend_job_id not in c.to_release:
+                job.release_error, released = None, True  # Slurm holds it no more
+            if not job.state.is_terminal() and (job.round(sj, error, complete) or released):
                 self._publish(c, job)
                 if job.unschedulable:  # reported FAILED; take it out of Slurm's queue
                     self._later(c, "cancel", job.backend_job_id)
@@ -404,16 +407,32 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
                 if action == "release":
                     await c.client.release(backend_job_id)
                     c.to_release.discard(backend_job_id)
+                    self._release_failed(c, backend_job_id, None)
                 else:
                     await c.client.cancel(backend_job_id)
             except DlschedError as e:
                 log.warning("%s of Slurm job %s: %s", action, backend_job_id, e.message)
+                if action == "release":
+                    self._release_failed(c, backend_job_id, e.message)
             finally:
                 c.pending.discard(key)
 
         task = asyncio.create_task(call(), name=f"slurm-{action}-{backend_job_id}")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+    def _release_failed(self, c: _Cluster, backend_job_id: str, error: str | None) -> None:
+        """The tracked job behind ``backend_job_id`` reports why its release failed
+        (``error``), or no more (None: released): in its message while Slurm holds it."""
+        if self.clusters.get(c.name) is not c:
+            return
+        job = next((j for j in c.jobs.values() if j.backend_job_id == backend_job_id), None)
+        error = error[:500] if error is not None else None
+        if job is None or job.release_error == error:
+            return
+        job.release_error = error
+        if not job.state.is_terminal():
+            self._publish(c, job)
 
     def _read_exits(self, c: _Cluster, job: TrackedJob) -> None:
         """Read an ended job's exits file (``exits``) in the background, one read per job at a

@@ -52,7 +52,8 @@ class TrackedJob:
 
     __slots__ = ("cluster", "job_id", "attempt", "backend_job_id", "dir", "native", "state", "reason",
                  "message", "exit_code", "start_time", "end_time", "nodes", "stale", "stop_requested", "seen",
-                 "restarts", "roles", "usage", "accounted", "unschedulable", "held", "exits", "exit_reads")
+                 "restarts", "roles", "usage", "accounted", "unschedulable", "held", "exits", "exit_reads",
+                 "release_error")
 
     def __init__(self, cluster: str, job_id: str, attempt: int, backend_job_id: str, adir: str,
                  native: NativeSpec | None, roles: tuple[tuple[str, int], ...] = ()) -> None:
@@ -78,6 +79,8 @@ class TrackedJob:
         self.accounted = False  # usage holds sacct's final figures
         self.unschedulable = False  # Slurm can never start it: FAILED here, to be cancelled there
         self.held: SlurmJob | None = None  # Slurm's word that it ended, held until the exits file is read
+        # why the last ``scontrol release`` of the job (submitted held) failed; None once one worked
+        self.release_error: str | None = None
         self.exits: exits.Exits | None = None  # each process's end, read once the job ended
         self.exit_reads = 0  # failed reads of the exits file
 
@@ -176,6 +179,9 @@ class TrackedJob:
         reason, message = self.reason, self.message
         if self.stale and not self.state.is_terminal():
             reason, message = states.REASON_STALE, f"last known: {self.reason} ({self.message}); {last_error}"
+        elif self.release_error is not None and self.state is JobState.QUEUED:
+            message = (f"{message}; dlsched could not release the job Slurm holds for it, "
+                       f"retrying each poll round: {self.release_error}")
         exit_code = self.exit_code
         if self.state.is_terminal() and self.exits is not None:
             replicas, failure = exits.replicas(self.exits, self.roles, self.state, self.nodes)
