@@ -12,13 +12,16 @@ import contextlib
 import json
 import os
 import pathlib
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from typing import NoReturn
 
 import pytest
 import yaml
@@ -353,71 +356,89 @@ def test_logs_follow_one_replica_until_the_job_ends(stack: Stack, tmp_path: path
                                                       for i in range(4))
 
 
+class _Watching:
+    """A ``dlsched ... watch`` process whose output lines are read with a deadline.
+    A watch that ends says how (exit code, stderr); one that prints nothing in
+    time is aborted with its Python stacks on stderr (faulthandler) in the error."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "dlsched", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, cwd=ROOT, env={**_env(), "PYTHONFAULTHANDLER": "1"}, preexec_fn=_interruptible)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put("")  # the end
+
+    def _fail(self, why: str) -> NoReturn:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGABRT)  # faulthandler: every thread's stack to stderr
+        _, err = self.proc.communicate(timeout=90)
+        raise AssertionError(f"{why} (exit {self.proc.returncode}) after {self.seen}: {err[-5000:]}")
+
+    def read_until(self, text: str, event: str = "", within: float = 120) -> list[str]:
+        """Lines up to the first that starts with ``event`` and holds ``text``."""
+        start = len(self.seen)
+        deadline = time.monotonic() + within
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self._fail(f"no {event} {text!r} within {within} s")
+            if not line:
+                self._fail("the watch ended")
+            self.seen.append(line)
+            if text in line and line.startswith(event):
+                return self.seen[start:]
+
+    def interrupt(self) -> tuple[int, str]:
+        """Ctrl-C: the exit code and stderr."""
+        self.proc.send_signal(signal.SIGINT)
+        _, err = self.proc.communicate(timeout=90)
+        return self.proc.returncode, err
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
 def test_cluster_watch_shows_adds_and_removes(stack: Stack) -> None:
     assert stack.jm is not None
     name = _uid("watched")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dlsched", "--cluster-manager", stack.cm.address, "cluster", "watch"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env(),
-        preexec_fn=_interruptible)
-
-    def read_until(text: str, event: str = "") -> list[str]:
-        assert proc.stdout is not None
-        seen: list[str] = []
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:  # the watch ended: say how (its exit code and stderr)
-                _, err = proc.communicate(timeout=90)
-                raise AssertionError(f"cluster watch ended (exit {proc.returncode}) after {seen}: {err[-3000:]}")
-            seen.append(line)
-            if text in line and line.startswith(event):
-                return seen
-        raise AssertionError(f"no {event} {text!r} in {seen}")
-
+    watch = _Watching("--cluster-manager", stack.cm.address, "cluster", "watch")
     try:
-        snapshot = read_until("snapshot complete")
+        snapshot = watch.read_until("snapshot complete")
         assert any(ln.startswith("EXISTING") and "clusters/local" in ln for ln in snapshot), snapshot
         added = cli(stack, "cluster", "add", name, "--type", "local", "--driver", stack.driver.address)
         assert added.returncode == 0, added.stderr
-        read_until(f"clusters/{name}", "CREATED")
+        watch.read_until(f"clusters/{name}", "CREATED")
         assert cli(stack, "cluster", "remove", name).returncode == 0
-        read_until(f"clusters/{name}", "DELETED")
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=90)
-        assert proc.returncode == 130 and "Traceback" not in err
+        watch.read_until(f"clusters/{name}", "DELETED")
+        code, err = watch.interrupt()
+        assert code == 130 and "Traceback" not in err
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        watch.close()
 
 
 def test_watch_shows_jobs_and_ctrl_c_exits_130(stack: Stack) -> None:
     assert stack.jm is not None
     job_id = f"watched-{uuid.uuid4().hex[:8]}"  # a job of its own: the snapshot lists it
     assert cli(stack, "submit", "examples/hello.yaml", "--id", job_id).returncode == 0
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dlsched", "--server", stack.jm.address, "watch"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=_env(),
-        preexec_fn=_interruptible)
+    watch = _Watching("--server", stack.jm.address, "watch")
     try:
-        assert proc.stdout is not None
-        seen = []
-        while not seen or "snapshot complete" not in seen[-1]:
-            line = proc.stdout.readline()  # the watch prints the snapshot at once, or ends
-            if not line:
-                _, err = proc.communicate(timeout=90)
-                raise AssertionError(f"watch ended (exit {proc.returncode}) after {seen}: {err[-3000:]}")
-            seen.append(line)
+        seen = watch.read_until("snapshot complete")  # the watch prints the snapshot at once
         assert any(ln.startswith("EXISTING") and f"jobs/{job_id}" in ln for ln in seen), seen
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=90)
-        assert proc.returncode == 130
+        code, err = watch.interrupt()
+        assert code == 130
         assert "Traceback" not in err
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        watch.close()
 
 
 # --------------------------------------------------------------------------- clusters
