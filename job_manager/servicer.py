@@ -172,6 +172,8 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         # Consistent read: the cache has every write made before this call, or etcd is read.
         current = await self.hub.wait_current()
         cached = self.cache.get(job_id)
+        if not current and cached is not None and self.hub.unreachable:
+            current = True  # etcd does not answer: this replica's last view, as below, without a second wait
         if cached is None or not current:  # not here yet (written on another replica a moment ago), or none
             try:
                 job = access.check_read(caller(), await self.store.get(job_id))

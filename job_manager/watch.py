@@ -355,6 +355,10 @@ class WatchHub:
         self.progress_answers = 0
         self.sync_writes = 0
         self.stale_reads = 0  # consistent reads that gave up waiting (the caller fell back)
+        # The last consistent read could not learn etcd's revision (no answer
+        # in time, or an error): etcd cannot be reached, so reading a key there
+        # would fail too; the caller answers from the cache at once.
+        self.unreachable = False
 
     async def _revision(self) -> int:
         """etcd's current revision (one single-key read)."""
@@ -392,9 +396,11 @@ class WatchHub:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within
         self._waiting += 1  # the progress pump runs while reads wait
+        asking = True  # etcd has not answered yet
         try:
             async with asyncio.timeout(within):  # no task per read, unlike wait_for
                 target = await self._current.get()
+                asking = self.unreachable = False
                 if self.cache.current >= target:
                     return True
                 self._want = max(self._want, target)
@@ -403,11 +409,15 @@ class WatchHub:
                         self._pump = asyncio.create_task(self._ask_progress(),
                                                          name="job-watch-progress")
                 else:
+                    asking = True
                     target = await self._synced_write.get()
+                    asking = False
                 ok = await self.cache.wait_for(target, deadline - loop.time())
         except (TimeoutError, aetcd.exceptions.ClientError, grpc.RpcError, OSError) as e:
             log.debug("consistent read: %s", e)
             ok = False
+            if asking:
+                self.unreachable = True
         finally:
             self._waiting -= 1
         if not ok:

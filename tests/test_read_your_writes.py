@@ -190,6 +190,27 @@ class Replicas:
         self.stack.stop()
 
 
+async def test_a_read_etcd_does_not_answer_says_so(etcd: EtcdServer, etcd_prefix: str) -> None:
+    """etcd gives no revision in time: the read is not proved, and the hub
+    says etcd is unreachable (GetJob then answers from the cache at once,
+    not after a second wait on etcd); once etcd answers, reads are proved."""
+    async with FreezingProxy(etcd.client_port) as proxy:
+        client = await connect(f"127.0.0.1:{proxy.port}")
+        store = JobStore(client, etcd_prefix)
+        hub = WatchHub(client, etcd_prefix, cache=JobCache(), store=store)
+        try:
+            await hub.start()
+            assert await hub.wait_current(within=20) and not hub.unreachable
+            with frozen(proxy):
+                assert not await hub.wait_current(within=1)
+                assert hub.unreachable
+            assert await hub.wait_current(within=20)
+            assert not hub.unreachable
+        finally:
+            await hub.stop()
+            await client.close()
+
+
 @pytest.fixture
 async def replicas(etcd: EtcdServer) -> AsyncIterator[tuple[Replicas, FreezingProxy]]:
     async with FreezingProxy(etcd.client_port) as proxy:
