@@ -69,7 +69,7 @@ from job_manager.domain.validation import MAX_SPEC_BYTES, job_id_from_name, vali
 from job_manager.heartbeats import waiting
 from job_manager.history.store import ArchivedJob, HistoryStore
 from job_manager.scheduler import Scheduler
-from job_manager.watch import EventType, JobEvent, WatchHub, decode_token, encode_token
+from job_manager.watch import EventType, Freshness, JobEvent, WatchHub, decode_token, encode_token
 
 log = logging.getLogger("job_manager.servicer")
 
@@ -86,6 +86,8 @@ DEFAULT_PAGE = 100
 
 #: how long a write waits for this replica's cache to show it (read-your-writes)
 _CACHE_WAIT_SECONDS = 5.0
+#: GetJob's read of etcd after etcd gave no revision in time (then: the cache's view)
+_NO_ANSWER_READ_SECONDS = 2.0
 
 
 def _encode_page(key: SortKey) -> str:
@@ -170,13 +172,15 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                      context: grpc.aio.ServicerContext) -> pb.GetJobResponse:
         job_id = job_id_from_name(request.name)
         # Consistent read: the cache has every write made before this call, or etcd is read.
-        current = await self.hub.wait_current()
+        fresh = await self.hub.read_current()
         cached = self.cache.get(job_id)
-        if not current and cached is not None and self.hub.unreachable:
-            current = True  # etcd does not answer: this replica's last view, as below, without a second wait
-        if cached is None or not current:  # not here yet (written on another replica a moment ago), or none
-            try:
-                job = access.check_read(caller(), await self.store.get(job_id))
+        if fresh is Freshness.UNREACHABLE and cached is not None:
+            fresh = Freshness.CURRENT  # etcd refuses connections: this replica's last view, as below
+        if cached is None or fresh is not Freshness.CURRENT:  # not here yet (written on another replica
+            try:                                              # a moment ago), or not proved current
+                # etcd gave no revision in time: it is frozen or very slow, so read briefly
+                within = _NO_ANSWER_READ_SECONDS if fresh is Freshness.NO_ANSWER else None
+                job = access.check_read(caller(), await self.store.get(job_id, within=within))
                 return pb.GetJobResponse(job=convert.job_to_proto(job))
             except StoreUnavailable:
                 if cached is None:

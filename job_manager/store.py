@@ -219,21 +219,22 @@ class JobStore:
         res = await self._call(go)
         return int(res.header.revision)  # type: ignore[attr-defined]
 
-    async def get(self, job_id: str) -> Job:
-        kv = await self._call(self.client.get, self.job_key(job_id))
-        if kv is None:
+    async def get(self, job_id: str, *, within: float | None = None) -> Job:
+        """The job as stored (``within``: seconds for etcd's answer; default the store's)."""
+        res = await self._read_range(self.job_key(job_id), b"", within=within)
+        if not res.kvs:
             raise JobNotFound(f"job jobs/{job_id} not found", metadata={"name": f"jobs/{job_id}"})
-        return job_from_bytes(kv.value, kv.mod_revision)  # type: ignore[attr-defined]
+        return job_from_bytes(res.kvs[0].value, res.kvs[0].mod_revision)
 
     async def _read_range(self, key: bytes, end: bytes, *, limit: int = 0, revision: int = 0,
-                     keys_only: bool = False) -> rpc.RangeResponse:
-        """One etcd range [key, end) at ``revision`` (0: the current one)."""
+                          keys_only: bool = False, within: float | None = None) -> rpc.RangeResponse:
+        """One etcd range [key, end) at ``revision`` (0: the current one); ``end`` empty: the key."""
         async def go() -> rpc.RangeResponse:
             await self.client.connect()
             return await self.client.kvstub.Range(
                 rpc.RangeRequest(key=key, range_end=end, limit=limit, revision=revision,
                                  keys_only=keys_only),
-                timeout=self._timeout, metadata=self.client.metadata)
+                timeout=self._timeout if within is None else within, metadata=self.client.metadata)
         try:
             res: rpc.RangeResponse = await self._call(go)
             return res

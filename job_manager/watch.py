@@ -95,6 +95,23 @@ def decode_token(token: str, field: str = "resume_token") -> int:
         raise InvalidArgument.for_field(field, "not a resume token this server issued") from e
 
 
+class Freshness(enum.Enum):
+    """How a consistent read (``WatchHub.read_current``) ended."""
+
+    CURRENT = "current"  # the cache has every write etcd had made when it began
+    LAGGING = "lagging"  # etcd answered; the cache did not show it in time: read etcd
+    NO_ANSWER = "no-answer"  # etcd gave no revision in time (frozen or slow): read it, briefly
+    UNREACHABLE = "unreachable"  # etcd refused the connection: reading a key fails too
+
+
+def _refused(e: BaseException) -> bool:
+    """etcd cannot be reached at all (no connection), as opposed to a slow answer."""
+    if isinstance(e, grpc.RpcError):
+        code = e.code() if callable(getattr(e, "code", None)) else None
+        return bool(code == grpc.StatusCode.UNAVAILABLE)
+    return isinstance(e, (aetcd.exceptions.ConnectionFailedError, ConnectionError))
+
+
 class EventType(enum.Enum):
     CREATED = "CREATED"
     UPDATED = "UPDATED"
@@ -355,10 +372,6 @@ class WatchHub:
         self.progress_answers = 0
         self.sync_writes = 0
         self.stale_reads = 0  # consistent reads that gave up waiting (the caller fell back)
-        # The last consistent read could not learn etcd's revision (no answer
-        # in time, or an error): etcd cannot be reached, so reading a key there
-        # would fail too; the caller answers from the cache at once.
-        self.unreachable = False
 
     async def _revision(self) -> int:
         """etcd's current revision (one single-key read)."""
@@ -390,39 +403,43 @@ class WatchHub:
         ``--no-consistent-reads`` makes it answer True at once, except with
         ``prove`` (the archiver: a job its cache still shows after its own
         delete must not be taken for one deleted by someone else)."""
+        return await self.read_current(within, prove=prove) is Freshness.CURRENT
+
+    async def read_current(self, within: float = CONSISTENT_READ_SECONDS, *,
+                           prove: bool = False) -> Freshness:
+        """``wait_current``, saying how this read ended when the cache was not proved
+        current: etcd's revision came (LAGGING), or not in time (NO_ANSWER), or
+        etcd refused the connection (UNREACHABLE)."""
         assert self.cache is not None
         if not self._consistent and not prove:
-            return True
+            return Freshness.CURRENT
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within
         self._waiting += 1  # the progress pump runs while reads wait
-        asking = True  # etcd has not answered yet
+        got = Freshness.NO_ANSWER  # until etcd gives its revision
         try:
             async with asyncio.timeout(within):  # no task per read, unlike wait_for
                 target = await self._current.get()
-                asking = self.unreachable = False
+                got = Freshness.LAGGING
                 if self.cache.current >= target:
-                    return True
+                    return Freshness.CURRENT
                 self._want = max(self._want, target)
                 if self.proves_by_progress:
                     if self._pump is None:
                         self._pump = asyncio.create_task(self._ask_progress(),
                                                          name="job-watch-progress")
                 else:
-                    asking = True
                     target = await self._synced_write.get()
-                    asking = False
-                ok = await self.cache.wait_for(target, deadline - loop.time())
+                if await self.cache.wait_for(target, deadline - loop.time()):
+                    return Freshness.CURRENT
         except (TimeoutError, aetcd.exceptions.ClientError, grpc.RpcError, OSError) as e:
             log.debug("consistent read: %s", e)
-            ok = False
-            if asking:
-                self.unreachable = True
+            if got is Freshness.NO_ANSWER and _refused(e):
+                got = Freshness.UNREACHABLE
         finally:
             self._waiting -= 1
-        if not ok:
-            self.stale_reads += 1
-        return ok
+        self.stale_reads += 1
+        return got
 
     async def _ask_progress(self) -> None:
         """While reads wait for a revision the cache has not shown: ask etcd for
@@ -605,6 +622,8 @@ class WatchHub:
                     watch = await self._client.watch(self._sync_key, range_end=end,
                                                      start_revision=next_rev, prev_kv=True,
                                                      fragment=True)
+                if delay > 0.2:  # after an interruption
+                    log.info("job watch open again from revision %d", next_rev)
                 self._ready.set()
                 self._live = True
                 delay = 0.2

@@ -34,7 +34,7 @@ from job_manager.cache import JobCache
 from job_manager.convert import job_to_bytes
 from job_manager.domain.model import Job, JobSpec, JobState, ReplicaGroup
 from job_manager.store import JobStore
-from job_manager.watch import WatchHub, _SharedRead
+from job_manager.watch import Freshness, WatchHub, _SharedRead
 from tests import security
 from tests.harness import EtcdServer, ServiceProcess, Stack
 
@@ -190,25 +190,34 @@ class Replicas:
         self.stack.stop()
 
 
-async def test_a_read_etcd_does_not_answer_says_so(etcd: EtcdServer, etcd_prefix: str) -> None:
-    """etcd gives no revision in time: the read is not proved, and the hub
-    says etcd is unreachable (GetJob then answers from the cache at once,
-    not after a second wait on etcd); once etcd answers, reads are proved."""
-    async with FreezingProxy(etcd.client_port) as proxy:
-        client = await connect(f"127.0.0.1:{proxy.port}")
-        store = JobStore(client, etcd_prefix)
-        hub = WatchHub(client, etcd_prefix, cache=JobCache(), store=store)
-        try:
-            await hub.start()
-            assert await hub.wait_current(within=20) and not hub.unreachable
-            with frozen(proxy):
-                assert not await hub.wait_current(within=1)
-                assert hub.unreachable
-            assert await hub.wait_current(within=20)
-            assert not hub.unreachable
-        finally:
-            await hub.stop()
-            await client.close()
+async def test_a_read_etcd_does_not_answer_says_how(etcd: EtcdServer, etcd_prefix: str) -> None:
+    """etcd gives no revision in time (frozen): the read ends NO_ANSWER (GetJob
+    then reads etcd briefly); once etcd answers, reads are proved; etcd gone
+    (connections refused): UNREACHABLE (GetJob answers from the cache)."""
+    proxy: FreezingProxy | None = FreezingProxy(etcd.client_port)
+    assert proxy is not None
+    await proxy.__aenter__()
+    client = await connect(f"127.0.0.1:{proxy.port}")
+    store = JobStore(client, etcd_prefix)
+    hub = WatchHub(client, etcd_prefix, cache=JobCache(), store=store)
+    try:
+        await hub.start()
+        assert await hub.read_current(within=20) is Freshness.CURRENT
+        with frozen(proxy):
+            assert await hub.read_current(within=1) is Freshness.NO_ANSWER
+            assert not await hub.wait_current(within=1)
+        assert await hub.read_current(within=20) is Freshness.CURRENT
+        await proxy.__aexit__(None, None, None)  # its port closed, its connections cut
+        proxy = None
+        deadline = time.monotonic() + 60
+        while (got := await hub.read_current(within=1)) is not Freshness.UNREACHABLE:
+            assert time.monotonic() < deadline, got  # the cut is noticed, then refused
+            await asyncio.sleep(0.2)
+    finally:
+        await hub.stop()
+        await client.close()
+        if proxy is not None:
+            await proxy.__aexit__(None, None, None)
 
 
 @pytest.fixture

@@ -336,7 +336,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         c.jobs[job_id] = job
         if held:  # tracked first: the release is ours now, off the launch's path
             c.to_release.add(backend_id)
-            self._later(c, "release", backend_id)
+            self._later(c, "release", backend_id, job_id)
         self._publish(c, job)
         c.poller.wake()
         return LaunchResult(backend_id, rendered.native_spec(), c.observation(job))
@@ -360,7 +360,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
             released = False
             if job.backend_job_id in c.to_release and error is None and sj is not None:
                 if is_held(sj):
-                    self._later(c, "release", job.backend_job_id)
+                    self._later(c, "release", job.backend_job_id, job.job_id)
                 else:
                     c.to_release.discard(job.backend_job_id)
             if job.release_error is not None and job.backend_job_id not in c.to_release:
@@ -393,10 +393,10 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
             log.warning("cancelling Slurm job %s: %s", jid, why)
             self._later(c, "cancel", jid)
 
-    def _later(self, c: _Cluster, action: str, backend_job_id: str) -> None:
+    def _later(self, c: _Cluster, action: str, backend_job_id: str, job_id: str = "") -> None:
         """``scancel`` (``action`` "cancel") or ``scontrol release`` ("release") of one job in
         the background, one call per job and action at a time; a failure is logged (the next
-        round that sees the job asks again)."""
+        round that sees the job asks again), and a release's in the message of ``job_id``'s job."""
         key = (action, backend_job_id)
         if key in c.pending:
             return
@@ -407,13 +407,13 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
                 if action == "release":
                     await c.client.release(backend_job_id)
                     c.to_release.discard(backend_job_id)
-                    self._release_failed(c, backend_job_id, None)
+                    self._release_failed(c, job_id, backend_job_id, None)
                 else:
                     await c.client.cancel(backend_job_id)
             except DlschedError as e:
                 log.warning("%s of Slurm job %s: %s", action, backend_job_id, e.message)
-                if action == "release":
-                    self._release_failed(c, backend_job_id, e.message)
+                if action == "release" and backend_job_id in c.to_release:  # else: held no more
+                    self._release_failed(c, job_id, backend_job_id, e.message)
             finally:
                 c.pending.discard(key)
 
@@ -421,14 +421,14 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _release_failed(self, c: _Cluster, backend_job_id: str, error: str | None) -> None:
-        """The tracked job behind ``backend_job_id`` reports why its release failed
-        (``error``), or no more (None: released): in its message while Slurm holds it."""
-        if self.clusters.get(c.name) is not c:
+    def _release_failed(self, c: _Cluster, job_id: str, backend_job_id: str, error: str | None) -> None:
+        """Job ``job_id``, still Slurm job ``backend_job_id``, reports why its release failed
+        (``error``: its first line), or no more (None: released): in its message while held."""
+        job = c.jobs.get(job_id)
+        if self.clusters.get(c.name) is not c or job is None or job.backend_job_id != backend_job_id:
             return
-        job = next((j for j in c.jobs.values() if j.backend_job_id == backend_job_id), None)
-        error = error[:500] if error is not None else None
-        if job is None or job.release_error == error:
+        error = error.strip().split("\n", 1)[0][:200] if error is not None else None
+        if job.release_error == error:
             return
         job.release_error = error
         if not job.state.is_terminal():
@@ -504,7 +504,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
             c.jobs[ref.job_id] = job
             if is_held(sj):  # submitted held by a driver that died before releasing it
                 c.to_release.add(sj.job_id)
-                self._later(c, "release", sj.job_id)
+                self._later(c, "release", sj.job_id, ref.job_id)
 
     # ------------------------------------------------------------------ stop / cleanup
 

@@ -8,10 +8,12 @@ JOB_STATE_RUNNING), ``run_mode`` (MULTI_PROCESS or RUN_MODE_MULTI_PROCESS),
 ``>``, ``>=`` (e.g. ``create_time >= "2026-12-01T00:00:00Z"``): each becomes
 a half-open range of whole microseconds (job times have microsecond
 precision), and the terms on one field intersect (``Filter.create_range``,
-``Filter.end_range``), so the watch cache and the history walk only that
-slice of their create-time order. ``end_time`` is when a job reached its
-terminal state (``end_us_of``); a job that has not ended matches no
-``end_time`` term.
+``Filter.end_range``). A ``create_time`` range makes the watch cache and the
+history walk only that slice of their create-time order. ``end_time`` is
+when a job reached its terminal state (``end_us_of``); a job that has not
+ended matches no ``end_time`` term, so the cache walks only its terminal
+jobs (or a smaller index another term names) and the history bounds its
+``end_us`` column.
 """
 
 from __future__ import annotations
