@@ -3,6 +3,7 @@
     .venv/bin/python bench/faults.py submit-kill [--jobs 1000] [--kills 10] [--runs 3]
     .venv/bin/python bench/faults.py driver-kill [--outage 120] [--runs 1]
     .venv/bin/python bench/faults.py etcd-outage [--outage 20] [--runs 2]
+    .venv/bin/python bench/faults.py service-outage [--outage 20] [--runs 4]
 
 Real processes on this machine (``tests.harness``: etcd, ClusterManager, the
 local driver, JobManager; TLS and tokens as in the tests), one fresh etcd
@@ -32,6 +33,14 @@ job ran exactly once and ended as it should, every submit made one job, no
 service died; the line reports how many GetJobs answered (from the replica's
 cache) and the slowest.
 
+``service-outage``: as ``etcd-outage``, but run N stops one service: the
+JobManager, the ClusterManager, the local driver frozen with SIGSTOP (runs 1,
+2, 3: connections stay open, nothing answers), the ClusterManager SIGKILLed
+and started again on the same address (run 4), then round again. During it,
+once a second, a SubmitJob with a new request id (given 2 s); after it every
+such submit is retried with its request id. Expected: every job ran exactly
+once and ended as it should, every submit made one job, no service died.
+
 Prints one line per run and exits non-zero when any expectation failed.
 """
 
@@ -49,6 +58,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterable
+from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -228,6 +238,59 @@ async def driver_kill(etcd: EtcdServer, args: argparse.Namespace, run: int) -> b
         return ok
 
 
+def outage_plan(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], int]]:
+    """Jobs running when a service goes away: one runs through the outage, two end
+    during it (one exit 3). (tag, ``marking`` options, the state it must end in)"""
+    short_s = min(3.0, args.outage / 4)
+    return [("through", dict(sleep=args.outage + 10), job_pb2.JOB_STATE_SUCCEEDED),
+            ("ends-ok", dict(sleep=short_s), job_pb2.JOB_STATE_SUCCEEDED),
+            ("ends-bad", dict(sleep=short_s, code=3), job_pb2.JOB_STATE_FAILED)]
+
+
+async def start_plan(jm: JobManagerClient, marker: str,
+                     plan: list[tuple[str, dict[str, Any], int]]) -> dict[str, str]:
+    """Submit the plan's jobs and wait until they run; tag -> job name."""
+    names = {t: await submit_until_answered(jm, marking(t, marker, **kw), f"req-{t}") for t, kw, _ in plan}
+    assert await until_running(jm, names.values()), "the jobs did not start"
+    return names
+
+
+async def finish_plan(stack: Stack, jm: JobManagerClient, marker: str, args: argparse.Namespace,
+                      plan: list[tuple[str, dict[str, Any], int]], names: dict[str, str],
+                      tried: list[str]) -> tuple[bool, str]:
+    """After the outage: every submit tried during it retried with its request id, every
+    job waited for; whether all went as planned, and the figures for the run's line."""
+    for tag in tried:  # every client retries its request id until answered
+        names[tag] = await submit_until_answered(jm, marking(tag, marker), f"req-{tag}")
+    ends = await asyncio.gather(*(jm.wait_for_job(n, timeout=args.outage + 180) for n in names.values()),
+                                return_exceptions=True)
+    final: dict[str, job_pb2.Job] = {}
+    for t, end in zip(names, ends, strict=True):
+        if isinstance(end, BaseException):  # not ended in time: as it is now
+            final[t] = await jm.get_job(names[t])
+            print(f"  {t} not ended ({type(end).__name__}): {job_pb2.JobState.Name(final[t].state)} "
+                  f"{final[t].reason} {final[t].message[:200]}", flush=True)
+            job_id = names[t].rpartition("/")[2]
+            for svc in (stack.jm, stack.driver):  # what the services said of it
+                if svc is not None:
+                    said = [ln for ln in svc.log().splitlines() if job_id in ln or (
+                        svc is stack.jm and any(w in ln for w in (" WARNING ", " ERROR ", "owns", "watch")))]
+                    print(f"    {svc.name}: " + "\n    ".join(said[-60:]), flush=True)
+        else:
+            final[t] = end
+    ran = executions(marker)
+    dead = [p.name for p in (stack.jm, stack.cm, stack.driver) if p is not None and p.proc is not None
+            and p.proc.poll() is not None]
+    wrong = [t for t, _, want in plan if final[t].state != want]
+    wrong += [t for t in tried if final[t].state != job_pb2.JOB_STATE_SUCCEEDED]
+    twice = [t for t in names if ran[t] > 1]
+    lost = [t for t in names if ran[t] == 0]
+    ok = not wrong and not twice and not lost and not dead and len(set(names.values())) == len(names)
+    print_wrong(wrong, final)
+    return ok, (f"wrong outcome {len(wrong)}, ran twice {len(twice)}, never ran {len(lost)}, "
+                f"services dead {dead or 0}: {'OK' if ok else 'FAIL'}")
+
+
 async def etcd_outage(etcd: EtcdServer, args: argparse.Namespace, run: int) -> bool:
     """etcd frozen (SIGSTOP: connections stay open, nothing answers; odd runs) or killed and
     started again on its data (even runs) for ``--outage`` s, under running jobs."""
@@ -237,21 +300,16 @@ async def etcd_outage(etcd: EtcdServer, args: argparse.Namespace, run: int) -> b
         assert stack.jm is not None and etcd.proc is not None
         await stack.register_local()
         marker = tempfile.mktemp(prefix="dlsched-faults-", suffix=".runs")
-        short_s = min(3.0, args.outage / 4)
-        plan = [("through", dict(sleep=args.outage + 10), job_pb2.JOB_STATE_SUCCEEDED),
-                ("ends-ok", dict(sleep=short_s), job_pb2.JOB_STATE_SUCCEEDED),
-                ("ends-bad", dict(sleep=short_s, code=3), job_pb2.JOB_STATE_FAILED)]
+        plan = outage_plan(args)
         async with JobManagerClient(stack.jm.address, timeout=20) as jm:
-            names = {t: await submit_until_answered(jm, marking(t, marker, **kw), f"req-{t}")
-                     for t, kw, _ in plan}
-            assert await until_running(jm, names.values()), "the jobs did not start"
+            names = await start_plan(jm, marker, plan)
             if frozen:
                 etcd.proc.send_signal(signal.SIGSTOP)
             else:
                 etcd.proc.kill()
                 etcd.proc.wait()
             down = time.monotonic()
-            reads, read_ok, slowest, refused = 0, 0, 0.0, 0
+            reads, read_ok, slowest, refused, slowest_submit = 0, 0, 0.0, 0, 0.0
             tried: list[str] = []
             while time.monotonic() - down < args.outage:
                 t0 = time.monotonic()
@@ -264,40 +322,78 @@ async def etcd_outage(etcd: EtcdServer, args: argparse.Namespace, run: int) -> b
                 slowest = max(slowest, time.monotonic() - t0)
                 tag = f"mid-{len(tried)}"
                 tried.append(tag)
+                t0 = time.monotonic()
                 try:
                     names[tag] = str((await jm.submit_job(marking(tag, marker), request_id=f"req-{tag}")).job.name)
                 except DlschedRpcError as e:
                     refused += e.status_code in RETRYABLE
+                slowest_submit = max(slowest_submit, time.monotonic() - t0)
                 await asyncio.sleep(1.0)
             if frozen:
                 etcd.proc.send_signal(signal.SIGCONT)
             else:
                 await asyncio.to_thread(etcd.start)
             back = time.monotonic()
-            for tag in tried:  # every client retries its request id until answered
-                names[tag] = await submit_until_answered(jm, marking(tag, marker), f"req-{tag}")
-            final = {t: j for t, j in zip(names, await asyncio.gather(*(
-                jm.wait_for_job(n, timeout=args.outage + 180) for n in names.values())), strict=True)}
-        ran = executions(marker)
-        dead = [p.name for p in (stack.jm, stack.cm, stack.driver) if p is not None and p.proc is not None
-                and p.proc.poll() is not None]
-        wrong = [t for t, _, want in plan if final[t].state != want]
-        wrong += [t for t in tried if final[t].state != job_pb2.JOB_STATE_SUCCEEDED]
-        twice = [t for t in names if ran[t] > 1]
-        lost = [t for t in names if ran[t] == 0]
-        ok = not wrong and not twice and not lost and not dead and len(set(names.values())) == len(names)
+            ok, verdict = await finish_plan(stack, jm, marker, args, plan, names, tried)
         print(f"etcd-outage run {run}: etcd {'frozen' if frozen else 'killed'} {back - down:.0f} s under "
               f"{len(plan)} running jobs; GetJob of a cached job answered {read_ok}/{reads} (slowest "
-              f"{slowest:.1f} s); {len(tried)} submits during it, {refused} refused retryably, all retried "
-              f"after; wrong outcome {len(wrong)}, ran twice {len(twice)}, never ran {len(lost)}, "
-              f"services dead {dead or 0}: {'OK' if ok else 'FAIL'}", flush=True)
-        print_wrong(wrong, final)
+              f"{slowest:.1f} s); {len(tried)} submits during it, {refused} refused retryably (slowest answer "
+              f"{slowest_submit:.1f} s), all retried after; {verdict}", flush=True)
+        return ok
+
+
+#: service-outage's runs, in turn: (the service, how it goes away)
+OUTAGES = [("jm", "stop"), ("cm", "stop"), ("driver", "stop"), ("cm", "kill")]
+
+
+async def service_outage(etcd: EtcdServer, args: argparse.Namespace, run: int) -> bool:
+    """One service frozen (SIGSTOP) or killed and started again, under running jobs and submits."""
+    which, how = OUTAGES[(run - 1) % len(OUTAGES)]
+    stack = Stack(etcd, f"/faults-{uuid.uuid4().hex[:8]}/")
+    pin_port(stack.cm)
+    with stack.running():
+        assert stack.jm is not None
+        await stack.register_local()
+        svc = {"jm": stack.jm, "cm": stack.cm, "driver": stack.driver}[which]
+        assert svc.proc is not None
+        marker = tempfile.mktemp(prefix="dlsched-faults-", suffix=".runs")
+        plan = outage_plan(args)
+        async with JobManagerClient(stack.jm.address, timeout=20) as jm:
+            names = await start_plan(jm, marker, plan)
+            if how == "stop":
+                svc.proc.send_signal(signal.SIGSTOP)
+            else:
+                svc.kill()
+            down = time.monotonic()
+            tried: list[str] = []
+            answers: collections.Counter[str] = collections.Counter()  # OK, a status code, or no answer in 2 s
+            while time.monotonic() - down < args.outage:
+                tag = f"mid-{len(tried)}"
+                tried.append(tag)
+                try:
+                    names[tag] = str((await asyncio.wait_for(
+                        jm.submit_job(marking(tag, marker), request_id=f"req-{tag}"), 2)).job.name)
+                    answers["OK"] += 1
+                except DlschedRpcError as e:
+                    answers[f"{e.code} {e.reason}".strip()] += 1
+                except TimeoutError:
+                    answers["none in 2 s"] += 1
+                await asyncio.sleep(1.0)
+            if how == "stop":
+                svc.proc.send_signal(signal.SIGCONT)
+            else:
+                await asyncio.to_thread(svc.start)
+            back = time.monotonic()
+            ok, verdict = await finish_plan(stack, jm, marker, args, plan, names, tried)
+        print(f"service-outage run {run}: {which} {'frozen' if how == 'stop' else 'killed'} {back - down:.0f} s "
+              f"under {len(plan)} running jobs; {len(tried)} submits during it ({dict(answers)}), all "
+              f"retried after; {verdict}", flush=True)
         return ok
 
 
 async def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("scenario", choices=("submit-kill", "driver-kill", "etcd-outage"))
+    p.add_argument("scenario", choices=("submit-kill", "driver-kill", "etcd-outage", "service-outage"))
     p.add_argument("--jobs", type=int, default=1000)
     p.add_argument("--kills", type=int, default=10)
     p.add_argument("--kill-every", type=float, default=2.0, help="at most this many seconds between kills")
@@ -311,7 +407,7 @@ async def main() -> int:
         results = []
         for run in range(1, args.runs + 1):
             fn = {"submit-kill": submit_kill, "driver-kill": driver_kill,
-                  "etcd-outage": etcd_outage}[args.scenario]
+                  "etcd-outage": etcd_outage, "service-outage": service_outage}[args.scenario]
             results.append(await fn(etcd, args, run))
     finally:
         etcd.stop()
