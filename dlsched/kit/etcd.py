@@ -368,8 +368,9 @@ class WatchProgress:
     revision: int
 
 
-#: etcd answers progress requests with the watch id -1 (clientv3.InvalidWatchID)
-_PROGRESS_WATCH_ID = -1
+#: etcd's clientv3.InvalidWatchID: progress answers and refused creates carry it
+_INVALID_WATCH_ID = -1
+_PROGRESS_WATCH_ID = _INVALID_WATCH_ID
 #: a callback (function) with this attribute set receives ``WatchProgress`` too
 _WANTS_PROGRESS = "dlsched_wants_progress"
 
@@ -387,18 +388,33 @@ def progress_exact(version: str) -> bool:
 
 class _Watcher(aetcd.watcher.Watcher):  # type: ignore[misc]
     """aetcd's watcher, plus: a refused create is an error, and with a login a
-    refused create logs in again, reopens the stream and tries once more."""
+    refused create logs in again, reopens the stream and tries once more.
+
+    Every create request carries a watch id of its own (``_next_id``), and a
+    created answer goes to the pending watch only when the id is that watch's.
+    aetcd matched any created answer to whichever watch was pending: a create
+    that had timed out (etcd down) stayed queued, was sent once a stream
+    opened, and its answer bound the next watch to another key range (a job
+    watch got the access keys' events, that is none, for good, after an etcd
+    restart). Ids are never reused, so a late cancel of a watch of an earlier
+    stream cannot hit a watch of this one either."""
 
     def __init__(self, watchstub: Any, timeout: float | None, login: _Login | None) -> None:
         super().__init__(watchstub, timeout=timeout)
         self._login = login
         self._opened_with = -1  # the login generation the open stream carries
+        self._next_id = 0
+        self._pending_id = 0  # the id of the create request now pending (0: none)
 
     def _build_watch_create_request(self, *args: Any, fragment: bool = False, **kwargs: Any) -> Any:
-        # aetcd takes ``fragment`` but drops it: set it, so etcd splits a large
-        # response (a burst, a history replay) instead of exceeding the receive limit.
+        # aetcd takes ``fragment`` and ``watch_id`` but drops them: set ``fragment``, so
+        # etcd splits a large response (a burst, a history replay) instead of
+        # exceeding the receive limit, and an id of our own (see the class doc).
+        kwargs.pop("watch_id", None)
         request = super()._build_watch_create_request(*args, **kwargs)
         request.create_request.fragment = fragment
+        self._next_id += 1
+        self._pending_id = request.create_request.watch_id = self._next_id
         return request
 
     async def setup(self) -> None:
@@ -420,6 +436,16 @@ class _Watcher(aetcd.watcher.Watcher):  # type: ignore[misc]
                 if getattr(cb.callback, _WANTS_PROGRESS, False):
                     await self._process_callback(cb, mark)
             return
+        if response.created:
+            async with self._lock:
+                # etcd refuses a create (permission denied) with the id -1
+                ours = response.watch_id == self._pending_id or (
+                    response.canceled and response.watch_id == _INVALID_WATCH_ID)
+                if self._new_callback is None or not ours:
+                    # the answer to a create whose caller gave up (timed out): not the pending one
+                    if not response.canceled:
+                        await self._enqueue_watch_cancel(watch_id=response.watch_id)
+                    return
         if response.created and response.canceled and not response.compact_revision:
             async with self._lock:
                 if self._new_callback is not None:
