@@ -122,6 +122,8 @@ class EventType(enum.Enum):
 EVENT_OVERHEAD = 160
 #: how long a consistent read waits for the cache (then the caller falls back)
 CONSISTENT_READ_SECONDS = 2.0
+#: a watch that has not reached a revision etcd reported this long ago is opened again
+WATCH_STALL_SECONDS = 30.0
 #: how long the hub waits for etcd to answer a progress request before asking again
 _PROGRESS_ANSWER_SECONDS = 1.0
 
@@ -332,7 +334,7 @@ class WatchHub:
                  buffer_bytes: int = 64 << 20, history: int = 5000,
                  subscriber_limit: int | None = None, cache: JobCache | None = None,
                  store: JobStore | None = None, progress: bool | None = None,
-                 consistent_reads: bool = True) -> None:
+                 consistent_reads: bool = True, stall_seconds: float = WATCH_STALL_SECONDS) -> None:
         if not prefix.endswith("/"):
             prefix += "/"
         if (cache is None) != (store is None):
@@ -372,6 +374,13 @@ class WatchHub:
         self.progress_answers = 0
         self.sync_writes = 0
         self.stale_reads = 0  # consistent reads that gave up waiting (the caller fell back)
+        # The watchdog: a revision etcd reported and when, until the cache reaches it;
+        # not reached within ``stall_seconds``, the watch is taken for stuck and reopened.
+        self._stall = stall_seconds
+        self._probe: tuple[int, float] | None = None
+        self._last_read = 0.0  # loop time of the last consistent read (the idle check asks otherwise)
+        self._watchdog: asyncio.Task[None] | None = None
+        self.reopens = 0
 
     async def _revision(self) -> int:
         """etcd's current revision (one single-key read)."""
@@ -415,12 +424,14 @@ class WatchHub:
             return Freshness.CURRENT
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within
+        self._last_read = loop.time()
         self._waiting += 1  # the progress pump runs while reads wait
         got = Freshness.NO_ANSWER  # until etcd gives its revision
         try:
             async with asyncio.timeout(within):  # no task per read, unlike wait_for
                 target = await self._current.get()
                 got = Freshness.LAGGING
+                self._check_stall(target, loop.time())
                 if self.cache.current >= target:
                     return Freshness.CURRENT
                 self._want = max(self._want, target)
@@ -440,6 +451,44 @@ class WatchHub:
             self._waiting -= 1
         self.stale_reads += 1
         return got
+
+    def _check_stall(self, target: int, now: float) -> None:
+        """The watchdog's step on etcd's revision ``target``, just read: a watch that
+        delivers nothing (a stream etcd or the client dropped without an error)
+        would leave the cache behind for good, and launches and reads with it."""
+        assert self.cache is not None
+        probe = self._probe
+        if probe is not None and self.cache.current >= probe[0]:
+            probe = self._probe = None  # it moved on: alive
+        if self.cache.current >= target:
+            return
+        if probe is None:
+            self._probe = (target, now)
+        elif now - probe[1] > self._stall and self._live:
+            self._probe = None
+            self._reopen(f"revision {probe[0]} not reached in {now - probe[1]:.0f} s")
+
+    def _reopen(self, why: str) -> None:
+        """Open the etcd watch again, from the last revision applied (replayed events are skipped)."""
+        assert self.cache is not None
+        log.warning("job watch: %s; opening it again", why)
+        self.reopens += 1
+        if self._task is not None:
+            self._task.cancel()
+        self._live = False
+        start = max(1, min(self.cache.revision, self.last_revision) + 1)
+        self._task = asyncio.create_task(self._run(start), name="job-watch-hub")
+
+    async def _watch_idle(self) -> None:
+        """The watchdog while no consistent read comes: one check every ``stall_seconds``."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self._stall)
+            if loop.time() - self._last_read >= self._stall:
+                try:
+                    await self.read_current(prove=True)
+                except Exception as e:  # noqa: BLE001 - the next round tries again
+                    log.warning("job watch: check: %s", e)
 
     async def _ask_progress(self) -> None:
         """While reads wait for a revision the cache has not shown: ask etcd for
@@ -488,8 +537,12 @@ class WatchHub:
                            timeout=15, return_when=asyncio.FIRST_COMPLETED)
         if not self._ready.is_set():
             raise Unavailable("etcd watch did not start", reason="STORE_UNAVAILABLE")
+        if self.cache is not None:
+            self._watchdog = asyncio.create_task(self._watch_idle(), name="job-watch-watchdog")
 
     async def stop(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         if self._pump is not None:
             self._pump.cancel()
         if self._task is not None:

@@ -220,6 +220,35 @@ async def test_a_read_etcd_does_not_answer_says_how(etcd: EtcdServer, etcd_prefi
             await proxy.__aexit__(None, None, None)
 
 
+async def test_a_watch_that_delivers_nothing_is_opened_again(etcd: EtcdServer, etcd_prefix: str) -> None:
+    """etcd drops the hub's watch without telling it (here: cancelled from
+    under it): the cache would stay behind for good. A consistent read that
+    finds etcd's revision still unreached after ``stall_seconds`` reopens it."""
+    client = await connect(etcd.endpoint)
+    assert isinstance(client, EtcdClient)
+    store = JobStore(client, etcd_prefix)
+    hub = WatchHub(client, etcd_prefix, cache=JobCache(), store=store, stall_seconds=1.0)
+    try:
+        await hub.start()
+        assert hub.cache is not None
+        watcher = client._watcher  # noqa: SLF001 - the stream under the hub
+        for watch_id in list(watcher._callbacks):  # noqa: SLF001
+            await watcher.cancel(watch_id)  # etcd ends it; the hub's iterator hears nothing
+        await store.create(_job(7), "")
+        deadline = time.monotonic() + 60
+        while hub.cache.get("r7") is None:
+            assert time.monotonic() < deadline, "the cache never got the job"
+            await hub.read_current(within=1)
+            await asyncio.sleep(0.2)
+        assert hub.reopens >= 1
+        await store.create(_job(8), "")  # and it goes on
+        assert await hub.wait_current(within=20) and hub.cache.get("r8") is not None
+    finally:
+        await hub.stop()
+        await client.delete_prefix(etcd_prefix.encode())
+        await client.close()
+
+
 @pytest.fixture
 async def replicas(etcd: EtcdServer) -> AsyncIterator[tuple[Replicas, FreezingProxy]]:
     async with FreezingProxy(etcd.client_port) as proxy:
