@@ -105,10 +105,12 @@ class Freshness(enum.Enum):
 
 
 def _refused(e: BaseException) -> bool:
-    """etcd cannot be reached at all (no connection), as opposed to a slow answer."""
+    """etcd cannot be reached at all (no connection), as opposed to a slow answer
+    (etcd's own UNAVAILABLE, ``etcdserver: no leader`` and the like, is one)."""
     if isinstance(e, grpc.RpcError):
         code = e.code() if callable(getattr(e, "code", None)) else None
-        return bool(code == grpc.StatusCode.UNAVAILABLE)
+        details = e.details() if callable(getattr(e, "details", None)) else ""
+        return bool(code == grpc.StatusCode.UNAVAILABLE) and not str(details or "").startswith("etcdserver:")
     return isinstance(e, (aetcd.exceptions.ConnectionFailedError, ConnectionError))
 
 
@@ -380,6 +382,7 @@ class WatchHub:
         self._probe: tuple[int, float] | None = None
         self._last_read = 0.0  # loop time of the last consistent read (the idle check asks otherwise)
         self._watchdog: asyncio.Task[None] | None = None
+        self._stopping = False
         self.reopens = 0
 
     async def _revision(self) -> int:
@@ -471,6 +474,8 @@ class WatchHub:
     def _reopen(self, why: str) -> None:
         """Open the etcd watch again, from the last revision applied (replayed events are skipped)."""
         assert self.cache is not None
+        if self._stopping:
+            return
         log.warning("job watch: %s; opening it again", why)
         self.reopens += 1
         if self._task is not None:
@@ -541,6 +546,7 @@ class WatchHub:
             self._watchdog = asyncio.create_task(self._watch_idle(), name="job-watch-watchdog")
 
     async def stop(self) -> None:
+        self._stopping = True
         if self._watchdog is not None:
             self._watchdog.cancel()
         if self._pump is not None:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -368,9 +369,8 @@ class WatchProgress:
     revision: int
 
 
-#: etcd's clientv3.InvalidWatchID: progress answers and refused creates carry it
-_INVALID_WATCH_ID = -1
-_PROGRESS_WATCH_ID = _INVALID_WATCH_ID
+#: etcd answers progress requests with the watch id -1 (clientv3.InvalidWatchID)
+_PROGRESS_WATCH_ID = -1
 #: a callback (function) with this attribute set receives ``WatchProgress`` too
 _WANTS_PROGRESS = "dlsched_wants_progress"
 
@@ -390,32 +390,42 @@ class _Watcher(aetcd.watcher.Watcher):  # type: ignore[misc]
     """aetcd's watcher, plus: a refused create is an error, and with a login a
     refused create logs in again, reopens the stream and tries once more.
 
-    Every create request carries a watch id of its own (``_next_id``), and a
-    created answer goes to the pending watch only when the id is that watch's.
+    Creates are matched to their answers in order (``_sent``: etcd, and its
+    gRPC proxy, answer the creates of a stream in the order they were sent).
     aetcd matched any created answer to whichever watch was pending: a create
-    that had timed out (etcd down) stayed queued, was sent once a stream
-    opened, and its answer bound the next watch to another key range (a job
-    watch got the access keys' events, that is none, for good, after an etcd
-    restart). Ids are never reused, so a late cancel of a watch of an earlier
-    stream cannot hit a watch of this one either."""
+    that had timed out (etcd starting) had still been sent, and its late
+    answer bound the next watch to another key range (a job watch got the
+    access keys' events, that is none, for good, after an etcd restart). An
+    answer to a create whose caller gave up is cancelled. A watch etcd cancels
+    (not for a compaction) ends with an error, as a broken stream does: aetcd
+    kept it, silent, and still gave it progress answers."""
 
     def __init__(self, watchstub: Any, timeout: float | None, login: _Login | None) -> None:
         super().__init__(watchstub, timeout=timeout)
         self._login = login
         self._opened_with = -1  # the login generation the open stream carries
-        self._next_id = 0
-        self._pending_id = 0  # the id of the create request now pending (0: none)
+        # create requests built (by id()) -> the watch each is for; sent ones, in order
+        self._built: dict[int, Any] = {}
+        self._sent: collections.deque[Any] = collections.deque()
 
     def _build_watch_create_request(self, *args: Any, fragment: bool = False, **kwargs: Any) -> Any:
-        # aetcd takes ``fragment`` and ``watch_id`` but drops them: set ``fragment``, so
-        # etcd splits a large response (a burst, a history replay) instead of
-        # exceeding the receive limit, and an id of our own (see the class doc).
-        kwargs.pop("watch_id", None)
+        # aetcd takes ``fragment`` but drops it: set it, so etcd splits a large
+        # response (a burst, a history replay) instead of exceeding the receive limit.
         request = super()._build_watch_create_request(*args, **kwargs)
         request.create_request.fragment = fragment
-        self._next_id += 1
-        self._pending_id = request.create_request.watch_id = self._next_id
+        self._built[id(request)] = self._new_callback  # built under the lock, for the pending watch
         return request
+
+    async def _iter_request(self) -> AsyncIterator[Any]:
+        async for request in super()._iter_request():
+            if request.HasField("create_request"):
+                self._sent.append(self._built.pop(id(request), None))
+            yield request
+
+    async def _terminate_stream(self, error: Any) -> None:
+        self._sent.clear()  # a new stream answers only what it is sent
+        self._built.clear()
+        await super()._terminate_stream(error)
 
     async def setup(self) -> None:
         if self._request_handler is None and self._login is not None:
@@ -438,14 +448,20 @@ class _Watcher(aetcd.watcher.Watcher):  # type: ignore[misc]
             return
         if response.created:
             async with self._lock:
-                # etcd refuses a create (permission denied) with the id -1
-                ours = response.watch_id == self._pending_id or (
-                    response.canceled and response.watch_id == _INVALID_WATCH_ID)
-                if self._new_callback is None or not ours:
+                head = self._sent.popleft() if self._sent else None
+                if head is None or head is not self._new_callback:
                     # the answer to a create whose caller gave up (timed out): not the pending one
                     if not response.canceled:
                         await self._enqueue_watch_cancel(watch_id=response.watch_id)
                     return
+        elif response.canceled and not response.compact_revision:
+            # etcd ended a watch (not ours to cancel: that one is no longer registered)
+            async with self._lock:
+                gone = self._callbacks.pop(response.watch_id, None)
+            if gone is not None:
+                await self._process_callback(gone, aetcd.exceptions.ClientError(
+                    f"etcd cancelled the watch: {response.cancel_reason or 'no reason given'}"))
+            return
         if response.created and response.canceled and not response.compact_revision:
             async with self._lock:
                 if self._new_callback is not None:
