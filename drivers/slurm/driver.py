@@ -67,7 +67,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 
 from dlsched import __version__
 from dlsched.errors import DlschedError, InvalidArgument
@@ -357,14 +357,12 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
             self._cancel_strays(c, attempts)
         for job in list(c.jobs.values()):
             sj = jobs.get(job.backend_job_id)
-            released = False
             if job.backend_job_id in c.to_release and error is None and sj is not None:
                 if is_held(sj):
                     self._later(c, "release", job.backend_job_id, job.job_id)
                 else:
                     c.to_release.discard(job.backend_job_id)
-            if job.release_error is not None and job.backend_job_id not in c.to_release:
-                job.release_error, released = None, True  # Slurm holds it no more
+            released = job.backend_job_id not in c.to_release and job.note_release(None)  # held no more
             if not job.state.is_terminal() and (job.round(sj, error, complete) or released):
                 self._publish(c, job)
                 if job.unschedulable:  # reported FAILED; take it out of Slurm's queue
@@ -394,14 +392,8 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
             self._later(c, "cancel", jid)
 
     def _later(self, c: _Cluster, action: str, backend_job_id: str, job_id: str = "") -> None:
-        """``scancel`` (``action`` "cancel") or ``scontrol release`` ("release") of one job in
-        the background, one call per job and action at a time; a failure is logged (the next
-        round that sees the job asks again), and a release's in the message of ``job_id``'s job."""
-        key = (action, backend_job_id)
-        if key in c.pending:
-            return
-        c.pending.add(key)
-
+        """``scancel`` ("cancel") or ``scontrol release`` ("release") in the background; a failure is
+        logged (the next round asks again), a release's also in the message of ``job_id``'s job."""
         async def call() -> None:
             try:
                 if action == "release":
@@ -414,34 +406,19 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
                 log.warning("%s of Slurm job %s: %s", action, backend_job_id, e.message)
                 if action == "release" and backend_job_id in c.to_release:  # else: held no more
                     self._release_failed(c, job_id, backend_job_id, e.message)
-            finally:
-                c.pending.discard(key)
 
-        task = asyncio.create_task(call(), name=f"slurm-{action}-{backend_job_id}")
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._once(c, (action, backend_job_id), call)
 
     def _release_failed(self, c: _Cluster, job_id: str, backend_job_id: str, error: str | None) -> None:
-        """Job ``job_id``, still Slurm job ``backend_job_id``, reports why its release failed
-        (``error``: its first line), or no more (None: released): in its message while held."""
+        """Job ``job_id``, still Slurm job ``backend_job_id``, reports why its release failed, or no more."""
         job = c.jobs.get(job_id)
-        if self.clusters.get(c.name) is not c or job is None or job.backend_job_id != backend_job_id:
-            return
-        error = error.strip().split("\n", 1)[0][:200] if error is not None else None
-        if job.release_error == error:
-            return
-        job.release_error = error
-        if not job.state.is_terminal():
+        if (self.clusters.get(c.name) is c and job is not None and job.backend_job_id == backend_job_id
+                and job.note_release(error) and not job.state.is_terminal()):
             self._publish(c, job)
 
     def _read_exits(self, c: _Cluster, job: TrackedJob) -> None:
         """Read an ended job's exits file (``exits``) in the background, one read per job at a
         time; the job reports its end once it is read (or could not be, ``exits.MAX_READS`` times)."""
-        key = ("exits", job.backend_job_id)
-        if key in c.pending:
-            return
-        c.pending.add(key)
-
         async def call() -> None:
             found = None
             try:
@@ -449,12 +426,24 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
                 found = exits.parse(out) if rc == 0 else None
             except DlschedError as e:
                 log.warning("reading the exits of Slurm job %s: %s", job.backend_job_id, e.message)
-            finally:
-                c.pending.discard(key)
             if job.exits_read(found) and c.jobs.get(job.job_id) is job:
                 self._publish(c, job)
 
-        task = asyncio.create_task(call(), name=f"slurm-exits-{job.backend_job_id}")
+        self._once(c, ("exits", job.backend_job_id), call)
+
+    def _once(self, c: _Cluster, key: tuple[str, str], work: Callable[[], Awaitable[None]]) -> None:
+        """``work`` in the background, unless work of the same ``key`` (action, Slurm job id) runs."""
+        if key in c.pending:
+            return
+        c.pending.add(key)
+
+        async def call() -> None:
+            try:
+                await work()
+            finally:
+                c.pending.discard(key)
+
+        task = asyncio.create_task(call(), name=f"slurm-{key[0]}-{key[1]}")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -84,6 +84,13 @@ class TrackedJob:
         self.exits: exits.Exits | None = None  # each process's end, read once the job ended
         self.exit_reads = 0  # failed reads of the exits file
 
+    def note_release(self, error: str | None) -> bool:
+        """Why the last ``scontrol release`` failed (its first line), None once released
+        or held no more; whether that changed."""
+        error = error.strip().split("\n", 1)[0][:200] if error is not None else None
+        changed, self.release_error = error != self.release_error, error
+        return changed
+
     def _reported(self) -> tuple[object, ...]:
         return (self.state, self.reason, self.message, self.exit_code, self.stale, self.start_time,
                 self.end_time, self.nodes)
