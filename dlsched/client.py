@@ -395,8 +395,10 @@ class JobManagerClient(_Client):
             except DlschedRpcError as e:
                 # A server that never answered is not there: say so at once
                 # (gRPC already retried the call before its first message).
+                # One that answered it is going away, or that the job's driver
+                # is being set up again, is.
                 if not reconnect or e.code != "UNAVAILABLE" or not (
-                        connected or e.reason == "SHUTTING_DOWN"):
+                        connected or e.reason in ("SHUTTING_DOWN", "DRIVER_NOT_READY")):
                     raise
                 now = time.monotonic()
                 failing_since = now if failing_since is None else failing_since

@@ -62,8 +62,20 @@ _CHANNEL_OPTIONS = [
 ]
 
 
-#: a tail that failed UNAVAILABLE before its first batch is opened again this often
-_TAIL_RETRIES = 4
+#: a tail that failed UNAVAILABLE (or DRIVER_NOT_READY) before its first batch is opened again this often
+_TAIL_RETRIES = 5
+
+
+def for_client(e: errors.DlschedError, cluster: str) -> errors.DlschedError:
+    """A driver's error as JobManager's client gets it. CLUSTER_NOT_CONFIGURED
+    means the driver restarted and ClusterManager has not configured it again
+    yet (its monitor does, within a probe interval): the client's request is
+    fine, so UNAVAILABLE ``DRIVER_NOT_READY``, which clients retry, not the
+    driver's FAILED_PRECONDITION, which they must not."""
+    if e.reason != "CLUSTER_NOT_CONFIGURED":
+        return e
+    return errors.Unavailable(f"the driver of {cluster} restarted and is being configured again; retry",
+                              reason="DRIVER_NOT_READY", metadata={"cluster": cluster})
 
 
 def _channel(address: str, tls: tls_kit.TlsOptions | None,
@@ -269,17 +281,25 @@ class DriverClient:
             except MultiplexUnsupported:
                 self._logs.mark_unsupported()  # an older driver: one TailJobLogs call per tail, below
                 break
-            except errors.Unavailable:
+            except errors.DlschedError as e:
                 # As the service config retries a stream before its first message.
-                if got or retries >= _TAIL_RETRIES:
-                    raise
+                err = for_client(e, cluster)
+                if not isinstance(err, errors.Unavailable) or got or retries >= _TAIL_RETRIES:
+                    if err is e:
+                        raise
+                    raise err from e
                 await asyncio.sleep(min(0.2 * 2 ** retries, 5.0))
                 retries += 1
             finally:
                 tail.close()
-        async with contextlib.aclosing(with_heartbeats(self._tail_call(treq), idle, list)) as batches:
-            async for entries in batches:
-                yield entries
+        try:
+            async with contextlib.aclosing(with_heartbeats(self._tail_call(treq), idle, list)) as batches:
+                async for entries in batches:
+                    yield entries
+        except errors.DlschedError as e:
+            if e.reason == "CLUSTER_NOT_CONFIGURED":
+                raise for_client(e, cluster) from e
+            raise
 
     async def _tail_call(self, treq: drv_pb2.TailJobLogsRequest) -> AsyncGenerator[list[job_pb2.LogEntry], None]:
         call = self._stub.TailJobLogs(treq)
@@ -292,9 +312,12 @@ class DriverClient:
             call.cancel()
 
     async def usage(self, cluster: str, job_id: str, backend_job_id: str) -> job_pb2.JobUsage:
-        resp = await _unary(self._stub.MeasureJobUsage(drv_pb2.MeasureJobUsageRequest(
-            cluster=cluster, job=drv_pb2.JobRef(job_id=job_id, backend_job_id=backend_job_id)),
-            timeout=self._timeout))
+        try:
+            resp = await _unary(self._stub.MeasureJobUsage(drv_pb2.MeasureJobUsageRequest(
+                cluster=cluster, job=drv_pb2.JobRef(job_id=job_id, backend_job_id=backend_job_id)),
+                timeout=self._timeout))
+        except errors.DlschedError as e:
+            raise for_client(e, cluster) from e
         usage: job_pb2.JobUsage = resp.usage
         return usage
 

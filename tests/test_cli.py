@@ -56,10 +56,13 @@ def stack(etcd: EtcdServer) -> Iterator[Stack]:
         s.stop()
 
 
-def _interruptible() -> None:
-    """In the child before exec: SIGINT as a terminal's foreground job has it. A shell running
-    the suite in the background hands its children SIGINT ignored, and Python keeps it so."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+#: ``python -c`` that runs ``python -m dlsched ARGS`` with SIGINT as a terminal's foreground job
+#: has it (a shell running the suite in the background hands its children SIGINT ignored, and
+#: Python keeps it so). Not a ``preexec_fn``: that makes subprocess fork() instead of vfork(),
+#: and fork() runs gRPC's fork handlers in the child, whose restarted poller then finds its epoll
+#: descriptor closed before exec and aborts the child ("epoll_wait error: Bad file descriptor").
+_INTERRUPTIBLE = ("import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                  "sys.argv[0] = 'dlsched'; runpy.run_module('dlsched', run_name='__main__', alter_sys=True)")
 
 
 def _env() -> dict[str, str]:
@@ -363,8 +366,8 @@ class _Watching:
 
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "dlsched", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, cwd=ROOT, env={**_env(), "PYTHONFAULTHANDLER": "1"}, preexec_fn=_interruptible)
+            [sys.executable, "-c", _INTERRUPTIBLE, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, cwd=ROOT, env={**_env(), "PYTHONFAULTHANDLER": "1"})
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -375,7 +378,10 @@ class _Watching:
             self.lines.put(line)
         self.lines.put("")  # the end
 
-    def _fail(self, why: str) -> NoReturn:
+    def _fail(self, why: str, ended: bool = False) -> NoReturn:
+        if ended:  # its output closed: give it the time to exit and say how
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=30)
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGABRT)  # faulthandler: every thread's stack to stderr
         _, err = self.proc.communicate(timeout=90)
@@ -391,7 +397,7 @@ class _Watching:
             except queue.Empty:
                 self._fail(f"no {event} {text!r} within {within} s")
             if not line:
-                self._fail("the watch ended")
+                self._fail("the watch ended", ended=True)
             self.seen.append(line)
             if text in line and line.startswith(event):
                 return self.seen[start:]

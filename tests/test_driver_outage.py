@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from dlsched.client import JobManagerClient
+from dlsched.client import DlschedRpcError, JobManagerClient
 from dlsched.v1 import job_pb2
 from tests.harness import EtcdServer, Stack, free_port
 
@@ -98,3 +98,35 @@ async def test_log_followers_get_every_line_once_across_a_driver_kill(stack: Sta
     want = [f"line-{i}" for i in range(n)]
     assert got == [want, want, want]
     assert len(reconnects) >= 3 and set(reconnects) == {"UNAVAILABLE"}, reconnects  # each resumed
+
+
+async def test_a_restarted_driver_not_yet_configured_is_unavailable_not_a_precondition(
+        etcd: EtcdServer, tmp_path: pathlib.Path) -> None:
+    """Between a driver's restart and ClusterManager configuring it again (here never: its monitor
+    polls once an hour), the driver answers CLUSTER_NOT_CONFIGURED. That is JobManager's to wait
+    out, not the caller's mistake: usage and logs answer UNAVAILABLE DRIVER_NOT_READY, which
+    clients retry (FAILED_PRECONDITION, which they must not retry, failed log followers in CI)."""
+    s = Stack(etcd, f"/unready-{uuid.uuid4().hex[:8]}/", cm_args=["--monitor-interval", "3600"],
+              driver_args=["--listen", f"127.0.0.1:{free_port()}"])
+    release = tmp_path / "release"
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[job_pb2.ReplicaGroup(
+        role="main", replicas=1, command=["/bin/sh", "-c", 'echo up; while [ ! -e "$0" ]; do sleep 0.2; done',
+                                          str(release)])])
+    with s.running():
+        await s.register_local()
+        assert s.jm is not None
+        async with JobManagerClient(s.jm.address) as jm:
+            name = (await jm.submit_job(spec)).job.name
+            await _until(jm, name, lambda j: j.state == job_pb2.JOB_STATE_RUNNING)
+            assert (await jm.get_job_usage(name)) is not None  # configured: usage answers
+            s.driver.kill()
+            await asyncio.to_thread(s.driver.start)
+            with pytest.raises(DlschedRpcError) as usage:
+                await jm.get_job_usage(name)
+            assert (usage.value.code, usage.value.reason) == ("UNAVAILABLE", "DRIVER_NOT_READY"), usage.value
+            assert usage.value.metadata.get("cluster") == "clusters/local"
+            with pytest.raises(DlschedRpcError) as logs:
+                async for _ in jm.stream_job_logs(name, reconnect=False):
+                    pass
+            assert (logs.value.code, logs.value.reason) == ("UNAVAILABLE", "DRIVER_NOT_READY"), logs.value
+            release.touch()

@@ -188,7 +188,8 @@ class JobManagerServiceServicer:
         response with no entries when nothing else was sent for a while (15 s by
         default, at most 30 s): a heartbeat, which clients ignore. Every response
         carries a resume_cursor. A server that shuts down ends the stream with
-        UNAVAILABLE (reason SHUTTING_DOWN); on UNAVAILABLE the client should call
+        UNAVAILABLE (reason SHUTTING_DOWN; DRIVER_NOT_READY while the job's
+        driver, just restarted, is being configured again); on UNAVAILABLE the client should call
         again (with backoff, on any replica) with the last resume_cursor it got,
         which continues with the next line: no line lost, none repeated.
         """
@@ -197,7 +198,9 @@ class JobManagerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetJobUsage(self, request, context):
-        """Returns a job's resource usage, asked of its backend now.
+        """Returns a job's resource usage, asked of its backend now (UNAVAILABLE
+        DRIVER_NOT_READY while its driver, just restarted, is being configured
+        again: retry).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
