@@ -127,18 +127,23 @@ class ClusterMonitor:
         return True
 
     def _failure(self, cluster: Cluster, e: DlschedError) -> Observation:
+        """The cluster down. What it was last seen to run is kept (its capacity
+        too, by ``with_observation``): matching sends jobs that fit it there to
+        wait for it when no cluster that is up can take them."""
+        modes = cluster.supported_run_modes
         if is_unreachable(e):
             if cluster.state is not ClusterState.DRIVER_UNAVAILABLE:
                 log.warning("driver %s of clusters/%s does not answer: %s %s",
                             cluster.driver_address, self.cluster_id, e.code, e.reason)
             return Observation(ClusterState.DRIVER_UNAVAILABLE,
-                               f"driver {cluster.driver_address} does not answer ({e.code})")
+                               f"driver {cluster.driver_address} does not answer ({e.code})",
+                               supported_run_modes=modes)
         if cluster.state is not ClusterState.UNREACHABLE:
             log.warning("driver %s refused clusters/%s: %s %s", cluster.driver_address,
                         self.cluster_id, e.code, e.reason)
         return Observation(ClusterState.UNREACHABLE,
                            f"driver {cluster.driver_address} failed: {e.code} {e.reason}: "
-                           f"{e.message}"[:1024])
+                           f"{e.message}"[:1024], supported_run_modes=modes)
 
     async def _publish(self, cluster: Cluster, obs: Observation) -> bool:
         now = self._clock()

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -67,15 +67,32 @@ _TAIL_RETRIES = 5
 
 
 def for_client(e: errors.DlschedError, cluster: str) -> errors.DlschedError:
-    """A driver's error as JobManager's client gets it. CLUSTER_NOT_CONFIGURED
-    means the driver restarted and ClusterManager has not configured it again
-    yet (its monitor does, within a probe interval): the client's request is
-    fine, so UNAVAILABLE ``DRIVER_NOT_READY``, which clients retry, not the
-    driver's FAILED_PRECONDITION, which they must not."""
-    if e.reason != "CLUSTER_NOT_CONFIGURED":
-        return e
-    return errors.Unavailable(f"the driver of {cluster} restarted and is being configured again; retry",
-                              reason="DRIVER_NOT_READY", metadata={"cluster": cluster})
+    """A driver's error as JobManager's client gets it (the calls a client's
+    request makes: usage, logs, a dry run's render).
+
+    - CLUSTER_NOT_CONFIGURED means the driver restarted and ClusterManager has
+      not configured it again yet (its monitor does, within a probe interval):
+      the client's request is fine, so UNAVAILABLE ``DRIVER_NOT_READY``, which
+      clients retry, not the driver's FAILED_PRECONDITION, which they must not.
+    - A driver that does not answer (gRPC's own UNAVAILABLE, no reason of the
+      driver's) is UNAVAILABLE ``DRIVER_UNAVAILABLE`` naming the cluster, not
+      gRPC's message about JobManager's connection to an internal address.
+    """
+    if e.reason == "CLUSTER_NOT_CONFIGURED":
+        return errors.Unavailable(f"the driver of {cluster} restarted and is being configured again; retry",
+                                  reason="DRIVER_NOT_READY", metadata={"cluster": cluster})
+    if isinstance(e, errors.Unavailable) and e.reason == "UNAVAILABLE":
+        return errors.Unavailable(f"the driver of {cluster} does not answer; retry",
+                                  reason="DRIVER_UNAVAILABLE", metadata={"cluster": cluster})
+    return e
+
+
+def raise_for_client(e: errors.DlschedError, cluster: str) -> NoReturn:
+    """Raise ``for_client(e, cluster)``, chained to ``e`` when it is another error."""
+    err = for_client(e, cluster)
+    if err is e:
+        raise e
+    raise err from e
 
 
 def _channel(address: str, tls: tls_kit.TlsOptions | None,
@@ -189,8 +206,11 @@ class DriverClient:
         self._logs = LogMux(self._stub)
 
     async def render(self, cluster: str, job_id: str, spec: JobSpec) -> NativeSpec:
-        resp = await _unary(self._stub.RenderJob(drv_pb2.RenderJobRequest(
-            cluster=cluster, job_id=job_id, spec=spec_to_proto(spec)), timeout=self._timeout))
+        try:
+            resp = await _unary(self._stub.RenderJob(drv_pb2.RenderJobRequest(
+                cluster=cluster, job_id=job_id, spec=spec_to_proto(spec)), timeout=self._timeout))
+        except errors.DlschedError as e:
+            raise_for_client(e, cluster)
         return native_from_proto(resp.native_spec)
 
     async def launch(self, cluster: str, job_id: str, spec: JobSpec,
@@ -283,11 +303,8 @@ class DriverClient:
                 break
             except errors.DlschedError as e:
                 # As the service config retries a stream before its first message.
-                err = for_client(e, cluster)
-                if not isinstance(err, errors.Unavailable) or got or retries >= _TAIL_RETRIES:
-                    if err is e:
-                        raise
-                    raise err from e
+                if not isinstance(for_client(e, cluster), errors.Unavailable) or got or retries >= _TAIL_RETRIES:
+                    raise_for_client(e, cluster)
                 await asyncio.sleep(min(0.2 * 2 ** retries, 5.0))
                 retries += 1
             finally:
@@ -297,9 +314,7 @@ class DriverClient:
                 async for entries in batches:
                     yield entries
         except errors.DlschedError as e:
-            if e.reason == "CLUSTER_NOT_CONFIGURED":
-                raise for_client(e, cluster) from e
-            raise
+            raise_for_client(e, cluster)
 
     async def _tail_call(self, treq: drv_pb2.TailJobLogsRequest) -> AsyncGenerator[list[job_pb2.LogEntry], None]:
         call = self._stub.TailJobLogs(treq)
@@ -317,7 +332,7 @@ class DriverClient:
                 cluster=cluster, job=drv_pb2.JobRef(job_id=job_id, backend_job_id=backend_job_id)),
                 timeout=self._timeout))
         except errors.DlschedError as e:
-            raise for_client(e, cluster) from e
+            raise_for_client(e, cluster)
         usage: job_pb2.JobUsage = resp.usage
         return usage
 

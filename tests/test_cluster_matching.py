@@ -114,16 +114,25 @@ def test_ranks_free_capacity_first_then_headroom() -> None:
     assert any("queue" in r for r in cands[2].reasons)
 
 
-def test_refused_clusters_follow_with_reasons() -> None:
+def test_down_clusters_follow_those_up_and_refused_ones_follow_with_reasons() -> None:
     cands = rank(job(cpu=2), [
         cluster("down", state=ClusterState.DRIVER_UNAVAILABLE),
-        cluster("ok"),
+        cluster("ok", cap(free_cpus=2)),
         cluster("slurm", ctype=ClusterType.SLURM, modes=(RunMode.MPI,)),
+        cluster("small-down", cap(cpus=1), state=ClusterState.UNREACHABLE),
     ])
     assert [(c.cluster, c.eligible) for c in cands] == [
-        ("clusters/ok", True), ("clusters/down", False), ("clusters/slurm", False)]
-    assert any("DRIVER_UNAVAILABLE" in r for r in cands[1].reasons)
+        ("clusters/ok", True), ("clusters/down", True), ("clusters/slurm", False),
+        ("clusters/small-down", False)]
+    assert any("DRIVER_UNAVAILABLE" in r and "waits for it" in r for r in cands[1].reasons)
     assert any("SINGLE_PROCESS" in r for r in cands[2].reasons)
+    assert any("needs 2 CPUs" in r for r in cands[3].reasons)  # down, and could not run it anyway
+
+
+def test_only_down_clusters_match_the_best_of_them() -> None:
+    cands = rank(job(cpu=2), [cluster("a", cap(free_cpus=0), state=ClusterState.UNREACHABLE),
+                              cluster("b", state=ClusterState.DRIVER_UNAVAILABLE)])
+    assert [(c.cluster, c.eligible) for c in cands] == [("clusters/b", True), ("clusters/a", True)]
 
 
 @pytest.mark.parametrize("j, why", [

@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from dlsched.client import DlschedRpcError, JobManagerClient
-from dlsched.v1 import job_pb2
+from dlsched.client import ClusterManagerClient, DlschedRpcError, JobManagerClient
+from dlsched.v1 import cluster_pb2, job_pb2
 from tests.harness import EtcdServer, Stack, free_port
 
 
@@ -130,3 +130,32 @@ async def test_a_restarted_driver_not_yet_configured_is_unavailable_not_a_precon
                     pass
             assert (logs.value.code, logs.value.reason) == ("UNAVAILABLE", "DRIVER_NOT_READY"), logs.value
             release.touch()
+
+
+async def test_a_job_submitted_while_its_only_cluster_is_down_waits_and_runs_once(
+        stack: Stack, tmp_path: pathlib.Path) -> None:
+    """The only cluster's driver is dead (DRIVER_UNAVAILABLE) when the job is submitted: SubmitJob
+    stores it (no FAILED_PRECONDITION NO_MATCHING_CLUSTER for a moment's outage), it waits PENDING
+    ``DriverUnavailable``, and runs once when the driver is back."""
+    marker = tmp_path / "runs"
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[job_pb2.ReplicaGroup(
+        role="main", replicas=1, command=["/bin/sh", "-c", 'echo ran >> "$0"', str(marker)])])
+    assert stack.jm is not None
+    stack.driver.kill()
+    async with ClusterManagerClient(stack.cm.address) as cm:
+        await cm.wait_cluster_state("local", cluster_pb2.CLUSTER_STATE_DRIVER_UNAVAILABLE, timeout=90)
+        [cand] = await cm.match_clusters(spec)
+        assert cand.eligible and any("waits for it" in r for r in cand.reasons), cand
+    async with JobManagerClient(stack.jm.address) as jm:
+        with pytest.raises(DlschedRpcError) as dry:  # a dry run needs the driver to render the job
+            await jm.submit_job(spec, dry_run=True)
+        assert (dry.value.code, dry.value.reason) == ("UNAVAILABLE", "DRIVER_UNAVAILABLE"), dry.value
+        assert "clusters/local" in dry.value.message and "127.0.0.1" not in dry.value.message
+        name = (await jm.submit_job(spec)).job.name
+        waiting = await _until(jm, name, lambda j: j.reason == "DriverUnavailable")
+        assert waiting.state == job_pb2.JOB_STATE_PENDING and not waiting.backend_job_id
+        await asyncio.to_thread(stack.driver.start)
+        done = await _until(jm, name, lambda j: j.state in (job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED),
+                            within=120)
+        assert done.state == job_pb2.JOB_STATE_SUCCEEDED, (done.reason, done.message)
+    assert marker.read_text().splitlines() == ["ran"]

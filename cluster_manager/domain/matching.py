@@ -3,11 +3,18 @@ clusters to ranked candidates, each with the reasons for its rank.
 
 Rules, in order: the selector (name, type, labels) filters; the cluster must
 be READY or DEGRADED (reachable but slow: a job matched to it is stored and
-launched as it recovers); the run mode must be supported; every replica must fit on one node
+launched as it recovers), or DRIVER_UNAVAILABLE / UNREACHABLE after it was
+once observed (its run modes and capacity known: a driver restarting, a
+backend briefly down); the run mode must be supported; every replica must fit on one node
 (CPUs, memory, GPUs, GPU model); the whole job must fit the cluster's total
 capacity. Eligible clusters score 1 when the job fits the *free* capacity now
 (0 when it would queue) plus the share of free capacity left after placing it
-(0..1), so an idle cluster beats a busy one.
+(0..1), so an idle cluster beats a busy one. A cluster that is down ranks
+after every one that is up, whatever its score: a job matched to it is stored
+and waits (PENDING ``DriverUnavailable``) until it is back, as Slurm keeps a
+job for a DOWN partition and Kubernetes a pod no node can take yet, rather
+than refusing it because of a moment's outage. A cluster never observed
+(PENDING) is refused: nothing says what it can run.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from .models import (
 GIB = 1024**3
 #: Cluster states a job may be matched to (DEGRADED: reachable, slow; its launches are retried).
 ELIGIBLE_STATES = frozenset({ClusterState.READY, ClusterState.DEGRADED})
+#: States of a cluster that is down for now: matched after every one that is up, the job waits for it.
+DOWN_STATES = frozenset({ClusterState.DRIVER_UNAVAILABLE, ClusterState.UNREACHABLE})
 
 
 @dataclass(frozen=True)
@@ -85,11 +94,13 @@ def _evaluate(job: JobRequirements, c: Cluster) -> Candidate:
         refusals.append(f"project {job.project} may not use this cluster")
     if refusals:
         return _refused(c, refusals)
+    msg = f"state is {c.state.value}"
     if c.state not in ELIGIBLE_STATES:
-        msg = f"state is {c.state.value}"
-        refusals.append(f"{msg}: {c.state_message}" if c.state_message else msg)
-        return _refused(c, refusals)
-    reasons = [f"state is {c.state.value}"]
+        msg = f"{msg}: {c.state_message}" if c.state_message else msg
+        if c.state not in DOWN_STATES or not c.supported_run_modes or c.capacity is None:
+            return _refused(c, [msg])
+        msg += "; the job waits for it to be back (as last observed, it can run the job)"
+    reasons = [msg]
     if job.run_mode not in c.supported_run_modes:
         modes = ", ".join(m.value for m in c.supported_run_modes) or "none"
         refusals.append(f"run mode {job.run_mode.value} is not supported (supports {modes})")
@@ -162,8 +173,8 @@ def _refused(c: Cluster, reasons: Sequence[str]) -> Candidate:
 
 
 def rank(job: JobRequirements, clusters: Iterable[Cluster]) -> list[Candidate]:
-    """Candidates for ``job``: eligible ones best first (ties by name), then
-    the refused ones by name. Raises UnknownCluster when the selector names a
+    """Candidates for ``job``: eligible ones best first (those up before those
+    down, then by score, ties by name), then the refused ones by name. Raises UnknownCluster when the selector names a
     cluster that is not registered, NoMatchingCluster when none is eligible.
     """
     cs = sorted(clusters, key=lambda c: c.cluster_id)
@@ -173,7 +184,9 @@ def rank(job: JobRequirements, clusters: Iterable[Cluster]) -> list[Candidate]:
         if not cs:
             raise UnknownCluster(cluster_name(want))
     cands = [_evaluate(job, c) for c in cs]
-    eligible = sorted((x for x in cands if x.eligible), key=lambda x: (-x.score, x.cluster))
+    down = {c.name for c in cs if c.state in DOWN_STATES}
+    eligible = sorted((x for x in cands if x.eligible),
+                      key=lambda x: (x.cluster in down, -x.score, x.cluster))
     refused = [x for x in cands if not x.eligible]
     if not eligible:
         if not cands:

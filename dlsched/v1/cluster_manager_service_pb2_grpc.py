@@ -144,7 +144,10 @@ class ClusterManagerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def MatchClusters(self, request, context):
-        """Ranks the clusters for a job spec, with the reasons. A job no cluster
+        """Ranks the clusters for a job spec, with the reasons. Clusters that are up
+        (READY, DEGRADED) come first; a cluster that is down (DRIVER_UNAVAILABLE,
+        UNREACHABLE) but was observed, and could run the job as last observed,
+        follows them, eligible: a job placed there waits for it. A job no cluster
         could ever run (e.g. more GPUs per replica than any node has) fails with
         FAILED_PRECONDITION, reason NO_MATCHING_CLUSTER, and the reasons per
         cluster in a PreconditionFailure.
