@@ -9,6 +9,7 @@ database per test.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
@@ -83,6 +84,26 @@ class PostgresServer:
                 raise RuntimeError("postgres exited: " + self.log())
             time.sleep(0.1)
         raise RuntimeError("postgres did not start: " + self.log())
+
+    def signal_all(self, sig: int) -> None:
+        """``sig`` to the server and every process it started: each backend runs in a
+        session of its own, so no process group holds them all (a SIGSTOP of the
+        postmaster alone leaves open connections answering)."""
+        assert self.proc is not None
+        pids = [self.proc.pid]
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == self.proc.pid:
+                pids.append(int(d))
+        for pid in pids:  # the postmaster first: it starts no backend after
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
 
     def log(self) -> str:
         try:

@@ -949,6 +949,43 @@ async def test_a_postgresql_that_is_down_is_unavailable_not_an_internal_error() 
         await store.close()
 
 
+async def test_a_frozen_postgresql_fails_in_bounded_time_and_the_store_recovers() -> None:
+    """Every PostgreSQL process SIGSTOPped: the connections stay open and nothing answers.
+    Reads (SubmitJob waits on the request-id look-up) end STORE_UNAVAILABLE, not never
+    (asyncpg's command timeout); a batch of writes fails as one, not each alone after its
+    own timeout; once PostgreSQL is let go the same store reads and writes again."""
+    from dlsched.errors import StoreUnavailable
+
+    try:
+        server = PostgresServer()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    server.start()
+    try:
+        store = await HistoryStore.open(await server.database())
+        try:
+            await store.put(entries([make(1)]))
+            server.signal_all(signal.SIGSTOP)
+            try:
+                for read in (store.get("h00001"), store.job_for_request("r"), store.count(),
+                             store.select(Filter(), None, None, 10)):
+                    with pytest.raises(StoreUnavailable):
+                        await asyncio.wait_for(read, 120)  # a hang fails here, TimeoutError
+                writes = [store.put(entries([make(i)])) for i in range(2, 22)]
+                got = await asyncio.wait_for(asyncio.gather(*writes, return_exceptions=True), 300)
+                assert all(isinstance(r, StoreUnavailable) for r in got), got
+                assert store.stats.isolated == 0  # the batch was not retried op by op
+            finally:
+                server.signal_all(signal.SIGCONT)
+            await asyncio.wait_for(store.put(entries([make(2)])), 120)
+            got2 = await store.get("h00002")
+            assert got2 is not None and got2.job().id == "h00002"
+        finally:
+            await store.close()
+    finally:
+        server.stop()
+
+
 # ---------------------------------------------------------------- request ids of archived jobs
 
 async def test_a_retried_submit_finds_its_archived_job_and_runs_nothing_twice(

@@ -132,6 +132,8 @@ class WriterStats:
     transactions: int = 0
     operations: int = 0
     failures: int = 0
+    #: operations run again alone after their batch failed on one of them
+    isolated: int = 0
 
 
 class HistoryStore:
@@ -186,11 +188,15 @@ class HistoryStore:
             try:
                 results = await self._run(ops)
             except Exception as e:  # one failing op must not fail its batch-mates
-                if len(ops) == 1:
-                    self.stats.failures += 1
-                    _settle(ops[0], exc=_unavailable(e))
+                if len(ops) == 1 or _database_down(e):
+                    # A database that is down fails them all (each alone would wait
+                    # out its own timeout, one after the other).
+                    self.stats.failures += len(ops)
+                    for op in ops:
+                        _settle(op, exc=_unavailable(e))
                     continue
                 for op in ops:  # each alone: only the failing one fails
+                    self.stats.isolated += 1
                     try:
                         (r,) = await self._run([op])
                         _settle(op, result=r)
@@ -376,6 +382,17 @@ class HistoryStore:
 #: What a read raises when the database cannot answer: SQLAlchemy's errors, and the driver's own
 #: (asyncpg raises a bare ConnectionRefusedError / TimeoutError when PostgreSQL is down).
 _DOWN = (sa.exc.SQLAlchemyError, OSError, TimeoutError)
+#: the longest one PostgreSQL statement may take (asyncpg cancels it then)
+COMMAND_TIMEOUT_SECONDS = 10.0
+
+
+def _database_down(e: BaseException) -> bool:
+    """The database did not answer (a refused or lost connection, a statement
+    timed out), as opposed to refusing one statement of a batch."""
+    if isinstance(e, (OSError, TimeoutError, sa.exc.TimeoutError)):
+        return True
+    return isinstance(e, sa.exc.DBAPIError) and (
+        e.connection_invalidated or isinstance(e.orig, (OSError, TimeoutError)))
 
 
 def _settle(op: _Op, *, result: Any = None, exc: BaseException | None = None) -> None:
@@ -401,9 +418,12 @@ def _engine(url: str) -> AsyncEngine:
         engine = create_async_engine(url, pool_size=4, max_overflow=4)
         sa.event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
-    # a connection attempt to a PostgreSQL that is down fails in 5 s, not asyncpg's 60
+    # A connection attempt to a PostgreSQL that is down fails in 5 s, not asyncpg's 60;
+    # a statement on a PostgreSQL that stopped answering (SIGSTOP, a network partition:
+    # the connection stays open) in COMMAND_TIMEOUT_SECONDS, not never: SubmitJob waits on
+    # the history's request-id look-up, so a frozen history must end in STORE_UNAVAILABLE.
     return create_async_engine(url, pool_size=4, max_overflow=4, pool_pre_ping=True,
-                               connect_args={"timeout": 5})
+                               connect_args={"timeout": 5, "command_timeout": COMMAND_TIMEOUT_SECONDS})
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
