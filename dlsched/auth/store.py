@@ -8,6 +8,11 @@ SHA-256 of its secret, never the secret). Every process that authenticates
 one etcd watch, so a check is a dict look-up and a revocation reaches every
 replica as fast as etcd delivers the event. A write also updates the local
 view at once, so the replica that made a change sees it immediately.
+
+The watch is not trusted alone: every ``relist_seconds`` (300 s) the view is
+read again at one revision and, when it differs (a watch that stopped
+delivering without an error), replaced, and the watch opened again from
+there; a revocation is never missed for longer than that.
 """
 
 from __future__ import annotations
@@ -71,8 +76,15 @@ def token_from_json(data: bytes) -> ApiToken:
 class AccessStore:
     """The etcd records and the live view of them."""
 
-    def __init__(self, client: aetcd.Client, prefix: str) -> None:
+    def __init__(self, client: aetcd.Client, prefix: str, *, relist_seconds: float = 300.0) -> None:
         self._c = client
+        self._relist = relist_seconds
+        #: the records as etcd holds them (key -> JSON), to compare a relist with
+        self._raw: dict[bytes, bytes] = {}
+        #: writes this process started (a relist racing one keeps the view)
+        self._writes = 0
+        #: relists that found the view behind etcd
+        self.relist_repairs = 0
         self._root = f"{prefix}access/".encode()
         self._bindings_key = self._root + b"bindings/"
         self._tokens_key = self._root + b"tokens/"
@@ -107,13 +119,19 @@ class AccessStore:
             try:
                 watch = await self._c.watch_prefix(self._root, start_revision=next_rev)
                 delay = 0.2
-                async for ev in watch:
-                    key = bytes(ev.kv.key)
-                    if ev.kind == "DELETE":
-                        self._apply(key, None)
-                    else:
-                        self._apply(key, bytes(ev.kv.value))
-                    next_rev = max(next_rev, int(ev.kv.mod_revision) + 1)
+                try:
+                    async with asyncio.timeout(self._relist):
+                        async for ev in watch:
+                            key = bytes(ev.kv.key)
+                            if ev.kind == "DELETE":
+                                self._apply(key, None)
+                            else:
+                                self._apply(key, bytes(ev.kv.value))
+                            next_rev = max(next_rev, int(ev.kv.mod_revision) + 1)
+                except TimeoutError:
+                    await watch.cancel()
+                    next_rev = await self._relist_once(next_rev)
+                    continue
             except asyncio.CancelledError:
                 raise
             except aetcd.exceptions.RevisionCompactedError:
@@ -130,14 +148,35 @@ class AccessStore:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
 
+    async def _relist_once(self, next_rev: int) -> int:
+        """Read the view again at one revision; replace it when it differs and
+        nothing newer was applied meanwhile. The revision to watch from."""
+        writes = self._writes
+        res = await self._c.get_prefix(self._root)
+        rev = int(res.header.revision)
+        if rev + 1 < next_rev or writes != self._writes:
+            return next_rev  # the view holds something newer than this read
+        fresh = {bytes(kv.key): bytes(kv.value) for kv in res}
+        if fresh != self._raw:
+            self.relist_repairs += 1
+            log.warning("access view was behind etcd (%d records differed); reloaded at revision %d",
+                        len(set(fresh.items()) ^ set(self._raw.items())), rev)
+            self._reset(list(fresh.items()))
+        return rev + 1
+
     def _reset(self, kvs: list[tuple[bytes, bytes]]) -> None:
         self.bindings.clear()
         self.by_principal.clear()
         self.tokens.clear()
+        self._raw.clear()
         for k, v in kvs:
             self._apply(k, v)
 
     def _apply(self, key: bytes, value: bytes | None) -> None:
+        if value is None:
+            self._raw.pop(key, None)
+        else:
+            self._raw[key] = value
         try:
             if key.startswith(self._bindings_key):
                 bid = key[len(self._bindings_key):].decode()
@@ -195,12 +234,14 @@ class AccessStore:
         self._apply(key, None)
 
     async def _put(self, key: bytes, value: bytes) -> None:
+        self._writes += 1
         try:
             await self._c.put(key, value)
         except (aetcd.exceptions.ClientError, OSError) as e:
             raise StoreUnavailable(f"etcd: {e}") from e
 
     async def _delete(self, key: bytes) -> bool:
+        self._writes += 1
         try:
             res: Any = await self._c.delete(key)
         except (aetcd.exceptions.ClientError, OSError) as e:
