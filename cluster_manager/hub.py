@@ -8,6 +8,12 @@ continued). The buffer holds the last ``buffer_size`` events; every event after
 ``horizon`` is in it, so a token at or after the horizon resumes with no gap
 and no duplicate, and an older one raises WatchTokenExpired. A token that does
 not decode is InvalidArgument on ``resume_token``.
+
+A watchdog checks the watch every ``stall_seconds`` (30 s): a cluster record
+changed at a revision the watch has not delivered by the next check (a watch
+that stopped delivering without an error) makes the hub watch again from the
+last revision it published. Monitors write each cluster's heartbeat every 30 s,
+so a silent watch is caught within about a minute whatever else changes.
 """
 
 from __future__ import annotations
@@ -78,7 +84,8 @@ class Subscription:
 
 class WatchHub:
     def __init__(self, store: ClusterStore, buffer_size: int = 1024,
-                 subscriber_queue: int = 10_000, retry_seconds: float = 0.5) -> None:
+                 subscriber_queue: int = 10_000, retry_seconds: float = 0.5,
+                 stall_seconds: float = 30.0) -> None:
         self._store = store
         self._buf: deque[StoreEvent] = deque()
         self._size = max(1, buffer_size)
@@ -88,18 +95,24 @@ class WatchHub:
         self.revision = 0  # last etcd revision the hub has seen through
         self.horizon = 0  # every event after this revision is in the buffer
         self._task: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._stall = stall_seconds
         self._started = asyncio.Event()
+        #: times the watchdog opened the watch again
+        self.reopens = 0
 
     async def start(self) -> None:
         rev = await self._store.current_revision()
         self.revision = self.horizon = rev
         self._task = asyncio.create_task(self._run(), name="watch-hub")
+        self._watchdog = asyncio.create_task(self._watch_stalls(), name="watch-hub-watchdog")
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for t in (self._watchdog, self._task):
+            if t is not None:
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
         for s in list(self._subs):
             s._offer(Unavailable("the server is shutting down; reconnect"))
 
@@ -137,6 +150,28 @@ class WatchHub:
         self.revision = self.horizon = rev
         for s in list(self._subs):
             s._offer(err)
+
+    async def _watch_stalls(self) -> None:
+        """Every ``stall_seconds``: a change the watch had not delivered at the
+        previous check and still has not opens the watch again."""
+        owed = 0  # a change seen at the previous check that the watch had not delivered
+        while True:
+            await asyncio.sleep(self._stall)
+            if owed > self.revision and self._task is not None:
+                log.warning("cluster watch: revision %d not delivered in %.0f s; watching again "
+                            "from revision %d", owed, self._stall, self.revision + 1)
+                self.reopens += 1
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await self._task
+                self._task = asyncio.create_task(self._run(), name="watch-hub")
+                owed = 0
+                continue
+            try:
+                owed = await self._store.last_change()
+            except DlschedError as e:
+                log.debug("cluster watch check: %s", e.reason)
+                owed = 0
 
     async def _run(self) -> None:
         while True:

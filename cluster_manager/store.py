@@ -145,6 +145,12 @@ class ClusterStore:
             res = await self._c.get_prefix(self._clusters, keys_only=True)
         return int(res.header.revision)
 
+    async def last_change(self) -> int:
+        """The newest mod revision of a cluster record (0 when there is none)."""
+        async with _translated("revision"):
+            res = await self._c.get_prefix(self._clusters, keys_only=True)
+        return max((int(kv.mod_revision) for kv in res), default=0)
+
     async def get_credentials(self, cluster_id: str) -> tuple[Credentials | None, int]:
         """The stored credentials and their key's mod revision (0 when none).
         DecryptError when the record cannot be decrypted with the keyring."""
