@@ -970,7 +970,7 @@ async def test_a_frozen_postgresql_fails_in_bounded_time_and_the_store_recovers(
                 for read in (store.get("h00001"), store.job_for_request("r"), store.count(),
                              store.select(Filter(), None, None, 10)):
                     with pytest.raises(StoreUnavailable):
-                        await asyncio.wait_for(read, 120)  # a hang fails here, TimeoutError
+                        await asyncio.wait_for(read, 60)  # a hang fails here, TimeoutError
                 writes = [store.put(entries([make(i)])) for i in range(2, 22)]
                 got = await asyncio.wait_for(asyncio.gather(*writes, return_exceptions=True), 300)
                 assert all(isinstance(r, StoreUnavailable) for r in got), got
@@ -984,6 +984,47 @@ async def test_a_frozen_postgresql_fails_in_bounded_time_and_the_store_recovers(
             await store.close()
     finally:
         server.stop()
+
+
+async def test_a_slow_statement_fails_alone_and_migrations_wait_past_the_timeout(
+        pg: PostgresServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The statement timeout (here 1 s) is for a database that stopped answering: a batch-mate
+    that is only slow fails alone (the database still answers), and a replica's schema upgrade
+    waits for another's migration lock longer than that and starts."""
+    import asyncpg  # type: ignore[import-untyped]
+
+    from dlsched.errors import StoreUnavailable
+    from job_manager.history import store as store_mod
+
+    monkeypatch.setattr(store_mod, "COMMAND_TIMEOUT_SECONDS", 1.0)
+    dsn = await pg.database()
+    store = await HistoryStore.open(dsn)
+    try:
+        async def slow(conn: Any) -> None:
+            await conn.execute(sa.text("SELECT pg_sleep(3)"))
+
+        held = asyncio.ensure_future(store._write(slow))  # noqa: SLF001 - an op of the writer's batch
+        mates = [store.put(entries([make(i)])) for i in range(1, 6)]
+        got = await asyncio.wait_for(asyncio.gather(held, *mates, return_exceptions=True), 120)
+        assert isinstance(got[0], StoreUnavailable) and "within 1 s" in got[0].message, got[0]
+        assert got[1:] == [None] * 5, got  # the others were written
+        assert await store.count() == 5
+    finally:
+        await store.close()
+    # Another replica migrating: its transaction holds the lock 3 s, past the timeout.
+    conn = await asyncpg.connect(dsn)
+    try:
+        tr = conn.transaction()
+        await tr.start()
+        await conn.execute(f"SELECT pg_advisory_xact_lock({migrate._PG_LOCK})")  # noqa: SLF001
+        opening = asyncio.ensure_future(HistoryStore.open(dsn))
+        await asyncio.sleep(3)
+        assert not opening.done()  # waiting for the lock, not failed at 1 s
+        await tr.rollback()
+        second = await asyncio.wait_for(opening, 60)
+        await second.close()
+    finally:
+        await conn.close()
 
 
 # ---------------------------------------------------------------- request ids of archived jobs

@@ -148,11 +148,18 @@ class HistoryStore:
 
     @classmethod
     async def open(cls, dsn: str, *, migrate_schema: bool = True) -> HistoryStore:
-        engine = _engine(url_of(dsn))
+        url = url_of(dsn)
+        engine = _engine(url)
         store = cls(engine)
         try:
             if migrate_schema:
-                await migrate.upgrade(engine)
+                # On an engine of its own, without the statement timeout: a migration may
+                # rewrite a large table, and waits for another replica's migration (lock).
+                migrator = _engine(url, statement_timeout=False)
+                try:
+                    await migrate.upgrade(migrator)
+                finally:
+                    await migrator.dispose()
         except Exception:
             await engine.dispose()
             raise
@@ -188,7 +195,8 @@ class HistoryStore:
             try:
                 results = await self._run(ops)
             except Exception as e:  # one failing op must not fail its batch-mates
-                if len(ops) == 1 or _database_down(e):
+                if len(ops) == 1 or _database_down(e) or (
+                        _timed_out(e) and not await self._answers()):
                     # A database that is down fails them all (each alone would wait
                     # out its own timeout, one after the other).
                     self.stats.failures += len(ops)
@@ -206,6 +214,15 @@ class HistoryStore:
                 continue
             for op, r in zip(ops, results, strict=True):
                 _settle(op, result=r)
+
+    async def _answers(self) -> bool:
+        """Whether the database answers a trivial query now (within its timeouts)."""
+        try:
+            async with self.engine.connect() as conn:
+                await conn.execute(sa.text("SELECT 1"))
+        except Exception:  # noqa: BLE001 - any failure: it does not
+            return False
+        return True
 
     async def _run(self, ops: list[_Op]) -> list[Any]:
         async with self.engine.begin() as conn:
@@ -387,12 +404,18 @@ COMMAND_TIMEOUT_SECONDS = 10.0
 
 
 def _database_down(e: BaseException) -> bool:
-    """The database did not answer (a refused or lost connection, a statement
-    timed out), as opposed to refusing one statement of a batch."""
-    if isinstance(e, (OSError, TimeoutError, sa.exc.TimeoutError)):
+    """The database is not there (a refused or lost connection), as opposed to
+    refusing one statement of a batch. A statement that timed out may be the
+    database gone quiet or one slow statement: ``HistoryStore._answers`` tells."""
+    if isinstance(e, OSError) and not isinstance(e, TimeoutError):
         return True
     return isinstance(e, sa.exc.DBAPIError) and (
-        e.connection_invalidated or isinstance(e.orig, (OSError, TimeoutError)))
+        e.connection_invalidated or (isinstance(e.orig, OSError) and not isinstance(e.orig, TimeoutError)))
+
+
+def _timed_out(e: BaseException) -> bool:
+    return isinstance(e, (TimeoutError, sa.exc.TimeoutError)) or (
+        isinstance(e, sa.exc.DBAPIError) and isinstance(e.orig, TimeoutError))
 
 
 def _settle(op: _Op, *, result: Any = None, exc: BaseException | None = None) -> None:
@@ -407,10 +430,12 @@ def _settle(op: _Op, *, result: Any = None, exc: BaseException | None = None) ->
 def _unavailable(e: BaseException) -> StoreUnavailable:
     if isinstance(e, StoreUnavailable):
         return e
+    if _timed_out(e):
+        return StoreUnavailable(f"history: no answer from the database within {COMMAND_TIMEOUT_SECONDS:g} s")
     return StoreUnavailable(f"history: {e.__class__.__name__}: {e}")
 
 
-def _engine(url: str) -> AsyncEngine:
+def _engine(url: str, *, statement_timeout: bool = True) -> AsyncEngine:
     if url.startswith("sqlite"):
         path = url.split(":///", 1)[1]
         if path and path != ":memory:":
@@ -422,8 +447,11 @@ def _engine(url: str) -> AsyncEngine:
     # a statement on a PostgreSQL that stopped answering (SIGSTOP, a network partition:
     # the connection stays open) in COMMAND_TIMEOUT_SECONDS, not never: SubmitJob waits on
     # the history's request-id look-up, so a frozen history must end in STORE_UNAVAILABLE.
+    connect: dict[str, Any] = {"timeout": 5}
+    if statement_timeout:
+        connect["command_timeout"] = COMMAND_TIMEOUT_SECONDS
     return create_async_engine(url, pool_size=4, max_overflow=4, pool_pre_ping=True,
-                               connect_args={"timeout": 5, "command_timeout": COMMAND_TIMEOUT_SECONDS})
+                               connect_args=connect)
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
