@@ -127,9 +127,10 @@ class ClusterMonitor:
         return True
 
     def _failure(self, cluster: Cluster, e: DlschedError) -> Observation:
-        """The cluster down. What it was last seen to run is kept (its capacity
-        too, by ``with_observation``): matching sends jobs that fit it there to
-        wait for it when no cluster that is up can take them."""
+        """The cluster down. A driver that does not answer keeps what it was last
+        seen to run (its capacity too, by ``with_observation``): matching sends
+        jobs that fit it there to wait for it when no cluster that is up can
+        take them (a driver restarting)."""
         modes = cluster.supported_run_modes
         if is_unreachable(e):
             if cluster.state is not ClusterState.DRIVER_UNAVAILABLE:
@@ -143,7 +144,7 @@ class ClusterMonitor:
                         self.cluster_id, e.code, e.reason)
         return Observation(ClusterState.UNREACHABLE,
                            f"driver {cluster.driver_address} failed: {e.code} {e.reason}: "
-                           f"{e.message}"[:1024], supported_run_modes=modes)
+                           f"{e.message}"[:1024])
 
     async def _publish(self, cluster: Cluster, obs: Observation) -> bool:
         now = self._clock()

@@ -212,6 +212,10 @@ async def cmd_submit(args: argparse.Namespace) -> int:
             print(f"dry run: {resp.job.name or '(server-picked id)'} would run on {dr.cluster or '-'}")
             if dr.candidates:
                 fmt.candidates_table(dr.candidates)
+            if not dr.HasField("native_spec"):
+                print("native spec: not available (the cluster's driver does not answer now; "
+                      "a job submitted now waits for it)")
+                return 0
             print(f"native spec ({dr.native_spec.media_type or 'unknown type'}):")
             content = dr.native_spec.content
             sys.stdout.write(content if content.endswith("\n") else content + "\n")

@@ -98,7 +98,8 @@ class SchedulerConfig:
 class DryRun:
     cluster: str
     candidates: list[Candidate]
-    native_spec: NativeSpec
+    #: None when the chosen cluster's driver does not answer (the job would wait for it)
+    native_spec: NativeSpec | None
 
 
 class Scheduler:
@@ -199,8 +200,12 @@ class Scheduler:
                   owner=owner, project=spec.project, reason=states.LAUNCH_QUEUED)
         logs.JOB_ID.set(job.id)  # this handler's task: its records name the job
         if dry_run:
-            native = await self.drivers.get(chosen.driver_address).render(
-                chosen.cluster, job.id, spec)
+            # A driver down for now (the job would be stored and wait for it): the
+            # placement without the native spec, as the submit would go on.
+            native: NativeSpec | None = None
+            with contextlib.suppress(errors.Unavailable):
+                native = await self.drivers.get(chosen.driver_address).render(
+                    chosen.cluster, job.id, spec)
             job.uid = ""
             return job, DryRun(chosen.cluster, candidates, native)
         try:

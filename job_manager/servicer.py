@@ -165,7 +165,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             resp.dry_run.CopyFrom(pb.DryRunResult(
                 cluster=dry.cluster,
                 candidates=[convert.candidate_to_proto(c) for c in dry.candidates],
-                native_spec=convert.native_to_proto(dry.native_spec)))
+                native_spec=convert.native_to_proto(dry.native_spec) if dry.native_spec else None))
         return resp
 
     async def GetJob(self, request: pb.GetJobRequest,  # noqa: N802

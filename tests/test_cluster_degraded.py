@@ -1,35 +1,54 @@
 """CLUSTER_STATE_DEGRADED: a cluster reachable but slow stays eligible for jobs (they are
-stored and launched as it recovers); an UNREACHABLE one is matched only after every cluster
-that is up (the job waits for it), and refused when it was never observed. The enum value is
-the same number in the API, the domain and the driver kit."""
+stored and launched as it recovers); an UNREACHABLE one is refused; one whose driver is down
+(DRIVER_UNAVAILABLE) but answered lately is matched after every cluster that is up (the job
+waits for it). The enum value is the same number in the API, the domain and the driver kit."""
 
 from __future__ import annotations
+
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from cluster_manager import convert
 from cluster_manager.domain.errors import NoMatchingCluster
-from cluster_manager.domain.matching import rank
+from cluster_manager.domain.matching import DOWN_WAIT_SECONDS, rank
 from cluster_manager.domain.models import ClusterState
 from dlsched.v1 import cluster_pb2
 from drivers.common import base
 from tests.test_cluster_matching import cap, cluster, job
 
 
-def test_a_degraded_cluster_is_matched_before_an_unreachable_one() -> None:
-    # "gone" scores higher (more capacity) but is down: it comes after the one that is up.
-    cands = rank(job(cpu=2), [cluster("slow", cap(free_cpus=2), state=ClusterState.DEGRADED),
+def test_a_degraded_cluster_is_matched_and_an_unreachable_one_refused() -> None:
+    cands = rank(job(cpu=2), [cluster("slow", state=ClusterState.DEGRADED),
                               cluster("gone", state=ClusterState.UNREACHABLE)])
-    assert [(c.cluster, c.eligible) for c in cands] == [("clusters/slow", True), ("clusters/gone", True)]
-    assert cands[1].score > cands[0].score
+    assert [(c.cluster, c.eligible) for c in cands] == [("clusters/slow", True), ("clusters/gone", False)]
     assert any("DEGRADED" in r for r in cands[0].reasons)
-    assert any("UNREACHABLE" in r and "waits for it" in r for r in cands[1].reasons)
+    assert any("UNREACHABLE" in r for r in cands[1].reasons)
 
 
-def test_a_cluster_never_observed_is_refused_whatever_its_state() -> None:
-    for state in (ClusterState.UNREACHABLE, ClusterState.DRIVER_UNAVAILABLE, ClusterState.PENDING):
-        with pytest.raises(NoMatchingCluster, match=state.value):
-            rank(job(cpu=2), [cluster("new", state=state, modes=())])
+def test_a_driver_down_for_a_moment_is_matched_after_the_clusters_that_are_up() -> None:
+    # "restarting" scores higher (more free capacity) but its driver is down: it comes last.
+    now = datetime(2026, 6, 1, tzinfo=UTC)
+    restarting = replace(cluster("restarting", state=ClusterState.DRIVER_UNAVAILABLE),
+                         last_heartbeat_time=now - timedelta(seconds=40))
+    cands = rank(job(cpu=2), [cluster("slow", cap(free_cpus=2), state=ClusterState.DEGRADED), restarting],
+                 now)
+    assert [(c.cluster, c.eligible) for c in cands] == [("clusters/slow", True), ("clusters/restarting", True)]
+    assert cands[1].score > cands[0].score
+    assert any("DRIVER_UNAVAILABLE" in r and "40 s ago" in r and "waits for it" in r for r in cands[1].reasons)
+
+
+def test_a_driver_down_too_long_or_never_heard_from_is_refused() -> None:
+    now = datetime(2026, 6, 1, tzinfo=UTC)
+    down = cluster("down", state=ClusterState.DRIVER_UNAVAILABLE)
+    for c in (replace(down, last_heartbeat_time=now - timedelta(seconds=DOWN_WAIT_SECONDS + 1)),
+              replace(down, last_heartbeat_time=None),
+              replace(down, last_heartbeat_time=now, supported_run_modes=()),
+              replace(down, last_heartbeat_time=now, capacity=None),
+              replace(cluster("new", state=ClusterState.PENDING), last_heartbeat_time=now)):
+        with pytest.raises(NoMatchingCluster, match=c.state.value):
+            rank(job(cpu=2), [c], now)
 
 
 def test_degraded_is_one_value_everywhere() -> None:

@@ -3,6 +3,9 @@ list filter, page and resume tokens."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+from datetime import UTC, datetime
+
 import pytest
 
 from cluster_manager.domain import filter as flt
@@ -115,12 +118,14 @@ def test_ranks_free_capacity_first_then_headroom() -> None:
 
 
 def test_down_clusters_follow_those_up_and_refused_ones_follow_with_reasons() -> None:
+    now = datetime(2026, 6, 1, tzinfo=UTC)
     cands = rank(job(cpu=2), [
-        cluster("down", state=ClusterState.DRIVER_UNAVAILABLE),
+        replace(cluster("down", state=ClusterState.DRIVER_UNAVAILABLE), last_heartbeat_time=now),
         cluster("ok", cap(free_cpus=2)),
         cluster("slurm", ctype=ClusterType.SLURM, modes=(RunMode.MPI,)),
-        cluster("small-down", cap(cpus=1), state=ClusterState.UNREACHABLE),
-    ])
+        replace(cluster("small-down", cap(cpus=1), state=ClusterState.DRIVER_UNAVAILABLE),
+                last_heartbeat_time=now),
+    ], now)
     assert [(c.cluster, c.eligible) for c in cands] == [
         ("clusters/ok", True), ("clusters/down", True), ("clusters/slurm", False),
         ("clusters/small-down", False)]
@@ -130,8 +135,10 @@ def test_down_clusters_follow_those_up_and_refused_ones_follow_with_reasons() ->
 
 
 def test_only_down_clusters_match_the_best_of_them() -> None:
-    cands = rank(job(cpu=2), [cluster("a", cap(free_cpus=0), state=ClusterState.UNREACHABLE),
-                              cluster("b", state=ClusterState.DRIVER_UNAVAILABLE)])
+    now = datetime(2026, 6, 1, tzinfo=UTC)
+    cands = rank(job(cpu=2), [
+        replace(cluster("a", cap(free_cpus=0), state=ClusterState.DRIVER_UNAVAILABLE), last_heartbeat_time=now),
+        replace(cluster("b", state=ClusterState.DRIVER_UNAVAILABLE), last_heartbeat_time=now)], now)
     assert [(c.cluster, c.eligible) for c in cands] == [("clusters/b", True), ("clusters/a", True)]
 
 

@@ -129,6 +129,11 @@ async def test_a_restarted_driver_not_yet_configured_is_unavailable_not_a_precon
                 async for _ in jm.stream_job_logs(name, reconnect=False):
                     pass
             assert (logs.value.code, logs.value.reason) == ("UNAVAILABLE", "DRIVER_NOT_READY"), logs.value
+            s.driver.kill()  # no driver at all: the cluster named, not gRPC's words about an address
+            with pytest.raises(DlschedRpcError) as gone:
+                await jm.get_job_usage(name)
+            assert (gone.value.code, gone.value.reason) == ("UNAVAILABLE", "DRIVER_UNAVAILABLE"), gone.value
+            assert "clusters/local" in gone.value.message and "127.0.0.1" not in gone.value.message
             release.touch()
 
 
@@ -147,10 +152,8 @@ async def test_a_job_submitted_while_its_only_cluster_is_down_waits_and_runs_onc
         [cand] = await cm.match_clusters(spec)
         assert cand.eligible and any("waits for it" in r for r in cand.reasons), cand
     async with JobManagerClient(stack.jm.address) as jm:
-        with pytest.raises(DlschedRpcError) as dry:  # a dry run needs the driver to render the job
-            await jm.submit_job(spec, dry_run=True)
-        assert (dry.value.code, dry.value.reason) == ("UNAVAILABLE", "DRIVER_UNAVAILABLE"), dry.value
-        assert "clusters/local" in dry.value.message and "127.0.0.1" not in dry.value.message
+        dry = (await jm.submit_job(spec, dry_run=True)).dry_run  # the placement; no driver to render it
+        assert dry.cluster == "clusters/local" and not dry.HasField("native_spec"), dry
         name = (await jm.submit_job(spec)).job.name
         waiting = await _until(jm, name, lambda j: j.reason == "DriverUnavailable")
         assert waiting.state == job_pb2.JOB_STATE_PENDING and not waiting.backend_job_id

@@ -3,24 +3,27 @@ clusters to ranked candidates, each with the reasons for its rank.
 
 Rules, in order: the selector (name, type, labels) filters; the cluster must
 be READY or DEGRADED (reachable but slow: a job matched to it is stored and
-launched as it recovers), or DRIVER_UNAVAILABLE / UNREACHABLE after it was
-once observed (its run modes and capacity known: a driver restarting, a
-backend briefly down); the run mode must be supported; every replica must fit on one node
+launched as it recovers), or DRIVER_UNAVAILABLE with its driver heard from
+within ``DOWN_WAIT_SECONDS`` (a driver restarting or upgraded; run modes and
+capacity as last observed); the run mode must be supported; every replica must fit on one node
 (CPUs, memory, GPUs, GPU model); the whole job must fit the cluster's total
 capacity. Eligible clusters score 1 when the job fits the *free* capacity now
 (0 when it would queue) plus the share of free capacity left after placing it
-(0..1), so an idle cluster beats a busy one. A cluster that is down ranks
-after every one that is up, whatever its score: a job matched to it is stored
-and waits (PENDING ``DriverUnavailable``) until it is back, as Slurm keeps a
-job for a DOWN partition and Kubernetes a pod no node can take yet, rather
-than refusing it because of a moment's outage. A cluster never observed
-(PENDING) is refused: nothing says what it can run.
+(0..1), so an idle cluster beats a busy one. A cluster whose driver is down
+ranks after every one that is up, whatever its score: a job matched to it is
+stored and waits (PENDING ``DriverUnavailable``) until it is back, as Slurm
+keeps a job for a DOWN partition, rather than being refused for a moment's
+outage. UNREACHABLE (the driver answers, the backend does not: often a
+configuration or credentials fault that lasts) is refused, as is a cluster
+never observed (nothing says what it can run) or one whose driver has been
+silent longer than ``DOWN_WAIT_SECONDS``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from dlsched import resources
 from dlsched.resources import CpuRule
@@ -40,8 +43,10 @@ from .models import (
 GIB = 1024**3
 #: Cluster states a job may be matched to (DEGRADED: reachable, slow; its launches are retried).
 ELIGIBLE_STATES = frozenset({ClusterState.READY, ClusterState.DEGRADED})
-#: States of a cluster that is down for now: matched after every one that is up, the job waits for it.
-DOWN_STATES = frozenset({ClusterState.DRIVER_UNAVAILABLE, ClusterState.UNREACHABLE})
+#: A state of a cluster that may be down only for now: matched after every one that is up.
+DOWN_STATES = frozenset({ClusterState.DRIVER_UNAVAILABLE})
+#: How long after its driver last answered a cluster that is down still takes jobs to wait for it.
+DOWN_WAIT_SECONDS = 900.0
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,7 @@ def _fmt_bytes(n: int) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
-def _evaluate(job: JobRequirements, c: Cluster) -> Candidate:
+def _evaluate(job: JobRequirements, c: Cluster, now: datetime) -> Candidate:
     rule = _cpu_rule(c)
     need = _totals(job, rule)
     refusals: list[str] = []
@@ -97,9 +102,13 @@ def _evaluate(job: JobRequirements, c: Cluster) -> Candidate:
     msg = f"state is {c.state.value}"
     if c.state not in ELIGIBLE_STATES:
         msg = f"{msg}: {c.state_message}" if c.state_message else msg
-        if c.state not in DOWN_STATES or not c.supported_run_modes or c.capacity is None:
+        heard = c.last_heartbeat_time
+        silent = (now - heard).total_seconds() if heard is not None else None
+        if (c.state not in DOWN_STATES or not c.supported_run_modes or c.capacity is None
+                or silent is None or silent > DOWN_WAIT_SECONDS):
             return _refused(c, [msg])
-        msg += "; the job waits for it to be back (as last observed, it can run the job)"
+        msg += (f"; its driver last answered {silent:.0f} s ago: the job waits for it "
+                "(as last observed, it can run the job)")
     reasons = [msg]
     if job.run_mode not in c.supported_run_modes:
         modes = ", ".join(m.value for m in c.supported_run_modes) or "none"
@@ -172,10 +181,12 @@ def _refused(c: Cluster, reasons: Sequence[str]) -> Candidate:
     return Candidate(c.name, c.type, False, 0.0, tuple(reasons), c.driver_address)
 
 
-def rank(job: JobRequirements, clusters: Iterable[Cluster]) -> list[Candidate]:
+def rank(job: JobRequirements, clusters: Iterable[Cluster],
+         now: datetime | None = None) -> list[Candidate]:
     """Candidates for ``job``: eligible ones best first (those up before those
     down, then by score, ties by name), then the refused ones by name. Raises UnknownCluster when the selector names a
     cluster that is not registered, NoMatchingCluster when none is eligible.
+    ``now`` (default: the clock) dates how long a down cluster's driver has been silent.
     """
     cs = sorted(clusters, key=lambda c: c.cluster_id)
     if job.selector.cluster:
@@ -183,7 +194,8 @@ def rank(job: JobRequirements, clusters: Iterable[Cluster]) -> list[Candidate]:
         cs = [c for c in cs if c.cluster_id == want]
         if not cs:
             raise UnknownCluster(cluster_name(want))
-    cands = [_evaluate(job, c) for c in cs]
+    at = now or datetime.now(UTC)
+    cands = [_evaluate(job, c, at) for c in cs]
     down = {c.name for c in cs if c.state in DOWN_STATES}
     eligible = sorted((x for x in cands if x.eligible),
                       key=lambda x: (x.cluster in down, -x.score, x.cluster))

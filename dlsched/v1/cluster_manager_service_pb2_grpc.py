@@ -145,9 +145,9 @@ class ClusterManagerServiceServicer:
 
     def MatchClusters(self, request, context):
         """Ranks the clusters for a job spec, with the reasons. Clusters that are up
-        (READY, DEGRADED) come first; a cluster that is down (DRIVER_UNAVAILABLE,
-        UNREACHABLE) but was observed, and could run the job as last observed,
-        follows them, eligible: a job placed there waits for it. A job no cluster
+        (READY, DEGRADED) come first; a DRIVER_UNAVAILABLE cluster whose driver
+        answered within the last 15 minutes, and that could run the job as last
+        observed, follows them, eligible: a job placed there waits for it. A job no cluster
         could ever run (e.g. more GPUs per replica than any node has) fails with
         FAILED_PRECONDITION, reason NO_MATCHING_CLUSTER, and the reasons per
         cluster in a PreconditionFailure.
