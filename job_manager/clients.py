@@ -62,8 +62,9 @@ _CHANNEL_OPTIONS = [
 ]
 
 
-#: a tail that failed UNAVAILABLE (or DRIVER_NOT_READY) before its first batch is opened again this often
-_TAIL_RETRIES = 5
+#: a tail that failed UNAVAILABLE (or DRIVER_NOT_READY) before its first batch is opened again
+#: this often (3 s in all; a client's channel retries the whole call on top, as the service config says)
+_TAIL_RETRIES = 4
 
 
 def for_client(e: errors.DlschedError, cluster: str) -> errors.DlschedError:
