@@ -952,8 +952,9 @@ async def test_a_postgresql_that_is_down_is_unavailable_not_an_internal_error() 
 async def test_a_frozen_postgresql_fails_in_bounded_time_and_the_store_recovers() -> None:
     """Every PostgreSQL process SIGSTOPped: the connections stay open and nothing answers.
     Reads (SubmitJob waits on the request-id look-up) end STORE_UNAVAILABLE, not never
-    (asyncpg's command timeout); a batch of writes fails as one, not each alone after its
-    own timeout; once PostgreSQL is let go the same store reads and writes again."""
+    (asyncpg's command timeout), and the reads right after fail at once; a batch of writes
+    fails as one, not each alone after its own timeout; once PostgreSQL is let go the same
+    store reads and writes again."""
     from dlsched.errors import StoreUnavailable
 
     try:
@@ -967,10 +968,12 @@ async def test_a_frozen_postgresql_fails_in_bounded_time_and_the_store_recovers(
             await store.put(entries([make(1)]))
             server.signal_all(signal.SIGSTOP)
             try:
-                for read in (store.get("h00001"), store.job_for_request("r"), store.count(),
-                             store.select(Filter(), None, None, 10)):
-                    with pytest.raises(StoreUnavailable):
-                        await asyncio.wait_for(read, 60)  # a hang fails here, TimeoutError
+                with pytest.raises(StoreUnavailable, match="no answer"):
+                    await asyncio.wait_for(store.get("h00001"), 60)  # a hang fails here, TimeoutError
+                # The reads right after fail at once, holding no connection for a timeout of their own.
+                for read in (store.job_for_request("r"), store.count(), store.select(Filter(), None, None, 10)):
+                    with pytest.raises(StoreUnavailable, match="did not answer just now"):
+                        await asyncio.wait_for(read, 60)
                 writes = [store.put(entries([make(i)])) for i in range(2, 22)]
                 got = await asyncio.wait_for(asyncio.gather(*writes, return_exceptions=True), 300)
                 assert all(isinstance(r, StoreUnavailable) for r in got), got
@@ -978,7 +981,14 @@ async def test_a_frozen_postgresql_fails_in_bounded_time_and_the_store_recovers(
             finally:
                 server.signal_all(signal.SIGCONT)
             await asyncio.wait_for(store.put(entries([make(2)])), 120)
-            got2 = await store.get("h00002")
+            deadline = time.monotonic() + 120
+            while True:  # reads are asked again a few seconds after the last failure
+                try:
+                    got2 = await store.get("h00002")
+                    break
+                except StoreUnavailable:
+                    assert time.monotonic() < deadline, "reads never came back"
+                    await asyncio.sleep(0.5)
             assert got2 is not None and got2.job().id == "h00002"
         finally:
             await store.close()

@@ -31,7 +31,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,6 +145,7 @@ class HistoryStore:
         self._queue: asyncio.Queue[_Op] = asyncio.Queue()
         self._writer: asyncio.Task[None] | None = None
         self.stats = WriterStats()
+        self._down_until = 0.0  # loop time before which reads fail at once (``_reading``)
 
     @classmethod
     async def open(cls, dsn: str, *, migrate_schema: bool = True) -> HistoryStore:
@@ -198,7 +199,9 @@ class HistoryStore:
                 if len(ops) == 1 or _database_down(e) or (
                         _timed_out(e) and not await self._answers()):
                     # A database that is down fails them all (each alone would wait
-                    # out its own timeout, one after the other).
+                    # out its own timeout, one after the other), and the reads for a while.
+                    if len(ops) > 1 or _database_down(e) or _timed_out(e):
+                        self._down_until = asyncio.get_running_loop().time() + DOWN_SECONDS
                     self.stats.failures += len(ops)
                     for op in ops:
                         _settle(op, exc=_unavailable(e))
@@ -353,32 +356,40 @@ class HistoryStore:
 
     # -- reads
 
-    async def count(self) -> int:
+    @contextlib.asynccontextmanager
+    async def _reading(self) -> AsyncIterator[AsyncConnection]:
+        """A connection for one read. A database that just failed to answer
+        (refused, lost, timed out) is not asked again for ``DOWN_SECONDS``: the
+        reads meanwhile fail at once instead of each holding a connection for
+        its own timeout (the callers, SubmitJob among them, retry)."""
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._down_until:
+            raise StoreUnavailable("history: the database did not answer just now; retry")
         try:
             async with self.engine.connect() as conn:
-                return int((await conn.execute(sa.select(sa.func.count()).select_from(T))).scalar_one())
+                yield conn
         except _DOWN as e:
+            if _database_down(e) or _timed_out(e):
+                self._down_until = loop.time() + DOWN_SECONDS
             raise _unavailable(e) from e
 
+    async def count(self) -> int:
+        async with self._reading() as conn:
+            return int((await conn.execute(sa.select(sa.func.count()).select_from(T))).scalar_one())
+
     async def get(self, job_id: str) -> ArchivedJob | None:
-        try:
-            async with self.engine.connect() as conn:
-                row = (await conn.execute(
-                    sa.select(T.c.data, T.c.revision).where(T.c.id == job_id))).first()
-        except _DOWN as e:
-            raise _unavailable(e) from e
+        async with self._reading() as conn:
+            row = (await conn.execute(
+                sa.select(T.c.data, T.c.revision).where(T.c.id == job_id))).first()
         return ArchivedJob(job_id, row[0], int(row[1])) if row is not None else None
 
     async def job_for_request(self, request_id: str) -> ArchivedJob | None:
         """The archived job a SubmitJob with ``request_id`` made, if recorded (``put_requests``)."""
-        try:
-            async with self.engine.connect() as conn:
-                row = (await conn.execute(
-                    sa.select(T.c.id, T.c.data, T.c.revision)
-                    .select_from(R.join(T, T.c.id == R.c.job_id))
-                    .where(R.c.request_id == request_id))).first()
-        except _DOWN as e:
-            raise _unavailable(e) from e
+        async with self._reading() as conn:
+            row = (await conn.execute(
+                sa.select(T.c.id, T.c.data, T.c.revision)
+                .select_from(R.join(T, T.c.id == R.c.job_id))
+                .where(R.c.request_id == request_id))).first()
         return ArchivedJob(str(row[0]), row[1], int(row[2])) if row is not None else None
 
     async def select(self, flt: Filter, p: Principal | None, after: SortKey | None,
@@ -388,11 +399,8 @@ class HistoryStore:
         q = _select_query(flt, p, after, limit)
         if q is None:
             return []
-        try:
-            async with self.engine.connect() as conn:
-                rows = (await conn.execute(q)).all()
-        except _DOWN as e:
-            raise _unavailable(e) from e
+        async with self._reading() as conn:
+            rows = (await conn.execute(q)).all()
         return [ArchivedJob(r[0], r[1], int(r[2])) for r in rows]
 
 
@@ -401,6 +409,8 @@ class HistoryStore:
 _DOWN = (sa.exc.SQLAlchemyError, OSError, TimeoutError)
 #: the longest one PostgreSQL statement may take (asyncpg cancels it then)
 COMMAND_TIMEOUT_SECONDS = 10.0
+#: how long reads fail at once after the database failed to answer one
+DOWN_SECONDS = 5.0
 
 
 def _database_down(e: BaseException) -> bool:
