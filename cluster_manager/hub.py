@@ -108,11 +108,15 @@ class WatchHub:
         self._watchdog = asyncio.create_task(self._watch_stalls(), name="watch-hub-watchdog")
 
     async def close(self) -> None:
-        for t in (self._watchdog, self._task):
-            if t is not None:
-                t.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
+        # The watchdog first: it may be replacing the watch task.
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watchdog
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
         for s in list(self._subs):
             s._offer(Unavailable("the server is shutting down; reconnect"))
 
@@ -161,9 +165,9 @@ class WatchHub:
                 log.warning("cluster watch: revision %d not delivered in %.0f s; watching again "
                             "from revision %d", owed, self._stall, self.revision + 1)
                 self.reopens += 1
-                self._task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await self._task
+                old = self._task
+                old.cancel()
+                await asyncio.wait({old})  # its end, not ours: a cancel of this task still lands
                 self._task = asyncio.create_task(self._run(), name="watch-hub")
                 owed = 0
                 continue

@@ -213,7 +213,7 @@ async def cmd_submit(args: argparse.Namespace) -> int:
             if dr.candidates:
                 fmt.candidates_table(dr.candidates)
             if not dr.HasField("native_spec"):
-                print("native spec: not available (the cluster's driver does not answer now; "
+                print("native spec: not available (the cluster's driver cannot render it now; "
                       "a job submitted now waits for it)")
                 return 0
             print(f"native spec ({dr.native_spec.media_type or 'unknown type'}):")

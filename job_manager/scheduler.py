@@ -203,9 +203,12 @@ class Scheduler:
             # A driver down for now (the job would be stored and wait for it): the
             # placement without the native spec, as the submit would go on.
             native: NativeSpec | None = None
-            with contextlib.suppress(errors.Unavailable):
+            try:
                 native = await self.drivers.get(chosen.driver_address).render(
                     chosen.cluster, job.id, spec)
+            except errors.Unavailable as e:
+                if e.reason not in ("DRIVER_UNAVAILABLE", "DRIVER_NOT_READY"):
+                    raise
             job.uid = ""
             return job, DryRun(chosen.cluster, candidates, native)
         try:

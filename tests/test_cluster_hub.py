@@ -42,12 +42,58 @@ async def test_a_silent_cluster_watch_is_opened_again(etcd: EtcdServer, etcd_pre
         await other.create(_cluster("b"), None)
         ev = await asyncio.wait_for(sub.next(), 60)  # never, without the watchdog
         assert ev.cluster is not None and ev.cluster.cluster_id == "b"
-        assert hub.reopens >= 1
-        await other.create(_cluster("c"), None)  # and it goes on
+        reopens = hub.reopens
+        assert reopens >= 1
+        await other.create(_cluster("c"), None)  # and the watch opened again delivers
         ev = await asyncio.wait_for(sub.next(), 60)
         assert ev.cluster is not None and ev.cluster.cluster_id == "c"
+        assert hub.reopens == reopens
     finally:
         await hub.close()
         await client.delete_prefix(etcd_prefix.encode())
         await store.close()
         await other.close()
+
+
+async def test_closing_while_the_watchdog_reopens_ends_both(etcd: EtcdServer, etcd_prefix: str,
+                                                            tmp_path: Path) -> None:
+    """close() during a reopen (the old watch slow to end) still ends the watchdog and the
+    new watch task; a cancel swallowed there hung close()."""
+    generate_key_file(tmp_path / "key.json")
+    client = aetcd.Client(host="127.0.0.1", port=etcd.client_port)
+    store = ClusterStore(client, Keyring.load(tmp_path / "key.json"), etcd_prefix)
+    hub = WatchHub(store, stall_seconds=3600)
+    try:
+        await hub.start()
+        old = hub._task  # noqa: SLF001
+        assert old is not None
+        hub._watchdog.cancel()  # type: ignore[union-attr]  # noqa: SLF001 - a reopen driven by hand below
+        slow = asyncio.Event()
+
+        async def slow_end() -> None:
+            try:
+                await asyncio.Event().wait()
+            finally:
+                await slow.wait()  # ends only when let go
+
+        old.cancel()
+        await asyncio.gather(old, return_exceptions=True)
+        hub._task = asyncio.create_task(slow_end())  # noqa: SLF001 - a watch task slow to end
+        await asyncio.sleep(0)
+        hub._stall = 0.01  # noqa: SLF001
+        hub._watchdog = asyncio.create_task(hub._watch_stalls())  # noqa: SLF001
+        await other_change(store)
+        await asyncio.sleep(0.3)  # the watchdog owes a change and waits for the old task's end
+        closing = asyncio.ensure_future(hub.close())
+        await asyncio.sleep(0.1)
+        slow.set()
+        await asyncio.wait_for(closing, 30)
+        assert hub._watchdog.done()  # noqa: SLF001
+        assert hub._task is not None and hub._task.done()  # noqa: SLF001
+    finally:
+        await client.delete_prefix(etcd_prefix.encode())
+        await store.close()
+
+
+async def other_change(store: ClusterStore) -> None:
+    await store.create(_cluster("x"), None)

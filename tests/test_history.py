@@ -1018,7 +1018,15 @@ async def test_a_slow_statement_fails_alone_and_migrations_wait_past_the_timeout
         got = await asyncio.wait_for(asyncio.gather(held, *mates, return_exceptions=True), 120)
         assert isinstance(got[0], StoreUnavailable) and "within 1 s" in got[0].message, got[0]
         assert got[1:] == [None] * 5, got  # the others were written
+        assert store.stats.isolated == 6  # one batch, split: the slow one failed alone
         assert await store.count() == 5
+        # Writes that all hang while the database answers (another migration's lock): a
+        # batch fails after two of its operations timed out alone, not one timeout each.
+        before = store.stats.isolated
+        ops = [asyncio.ensure_future(store._write(slow)) for _ in range(6)]  # noqa: SLF001
+        got = await asyncio.wait_for(asyncio.gather(*ops, return_exceptions=True), 120)
+        assert all(isinstance(r, StoreUnavailable) for r in got), got
+        assert store.stats.isolated - before == 2
     finally:
         await store.close()
     # Another replica migrating: its transaction holds the lock 3 s, past the timeout.

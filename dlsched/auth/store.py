@@ -81,8 +81,10 @@ class AccessStore:
         self._relist = relist_seconds
         #: the records as etcd holds them (key -> JSON), to compare a relist with
         self._raw: dict[bytes, bytes] = {}
-        #: writes this process started (a relist racing one keeps the view)
+        #: writes this process started, and those not yet applied to the view
+        #: (a relist that overlaps one keeps the view: the write may be newer than its read)
         self._writes = 0
+        self._inflight = 0
         #: relists that found the view behind etcd
         self.relist_repairs = 0
         self._root = f"{prefix}access/".encode()
@@ -119,8 +121,11 @@ class AccessStore:
             try:
                 watch = await self._c.watch_prefix(self._root, start_revision=next_rev)
                 delay = 0.2
+                loop = asyncio.get_running_loop()
                 try:
-                    async with asyncio.timeout(self._relist):
+                    # Relist after relist_seconds with no event: a busy watch is not cut
+                    # with events still on their way; a silent one is checked.
+                    async with asyncio.timeout(self._relist) as quiet:
                         async for ev in watch:
                             key = bytes(ev.kv.key)
                             if ev.kind == "DELETE":
@@ -128,7 +133,10 @@ class AccessStore:
                             else:
                                 self._apply(key, bytes(ev.kv.value))
                             next_rev = max(next_rev, int(ev.kv.mod_revision) + 1)
+                            quiet.reschedule(loop.time() + self._relist)
                 except TimeoutError:
+                    if not quiet.expired():
+                        raise  # not the relist timer's
                     await watch.cancel()
                     next_rev = await self._relist_once(next_rev)
                     continue
@@ -152,10 +160,12 @@ class AccessStore:
         """Read the view again at one revision; replace it when it differs and
         nothing newer was applied meanwhile. The revision to watch from."""
         writes = self._writes
+        if self._inflight:
+            return next_rev
         res = await self._c.get_prefix(self._root)
         rev = int(res.header.revision)
-        if rev + 1 < next_rev or writes != self._writes:
-            return next_rev  # the view holds something newer than this read
+        if rev + 1 < next_rev or writes != self._writes or self._inflight:
+            return next_rev  # the view may hold something newer than this read
         fresh = {bytes(kv.key): bytes(kv.value) for kv in res}
         if fresh != self._raw:
             self.relist_repairs += 1
@@ -212,7 +222,6 @@ class AccessStore:
                 return cur
         key = self._bindings_key + b.id.encode()
         await self._put(key, binding_to_json(b))
-        self._apply(key, binding_to_json(b))
         return b
 
     async def delete_binding(self, bid: str) -> None:
@@ -220,32 +229,40 @@ class AccessStore:
         if not await self._delete(key):
             raise RoleBindingNotFound(f"role binding {bid} not found",
                                       metadata={"name": f"roleBindings/{bid}"})
-        self._apply(key, None)
 
     async def put_token(self, t: ApiToken) -> None:
         key = self._tokens_key + t.id.encode()
         await self._put(key, token_to_json(t))
-        self._apply(key, token_to_json(t))
 
     async def delete_token(self, tid: str) -> None:
         key = self._tokens_key + tid.encode()
         if not await self._delete(key):
             raise ApiTokenNotFound(f"API token {tid} not found", metadata={"name": f"apiTokens/{tid}"})
-        self._apply(key, None)
 
     async def _put(self, key: bytes, value: bytes) -> None:
+        """Write the record and apply it to the view (the writer sees it at once)."""
         self._writes += 1
+        self._inflight += 1
         try:
             await self._c.put(key, value)
+            self._apply(key, value)
         except (aetcd.exceptions.ClientError, OSError) as e:
             raise StoreUnavailable(f"etcd: {e}") from e
+        finally:
+            self._inflight -= 1
 
     async def _delete(self, key: bytes) -> bool:
+        """Delete the record (and from the view); whether there was one."""
         self._writes += 1
+        self._inflight += 1
         try:
             res: Any = await self._c.delete(key)
+            if res is not None:
+                self._apply(key, None)
         except (aetcd.exceptions.ClientError, OSError) as e:
             raise StoreUnavailable(f"etcd: {e}") from e
+        finally:
+            self._inflight -= 1
         return res is not None
 
 

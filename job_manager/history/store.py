@@ -206,7 +206,13 @@ class HistoryStore:
                     for op in ops:
                         _settle(op, exc=_unavailable(e))
                     continue
+                stuck: BaseException | None = None
+                timeouts = 0
                 for op in ops:  # each alone: only the failing one fails
+                    if stuck is not None:  # two alone timed out: writes hang (a lock, a standby)
+                        self.stats.failures += 1
+                        _settle(op, exc=_unavailable(stuck))
+                        continue
                     self.stats.isolated += 1
                     try:
                         (r,) = await self._run([op])
@@ -214,6 +220,9 @@ class HistoryStore:
                     except Exception as e1:
                         self.stats.failures += 1
                         _settle(op, exc=_unavailable(e1))
+                        timeouts += _timed_out(e1)
+                        if timeouts >= 2:
+                            stuck = e1
                 continue
             for op, r in zip(ops, results, strict=True):
                 _settle(op, result=r)
