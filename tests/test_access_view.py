@@ -7,8 +7,10 @@ process that a relist overlaps is not undone by the relist's older read."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from dlsched.auth.model import ApiToken
 from dlsched.auth.store import AccessStore
@@ -27,13 +29,26 @@ async def _until(ok: Callable[[], bool], what: str, within: float = 60) -> None:
         await asyncio.sleep(0.05)
 
 
-async def test_a_revocation_the_watch_missed_reaches_the_view_by_the_relist(
-        etcd: EtcdServer, etcd_prefix: str) -> None:
+@contextlib.asynccontextmanager
+async def _views(etcd: EtcdServer, prefix: str, relist: float) -> AsyncIterator[tuple[Any, AccessStore, AccessStore]]:
+    """(the view's etcd client, a view relisting every ``relist`` s, a writer on a client of its own)."""
     client, other = await connect(etcd.endpoint), await connect(etcd.endpoint)
-    view = AccessStore(client, etcd_prefix, relist_seconds=1.0)
-    writer = AccessStore(other, etcd_prefix, relist_seconds=3600)
+    view = AccessStore(client, prefix, relist_seconds=relist)
+    writer = AccessStore(other, prefix, relist_seconds=3600)
     try:
         await writer.start()
+        yield client, view, writer
+    finally:
+        await view.close()
+        await writer.close()
+        await client.delete_prefix(prefix.encode())
+        await client.close()
+        await other.close()
+
+
+async def test_a_revocation_the_watch_missed_reaches_the_view_by_the_relist(
+        etcd: EtcdServer, etcd_prefix: str) -> None:
+    async with _views(etcd, etcd_prefix, 1.0) as (client, view, writer):
         await writer.put_token(_token("t1"))
         await view.start()
         assert "t1" in view.tokens
@@ -48,21 +63,11 @@ async def test_a_revocation_the_watch_missed_reaches_the_view_by_the_relist(
         await writer.put_token(_token("t2"))  # the watch opened again delivers (no relist needed)
         await _until(lambda: "t2" in view.tokens, "the view missed a token after the relist")
         assert view.relist_repairs == repairs
-    finally:
-        await view.close()
-        await writer.close()
-        await client.delete_prefix(etcd_prefix.encode())
-        await client.close()
-        await other.close()
 
 
 async def test_a_healthy_watch_relists_without_repairs(etcd: EtcdServer, etcd_prefix: str) -> None:
-    client, other = await connect(etcd.endpoint), await connect(etcd.endpoint)
-    view = AccessStore(client, etcd_prefix, relist_seconds=0.3)
-    writer = AccessStore(other, etcd_prefix, relist_seconds=3600)
-    try:
+    async with _views(etcd, etcd_prefix, 0.3) as (_, view, writer):
         await view.start()
-        await writer.start()
         for i in range(20):
             await writer.put_token(_token(f"t{i}"))
             await asyncio.sleep(0.05)
@@ -72,12 +77,6 @@ async def test_a_healthy_watch_relists_without_repairs(etcd: EtcdServer, etcd_pr
         await asyncio.sleep(1.5)  # several relists
         assert set(view.tokens) == {f"t{i}" for i in range(20)} - {"t3"}
         assert view.relist_repairs == 0
-    finally:
-        await view.close()
-        await writer.close()
-        await client.delete_prefix(etcd_prefix.encode())
-        await client.close()
-        await other.close()
 
 
 async def test_a_relist_never_undoes_a_write_of_this_process_it_overlaps(
