@@ -12,8 +12,10 @@ not decode is InvalidArgument on ``resume_token``.
 A watchdog checks the watch every ``stall_seconds`` (30 s): a cluster record
 changed at a revision the watch has not delivered by the next check (a watch
 that stopped delivering without an error) makes the hub watch again from the
-last revision it published. Monitors write each cluster's heartbeat every 30 s,
-so a silent watch is caught within about a minute whatever else changes.
+last revision it published. Monitors write the heartbeat of each cluster whose
+driver answers every 30 s, so a silent watch is caught within about a minute
+while one does; a missed delete alone (no newer record) waits for the next
+change.
 """
 
 from __future__ import annotations

@@ -9,10 +9,11 @@ one etcd watch, so a check is a dict look-up and a revocation reaches every
 replica as fast as etcd delivers the event. A write also updates the local
 view at once, so the replica that made a change sees it immediately.
 
-The watch is not trusted alone: every ``relist_seconds`` (300 s) the view is
-read again at one revision and, when it differs (a watch that stopped
-delivering without an error), replaced, and the watch opened again from
-there; a revocation is never missed for longer than that.
+The watch is not trusted alone: after ``relist_seconds`` (300 s) without an
+event the view is read again at one revision and, when it differs (a watch
+that stopped delivering without an error), replaced, and the watch opened
+again from there; a revocation is never missed for longer than that. A relist
+that overlaps a write of this process changes nothing (its read may be older).
 """
 
 from __future__ import annotations
