@@ -70,6 +70,8 @@ _PERMANENT = (errors.InvalidArgument, errors.FailedPrecondition, errors.Unimplem
 
 #: how long ended jobs are gathered before one ForgetJobs call tells their driver
 FORGET_BATCH_SECONDS = 0.2
+#: how long SubmitJob looks for a retried request's job after an UNAVAILABLE match
+SEEN_LOOKUP_SECONDS = 2.0
 
 
 def _utcnow() -> datetime:
@@ -175,14 +177,12 @@ class Scheduler:
                       early: asyncio.Future[Job | None] | None) -> tuple[Job, DryRun | None]:
         try:
             candidates = await self.cm.match(spec)
-        except errors.DlschedError:
+        except errors.DlschedError as e:
             if early is not None and (archived := await early) is not None:
                 return archived, None
             # A retried request whose job exists answers that job, whatever the clusters
             # now (none matching, ClusterManager unreachable).
-            seen = await self.store.job_for_request(request_id) if request_id and not dry_run else None
-            if seen is None and request_id and not dry_run:
-                seen = await self._archived(request_id, owner, await self.store.request_job_id(request_id))
+            seen = await self._seen_request(request_id, owner, e) if request_id and not dry_run else None
             if seen is None:
                 raise
             return await self._after_duplicate(seen, owner), None
@@ -224,6 +224,28 @@ class Scheduler:
                  request_id or "-")
         await self._queue_launch(stored)
         return stored, None
+
+    async def _seen_request(self, request_id: str, owner: str, match_error: errors.DlschedError) -> Job | None:
+        """The job of ``request_id`` if one was made (live or archived), looked up
+        after the match failed. After an UNAVAILABLE match (ClusterManager, or the
+        etcd behind it, not answering) the look-up gets ``SEEN_LOOKUP_SECONDS``: etcd
+        is likely down too, and the caller then gets the match's error at once
+        rather than after a timeout of the store's own."""
+        if not isinstance(match_error, errors.Unavailable):
+            # Refused (e.g. NO_MATCHING_CLUSTER, not retried): only a look-up that
+            # answered may let that refusal stand; its errors are the caller's.
+            return await self._lookup_request(request_id, owner)
+        try:
+            async with asyncio.timeout(SEEN_LOOKUP_SECONDS):
+                return await self._lookup_request(request_id, owner)
+        except (TimeoutError, errors.Unavailable):
+            return None  # the match's UNAVAILABLE: the client retries
+
+    async def _lookup_request(self, request_id: str, owner: str) -> Job | None:
+        seen = await self.store.job_for_request(request_id)
+        if seen is None:
+            seen = await self._archived(request_id, owner, await self.store.request_job_id(request_id))
+        return seen
 
     async def _after_duplicate(self, job: Job, owner: str) -> Job:
         """The first job of a retried request, only for the caller that made it:
