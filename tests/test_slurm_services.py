@@ -545,3 +545,28 @@ async def test_an_outage_turns_the_cluster_unreachable_and_keeps_the_job_state(j
             watch.states
     finally:
         watch.close()
+
+
+async def test_a_job_id_used_again_after_a_delete_runs_again(jm):
+    """DeleteJob, then SubmitJob with the same id while squeue still lists the first job (its
+    comment ``dlsched-<id>.1`` is the new attempt's too): the new job runs, it is not the old
+    Slurm job adopted (which ended SUCCEEDED at once, with no log, never run)."""
+    job_id = f"reuse-{uuid.uuid4().hex[:6]}"
+    seen = []
+    for word in ("first", "second"):
+        spec = on_slurm(S.RUN_MODE_SINGLE_PROCESS, S.ReplicaGroup(role="main", replicas=1,
+                                                                    command=["/bin/echo", word]))
+        name = (await jm.SubmitJob(jpb.SubmitJobRequest(job_id=job_id, spec=spec), timeout=30)).job.name
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while (j := (await jm.GetJob(jpb.GetJobRequest(name=name), timeout=30)).job).state not in (
+                S.JOB_STATE_SUCCEEDED, S.JOB_STATE_FAILED, S.JOB_STATE_STOPPED):
+            assert time.monotonic() < deadline, j
+            await asyncio.sleep(0.3)
+        lines = [e.text async for r in jm.StreamJobLogs(jpb.StreamJobLogsRequest(name=name), timeout=60)
+                 for e in r.entries]
+        seen.append((j.state, j.backend_job_id, lines))
+        if word == "first":
+            await jm.DeleteJob(jpb.DeleteJobRequest(name=name), timeout=60)
+    (s1, b1, l1), (s2, b2, l2) = seen
+    assert (s1, l1, s2, l2) == (S.JOB_STATE_SUCCEEDED, ["first"], S.JOB_STATE_SUCCEEDED, ["second"]), seen
+    assert b1 != b2

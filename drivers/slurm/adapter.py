@@ -60,7 +60,7 @@ import logging
 import re
 import shlex
 import time
-from collections.abc import Awaitable, Iterable, Mapping, MutableMapping, MutableSet
+from collections.abc import Awaitable, Container, Iterable, Mapping, MutableMapping, MutableSet
 
 from dlsched.errors import DlschedError, FailedPrecondition, Unavailable
 from drivers.common.base import SshCredentials
@@ -179,6 +179,7 @@ class SlurmClient:
         self.username = creds.username
         self.timeout = command_timeout
         self.state_dir = render.state_dir_of(options)
+        self.retired: Container[str] = frozenset()  # ``submit``'s: Slurm ids never to adopt
         self._state_dir_made = False
         self.warm = _WarmSubmitter(self.ssh, f"mkdir -p -- {shlex.quote(self.state_dir)} && exec {SBATCH}",
                                    max_channels >= 3)
@@ -254,13 +255,15 @@ class SlurmClient:
             error = exit_error("squeue", rc, err)
             if error is None:
                 return oldest_first(j for j in poll.parse_squeue(out).values()
-                                    if j.comment == script.comment and not voided(j))
+                                    if j.comment == script.comment and not voided(j)
+                                    and j.job_id not in self.retired)
             log.warning("look-up of %s: %s", script.comment, error.message)
         assert error is not None
         raise error
 
     async def submit(self, script: SlurmScript, listed: Mapping[str, poll.SlurmJob] | None,
-                     unsure: MutableSet[str], late: MutableMapping[str, float]) -> tuple[str, bool]:
+                     unsure: MutableSet[str], late: MutableMapping[str, float],
+                     retired: Container[str] = frozenset()) -> tuple[str, bool]:
         """Submit the attempt once, held, and adopt one job for it (see the module
         docstring): that job's Slurm id, and whether it is still held. The caller
         releases a held one (``release``), after it tracks the id: the release is
@@ -271,14 +274,19 @@ class SlurmClient:
         poll round listed (None before one); ``unsure``: comments of attempts whose sbatch
         may have landed unseen (kept by the caller across reconfigurations). A comment
         leaves ``unsure`` once a job is adopted for it. ``late``: comment -> when
-        (monotonic) an sbatch of it last failed or timed out, so that a job may still land."""
+        (monotonic) an sbatch of it last failed or timed out, so that a job may still land.
+        ``retired``: Slurm ids of deleted jobs (``listed`` leaves them out): never adopted,
+        their attempt's comment may be a new job's that reuses the id."""
+        self.retired = retired
         looked = listed is None or script.comment in unsure
         if looked:
             found = await self.lookup(script)  # Slurm may hold it and no round has said so
             existing = found[0] if found else None
         else:
             assert listed is not None
-            existing = listed.get(script.comment)
+            existing = listed.get(script.comment)  # (a round before a delete may still list it)
+            if existing is not None and existing.job_id in retired:
+                existing = None
         if existing is not None:
             log.info("adopting Slurm job %s for %s", existing.job_id, script.comment)
             unsure.discard(script.comment)

@@ -1,12 +1,11 @@
 """``SlurmDriver``: jobs as sbatch submissions on a login node reached over SSH.
 
-A cluster's address is the login node ``host[:port]``; its credentials are
-``SshCredentials`` (user, private key, pinned host keys). Options: upper-case
-names (``SLURM_CONF``, ``PATH`` ...) are exported before every remote
-command; ``partition`` (the default partition), ``state_dir`` (where job
-scripts write their logs; default ``.dlsched/slurm`` under the SSH user's
-home; must be shared with the compute nodes), ``max_nodes`` and ``port_range``
-(``LO-HI``, where the job script picks rendezvous ports) go to ``render``.
+A cluster's address is the login node ``host[:port]``; its credentials are ``SshCredentials``
+(user, private key, pinned host keys). Options: upper-case names (``SLURM_CONF``, ``PATH`` ...)
+are exported before every remote command; ``partition`` (the default partition), ``state_dir``
+(where job scripts write their logs; default ``.dlsched/slurm`` under the SSH user's home; must
+be shared with the compute nodes), ``max_nodes`` and ``port_range`` (``LO-HI``, where the job
+script picks rendezvous ports) go to ``render``.
 
 The driver is the kit's ``BackendDriver`` (``drivers.common.skeleton``: the
 public operations, the attempt rules, cluster look-up) over these hooks and
@@ -17,41 +16,35 @@ exactly-once submission), ``poller`` the shared squeue rounds, ``jobs`` what
 those rounds make of a tracked job, ``states`` the state table, ``logs`` the
 log files and followers, ``usage`` sstat/sacct and the node capacity.
 
-Launch: ``adapter.SlurmClient.submit`` (an ``sbatch --parsable --hold``
-started ahead of the launch takes the script on stdin; an ambiguous one is
-resolved by looking the attempt up before any retry; only the one Slurm job
-adopted for the attempt, the oldest with its comment, is released with
-``scontrol release``, after the launch answered: the driver tracks the job,
-then releases it in the background and asks again each poll round while
-Slurm still holds it). Exactly once: every poll round groups the user's
-jobs by ``dlsched-`` comment and cancels the ones no driver will ever release
-(``strays``: every unfinished job of a tracked attempt but the adopted one, on
-sight; held jobs that no configuration of this process wants, after a grace,
-the oldest of an attempt only once JobManager's watch of the cluster has been
-open a minute without claiming it: JobManager may hold its id);
-they were submitted held and never released, so they never ran. After an
-``sbatch`` that timed out the attempt is polled for ``adapter.LATE_WINDOW``,
-10 minutes, even once its job has ended. A job cancelled while held is
-``voided``: a later launch of its attempt passes over it and submits anew,
-so a retry that comes after the grace never adopts a cancelled job. An adopted job
-still held (its driver died between ``sbatch`` and the release) is released
-on adoption, by a launch or by an observation. An ``sbatch`` that fails with no
-job behind it is FAILED_PRECONDITION reason ``SBATCH_REJECTED`` with Slurm's
-message (an unknown partition), unless the message says the controller was
-unreachable or slow: that is retried, and after the last try UNAVAILABLE
-reason ``BACKEND_UNAVAILABLE``.
+Launch: ``adapter.SlurmClient.submit`` (an ``sbatch --parsable --hold`` started ahead of the launch
+takes the script on stdin; an ambiguous one is resolved by looking the attempt up before any retry;
+only the one Slurm job adopted for the attempt, the oldest with its comment, is released with
+``scontrol release``, after the launch answered: the driver tracks the job, then releases it in the
+background and asks again each poll round while Slurm still holds it). Exactly once: every poll
+round groups the user's jobs by ``dlsched-`` comment and cancels the ones no driver will ever
+release (``strays``: every unfinished job of a tracked attempt but the adopted one, on sight; held
+jobs that no configuration of this process wants, after a grace, the oldest of an attempt only once
+JobManager's watch of the cluster has been open a minute without claiming it: JobManager may hold
+its id); they were submitted held and never released, so they never ran. After an ``sbatch`` that
+timed out the attempt is polled for ``adapter.LATE_WINDOW``, 10 minutes, even once its job has
+ended. A job cancelled while held is ``voided``: a later launch of its attempt passes over it and
+submits anew, so a retry that comes after the grace never adopts a cancelled job; so does one whose
+job was deleted (``retired``, while squeue still lists it): a job id used again is a new job. An
+adopted job still held (its driver died between ``sbatch`` and the release) is released on adoption,
+by a launch or by an observation. An ``sbatch`` that fails with no job behind it is
+FAILED_PRECONDITION reason ``SBATCH_REJECTED`` with Slurm's message (an unknown partition), unless
+the message says the controller was unreachable or slow: that is retried, and after the last try
+UNAVAILABLE reason ``BACKEND_UNAVAILABLE``.
 
-State: one ``Poller`` per cluster (one ``squeue`` per interval for all
-tracked jobs, one ``sacct``/``scontrol`` follow-up only for jobs missing
-from it; a launch or stop never adds a round). While a round fails (SSH or
-slurmctld down) every job keeps its last known state, with reason
-``BackendStale`` and the error in the message: nothing turns FAILED on an
-outage. A tracked job that both squeue and the follow-up no longer know,
-while the controller answers, ends FAILED reason ``LeftSlurm`` (or keeps its
-terminal state if one was seen). A job Slurm requeues stays the same dlsched
-attempt (``jobs``): QUEUED again, then RUNNING, ``backend_restarts`` counting.
-Jobs the driver does not know (after a restart) are adopted on the first
-observation that names them, answered by the next poll round.
+State: one ``Poller`` per cluster (one ``squeue`` per interval for all tracked jobs, one
+``sacct``/``scontrol`` follow-up only for jobs missing from it; a launch or stop never adds a
+round). While a round fails (SSH or slurmctld down) every job keeps its last known state, with
+reason ``BackendStale`` and the error in the message: nothing turns FAILED on an outage. A tracked
+job that both squeue and the follow-up no longer know, while the controller answers, ends FAILED
+reason ``LeftSlurm`` (or keeps its terminal state if one was seen). A job Slurm requeues stays the
+same dlsched attempt (``jobs``): QUEUED again, then RUNNING, ``backend_restarts`` counting. Jobs the
+driver does not know (after a restart) are adopted on the first observation that names them,
+answered by the next poll round.
 
 Stop: ``scancel`` (Slurm sends SIGTERM, then SIGKILL after KillWait);
 stopping an ended or unknown job is fine. CANCELLED maps to STOPPED.
@@ -136,6 +129,7 @@ class _Cluster:
         self.listed: dict[str, poll.SlurmJob] | None = None
         #: comments of attempts whose sbatch may have landed unseen (look them up before submitting).
         self.unsure: set[str] = set()
+        self.retired: dict[str, float] = {}  # Slurm id of a deleted job -> when; while squeue lists it
         #: comment -> when (monotonic) an sbatch of it last failed or timed out: polled for
         #: ``LATE_WINDOW`` afterwards, ended or not, so a late-landing job is cancelled on sight.
         self.late: dict[str, float] = {}
@@ -191,7 +185,8 @@ class _Cluster:
 class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
     name = "slurm"
     #: kept across a reconfiguration: what was tracked; the connections, poller and warm sbatch are new
-    carry_over = ("jobs", "recording", "unsure", "late", "to_release", "launching", "held_since", "claiming")
+    carry_over = ("jobs", "recording", "unsure", "late", "to_release", "launching", "held_since", "claiming",
+                  "retired")
     supports_logs = True
     supports_usage = True
 
@@ -327,7 +322,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
                       rendered: SlurmScript) -> LaunchResult:
         c.launching.add(rendered.comment)  # its job may sit held a while: not a stray
         try:
-            backend_id, held = await c.client.submit(rendered, c.listed, c.unsure, c.late)
+            backend_id, held = await c.client.submit(rendered, c.listed, c.unsure, c.late, c.retired)
         finally:
             c.launching.discard(rendered.comment)
         # no native spec kept (a few KiB): a repeated launch renders it again (``_known``)
@@ -350,8 +345,9 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         c.last_error = error
         if error is None:
             attempts: dict[str, list[poll.SlurmJob]] = {}
+            c.retired = {k: t for k, t in c.retired.items() if k in jobs or time.monotonic() - t < 60}
             for listed in jobs.values():
-                if render.is_ours(listed.comment) and not voided(listed):
+                if render.is_ours(listed.comment) and not voided(listed) and listed.job_id not in c.retired:
                     attempts.setdefault(listed.comment, []).append(listed)
             c.listed = {comment: oldest_first(sjs)[0] for comment, sjs in attempts.items()}
             self._cancel_strays(c, attempts)
@@ -510,6 +506,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         return c.observation(job)
 
     async def _cleanup(self, c: _Cluster, name: str, ref: JobRef) -> None:
+        c.retired[ref.backend_job_id] = time.monotonic()  # its job id may come back as a new job
         job = c.find(ref)
         if job is None:  # forgotten (its record written or being written), or unknown: nothing to do
             job = await self._forgotten(c, ref)
