@@ -214,10 +214,10 @@ class DriverClient:
             raise_for_client(e, cluster)
         return native_from_proto(resp.native_spec)
 
-    async def launch(self, cluster: str, job_id: str, spec: JobSpec,
-                     attempt: int) -> tuple[str, Observation | None]:
+    async def launch(self, cluster: str, job_id: str, spec: JobSpec, attempt: int,
+                     uid: str = "") -> tuple[str, Observation | None]:
         resp = await _unary(self._stub.LaunchJob(drv_pb2.LaunchJobRequest(
-            cluster=cluster, job_id=job_id, spec=spec_to_proto(spec), attempt=attempt),
+            cluster=cluster, job_id=job_id, spec=spec_to_proto(spec), attempt=attempt, job_uid=uid),
             timeout=self._timeout))
         obs = observation_from_proto(resp.observation) if resp.HasField("observation") else None
         return resp.backend_job_id, obs

@@ -146,7 +146,7 @@ def observation_from_proto(p: driver_service_pb2.JobObservation) -> Observation:
         exit_code=p.exit_code if p.HasField("exit_code") else None,
         replicas=[_replica_from_proto(r) for r in p.replicas],
         start_time=_from_ts(p, "start_time"), end_time=_from_ts(p, "end_time"),
-        attempt=p.attempt, backend_restarts=p.backend_restarts,
+        attempt=p.attempt, backend_restarts=p.backend_restarts, job_uid=p.job_uid,
     )
 
 

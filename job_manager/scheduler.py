@@ -328,7 +328,7 @@ class Scheduler:
             attempt = job.attempt
             try:
                 drv = await self.driver_for(job.cluster)
-                backend_id, obs = await drv.launch(job.cluster, job.id, job.spec, attempt)
+                backend_id, obs = await drv.launch(job.cluster, job.id, job.spec, attempt, job.uid)
             except errors.DlschedError as e:
                 if _retryable(e):
                     reason = ("ClusterNotConfigured" if e.reason == "CLUSTER_NOT_CONFIGURED"
@@ -507,7 +507,7 @@ class Scheduler:
         def change(j: Job) -> Job | None:
             nonlocal retry
             retry = False
-            if j.cluster != cluster:
+            if j.cluster != cluster or states.of_another_job(j, obs):
                 return None
             if lost:
                 if obs.backend_job_id and j.backend_job_id and obs.backend_job_id != j.backend_job_id:

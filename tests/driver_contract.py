@@ -60,6 +60,8 @@ class Peer:
         self.driver: ServiceProcess | None = None
         self.stub: driver_service_pb2_grpc.DriverServiceStub = None  # type: ignore[assignment]
         self.launched: list[str] = []
+        self.uids: dict[str, str] = {}  # job id -> the uid its launches carry
+        self._stack: contextlib.AsyncExitStack | None = None
 
     # -- per backend
 
@@ -112,10 +114,13 @@ class Peer:
                                replica_groups=[self.group(f"open({marker!r}, 'a').write('ran\\n')")])
 
     async def launch(self, job_id: str, spec: job_pb2.JobSpec, attempt: int = 1,
-                     cluster: str | None = None) -> dpb.LaunchJobResponse:
+                     cluster: str | None = None, uid: str | None = None) -> dpb.LaunchJobResponse:
+        """LaunchJob as JobManager sends it: with the job's uid (``uid``, else one per job id)."""
         self.launched.append(job_id)
+        if uid is None:
+            uid = self.uids.setdefault(job_id, str(uuid.uuid4()))
         return await self.stub.LaunchJob(dpb.LaunchJobRequest(
-            cluster=cluster or self.cluster, job_id=job_id, spec=spec, attempt=attempt),
+            cluster=cluster or self.cluster, job_id=job_id, spec=spec, attempt=attempt, job_uid=uid),
             timeout=self.call_timeout)
 
     async def observe(self, *job_ids: str) -> list[dpb.JobObservation]:
@@ -152,11 +157,21 @@ class Peer:
 
     async def _open(self, driver: ServiceProcess, stack: contextlib.AsyncExitStack) -> Peer:
         stack.callback(driver.stop)
+        self._stack = stack
         self.driver = await asyncio.to_thread(driver.start)
         channel = await stack.enter_async_context(security.channel(driver.address))
         self.stub = driver_service_pb2_grpc.DriverServiceStub(channel)
         await self.stub.ConfigureCluster(self.configure_request(self.cluster), timeout=60)
         return self
+
+    async def restart(self) -> None:
+        """SIGKILL the driver, start it again (a new address) and configure ``cluster`` again."""
+        assert self.driver is not None and self._stack is not None
+        await asyncio.to_thread(self.driver.kill)
+        await asyncio.to_thread(self.driver.start)
+        channel = await self._stack.enter_async_context(security.channel(self.driver.address))
+        self.stub = driver_service_pb2_grpc.DriverServiceStub(channel)
+        await self.stub.ConfigureCluster(self.configure_request(self.cluster), timeout=60)
 
     @classmethod
     async def open(cls, stack: contextlib.AsyncExitStack) -> Peer:
@@ -227,9 +242,9 @@ class KubernetesPeer(Peer):
                                     resources=job_pb2.Resources(cpu=1, memory_bytes=1 << 30))
 
     async def runs(self, job_id: str, marker: str) -> int:
-        from tests.kube_emulator import pods_of
+        from tests.kube_emulator import pods_created
 
-        return len(pods_of(self.emu, job_id))
+        return pods_created(self.emu, job_id)
 
     async def run_printing(self, job_id: str, lines: int) -> None:
         """The pod's log is written as its kubelet would, then the pod succeeds."""

@@ -335,6 +335,23 @@ def pods_of(e: Emulator, job_id: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+def pods_created(e: Emulator, job_id: str) -> int:
+    """How many times a pod of ``job_id`` was created, deleted ones included (a name used
+    again after a delete counts again): every version that follows none (a delete) or
+    opens an object's history."""
+    label, n = naming.job_label(job_id), 0
+    for (res, _ns, _name), obj in list(e.objects.items()):
+        if res != PODS:
+            continue
+        before = None
+        for version in obj.history:
+            if version is not None and before is None and \
+                    (version.raw["metadata"].get("labels") or {}).get(naming.LABEL_JOB) == label:
+                n += 1
+            before = version
+    return n
+
+
 def has_service(e: Emulator, name: str) -> bool:
     return has(e, SERVICES, name)
 

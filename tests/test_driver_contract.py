@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import pathlib
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -27,7 +28,16 @@ from dlsched.v1 import job_pb2
 from drivers.common.base import JobObservation, LaunchResult, NativeSpec
 from drivers.common.launches import Known, LaunchRules
 from tests import security
-from tests.driver_contract import CLUSTER_RPCS, DRIVERS, PEERS, Peer, cluster_calls, new_id, started
+from tests.driver_contract import (
+    CLUSTER_RPCS,
+    DRIVERS,
+    PEERS,
+    TERMINAL,
+    Peer,
+    cluster_calls,
+    new_id,
+    started,
+)
 
 STOPPING_OR_STOPPED = (job_pb2.JOB_STATE_STOPPING, job_pb2.JOB_STATE_STOPPED)
 
@@ -130,6 +140,87 @@ async def test_a_new_attempt_waits_until_the_previous_one_ended(peer: Peer) -> N
     await peer.wait_state(job)
     second = await peer.launch(job, peer.sleeping(), attempt=2)
     assert second.backend_job_id != first.backend_job_id and second.observation.attempt == 2
+
+
+@pytest.mark.parametrize("restarted", [False, True], ids=["same-driver", "driver-restarted"])
+async def test_a_job_id_launched_again_after_its_cleanup_runs_again(
+        peer: Peer, tmp_path: pathlib.Path, restarted: bool) -> None:
+    """DeleteJob cleans a job up and the same id may be submitted again (a new job: a new uid,
+    attempt 1 again) while the backend may still list the first run (squeue's MinJobAge): the
+    second launch is a new run, never the first one adopted (which had ended, so the new job
+    would end at once without running). Also across a driver restart in between, which
+    forgets everything the driver kept in memory."""
+    job, marker = new_id(), tmp_path / "runs"
+    marker.touch()
+    spec = peer.marking(str(marker))
+    await peer.launch(job, spec)
+    assert await peer.runs(job, str(marker)) == 1
+    await peer.cleanup(job)
+    if restarted:
+        await peer.restart()
+    second = await peer.launch(job, spec, uid=str(uuid.uuid4()))
+    assert second.observation.attempt == 1
+    assert await peer.runs(job, str(marker)) == 2
+    assert (await peer.observe(job))[0].backend_job_id == second.backend_job_id
+
+
+async def test_an_ended_job_of_the_same_id_left_without_its_cleanup_is_cleaned_up_not_adopted(
+        peer: Peer) -> None:
+    """A job deleted while its driver could not clean it up (JobManager deletes it anyway), then
+    a new job of the same id (another uid): the launch cleans the ended old job up and submits
+    the new one. Adopting the old one would give the new job its end: it would never run."""
+    job = new_id()
+    await peer.run_printing(job, 1)
+    ended = (await peer.observe(job))[0]
+    assert ended.state in TERMINAL
+    assert ended.job_uid.replace("-", "") == peer.uids[job].replace("-", "")  # observations name the job
+    uid = str(uuid.uuid4())
+    second = await peer.launch(job, peer.sleeping(), uid=uid)
+    assert second.observation.state not in TERMINAL, second.observation
+    now = (await peer.observe(job))[0]
+    assert now.state not in TERMINAL and now.backend_job_id == second.backend_job_id, now
+    assert now.job_uid.replace("-", "") == uid.replace("-", "")
+
+
+async def test_a_forgotten_ended_job_of_the_same_id_left_without_its_cleanup_is_cleaned_up_not_adopted(
+        peer: Peer) -> None:
+    """The same once JobManager recorded the old job's end (ForgetJobs: the driver keeps it on
+    the backend only, Kubernetes in its Service's record, Ray in its submission): the new
+    job's launch finds it on the backend, cleans it up and submits anew."""
+    job = new_id()
+    await peer.run_printing(job, 1)
+    ended = (await peer.observe(job))[0]
+    await peer.stub.ForgetJobs(dpb.ForgetJobsRequest(cluster=peer.cluster, jobs=[
+        dpb.JobRef(job_id=job, backend_job_id=ended.backend_job_id)]), timeout=peer.call_timeout)
+    uid = str(uuid.uuid4())
+    second = await peer.launch(job, peer.sleeping(), uid=uid)
+    assert second.observation.state not in TERMINAL, second.observation
+    now = (await peer.observe(job))[0]
+    assert now.state not in TERMINAL and now.job_uid.replace("-", "") == uid.replace("-", ""), now
+
+
+async def test_a_running_job_of_the_same_id_left_without_its_cleanup_is_a_name_collision(peer: Peer) -> None:
+    """The same while the old job still runs: NAME_COLLISION naming the old uid, nothing stopped
+    (it could be another installation's job); the new job's DeleteJob (a cleanup without a
+    backend id) stops and cleans the old one up, and then the new job launches."""
+    job, old, new = new_id(), str(uuid.uuid4()), str(uuid.uuid4())
+    first = await peer.launch(job, peer.sleeping(), uid=old)
+    md = await refused(peer.launch(job, peer.sleeping(), uid=new), grpc.StatusCode.FAILED_PRECONDITION,
+                       "NAME_COLLISION")
+    assert md["job_uid"].replace("-", "") == old.replace("-", "")  # (Slurm's comment keeps it without dashes)
+    still = (await peer.observe(job))[0]
+    assert still.state not in TERMINAL and still.backend_job_id == first.backend_job_id
+    await peer.cleanup(job)
+    second = await peer.launch(job, peer.sleeping(), uid=new)
+    assert second.observation.state not in TERMINAL, second.observation
+
+
+async def test_a_job_uid_that_is_not_one_is_invalid_argument(peer: Peer) -> None:
+    for bad in ("a b", "x\n#SBATCH --uid=0", "u" * 64, "a.b", "a/b", "-ab", "ab-", "---"):
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await peer.launch(new_id(), peer.sleeping(), uid=bad)
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [v.field for v in field_violations(ei.value)] == ["job_uid"], ei.value.details()
 
 
 @pytest.mark.parametrize("backend", [n for n in DRIVERS if PEERS[n].jobs_span_clusters], indirect=True)

@@ -92,7 +92,8 @@ class _MinimalDriver(base.Driver):
     async def render(self, cluster: str, job_id: str, spec: base.JobSpec) -> base.NativeSpec:
         return base.NativeSpec("text/plain", job_id)
 
-    async def launch(self, cluster: str, job_id: str, spec: base.JobSpec, attempt: int) -> base.LaunchResult:
+    async def launch(self, cluster: str, job_id: str, spec: base.JobSpec, attempt: int,
+                     uid: str = "") -> base.LaunchResult:
         raise NotImplementedError
 
     async def observe(self, cluster: str, refs: Sequence[base.JobRef]) -> list[base.JobObservation]:

@@ -48,10 +48,12 @@ class FakeDriver:
         self.known: set[str] = set()
         self.forgotten: list[str] = []
         self.launch_gate: asyncio.Event | None = None
+        self.uids: list[str] = []  # the job uid of each launch
         self.events: asyncio.Queue[Observation | None] = asyncio.Queue()
 
     async def launch(self, cluster: str, job_id: str, spec: JobSpec,
-                     attempt: int) -> tuple[str, Observation | None]:
+                     attempt: int, uid: str = "") -> tuple[str, Observation | None]:
+        self.uids.append(uid)
         if self.launch_gate is not None:
             await self.launch_gate.wait()
         if self.launch_errors:
@@ -131,6 +133,7 @@ async def test_submit_answers_before_the_launch(env: Any) -> None:
     drv.launch_gate.set()
     j = await stored(sched, "q", lambda j: j.launched)
     assert j.backend_job_id == "b-q-1" and j.reason == "" and drv.launches == [("q", 1)]
+    assert drv.uids == [job.uid] and job.uid  # the driver marks the submission with the job's uid
 
     async def unlocked() -> bool:  # the job's lock goes with the launch, just after its write
         return len(sched._locks) == 0
@@ -193,6 +196,22 @@ async def test_driver_losing_a_job_fails_it_after_snapshot(env: Any) -> None:
         return (await sched.store.get("d")).reason == "LostByBackend"
     await until(lost)
     assert (await sched.store.get("d")).state == JobState.FAILED
+
+
+async def test_observations_of_an_earlier_job_of_the_same_id_change_nothing(env: Any) -> None:
+    """A job of the same id deleted while its driver could not clean it up still reports, under
+    the same backend name (Kubernetes, Ray) but another uid: its end or its loss must not become
+    the new job's; the new job's own observations apply."""
+    sched, drv = env
+    job, _ = await sched.submit("u", SPEC, "", dry_run=False, spec_bytes=10)
+    await stored(sched, "u", lambda j: j.launched)
+    b, other = "b-u-1", "0" * 32
+    drv.events.put_nowait(Observation("u", b, state=JobState.SUCCEEDED, exit_code=0, attempt=1, job_uid=other))
+    drv.events.put_nowait(Observation("u", b, found=False, job_uid=other))
+    drv.events.put_nowait(Observation("u", b, state=JobState.RUNNING, attempt=1, reason="Mine",
+                                      job_uid=job.uid.replace("-", "")))
+    j = await stored(sched, "u", lambda j: j.reason == "Mine" or j.state.is_terminal())
+    assert j.state == JobState.RUNNING and j.exit_code is None, j
 
 
 async def test_late_observations_never_reopen_a_terminal_job(env: Any) -> None:

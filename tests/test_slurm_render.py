@@ -19,7 +19,7 @@ import pytest
 
 from dlsched.errors import InvalidArgument
 from drivers.common import planner
-from drivers.common.base import JobSpec, ReplicaGroup, Resources, RunMode
+from drivers.common.base import JobSpec, ReplicaGroup, Resources, RunMode, same_job
 from drivers.slurm import render
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "slurm"
@@ -56,7 +56,7 @@ def test_golden(name):
         path.write_text(out.script)
     assert out.script == path.read_text(), f"update with DLSCHED_UPDATE_GOLDEN=1 ({path})"
     assert out.native_spec().media_type == render.MEDIA_TYPE
-    assert out.job_name == "dlsched-golden-1" and render.parse_comment(out.comment) == ("golden-1", 3)
+    assert out.job_name == "dlsched-golden-1" and render.parse_comment(out.comment) == ("golden-1", 3, "")
 
 
 def test_bash_accepts_every_golden_script():
@@ -281,3 +281,28 @@ def test_mpi_launcher_argv_reaches_the_ranks_verbatim():
     assert shlex.split(got) == ["./hello", *args]
     (mpirun,) = [ln.strip() for ln in script.splitlines() if "exec mpirun " in ln]
     assert mpirun.endswith(shlex.join(planner.MPI_RANK_PROGRAM) + " ) &") and "hello" not in mpirun
+
+
+def test_the_comment_carries_the_job_uid_and_a_launch_also_finds_a_comment_without_one():
+    spec = JobSpec(RunMode.SINGLE_PROCESS, (g("main"),))
+    uid = "0b6c7f3e-58d2-4c1a-9a55-3f0e9d7d2a11"
+    out = render.render_job("job-1", spec, 2, {}, uid=uid)
+    assert out.comment == "dlsched-job-1.2.0b6c7f3e58d24c1a9a553f0e9d7d2a11" and out.uid == uid.replace("-", "")
+    assert f"#SBATCH --comment={out.comment}\n" in out.script
+    assert render.parse_comment(out.comment) == ("job-1", 2, uid.replace("-", ""))
+    assert render.parse_comment("dlsched-job-1.2") == ("job-1", 2, "")
+    for bad in ("dlsched-job-1.2.a-b", "dlsched-job-1.2.x.y", "dlsched-job-1.x", "dlsched-Job.1", "other-job.1"):
+        assert render.parse_comment(bad) is None, bad
+    # another incarnation of the id (another uid) is not this attempt; one without a uid may be
+    assert out.marks(out.comment) and out.marks("dlsched-job-1.2")
+    assert not out.marks(render.job_comment("job-1", 2, "ffff")) and not out.marks("dlsched-job-1.1")
+    other = render.job_comment("job-1", 2, "ffff")
+    assert out.in_listing({other: "theirs"}) is None and out.in_listing({"dlsched-job-1.2": "old"}) == "old"
+    assert same_job(uid, uid.replace("-", "")) and same_job("", uid) and not same_job("a", "b")
+
+
+@pytest.mark.parametrize("bad", ["a b", "x\n#SBATCH --uid=0", "u" * 65, "a.b", "$(id)"])
+def test_a_job_uid_that_is_not_one_is_refused(bad):
+    with pytest.raises(InvalidArgument) as e:
+        render.render_job("job-1", JobSpec(RunMode.SINGLE_PROCESS, (g("main"),)), 1, {}, uid=bad)
+    assert [v.field for v in e.value.violations] == ["job_uid"]

@@ -16,8 +16,8 @@ def held(jid: str, comment: str = COMMENT) -> SlurmJob:
 
 def find(attempts, *, tracked=None, wanted=False, held_since=None, now=0.0, grace=600.0,
          observed_for=WINDOW):
-    return strays.find(attempts, tracked=lambda job_id, attempt: tracked,
-                       wanted=lambda comment, job_id, attempt: wanted,
+    return strays.find(attempts, tracked=lambda job_id, attempt, uid: tracked,
+                       wanted=lambda comment, job_id, attempt, uid: wanted,
                        held_since={} if held_since is None else held_since, now=now, grace=grace,
                        window=WINDOW, observed_for=observed_for)
 

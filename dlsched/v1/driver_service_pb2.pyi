@@ -91,16 +91,18 @@ class RenderJobResponse(_message.Message):
     def __init__(self, native_spec: _Optional[_Union[_job_pb2.NativeSpec, _Mapping]] = ...) -> None: ...
 
 class LaunchJobRequest(_message.Message):
-    __slots__ = ("cluster", "job_id", "spec", "attempt")
+    __slots__ = ("cluster", "job_id", "spec", "attempt", "job_uid")
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    JOB_UID_FIELD_NUMBER: _ClassVar[int]
     cluster: str
     job_id: str
     spec: _job_pb2.JobSpec
     attempt: int
-    def __init__(self, cluster: _Optional[str] = ..., job_id: _Optional[str] = ..., spec: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., attempt: _Optional[int] = ...) -> None: ...
+    job_uid: str
+    def __init__(self, cluster: _Optional[str] = ..., job_id: _Optional[str] = ..., spec: _Optional[_Union[_job_pb2.JobSpec, _Mapping]] = ..., attempt: _Optional[int] = ..., job_uid: _Optional[str] = ...) -> None: ...
 
 class LaunchJobResponse(_message.Message):
     __slots__ = ("backend_job_id", "native_spec", "observation")
@@ -121,7 +123,7 @@ class JobRef(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., backend_job_id: _Optional[str] = ...) -> None: ...
 
 class JobObservation(_message.Message):
-    __slots__ = ("job_id", "backend_job_id", "found", "state", "reason", "message", "exit_code", "replicas", "start_time", "end_time", "attempt", "backend_restarts")
+    __slots__ = ("job_id", "backend_job_id", "found", "state", "reason", "message", "exit_code", "replicas", "start_time", "end_time", "attempt", "backend_restarts", "job_uid")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_JOB_ID_FIELD_NUMBER: _ClassVar[int]
     FOUND_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +136,7 @@ class JobObservation(_message.Message):
     END_TIME_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     BACKEND_RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    JOB_UID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     backend_job_id: str
     found: bool
@@ -146,7 +149,8 @@ class JobObservation(_message.Message):
     end_time: _timestamp_pb2.Timestamp
     attempt: int
     backend_restarts: int
-    def __init__(self, job_id: _Optional[str] = ..., backend_job_id: _Optional[str] = ..., found: _Optional[bool] = ..., state: _Optional[_Union[_job_pb2.JobState, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[_job_pb2.ReplicaStatus, _Mapping]]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., attempt: _Optional[int] = ..., backend_restarts: _Optional[int] = ...) -> None: ...
+    job_uid: str
+    def __init__(self, job_id: _Optional[str] = ..., backend_job_id: _Optional[str] = ..., found: _Optional[bool] = ..., state: _Optional[_Union[_job_pb2.JobState, str]] = ..., reason: _Optional[str] = ..., message: _Optional[str] = ..., exit_code: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[_job_pb2.ReplicaStatus, _Mapping]]] = ..., start_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., end_time: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., attempt: _Optional[int] = ..., backend_restarts: _Optional[int] = ..., job_uid: _Optional[str] = ...) -> None: ...
 
 class BatchGetJobObservationsRequest(_message.Message):
     __slots__ = ("cluster", "jobs")

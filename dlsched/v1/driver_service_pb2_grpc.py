@@ -155,7 +155,10 @@ class DriverServiceServicer:
 
     def LaunchJob(self, request, context):
         """Submits a job. Idempotent on (cluster, job_id, attempt): a retry returns
-        the first submission's backend id and starts nothing.
+        the first submission's backend id and starts nothing. A submission the
+        backend holds for another job_uid is never returned: an ended one is
+        cleaned up and the job submitted anew, a running one is
+        FAILED_PRECONDITION with reason NAME_COLLISION.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

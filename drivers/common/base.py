@@ -117,6 +117,20 @@ class ClusterNotConfigured(FailedPrecondition):
         )
 
 
+class NameCollision(FailedPrecondition):
+    """What a launch would submit exists on the backend and belongs to another job: another
+    job id with the same backend name, or another incarnation of this id (another uid, e.g.
+    another dlsched installation's job of the same id). Never adopted as this launch's."""
+
+    reason = "NAME_COLLISION"
+
+
+def same_job(uid: str, other: str) -> bool:
+    """Whether two job uids (with or without dashes) may be one job's: equal, or either
+    unknown (a launch without a uid, a submission made before uids were sent)."""
+    return not uid or not other or uid.replace("-", "") == other.replace("-", "")
+
+
 class JobNotFound(NotFound):
     """The driver knows no such job (for operations that need one, e.g. logs)."""
 
@@ -286,10 +300,12 @@ class JobObservation:
     end_time: float | None = None
     attempt: int = 0
     backend_restarts: int = 0  # times the backend restarted this attempt on its own (a Slurm requeue)
+    uid: str = ""  # the job uid its launch gave ("" for none; dashes may be left out)
 
     @classmethod
-    def not_found(cls, ref: JobRef) -> JobObservation:
-        return cls(job_id=ref.job_id, backend_job_id=ref.backend_job_id, found=False)
+    def not_found(cls, ref: JobRef, uid: str = "") -> JobObservation:
+        """``ref`` is gone; ``uid``: the job uid of what the driver tracked under it, when known."""
+        return cls(job_id=ref.job_id, backend_job_id=ref.backend_job_id, found=False, uid=uid)
 
 
 @dataclass(frozen=True)
@@ -390,8 +406,9 @@ class Driver(abc.ABC):
         """The native form ``launch`` would submit; a pure function of (job, cluster)."""
 
     @abc.abstractmethod
-    async def launch(self, cluster: str, job_id: str, spec: JobSpec, attempt: int) -> LaunchResult:
-        """Submit a job. Idempotent on (cluster, job_id, attempt)."""
+    async def launch(self, cluster: str, job_id: str, spec: JobSpec, attempt: int, uid: str = "") -> LaunchResult:
+        """Submit a job. Idempotent on (cluster, job_id, attempt). ``uid``: the job's uid
+        (empty: unknown); a submission marked with another uid is another job's."""
 
     @abc.abstractmethod
     async def observe(self, cluster: str, refs: Sequence[JobRef]) -> list[JobObservation]:

@@ -9,6 +9,7 @@ in paths and names, so they must match ``ID_RE``; anything wrong raises
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterator
 
 from google.protobuf import duration_pb2
@@ -76,6 +77,18 @@ def job_refs(pbs: list[driver_service_pb2.JobRef], field: str = "jobs") -> list[
 def attempt(value: int, field: str = "attempt") -> int:
     if value < 1:
         raise InvalidArgument.for_field(field, "must be at least 1")
+    return value
+
+
+#: A job uid as LaunchJobRequest carries it: what a driver may put into a name, a label or a comment.
+JOB_UID_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")  # a Kubernetes label value too
+
+
+def job_uid(value: str, field: str = "job_uid") -> str:
+    """``value`` when empty or a uid (full match of ``JOB_UID_RE``); else INVALID_ARGUMENT."""
+    if value and not JOB_UID_RE.fullmatch(value):
+        raise InvalidArgument.for_field(field, "must be up to 63 letters, digits and dashes, "
+                                               "starting and ending with a letter or digit")
     return value
 
 
@@ -186,7 +199,7 @@ def native_spec_pb(spec: base.NativeSpec) -> job_pb2.NativeSpec:
 
 def observation_pb(obs: base.JobObservation) -> driver_service_pb2.JobObservation:
     pb = driver_service_pb2.JobObservation(job_id=obs.job_id, backend_job_id=obs.backend_job_id,
-                                           found=obs.found)
+                                           found=obs.found, job_uid=obs.uid)
     if not obs.found:
         return pb
     pb.state = int(obs.state)  # type: ignore[assignment]

@@ -5,6 +5,14 @@ answers it the same way, from what the backend knows of the job's newest
 attempt (``Known``, from the backend's ``known`` hook):
 
 - nothing known: the backend submits it (the ``submit`` hook);
+- known for another job uid (the launch's ``uid`` and ``Known.uid``, both
+  given and different): a job of the same id that was deleted while its
+  driver could not clean it up. It is never adopted (the new job would take
+  its state and never run): when it has ended, the ``discard`` hook cleans
+  it up as its DeleteJob would have and the rules apply again; while it
+  runs, FAILED_PRECONDITION ``NAME_COLLISION`` (deleting the new job cleans
+  the old one up). A job id used again after a cleanup is a new job: the
+  backend marks each submission with its uid.
 - known on another cluster of this driver: FAILED_PRECONDITION
   ``JOB_ON_OTHER_CLUSTER`` (only a backend whose jobs span the cluster names
   it serves can report one: the local driver, one host under many names;
@@ -33,12 +41,15 @@ without having run.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from dlsched.errors import FailedPrecondition
 from dlsched.kit.locks import KeyedLocks
-from drivers.common.base import LaunchResult
+from drivers.common.base import LaunchResult, NameCollision, same_job
+
+log = logging.getLogger("dlsched.driver.launches")
 
 
 class StaleAttempt(FailedPrecondition):
@@ -76,6 +87,7 @@ class Known:
     attempt: int
     active: bool  #: not ended yet
     result: Callable[[], LaunchResult]  #: that attempt's launch result, for a repeated launch
+    uid: str = ""  #: the uid of the job it was launched for ("" when the launch gave none)
 
 
 class LaunchRules:
@@ -102,14 +114,17 @@ class LaunchRules:
 
     async def launch(self, cluster: str, job_id: str, attempt: int, *,
                      known: Callable[[], Known | None],
-                     submit: Callable[[], Awaitable[LaunchResult]]) -> LaunchResult:
+                     submit: Callable[[], Awaitable[LaunchResult]], uid: str = "",
+                     discard: Callable[[Known], Awaitable[None]] | None = None) -> LaunchResult:
         """Apply the rules to what ``known()`` reports; ``submit()`` when they allow a launch.
+        ``uid``: the job's; ``discard(known)``: clean up what the backend knows of the job id
+        (an ended job of another uid, see the module's doc), on the cluster ``known`` names.
 
         Both hooks run under the job's lock; ``known`` may raise a backend's own
         refusal (a name collision) before any rule applies. The work runs in a
         driver-owned task: cancelling the caller does not cancel it.
         """
-        task = asyncio.ensure_future(self._launch(cluster, job_id, attempt, known, submit))
+        task = asyncio.ensure_future(self._launch(cluster, job_id, attempt, uid, known, submit, discard))
         self._inflight.add(task)
         task.add_done_callback(self._done)
         return await asyncio.shield(task)
@@ -119,12 +134,23 @@ class LaunchRules:
         if not task.cancelled():
             task.exception()  # retrieved: a caller that left does not hear of it
 
-    async def _launch(self, cluster: str, job_id: str, attempt: int,
+    async def _launch(self, cluster: str, job_id: str, attempt: int, uid: str,
                       known: Callable[[], Known | None],
-                      submit: Callable[[], Awaitable[LaunchResult]]) -> LaunchResult:
+                      submit: Callable[[], Awaitable[LaunchResult]],
+                      discard: Callable[[Known], Awaitable[None]] | None) -> LaunchResult:
         async with self._locks.hold(job_id):
             prev = known()
+            if prev is not None and not same_job(prev.uid, uid) and not prev.active and discard is not None:
+                log.warning("launch of %s (uid %s): cleaning up the ended job of the same id, uid %s, "
+                            "deleted without its cleanup", job_id, uid, prev.uid)
+                await discard(prev)
+                prev = known()
             if prev is not None:
+                if not same_job(prev.uid, uid):
+                    raise NameCollision(
+                        f"attempt {prev.attempt} of an earlier job {job_id!r} (uid {prev.uid}), deleted without "
+                        "its cleanup, still runs on the backend; delete this job to stop and clean it up, then "
+                        "submit it again", metadata={"job_uid": prev.uid})
                 if prev.cluster != cluster:
                     raise JobOnOtherCluster(job_id, prev.cluster)
                 if prev.attempt == attempt:

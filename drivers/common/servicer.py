@@ -66,8 +66,9 @@ class DriverServicer(driver_service_pb2_grpc.DriverServiceServicer):
         job_id = convert.job_id(request.job_id)
         logs.JOB_ID.set(job_id)  # this handler's task: its records name the job
         attempt = convert.attempt(request.attempt)
+        uid = convert.job_uid(request.job_uid)
         spec = convert.job_spec(request.spec, request.HasField("spec"))
-        res = await self._driver.launch(cluster, job_id, spec, attempt)
+        res = await self._driver.launch(cluster, job_id, spec, attempt, uid)
         return convert.launch_response_pb(res)
 
     async def BatchGetJobObservations(

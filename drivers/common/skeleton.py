@@ -131,9 +131,11 @@ class BackendDriver(Driver, Generic[C, R]):
     # ------------------------------------------------------------------ hooks: jobs
 
     @abc.abstractmethod
-    async def _prepare(self, c: C, job_id: str, spec: JobSpec, attempt: int) -> R:
+    async def _prepare(self, c: C, job_id: str, spec: JobSpec, attempt: int, uid: str) -> R:
         """The request for this attempt (render: check → place → emit); refusals raise here,
-        before any launch rule. The dry-run is ``_prepare(..., attempt=1).native_spec()``."""
+        before any launch rule. The dry-run is ``_prepare(..., attempt=1, uid="").native_spec()``.
+        ``uid`` (the job's, "" when unknown) goes into what marks the submission as this job's
+        where the backend may still list a deleted job's submission of the same id and attempt."""
 
     @abc.abstractmethod
     def _known(self, c: C, job_id: str, rendered: R) -> Known | None:
@@ -202,16 +204,17 @@ class BackendDriver(Driver, Generic[C, R]):
         return await self._info(self.clusters.require(cluster))
 
     async def render(self, cluster: str, job_id: str, spec: JobSpec) -> NativeSpec:
-        rendered = await self._prepare(self.clusters.require(cluster), job_id, spec, 1)
+        rendered = await self._prepare(self.clusters.require(cluster), job_id, spec, 1, "")
         return rendered.native_spec()
 
-    async def launch(self, cluster: str, job_id: str, spec: JobSpec, attempt: int) -> LaunchResult:
+    async def launch(self, cluster: str, job_id: str, spec: JobSpec, attempt: int, uid: str = "") -> LaunchResult:
         c = self.clusters.require(cluster)
-        rendered = await self._prepare(c, job_id, spec, attempt)
+        rendered = await self._prepare(c, job_id, spec, attempt, uid)
         await self._ready(c)
         return await self.launches.launch(
             cluster, job_id, attempt, known=lambda: self._known(c, job_id, rendered),
-            submit=lambda: self._submit(c, cluster, job_id, spec, attempt, rendered))
+            submit=lambda: self._submit(c, cluster, job_id, spec, attempt, rendered), uid=uid,
+            discard=lambda prev: self._cleanup(self.clusters.require(prev.cluster), prev.cluster, JobRef(job_id, "")))
 
     async def observe(self, cluster: str, refs: Sequence[JobRef]) -> list[JobObservation]:
         c = self.clusters.require(cluster)

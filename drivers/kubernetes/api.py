@@ -33,12 +33,6 @@ from drivers.common.registry import BackendUnavailable
 from drivers.kubernetes.informer import RequestBudget
 
 
-class NameCollision(FailedPrecondition):
-    """The objects a launch would create belong to another job (or two job ids share a label)."""
-
-    reason = "NAME_COLLISION"
-
-
 def is_unreachable(exc: BaseException) -> bool:
     """Connection problems and 5xx (and 429): the API server is not answering."""
     status = getattr(exc, "status", None)

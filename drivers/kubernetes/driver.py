@@ -93,12 +93,14 @@ from drivers.common.base import (
     LaunchResult,
     LogEntry,
     LogQuery,
+    NameCollision,
     RunMode,
+    same_job,
 )
 from drivers.common.launches import Known
 from drivers.common.skeleton import BackendDriver
 from drivers.kubernetes import logs, mpi, naming, records, render, states, usage
-from drivers.kubernetes.api import KubeApi, NameCollision, api_error, status_of
+from drivers.kubernetes.api import KubeApi, api_error, status_of
 from drivers.kubernetes.informer import PodInformer
 from drivers.kubernetes.render import Rendered
 from drivers.kubernetes.tracking import KubeCluster, TrackedJob, live_pods, observation
@@ -126,6 +128,11 @@ def _run_modes() -> tuple[RunMode, ...]:
     if importlib.util.find_spec("cryptography") is None:
         return tuple(m for m in render.SUPPORTED_RUN_MODES if m is not RunMode.MPI)
     return render.SUPPORTED_RUN_MODES
+
+
+def ours(job: TrackedJob, pod: dict[str, Any]) -> bool:
+    """Whether ``pod`` is of ``job`` and not of an earlier job of the same id (another uid)."""
+    return same_job(job.uid, naming.uid_of(pod))
 
 
 class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
@@ -194,7 +201,7 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
                 by_job.setdefault(labels[naming.LABEL_JOB], {})[pod["metadata"].get("name", "")] = pod
         for key, job in list(c.jobs.items()):
             fresh = {n: states.replica_of(p) for n, p in by_job.get(key, {}).items()
-                     if job.by_pod(n) is not None and naming.attempt_of(p) == job.attempt}
+                     if job.by_pod(n) is not None and naming.attempt_of(p) == job.attempt and ours(job, p)}
             job.pods = fresh
             job.seen.update(fresh)
             self._update(c, job)
@@ -210,7 +217,8 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
         if kind != "DELETED":
             self._adopt(c, pod)
         job = c.jobs.get(labels[naming.LABEL_JOB])
-        if job is None or naming.attempt_of(pod) != job.attempt or job.by_pod(meta.get("name", "")) is None:
+        if job is None or naming.attempt_of(pod) != job.attempt or job.by_pod(meta.get("name", "")) is None \
+                or not ours(job, pod):
             return
         if kind == "DELETED":
             job.pods.pop(meta["name"], None)
@@ -305,8 +313,8 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
 
     # ------------------------------------------------------------------ launch
 
-    async def _prepare(self, c: KubeCluster, job_id: str, spec: JobSpec, attempt: int) -> Rendered:
-        return render.render_job(job_id, spec, attempt, c.config.options)
+    async def _prepare(self, c: KubeCluster, job_id: str, spec: JobSpec, attempt: int, uid: str) -> Rendered:
+        return render.with_job_uid(render.render_job(job_id, spec, attempt, c.config.options), uid)
 
     def _known(self, c: KubeCluster, job_id: str, rendered: Rendered) -> Known | None:
         key = naming.job_label(job_id)
@@ -316,7 +324,7 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
         if job.job_id != job_id:
             raise NameCollision(f"job {job_id!r} and job {job.job_id!r} have the same Kubernetes label {key!r}")
         return Known(job.cluster, job.attempt, job.final is None, lambda: LaunchResult(
-            job.backend_job_id, rendered.native_spec(), observation(job, c.stale)))
+            job.backend_job_id, rendered.native_spec(), observation(job, c.stale)), job.uid)
 
     async def _submit(self, c: KubeCluster, name: str, job_id: str, spec: JobSpec, attempt: int,
                       rendered: Rendered) -> LaunchResult:
@@ -327,7 +335,17 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
                                      f"service {rendered.service}")
         if created is None:  # 409: an earlier try of this launch, or another job's
             created = await self._existing_service(c, rendered)
-            if (done := records.from_service(name, created)) is not None and done.final is not None:
+            done = records.from_service(name, created)
+            if not same_job(theirs := naming.uid_of(created), rendered.uid):  # an earlier job of the same id
+                if done is None or done.final is None:
+                    raise NameCollision(f"service {c.namespace}/{rendered.service} is an earlier job's (uid {theirs}), "
+                                        "which still runs", metadata={"job_uid": theirs})
+                await self._cleanup(c, name, JobRef(job_id, rendered.backend_job_id))  # ended, forgotten: deleted
+                created = await c.api.create(c.api.core.create_namespaced_service, c.namespace, service,
+                                             f"service {rendered.service}")
+                if created is None:
+                    raise NameCollision(f"service {c.namespace}/{rendered.service} exists again")
+            elif done is not None and done.final is not None:
                 return LaunchResult(rendered.backend_job_id, native, done.final)  # a forgotten attempt
         uid = str((created.get("metadata") or {}).get("uid") or "")
         job = TrackedJob.launched(name, rendered)

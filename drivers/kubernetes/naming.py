@@ -44,6 +44,8 @@ from drivers.common.planner import SuccessRule
 
 LABEL_JOB = "dlsched.io/job-id"
 LABEL_ATTEMPT = "dlsched.io/attempt"
+#: The job's uid, on every object of a launch that gave one (another uid's objects are another job's).
+LABEL_UID = "dlsched.io/job-uid"
 LABEL_ROLE = "dlsched.io/role"
 LABEL_INDEX = "dlsched.io/replica-index"
 #: Pod annotations that let a restarted driver rebuild a job from its pods alone.
@@ -198,6 +200,11 @@ def is_recorded(obj: Mapping[str, Any]) -> bool:
     return LABEL_RECORDED in ((obj.get("metadata") or {}).get("labels") or {})
 
 
+def uid_of(obj: Mapping[str, Any]) -> str:
+    """The job uid an object's label ``LABEL_UID`` carries ("" for none)."""
+    return str(((obj.get("metadata") or {}).get("labels") or {}).get(LABEL_UID) or "")
+
+
 def attempt_of(obj: Mapping[str, Any]) -> int:
     """An object's ``dlsched.io/attempt`` label; 0 when it has none."""
     v = ((obj.get("metadata") or {}).get("labels") or {}).get(LABEL_ATTEMPT, "")
@@ -217,6 +224,7 @@ class JobMeta:
     success: SuccessRule
     #: (kind, name) of the attempt's objects besides the Service and the Pods
     others: tuple[tuple[str, str], ...] = ()
+    uid: str = ""  #: the job's uid (label ``LABEL_UID``; "" for none)
 
     def pods(self) -> list[tuple[str, int, str]]:
         """(role, index, pod name) of every replica."""
@@ -264,4 +272,4 @@ def decode(pod: Mapping[str, Any]) -> JobMeta | None:
     others = tuple((kind, name) for kind, _, name in (part.partition("/") for part in
                                                       ann.get(ANN_OBJECTS, "").split(",") if part)
                    if kind in OTHER_KINDS and name)
-    return JobMeta(job_id, attempt, replicas, rule, others)
+    return JobMeta(job_id, attempt, replicas, rule, others, str((meta.get("labels") or {}).get(LABEL_UID, "")))

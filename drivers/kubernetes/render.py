@@ -43,6 +43,7 @@ MPI (as MPI Operator v2 does it, with built-in objects only): ``mpi``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -62,6 +63,7 @@ from drivers.kubernetes.naming import (
     LABEL_INDEX,
     LABEL_JOB,
     LABEL_ROLE,
+    LABEL_UID,
     JobMeta,
     backend_job_id,
     config_map_name,
@@ -114,6 +116,7 @@ class Rendered:
     success: planner.SuccessRule
     #: (kind, name) of the objects besides the Service and the Pods (MPI: the Secret, the ConfigMap).
     others: tuple[tuple[str, str], ...] = ()
+    uid: str = ""  #: the job's uid, on the Service (``with_job_uid``); "" for none
 
     def native_spec(self) -> NativeSpec:
         return to_native_spec(self.manifests)
@@ -140,6 +143,15 @@ def to_native_spec(manifests: Sequence[Mapping[str, Any]]) -> NativeSpec:
     text = yaml.dump_all(list(manifests), Dumper=_Dumper, sort_keys=True, default_flow_style=False,
                          allow_unicode=True)
     return NativeSpec(media_type=MEDIA_TYPE, content=text)
+
+
+def with_job_uid(rendered: Rendered, uid: str) -> Rendered:
+    """``rendered`` with the job's ``uid`` as every object's label ``LABEL_UID`` (none when empty)."""
+    if not uid:
+        return rendered
+    manifests = tuple({**m, "metadata": {**m["metadata"], "labels": {**m["metadata"].get("labels", {}), LABEL_UID: uid}}}
+                      for m in rendered.manifests)
+    return dataclasses.replace(rendered, manifests=manifests, uid=uid)
 
 
 def with_owner_uid(manifest: Mapping[str, Any], uid: str) -> dict[str, Any]:

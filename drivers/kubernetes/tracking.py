@@ -59,12 +59,13 @@ class TrackedJob:
 
     __slots__ = ("cluster", "others", "job_id", "attempt", "backend_job_id", "service", "replicas", "rule",
                  "pods", "seen", "deleted", "stop_requested", "final", "last", "start_time", "end_time",
-                 "_changed", "usage", "cleaned")
+                 "_changed", "usage", "cleaned", "uid")
 
     def __init__(self, cluster: str, job_id: str, attempt: int, backend_job_id: str, service: str,
                  replicas: list[Replica], rule: SuccessRule,
-                 others: Sequence[tuple[str, str]] = ()) -> None:
+                 others: Sequence[tuple[str, str]] = (), uid: str = "") -> None:
         self.cluster = cluster
+        self.uid = uid  # the job's uid (label ``LABEL_UID``), "" for none
         self.others = tuple(others)  # (kind, name) besides the Service and the Pods
         self.job_id = job_id
         self.attempt = attempt
@@ -90,14 +91,14 @@ class TrackedJob:
         """The job a launch of ``rendered`` creates (its native spec is ``rendered``'s, made again when asked)."""
         return cls(cluster, rendered.job_id, rendered.attempt, rendered.backend_job_id, rendered.service,
                    [Replica(p.role, p.index, p.name, p.containers) for p in rendered.pods],
-                   rendered.success, rendered.others)
+                   rendered.success, rendered.others, rendered.uid)
 
     @classmethod
     def adopted(cls, cluster: str, meta: naming.JobMeta, namespace: str) -> TrackedJob:
         """A job found on the watch (after a driver restart), rebuilt from its pods' metadata."""
         return cls(cluster, meta.job_id, meta.attempt, naming.backend_job_id(namespace, meta.job_id, meta.attempt),
                    naming.service_name(meta.job_id, meta.attempt),
-                   [Replica(role, i, pod, ()) for role, i, pod in meta.pods()], meta.success, meta.others)
+                   [Replica(role, i, pod, ()) for role, i, pod in meta.pods()], meta.success, meta.others, meta.uid)
 
     def by_pod(self, name: str) -> Replica | None:
         for r in self.replicas:
@@ -201,7 +202,7 @@ def observation(job: TrackedJob, stale: str | None) -> JobObservation:
                                        message=f"Kubernetes API server unreachable ({stale}); last known state")
         reason, message = states.REASON_STALE, f"Kubernetes API server unreachable ({stale})"
     return JobObservation(
-        job_id=job.job_id, backend_job_id=job.backend_job_id, found=True, state=jv.state,
+        job_id=job.job_id, backend_job_id=job.backend_job_id, found=True, state=jv.state, uid=job.uid,
         reason=reason, message=message, exit_code=jv.exit_code, replicas=_replica_statuses(vs),
         start_time=job.start_time, end_time=job.end_time if jv.state.is_terminal() else None,
         attempt=job.attempt)

@@ -210,9 +210,10 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
     def _run_modes(self) -> tuple[RunMode, ...]:
         return tuple(m for m in ALL_RUN_MODES if m is not RunMode.MPI or self._mpirun is not None)
 
-    async def _prepare(self, c: _Cluster, job_id: str, spec: JobSpec, attempt_no: int) -> render.LocalRequest:
+    async def _prepare(self, c: _Cluster, job_id: str, spec: JobSpec, attempt_no: int,
+                       uid: str) -> render.LocalRequest:
         return render.render_job(job_id, spec, attempt=attempt_no, state_dir=self._state_dir,
-                                 mpirun=self._mpirun, mpirun_args=self._mpirun_args)
+                                 mpirun=self._mpirun, mpirun_args=self._mpirun_args, uid=uid)
 
     async def _launch_plan(self, request: render.LocalRequest) -> render.LocalPlan:
         """The plan with free ports on this host and GPUs no running job holds."""
@@ -241,12 +242,12 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
         if prev is None:
             return None
         return Known(prev.cluster, prev.attempt, not prev.machine.state.is_terminal(),
-                     lambda: LaunchResult(prev.backend_job_id, prev.native, self._observation(prev)))
+                     lambda: LaunchResult(prev.backend_job_id, prev.native, self._observation(prev)), prev.uid)
 
     async def _submit(self, c: _Cluster, name: str, job_id: str, spec: JobSpec, attempt_no: int,
                       rendered: render.LocalRequest) -> LaunchResult:
         plan = await self._launch_plan(rendered)
-        job = TrackedJob(self._state_dir, name, job_id, attempt_no, plan, usage.requested(spec))
+        job = TrackedJob(self._state_dir, name, job_id, attempt_no, plan, usage.requested(spec), rendered.uid)
         self._jobs[job_id] = job  # before any await: a stop or an observation during the spawn finds it
         try:
             self._write_files(job)
@@ -275,7 +276,7 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
     # ------------------------------------------------------------------ hooks: observations
 
     def _observation(self, job: TrackedJob) -> JobObservation:
-        return job.machine.observation(job.job_id, job.backend_job_id, job.attempt, self._host)
+        return job.machine.observation(job.job_id, job.backend_job_id, job.attempt, self._host, job.uid)
 
     def _find(self, cluster: str, ref: JobRef) -> TrackedJob | None:
         job = self._jobs.get(ref.job_id) or self._forgotten(ref.job_id)
@@ -503,7 +504,8 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
             raise ValueError("missing or not JSON")
         plan = render.plan_from_json(json.loads(rec["native_spec"]))
         cpu, gpu = rec.get("request") or (0.0, 0)
-        job = TrackedJob(self._state_dir, rec["cluster"], rec["job_id"], int(rec["attempt"]), plan, (float(cpu), int(gpu)))
+        job = TrackedJob(self._state_dir, rec["cluster"], rec["job_id"], int(rec["attempt"]), plan, (float(cpu), int(gpu)),
+                         str(rec.get("uid", "")))
         if rec.get("version", 1) < RECORD_VERSION:
             _legacy(job, rec)
         return job

@@ -98,9 +98,9 @@ class JobMachine:
     def running_pids(self) -> list[int]:
         return [p.pid for p in self.procs if p.running and p.pid is not None]
 
-    def observation(self, job_id: str, backend_job_id: str, attempt: int, host: str) -> JobObservation:
+    def observation(self, job_id: str, backend_job_id: str, attempt: int, host: str, uid: str = "") -> JobObservation:
         return JobObservation(
-            job_id=job_id, backend_job_id=backend_job_id, found=True, state=self.state,
+            job_id=job_id, backend_job_id=backend_job_id, found=True, state=self.state, uid=uid,
             reason=self.reason, message=self.message, exit_code=self.exit_code,
             replicas=tuple(ReplicaStatus(role=p.role, index=p.index, state=p.state, exit_code=p.exit_code,
                                          host=host, message=p.message) for p in self.procs),

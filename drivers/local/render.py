@@ -194,6 +194,7 @@ class LocalRequest:
     state_dir: str
     mpirun: str = planner.MPIRUN
     mpirun_args: tuple[str, ...] = ()
+    uid: str = ""  #: the job's uid, kept in the launch record ("" for none)
 
     def plan(self, *, master_port: int = planner.DEFAULT_MASTER_PORT,
              ports: Mapping[tuple[str, int], int] | None = None,
@@ -208,10 +209,10 @@ class LocalRequest:
 
 
 def render_job(job_id: str, spec: JobSpec, *, attempt: int, state_dir: str, mpirun: str | None = planner.MPIRUN,
-               mpirun_args: Sequence[str] = ()) -> LocalRequest:
+               mpirun_args: Sequence[str] = (), uid: str = "") -> LocalRequest:
     """``check``, then the request whose ``plan`` places and emits; ``mpirun=None``: this host has none."""
     check(spec, mpi_available=mpirun is not None)
-    return LocalRequest(job_id, spec, attempt, state_dir, mpirun or planner.MPIRUN, tuple(mpirun_args))
+    return LocalRequest(job_id, spec, attempt, state_dir, mpirun or planner.MPIRUN, tuple(mpirun_args), uid)
 
 
 def plan_job(job_id: str, spec: JobSpec, *, attempt: int, state_dir: str,

@@ -30,11 +30,12 @@ class TrackedJob:
 
     __slots__ = ("cluster", "job_id", "attempt", "plan", "request", "dir", "machine", "supervisor",
                  "signature", "proc", "next_liveness", "pending_stop", "final", "_finished", "published",
-                 "peaks", "forget_when_final")
+                 "peaks", "forget_when_final", "uid")
 
     def __init__(self, state_dir: str, cluster: str, job_id: str, attempt_no: int, plan: render.LocalPlan,
-                 request: tuple[float, int]) -> None:
+                 request: tuple[float, int], uid: str = "") -> None:
         self.cluster = cluster
+        self.uid = uid  # the job's uid ("" when its launch gave none)
         self.job_id = job_id
         self.attempt = attempt_no
         self.plan = plan
@@ -80,7 +81,8 @@ class TrackedJob:
 
     def record(self) -> dict[str, Any]:
         return {"version": RECORD_VERSION, "cluster": self.cluster, "job_id": self.job_id,
-                "attempt": self.attempt, "native_spec": self.native.content, "request": list(self.request)}
+                "attempt": self.attempt, "native_spec": self.native.content, "request": list(self.request),
+                "uid": self.uid}
 
     def gpus_held(self) -> set[str]:
         out: set[str] = set()

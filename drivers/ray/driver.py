@@ -110,6 +110,8 @@ from drivers.common.base import (
     LaunchResult,
     LogEntry,
     LogQuery,
+    NameCollision,
+    same_job,
 )
 from drivers.common.launches import Known
 from drivers.common.registry import STOP_REQUESTED, BackendUnavailable
@@ -143,6 +145,7 @@ class _Cluster:
         self.jobs: dict[str, JobObservation] = {}  # job id -> newest attempt
         self.submissions: dict[str, set[str]] = {}  # job id -> every submission id seen
         self.nodes: dict[str, str] = {}  # job id -> the newest attempt's entrypoint node (Ray's driver_node_id)
+        self.uids: dict[str, str] = {}  # job id -> the newest attempt's job uid, where it has one
         self.ends: dict[str, layout.Manifest] = {}  # submission id -> its manifest, read once it ended
         self.reading: set[str] = set()  # manifests being read
         self.held: dict[str, tuple[float, JobObservation]] = {}  # ended, waiting for its manifest
@@ -162,7 +165,7 @@ class _Cluster:
 
 class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
     name = "ray"
-    carry_over = ("jobs", "submissions", "nodes", "ends", "known", "stop_requested")
+    carry_over = ("jobs", "submissions", "nodes", "ends", "known", "stop_requested", "uids")
     supports_logs = True
     supports_usage = True
 
@@ -254,9 +257,13 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
             prev = c.jobs.get(job_id)
             if prev is not None and prev.attempt > attempt:
                 continue  # a launch the list does not show yet
+            if not same_job(c.uids.get(job_id, ""), render.uid_of(it)):
+                continue  # a list from before a cleanup: an earlier job's submission of the same id
             obs = observation(job_id, attempt, it)
             if prev is None and obs.state.is_terminal():
                 continue  # ended before it was tracked, or forgotten: answered when asked (``_untracked``)
+            if uid := render.uid_of(it):
+                c.uids[job_id] = uid
             node = it.get("driver_node_id")
             if isinstance(node, str) and node:
                 c.nodes[job_id] = node
@@ -274,8 +281,9 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
         for job_id in [j for j in c.jobs if j not in newest]:
             obs = c.jobs[job_id]
             if obs.reason != REASON_SUBMITTED:  # a fresh launch may race the list; others were deleted
+                gone = JobObservation.not_found(JobRef(job_id, obs.backend_job_id), c.uids.get(job_id, ""))
                 self._drop(c, job_id)
-                self.hub.publish(name, JobObservation.not_found(JobRef(job_id, obs.backend_job_id)))
+                self.hub.publish(name, gone)
         # every attempt of the tracked jobs only (cleanup lists Ray's jobs for an untracked one)
         c.submissions = {k: v for k, v in {**c.submissions, **seen}.items() if k in c.jobs}
 
@@ -338,24 +346,40 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
 
     # ------------------------------------------------------------------ jobs
 
-    async def _prepare(self, c: _Cluster, job_id: str, spec: JobSpec, attempt: int) -> render.RaySubmission:
-        return render.render(job_id, spec, attempt, c.config.options)
+    async def _prepare(self, c: _Cluster, job_id: str, spec: JobSpec, attempt: int,
+                       uid: str) -> render.RaySubmission:
+        return render.render(job_id, spec, attempt, c.config.options, uid)
 
     def _known(self, c: _Cluster, job_id: str, rendered: render.RaySubmission) -> Known | None:
         prev = c.jobs.get(job_id)
         if prev is None:
             return None
         return Known(c.config.name, prev.attempt, not prev.state.is_terminal(),
-                     lambda: LaunchResult(rendered.submission_id, rendered.native_spec(), prev))
+                     lambda: LaunchResult(rendered.submission_id, rendered.native_spec(), prev), c.uids.get(job_id, ""))
 
     async def _submit(self, c: _Cluster, name: str, job_id: str, spec: JobSpec, attempt: int,
                       rendered: render.RaySubmission) -> LaunchResult:
         sid = rendered.submission_id
+        obs = await self._post(c, job_id, attempt, rendered)
+        if obs is None:  # an ended earlier job of the same id, deleted without its cleanup: deleted now
+            obs = await self._post(c, job_id, attempt, rendered, again=True)
+        assert obs is not None
+        if rendered.uid:
+            c.uids[job_id] = rendered.uid
+        self._set(name, c, obs)
+        c.submissions.setdefault(job_id, set()).add(sid)
+        return LaunchResult(sid, rendered.native_spec(), obs)
+
+    async def _post(self, c: _Cluster, job_id: str, attempt: int, rendered: render.RaySubmission,
+                    again: bool = False) -> JobObservation | None:
+        """POST the submission: its observation, the first submission's when Ray has it already;
+        None when Ray had an ended one of another job uid, deleted now (unless ``again``)."""
+        sid = rendered.submission_id
         try:
             await c.request("POST", "/api/jobs/", dict(rendered.body))
-            obs = JobObservation(job_id=job_id, backend_job_id=sid, found=True, state=JobState.PENDING,
-                                 reason=REASON_SUBMITTED, message="submitted to Ray", attempt=attempt,
-                                 start_time=None)
+            return JobObservation(job_id=job_id, backend_job_id=sid, found=True, state=JobState.PENDING,
+                                  reason=REASON_SUBMITTED, message="submitted to Ray", attempt=attempt,
+                                  start_time=None, uid=rendered.uid)
         except (RayHttpError, Unavailable) as e:
             existing = await c.api.find(sid)
             if existing is None:
@@ -366,10 +390,16 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
                 raise FailedPrecondition(f"Ray refused the submission: {last_line(e.text)}",
                                          reason="BACKEND_REJECTED",
                                          metadata={"http_status": str(e.status)}) from e
-            obs = observation(job_id, attempt, existing)  # the first submission
-        self._set(name, c, obs)
-        c.submissions.setdefault(job_id, set()).add(sid)
-        return LaunchResult(sid, rendered.native_spec(), obs)
+            first = observation(job_id, attempt, existing)
+            if same_job(render.uid_of(existing), rendered.uid):
+                return first  # the first submission
+            if again or not first.state.is_terminal():
+                raise NameCollision(f"Ray submission {sid} of an earlier job {job_id!r} (uid "
+                                    f"{render.uid_of(existing)}) still runs", metadata={
+                                        "job_uid": render.uid_of(existing)}) from e
+            log.warning("submission %s: deleting the ended one of job uid %s first", sid, render.uid_of(existing))
+            await self._delete(c, sid)
+            return None
 
     def _snapshot(self, c: _Cluster) -> Iterable[JobObservation]:
         return list(c.jobs.values())
@@ -440,7 +470,7 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
         c.wake.set()
         if obs is None:
             return JobObservation(job_id=ref.job_id, backend_job_id=sid, found=True,
-                                  state=JobState.STOPPING, reason=STOP_REQUESTED)
+                                  state=JobState.STOPPING, reason=STOP_REQUESTED, uid=c.uids.get(ref.job_id, ""))
         stopping = replace(obs, state=JobState.STOPPING, reason=STOP_REQUESTED, message="stop sent to Ray")
         self._set(name, c, stopping)
         return stopping
@@ -457,8 +487,9 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
                     sids.add(meta.submission_id)
         for sid in sorted(sids):
             await self._delete(c, sid)
-        if c.jobs.get(ref.job_id) is not None:
-            self.hub.publish(name, JobObservation.not_found(ref))
+        if (tracked := c.jobs.get(ref.job_id)) is not None:  # its uid: JobManager tells the job it was
+            self.hub.publish(name, JobObservation.not_found(JobRef(ref.job_id, tracked.backend_job_id),
+                                                            c.uids.get(ref.job_id, "")))
         self._drop(c, ref.job_id, sids)
 
     def _forget(self, c: _Cluster, ref: JobRef) -> bool:
@@ -475,6 +506,7 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
         if obs is not None:
             gone.add(obs.backend_job_id)
         c.nodes.pop(job_id, None)
+        c.uids.pop(job_id, None)
         for sid in gone:
             c.ends.pop(sid, None)
             c.held.pop(sid, None)

@@ -61,7 +61,7 @@ def _observation(job_id: str, attempt: int, it: Mapping[str, Any]) -> JobObserva
         reason=reason, message=trim(str(it.get("message") or "")),
         exit_code=int(exit_code) if isinstance(exit_code, int) else None,
         start_time=start / 1000 if start else None, end_time=end / 1000 if end and state.is_terminal() else None,
-        attempt=attempt)
+        attempt=attempt, uid=render.uid_of(it))
 
 
 REASON_NON_ZERO_EXIT = "NonZeroExit"

@@ -10,7 +10,9 @@ The submission:
 - ``submission_id`` is ``dlsched-{job_id}-{attempt}``: Ray refuses a second
   submission with the same id, so a retried launch can never start a second
   job. ``metadata`` carries ``dlsched_job_id``, ``dlsched_attempt`` and
-  ``dlsched_run_mode`` (plus ``dlsched_time_limit_seconds``); the poller
+  ``dlsched_run_mode`` (plus ``dlsched_time_limit_seconds``, and
+  ``dlsched_job_uid`` when the launch gives the job's uid: a submission of the
+  same id with another uid is another job's, never adopted); the poller
   knows our jobs by them.
 - ``entrypoint`` is always ``<python> -m drivers.ray.launcher``, the
   in-cluster launcher (``drivers.ray.launcher``); ``<python>`` is cluster
@@ -62,6 +64,7 @@ LAUNCHER_MODULE = "drivers.ray.launcher"
 JOB_ENV = "DLSCHED_RAY_JOB"
 META_JOB_ID = "dlsched_job_id"
 META_ATTEMPT = "dlsched_attempt"
+META_JOB_UID = "dlsched_job_uid"
 META_TIME_LIMIT = "dlsched_time_limit_seconds"  # the driver stops the job after it (Ray has no limit)
 LOCAL_HOST = "127.0.0.1"
 URI_RE = re.compile(r"^[a-z][a-z0-9+.-]*://")
@@ -167,6 +170,10 @@ class RaySubmission:
     def submission_id(self) -> str:
         return str(self.body["submission_id"])
 
+    @property
+    def uid(self) -> str:
+        return str(self.body["metadata"].get(META_JOB_UID, ""))
+
     def native_spec(self) -> NativeSpec:
         return to_native_spec(self.body)
 
@@ -178,6 +185,12 @@ class SubmissionMeta:
     job_id: str
     attempt: int
     submission_id: str
+    uid: str = ""  #: the job's uid (``META_JOB_UID``), "" for none
+
+
+def uid_of(it: Mapping[str, Any]) -> str:
+    """The job uid a submission's metadata carries ("" for none)."""
+    return str((it.get("metadata") or {}).get(META_JOB_UID) or "")
 
 
 def parse_submission(it: Mapping[str, Any]) -> SubmissionMeta | None:
@@ -192,7 +205,7 @@ def parse_submission(it: Mapping[str, Any]) -> SubmissionMeta | None:
         return None
     if not isinstance(job_id, str) or not job_id or not isinstance(sid, str) or not sid:
         return None
-    return SubmissionMeta(job_id, attempt, sid)
+    return SubmissionMeta(job_id, attempt, sid, uid_of(it))
 
 
 def check(spec: JobSpec, options: Mapping[str, str] | None = None) -> RayOptions:
@@ -208,9 +221,13 @@ def check(spec: JobSpec, options: Mapping[str, str] | None = None) -> RayOptions
     return opts
 
 
-def render(job_id: str, spec: JobSpec, attempt: int, options: Mapping[str, str] | None = None) -> RaySubmission:
+def render(job_id: str, spec: JobSpec, attempt: int, options: Mapping[str, str] | None = None,
+           uid: str = "") -> RaySubmission:
     """check → emit (Ray places replicas itself: the launcher's placement group)."""
-    return RaySubmission(render_submission(job_id, spec, attempt, options))
+    body = render_submission(job_id, spec, attempt, options)
+    if uid:
+        body["metadata"][META_JOB_UID] = uid
+    return RaySubmission(body)
 
 
 def render_submission(job_id: str, spec: JobSpec, attempt: int,

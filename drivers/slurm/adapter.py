@@ -255,7 +255,7 @@ class SlurmClient:
             error = exit_error("squeue", rc, err)
             if error is None:
                 return oldest_first(j for j in poll.parse_squeue(out).values()
-                                    if j.comment == script.comment and not voided(j)
+                                    if script.marks(j.comment) and not voided(j)
                                     and j.job_id not in self.retired)
             log.warning("look-up of %s: %s", script.comment, error.message)
         assert error is not None
@@ -284,7 +284,7 @@ class SlurmClient:
             existing = found[0] if found else None
         else:
             assert listed is not None
-            existing = listed.get(script.comment)  # (a round before a delete may still list it)
+            existing = script.in_listing(listed)  # (a round before a delete may still list it)
             if existing is not None and existing.job_id in retired:
                 existing = None
         if existing is not None:

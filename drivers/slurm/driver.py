@@ -10,7 +10,7 @@ script picks rendezvous ports) go to ``render``.
 The driver is the kit's ``BackendDriver`` (``drivers.common.skeleton``: the
 public operations, the attempt rules, cluster look-up) over these hooks and
 one module per concern: ``render`` the script (check → place → emit) and the
-job's metadata codec (``dlsched-<job_id>.<attempt>``), ``adapter`` the Slurm
+job's metadata codec (``dlsched-<job_id>.<attempt>.<uid>``), ``adapter`` the Slurm
 commands over SSH with the one mapping of their exits to errors (and
 exactly-once submission), ``poller`` the shared squeue rounds, ``jobs`` what
 those rounds make of a tracked job, ``states`` the state table, ``logs`` the
@@ -28,9 +28,9 @@ JobManager's watch of the cluster has been open a minute without claiming it: Jo
 its id); they were submitted held and never released, so they never ran. After an ``sbatch`` that
 timed out the attempt is polled for ``adapter.LATE_WINDOW``, 10 minutes, even once its job has
 ended. A job cancelled while held is ``voided``: a later launch of its attempt passes over it and
-submits anew, so a retry that comes after the grace never adopts a cancelled job; so does one whose
-job was deleted (``retired``, while squeue still lists it): a job id used again is a new job. An
-adopted job still held (its driver died between ``sbatch`` and the release) is released on adoption,
+submits anew, so a retry after the grace never adopts a cancelled job. A job id used again after a
+delete is a new job: its uid in the comment differs (without a uid, the deleted job's Slurm id is
+``retired`` while squeue lists it, in memory). An adopted job still held (its driver died between ``sbatch`` and the release) is released on adoption,
 by a launch or by an observation. An ``sbatch`` that fails with no job behind it is
 FAILED_PRECONDITION reason ``SBATCH_REJECTED`` with Slurm's message (an unknown partition), unless
 the message says the controller was unreachable or slow: that is retried, and after the last try
@@ -78,6 +78,7 @@ from drivers.common.base import (
     LogEntry,
     LogQuery,
     SshCredentials,
+    same_job,
 )
 from drivers.common.launches import Known
 from drivers.common.planner import ALL_RUN_MODES
@@ -104,8 +105,7 @@ log = logging.getLogger("dlsched.driver.slurm")
 #: Seconds GetClusterInfo may spend on the login node in all (ClusterManager waits 5 s): past
 #: it, a look-up in progress counts as slow (the command is given up and killed there).
 INFO_BUDGET = 3.5
-#: Of which the controller ping (one quick RPC) always gets at least this much.
-PING_BUDGET = 1.0
+PING_BUDGET = 1.0  # of which the controller ping (one quick RPC) always gets at least this much
 
 RECORD_RETRY_SECONDS = 5.0  # between tries to write forgotten jobs' records while they fail
 
@@ -162,7 +162,7 @@ class _Cluster:
             if now - since > LATE_WINDOW:
                 del self.late[comment]
         return [j.backend_job_id for j in self.jobs.values()
-                if not j.state.is_terminal() or render.job_comment(j.job_id, j.attempt) in self.late]
+                if not j.state.is_terminal() or render.job_comment(j.job_id, j.attempt, j.uid) in self.late]
 
     def find(self, ref: JobRef) -> TrackedJob | None:
         job = self.jobs.get(ref.job_id)
@@ -308,26 +308,27 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
 
     # ------------------------------------------------------------------ render / launch
 
-    async def _prepare(self, c: _Cluster, job_id: str, spec: JobSpec, attempt: int) -> SlurmScript:
-        return render.render_job(job_id, spec, attempt, c.options)
+    async def _prepare(self, c: _Cluster, job_id: str, spec: JobSpec, attempt: int, uid: str) -> SlurmScript:
+        return render.render_job(job_id, spec, attempt, c.options, uid=uid)
 
     def _known(self, c: _Cluster, job_id: str, rendered: SlurmScript) -> Known | None:
         prev = c.jobs.get(job_id) or c.recording.get(job_id)
         if prev is None:
             return None
         return Known(prev.cluster, prev.attempt, not prev.state.is_terminal(), lambda: LaunchResult(
-            prev.backend_job_id, prev.native or rendered.native_spec(), c.observation(prev)))
+            prev.backend_job_id, prev.native or rendered.native_spec(), c.observation(prev)), prev.uid)
 
     async def _submit(self, c: _Cluster, name: str, job_id: str, spec: JobSpec, attempt: int,
                       rendered: SlurmScript) -> LaunchResult:
-        c.launching.add(rendered.comment)  # its job may sit held a while: not a stray
+        marks = {rendered.comment, render.job_comment(job_id, attempt)}  # what it may adopt, see ``marks``
+        c.launching.update(marks)  # its job may sit held a while: not a stray
         try:
             backend_id, held = await c.client.submit(rendered, c.listed, c.unsure, c.late, c.retired)
         finally:
-            c.launching.discard(rendered.comment)
+            c.launching.difference_update(marks)
         # no native spec kept (a few KiB): a repeated launch renders it again (``_known``)
         job = TrackedJob(name, job_id, attempt, backend_id, rendered.dir, None,
-                         roles=tuple((s.role, s.index) for s in rendered.steps))
+                         roles=tuple((s.role, s.index) for s in rendered.steps), uid=rendered.uid)
         c.jobs[job_id] = job
         if held:  # tracked first: the release is ours now, off the launch's path
             c.to_release.add(backend_id)
@@ -368,12 +369,14 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
 
     def _cancel_strays(self, c: _Cluster, attempts: dict[str, list[poll.SlurmJob]]) -> None:
         """Cancel the jobs no driver will ever release (``strays``)."""
-        def tracked(job_id: str, attempt: int) -> str | None:
+        def tracked(job_id: str, attempt: int, uid: str) -> str | None:
             job = c.jobs.get(job_id)
-            return job.backend_job_id if job is not None and job.attempt == attempt else None
+            return job.backend_job_id if job is not None and job.attempt == attempt and \
+                same_job(job.uid, uid) else None
 
-        def wanted(comment: str, job_id: str, attempt: int) -> bool:  # by any configuration of this process
-            return any(comment in x.launching or ((j := x.jobs.get(job_id)) is not None and j.attempt == attempt)
+        def wanted(comment: str, job_id: str, attempt: int, uid: str) -> bool:  # by any configuration of this process
+            return any(comment in x.launching or ((j := x.jobs.get(job_id)) is not None and j.attempt == attempt
+                                                 and same_job(j.uid, uid))
                        for x in self.clusters.values())
 
         now = time.monotonic()
@@ -484,7 +487,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
             if sj is None or parsed is None or parsed[0] != ref.job_id or ref.job_id in c.jobs:
                 continue
             job = TrackedJob(c.name, ref.job_id, parsed[1], sj.job_id,
-                             render.attempt_dir(c.options, ref.job_id, parsed[1]), None)
+                             render.attempt_dir(c.options, ref.job_id, parsed[1]), None, uid=parsed[2])
             job.apply(sj)
             c.jobs[ref.job_id] = job
             if is_held(sj):  # submitted held by a driver that died before releasing it
@@ -506,17 +509,16 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         return c.observation(job)
 
     async def _cleanup(self, c: _Cluster, name: str, ref: JobRef) -> None:
-        c.retired[ref.backend_job_id] = time.monotonic()  # its job id may come back as a new job
-        job = c.find(ref)
+        job = c.find(ref)  # its job id may come back as a new job: the Slurm id is retired
+        c.retired[job.backend_job_id if job is not None else ref.backend_job_id] = time.monotonic()
         if job is None:  # forgotten (its record written or being written), or unknown: nothing to do
             job = await self._forgotten(c, ref)
             if job is None:
                 return
             if c.recording.get(job.job_id) is job:
                 del c.recording[job.job_id]
-                if (writer := c.record_writer) is not None and not writer.done():
-                    # a write in flight may hold its record: removed after it, not before
-                    await asyncio.wait([writer], timeout=self.config.command_timeout)
+                if (writer := c.record_writer) is not None and not writer.done():  # it may hold its record:
+                    await asyncio.wait([writer], timeout=self.config.command_timeout)  # removed after it
             await c.client.remove_files(job.job_id, job.dir.rsplit("/", 1)[0])
             return
         if not job.state.is_terminal():
@@ -524,6 +526,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         await c.client.remove_files(job.job_id, job.dir.rsplit("/", 1)[0])
         c.jobs.pop(job.job_id, None)
         c.to_release.discard(job.backend_job_id)  # cancelled: nothing to release
+        c.unsure.discard(render.job_comment(job.job_id, job.attempt, job.uid))
 
     # ------------------------------------------------------------------ logs and usage
 
@@ -565,7 +568,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         c.recording[job.job_id] = job  # answered from here until its record is written
         c.to_release.discard(job.backend_job_id)
         c.held_since.pop(job.backend_job_id, None)
-        c.unsure.discard(render.job_comment(job.job_id, job.attempt))
+        c.unsure.discard(render.job_comment(job.job_id, job.attempt, job.uid))
         self._start_record_writer(c)
         return True
 

@@ -53,11 +53,12 @@ class TrackedJob:
     __slots__ = ("cluster", "job_id", "attempt", "backend_job_id", "dir", "native", "state", "reason",
                  "message", "exit_code", "start_time", "end_time", "nodes", "stale", "stop_requested", "seen",
                  "restarts", "roles", "usage", "accounted", "unschedulable", "held", "exits", "exit_reads",
-                 "release_error")
+                 "release_error", "uid")
 
     def __init__(self, cluster: str, job_id: str, attempt: int, backend_job_id: str, adir: str,
-                 native: NativeSpec | None, roles: tuple[tuple[str, int], ...] = ()) -> None:
+                 native: NativeSpec | None, roles: tuple[tuple[str, int], ...] = (), uid: str = "") -> None:
         self.cluster = cluster
+        self.uid = uid  # the job's uid as its comment carries it ("" for none)
         self.job_id = job_id
         self.attempt = attempt
         self.backend_job_id = backend_job_id
@@ -206,12 +207,12 @@ class TrackedJob:
         return JobObservation(job_id=self.job_id, backend_job_id=self.backend_job_id, found=True,
                               state=self.state, reason=reason, message=message, exit_code=exit_code,
                               replicas=replicas, start_time=self.start_time, end_time=self.end_time,
-                              attempt=self.attempt, backend_restarts=self.restarts)
+                              attempt=self.attempt, backend_restarts=self.restarts, uid=self.uid)
 
     def record(self) -> dict[str, Any]:
         """What ``recorded.json`` keeps of an ended job: its reported end, its replicas'
         ends (the exits file) and its last usage samples."""
-        return {"version": RECORD_VERSION, "job_id": self.job_id, "attempt": self.attempt,
+        return {"version": RECORD_VERSION, "job_id": self.job_id, "attempt": self.attempt, "uid": self.uid,
                 "backend_job_id": self.backend_job_id, "state": self.state.name, "reason": self.reason,
                 "message": self.message, "exit_code": self.exit_code, "start_time": self.start_time,
                 "end_time": self.end_time, "nodes": self.nodes, "restarts": self.restarts,
@@ -225,7 +226,7 @@ class TrackedJob:
     def from_record(cls, cluster: str, adir: str, doc: dict[str, Any]) -> TrackedJob:
         """The ended job ``record`` wrote (raises KeyError/TypeError/ValueError when malformed)."""
         job = cls(cluster, str(doc["job_id"]), int(doc["attempt"]), str(doc["backend_job_id"]), adir, None,
-                  roles=tuple((str(r), int(i)) for r, i in doc.get("roles") or ()))
+                  roles=tuple((str(r), int(i)) for r, i in doc.get("roles") or ()), uid=str(doc.get("uid") or ""))
         job.state = JobState[doc["state"]]
         if not job.state.is_terminal():
             raise ValueError(f"a recorded job must have ended, not {job.state.name}")

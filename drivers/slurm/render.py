@@ -41,8 +41,11 @@ memory one node's replicas ask for, MiB, rounded up), ``--gres=gpu[:type]:N``
 (the most GPUs one node's replicas ask for; every group asking for GPUs must
 name the same type), ``--partition`` (``spec.queue``, else cluster option
 ``partition``), ``--time`` (the time limit, rounded up to whole seconds),
-``--job-name=dlsched-<job_id>`` and ``--comment=dlsched-<job_id>.<attempt>``
-(how a retried launch finds an earlier submission), and the batch script's
+``--job-name=dlsched-<job_id>`` and ``--comment=dlsched-<job_id>.<attempt>.<uid>``
+(how a retried launch finds an earlier submission; ``<uid>``, the job's uid
+without its dashes, tells a job id used again after a delete from the deleted
+job, which squeue may still list; a launch without a uid, or a driver older
+than it, leaves ``.<uid>`` out, and such a comment is taken for any uid), and the batch script's
 own output (and Slurm's notes on the job: cancelled, time limit) in
 ``<job_id>.<attempt>.batch.stdout|stderr`` directly in the state dir. That
 directory exists before any job of the cluster (the driver creates it once),
@@ -126,6 +129,7 @@ import re
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 from dlsched import resources
 from dlsched.errors import FieldViolation, InvalidArgument
@@ -135,6 +139,8 @@ from drivers.common.base import JobSpec, LogStream, NativeSpec, ReplicaGroup, Ru
 from drivers.slurm import shell, steps
 from drivers.slurm.shell import sh_quote
 from drivers.slurm.steps import TASKS_STEP, StepFiles
+
+T = TypeVar("T")
 
 MEDIA_TYPE = "text/x-shellscript"
 DEFAULT_STATE_DIR = ".dlsched/slurm"
@@ -152,6 +158,7 @@ LOG_INDEX = "log.index"
 INDEX_INTERVAL = 1
 #: Values that land in #SBATCH lines or paths: validated, never quoted.
 PARTITION_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}(,[A-Za-z0-9_.-]{1,64}){0,15}\Z")
+UID_MARK_RE = re.compile(r"[A-Za-z0-9]{1,64}")  #: a job uid without its dashes, in the comment
 GPU_TYPE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
 STATE_DIR_RE = re.compile(r"^(?!-)[A-Za-z0-9_./-]{1,255}\Z")
 
@@ -172,9 +179,20 @@ class SlurmScript:
     dir: str
     script: str
     steps: tuple[StepFiles, ...]
+    uid: str = ""  #: the job's uid as ``comment`` carries it ("" for none)
 
     def native_spec(self) -> NativeSpec:
         return NativeSpec(media_type=MEDIA_TYPE, content=self.script)
+
+    def marks(self, comment: str) -> bool:
+        """Whether a Slurm job with ``comment`` is a submission of this attempt: this comment, or
+        the same job id and attempt without a uid (a launch without one, an older driver's)."""
+        return comment == self.comment or comment == job_comment(self.job_id, self.attempt)
+
+    def in_listing(self, listed: Mapping[str, T]) -> T | None:
+        """This attempt's entry in ``listed`` (comment -> job), by ``marks``; None when none."""
+        found = listed.get(self.comment)
+        return found if found is not None or not self.uid else listed.get(job_comment(self.job_id, self.attempt))
 
 
 # --------------------------------------------------------------------------- metadata codec and files
@@ -184,18 +202,26 @@ def job_name(job_id: str) -> str:
     return f"{NAME_PREFIX}{job_id}"
 
 
-def job_comment(job_id: str, attempt: int) -> str:
-    return f"{NAME_PREFIX}{job_id}.{attempt}"
+def job_comment(job_id: str, attempt: int, uid: str = "") -> str:
+    """``dlsched-<job_id>.<attempt>.<uid>`` (``uid`` without dashes; none: ``.<uid>`` left out)."""
+    mark = uid.replace("-", "")
+    return f"{NAME_PREFIX}{job_id}.{attempt}.{mark}" if mark else f"{NAME_PREFIX}{job_id}.{attempt}"
 
 
-def parse_comment(comment: str) -> tuple[str, int] | None:
-    """``dlsched-<job_id>.<attempt>`` -> (job_id, attempt); anything else None."""
+def parse_comment(comment: str) -> tuple[str, int, str] | None:
+    """``dlsched-<job_id>.<attempt>[.<uid>]`` -> (job_id, attempt, uid without dashes, "" for
+    none); anything else None."""
     if not comment.startswith(NAME_PREFIX):
         return None
-    job_id, sep, attempt = comment[len(NAME_PREFIX):].rpartition(".")
-    if not sep or not attempt.isdigit() or not ID_RE.match(job_id):
+    parts = comment[len(NAME_PREFIX):].split(".")
+    if len(parts) == 2:
+        parts.append("")
+    if len(parts) != 3:
         return None
-    return job_id, int(attempt)
+    job_id, attempt, mark = parts
+    if not attempt.isdigit() or not ID_RE.fullmatch(job_id) or mark and not UID_MARK_RE.fullmatch(mark):
+        return None
+    return job_id, int(attempt), mark
 
 
 def is_ours(comment: str) -> bool:
@@ -247,9 +273,9 @@ def _time(seconds: float) -> str:
 
 
 def render_job(job_id: str, spec: JobSpec, attempt: int,
-               options: Mapping[str, str] | None = None) -> SlurmScript:
+               options: Mapping[str, str] | None = None, *, uid: str = "") -> SlurmScript:
     """The sbatch script; raises InvalidArgument for specs Slurm cannot take."""
-    return emit(place(check(job_id, spec, attempt, options or {})))
+    return emit(place(check(job_id, spec, attempt, options or {}, uid)))
 
 
 @dataclass(frozen=True)
@@ -260,17 +286,21 @@ class Checked:
     spec: JobSpec
     attempt: int
     options: Mapping[str, str]
+    uid: str  #: the job's uid as the comment carries it ("" for none)
     partition: str  #: ``spec.queue``, else the cluster's default partition ("" for Slurm's)
     max_nodes: int | None  #: cluster option ``max_nodes``
     gpu_type: str  #: the one GPU type the groups name ("" for any)
     ports: tuple[int, int] = (PORT_LO, PORT_LO + PORT_SPAN - 1)  #: cluster option ``port_range``, inclusive
 
 
-def check(job_id: str, spec: JobSpec, attempt: int, options: Mapping[str, str]) -> Checked:
+def check(job_id: str, spec: JobSpec, attempt: int, options: Mapping[str, str], uid: str = "") -> Checked:
     """Every value Slurm cannot take, as the field violations of one ``InvalidArgument``."""
     vs: list[FieldViolation] = []
     if not ID_RE.match(job_id):
         vs.append(FieldViolation("job_id", "must match [a-z][a-z0-9-]{0,62}"))
+    mark = uid.replace("-", "")
+    if uid and not UID_MARK_RE.fullmatch(mark):
+        vs.append(FieldViolation("job_uid", "must be up to 64 letters, digits and dashes"))
     if attempt < 1:
         vs.append(FieldViolation("attempt", "must be at least 1"))
     partition = spec.queue or options.get("partition", "")
@@ -294,7 +324,7 @@ def check(job_id: str, spec: JobSpec, attempt: int, options: Mapping[str, str]) 
     if vs:
         raise InvalidArgument("; ".join(f"{v.field}: {v.description}" for v in vs), vs)
     state_dir_of(options)
-    return Checked(job_id, spec, attempt, options, partition, int(max_nodes) if max_nodes else None,
+    return Checked(job_id, spec, attempt, options, mark, partition, int(max_nodes) if max_nodes else None,
                    next(iter(gpu_types), ""), ports)
 
 
@@ -368,7 +398,7 @@ def place(job: Checked) -> Layout:
 def emit(lay: Layout) -> SlurmScript:
     """The script text: ``#SBATCH`` lines, the prologue, the steps, the success rule."""
     job, spec, plan = lay.job, lay.job.spec, lay.plan
-    name, comment = job_name(job.job_id), job_comment(job.job_id, job.attempt)
+    name, comment = job_name(job.job_id), job_comment(job.job_id, job.attempt, job.uid)
     h = _sbatch_lines(lay, name, comment) + [
         "",
         f"# dlsched job {job.job_id}, attempt {job.attempt}: {spec.run_mode.name}, "
@@ -405,7 +435,7 @@ def emit(lay: Layout) -> SlurmScript:
         h += steps.srun_steps(lay, files)
     h += shell.SCRIPT_END.splitlines()
     return SlurmScript(job_id=job.job_id, attempt=job.attempt, job_name=name, comment=comment, dir=lay.dir,
-                       script="\n".join(h) + "\n", steps=tuple(files))
+                       script="\n".join(h) + "\n", steps=tuple(files), uid=job.uid)
 
 
 def _sbatch_lines(lay: Layout, name: str, comment: str) -> list[str]:

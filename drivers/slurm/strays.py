@@ -1,7 +1,7 @@
 """The Slurm jobs no driver will ever release, found in a poll round's listing (exactly once).
 
 Every dlsched submission starts held and only the job adopted for an attempt (the
-oldest with its ``dlsched-<job_id>.<attempt>`` comment) is released, so a job that
+oldest with its ``dlsched-<job_id>.<attempt>.<uid>`` comment) is released, so a job that
 is held and wanted by no launch never ran and never will: the round cancels it.
 ``find`` says which, from the round's unfinished jobs grouped by attempt:
 
@@ -36,12 +36,12 @@ from drivers.slurm.poller import SlurmJob
 DUPLICATE_GRACE = 60.0
 
 
-def find(attempts: Mapping[str, Sequence[SlurmJob]], *, tracked: Callable[[str, int], str | None],
-         wanted: Callable[[str, str, int], bool], held_since: MutableMapping[str, float], now: float,
+def find(attempts: Mapping[str, Sequence[SlurmJob]], *, tracked: Callable[[str, int, str], str | None],
+         wanted: Callable[[str, str, int, str], bool], held_since: MutableMapping[str, float], now: float,
          grace: float, window: float, observed_for: float | None) -> list[tuple[str, str]]:
     """(Slurm job id, why) of each job to cancel now. ``attempts``: comment -> the round's
-    jobs of that attempt; ``tracked(job_id, attempt)``: the Slurm id this configuration
-    tracks for it, or None; ``wanted(comment, job_id, attempt)``: whether a configuration of
+    jobs of that attempt; ``tracked(job_id, attempt, uid)``: the Slurm id this configuration
+    tracks for it, or None (``uid``: the comment's, "" for none); ``wanted(comment, job_id, attempt, uid)``: whether a configuration of
     this process launches or tracks it. ``held_since`` (Slurm id -> when a round first saw
     it held and unwanted) is updated: jobs no longer in that case leave it. ``observed_for``:
     seconds a watch of the cluster has been open past its snapshot (None: none is open)."""

@@ -154,6 +154,7 @@ class Observation:
     end_time: datetime | None = None
     attempt: int = 0
     backend_restarts: int = 0
+    job_uid: str = ""  # the uid of the job whose launch made the submission ("" unknown; dashes may be left out)
 
 
 @dataclass(frozen=True)

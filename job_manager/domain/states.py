@@ -43,6 +43,12 @@ def _with_state(job: Job, state: JobState, now: datetime, **changes: object) -> 
     return new
 
 
+def of_another_job(job: Job, obs: Observation) -> bool:
+    """Whether ``obs`` is of an earlier job of the same id (deleted while its driver could not
+    clean it up): both uids known and different. Such an observation never changes the job."""
+    return bool(obs.job_uid and job.uid and obs.job_uid.replace("-", "") != job.uid.replace("-", ""))
+
+
 def apply_observation(job: Job, obs: Observation, now: datetime) -> Job | None:
     """The job after ``obs``, or None when nothing changes.
 
