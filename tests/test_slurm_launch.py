@@ -214,6 +214,9 @@ async def test_mpi_runs_mpirun_inside_the_allocation(stub):
     assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
     lines = sorted(e.text for e in await logs(stub, jid) if e.stream == job_pb2.LOG_STREAM_STDOUT)
     assert lines == ["rank 0 of 2", "rank 1 of 2"]
+    # every replica is reported, the worker (a host of the ranks, no process of its own) with the job's end
+    assert [(r.role, r.index, r.state) for r in obs.replicas] == [
+        ("launcher", 0, job_pb2.REPLICA_STATE_SUCCEEDED), ("worker", 0, job_pb2.REPLICA_STATE_SUCCEEDED)], obs
 
 
 async def test_more_cpus_than_any_node_has_fails_unschedulable_and_leaves_the_queue(stub, cluster):

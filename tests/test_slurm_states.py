@@ -246,3 +246,33 @@ def test_a_lost_end_is_decided_by_the_exits_file():
                  "labels main-0 worker-0\nend worker-0 3 exit\nend main-0 143 stop\n"):
         assert ended("NODE_FAIL", text).observation(None).state is JobState.FAILED
     assert ended("OUT_OF_MEMORY", done).observation(None).state is JobState.FAILED
+
+
+def test_mpi_workers_are_reported_with_the_jobs_state_and_survive_the_record():
+    """MPI's workers run no step (they host the launcher's ranks): reported RUNNING while the
+    job runs, SUCCEEDED when it succeeded, STOPPED when it failed; a record keeps them."""
+    from drivers.slurm import exits
+    from drivers.slurm.jobs import TrackedJob
+
+    def job_in(state: str) -> TrackedJob:
+        job = TrackedJob("clusters/s", "m", 1, "42", "/tmp/m", None, (("launcher", 0),),
+                         hosts=(("worker", 0), ("worker", 1)))
+        job.apply(poller.SlurmJob("42", "RUNNING", nodes="n1"))
+        if state != "RUNNING":
+            job.apply(poller.SlurmJob("42", state, exit_status=0 if state == "COMPLETED" else 1, nodes="n1"))
+            status = 0 if state == "COMPLETED" else 1
+            assert job.exits_read(exits.parse(f"labels launcher-0\nend launcher-0 {status} exit\n"))
+        return job
+
+    def states_of(job: TrackedJob) -> list[tuple[str, int, ReplicaState]]:
+        return [(r.role, r.index, r.state) for r in job.observation(None).replicas]
+
+    R = ReplicaState
+    assert states_of(job_in("RUNNING")) == [("launcher", 0, R.RUNNING), ("worker", 0, R.RUNNING),
+                                            ("worker", 1, R.RUNNING)]
+    done = job_in("COMPLETED")
+    assert states_of(done) == [("launcher", 0, R.SUCCEEDED), ("worker", 0, R.SUCCEEDED), ("worker", 1, R.SUCCEEDED)]
+    assert states_of(job_in("FAILED")) == [("launcher", 0, R.FAILED), ("worker", 0, R.STOPPED),
+                                           ("worker", 1, R.STOPPED)]
+    again = TrackedJob.from_record("clusters/s", "/tmp/m", done.record())
+    assert states_of(again) == states_of(done)

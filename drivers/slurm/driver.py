@@ -328,7 +328,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
             c.launching.difference_update(marks)
         # no native spec kept (a few KiB): a repeated launch renders it again (``_known``)
         job = TrackedJob(name, job_id, attempt, backend_id, rendered.dir, None,
-                         roles=tuple((s.role, s.index) for s in rendered.steps), uid=rendered.uid)
+                         roles=rendered.roles, hosts=rendered.hosts, uid=rendered.uid)
         c.jobs[job_id] = job
         if held:  # tracked first: the release is ours now, off the launch's path
             c.to_release.add(backend_id)

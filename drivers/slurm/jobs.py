@@ -37,7 +37,14 @@ import dataclasses
 import time
 from typing import Any
 
-from drivers.common.base import JobObservation, JobState, NativeSpec, ReplicaStatus, ReplicaUsage
+from drivers.common.base import (
+    JobObservation,
+    JobState,
+    NativeSpec,
+    ReplicaState,
+    ReplicaStatus,
+    ReplicaUsage,
+)
 from drivers.common.registry import STOP_REQUESTED
 from drivers.slurm import exits, states
 from drivers.slurm.poller import SlurmJob
@@ -53,11 +60,13 @@ class TrackedJob:
     __slots__ = ("cluster", "job_id", "attempt", "backend_job_id", "dir", "native", "state", "reason",
                  "message", "exit_code", "start_time", "end_time", "nodes", "stale", "stop_requested", "seen",
                  "restarts", "roles", "usage", "accounted", "unschedulable", "held", "exits", "exit_reads",
-                 "release_error", "uid")
+                 "release_error", "uid", "hosts")
 
     def __init__(self, cluster: str, job_id: str, attempt: int, backend_job_id: str, adir: str,
-                 native: NativeSpec | None, roles: tuple[tuple[str, int], ...] = (), uid: str = "") -> None:
+                 native: NativeSpec | None, roles: tuple[tuple[str, int], ...] = (), uid: str = "",
+                 hosts: tuple[tuple[str, int], ...] = ()) -> None:
         self.cluster = cluster
+        self.hosts = hosts  # (role, index) of the replicas whose state is the job's (MPI's workers)
         self.uid = uid  # the job's uid as its comment carries it ("" for none)
         self.job_id = job_id
         self.attempt = attempt
@@ -204,6 +213,12 @@ class TrackedJob:
             replicas = tuple(ReplicaStatus(role=r, index=i, state=rstate, host=self.nodes,
                                            exit_code=self.exit_code if self.state.is_terminal() else None)
                              for r, i in self.roles)
+        if self.hosts:  # no process of their own: running while the job runs, then done with it
+            hstate = states.replica_state(self.state)
+            if self.state.is_terminal():
+                hstate = ReplicaState.SUCCEEDED if self.state is JobState.SUCCEEDED else ReplicaState.STOPPED
+            replicas += tuple(ReplicaStatus(role=r, index=i, state=hstate, host=self.nodes,
+                                            message="hosts the launcher's ranks") for r, i in self.hosts)
         return JobObservation(job_id=self.job_id, backend_job_id=self.backend_job_id, found=True,
                               state=self.state, reason=reason, message=message, exit_code=exit_code,
                               replicas=replicas, start_time=self.start_time, end_time=self.end_time,
@@ -216,7 +231,8 @@ class TrackedJob:
                 "backend_job_id": self.backend_job_id, "state": self.state.name, "reason": self.reason,
                 "message": self.message, "exit_code": self.exit_code, "start_time": self.start_time,
                 "end_time": self.end_time, "nodes": self.nodes, "restarts": self.restarts,
-                "roles": [list(r) for r in self.roles], "accounted": self.accounted,
+                "roles": [list(r) for r in self.roles], "hosts": [list(r) for r in self.hosts],
+                "accounted": self.accounted,
                 "exits": None if self.exits is None else {
                     "labels": list(self.exits.labels),
                     "ends": [[e.label, e.status, e.stopped] for e in self.exits.ends]},
@@ -226,7 +242,8 @@ class TrackedJob:
     def from_record(cls, cluster: str, adir: str, doc: dict[str, Any]) -> TrackedJob:
         """The ended job ``record`` wrote (raises KeyError/TypeError/ValueError when malformed)."""
         job = cls(cluster, str(doc["job_id"]), int(doc["attempt"]), str(doc["backend_job_id"]), adir, None,
-                  roles=tuple((str(r), int(i)) for r, i in doc.get("roles") or ()), uid=str(doc.get("uid") or ""))
+                  roles=tuple((str(r), int(i)) for r, i in doc.get("roles") or ()), uid=str(doc.get("uid") or ""),
+                  hosts=tuple((str(r), int(i)) for r, i in doc.get("hosts") or ()))
         job.state = JobState[doc["state"]]
         if not job.state.is_terminal():
             raise ValueError(f"a recorded job must have ended, not {job.state.name}")

@@ -67,7 +67,8 @@ the job; ``steps.multi_prog``): each task runs a wrapper the script writes,
 launcher's ``mpirun -np N --hostfile <attempt dir>/hostfile ...`` in the
 batch script itself (on the allocation's first node; Open MPI launches its
 daemons through Slurm) after writing the hostfile from the node list; the
-workers are hosts only, nothing is started for them. Each rank's output
+workers are hosts only, nothing is started for them (they are reported
+with the job's state: ``SlurmScript.hosts``). Each rank's output
 goes to files of its own (``--output-filename <attempt dir>/mpi:nocopy``)
 and whole lines of them to the launcher's log (``steps.mpi_launcher``,
 ``shell.MPI_MERGE``), so ranks never share a line. The script makes
@@ -180,6 +181,14 @@ class SlurmScript:
     script: str
     steps: tuple[StepFiles, ...]
     uid: str = ""  #: the job's uid as ``comment`` carries it ("" for none)
+    #: (role, index) of the replicas no step runs for, whose state is the job's: MPI's workers
+    #: (hosts for the launcher's ranks, nothing is started for them)
+    hosts: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def roles(self) -> tuple[tuple[str, int], ...]:
+        """(role, index) of the replicas a step runs for."""
+        return tuple((s.role, s.index) for s in self.steps)
 
     def native_spec(self) -> NativeSpec:
         return NativeSpec(media_type=MEDIA_TYPE, content=self.script)
@@ -434,8 +443,10 @@ def emit(lay: Layout) -> SlurmScript:
             h += shell.MPI_MERGE.splitlines()
         h += steps.srun_steps(lay, files)
     h += shell.SCRIPT_END.splitlines()
+    hosts = tuple((g.role, i) for g in spec.replica_groups for i in range(g.replicas)
+                  if spec.run_mode is RunMode.MPI and g.role != "launcher")
     return SlurmScript(job_id=job.job_id, attempt=job.attempt, job_name=name, comment=comment, dir=lay.dir,
-                       script="\n".join(h) + "\n", steps=tuple(files), uid=job.uid)
+                       script="\n".join(h) + "\n", steps=tuple(files), uid=job.uid, hosts=hosts)
 
 
 def _sbatch_lines(lay: Layout, name: str, comment: str) -> list[str]:
