@@ -249,15 +249,15 @@ class DriverClient:
             call.cancel()
 
     async def terminate(self, cluster: str, job_id: str, backend_job_id: str,
-                        grace_seconds: float) -> Observation | None:
+                        grace_seconds: float, uid: str = "") -> Observation | None:
         resp = await _unary(self._stub.TerminateJob(drv_pb2.TerminateJobRequest(
-            cluster=cluster, job=drv_pb2.JobRef(job_id=job_id, backend_job_id=backend_job_id),
+            cluster=cluster, job=drv_pb2.JobRef(job_id=job_id, backend_job_id=backend_job_id, job_uid=uid),
             grace_period=to_duration(grace_seconds)), timeout=self._timeout + grace_seconds))
         return observation_from_proto(resp.observation) if resp.HasField("observation") else None
 
-    async def cleanup(self, cluster: str, job_id: str, backend_job_id: str) -> None:
+    async def cleanup(self, cluster: str, job_id: str, backend_job_id: str, uid: str = "") -> None:
         await _unary(self._stub.CleanupJob(drv_pb2.CleanupJobRequest(
-            cluster=cluster, job=drv_pb2.JobRef(job_id=job_id, backend_job_id=backend_job_id)),
+            cluster=cluster, job=drv_pb2.JobRef(job_id=job_id, backend_job_id=backend_job_id, job_uid=uid)),
             timeout=self._timeout))
 
     async def forget(self, cluster: str, refs: list[tuple[str, str]]) -> int:

@@ -356,7 +356,7 @@ class Scheduler:
             except JobNotFound:
                 # Deleted (through any replica) while the driver launched it: nothing
                 # records the backend job, so it is stopped and its files removed here.
-                self._reap(job.cluster, job_id, backend_id)
+                self._reap(job.cluster, job_id, backend_id, job.uid)
                 raise
             if job.backend_job_id == backend_id and attempt == 1 and job.create_time is not None:
                 LAUNCH_LATENCY.labels(job.cluster).observe(
@@ -366,20 +366,21 @@ class Scheduler:
             if job.backend_job_id != backend_id and job.attempt == attempt:
                 # Stopped (or otherwise ended) while the launch was in flight.
                 log.info("job %s ended during launch; terminating %s", job_id, backend_id)
-                self._spawn(self._terminate_backend(job.cluster, job_id, backend_id),
+                self._spawn(self._terminate_backend(job.cluster, job_id, backend_id, job.uid),
                             cluster=job.cluster)
             return job, True
 
-    async def _terminate_backend(self, cluster: str, job_id: str, backend_id: str, *,
+    async def _terminate_backend(self, cluster: str, job_id: str, backend_id: str, uid: str, *,
                                  cleanup: bool = False) -> None:
-        """Stop a backend job no stored job records (and, with ``cleanup``, remove its files)."""
+        """Stop a backend job no stored job records (and, with ``cleanup``, remove its files);
+        ``uid``: its job's (the driver leaves a job of the same id and another uid alone)."""
         delay = self.config.retry_initial_seconds
         while True:
             try:
                 drv = await self.driver_for(cluster)
-                await drv.terminate(cluster, job_id, backend_id, self.config.stop_grace_seconds)
+                await drv.terminate(cluster, job_id, backend_id, self.config.stop_grace_seconds, uid)
                 if cleanup:
-                    await drv.cleanup(cluster, job_id, backend_id)
+                    await drv.cleanup(cluster, job_id, backend_id, uid)
                 return
             except errors.DlschedError as e:
                 if not _retryable(e):
@@ -446,7 +447,7 @@ class Scheduler:
         try:
             drv = await self.driver_for(job.cluster)
             obs = await drv.terminate(job.cluster, job.id, job.backend_job_id,
-                                      self.config.stop_grace_seconds)
+                                      self.config.stop_grace_seconds, job.uid)
         except errors.DlschedError as e:
             if _retryable(e):
                 return False
@@ -478,7 +479,7 @@ class Scheduler:
         if job.cluster:
             try:
                 drv = await self.driver_for(job.cluster)
-                await drv.cleanup(job.cluster, job.id, job.backend_job_id)
+                await drv.cleanup(job.cluster, job.id, job.backend_job_id, job.uid)
             except errors.DlschedError as e:
                 log.warning("cleanup of %s on %s failed (ignored): %s", job_id, job.cluster, e)
         self._retry_cluster.pop((job_id, "terminate"), None)
@@ -528,7 +529,7 @@ class Scheduler:
                 if obs.found and obs.state.is_terminal():
                     self._forget_later(cluster, obs.job_id, obs.backend_job_id)  # deleted or archived
                 elif obs.found and obs.backend_job_id:
-                    self._reap(cluster, obs.job_id, obs.backend_job_id)
+                    self._reap(cluster, obs.job_id, obs.backend_job_id, obs.job_uid)
                 return None
             except OwnershipLost:
                 self.ownership.lost(cluster)
@@ -542,7 +543,7 @@ class Scheduler:
                 self._spawn(self.launch(job.id, cluster, job), name=f"relaunch-{job.id}", cluster=cluster)
             return job
 
-    def _reap(self, cluster: str, job_id: str, backend_job_id: str) -> None:
+    def _reap(self, cluster: str, job_id: str, backend_job_id: str, uid: str) -> None:
         """A backend job still running for a job the store no longer has (deleted while its
         launch or stop was in flight, or while the driver was down): stop it and remove its
         files, once (later observations of it while that runs change nothing)."""
@@ -552,7 +553,7 @@ class Scheduler:
         log.warning("job %s is deleted but %s still runs on %s: terminating it", job_id,
                     backend_job_id, cluster)
         self._reaping.add(key)
-        t = self._spawn(self._terminate_backend(cluster, job_id, backend_job_id, cleanup=True),
+        t = self._spawn(self._terminate_backend(cluster, job_id, backend_job_id, uid, cleanup=True),
                         name=f"reap-{job_id}", cluster=cluster)
         t.add_done_callback(lambda _: self._reaping.discard(key))
 

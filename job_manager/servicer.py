@@ -301,7 +301,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         if job.cluster:  # its backend objects (logs kept for it), as a live delete does
             try:
                 drv = await self.scheduler.driver_for(job.cluster)
-                await drv.cleanup(job.cluster, job.id, job.backend_job_id)
+                await drv.cleanup(job.cluster, job.id, job.backend_job_id, job.uid)
             except DlschedError as e:
                 log.warning("cleanup of archived %s on %s failed (ignored): %s", job.id, job.cluster, e)
         # Watches learn of it first (its key left etcd with no event when it was

@@ -128,13 +128,13 @@ class Peer:
             cluster=self.cluster, jobs=[dpb.JobRef(job_id=j) for j in job_ids]), timeout=self.call_timeout)
         return list(resp.observations)
 
-    async def terminate(self, job_id: str) -> dpb.JobObservation:
+    async def terminate(self, job_id: str, ref: dpb.JobRef | None = None) -> dpb.JobObservation:
         resp = await self.stub.TerminateJob(dpb.TerminateJobRequest(
-            cluster=self.cluster, job=dpb.JobRef(job_id=job_id)), timeout=self.call_timeout)
+            cluster=self.cluster, job=ref or dpb.JobRef(job_id=job_id)), timeout=self.call_timeout)
         return resp.observation
 
-    async def cleanup(self, job_id: str) -> None:
-        await self.stub.CleanupJob(dpb.CleanupJobRequest(cluster=self.cluster, job=dpb.JobRef(job_id=job_id)),
+    async def cleanup(self, job_id: str, ref: dpb.JobRef | None = None) -> None:
+        await self.stub.CleanupJob(dpb.CleanupJobRequest(cluster=self.cluster, job=ref or dpb.JobRef(job_id=job_id)),
                                    timeout=max(self.call_timeout, 60))
 
     async def wait_state(self, job_id: str, states: Sequence[int] = TERMINAL,

@@ -215,6 +215,23 @@ async def test_a_running_job_of_the_same_id_left_without_its_cleanup_is_a_name_c
     assert second.observation.state not in TERMINAL, second.observation
 
 
+async def test_a_stop_or_cleanup_of_an_earlier_job_of_the_same_id_leaves_the_new_one_alone(peer: Peer) -> None:
+    """JobManager still reaping an earlier job of the same id (deleted, its stop retried) names
+    its backend id and uid; on Kubernetes and Ray the new job has the same backend id. The
+    driver must not stop or delete the new job for it."""
+    job, uid = new_id(), str(uuid.uuid4())
+    first = await peer.launch(job, peer.sleeping(), uid=uid)
+    earlier = dpb.JobRef(job_id=job, backend_job_id=first.backend_job_id, job_uid=str(uuid.uuid4()))
+    gone = await peer.terminate(job, earlier)
+    assert not gone.found, gone
+    await peer.cleanup(job, earlier)
+    still = (await peer.observe(job))[0]
+    assert still.found and still.state not in TERMINAL + STOPPING_OR_STOPPED, still
+    mine = dpb.JobRef(job_id=job, backend_job_id=first.backend_job_id, job_uid=uid)
+    stopped = await peer.terminate(job, mine)
+    assert stopped.state in STOPPING_OR_STOPPED, stopped
+
+
 async def test_a_job_uid_that_is_not_one_is_invalid_argument(peer: Peer) -> None:
     for bad in ("a b", "x\n#SBATCH --uid=0", "u" * 64, "a.b", "a/b", "-ab", "ab-", "---"):
         with pytest.raises(grpc.aio.AioRpcError) as ei:

@@ -67,7 +67,7 @@ class FakeDriver:
         return NativeSpec("application/json", "{}")
 
     async def terminate(self, cluster: str, job_id: str, backend_job_id: str,
-                        grace_seconds: float) -> Observation | None:
+                        grace_seconds: float, uid: str = "") -> Observation | None:
         self.terminated.append(job_id)
         return None
 
@@ -80,7 +80,7 @@ class FakeDriver:
         while True:
             yield await self.events.get()
 
-    async def cleanup(self, cluster: str, job_id: str, backend_job_id: str) -> None:
+    async def cleanup(self, cluster: str, job_id: str, backend_job_id: str, uid: str = "") -> None:
         pass
 
     async def forget(self, cluster: str, refs: list[tuple[str, str]]) -> int:

@@ -115,12 +115,14 @@ class LaunchJobResponse(_message.Message):
     def __init__(self, backend_job_id: _Optional[str] = ..., native_spec: _Optional[_Union[_job_pb2.NativeSpec, _Mapping]] = ..., observation: _Optional[_Union[JobObservation, _Mapping]] = ...) -> None: ...
 
 class JobRef(_message.Message):
-    __slots__ = ("job_id", "backend_job_id")
+    __slots__ = ("job_id", "backend_job_id", "job_uid")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     BACKEND_JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    JOB_UID_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     backend_job_id: str
-    def __init__(self, job_id: _Optional[str] = ..., backend_job_id: _Optional[str] = ...) -> None: ...
+    job_uid: str
+    def __init__(self, job_id: _Optional[str] = ..., backend_job_id: _Optional[str] = ..., job_uid: _Optional[str] = ...) -> None: ...
 
 class JobObservation(_message.Message):
     __slots__ = ("job_id", "backend_job_id", "found", "state", "reason", "message", "exit_code", "replicas", "start_time", "end_time", "attempt", "backend_restarts", "job_uid")

@@ -272,6 +272,12 @@ class NativeSpec:
 class JobRef:
     job_id: str
     backend_job_id: str = ""
+    uid: str = ""  # the job's uid, when known (with a backend id: another uid's job is not this one)
+
+    def names(self, obs: JobObservation | None) -> bool:
+        """Whether ``obs`` (what the driver tracks under this ref) may be the referenced job:
+        not when the ref has a backend id and a uid, and ``obs`` is of another uid."""
+        return obs is None or not (self.uid and self.backend_job_id) or same_job(obs.uid, self.uid)
 
 
 @dataclass(frozen=True)

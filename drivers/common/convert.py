@@ -65,7 +65,8 @@ def backend_job_id(value: str, field: str) -> str:
 
 def job_ref(pb: driver_service_pb2.JobRef, field: str = "job") -> base.JobRef:
     return base.JobRef(job_id=job_id(pb.job_id, f"{field}.job_id"),
-                       backend_job_id=backend_job_id(pb.backend_job_id, f"{field}.backend_job_id"))
+                       backend_job_id=backend_job_id(pb.backend_job_id, f"{field}.backend_job_id"),
+                       uid=job_uid(pb.job_uid, f"{field}.job_uid"))
 
 
 def job_refs(pbs: list[driver_service_pb2.JobRef], field: str = "jobs") -> list[base.JobRef]:

@@ -229,6 +229,8 @@ class BackendDriver(Driver, Generic[C, R]):
         c = self.clusters.require(cluster)
         await self._ready(c)
         known = self._lookup(c, ref)
+        if not ref.names(known):  # another uid's job under the same backend id: not this one
+            return JobObservation.not_found(ref, ref.uid)
         if known is not None and known.found and known.state.is_terminal():
             return known
         obs = await self._terminate(c, cluster, ref, grace_seconds)
@@ -237,7 +239,8 @@ class BackendDriver(Driver, Generic[C, R]):
     async def cleanup(self, cluster: str, ref: JobRef) -> None:
         c = self.clusters.require(cluster)
         await self._ready(c)
-        await self._cleanup(c, cluster, ref)
+        if ref.names(self._lookup(c, ref)):  # (another uid's job under the same backend id is left alone)
+            await self._cleanup(c, cluster, ref)
 
     async def forget(self, cluster: str, refs: Sequence[JobRef]) -> int:
         c = self.clusters.require(cluster)
