@@ -127,7 +127,7 @@ class Scheduler:
         # ended jobs whose final state is stored, to tell their driver (ForgetJobs), per cluster
         self._to_forget: dict[str, dict[str, str]] = {}
         self._forgetters: dict[str, asyncio.Task[Any]] = {}
-        self._reaping: set[tuple[str, str]] = set()  # (job, backend id) of orphans being stopped
+        self._reaping: set[tuple[str, str, str]] = set()  # (job, backend id, uid) of orphans being stopped
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
 
@@ -547,7 +547,7 @@ class Scheduler:
         """A backend job still running for a job the store no longer has (deleted while its
         launch or stop was in flight, or while the driver was down): stop it and remove its
         files, once (later observations of it while that runs change nothing)."""
-        key = (job_id, backend_job_id)
+        key = (job_id, backend_job_id, uid)  # (both jobs of one id may have one backend id)
         if key in self._reaping or self._closed:
             return
         log.warning("job %s is deleted but %s still runs on %s: terminating it", job_id,

@@ -215,6 +215,32 @@ async def test_a_running_job_of_the_same_id_left_without_its_cleanup_is_a_name_c
     assert second.observation.state not in TERMINAL, second.observation
 
 
+async def test_after_a_driver_restart_a_running_job_of_the_same_id_is_a_name_collision(peer: Peer) -> None:
+    """The same after a driver restart (nothing of the old job in the driver's memory): the new
+    job is never started beside the old one (on Slurm they would share the attempt directory)
+    nor given its state. Once the old one is stopped and cleaned up, the new one launches."""
+    job, old, new = new_id(), str(uuid.uuid4()), str(uuid.uuid4())
+    first = await peer.launch(job, peer.sleeping(), uid=old)
+    await peer.restart()
+    md = await refused(peer.launch(job, peer.sleeping(), uid=new), grpc.StatusCode.FAILED_PRECONDITION,
+                       "NAME_COLLISION")
+    assert md["job_uid"].replace("-", "") == old.replace("-", "")
+    ref = dpb.JobRef(job_id=job, backend_job_id=first.backend_job_id, job_uid=old)
+    deadline = time.monotonic() + 90
+    while True:  # JobManager's watch asks for it by its ref, which makes a restarted driver track it
+        seen = (await peer.stub.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
+            cluster=peer.cluster, jobs=[ref]), timeout=peer.call_timeout)).observations[0]
+        if seen.found:
+            break
+        assert time.monotonic() < deadline, seen
+        await asyncio.sleep(0.3)
+    await peer.terminate(job, ref)
+    await peer.wait_state(job)
+    await peer.cleanup(job, ref)
+    second = await peer.launch(job, peer.sleeping(), uid=new)
+    assert second.observation.state not in TERMINAL, second.observation
+
+
 async def test_a_stop_or_cleanup_of_an_earlier_job_of_the_same_id_leaves_the_new_one_alone(peer: Peer) -> None:
     """JobManager still reaping an earlier job of the same id (deleted, its stop retried) names
     its backend id and uid; on Kubernetes and Ray the new job has the same backend id. The
@@ -230,6 +256,17 @@ async def test_a_stop_or_cleanup_of_an_earlier_job_of_the_same_id_leaves_the_new
     mine = dpb.JobRef(job_id=job, backend_job_id=first.backend_job_id, job_uid=uid)
     stopped = await peer.terminate(job, mine)
     assert stopped.state in STOPPING_OR_STOPPED, stopped
+    # the same once the new job ended and was forgotten (read back from the backend when asked)
+    await peer.wait_state(job)
+    await peer.stub.ForgetJobs(dpb.ForgetJobsRequest(cluster=peer.cluster, jobs=[mine]), timeout=peer.call_timeout)
+    await peer.cleanup(job, earlier)
+
+    async def asked(ref: dpb.JobRef) -> dpb.JobObservation:
+        return (await peer.stub.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
+            cluster=peer.cluster, jobs=[ref]), timeout=peer.call_timeout)).observations[0]
+    kept = await asked(mine)
+    assert kept.found and kept.state in TERMINAL, kept
+    assert not (await asked(earlier)).found
 
 
 async def test_a_job_uid_that_is_not_one_is_invalid_argument(peer: Peer) -> None:

@@ -297,7 +297,11 @@ def test_the_comment_carries_the_job_uid_and_a_launch_also_finds_a_comment_witho
     assert out.marks(out.comment) and out.marks("dlsched-job-1.2")
     assert not out.marks(render.job_comment("job-1", 2, "ffff")) and not out.marks("dlsched-job-1.1")
     other = render.job_comment("job-1", 2, "ffff")
-    assert out.in_listing({other: "theirs"}) is None and out.in_listing({"dlsched-job-1.2": "old"}) == "old"
+    key = "dlsched-job-1.2"
+    assert out.attempt_key == key
+    assert out.in_listing({key: {other: "theirs"}}) is None and out.rivals({key: {other: "theirs"}}) == ["theirs"]
+    assert out.in_listing({key: {key: "old"}}) == "old" and out.rivals({key: {key: "old"}}) == []
+    assert out.in_listing({key: {out.comment: "mine", key: "old"}}) == "mine"
     assert same_job(uid, uid.replace("-", "")) and same_job("", uid) and not same_job("a", "b")
 
 

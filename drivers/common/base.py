@@ -277,7 +277,11 @@ class JobRef:
     def names(self, obs: JobObservation | None) -> bool:
         """Whether ``obs`` (what the driver tracks under this ref) may be the referenced job:
         not when the ref has a backend id and a uid, and ``obs`` is of another uid."""
-        return obs is None or not (self.uid and self.backend_job_id) or same_job(obs.uid, self.uid)
+        return obs is None or self.names_uid(obs.uid)
+
+    def names_uid(self, uid: str) -> bool:
+        """Whether a job of ``uid`` found under this ref may be the referenced job (``names``)."""
+        return not (self.uid and self.backend_job_id) or same_job(uid, self.uid)
 
 
 @dataclass(frozen=True)

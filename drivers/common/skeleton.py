@@ -220,7 +220,8 @@ class BackendDriver(Driver, Generic[C, R]):
         c = self.clusters.require(cluster)
         await self._ready(c)
         found = await self._observe(c, refs)
-        return [obs if obs is not None else JobObservation.not_found(ref) for ref, obs in zip(refs, found, strict=True)]
+        return [obs if obs is not None and ref.names(obs) else JobObservation.not_found(ref)
+                for ref, obs in zip(refs, found, strict=True)]
 
     def watch(self, cluster: str) -> AsyncIterator[WatchEvent]:
         return self.clusters.watch(cluster, self._snapshot, ready=self._ready)

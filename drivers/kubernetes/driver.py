@@ -509,7 +509,7 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
         for obj in found:
             job = records.from_service(c.config.name, obj)
             if job is None or job.job_id != ref.job_id or (
-                    ref.backend_job_id and ref.backend_job_id != job.backend_job_id):
+                    ref.backend_job_id and ref.backend_job_id != job.backend_job_id) or not ref.names_uid(job.uid):
                 continue
             if best is None or job.attempt > best.attempt:
                 best = job

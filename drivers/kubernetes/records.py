@@ -14,6 +14,7 @@ a ``TrackedJob`` built for one request and not kept.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -52,9 +53,13 @@ def from_service(cluster: str, service: Mapping[str, Any]) -> TrackedJob | None:
     if not raw:
         return None
     try:
-        return from_record(cluster, json.loads(raw))
+        job = from_record(cluster, json.loads(raw))
     except (KeyError, TypeError, ValueError):
         return None
+    job.uid = naming.uid_of(service)  # the job's uid: the Service's label
+    if job.final is not None:
+        job.final = job.last = dataclasses.replace(job.final, uid=job.uid)
+    return job
 
 
 def from_record(cluster: str, doc: Mapping[str, Any]) -> TrackedJob:

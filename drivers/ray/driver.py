@@ -426,7 +426,7 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
             return None
         doc = await c.api.find(ref.backend_job_id)
         meta = render.parse_submission(doc) if doc is not None else None
-        if doc is None or meta is None or meta.job_id != ref.job_id:
+        if doc is None or meta is None or meta.job_id != ref.job_id or not ref.names_uid(meta.uid):
             return None
         node = doc.get("driver_node_id")
         return doc, meta.attempt, node if isinstance(node, str) and node else None
@@ -477,13 +477,13 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
 
     async def _cleanup(self, c: _Cluster, name: str, ref: JobRef) -> None:
         sids = set(c.submissions.get(ref.job_id, ()))
-        if ref.backend_job_id:
+        if ref.backend_job_id and (ref.job_id in c.jobs or not ref.uid):  # (else: Ray's list says whose)
             sids.add(ref.backend_job_id)
         if ref.job_id not in c.jobs:  # untracked (forgotten): its attempts, from Ray's list
             items = await c.request("GET", "/api/jobs/")
             for it in items if isinstance(items, list) else ():
                 meta = render.parse_submission(it) if isinstance(it, dict) else None
-                if meta is not None and meta.job_id == ref.job_id:
+                if meta is not None and meta.job_id == ref.job_id and ref.names_uid(meta.uid):
                     sids.add(meta.submission_id)
         for sid in sorted(sids):
             await self._delete(c, sid)

@@ -63,10 +63,10 @@ import time
 from collections.abc import Awaitable, Container, Iterable, Mapping, MutableMapping, MutableSet
 
 from dlsched.errors import DlschedError, FailedPrecondition, Unavailable
-from drivers.common.base import SshCredentials
+from drivers.common.base import NameCollision, SshCredentials
 from drivers.common.registry import BackendUnavailable
 from drivers.slurm import poller as poll
-from drivers.slurm import render
+from drivers.slurm import render, states
 from drivers.slurm.render import SlurmScript
 from drivers.slurm.ssh import Congested, SshClient, Started
 
@@ -239,9 +239,13 @@ class SlurmClient:
         await self.run(f"rm -rf -- {shlex.quote(job_dir)} {batch}*.batch.stdout {batch}*.batch.stderr")
 
     async def lookup(self, script: SlurmScript) -> list[poll.SlurmJob]:
-        """Slurm's jobs of this attempt, oldest first; raises when Slurm cannot tell.
-        squeue only reads, so a failed look-up is tried again (a loaded controller or
-        login node fails one now and then) before the caller hears of it."""
+        """Slurm's jobs of this attempt, oldest first; raises when Slurm cannot tell."""
+        return [j for j in await self._listed(script) if script.marks(j.comment)]
+
+    async def _listed(self, script: SlurmScript) -> list[poll.SlurmJob]:
+        """Slurm's jobs with this job's name, oldest first (voided and retired ones left out);
+        raises when Slurm cannot tell. squeue only reads, so a failed look-up is tried again
+        (a loaded controller or login node fails one now and then) before the caller hears."""
         error: DlschedError | None = None
         for tries in range(LOOKUP_TRIES):
             if tries:
@@ -255,13 +259,12 @@ class SlurmClient:
             error = exit_error("squeue", rc, err)
             if error is None:
                 return oldest_first(j for j in poll.parse_squeue(out).values()
-                                    if script.marks(j.comment) and not voided(j)
-                                    and j.job_id not in self.retired)
+                                    if not voided(j) and j.job_id not in self.retired)
             log.warning("look-up of %s: %s", script.comment, error.message)
         assert error is not None
         raise error
 
-    async def submit(self, script: SlurmScript, listed: Mapping[str, poll.SlurmJob] | None,
+    async def submit(self, script: SlurmScript, listed: Mapping[str, Mapping[str, poll.SlurmJob]] | None,
                      unsure: MutableSet[str], late: MutableMapping[str, float],
                      retired: Container[str] = frozenset()) -> tuple[str, bool]:
         """Submit the attempt once, held, and adopt one job for it (see the module
@@ -270,8 +273,8 @@ class SlurmClient:
         off the launch's critical path, and a driver that dies first finds the job
         held and releases it when it adopts it again.
 
-        ``listed``: comment -> the oldest Slurm job of every dlsched attempt the last good
-        poll round listed (None before one); ``unsure``: comments of attempts whose sbatch
+        ``listed``: the oldest Slurm job of every dlsched attempt the last good poll round
+        listed (``listing``; None before one); ``unsure``: comments of attempts whose sbatch
         may have landed unseen (kept by the caller across reconfigurations). A comment
         leaves ``unsure`` once a job is adopted for it. ``late``: comment -> when
         (monotonic) an sbatch of it last failed or timed out, so that a job may still land.
@@ -280,13 +283,17 @@ class SlurmClient:
         self.retired = retired
         looked = listed is None or script.comment in unsure
         if looked:
-            found = await self.lookup(script)  # Slurm may hold it and no round has said so
-            existing = found[0] if found else None
-        else:
-            assert listed is not None
-            existing = script.in_listing(listed)  # (a round before a delete may still list it)
-            if existing is not None and existing.job_id in retired:
-                existing = None
+            seen = await self._listed(script)  # Slurm may hold it and no round has said so
+            listed = listing({}, seen)
+        assert listed is not None
+        existing = script.in_listing(listed)  # (a round before a delete may still list it)
+        if existing is not None and existing.job_id in retired:
+            existing = None
+        if existing is None and (running := [j for j in script.rivals(listed) if not ended(j)]):
+            theirs = (render.parse_comment(running[0].comment) or ("", 0, ""))[2]
+            raise NameCollision(f"Slurm job {running[0].job_id} of an earlier job {script.job_id!r} (uid "
+                                f"{theirs}), deleted without its cleanup, still runs in its directory; "
+                                "scancel it, then submit this job again", metadata={"job_uid": theirs})
         if existing is not None:
             log.info("adopting Slurm job %s for %s", existing.job_id, script.comment)
             unsure.discard(script.comment)
@@ -374,6 +381,26 @@ def voided(job: poll.SlurmJob) -> bool:
     """Cancelled while still held, before any allocation: never released, so it never ran and
     no driver adopted it. A launch of its attempt passes over it (submits anew)."""
     return job.state.startswith("CANCELLED") and job.reason in HELD_REASONS and not job.nodes
+
+
+def listing(attempts: Mapping[str, Iterable[poll.SlurmJob]],
+            jobs: Iterable[poll.SlurmJob] = ()) -> dict[str, dict[str, poll.SlurmJob]]:
+    """The oldest job of each dlsched attempt (``attempts``: comment -> its jobs, plus ``jobs``),
+    by attempt key (``SlurmScript.attempt_key``: the comment without a uid) and comment."""
+    by_comment: dict[str, list[poll.SlurmJob]] = {k: list(v) for k, v in attempts.items()}
+    for j in jobs:
+        by_comment.setdefault(j.comment, []).append(j)
+    out: dict[str, dict[str, poll.SlurmJob]] = {}
+    for comment, sjs in by_comment.items():
+        parsed = render.parse_comment(comment)
+        if parsed is not None and sjs:
+            out.setdefault(render.job_comment(parsed[0], parsed[1]), {})[comment] = oldest_first(sjs)[0]
+    return out
+
+
+def ended(job: poll.SlurmJob) -> bool:
+    """Whether Slurm says the job has ended."""
+    return states.job_state(job.state, job.reason).state.is_terminal()
 
 
 def oldest_first(jobs: Iterable[poll.SlurmJob]) -> list[poll.SlurmJob]:

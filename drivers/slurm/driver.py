@@ -92,7 +92,7 @@ from drivers.slurm.adapter import (
     SlurmClient,
     bounded,
     is_held,
-    oldest_first,
+    listing,
     voided,
 )
 from drivers.slurm.config import SlurmConfig
@@ -125,8 +125,8 @@ class _Cluster:
         self.recording: dict[str, TrackedJob] = {}
         self.record_writer: asyncio.Task[None] | None = None
         self.last_error: str | None = None
-        #: comment -> the oldest Slurm job of every dlsched attempt the last good round listed; None before one.
-        self.listed: dict[str, poll.SlurmJob] | None = None
+        #: the oldest Slurm job of every dlsched attempt the last good round listed (``listing``); None before one.
+        self.listed: dict[str, dict[str, poll.SlurmJob]] | None = None
         #: comments of attempts whose sbatch may have landed unseen (look them up before submitting).
         self.unsure: set[str] = set()
         self.retired: dict[str, float] = {}  # Slurm id of a deleted job -> when; while squeue lists it
@@ -350,7 +350,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
             for listed in jobs.values():
                 if render.is_ours(listed.comment) and not voided(listed) and listed.job_id not in c.retired:
                     attempts.setdefault(listed.comment, []).append(listed)
-            c.listed = {comment: oldest_first(sjs)[0] for comment, sjs in attempts.items()}
+            c.listed = listing(attempts)
             self._cancel_strays(c, attempts)
         for job in list(c.jobs.values()):
             sj = jobs.get(job.backend_job_id)

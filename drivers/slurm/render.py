@@ -193,15 +193,27 @@ class SlurmScript:
     def native_spec(self) -> NativeSpec:
         return NativeSpec(media_type=MEDIA_TYPE, content=self.script)
 
+    @property
+    def attempt_key(self) -> str:
+        """The comment without a uid: what every job of this id and attempt is listed under."""
+        return job_comment(self.job_id, self.attempt)
+
     def marks(self, comment: str) -> bool:
         """Whether a Slurm job with ``comment`` is a submission of this attempt: this comment, or
         the same job id and attempt without a uid (a launch without one, an older driver's)."""
-        return comment == self.comment or comment == job_comment(self.job_id, self.attempt)
+        return comment == self.comment or comment == self.attempt_key
 
-    def in_listing(self, listed: Mapping[str, T]) -> T | None:
-        """This attempt's entry in ``listed`` (comment -> job), by ``marks``; None when none."""
-        found = listed.get(self.comment)
-        return found if found is not None or not self.uid else listed.get(job_comment(self.job_id, self.attempt))
+    def in_listing(self, listed: Mapping[str, Mapping[str, T]]) -> T | None:
+        """This attempt's job in ``listed`` (attempt key -> comment -> job), by ``marks``; None when none."""
+        entry = listed.get(self.attempt_key) or {}
+        found = entry.get(self.comment)
+        return found if found is not None or not self.uid else entry.get(self.attempt_key)
+
+    def rivals(self, listed: Mapping[str, Mapping[str, T]]) -> list[T]:
+        """The jobs ``listed`` has of this job id and attempt for another job uid (an earlier job
+        of the same id, deleted without its cleanup); none when this launch has no uid."""
+        entry = listed.get(self.attempt_key) or {}
+        return [j for comment, j in entry.items() if self.uid and not self.marks(comment)]
 
 
 # --------------------------------------------------------------------------- metadata codec and files
