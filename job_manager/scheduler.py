@@ -358,6 +358,10 @@ class Scheduler:
                 # records the backend job, so it is stopped and its files removed here.
                 self._reap(job.cluster, job_id, backend_id, job.uid)
                 raise
+            if job.attempt > attempt and job.state == JobState.PENDING and not job.launched:
+                log.info("job %s failed at once (attempt %d); retrying as attempt %d", job_id, attempt, job.attempt)
+                self._spawn(self.launch(job.id, job.cluster, job), name=f"relaunch-{job.id}", cluster=job.cluster)
+                return job, True
             if job.backend_job_id == backend_id and attempt == 1 and job.create_time is not None:
                 LAUNCH_LATENCY.labels(job.cluster).observe(
                     max(0.0, (self._clock() - job.create_time).total_seconds()))

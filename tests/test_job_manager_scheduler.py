@@ -6,6 +6,7 @@ that races the launch, a job the backend lost."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -49,6 +50,7 @@ class FakeDriver:
         self.forgotten: list[str] = []
         self.launch_gate: asyncio.Event | None = None
         self.uids: list[str] = []  # the job uid of each launch
+        self.fail_at_once = 0  # launches whose answer says the attempt already FAILED
         self.events: asyncio.Queue[Observation | None] = asyncio.Queue()
 
     async def launch(self, cluster: str, job_id: str, spec: JobSpec,
@@ -60,6 +62,10 @@ class FakeDriver:
             raise self.launch_errors.pop(0)
         self.launches.append((job_id, attempt))
         self.known.add(job_id)
+        if self.fail_at_once:  # the attempt ended FAILED before its launch answered
+            self.fail_at_once -= 1
+            return f"b-{job_id}-{attempt}", Observation(job_id, f"b-{job_id}-{attempt}", state=JobState.FAILED,
+                                                        reason="NonZeroExit", exit_code=7, attempt=attempt)
         return f"b-{job_id}-{attempt}", Observation(job_id, f"b-{job_id}-{attempt}",
                                                     state=JobState.QUEUED, attempt=attempt)
 
@@ -212,6 +218,21 @@ async def test_observations_of_an_earlier_job_of_the_same_id_change_nothing(env:
                                       job_uid=job.uid.replace("-", "")))
     j = await stored(sched, "u", lambda j: j.reason == "Mine" or j.state.is_terminal())
     assert j.state == JobState.RUNNING and j.exit_code is None, j
+
+
+async def test_an_attempt_that_failed_before_its_launch_answered_is_retried(env: Any) -> None:
+    """A process that exits at once: the launch's own answer already says FAILED. With retries
+    left that is a retry (a failure seen later would be one too), not the job's end."""
+    sched, drv = env
+    drv.fail_at_once = 1
+    spec = dataclasses.replace(SPEC, max_retries=1)
+    await sched.submit("f", spec, "", dry_run=False, spec_bytes=10)
+    j = await stored(sched, "f", lambda j: j.attempt == 2 and j.launched)
+    assert j.state == JobState.QUEUED and drv.launches == [("f", 1), ("f", 2)], j
+    drv.fail_at_once = 1
+    await sched.submit("g", SPEC, "", dry_run=False, spec_bytes=10)  # no retries: it failed
+    g = await stored(sched, "g", lambda j: j.state.is_terminal())
+    assert (g.state, g.attempt, g.exit_code) == (JobState.FAILED, 1, 7), g
 
 
 async def test_late_observations_never_reopen_a_terminal_job(env: Any) -> None:

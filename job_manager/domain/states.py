@@ -157,12 +157,16 @@ def mark_driver_unreachable(job: Job, since: datetime, detail: str) -> Job | Non
 
 def mark_launched(job: Job, backend_job_id: str, obs: Observation | None,
                   now: datetime) -> Job | None:
-    """Record a successful LaunchJob; None when the job moved on meanwhile."""
+    """Record a successful LaunchJob; None when the job moved on meanwhile. An attempt that
+    failed before its launch answered (the observation says FAILED) is retried like one
+    whose failure came later: the job back in PENDING for the next attempt."""
     if job.state.is_terminal() or job.launched:
         return None
     new = dataclasses.replace(job, backend_job_id=backend_job_id)
     if new.reason in (LAUNCH_QUEUED, "DriverUnavailable", "ClusterNotConfigured", "Retrying"):
         new.reason, new.message = "", ""
+    if obs is not None and should_retry(new, obs):
+        return plan_retry(new, obs, now)
     if obs is not None:
         applied = apply_observation(new, obs, now)
         if applied is not None:
