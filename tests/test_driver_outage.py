@@ -182,3 +182,29 @@ async def test_a_job_submitted_while_its_only_cluster_is_down_waits_and_runs_onc
                             within=120)
         assert done.state == job_pb2.JOB_STATE_SUCCEEDED, (done.reason, done.message)
     assert marker.read_text().splitlines() == ["ran"]
+
+
+async def test_a_job_id_submitted_again_after_a_delete_its_driver_missed_runs_again(
+        stack: Stack, tmp_path: pathlib.Path) -> None:
+    """DeleteJob while the driver is down cannot clean the job up (JobManager deletes it
+    anyway). Once the driver is back, a job of the same id is a new job: it runs, and it
+    never takes the deleted job's end (the restarted driver still has the old attempt's
+    record: same id, attempt 1, another uid)."""
+    marker = tmp_path / "runs"
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[job_pb2.ReplicaGroup(
+        role="main", replicas=1, command=["/bin/sh", "-c", 'echo ran >> "$0"'], args=[str(marker)])])
+    job_id = f"again-{uuid.uuid4().hex[:8]}"
+    assert stack.jm is not None
+    async with JobManagerClient(stack.jm.address) as jm:
+        first = (await jm.submit_job(spec, job_id=job_id)).job
+        done = await _until(jm, first.name, lambda j: j.state == job_pb2.JOB_STATE_SUCCEEDED)
+        stack.driver.kill()
+        await jm.delete_job(first.name)  # its cleanup fails: the driver is down
+        await asyncio.to_thread(stack.driver.start)
+        second = (await jm.submit_job(spec, job_id=job_id)).job
+        assert second.uid != first.uid
+        again = await _until(jm, second.name, lambda j: j.state in (
+            job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_STOPPED))
+        assert again.state == job_pb2.JOB_STATE_SUCCEEDED, (again.reason, again.message)
+        assert again.backend_job_id and done.backend_job_id
+    assert marker.read_text().splitlines() == ["ran", "ran"]
