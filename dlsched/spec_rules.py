@@ -27,6 +27,14 @@ from dlsched.errors import FieldViolation
 
 #: Job ids (and cluster ids): they become paths and backend object names.
 ID_RE = re.compile(r"[a-z][a-z0-9-]{0,62}\Z")
+#: A job uid as drivers get it (LaunchJobRequest.job_uid, JobRef.job_uid): also a Kubernetes label value.
+JOB_UID_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def same_job(uid: str, other: str) -> bool:
+    """Whether two job uids (with or without dashes) may be one job's: equal, or either
+    unknown (a launch without a uid, a submission made before uids were sent)."""
+    return not uid or not other or uid.replace("-", "") == other.replace("-", "")
 ROLE_RE = re.compile(r"[a-z][a-z0-9-]{0,62}\Z")
 ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 #: Kubernetes-like label keys: optional DNS prefix "a.b/" then a name; values alike.

@@ -33,6 +33,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dlsched.errors import FailedPrecondition, NotFound, Unimplemented
+from dlsched.spec_rules import same_job as same_job  # (the drivers' name for it)
 
 # --------------------------------------------------------------------------- enums
 
@@ -123,12 +124,6 @@ class NameCollision(FailedPrecondition):
     another dlsched installation's job of the same id). Never adopted as this launch's."""
 
     reason = "NAME_COLLISION"
-
-
-def same_job(uid: str, other: str) -> bool:
-    """Whether two job uids (with or without dashes) may be one job's: equal, or either
-    unknown (a launch without a uid, a submission made before uids were sent)."""
-    return not uid or not other or uid.replace("-", "") == other.replace("-", "")
 
 
 class JobNotFound(NotFound):

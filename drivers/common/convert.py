@@ -9,7 +9,6 @@ in paths and names, so they must match ``ID_RE``; anything wrong raises
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Iterator
 
 from google.protobuf import duration_pb2
@@ -81,8 +80,7 @@ def attempt(value: int, field: str = "attempt") -> int:
     return value
 
 
-#: A job uid as LaunchJobRequest carries it: what a driver may put into a name, a label or a comment.
-JOB_UID_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")  # a Kubernetes label value too
+JOB_UID_RE = spec_rules.JOB_UID_RE
 
 
 def job_uid(value: str, field: str = "job_uid") -> str:

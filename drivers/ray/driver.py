@@ -145,7 +145,6 @@ class _Cluster:
         self.jobs: dict[str, JobObservation] = {}  # job id -> newest attempt
         self.submissions: dict[str, set[str]] = {}  # job id -> every submission id seen
         self.nodes: dict[str, str] = {}  # job id -> the newest attempt's entrypoint node (Ray's driver_node_id)
-        self.uids: dict[str, str] = {}  # job id -> the newest attempt's job uid, where it has one
         self.ends: dict[str, layout.Manifest] = {}  # submission id -> its manifest, read once it ended
         self.reading: set[str] = set()  # manifests being read
         self.held: dict[str, tuple[float, JobObservation]] = {}  # ended, waiting for its manifest
@@ -165,7 +164,7 @@ class _Cluster:
 
 class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
     name = "ray"
-    carry_over = ("jobs", "submissions", "nodes", "ends", "known", "stop_requested", "uids")
+    carry_over = ("jobs", "submissions", "nodes", "ends", "known", "stop_requested")
     supports_logs = True
     supports_usage = True
 
@@ -257,13 +256,11 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
             prev = c.jobs.get(job_id)
             if prev is not None and prev.attempt > attempt:
                 continue  # a launch the list does not show yet
-            if not same_job(c.uids.get(job_id, ""), render.uid_of(it)):
+            if prev is not None and not same_job(prev.uid, render.uid_of(it)):
                 continue  # a list from before a cleanup: an earlier job's submission of the same id
             obs = observation(job_id, attempt, it)
             if prev is None and obs.state.is_terminal():
                 continue  # ended before it was tracked, or forgotten: answered when asked (``_untracked``)
-            if uid := render.uid_of(it):
-                c.uids[job_id] = uid
             node = it.get("driver_node_id")
             if isinstance(node, str) and node:
                 c.nodes[job_id] = node
@@ -281,7 +278,7 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
         for job_id in [j for j in c.jobs if j not in newest]:
             obs = c.jobs[job_id]
             if obs.reason != REASON_SUBMITTED:  # a fresh launch may race the list; others were deleted
-                gone = JobObservation.not_found(JobRef(job_id, obs.backend_job_id), c.uids.get(job_id, ""))
+                gone = JobObservation.not_found(JobRef(job_id, obs.backend_job_id), obs.uid)
                 self._drop(c, job_id)
                 self.hub.publish(name, gone)
         # every attempt of the tracked jobs only (cleanup lists Ray's jobs for an untracked one)
@@ -355,7 +352,7 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
         if prev is None:
             return None
         return Known(c.config.name, prev.attempt, not prev.state.is_terminal(),
-                     lambda: LaunchResult(rendered.submission_id, rendered.native_spec(), prev), c.uids.get(job_id, ""))
+                     lambda: LaunchResult(rendered.submission_id, rendered.native_spec(), prev), prev.uid)
 
     async def _submit(self, c: _Cluster, name: str, job_id: str, spec: JobSpec, attempt: int,
                       rendered: render.RaySubmission) -> LaunchResult:
@@ -364,8 +361,6 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
         if obs is None:  # an ended earlier job of the same id, deleted without its cleanup: deleted now
             obs = await self._post(c, job_id, attempt, rendered, again=True)
         assert obs is not None
-        if rendered.uid:
-            c.uids[job_id] = rendered.uid
         self._set(name, c, obs)
         c.submissions.setdefault(job_id, set()).add(sid)
         return LaunchResult(sid, rendered.native_spec(), obs)
@@ -470,7 +465,7 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
         c.wake.set()
         if obs is None:
             return JobObservation(job_id=ref.job_id, backend_job_id=sid, found=True,
-                                  state=JobState.STOPPING, reason=STOP_REQUESTED, uid=c.uids.get(ref.job_id, ""))
+                                  state=JobState.STOPPING, reason=STOP_REQUESTED)
         stopping = replace(obs, state=JobState.STOPPING, reason=STOP_REQUESTED, message="stop sent to Ray")
         self._set(name, c, stopping)
         return stopping
@@ -489,7 +484,7 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
             await self._delete(c, sid)
         if (tracked := c.jobs.get(ref.job_id)) is not None:  # its uid: JobManager tells the job it was
             self.hub.publish(name, JobObservation.not_found(JobRef(ref.job_id, tracked.backend_job_id),
-                                                            c.uids.get(ref.job_id, "")))
+                                                            tracked.uid))
         self._drop(c, ref.job_id, sids)
 
     def _forget(self, c: _Cluster, ref: JobRef) -> bool:
@@ -506,7 +501,6 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
         if obs is not None:
             gone.add(obs.backend_job_id)
         c.nodes.pop(job_id, None)
-        c.uids.pop(job_id, None)
         for sid in gone:
             c.ends.pop(sid, None)
             c.held.pop(sid, None)

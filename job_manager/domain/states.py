@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from datetime import datetime
 
+from dlsched import spec_rules
 from job_manager.domain.model import Job, JobState, Observation
 
 S = JobState
@@ -46,7 +47,7 @@ def _with_state(job: Job, state: JobState, now: datetime, **changes: object) -> 
 def of_another_job(job: Job, obs: Observation) -> bool:
     """Whether ``obs`` is of an earlier job of the same id (deleted while its driver could not
     clean it up): both uids known and different. Such an observation never changes the job."""
-    return bool(obs.job_uid and job.uid and obs.job_uid.replace("-", "") != job.uid.replace("-", ""))
+    return not spec_rules.same_job(obs.job_uid, job.uid)
 
 
 def apply_observation(job: Job, obs: Observation, now: datetime) -> Job | None:
