@@ -219,6 +219,35 @@ def test_mpi_ranks_lines_stay_whole_with_the_real_open_mpi(tmp_path):
     assert exits.parse((tmp_path / out.dir / shell.EXITS).read_text()).ends == (exits.End("launcher-0", 0, False),)
 
 
+def test_an_mpi_job_adopted_without_its_record_reports_its_worker_replicas(tmp_path):
+    """The MPI workers run no process of their own, so the exits file's ``labels`` miss them; its
+    ``hosts`` line names them, and a job the driver adopts without its record (roles unknown)
+    reports them with the job's end, as a tracked one does."""
+    from drivers.slurm.jobs import TrackedJob
+    from drivers.slurm.poller import SlurmJob
+
+    launcher = ReplicaGroup(role="launcher", replicas=1, command=(PY, "-c", "print('ok')"), env=ROOT_OK)
+    spec = JobSpec(RunMode.MPI, (launcher, g("worker", "", replicas=2, ppr=1)))
+    out = render.render_job("mpi-2", spec, 1, {"max_nodes": "1"})
+    if shutil.which("mpirun") is None:
+        pytest.skip("mpirun is not installed")
+    res = sandbox_run(tmp_path, out, node="localhost")
+    assert res.returncode == 0, res.stderr
+    ex = exits.parse((tmp_path / out.dir / shell.EXITS).read_text())
+    assert ex is not None and ex.labels == ("launcher-0",) and ex.hosts == ("worker-0", "worker-1")
+    tracked = TrackedJob("c", "mpi-2", 1, "7", "d", None, roles=(("launcher", 0),), hosts=out.hosts)
+    adopted = TrackedJob("c", "mpi-2", 1, "7", "d", None)  # after a restart, found by its comment alone
+    for job in (tracked, adopted):
+        job.apply(SlurmJob("7", "RUNNING", nodes="n1"))
+        job.apply(SlurmJob("7", "COMPLETED", exit_status=0, nodes="n1"))
+        assert job.exits_read(ex)
+        assert {(r.role, r.index): r.state for r in job.observation(None).replicas} == {
+            ("launcher", 0): DReplicaState.SUCCEEDED, ("worker", 0): DReplicaState.SUCCEEDED,
+            ("worker", 1): DReplicaState.SUCCEEDED}
+        recalled = TrackedJob.from_record("c", "d", job.record())  # after one more restart, from the record
+        assert recalled.observation(None).replicas == job.observation(None).replicas
+
+
 def test_merge_keeps_partial_lines_until_their_newline(tmp_path):
     """``shell.MPI_MERGE`` alone: two writers appending pieces to their own files; one line per line."""
     d = tmp_path / "a"

@@ -10,6 +10,10 @@ process's end and appends it to the attempt's ``exits`` file
     end master-0 143 stop
     end worker-0 143 stop
 
+An MPI job's file has a second line, ``hosts worker-0 worker-1``: the
+replicas that only host the launcher's ranks (no process of their own), so
+a driver that adopts the job without its record still reports them.
+
 ``exit``: the process ended before the job was decided; ``stop``: after it,
 so the success rule (or the step's end) stopped it. When a job ends, the
 driver reads this file once (``read``, one ``cat`` over SSH, no Slurm call)
@@ -54,6 +58,7 @@ class Exits:
 
     labels: tuple[str, ...]  #: every process the script started, in plan order
     ends: tuple[End, ...]  #: in the order the script heard of them
+    hosts: tuple[str, ...] = ()  #: the replicas that only host ranks (MPI's workers)
 
     def first_failure(self) -> End | None:
         """The non-zero end that decided the job (the first heard of before any decision)."""
@@ -76,17 +81,20 @@ def parse(text: str) -> Exits | None:
     its ``labels`` line: no file (the job never ran its script, or an older driver's script
     wrote none), which is not "every process stopped"."""
     labels: tuple[str, ...] = ()
+    hosts: tuple[str, ...] = ()
     ends: list[End] = []
     seen: set[str] = set()
     for line in text.splitlines():
         words = line.split()
         if words[:1] == ["labels"]:
             labels = tuple(words[1:])
+        elif words[:1] == ["hosts"]:
+            hosts = tuple(words[1:])
         elif len(words) == 4 and words[0] == "end" and words[2].isdigit() and words[3] in ("exit", "stop"):
             if words[1] not in seen:  # heard of once; a repeat (never written) would not change it
                 seen.add(words[1])
                 ends.append(End(words[1], int(words[2]), words[3] == "stop"))
-    return Exits(labels, tuple(ends)) if labels else None
+    return Exits(labels, tuple(ends), hosts) if labels else None
 
 
 def split_label(label: str) -> tuple[str, int] | None:

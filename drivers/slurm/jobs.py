@@ -177,6 +177,8 @@ class TrackedJob:
                 return False
         else:
             self.exits = found
+            if not self.roles and not self.hosts:  # adopted without its record: the file names them
+                self.hosts = tuple(r for r in map(exits.split_label, found.hosts) if r is not None)
         self.apply(self.held)
         return True
 

@@ -435,7 +435,7 @@ def emit(lay: Layout) -> SlurmScript:
         "  exit 1",
         "fi",
         "declare -A DLSCHED_NAME=() DLSCHED_DECIDES=()",
-        f"printf '%s\\n' {shlex.quote('labels ' + ' '.join(steps.labels(plan)))} >\"$DLSCHED_DIR/{shell.EXITS}\"",
+        f"printf '%s\\n' {' '.join(shlex.quote(ln) for ln in _exits_head(spec, plan))} >\"$DLSCHED_DIR/{shell.EXITS}\"",
     ]
     if lay.port_nodes:
         lo, hi = job.ports
@@ -455,10 +455,23 @@ def emit(lay: Layout) -> SlurmScript:
             h += shell.MPI_MERGE.splitlines()
         h += steps.srun_steps(lay, files)
     h += shell.SCRIPT_END.splitlines()
-    hosts = tuple((g.role, i) for g in spec.replica_groups for i in range(g.replicas)
-                  if spec.run_mode is RunMode.MPI and g.role != "launcher")
     return SlurmScript(job_id=job.job_id, attempt=job.attempt, job_name=name, comment=comment, dir=lay.dir,
-                       script="\n".join(h) + "\n", steps=tuple(files), uid=job.uid, hosts=hosts)
+                       script="\n".join(h) + "\n", steps=tuple(files), uid=job.uid, hosts=_hosts(spec))
+
+
+def _hosts(spec: JobSpec) -> tuple[tuple[str, int], ...]:
+    """The replicas that only host processes (MPI's workers: the launcher's ranks run there)."""
+    return tuple((g.role, i) for g in spec.replica_groups for i in range(g.replicas)
+                 if spec.run_mode is RunMode.MPI and g.role != "launcher")
+
+
+def _exits_head(spec: JobSpec, plan: planner.JobPlan) -> list[str]:
+    """The exits file's first lines: the processes the script starts, then the replicas
+    that only host ranks (so a driver that adopts the job without its record knows them)."""
+    head = ["labels " + " ".join(steps.labels(plan))]
+    if hosts := _hosts(spec):
+        head.append("hosts " + " ".join(f"{r}-{i}" for r, i in hosts))
+    return head
 
 
 def _sbatch_lines(lay: Layout, name: str, comment: str) -> list[str]:
