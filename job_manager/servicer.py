@@ -45,10 +45,12 @@ import dataclasses
 import heapq
 import itertools
 import logging
+import re
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import grpc
+from prometheus_client import Counter
 
 from dlsched.auth.interceptor import caller
 from dlsched.errors import DlschedError, InvalidArgument, StoreUnavailable
@@ -88,6 +90,14 @@ DEFAULT_PAGE = 100
 _CACHE_WAIT_SECONDS = 5.0
 #: GetJob's read of etcd after etcd gave no revision in time (then: the cache's view)
 _NO_ANSWER_READ_SECONDS = 2.0
+#: how each GetJob/ListJobs proved this replica's cache fresh enough
+READS = Counter("dlsched_job_manager_reads",
+                "GetJob and ListJobs calls by how the cache was proved fresh: cache (it showed the "
+                "min_etag asked for), consistent (etcd's current revision read)", ["proof"])
+_READ_CACHED = READS.labels("cache")
+_READ_CONSISTENT = READS.labels("consistent")
+#: an etag (an etcd revision) as this service writes it: digits, below 2**63
+_ETAG_RE = re.compile(r"[1-9][0-9]{0,17}")
 
 
 def _encode_page(key: SortKey) -> str:
@@ -171,8 +181,9 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
     async def GetJob(self, request: pb.GetJobRequest,  # noqa: N802
                      context: grpc.aio.ServicerContext) -> pb.GetJobResponse:
         job_id = job_id_from_name(request.name)
-        # Consistent read: the cache has every write made before this call, or etcd is read.
-        fresh = await self.hub.read_current()
+        # Consistent read: the cache has every write made before this call (or the
+        # write ``min_etag`` names), or etcd is read.
+        fresh = await self._freshness(request.min_etag)
         cached = self.cache.get(job_id)
         if fresh is Freshness.UNREACHABLE and cached is not None:
             fresh = Freshness.CURRENT  # etcd refuses connections: this replica's last view, as below
@@ -197,6 +208,26 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             raise JobNotFound(f"job {cached.name} not found", metadata={"name": cached.name})
         return pb.GetJobResponse(job=cached.proto())
 
+    async def _freshness(self, min_etag: str) -> Freshness:
+        """How fresh this replica's cache is for a read: without ``min_etag``, a consistent
+        read (``WatchHub.read_current``); with it, CURRENT at once when the cache shows that
+        write, else the consistent read (which covers every write a caller could hold an etag
+        of), after which a cache still behind it proves the etag was never issued."""
+        if not min_etag:
+            _READ_CONSISTENT.inc()
+            return await self.hub.read_current()
+        if not _ETAG_RE.fullmatch(min_etag):
+            raise InvalidArgument.for_field("min_etag", "not an etag this service returned")
+        want = int(min_etag)
+        if self.cache.current >= want:
+            _READ_CACHED.inc()
+            return Freshness.CURRENT
+        _READ_CONSISTENT.inc()
+        fresh = await self.hub.read_current()
+        if fresh is Freshness.CURRENT and self.cache.current < want:
+            raise InvalidArgument.for_field("min_etag", "newer than every write: not an etag this service returned")
+        return fresh
+
     async def _written(self, job: Job | None) -> None:
         """Once this replica's cache shows ``job`` as written (bounded)."""
         if job is not None and job.etag:
@@ -209,7 +240,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         size = min(request.page_size or DEFAULT_PAGE, MAX_PAGE)
         flt = parse_filter(request.filter)
         after = _decode_page(request.page_token) if request.page_token else None
-        await self.hub.wait_current()  # every write made before this call (bounded)
+        await self._freshness(request.min_etag)  # every write made before this call (bounded)
         # One synchronous walk: the page and whether another follows, at one revision.
         page: list[CachedJob | ArchivedJob] = list(
             itertools.islice(self.cache.select(flt, caller(), after), size + 1))

@@ -180,7 +180,8 @@ class Replicas:
         self.stack.start()
         self.b = ServiceProcess("job_manager", ["--etcd", f"127.0.0.1:{self.b_port}", "--prefix",
                                                 self.stack.prefix, "--cluster-manager",
-                                                self.stack.cm.address], name="job-manager-b")
+                                                self.stack.cm.address, "--metrics-listen", "127.0.0.1:0"],
+                                   name="job-manager-b")
         self.b.start()
         return self
 
@@ -339,6 +340,63 @@ async def test_writes_on_one_replica_are_read_on_the_other(
         assert int(row.etag) >= int(stopped.etag), (row.state, stopped.state)
     await other.delete_prefix(r.stack.prefix.encode())
     await other.close()
+
+
+async def test_a_read_with_min_etag_is_served_from_the_cache_once_it_shows_that_write(
+        replicas: tuple[Replicas, FreezingProxy], etcd: EtcdServer) -> None:
+    """GetJob/ListJobs with ``min_etag`` (Kubernetes' resourceVersionMatch=NotOlderThan): the
+    replica answers from its cache, without reading etcd's revision, once its cache shows that
+    write; while its cache lags behind it, it proves the write as a consistent read does; an etag
+    newer than every write, or not one, is INVALID_ARGUMENT naming min_etag."""
+    import grpc
+
+    from tests.harness import metrics_samples, sample
+
+    r, proxy = replicas
+    assert r.stack.jm is not None and r.b is not None
+    b_proc = r.b
+
+    def reads(proof: str) -> float:
+        return sample(metrics_samples(b_proc), "dlsched_job_manager_reads_total", proof=proof)
+
+    async with security.channel(r.stack.jm.address) as ca, security.channel(r.b.address) as cb:
+        a, b = pb_grpc.JobManagerServiceStub(ca), pb_grpc.JobManagerServiceStub(cb)
+        first = (await a.SubmitJob(pb.SubmitJobRequest(spec=_spec(["sleep", "300"])), timeout=60)).job
+        await _until(lambda: _has(b, first.name))
+
+        # B's cache shows the write: answered from it, no consistent read.
+        cached0, consistent0 = reads("cache"), reads("consistent")
+        for _ in range(5):
+            got = (await b.GetJob(pb.GetJobRequest(name=first.name, min_etag=first.etag), timeout=60)).job
+            assert got.name == first.name and int(got.etag) >= int(first.etag)
+            page = await b.ListJobs(pb.ListJobsRequest(page_size=1000, min_etag=first.etag), timeout=60)
+            assert first.name in [j.name for j in page.jobs]
+        assert reads("cache") - cached0 == 10 and reads("consistent") == consistent0
+        await b.GetJob(pb.GetJobRequest(name=first.name), timeout=60)  # the default: consistent
+        assert reads("consistent") == consistent0 + 1
+
+        # A write on A that B's lagging cache has not shown: B proves it before answering.
+        with frozen(proxy):
+            made = (await a.SubmitJob(pb.SubmitJobRequest(spec=_spec(["sleep", "300"])), timeout=60)).job
+            thaw = asyncio.create_task(_thaw_later(proxy, 0.5))
+            got = (await b.GetJob(pb.GetJobRequest(name=made.name, min_etag=made.etag), timeout=60)).job
+            listed = (await b.ListJobs(pb.ListJobsRequest(page_size=1000, min_etag=made.etag), timeout=60)).jobs
+            await thaw
+        assert got.name == made.name and int(got.etag) >= int(made.etag)
+        assert made.name in [j.name for j in listed]
+
+        for bad in (str(int(made.etag) + 10**6), "0", "-1", "12a", " 12", "9" * 40):
+            for call in (b.GetJob(pb.GetJobRequest(name=made.name, min_etag=bad), timeout=60),
+                         b.ListJobs(pb.ListJobsRequest(min_etag=bad), timeout=60)):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await call
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "min_etag" in (e.value.details() or "")
+        for job in (first, made):
+            await a.StopJob(pb.StopJobRequest(name=job.name), timeout=60)
+
+
+async def _has(stub: pb_grpc.JobManagerServiceStub, name: str) -> bool:
+    return any(j.name == name for j in (await stub.ListJobs(pb.ListJobsRequest(page_size=1000))).jobs)
 
 
 async def test_one_revision_read_at_a_time_answers_only_the_callers_that_came_before_it_was_sent() -> None:

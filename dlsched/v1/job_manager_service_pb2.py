@@ -28,7 +28,7 @@ from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$dlsched/v1/job_manager_service.proto\x12\ndlsched.v1\x1a\x18\x64lsched/v1/cluster.proto\x1a\x14\x64lsched/v1/job.proto\x1a\x1cgoogle/api/annotations.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"j\n\x10SubmitJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12!\n\x04spec\x18\x02 \x01(\x0b\x32\x13.dlsched.v1.JobSpec\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x04 \x01(\x08\"~\n\x0c\x44ryRunResult\x12\x0f\n\x07\x63luster\x18\x01 \x01(\t\x12\x30\n\ncandidates\x18\x02 \x03(\x0b\x32\x1c.dlsched.v1.ClusterCandidate\x12+\n\x0bnative_spec\x18\x03 \x01(\x0b\x32\x16.dlsched.v1.NativeSpec\"\\\n\x11SubmitJobResponse\x12\x1c\n\x03job\x18\x01 \x01(\x0b\x32\x0f.dlsched.v1.Job\x12)\n\x07\x64ry_run\x18\x02 \x01(\x0b\x32\x18.dlsched.v1.DryRunResult\"\x1d\n\rGetJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\".\n\x0eGetJobResponse\x12\x1c\n\x03job\x18\x01 \x01(\x0b\x32\x0f.dlsched.v1.Job\"H\n\x0fListJobsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x0e\n\x06\x66ilter\x18\x03 \x01(\t\"J\n\x10ListJobsResponse\x12\x1d\n\x04jobs\x18\x01 \x03(\x0b\x32\x0f.dlsched.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"2\n\x0eStopJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"/\n\x0fStopJobResponse\x12\x1c\n\x03job\x18\x01 \x01(\x0b\x32\x0f.dlsched.v1.Job\"7\n\x10\x44\x65leteJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rallow_missing\x18\x02 \x01(\x08\"1\n\x11\x44\x65leteJobResponse\x12\x1c\n\x03job\x18\x01 \x01(\x0b\x32\x0f.dlsched.v1.Job\"8\n\x10WatchJobsRequest\x12\x0e\n\x06\x66ilter\x18\x01 \x01(\t\x12\x14\n\x0cresume_token\x18\x02 \x01(\t\"q\n\x11WatchJobsResponse\x12(\n\x04type\x18\x01 \x01(\x0e\x32\x1a.dlsched.v1.WatchEventType\x12\x1c\n\x03job\x18\x02 \x01(\x0b\x32\x0f.dlsched.v1.Job\x12\x14\n\x0cresume_token\x18\x03 \x01(\t\"\xf3\x01\n\x14StreamJobLogsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x66ollow\x18\x02 \x01(\x08\x12\x12\n\ntail_lines\x18\x03 \x01(\x05\x12.\n\nsince_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04role\x18\x05 \x01(\t\x12\x1a\n\rreplica_index\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12&\n\x07streams\x18\x07 \x03(\x0e\x32\x15.dlsched.v1.LogStream\x12\x15\n\rresume_cursor\x18\x08 \x01(\tB\x10\n\x0e_replica_index\"U\n\x15StreamJobLogsResponse\x12%\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x14.dlsched.v1.LogEntry\x12\x15\n\rresume_cursor\x18\x02 \x01(\t\"\"\n\x12GetJobUsageRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\":\n\x13GetJobUsageResponse\x12#\n\x05usage\x18\x01 \x01(\x0b\x32\x14.dlsched.v1.JobUsage2\xc0\x06\n\x11JobManagerService\x12]\n\tSubmitJob\x12\x1c.dlsched.v1.SubmitJobRequest\x1a\x1d.dlsched.v1.SubmitJobResponse\"\x13\x82\xd3\xe4\x93\x02\r\"\x08/v1/jobs:\x01*\x12Z\n\x06GetJob\x12\x19.dlsched.v1.GetJobRequest\x1a\x1a.dlsched.v1.GetJobResponse\"\x19\x82\xd3\xe4\x93\x02\x13\x12\x11/v1/{name=jobs/*}\x12W\n\x08ListJobs\x12\x1b.dlsched.v1.ListJobsRequest\x1a\x1c.dlsched.v1.ListJobsResponse\"\x10\x82\xd3\xe4\x93\x02\n\x12\x08/v1/jobs\x12\x65\n\x07StopJob\x12\x1a.dlsched.v1.StopJobRequest\x1a\x1b.dlsched.v1.StopJobResponse\"!\x82\xd3\xe4\x93\x02\x1b\"\x16/v1/{name=jobs/*}:stop:\x01*\x12\x63\n\tDeleteJob\x12\x1c.dlsched.v1.DeleteJobRequest\x1a\x1d.dlsched.v1.DeleteJobResponse\"\x19\x82\xd3\xe4\x93\x02\x13*\x11/v1/{name=jobs/*}\x12\x62\n\tWatchJobs\x12\x1c.dlsched.v1.WatchJobsRequest\x1a\x1d.dlsched.v1.WatchJobsResponse\"\x16\x82\xd3\xe4\x93\x02\x10\x12\x0e/v1/jobs:watch0\x01\x12v\n\rStreamJobLogs\x12 .dlsched.v1.StreamJobLogsRequest\x1a!.dlsched.v1.StreamJobLogsResponse\"\x1e\x82\xd3\xe4\x93\x02\x18\x12\x16/v1/{name=jobs/*}/logs0\x01\x12o\n\x0bGetJobUsage\x12\x1e.dlsched.v1.GetJobUsageRequest\x1a\x1f.dlsched.v1.GetJobUsageResponse\"\x1f\x82\xd3\xe4\x93\x02\x19\x12\x17/v1/{name=jobs/*}:usageB\x8f\x01\n\rio.dlsched.v1B\x16JobManagerServiceProtoP\x01Z6github.com/dlsched/dlsched/gen/go/dlsched/v1;dlschedv1\xa2\x02\x03\x44LS\xaa\x02\nDlsched.V1\xca\x02\nDlsched\\V1\xea\x02\x0b\x44lsched::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$dlsched/v1/job_manager_service.proto\x12\ndlsched.v1\x1a\x18\x64lsched/v1/cluster.proto\x1a\x14\x64lsched/v1/job.proto\x1a\x1cgoogle/api/annotations.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"j\n\x10SubmitJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12!\n\x04spec\x18\x02 \x01(\x0b\x32\x13.dlsched.v1.JobSpec\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x0f\n\x07\x64ry_run\x18\x04 \x01(\x08\"~\n\x0c\x44ryRunResult\x12\x0f\n\x07\x63luster\x18\x01 \x01(\t\x12\x30\n\ncandidates\x18\x02 \x03(\x0b\x32\x1c.dlsched.v1.ClusterCandidate\x12+\n\x0bnative_spec\x18\x03 \x01(\x0b\x32\x16.dlsched.v1.NativeSpec\"\\\n\x11SubmitJobResponse\x12\x1c\n\x03job\x18\x01 \x01(\x0b\x32\x0f.dlsched.v1.Job\x12)\n\x07\x64ry_run\x18\x02 \x01(\x0b\x32\x18.dlsched.v1.DryRunResult\"/\n\rGetJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x10\n\x08min_etag\x18\x02 \x01(\t\".\n\x0eGetJobResponse\x12\x1c\n\x03job\x18\x01 \x01(\x0b\x32\x0f.dlsched.v1.Job\"Z\n\x0fListJobsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\x05\x12\x12\n\npage_token\x18\x02 \x01(\t\x12\x0e\n\x06\x66ilter\x18\x03 \x01(\t\x12\x10\n\x08min_etag\x18\x04 \x01(\t\"J\n\x10ListJobsResponse\x12\x1d\n\x04jobs\x18\x01 \x03(\x0b\x32\x0f.dlsched.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"2\n\x0eStopJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"/\n\x0fStopJobResponse\x12\x1c\n\x03job\x18\x01 \x01(\x0b\x32\x0f.dlsched.v1.Job\"7\n\x10\x44\x65leteJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rallow_missing\x18\x02 \x01(\x08\"1\n\x11\x44\x65leteJobResponse\x12\x1c\n\x03job\x18\x01 \x01(\x0b\x32\x0f.dlsched.v1.Job\"8\n\x10WatchJobsRequest\x12\x0e\n\x06\x66ilter\x18\x01 \x01(\t\x12\x14\n\x0cresume_token\x18\x02 \x01(\t\"q\n\x11WatchJobsResponse\x12(\n\x04type\x18\x01 \x01(\x0e\x32\x1a.dlsched.v1.WatchEventType\x12\x1c\n\x03job\x18\x02 \x01(\x0b\x32\x0f.dlsched.v1.Job\x12\x14\n\x0cresume_token\x18\x03 \x01(\t\"\xf3\x01\n\x14StreamJobLogsRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06\x66ollow\x18\x02 \x01(\x08\x12\x12\n\ntail_lines\x18\x03 \x01(\x05\x12.\n\nsince_time\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04role\x18\x05 \x01(\t\x12\x1a\n\rreplica_index\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12&\n\x07streams\x18\x07 \x03(\x0e\x32\x15.dlsched.v1.LogStream\x12\x15\n\rresume_cursor\x18\x08 \x01(\tB\x10\n\x0e_replica_index\"U\n\x15StreamJobLogsResponse\x12%\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x14.dlsched.v1.LogEntry\x12\x15\n\rresume_cursor\x18\x02 \x01(\t\"\"\n\x12GetJobUsageRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\":\n\x13GetJobUsageResponse\x12#\n\x05usage\x18\x01 \x01(\x0b\x32\x14.dlsched.v1.JobUsage2\xc0\x06\n\x11JobManagerService\x12]\n\tSubmitJob\x12\x1c.dlsched.v1.SubmitJobRequest\x1a\x1d.dlsched.v1.SubmitJobResponse\"\x13\x82\xd3\xe4\x93\x02\r\"\x08/v1/jobs:\x01*\x12Z\n\x06GetJob\x12\x19.dlsched.v1.GetJobRequest\x1a\x1a.dlsched.v1.GetJobResponse\"\x19\x82\xd3\xe4\x93\x02\x13\x12\x11/v1/{name=jobs/*}\x12W\n\x08ListJobs\x12\x1b.dlsched.v1.ListJobsRequest\x1a\x1c.dlsched.v1.ListJobsResponse\"\x10\x82\xd3\xe4\x93\x02\n\x12\x08/v1/jobs\x12\x65\n\x07StopJob\x12\x1a.dlsched.v1.StopJobRequest\x1a\x1b.dlsched.v1.StopJobResponse\"!\x82\xd3\xe4\x93\x02\x1b\"\x16/v1/{name=jobs/*}:stop:\x01*\x12\x63\n\tDeleteJob\x12\x1c.dlsched.v1.DeleteJobRequest\x1a\x1d.dlsched.v1.DeleteJobResponse\"\x19\x82\xd3\xe4\x93\x02\x13*\x11/v1/{name=jobs/*}\x12\x62\n\tWatchJobs\x12\x1c.dlsched.v1.WatchJobsRequest\x1a\x1d.dlsched.v1.WatchJobsResponse\"\x16\x82\xd3\xe4\x93\x02\x10\x12\x0e/v1/jobs:watch0\x01\x12v\n\rStreamJobLogs\x12 .dlsched.v1.StreamJobLogsRequest\x1a!.dlsched.v1.StreamJobLogsResponse\"\x1e\x82\xd3\xe4\x93\x02\x18\x12\x16/v1/{name=jobs/*}/logs0\x01\x12o\n\x0bGetJobUsage\x12\x1e.dlsched.v1.GetJobUsageRequest\x1a\x1f.dlsched.v1.GetJobUsageResponse\"\x1f\x82\xd3\xe4\x93\x02\x19\x12\x17/v1/{name=jobs/*}:usageB\x8f\x01\n\rio.dlsched.v1B\x16JobManagerServiceProtoP\x01Z6github.com/dlsched/dlsched/gen/go/dlsched/v1;dlschedv1\xa2\x02\x03\x44LS\xaa\x02\nDlsched.V1\xca\x02\nDlsched\\V1\xea\x02\x0b\x44lsched::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -59,33 +59,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SUBMITJOBRESPONSE']._serialized_start=399
   _globals['_SUBMITJOBRESPONSE']._serialized_end=491
   _globals['_GETJOBREQUEST']._serialized_start=493
-  _globals['_GETJOBREQUEST']._serialized_end=522
-  _globals['_GETJOBRESPONSE']._serialized_start=524
-  _globals['_GETJOBRESPONSE']._serialized_end=570
-  _globals['_LISTJOBSREQUEST']._serialized_start=572
-  _globals['_LISTJOBSREQUEST']._serialized_end=644
-  _globals['_LISTJOBSRESPONSE']._serialized_start=646
-  _globals['_LISTJOBSRESPONSE']._serialized_end=720
-  _globals['_STOPJOBREQUEST']._serialized_start=722
-  _globals['_STOPJOBREQUEST']._serialized_end=772
-  _globals['_STOPJOBRESPONSE']._serialized_start=774
-  _globals['_STOPJOBRESPONSE']._serialized_end=821
-  _globals['_DELETEJOBREQUEST']._serialized_start=823
-  _globals['_DELETEJOBREQUEST']._serialized_end=878
-  _globals['_DELETEJOBRESPONSE']._serialized_start=880
-  _globals['_DELETEJOBRESPONSE']._serialized_end=929
-  _globals['_WATCHJOBSREQUEST']._serialized_start=931
-  _globals['_WATCHJOBSREQUEST']._serialized_end=987
-  _globals['_WATCHJOBSRESPONSE']._serialized_start=989
-  _globals['_WATCHJOBSRESPONSE']._serialized_end=1102
-  _globals['_STREAMJOBLOGSREQUEST']._serialized_start=1105
-  _globals['_STREAMJOBLOGSREQUEST']._serialized_end=1348
-  _globals['_STREAMJOBLOGSRESPONSE']._serialized_start=1350
-  _globals['_STREAMJOBLOGSRESPONSE']._serialized_end=1435
-  _globals['_GETJOBUSAGEREQUEST']._serialized_start=1437
-  _globals['_GETJOBUSAGEREQUEST']._serialized_end=1471
-  _globals['_GETJOBUSAGERESPONSE']._serialized_start=1473
-  _globals['_GETJOBUSAGERESPONSE']._serialized_end=1531
-  _globals['_JOBMANAGERSERVICE']._serialized_start=1534
-  _globals['_JOBMANAGERSERVICE']._serialized_end=2366
+  _globals['_GETJOBREQUEST']._serialized_end=540
+  _globals['_GETJOBRESPONSE']._serialized_start=542
+  _globals['_GETJOBRESPONSE']._serialized_end=588
+  _globals['_LISTJOBSREQUEST']._serialized_start=590
+  _globals['_LISTJOBSREQUEST']._serialized_end=680
+  _globals['_LISTJOBSRESPONSE']._serialized_start=682
+  _globals['_LISTJOBSRESPONSE']._serialized_end=756
+  _globals['_STOPJOBREQUEST']._serialized_start=758
+  _globals['_STOPJOBREQUEST']._serialized_end=808
+  _globals['_STOPJOBRESPONSE']._serialized_start=810
+  _globals['_STOPJOBRESPONSE']._serialized_end=857
+  _globals['_DELETEJOBREQUEST']._serialized_start=859
+  _globals['_DELETEJOBREQUEST']._serialized_end=914
+  _globals['_DELETEJOBRESPONSE']._serialized_start=916
+  _globals['_DELETEJOBRESPONSE']._serialized_end=965
+  _globals['_WATCHJOBSREQUEST']._serialized_start=967
+  _globals['_WATCHJOBSREQUEST']._serialized_end=1023
+  _globals['_WATCHJOBSRESPONSE']._serialized_start=1025
+  _globals['_WATCHJOBSRESPONSE']._serialized_end=1138
+  _globals['_STREAMJOBLOGSREQUEST']._serialized_start=1141
+  _globals['_STREAMJOBLOGSREQUEST']._serialized_end=1384
+  _globals['_STREAMJOBLOGSRESPONSE']._serialized_start=1386
+  _globals['_STREAMJOBLOGSRESPONSE']._serialized_end=1471
+  _globals['_GETJOBUSAGEREQUEST']._serialized_start=1473
+  _globals['_GETJOBUSAGEREQUEST']._serialized_end=1507
+  _globals['_GETJOBUSAGERESPONSE']._serialized_start=1509
+  _globals['_GETJOBUSAGERESPONSE']._serialized_end=1567
+  _globals['_JOBMANAGERSERVICE']._serialized_start=1570
+  _globals['_JOBMANAGERSERVICE']._serialized_end=2402
 # @@protoc_insertion_point(module_scope)

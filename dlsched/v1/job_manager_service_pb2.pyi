@@ -43,10 +43,12 @@ class SubmitJobResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[_job_pb2.Job, _Mapping]] = ..., dry_run: _Optional[_Union[DryRunResult, _Mapping]] = ...) -> None: ...
 
 class GetJobRequest(_message.Message):
-    __slots__ = ("name",)
+    __slots__ = ("name", "min_etag")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    MIN_ETAG_FIELD_NUMBER: _ClassVar[int]
     name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    min_etag: str
+    def __init__(self, name: _Optional[str] = ..., min_etag: _Optional[str] = ...) -> None: ...
 
 class GetJobResponse(_message.Message):
     __slots__ = ("job",)
@@ -55,14 +57,16 @@ class GetJobResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[_job_pb2.Job, _Mapping]] = ...) -> None: ...
 
 class ListJobsRequest(_message.Message):
-    __slots__ = ("page_size", "page_token", "filter")
+    __slots__ = ("page_size", "page_token", "filter", "min_etag")
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FILTER_FIELD_NUMBER: _ClassVar[int]
+    MIN_ETAG_FIELD_NUMBER: _ClassVar[int]
     page_size: int
     page_token: str
     filter: str
-    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., filter: _Optional[str] = ...) -> None: ...
+    min_etag: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., filter: _Optional[str] = ..., min_etag: _Optional[str] = ...) -> None: ...
 
 class ListJobsResponse(_message.Message):
     __slots__ = ("jobs", "next_page_token")
