@@ -430,6 +430,32 @@ async def test_one_revision_read_at_a_time_answers_only_the_callers_that_came_be
     assert await alone == 12 and shared.sent == 3
 
 
+async def test_under_load_revision_reads_wait_a_round_trip_more() -> None:
+    """Callers that queue behind a read in flight get the next one a round trip after it
+    returned (up to ``gap`` after it was sent; one read answers them all); a lone caller's read
+    goes at once."""
+    loop = asyncio.get_running_loop()
+    sent: list[float] = []
+    rtt = 0.05
+
+    async def fetch() -> int:
+        sent.append(loop.time())
+        await asyncio.sleep(rtt)
+        return len(sent)
+
+    shared = _SharedRead(fetch, 3600)
+    first = asyncio.create_task(shared.get())
+    await asyncio.sleep(0)  # its read is sent in the loop's next turn
+    queued = [asyncio.create_task(shared.get()) for _ in range(5)]
+    assert await first == 1
+    assert await asyncio.gather(*queued) == [2] * 5  # one read for the five
+    assert len(sent) == 2 and sent[1] - sent[0] >= 2 * rtt
+    # Alone, nothing in flight: sent at once, not an hour after the last read.
+    lone = _SharedRead(fetch, 3600)
+    assert await lone.get() == 3
+    assert await asyncio.wait_for(lone.get(), 60) == 4
+
+
 async def test_a_replica_cut_off_from_etcd_answers_from_its_last_view(
         replicas: tuple[Replicas, FreezingProxy]) -> None:
     """While B cannot hear etcd, GetJob and ListJobs of a job B has seen answer
