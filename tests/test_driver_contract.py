@@ -293,6 +293,33 @@ async def test_a_job_running_on_another_cluster_is_refused(peer: Peer) -> None:
         await peer.stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=other), timeout=10)
 
 
+@pytest.mark.parametrize("backend", [n for n in DRIVERS if PEERS[n].jobs_span_clusters], indirect=True)
+async def test_an_ended_earlier_job_on_a_cluster_since_removed_is_cleaned_up_not_waited_for(peer: Peer) -> None:
+    """An ended job of the same id and another uid, known on a cluster name this driver no
+    longer serves: the new job's launch cleans it up and runs, rather than failing
+    CLUSTER_NOT_CONFIGURED (retried by JobManager for ever) for a cluster it did not name."""
+    other = f"clusters/{new_id('gone')}"
+    await peer.stub.ConfigureCluster(peer.configure_request(other), timeout=30)
+    job = new_id()
+    try:
+        await peer.launch(job, peer.sleeping(0), cluster=other)
+        deadline = time.monotonic() + 90
+        while True:
+            obs = (await peer.stub.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
+                cluster=other, jobs=[dpb.JobRef(job_id=job)]), timeout=peer.call_timeout)).observations[0]
+            if obs.state in TERMINAL:
+                break
+            assert time.monotonic() < deadline, obs
+            await asyncio.sleep(0.1)
+    finally:
+        await peer.stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=other), timeout=10)
+    uid = str(uuid.uuid4())
+    second = await peer.launch(job, peer.sleeping(), uid=uid)
+    assert second.observation.state not in TERMINAL, second.observation
+    now = (await peer.observe(job))[0]
+    assert now.state not in TERMINAL and now.job_uid == uid, now
+
+
 # --------------------------------------------------------------------------- stop / cleanup
 
 

@@ -214,7 +214,13 @@ class BackendDriver(Driver, Generic[C, R]):
         return await self.launches.launch(
             cluster, job_id, attempt, known=lambda: self._known(c, job_id, rendered),
             submit=lambda: self._submit(c, cluster, job_id, spec, attempt, rendered), uid=uid,
-            discard=lambda prev: self._cleanup(self.clusters.require(prev.cluster), prev.cluster, JobRef(job_id, "")))
+            discard=lambda prev: self._cleanup(self._record_for(prev.cluster, c), prev.cluster, JobRef(job_id, "")))
+
+    def _record_for(self, cluster: str, launching: C) -> C:
+        """The record of ``cluster``, where a launch's discard cleans up; a cluster name no
+        longer configured (a backend whose jobs span its names: the local driver, one host)
+        lends the launching cluster's, or that job would hold the new one back for good."""
+        return self.clusters.get(cluster) or launching
 
     async def observe(self, cluster: str, refs: Sequence[JobRef]) -> list[JobObservation]:
         c = self.clusters.require(cluster)
