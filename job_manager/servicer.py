@@ -93,7 +93,8 @@ _NO_ANSWER_READ_SECONDS = 2.0
 #: how each GetJob/ListJobs proved this replica's cache fresh enough
 READS = Counter("dlsched_job_manager_reads",
                 "GetJob and ListJobs calls by how the cache was proved fresh: cache (it showed the "
-                "min_etag asked for), consistent (etcd's current revision read)", ["proof"])
+                "min_etag asked for), consistent (etcd's current revision read, unless "
+                "--no-consistent-reads and no min_etag)", ["proof"])
 _READ_CACHED = READS.labels("cache")
 _READ_CONSISTENT = READS.labels("consistent")
 #: an etag (an etcd revision) as this service writes it: digits, below 2**63
@@ -185,7 +186,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         # write ``min_etag`` names), or etcd is read.
         fresh = await self._freshness(request.min_etag)
         cached = self.cache.get(job_id)
-        if fresh is Freshness.UNREACHABLE and cached is not None:
+        if fresh is Freshness.UNREACHABLE and cached is not None and self._reached(request.min_etag):
             fresh = Freshness.CURRENT  # etcd refuses connections: this replica's last view, as below
         if cached is None or fresh is not Freshness.CURRENT:  # not here yet (written on another replica
             try:                                              # a moment ago), or not proved current
@@ -194,11 +195,12 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                 job = access.check_read(caller(), await self.store.get(job_id, within=within))
                 return pb.GetJobResponse(job=convert.job_to_proto(job))
             except StoreUnavailable:
-                if cached is None:
+                if cached is None or not self._reached(request.min_etag):
                     raise
                 # etcd cannot be reached: this replica's last view of the job, as ListJobs
                 # answers then (a write made meanwhile through a replica that reaches etcd may
-                # be missing from it; none made through this one can be).
+                # be missing from it; none made through this one can be; never one older
+                # than the min_etag asked for).
             except JobNotFound:
                 archived = await self._archived(job_id)
                 if archived is None:
@@ -223,10 +225,15 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             _READ_CACHED.inc()
             return Freshness.CURRENT
         _READ_CONSISTENT.inc()
-        fresh = await self.hub.read_current()
+        fresh = await self.hub.read_current(prove=True)  # etcd's revision, whatever --consistent-reads
         if fresh is Freshness.CURRENT and self.cache.current < want:
             raise InvalidArgument.for_field("min_etag", "newer than every write: not an etag this service returned")
         return fresh
+
+    def _reached(self, min_etag: str) -> bool:
+        """Whether this replica's cache shows the write ``min_etag`` names (validated); the
+        cache's own view is never served older than that."""
+        return not min_etag or self.cache.current >= int(min_etag)
 
     async def _written(self, job: Job | None) -> None:
         """Once this replica's cache shows ``job`` as written (bounded)."""
@@ -241,6 +248,9 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         flt = parse_filter(request.filter)
         after = _decode_page(request.page_token) if request.page_token else None
         await self._freshness(request.min_etag)  # every write made before this call (bounded)
+        if not self._reached(request.min_etag):
+            raise StoreUnavailable("this replica has not seen the write min_etag names and etcd did not "
+                                   "answer in time; retry")
         # One synchronous walk: the page and whether another follows, at one revision.
         page: list[CachedJob | ArchivedJob] = list(
             itertools.islice(self.cache.select(flt, caller(), after), size + 1))

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Iterator
 import aetcd
 import pytest
 
+from dlsched.errors import InvalidArgument
 from dlsched.kit.etcd import EtcdClient, connect
 from dlsched.v1 import job_manager_service_pb2 as pb
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
@@ -219,6 +220,48 @@ async def test_a_read_etcd_does_not_answer_says_how(etcd: EtcdServer, etcd_prefi
         await client.close()
         if proxy is not None:
             await proxy.__aexit__(None, None, None)
+
+
+async def test_min_etag_is_proved_also_without_consistent_reads(etcd: EtcdServer, etcd_prefix: str) -> None:
+    """``--no-consistent-reads`` serves the cache as it is, but a read that asks for ``min_etag``
+    still gets that write or later: a cache behind it is proved by etcd, never taken for proof
+    that the etag was never issued (INVALID_ARGUMENT), nor served older (UNAVAILABLE while
+    etcd cannot prove it)."""
+    from dlsched.errors import StoreUnavailable
+    from job_manager.servicer import JobManagerServicer
+
+    proxy = FreezingProxy(etcd.client_port)
+    await proxy.__aenter__()
+    client = await connect(f"127.0.0.1:{proxy.port}")
+    other = await connect(etcd.endpoint)
+    store = JobStore(client, etcd_prefix)
+    hub = WatchHub(client, etcd_prefix, cache=JobCache(), store=store, consistent_reads=False)
+
+    class _Scheduler:
+        store = JobStore(client, etcd_prefix)
+
+    servicer = JobManagerServicer(_Scheduler(), hub)  # type: ignore[arg-type]
+    try:
+        await hub.start()
+        assert hub.cache is not None
+        with frozen(proxy):  # the hub hears nothing: its cache lags the write below
+            put = await other.put(f"{etcd_prefix}jobs/r9".encode(), job_to_bytes(_job(9)))
+            rev = int(put.header.revision)
+            assert hub.cache.current < rev
+            with pytest.raises(StoreUnavailable):  # etcd does not answer: not served older than asked
+                await servicer.ListJobs(pb.ListJobsRequest(min_etag=str(rev)), None)  # type: ignore[arg-type]
+            thaw = asyncio.create_task(_thaw_later(proxy, 0.5))
+            assert await servicer._freshness(str(rev)) is Freshness.CURRENT
+            await thaw
+        assert hub.cache.current >= rev and hub.cache.get("r9") is not None
+        with pytest.raises(InvalidArgument):
+            await servicer._freshness(str(rev + 1000))  # etcd proved: no such write yet
+    finally:
+        await hub.stop()
+        await client.delete_prefix(etcd_prefix.encode())
+        await client.close()
+        await other.close()
+        await proxy.__aexit__(None, None, None)
 
 
 @pytest.mark.parametrize("how", ["etcd-cancels", "silent"])
