@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from dlsched.errors import DlschedError, InvalidArgument, Unavailable, WatchTokenExpired
 from dlsched.kit import tokens
+from dlsched.kit.parse import decimal
 
 from .store import ClusterStore, StoreEvent
 
@@ -46,7 +47,7 @@ class ResumeToken:
     @staticmethod
     def decode(token: str) -> ResumeToken:
         kind, _, rev = (tokens.decode(token) or "").partition(":")
-        if kind in ("c1", "s1") and rev.isdigit():
+        if kind in ("c1", "s1") and decimal(rev):
             return ResumeToken(int(rev), kind == "s1")
         raise InvalidArgument.for_field("resume_token", "not a resume_token of WatchClusters")
 

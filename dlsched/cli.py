@@ -41,6 +41,7 @@ from dlsched.client import (
     load_job_file,
     parse_duration,
 )
+from dlsched.kit.parse import decimal
 from dlsched.v1 import cluster_pb2, job_pb2
 
 EXIT_ERROR = 1
@@ -102,7 +103,7 @@ def _parse_expires(text: str) -> datetime:
 
 def _parse_replica(text: str) -> tuple[str, int | None]:
     role, sep, index = text.partition("/")
-    if not role or (sep and not index.isdigit()):
+    if not role or (sep and not decimal(index)):
         raise argparse.ArgumentTypeError(f"want ROLE or ROLE/INDEX, got {text!r}")
     return role, int(index) if sep else None
 

@@ -71,6 +71,24 @@ def test_exits_name_the_first_failure_and_stop_the_rest():
     assert exits.parse("") is None  # no file: the script never ran (or wrote none), not "all stopped"
 
 
+def test_a_hostile_exits_file_is_read_bounded_and_only_its_well_formed_lines_count(tmp_path):
+    """The job's processes can write to the exits file: non-ASCII digits (``str.isdigit`` takes
+    '²', ``int`` refuses it), labels that are no label, repeats and any size are what a hostile
+    job writes; the parse never raises, keeps each label once, and the read takes a bounded head."""
+    ex = exits.parse("labels a-0 a-0 ../x b-1 $(id)-2 " + "c-9999999 " + "\n"
+                     "hosts w-0 w-0 ;rm-1 W-2\n"
+                     "end a-0 ² exit\nend a-0 1234 exit\nend ../x 1 exit\nend a-0 7 exit\nend a-0 0 stop\n")
+    assert ex is not None and ex.labels == ("a-0", "b-1", "c-9999999") and ex.hosts == ("w-0",)
+    assert ex.ends == (exits.End("a-0", 7, False),)
+    big = tmp_path / "d"
+    big.mkdir()
+    (big / shell.EXITS).write_bytes(b"labels a-0\n" + b"x" * (exits.MAX_BYTES + 4096))
+    out = subprocess.run(["sh", "-c", exits.read_command(str(big))], capture_output=True, timeout=60).stdout
+    assert len(out) == exits.MAX_BYTES and exits.parse(out.decode()) is not None
+    assert subprocess.run(["sh", "-c", exits.read_command(str(tmp_path / "none"))], capture_output=True,
+                          timeout=60).stdout == b""  # no file: nothing, not an error
+
+
 def test_tracked_job_holds_its_end_until_the_exits_are_read():
     from drivers.slurm.jobs import TrackedJob
     from drivers.slurm.poller import SlurmJob

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping
 from urllib.parse import urlsplit
 
 from dlsched.errors import FieldViolation, InvalidArgument
+from dlsched.kit.parse import decimal
 
 from .models import (
     BACKENDS,
@@ -91,7 +92,7 @@ def _valid_host(host: str) -> bool:
 
 
 def _valid_port(port: str) -> bool:
-    return port.isdigit() and 0 < int(port) < 65536
+    return decimal(port) and 0 < int(port) < 65536
 
 
 def check_address(ctype: ClusterType, addr: str, field: str) -> list[FieldViolation]:

@@ -53,6 +53,7 @@ import aetcd.watcher
 import grpc
 
 from dlsched.errors import InvalidArgument, StoreUnavailable, Unauthenticated
+from dlsched.kit.parse import decimal
 
 log = logging.getLogger("dlsched.etcd")
 
@@ -141,7 +142,7 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
             ep = ep[len(scheme):]
     ep = ep.rstrip("/")
     host, sep, port = ep.rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not decimal(port):
         raise InvalidArgument.for_field("etcd", f"bad etcd endpoint {endpoint!r}, want host:port")
     return host.strip("[]") or "127.0.0.1", int(port)
 

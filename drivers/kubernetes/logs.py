@@ -26,6 +26,7 @@ from typing import Any
 
 from dlsched.errors import DlschedError
 from dlsched.kit import metrics
+from dlsched.kit.parse import decimal
 from drivers.common.base import LogEntry, LogQuery, LogStream, ReplicaState
 from drivers.kubernetes.api import api_error, raise_for_status, status_of, status_text
 from drivers.kubernetes.tracking import KubeCluster, Replica, TrackedJob
@@ -83,7 +84,7 @@ def line_time(line: str) -> tuple[int | None, str]:
         secs = datetime.fromisoformat(s + "+00:00").timestamp()
     except ValueError:
         return None, line
-    nanos = int((frac + "000000000")[:9]) if frac.isdigit() else 0
+    nanos = int((frac + "000000000")[:9]) if decimal(frac) else 0
     return int(secs) * 1_000_000_000 + nanos, text
 
 

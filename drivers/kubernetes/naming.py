@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dlsched.errors import InvalidArgument
+from dlsched.kit.parse import decimal
 from drivers.common.planner import SuccessRule
 
 LABEL_JOB = "dlsched.io/job-id"
@@ -208,7 +209,7 @@ def uid_of(obj: Mapping[str, Any]) -> str:
 def attempt_of(obj: Mapping[str, Any]) -> int:
     """An object's ``dlsched.io/attempt`` label; 0 when it has none."""
     v = ((obj.get("metadata") or {}).get("labels") or {}).get(LABEL_ATTEMPT, "")
-    return int(v) if str(v).isdigit() else 0
+    return int(v) if decimal(str(v)) else 0
 
 
 # --------------------------------------------------------------------------- the annotation codec
@@ -264,7 +265,7 @@ def decode(pod: Mapping[str, Any]) -> JobMeta | None:
     if attempt < 1 or not job_id or job_label(job_id) != key:
         return None
     counts = [part.partition("=") for part in ann.get(ANN_REPLICAS, "").split(",") if part]
-    replicas = tuple((role, int(n)) for role, _, n in counts if n.isdigit() and int(n) > 0)
+    replicas = tuple((role, int(n)) for role, _, n in counts if decimal(n) and int(n) > 0)
     if not replicas:
         return None
     decisive = _roles(ann.get(ANN_DECISIVE, "")) or frozenset(role for role, _ in replicas)

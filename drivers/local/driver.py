@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dlsched.errors import Internal
+from dlsched.kit.parse import decimal
 from drivers.common.base import (
     ClusterConfig,
     ClusterInfo,
@@ -362,7 +363,7 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
         jdir = render.job_dir(self._state_dir, job_id)
         if not ID_RE.match(job_id) or not os.path.isdir(jdir):
             return None
-        attempts = [int(n[8:]) for n in os.listdir(jdir) if n.startswith("attempt-") and n[8:].isdigit()]
+        attempts = [int(n[8:]) for n in os.listdir(jdir) if n.startswith("attempt-") and decimal(n[8:])]
         if not attempts:
             return None
         adir = render.attempt_dir(self._state_dir, job_id, max(attempts))
@@ -485,7 +486,7 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
             jdir = os.path.join(root, job_id)
             if not ID_RE.match(job_id) or not os.path.isdir(jdir):
                 continue
-            attempts = sorted((int(n[8:]) for n in os.listdir(jdir) if n.startswith("attempt-") and n[8:].isdigit()),
+            attempts = sorted((int(n[8:]) for n in os.listdir(jdir) if n.startswith("attempt-") and decimal(n[8:])),
                               reverse=True)
             if attempts and os.path.exists(os.path.join(
                     render.attempt_dir(self._state_dir, job_id, attempts[0]), attempt.RECORDED)):

@@ -10,6 +10,8 @@ import os
 import shutil
 from dataclasses import dataclass
 
+from dlsched.kit.parse import decimal
+
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 
@@ -45,7 +47,7 @@ def read_stat(pid: int) -> ProcStat | None:
 def all_stats() -> list[ProcStat]:
     out = []
     for name in os.listdir("/proc"):
-        if name.isdigit() and (st := read_stat(int(name))) is not None:
+        if decimal(name) and (st := read_stat(int(name))) is not None:
             out.append(st)
     return out
 

@@ -27,6 +27,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dlsched.kit.parse import decimal
+
 ROOT = "dlsched"
 EOF = "eof"
 STREAMS = ("out", "err")
@@ -52,7 +54,7 @@ def format_line(ns: int, text: str) -> str:
 def parse_line(line: str) -> tuple[int, str] | None:
     """``(nanos, text)`` of an output line; ``None`` for the ``eof`` marker or a torn line."""
     head, sep, text = line.partition(" ")
-    if not sep or not head.isdigit():
+    if not sep or not decimal(head):
         return None
     return int(head), text
 

@@ -22,6 +22,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from dlsched.kit.parse import decimal
+
 TICK = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
 PAGE = int(os.sysconf("SC_PAGE_SIZE")) if hasattr(os, "sysconf") else 4096
 
@@ -140,7 +142,7 @@ class Sampler:
         rss: dict[int, int] = {}
         members: dict[int, set[int]] = {}
         for name in os.listdir("/proc"):
-            if not name.isdigit():
+            if not decimal(name):
                 continue
             st = _stat(name)
             if st is None or st[0] not in self.samples:

@@ -63,6 +63,7 @@ import time
 from collections.abc import Awaitable, Container, Iterable, Mapping, MutableMapping, MutableSet
 
 from dlsched.errors import DlschedError, FailedPrecondition, Unavailable
+from dlsched.kit.parse import decimal
 from drivers.common.base import NameCollision, SshCredentials
 from drivers.common.registry import BackendUnavailable
 from drivers.slurm import poller as poll
@@ -326,7 +327,7 @@ class SlurmClient:
                 error = exit_error("sbatch", rc, err, job_id=script.job_id)
             except DlschedError as e:
                 error = e
-            if error is None and (jid := out.strip().split(";")[0].strip()).isdigit():
+            if error is None and decimal(jid := out.strip().split(";")[0].strip()):
                 self._state_dir_made = True
                 return jid if not (attempt or looked) else await self._converge(script, jid)
             last = f"{error.reason}: {error.message}" if error is not None else f"sbatch printed {out.strip()[:300]!r}"
@@ -405,7 +406,7 @@ def ended(job: poll.SlurmJob) -> bool:
 
 def oldest_first(jobs: Iterable[poll.SlurmJob]) -> list[poll.SlurmJob]:
     """Slurm job ids grow with submission time: the oldest (the one to adopt) first."""
-    return sorted(jobs, key=lambda j: int(j.job_id) if j.job_id.isdigit() else 0)
+    return sorted(jobs, key=lambda j: int(j.job_id) if decimal(j.job_id) else 0)
 
 
 async def bounded(step: Awaitable[object], seconds: float = CLOSE_STEP_SECONDS) -> None:

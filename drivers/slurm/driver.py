@@ -46,8 +46,7 @@ same dlsched attempt (``jobs``): QUEUED again, then RUNNING, ``backend_restarts`
 driver does not know (after a restart) are adopted on the first observation that names them,
 answered by the next poll round.
 
-Stop: ``scancel`` (Slurm sends SIGTERM, then SIGKILL after KillWait);
-stopping an ended or unknown job is fine. CANCELLED maps to STOPPED.
+Stop: ``scancel`` (Slurm sends SIGTERM, then SIGKILL after KillWait); stopping an ended or unknown job is fine. CANCELLED maps to STOPPED.
 
 Bounded memory (``ForgetJobs``): a job whose end JobManager recorded leaves
 memory once its record is written (``records``); untracked jobs are looked up there first.
@@ -64,6 +63,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequen
 
 from dlsched import __version__
 from dlsched.errors import DlschedError, InvalidArgument
+from dlsched.kit.parse import decimal
 from drivers.common.base import (
     ClusterCapacity,
     ClusterConfig,
@@ -457,7 +457,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         return c.observation(job) if job is not None else None
 
     async def _observe(self, c: _Cluster, refs: Sequence[JobRef]) -> list[JobObservation | None]:
-        untracked = [r for r in refs if c.find_known(r) is None and r.backend_job_id.isdigit()]
+        untracked = [r for r in refs if c.find_known(r) is None and decimal(r.backend_job_id)]
         recorded = await self._recorded(c, untracked) if untracked else {}
         unknown = [r for r in untracked if r.job_id not in c.jobs and (r.job_id, r.backend_job_id) not in recorded]
         if unknown:
@@ -500,7 +500,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
                          grace_seconds: float | None) -> JobObservation | None:
         job = c.find(ref)
         if job is None:  # forgotten: it ended; unknown: nothing to stop
-            gone = await self._forgotten(c, ref) if ref.backend_job_id.isdigit() else None
+            gone = await self._forgotten(c, ref) if decimal(ref.backend_job_id) else None
             return c.observation(gone) if gone is not None else None
         await c.client.cancel(job.backend_job_id)
         job.stop_sent()

@@ -31,10 +31,13 @@ reports (docs/ENVIRONMENT.md, as drivers/local and drivers/ray):
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dlsched.kit.parse import decimal
+from dlsched.spec_rules import MAX_PROCESSES
 from drivers.common.base import JobState, ReplicaState, ReplicaStatus
 from drivers.slurm import shell
 
@@ -71,9 +74,24 @@ class Exits:
         return bool(self.labels) and all(lb in heard for lb in self.labels) and self.first_failure() is None
 
 
+#: The most of the file read: its lines for the most processes a job may have (the job can write
+#: to its own directory, so the file's size is the job's to choose; the read is bounded).
+MAX_BYTES = 16 << 20
+#: A label as the script writes it: ``<role>-<index>``.
+_LABEL_RE = re.compile(r"[a-z][a-z0-9-]{0,62}-[0-9]{1,7}")
+_STATUS_RE = re.compile(r"[0-9]{1,3}")  # an exit status (ASCII digits: str.isdigit takes others)
+
+
 def read_command(adir: str) -> str:
-    """The remote command that prints the attempt's exits file (nothing when it is missing)."""
-    return f"cat -- {shlex.quote(f'{adir}/{shell.EXITS}')} 2>/dev/null || true"
+    """The remote command that prints the attempt's exits file (nothing when it is missing),
+    at most ``MAX_BYTES`` of it."""
+    return f"head -c {MAX_BYTES} -- {shlex.quote(f'{adir}/{shell.EXITS}')} 2>/dev/null || true"
+
+
+def _labels(words: Sequence[str]) -> tuple[str, ...]:
+    """The well-formed labels of a ``labels``/``hosts`` line, each once, at most ``MAX_PROCESSES``
+    (the job's processes may write to the file: nothing else is taken for a replica)."""
+    return tuple(dict.fromkeys(w for w in words if _LABEL_RE.fullmatch(w)))[:MAX_PROCESSES]
 
 
 def parse(text: str) -> Exits | None:
@@ -87,20 +105,21 @@ def parse(text: str) -> Exits | None:
     for line in text.splitlines():
         words = line.split()
         if words[:1] == ["labels"]:
-            labels = tuple(words[1:])
+            labels = _labels(words[1:])
         elif words[:1] == ["hosts"]:
-            hosts = tuple(words[1:])
-        elif len(words) == 4 and words[0] == "end" and words[2].isdigit() and words[3] in ("exit", "stop"):
-            if words[1] not in seen:  # heard of once; a repeat (never written) would not change it
-                seen.add(words[1])
-                ends.append(End(words[1], int(words[2]), words[3] == "stop"))
+            hosts = _labels(words[1:])
+        elif (len(words) == 4 and words[0] == "end" and _LABEL_RE.fullmatch(words[1])
+              and _STATUS_RE.fullmatch(words[2]) and words[3] in ("exit", "stop")
+              and words[1] not in seen and len(seen) < MAX_PROCESSES):
+            seen.add(words[1])  # heard of once; a repeat (never written) would not change it
+            ends.append(End(words[1], int(words[2]), words[3] == "stop"))
     return Exits(labels, tuple(ends), hosts) if labels else None
 
 
 def split_label(label: str) -> tuple[str, int] | None:
     """``worker-1`` -> ("worker", 1); roles never hold a ``-`` followed by digits only at the end."""
     role, sep, index = label.rpartition("-")
-    return (role, int(index)) if sep and role and index.isdigit() else None
+    return (role, int(index)) if sep and role and decimal(index) else None
 
 
 def replicas(exits: Exits, roles: Sequence[tuple[str, int]], job_state: JobState,

@@ -67,6 +67,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from dlsched.errors import DlschedError
+from dlsched.kit.parse import decimal
 from drivers.common.base import LogEntry, LogQuery, LogStream
 from drivers.common.registry import BackendUnavailable
 from drivers.slurm.render import LOG_INDEX
@@ -191,7 +192,7 @@ class Frame:
 
 def parse_header(line: bytes) -> tuple[int, int, int, int | None, str] | None:
     parts = line.rstrip(b"\n").decode("utf-8", "replace").split(" ", 4)
-    if len(parts) != 5 or not all(p.isdigit() for p in parts[:3]):
+    if len(parts) != 5 or not all(decimal(p) for p in parts[:3]):
         return None
     return int(parts[0]), int(parts[1]), int(parts[2]), _mtime_ns(parts[3]), parts[4]
 
@@ -227,7 +228,7 @@ def _mtime_ns(text: str) -> int | None:
 
 def _index_time_ns(text: str) -> int | None:
     whole, _, frac = text.partition(".")
-    if not whole.isdigit() or (frac and not frac.isdigit()):
+    if not decimal(whole) or (frac and not decimal(frac)):
         return None
     return int(whole) * 1_000_000_000 + int(frac[:9].ljust(9, "0") or "0")
 
@@ -331,7 +332,7 @@ class LogCursor:
         self.index_partial = raw.pop()
         for line in raw:
             parts = line.decode("ascii", "replace").split(" ")
-            if len(parts) != 3 or not parts[1].isdigit() or FILE_RE.match(parts[2]) is None:
+            if len(parts) != 3 or not decimal(parts[1]) or FILE_RE.match(parts[2]) is None:
                 continue
             ns = _index_time_ns(parts[0])
             if ns is None:

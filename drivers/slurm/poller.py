@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 from dlsched.errors import DlschedError
 from dlsched.kit import metrics
+from dlsched.kit.parse import decimal
 from drivers.common.registry import BackendUnavailable
 
 log = logging.getLogger("dlsched.driver.slurm.poller")
@@ -95,7 +96,7 @@ SACCT_FIELDS = ("JobID", "State", "ExitCode", "Start", "End", "NodeList", "JobNa
 def sacct_command(ids: Iterable[str]) -> str:
     """The jobs' allocations (not their steps) from the accounting database; with
     ``--jobs`` sacct looks back to the epoch, not just today."""
-    jobs = ",".join(sorted(i for i in ids if i.isdigit()))
+    jobs = ",".join(sorted(i for i in ids if decimal(i)))
     return (f"sacct --noheader --parsable2 --allocations --jobs={jobs} "
             f"-o {','.join(SACCT_FIELDS)}")
 
@@ -106,7 +107,7 @@ def parse_sacct(text: str) -> dict[str, SlurmJob]:
     n = len(SACCT_FIELDS)
     for line in text.splitlines():
         parts = line.split("|")
-        if len(parts) < n or not parts[0].strip().isdigit():
+        if len(parts) < n or not decimal(parts[0].strip()):
             continue  # a step (123.batch), a heterogeneous component (123+0) or noise
         jid, state, code, start, end, nodes, name, reason = (p.strip() for p in parts[:n - 1])
         out[jid] = SlurmJob(job_id=jid, state=state, reason=reason, exit_status=_exit_code(code),
@@ -118,9 +119,9 @@ def parse_sacct(text: str) -> dict[str, SlurmJob]:
 def _exit_code(value: str) -> int | None:
     """``2:0`` -> 2; ``0:9`` (killed by signal 9) -> 137."""
     code, _, sig = value.partition(":")
-    if not code.isdigit():
+    if not decimal(code):
         return None
-    return 128 + int(sig) if sig.isdigit() and int(sig) and not int(code) else int(code)
+    return 128 + int(sig) if decimal(sig) and int(sig) and not int(code) else int(code)
 
 
 def parse_time(value: str) -> float | None:
@@ -136,7 +137,7 @@ def parse_time(value: str) -> float | None:
 def decode_wait_status(value: str) -> int | None:
     """squeue's ``exit_code`` is a raw wait status: 768 -> 3; killed by signal 9 -> 137."""
     v = value.strip()
-    if not v.isdigit():
+    if not decimal(v):
         return None
     status = int(v)
     sig = status & 0x7F
@@ -160,7 +161,7 @@ def parse_squeue(text: str) -> dict[str, SlurmJob]:
         out[jid] = SlurmJob(job_id=jid, state=state, reason=reason, exit_status=decode_wait_status(code),
                             start_time=parse_time(start), end_time=parse_time(end), nodes=nodes,
                             name=name, comment=comment.strip(),
-                            restarts=int(restarts) if restarts.isdigit() else 0)
+                            restarts=int(restarts) if decimal(restarts) else 0)
     return out
 
 
@@ -177,7 +178,7 @@ def parse_scontrol_jobs(text: str) -> dict[str, SlurmJob]:
                             exit_status=exit_code, start_time=parse_time(kv.get("StartTime", "")),
                             end_time=parse_time(kv.get("EndTime", "")), nodes=kv.get("NodeList", ""),
                             name=kv.get("JobName", ""), comment=kv.get("Comment", ""),
-                            restarts=int(r) if (r := kv.get("Restarts", "")).isdigit() else 0)
+                            restarts=int(r) if decimal(r := kv.get("Restarts", "")) else 0)
     return out
 
 

@@ -134,6 +134,7 @@ from typing import TypeVar
 
 from dlsched import resources
 from dlsched.errors import FieldViolation, InvalidArgument
+from dlsched.kit.parse import decimal
 from dlsched.spec_rules import ENV_NAME_RE, ID_RE
 from drivers.common import planner
 from drivers.common.base import JobSpec, LogStream, NativeSpec, ReplicaGroup, RunMode
@@ -240,7 +241,7 @@ def parse_comment(comment: str) -> tuple[str, int, str] | None:
     if len(parts) != 3:
         return None
     job_id, attempt, mark = parts
-    if not attempt.isdigit() or not ID_RE.fullmatch(job_id) or mark and not UID_MARK_RE.fullmatch(mark):
+    if not decimal(attempt) or not ID_RE.fullmatch(job_id) or mark and not UID_MARK_RE.fullmatch(mark):
         return None
     return job_id, int(attempt), mark
 
@@ -329,7 +330,7 @@ def check(job_id: str, spec: JobSpec, attempt: int, options: Mapping[str, str], 
         field = "spec.queue" if spec.queue else "cluster.options[partition]"
         vs.append(FieldViolation(field, "must be a Slurm partition name [A-Za-z0-9_.-] (comma-separated)"))
     max_nodes = options.get("max_nodes", "")
-    if max_nodes and not (max_nodes.isdigit() and int(max_nodes) >= 1):
+    if max_nodes and not (decimal(max_nodes) and int(max_nodes) >= 1):
         vs.append(FieldViolation("cluster.options[max_nodes]", "must be a positive integer"))
     gpu_types = set()
     for i, g in enumerate(spec.replica_groups):

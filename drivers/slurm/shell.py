@@ -64,7 +64,8 @@ def _dq_literal(s: str) -> str:
 
 
 #: The file in the attempt directory where the script records each process's end (``exits``
-#: parses it): a first line ``labels <label> ...`` (written when the job starts), then one
+#: parses it): a first line ``labels <label> ...`` (written when the job starts; an MPI job's
+#: second line, ``hosts <label> ...``, names the replicas that only host ranks), then one
 #: ``end <label> <status> exit|stop`` line per process in the order the script heard of them:
 #: ``exit`` when it ended before the job was decided (the first such non-zero one decided a
 #: failure), ``stop`` when it ended after, stopped by the success rule (or with the step).

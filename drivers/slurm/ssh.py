@@ -63,6 +63,7 @@ import asyncssh
 
 from dlsched.errors import FailedPrecondition, InvalidArgument
 from dlsched.kit import metrics
+from dlsched.kit.parse import decimal
 from drivers.common.registry import BackendUnavailable
 
 log = logging.getLogger("dlsched.driver.slurm.ssh")
@@ -185,7 +186,7 @@ def parse_address(address: str) -> tuple[str, int]:
     host, sep, port = address.rpartition(":")
     if not sep or not host:
         return address, 22
-    if not port.isdigit() or not 0 < int(port) < 65536:
+    if not decimal(port) or not 0 < int(port) < 65536:
         raise InvalidArgument.for_field("address", "must be host[:port]")
     return host.strip("[]"), int(port)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dlsched.kit.parse import decimal
 from drivers.common.base import JobState, ReplicaState
 
 REASON_STALE = "BackendStale"
@@ -131,9 +132,9 @@ def replica_state(state: JobState) -> ReplicaState:
 def exit_code(value: str) -> int | None:
     """scontrol's ``ExitCode=2:0`` / sacct's ``2:0`` -> 2; killed by signal N -> 128+N."""
     code, _, sig = (value or "").partition(":")
-    if not code.strip().isdigit():
+    if not decimal(code.strip()):
         return None
     c = int(code)
-    if sig.strip().isdigit() and int(sig) and not c:
+    if decimal(sig.strip()) and int(sig) and not c:
         return 128 + int(sig)
     return c

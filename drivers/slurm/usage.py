@@ -26,6 +26,7 @@ import shlex
 import time
 from collections.abc import Sequence
 
+from dlsched.kit.parse import decimal
 from drivers.common.base import ClusterCapacity, GpuInventory, JobUsage, ReplicaUsage
 from drivers.slurm import render
 from drivers.slurm.jobs import TrackedJob
@@ -163,7 +164,7 @@ def _duration(value: str) -> float:
     days = 0
     if "-" in v:
         d, _, v = v.partition("-")
-        days = int(d) if d.isdigit() else 0
+        days = int(d) if decimal(d) else 0
     secs = 0.0
     try:
         for part in v.split(":"):
@@ -188,7 +189,7 @@ def _size(value: str) -> int:
 
 
 def _mib(value: str) -> int:
-    return int(value) << 20 if value.isdigit() else 0
+    return int(value) << 20 if decimal(value) else 0
 
 
 def _gres_gpus(gres: str) -> list[tuple[str, int]]:
@@ -199,7 +200,7 @@ def _gres_gpus(gres: str) -> list[tuple[str, int]]:
         if parts[0] != "gpu" or len(parts) < 2:
             continue
         count = parts[-1]
-        if count.isdigit():
+        if decimal(count):
             out.append((parts[1] if len(parts) > 2 else "", int(count)))
     return out
 

@@ -1,0 +1,46 @@
+"""Unicode digits in text from outside the process never crash a parse (hostile-input corpus).
+
+``str.isdigit`` is True for '²', '٣' and other Unicode digits, which ``int`` refuses with a
+ValueError: every parse of client input, backend output or a file a job can write checks with
+``dlsched.kit.parse.decimal`` (ASCII digits) instead. Each case here raised ValueError before.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster_manager.domain.validation import check_driver_address
+from cluster_manager.hub import ResumeToken
+from dlsched.errors import InvalidArgument
+from dlsched.kit import tokens
+from dlsched.kit.parse import decimal
+from drivers.kubernetes import naming
+from drivers.slurm import exits, render, states
+from drivers.slurm.logs import parse_header
+
+DIGITS = ["²", "٣", "１", "𝟗", "12²"]
+
+
+def test_decimal_is_ascii_digits_only() -> None:
+    assert decimal("0") and decimal("0123456789")
+    assert not any(decimal(s) for s in ["", " 1", "1 ", "-1", "+1", "1.0", "1_0", *DIGITS])
+
+
+@pytest.mark.parametrize("d", DIGITS)
+def test_unicode_digits_are_refused_not_crashed_on(d: str) -> None:
+    # a WatchClusters resume token a client sends
+    with pytest.raises(InvalidArgument):
+        ResumeToken.decode(tokens.encode(f"c1:{d}"))
+    # a cluster's driver address a client registers
+    assert check_driver_address(f"driver:{d}", "cluster.driver_address")
+    # a Slurm comment: any job of the SSH user (a hostile one too) can set its own
+    assert render.parse_comment(f"dlsched-job-1.{d}") is None
+    assert render.parse_comment(f"dlsched-job-1.{d}.0123abcd") is None
+    # the exit code column of squeue/sacct, and the exits file the job's processes can write
+    assert states.exit_code(f"{d}:0") is None or isinstance(states.exit_code(f"{d}:0"), int)
+    ex = exits.parse(f"labels a-0\nend a-0 {d} exit\n")
+    assert ex is not None and ex.ends == ()
+    assert exits.split_label(f"a-{d}") is None
+    # a log frame header (the remote follower's), and a Kubernetes object's attempt label
+    assert parse_header(f"{d} 1 2 3 f\n".encode()) is None
+    assert naming.attempt_of({"metadata": {"labels": {naming.LABEL_ATTEMPT: d}}}) == 0
