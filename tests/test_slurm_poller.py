@@ -19,7 +19,7 @@ FIELDS = len(poller.SQUEUE_FIELDS)
 
 
 def squeue_line(jid: str, state: str = "PENDING") -> str:
-    values = [jid, state, "0", "N/A", "N/A", "", f"dlsched-j{jid}", "Priority", "0", f"dlsched-j{jid}.1"]
+    values = [jid, state, "0", "N/A", "N/A", "", "Priority", "0", f"dlsched-j{jid}.1"]
     assert len(values) == FIELDS
     return "|".join(values) + "|"
 

@@ -80,9 +80,9 @@ def test_replica_state_follows_the_job():
 # --------------------------------------------------------------------------- recorded Slurm output
 
 SQUEUE = (
-    "1|FAILED|768|2026-12-02T14:34:08|2026-12-02T14:34:08|vm|dlsched-x|NonZeroExitCode|0|dlsched-x.1|\n"
-    "2|RUNNING|0|2026-12-02T14:34:08|NONE|vm|wrap|None|2|(null)|\n"
-    "3|PENDING|0|N/A|N/A||dlsched-y|Resources|0|a|b|c|\n"
+    "1|FAILED|768|2026-12-02T14:34:08|2026-12-02T14:34:08|vm|NonZeroExitCode|0|dlsched-x.1|\n"
+    "2|RUNNING|0|2026-12-02T14:34:08|NONE|vm|None|2|(null)|\n"
+    "3|PENDING|0|N/A|N/A||Resources|0|a|b|c|\n"
 )
 SCONTROL_JOB = (
     "JobId=7 JobName=dlsched-z UserId=root(0) JobState=CANCELLED Reason=None ExitCode=0:15 "
@@ -105,9 +105,21 @@ def test_parse_squeue():
     assert jobs["3"].comment == "a|b|c" and jobs["3"].reason == "Resources"
 
 
+def test_a_comment_with_newlines_or_pipes_shifts_no_column_and_makes_no_job():
+    """The comment is the only text a job chooses in the listing (its name is not asked for)
+    and goes last: '|' stays in it, and the lines after a newline in it are no job's line
+    unless they start with a job id (the same user's job could forge one, and could as well
+    scancel: jobs of one SSH user are not isolated, README)."""
+    text = ("4|PENDING|0|N/A|N/A||JobHeldUser|0|x|y|99999999999|\nrest ² of it|\n"
+            "5|RUNNING|0|N/A|N/A|vm|None|123456789012345678901234|dlsched-q.1|\n")
+    jobs = poller.parse_squeue(text)
+    assert set(jobs) == {"4", "5"} and jobs["4"].comment == "x|y|99999999999" and jobs["4"].restarts == 0
+    assert jobs["5"].restarts == 0  # past an int64: not a count
+
+
 def test_parse_scontrol_job():
     j = poller.parse_scontrol_jobs(SCONTROL_JOB)["7"]
-    assert (j.state, j.exit_status, j.comment, j.name) == ("CANCELLED", 143, "dlsched-z.2", "dlsched-z")
+    assert (j.state, j.exit_status, j.comment) == ("CANCELLED", 143, "dlsched-z.2")
     assert j.restarts == 1
 
 
@@ -188,10 +200,10 @@ def test_ps_worker_tasks_share_their_one_steps_figures():
 
 
 def test_parse_sacct_allocations():
-    text = ("7|COMPLETED|0:0|2026-12-02T10:00:00|2026-12-02T10:05:00|node1|dlsched-a|None|dlsched-a.1\n"
-            "7.batch|COMPLETED|0:0|2026-12-02T10:00:00|2026-12-02T10:05:00|node1|batch||\n"
-            "8|CANCELLED by 0|0:15|2026-12-02T10:00:00|2026-12-02T10:01:00|node1|dlsched-b|None|x|y\n"
-            "9|FAILED|3:0|Unknown|Unknown|None assigned|dlsched-c|NonZeroExitCode|\n")
+    text = ("7|COMPLETED|0:0|2026-12-02T10:00:00|2026-12-02T10:05:00|node1|None|dlsched-a.1\n"
+            "7.batch|COMPLETED|0:0|2026-12-02T10:00:00|2026-12-02T10:05:00|node1||\n"
+            "8|CANCELLED by 0|0:15|2026-12-02T10:00:00|2026-12-02T10:01:00|node1|None|x|y\n"
+            "9|FAILED|3:0|Unknown|Unknown|None assigned|NonZeroExitCode|\n")
     jobs = poller.parse_sacct(text)
     assert set(jobs) == {"7", "8", "9"}  # steps are not jobs
     assert states.job_state(jobs["7"].state).state is JobState.SUCCEEDED and jobs["7"].comment == "dlsched-a.1"

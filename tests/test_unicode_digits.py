@@ -44,3 +44,25 @@ def test_unicode_digits_are_refused_not_crashed_on(d: str) -> None:
     # a log frame header (the remote follower's), and a Kubernetes object's attempt label
     assert parse_header(f"{d} 1 2 3 f\n".encode()) is None
     assert naming.attempt_of({"metadata": {"labels": {naming.LABEL_ATTEMPT: d}}}) == 0
+
+
+def test_an_observation_of_any_values_converts_within_the_wire_types() -> None:
+    """What a backend reports is what jobs chose (a local job's status file, a Slurm listing):
+    out-of-range numbers, non-finite times and unbounded or invalid text are clamped in the one
+    conversion every driver uses; it never raises (it would end the cluster's stream)."""
+    from drivers.common import base
+    from drivers.common import convert as dconvert
+
+    obs = base.JobObservation(
+        job_id="j", backend_job_id="1", found=True, state=base.JobState.RUNNING,
+        reason="r" * 100_000, message="m\udcff" * 100_000, exit_code=2**40, attempt=2**35,
+        backend_restarts=-(2**40), start_time=float("nan"), end_time=1e300, uid="u",
+        replicas=(base.ReplicaStatus(role="main", index=2**33, state=base.ReplicaState.RUNNING,
+                                     host="h" * 5000, exit_code=-(2**50), message="\udc80"),))
+    pb = dconvert.observation_pb(obs)
+    again = type(pb).FromString(pb.SerializeToString())
+    assert again.exit_code == 2**31 - 1 and again.attempt == 2**31 - 1 and again.backend_restarts == -(2**31)
+    assert len(again.reason) == dconvert.MAX_REASON_CHARS and len(again.message) <= dconvert.MAX_MESSAGE_CHARS
+    assert not again.HasField("start_time") and not again.HasField("end_time")
+    r = again.replicas[0]
+    assert r.index == 2**31 - 1 and r.exit_code == -(2**31) and len(r.host) == dconvert.MAX_HOST_CHARS

@@ -18,8 +18,11 @@ from dlsched.kit import tokens
 from .models import Cluster, ClusterState, ClusterType
 from .validation import CLUSTER_ID_RE
 
-_TERM_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_./-]*)\s*(!=|=)\s*(.*?)\s*\Z", re.S)
-_AND_RE = re.compile(r"\s+AND\s+", re.I)
+_TERM_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_./-]*)\s*(!=|=)(.*)\Z", re.S)  # the value is stripped after
+# Split only at a whitespace run's first character: one scan, however long the runs.
+_AND_RE = re.compile(r"(?<!\s)\s+AND\s+", re.I)
+#: the longest filter taken (checked before any parsing: a request's work is bounded first)
+MAX_FILTER_CHARS = 8192
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,8 @@ def _enum_value(raw: str, enum_cls: type[ClusterType] | type[ClusterState], pref
 
 
 def parse_filter(text: str) -> ClusterFilter:
+    if len(text) > MAX_FILTER_CHARS:
+        raise _bad(f"{len(text)} characters; at most {MAX_FILTER_CHARS}")
     text = text.strip()
     if not text:
         return ClusterFilter()
@@ -70,7 +75,7 @@ def parse_filter(text: str) -> ClusterFilter:
         if not m:
             raise _bad(f"cannot parse term {part.strip()!r}; want field=value or field!=value "
                        "joined by AND")
-        field, op, value = m.group(1), m.group(2), m.group(3)
+        field, op, value = m.group(1), m.group(2), m.group(3).strip()
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
             value = value[1:-1]
         elif any(ch.isspace() or ch in "\"'=!" for ch in value):

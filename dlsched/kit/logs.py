@@ -33,8 +33,12 @@ def job_context(job_id: str) -> Iterator[None]:
     finally:
         JOB_ID.reset(token)
 
+#: a longer message (or exception text) is cut before it is redacted and written: text a job
+#: or a client chose (a state, a reason) may reach a log line, and its cost stays bounded
+MAX_LOG_CHARS = 16384
+_KEY_BEGIN = re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----")
+_KEY_END = re.compile(r"-----END [A-Z ]*PRIVATE KEY-----")
 _SECRET_PATTERNS = [
-    re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----.*?-----END [A-Z ]*PRIVATE KEY-----", re.S),
     re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._~+/=-]{8,}"),
     re.compile(r"(?i)((?:token|password|private_key|kubeconfig)\s*[=:]\s*)\S+"),
 ]
@@ -52,7 +56,29 @@ class RedactingFilter(logging.Filter):
         return True
 
 
+def _cut(text: str) -> str:
+    if len(text) <= MAX_LOG_CHARS:
+        return text
+    return f"{text[:MAX_LOG_CHARS]}... ({len(text) - MAX_LOG_CHARS} characters cut)"
+
+
+def _redact_keys(text: str) -> str:
+    """Each private key block masked; one without its END line is masked to the end (one scan:
+    every search starts where the last one stopped)."""
+    out, pos = [], 0
+    while (b := _KEY_BEGIN.search(text, pos)) is not None:
+        out.append(text[pos:b.start()])
+        e = _KEY_END.search(text, b.end())
+        out.append("[REDACTED]")
+        if e is None:
+            return "".join(out)
+        pos = e.end()
+    out.append(text[pos:])
+    return "".join(out)
+
+
 def redact(text: str) -> str:
+    text = _redact_keys(_cut(text))
     for pat in _SECRET_PATTERNS:
         text = pat.sub(lambda m: (m.group(1) if m.groups() else "") + "[REDACTED]", text)
     return text

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-from google.protobuf import duration_pb2
+from google.protobuf import duration_pb2, timestamp_pb2
 
 from dlsched import spec_rules
 from dlsched.errors import FieldViolation, InvalidArgument
@@ -196,26 +196,59 @@ def native_spec_pb(spec: base.NativeSpec) -> job_pb2.NativeSpec:
     return job_pb2.NativeSpec(media_type=spec.media_type, content=spec.content)
 
 
+#: Bounds of what an observation carries: a backend reports what jobs chose (a Slurm job's name
+#: and comment, a local job's status file), so every field is clamped here, once for every
+#: backend, and the conversion never raises (one observation that did would end a cluster's
+#: WatchJobObservations stream at every snapshot).
+MAX_REASON_CHARS = 128
+MAX_MESSAGE_CHARS = 4096
+MAX_HOST_CHARS = 1024
+_INT32 = (-(1 << 31), (1 << 31) - 1)
+_LAST_SECOND = 253402300799  # 9999-12-31T23:59:59Z, the last a Timestamp holds
+
+
+def _i32(v: object) -> int:
+    if not isinstance(v, int):
+        return 0
+    return min(max(v, _INT32[0]), _INT32[1])
+
+
+def _text(v: object, most: int) -> str:
+    """``v`` as valid UTF-8 text of at most ``most`` characters (lone surrogates replaced)."""
+    t = v if isinstance(v, str) else ""
+    t = t[:most]
+    return t if t.isascii() else t.encode("utf-8", "replace").decode("utf-8")
+
+
+def _time(v: object) -> timestamp_pb2.Timestamp | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= _LAST_SECOND:
+        return None  # unset, not a number, NaN, or out of a Timestamp's range
+    return to_timestamp(float(v))
+
+
 def observation_pb(obs: base.JobObservation) -> driver_service_pb2.JobObservation:
-    pb = driver_service_pb2.JobObservation(job_id=obs.job_id, backend_job_id=obs.backend_job_id,
-                                           found=obs.found, job_uid=obs.uid)
+    pb = driver_service_pb2.JobObservation(
+        job_id=_text(obs.job_id, spec_rules.MAX_STRING_BYTES),
+        backend_job_id=_text(obs.backend_job_id, spec_rules.MAX_STRING_BYTES),
+        found=bool(obs.found), job_uid=_text(obs.uid, spec_rules.MAX_STRING_BYTES))
     if not obs.found:
         return pb
     pb.state = int(obs.state)  # type: ignore[assignment]
-    pb.reason = obs.reason
-    pb.message = obs.message
-    pb.attempt = obs.attempt
-    pb.backend_restarts = obs.backend_restarts
+    pb.reason = _text(obs.reason, MAX_REASON_CHARS)
+    pb.message = _text(obs.message, MAX_MESSAGE_CHARS)
+    pb.attempt = _i32(obs.attempt)
+    pb.backend_restarts = _i32(obs.backend_restarts)
     if obs.exit_code is not None:
-        pb.exit_code = obs.exit_code
-    for r in obs.replicas:
-        rs = pb.replicas.add(role=r.role, index=r.index, state=int(r.state),
-                             host=r.host, message=r.message)
+        pb.exit_code = _i32(obs.exit_code)
+    for r in obs.replicas[:spec_rules.MAX_PROCESSES]:
+        rs = pb.replicas.add(role=_text(r.role, spec_rules.MAX_STRING_BYTES), index=_i32(r.index),
+                             state=int(r.state), host=_text(r.host, MAX_HOST_CHARS),
+                             message=_text(r.message, MAX_MESSAGE_CHARS))
         if r.exit_code is not None:
-            rs.exit_code = r.exit_code
-    if (st := to_timestamp(obs.start_time)) is not None:
+            rs.exit_code = _i32(r.exit_code)
+    if (st := _time(obs.start_time)) is not None:
         pb.start_time.CopyFrom(st)
-    if (et := to_timestamp(obs.end_time)) is not None:
+    if (et := _time(obs.end_time)) is not None:
         pb.end_time.CopyFrom(et)
     return pb
 

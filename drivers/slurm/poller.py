@@ -57,7 +57,9 @@ log = logging.getLogger("dlsched.driver.slurm.poller")
 #: The shortest interval between two rounds' starts, in seconds (see the module docstring).
 MIN_INTERVAL = 2.0
 #: squeue -O fields; the comment goes last so a '|' in someone's comment cannot shift ours.
-SQUEUE_FIELDS = ("JobID", "State", "exit_code", "StartTime", "EndTime", "NodeList", "Name", "Reason",
+#: The comment, which the job's owner sets (any text, '|' and newlines too), goes last and is the
+#: only such field: a job's name is not asked for, so no text a job chose can shift a column.
+SQUEUE_FIELDS = ("JobID", "State", "exit_code", "StartTime", "EndTime", "NodeList", "Reason",
                  "RestartCnt", "Comment")
 
 
@@ -72,7 +74,6 @@ class SlurmJob:
     start_time: float | None = None
     end_time: float | None = None
     nodes: str = ""
-    name: str = ""
     comment: str = ""
     restarts: int = 0  # times Slurm requeued it (RestartCnt / Restarts)
 
@@ -90,7 +91,7 @@ def scontrol_command() -> str:
 
 
 #: sacct -o fields of the follow-up; the comment goes last, as in squeue.
-SACCT_FIELDS = ("JobID", "State", "ExitCode", "Start", "End", "NodeList", "JobName", "Reason", "Comment")
+SACCT_FIELDS = ("JobID", "State", "ExitCode", "Start", "End", "NodeList", "Reason", "Comment")
 
 
 def sacct_command(ids: Iterable[str]) -> str:
@@ -109,10 +110,10 @@ def parse_sacct(text: str) -> dict[str, SlurmJob]:
         parts = line.split("|")
         if len(parts) < n or not decimal(parts[0].strip()):
             continue  # a step (123.batch), a heterogeneous component (123+0) or noise
-        jid, state, code, start, end, nodes, name, reason = (p.strip() for p in parts[:n - 1])
+        jid, state, code, start, end, nodes, reason = (p.strip() for p in parts[:n - 1])
         out[jid] = SlurmJob(job_id=jid, state=state, reason=reason, exit_status=_exit_code(code),
                             start_time=parse_time(start), end_time=parse_time(end), nodes=nodes,
-                            name=name, comment="|".join(parts[n - 1:]).strip())
+                            comment="|".join(parts[n - 1:]).strip())
     return out
 
 
@@ -153,14 +154,16 @@ def parse_squeue(text: str) -> dict[str, SlurmJob]:
         parts = line.split("|")
         if len(parts) < n:
             continue
-        jid, state, code, start, end, nodes, name, reason, restarts = (p.strip() for p in parts[:n - 1])
+        jid, state, code, start, end, nodes, reason, restarts = (p.strip() for p in parts[:n - 1])
         comment = "|".join(parts[n - 1:])
         comment = comment[:-1] if comment.endswith("|") else comment
-        if not jid or (jid in out and state.startswith("REVOKED")):
+        if not decimal(jid):
+            continue  # not a job's line: the rest of a comment that holds a newline
+        if jid in out and state.startswith("REVOKED"):
             continue  # --all lists a federated job's revoked sibling too; the live one wins
         out[jid] = SlurmJob(job_id=jid, state=state, reason=reason, exit_status=decode_wait_status(code),
                             start_time=parse_time(start), end_time=parse_time(end), nodes=nodes,
-                            name=name, comment=comment.strip(),
+                            comment=comment.strip(),
                             restarts=int(restarts) if decimal(restarts) else 0)
     return out
 
@@ -177,7 +180,7 @@ def parse_scontrol_jobs(text: str) -> dict[str, SlurmJob]:
         out[jid] = SlurmJob(job_id=jid, state=kv.get("JobState", ""), reason=kv.get("Reason", ""),
                             exit_status=exit_code, start_time=parse_time(kv.get("StartTime", "")),
                             end_time=parse_time(kv.get("EndTime", "")), nodes=kv.get("NodeList", ""),
-                            name=kv.get("JobName", ""), comment=kv.get("Comment", ""),
+                            comment=kv.get("Comment", ""),
                             restarts=int(r) if decimal(r := kv.get("Restarts", "")) else 0)
     return out
 

@@ -27,7 +27,10 @@ from job_manager.domain.model import Job, JobState, RunMode
 
 _TERM_RE = re.compile(
     r'^\s*([A-Za-z_][A-Za-z0-9_]*(?:\.[^\s=!<>]+)?)\s*(!=|<=|>=|=|<|>)\s*("[^"]*"|[^\s"]+)\s*\Z')
-_AND_RE = re.compile(r"\s+AND\s+")
+# Split only at a whitespace run's first character: one scan, however long the runs.
+_AND_RE = re.compile(r"(?<!\s)\s+AND\s+")
+#: the longest filter taken (checked before any parsing: a request's work is bounded first)
+MAX_FILTER_CHARS = 8192
 _RFC3339 = re.compile(
     r"(\d{4})-(\d{2})-(\d{2})[Tt](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?(?:([Zz])|([+-])(\d{2}):(\d{2}))")
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -191,6 +194,8 @@ def _intersect(a: TimeRange, b: TimeRange) -> TimeRange:
 
 
 def parse_filter(text: str) -> Filter:
+    if len(text) > MAX_FILTER_CHARS:
+        raise InvalidArgument.for_field("filter", f"{len(text)} characters; at most {MAX_FILTER_CHARS}")
     text = text.strip()
     if not text:
         return Filter()
