@@ -507,3 +507,39 @@ async def test_mpi_ranks_never_share_a_line_on_slurm(jm, runs, slurm, tmp_path):
     stdout = [e.text for e in entries if e.stream == S.LOG_STREAM_STDOUT]
     assert_whole_lines(stdout)
     assert {(e.role, e.replica_index) for e in entries} == {("launcher", 0)}
+
+
+async def test_records_a_job_wrote_over_are_skipped_bounded_not_the_call(tmp_path):
+    """A forgotten job's ``recorded.json`` lies in its attempt directory, where the job can write:
+    a record read after it was replaced by a huge file, a nesting bomb, numbers past a float or
+    one naming another job is skipped (logged); the others of the same call are read."""
+    import asyncio
+    import json
+
+    from drivers.common.base import JobRef
+    from drivers.slurm import records
+    from drivers.slurm.jobs import RECORDED, TrackedJob
+    from drivers.slurm.poller import SlurmJob
+
+    async def run(command: str, **_: object) -> tuple[int, str, str]:
+        p = await asyncio.create_subprocess_exec("bash", "-c", command, stdout=asyncio.subprocess.PIPE,
+                                                 stderr=asyncio.subprocess.PIPE)
+        out, err = await p.communicate()
+        return p.returncode or 0, out.decode(), err.decode()
+
+    def recorded(job_id: str) -> dict[str, object]:
+        job = TrackedJob("c", job_id, 1, "77", str(tmp_path / job_id / "attempt-1"), None, roles=(("main", 0),))
+        job.apply(SlurmJob("77", "COMPLETED", exit_status=0, nodes="n1"))
+        job.exits_read(None), job.exits_read(None), job.exits_read(None)
+        return job.record()
+
+    bad = {"huge": b"{" + b" " * ((1 << 20) + 10) + b"}",
+           "bomb": b"[" * 100_000 + b"]" * 100_000,
+           "inf": json.dumps({**recorded("inf"), "exit_code": 1e400}).encode().replace(b"Infinity", b"1e400"),
+           "other": json.dumps(recorded("someone-else")).encode()}
+    for job_id, body in {"good": json.dumps(recorded("good")).encode(), **bad}.items():
+        d = tmp_path / job_id / "attempt-1"
+        d.mkdir(parents=True)
+        (d / RECORDED).write_bytes(body + b"\n")
+    got = await records.read(run, "c", str(tmp_path), [JobRef(j, "77") for j in ("good", *bad)])
+    assert list(got) == [("good", "77")] and got[("good", "77")].state is DJobState.SUCCEEDED

@@ -31,6 +31,9 @@ log = logging.getLogger("drivers.slurm")
 
 Run = Callable[..., Awaitable[tuple[int, str, str]]]
 
+#: the most of a record read (a record is a few KiB; a job could write any size over it)
+MAX_RECORD_BYTES = 1 << 20
+
 #: Each record goes to a temporary file first and is renamed into place.
 _WRITE = ('while IFS= read -r p && IFS= read -r j; do mkdir -p -- "${p%/*}" && '
           'printf \'%s\\n\' "$j" > "$p.tmp" && mv -f -- "$p.tmp" "$p" || exit 1; done')
@@ -57,7 +60,9 @@ async def read(run: Run, cluster: str, state_dir: str,
         return {}
     globs = " ".join(f"{shlex.quote(f'{state_dir}/{job_id}')}/attempt-*/{RECORDED}"
                      for job_id in sorted({r.job_id for r in refs}))
-    rc, out, err = await run(f"grep -sH '' -- {globs}; true")
+    # The first line of each, at most MAX_RECORD_BYTES: the job can write to its attempt directory.
+    rc, out, err = await run(f"for f in {globs}; do [ -f \"$f\" ] || continue; printf '%s:' \"$f\"; "
+                             f"head -c {MAX_RECORD_BYTES} -- \"$f\" | head -n 1 | tr -d '\\n'; printf '\\n'; done")
     if rc != 0:
         raise BackendUnavailable(f"cannot read the records of forgotten jobs: {err.strip()[:300]}")
     found: dict[str, list[TrackedJob]] = {}
@@ -67,8 +72,10 @@ async def read(run: Run, cluster: str, state_dir: str,
             continue
         try:
             job = TrackedJob.from_record(cluster, path, json.loads(text))
-        except (KeyError, TypeError, ValueError) as e:
-            log.warning("unreadable record %s/%s: %s", path, RECORDED, e)
+            if f"/{job.job_id}/attempt-{job.attempt}" != path[path.rfind("/", 0, path.rfind("/")):]:
+                raise ValueError("it names another job or attempt than its directory")
+        except Exception as e:  # noqa: BLE001 - any record a job wrote over: skipped, not the call
+            log.warning("unreadable record %s/%s: %.200s", path, RECORDED, e)
             continue
         found.setdefault(job.job_id, []).append(job)
     out_jobs: dict[tuple[str, str], TrackedJob] = {}
