@@ -65,6 +65,7 @@ from google.protobuf.message import DecodeError
 from dlsched.errors import DlschedError, InvalidArgument, Unavailable, WatchTokenExpired
 from dlsched.kit import tokens
 from dlsched.kit.etcd import EtcdClient, WatchProgress, progress_exact
+from dlsched.kit.parse import decimal
 from job_manager.convert import job_from_bytes
 from job_manager.domain.model import Job
 from job_manager.store import archived_mark_key, parse_purged_mark, purged_mark_key
@@ -85,12 +86,9 @@ def encode_token(revision: int) -> str:
 def decode_token(token: str, field: str = "resume_token") -> int:
     try:
         raw = tokens.decode(token) or ""
-        if not raw.startswith(_TOKEN_PREFIX):
-            raise ValueError(raw)
-        rev = int(raw[len(_TOKEN_PREFIX):])
-        if rev < 0:
-            raise ValueError(raw)
-        return rev
+        if not raw.startswith(_TOKEN_PREFIX) or not decimal(raw[len(_TOKEN_PREFIX):]):
+            raise ValueError(raw[:40])  # '1_000', ' 5' and '²' are no revision this server wrote
+        return int(raw[len(_TOKEN_PREFIX):])
     except (ValueError, UnicodeDecodeError) as e:
         raise InvalidArgument.for_field(field, "not a resume token this server issued") from e
 

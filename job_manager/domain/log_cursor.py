@@ -27,11 +27,14 @@ import zlib
 from dataclasses import dataclass, field
 
 from dlsched.errors import InvalidArgument
+from dlsched.spec_rules import MAX_PROCESSES
 
 FIELD = "resume_cursor"
 #: Longest cursor accepted (characters); far above what a 10 000-replica job makes.
 MAX_CURSOR_CHARS = 1 << 20
 _MAX_JSON_BYTES = 8 << 20
+#: a position per stream of every process a job may have (stdout and stderr), and a few more
+MAX_CURSOR_STREAMS = 2 * MAX_PROCESSES + 16
 _VERSION = 1
 
 StreamKey = tuple[str, int, int]  # (role, replica_index, LogStream value)
@@ -95,6 +98,8 @@ class LogCursor:
             uid, attempt, rows = obj["u"], obj["a"], obj["s"]
             if not isinstance(uid, str) or not isinstance(attempt, str) or not isinstance(rows, list):
                 raise ValueError("shape")
+            if len(rows) > MAX_CURSOR_STREAMS:
+                raise ValueError("too many streams")
             streams: dict[StreamKey, StreamPos] = {}
             for row in rows:
                 if not isinstance(row, list) or len(row) != 6:
@@ -105,7 +110,7 @@ class LogCursor:
                         for v in (idx, stream, count, t, k)):
                     raise ValueError("row")
                 streams[(role, idx, stream)] = StreamPos(count, t, k)
-        except (binascii.Error, zlib.error, ValueError, KeyError, TypeError) as e:
+        except (binascii.Error, zlib.error, ValueError, KeyError, TypeError, RecursionError) as e:
             raise InvalidArgument.for_field(FIELD, "not a log cursor this server issued") from e
         return cls(uid, attempt, streams)
 

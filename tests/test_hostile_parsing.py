@@ -1,4 +1,4 @@
-"""Unicode digits in text from outside the process never crash a parse (hostile-input corpus).
+"""Hostile text never crashes a parse or costs unbounded work (hostile-input corpus).
 
 ``str.isdigit`` is True for '²', '٣' and other Unicode digits, which ``int`` refuses with a
 ValueError: every parse of client input, backend output or a file a job can write checks with
@@ -66,3 +66,32 @@ def test_an_observation_of_any_values_converts_within_the_wire_types() -> None:
     assert not again.HasField("start_time") and not again.HasField("end_time")
     r = again.replicas[0]
     assert r.index == 2**31 - 1 and r.exit_code == -(2**31) and len(r.host) == dconvert.MAX_HOST_CHARS
+
+
+def test_a_log_cursor_that_is_a_nesting_bomb_or_too_many_streams_is_invalid_argument() -> None:
+    """StreamJobLogs' resume_cursor comes from the client: a deep nesting (RecursionError in
+    json) or more streams than any job has is INVALID_ARGUMENT on the field, not INTERNAL."""
+    import base64
+    import json
+    import zlib
+
+    from job_manager.domain.log_cursor import MAX_CURSOR_STREAMS, LogCursor
+
+    def cursor(data: bytes) -> str:
+        return base64.urlsafe_b64encode(zlib.compress(data, 9)).decode().rstrip("=")
+
+    rows = [["main", i, 1, 1, 0, 0] for i in range(MAX_CURSOR_STREAMS + 1)]
+    for data in (b"[" * 200_000 + b"]" * 200_000,
+                 json.dumps({"v": 1, "u": "u", "a": "1", "s": rows}).encode()):
+        with pytest.raises(InvalidArgument) as ei:
+            LogCursor.decode(cursor(data))
+        assert [v.field for v in ei.value.violations] == ["resume_cursor"]
+
+
+@pytest.mark.parametrize("rev", ["1_000", " 5", "5 ", "+5", "-5", "²", "9" * 40, ""])
+def test_a_watch_jobs_resume_token_is_a_revision_this_server_wrote(rev: str) -> None:
+    from job_manager.watch import decode_token, encode_token
+
+    assert decode_token(encode_token(1234)) == 1234
+    with pytest.raises(InvalidArgument):
+        decode_token(tokens.encode(f"j1:{rev}"))
