@@ -95,3 +95,25 @@ def test_a_watch_jobs_resume_token_is_a_revision_this_server_wrote(rev: str) -> 
     assert decode_token(encode_token(1234)) == 1234
     with pytest.raises(InvalidArgument):
         decode_token(tokens.encode(f"j1:{rev}"))
+
+
+def test_a_slurm_log_without_newlines_or_an_index_full_of_names_stays_bounded() -> None:
+    """What a job writes to its own log files and log index: a line that never ends goes out in
+    pieces of MAX_LINE_CHARS (the unfinished part held stays below it), index lines past their
+    length and names past any job's files are dropped, and a file named with non-ASCII digits
+    is no log file."""
+    from drivers.common.base import LogQuery
+    from drivers.common.convert import MAX_LINE_CHARS
+    from drivers.slurm import logs as slogs
+
+    cur = slogs.LogCursor(LogQuery(follow=True))
+    chunk = b"z" * (MAX_LINE_CHARS * 3 + 5)
+    got = cur.feed([slogs.Frame("main-0.stdout", 0, len(chunk), None, chunk)])
+    assert [len(e.text) for e in got] == [MAX_LINE_CHARS] * 3
+    assert len(cur.files["main-0.stdout"].partial) == 5
+    more = cur.feed([slogs.Frame("main-0.stdout", len(chunk), len(chunk) + 2, None, b"y\n")])
+    assert [e.text for e in more] == ["zzzzzy"]
+    index = b"".join(b"1.5 %d w-%d.stdout\n" % (i + 1, i) for i in range(slogs._MAX_FILES + 50))
+    cur.feed([slogs.Frame(slogs.LOG_INDEX, 0, len(index), None, index + b"9" * 100_000)])
+    assert len(cur.files) <= slogs._MAX_FILES and len(cur.index_partial) <= slogs._MAX_INDEX_LINE
+    assert slogs.FILE_RE.match("main-\uff11.stdout") is None and slogs.FILE_RE.match("main-1.stdout")

@@ -68,16 +68,25 @@ from typing import TYPE_CHECKING
 
 from dlsched.errors import DlschedError
 from dlsched.kit.parse import decimal
+from dlsched.spec_rules import MAX_PROCESSES
 from drivers.common.base import LogEntry, LogQuery, LogStream
+from drivers.common.convert import MAX_LINE_CHARS
 from drivers.common.registry import BackendUnavailable
 from drivers.slurm.render import LOG_INDEX
 
 if TYPE_CHECKING:
     from drivers.slurm.adapter import SlurmClient
 
+#: Bounds on what the job can write into its log index (``dlsched_index`` keeps it, in the job's
+#: directory): a line's length, the files named (two streams per process, and the batch files)
+#: and the entries kept per file (dating lines not read yet).
+_MAX_INDEX_LINE = 1024
+_MAX_FILES = 2 * MAX_PROCESSES + 8
+_MAX_INDEX_ENTRIES = 100_000
+
 log = logging.getLogger("dlsched.driver.slurm")
 
-FILE_RE = re.compile(r"^([a-z][a-z0-9-]{0,62})-(\d+)\.(stdout|stderr)\Z")
+FILE_RE = re.compile(r"^([a-z][a-z0-9-]{0,62})-([0-9]{1,7})\.(stdout|stderr)\Z")  # ASCII digits: \d takes others
 MAX_CHUNK = 1 << 20
 #: Log tails read files on the login node, not the controller: their own, lower floor.
 LOG_POLL_FLOOR = 0.2
@@ -300,6 +309,10 @@ class LogCursor:
             for text in raw:
                 line_start += len(text) + 1
                 lines.append((text, self._date(f, line_start)))
+            while len(f.partial) >= MAX_LINE_CHARS:  # output without newlines: in pieces, as a line
+                piece, f.partial = f.partial[:MAX_LINE_CHARS], f.partial[MAX_LINE_CHARS:]
+                line_start += len(piece)
+                lines.append((piece, self._date(f, line_start)))
             out.extend(self._entries(role, index, stream, lines))
         if ended:
             for name, f in sorted(self.files.items()):
@@ -329,7 +342,7 @@ class LogCursor:
         if replace:
             self.index_partial = b""
         raw = (self.index_partial + data).split(b"\n")
-        self.index_partial = raw.pop()
+        self.index_partial = raw.pop()[-_MAX_INDEX_LINE:]  # an index line is short: a longer one is no line
         for line in raw:
             parts = line.decode("ascii", "replace").split(" ")
             if len(parts) != 3 or not decimal(parts[1]) or FILE_RE.match(parts[2]) is None:
@@ -337,9 +350,13 @@ class LogCursor:
             ns = _index_time_ns(parts[0])
             if ns is None:
                 continue
+            if parts[2] not in self.files and len(self.files) >= _MAX_FILES:
+                continue  # more names than any job's files: the job wrote them into the index
             f = self.files.setdefault(parts[2], _File())
             size = int(parts[1])
             if (not f.index or size > f.index[-1][0]) and size > f.offset - len(f.partial):
+                if len(f.index) >= _MAX_INDEX_ENTRIES:
+                    f.index.popleft()
                 f.index.append((size, ns))
 
     @staticmethod
