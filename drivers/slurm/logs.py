@@ -431,9 +431,13 @@ async def _stream(c: SlurmClient, adir: str, cursor: LogCursor, ended: Callable[
                     await rounds.put(frames)
                     frames = []
                     continue
+                if n > MAX_CHUNK:  # the stream is out of step (a file name with a newline in it)
+                    raise BackendUnavailable(f"the log stream sent a frame of {n} bytes")
                 frames.append(Frame(name, start, size, mtime, await proc.readexactly(n) if n else b""))
         except DlschedError as e:
             await rounds.put(e)
+        except Exception as e:  # noqa: BLE001 - a stream out of step ends this channel, not the follower
+            await rounds.put(BackendUnavailable(f"the log stream failed: {e!r:.200}"))
 
     reader = asyncio.create_task(read(), name=f"slurm-log-stream-{adir}")
     ending = False
