@@ -117,3 +117,13 @@ def test_a_slurm_log_without_newlines_or_an_index_full_of_names_stays_bounded() 
     cur.feed([slogs.Frame(slogs.LOG_INDEX, 0, len(index), None, index + b"9" * 100_000)])
     assert len(cur.files) <= slogs._MAX_FILES and len(cur.index_partial) <= slogs._MAX_INDEX_LINE
     assert slogs.FILE_RE.match("main-\uff11.stdout") is None and slogs.FILE_RE.match("main-1.stdout")
+
+
+def test_a_ray_manifest_a_job_wrote_over_is_read_line_by_line_and_bounded() -> None:
+    from drivers.ray import layout
+
+    text = "\n".join(["[" * 100_000 + "]" * 100_000, '{"role":"a","index":1e400}',
+                      '{"role":"a","index":0,"exit":1e400}', '{"role":"a","index":0,"node_id":"n"}',
+                      '{"role":"a","index":0,"exit":3}', "torn {"])
+    m = layout.parse_manifest(text)
+    assert [(p.role, p.index, p.node_id) for p in m.placed] == [("a", 0, "n")] and m.exits == {("a", 0): (3, False)}

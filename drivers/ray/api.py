@@ -60,6 +60,8 @@ class FileMissing(Exception):
     """The file (or its node) is not there, or not yet."""
 
 
+#: the most of one file read through the dashboard (a job's own files: their size is its choice)
+MAX_FILE_READ = 64 << 20
 #: Ray's answers for a file or node it cannot find (HTTP 500 with this text; 404 on some versions)
 MISSING_MARKERS = ("not found", "doesn't exist", "does not exist", "Cannot find")
 
@@ -119,13 +121,22 @@ class RayApi:
         finally:
             metrics.backend_call("ray", call_name(method, path), ok)
 
-    async def read_file(self, node_id: str, filename: str, lines: int = -1) -> bytes | None:
-        """A file in ``node_id``'s Ray log directory (its last ``lines`` lines; -1: all); ``None``: not there."""
+    async def read_file(self, node_id: str, filename: str, lines: int = -1,
+                        limit: int = MAX_FILE_READ) -> bytes | None:
+        """A file in ``node_id``'s Ray log directory (its last ``lines`` lines; -1: all), at most
+        its first ``limit`` bytes (jobs write these files: a read is bounded); ``None``: not there."""
         params = {"node_id": node_id, "filename": filename, "lines": str(lines)}
         ok = False
         try:
             async with self.session.get(self.base + "/api/v0/logs/file", params=params) as r:
-                data = await r.read()
+                parts: list[bytes] = []
+                got = 0
+                async for chunk in r.content.iter_chunked(1 << 16):
+                    parts.append(chunk[:limit - got])
+                    got += len(parts[-1])
+                    if got >= limit:
+                        break
+                data = b"".join(parts)
                 metrics.BACKEND_BYTES.labels("ray", "GET /api/v0/logs/file").inc(len(data))
                 if r.status >= 300:
                     err = RayHttpError(r.status, data.decode(errors="replace"))

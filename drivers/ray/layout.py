@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dlsched.kit.parse import decimal
+from dlsched.spec_rules import MAX_PROCESSES
 
 ROOT = "dlsched"
 EOF = "eof"
@@ -81,14 +82,18 @@ def parse_manifest(text: str) -> Manifest:
     out = Manifest([], {})
     seen: set[tuple[str, int]] = set()
     for line in text.splitlines():
-        try:
+        if len(out.placed) >= MAX_PROCESSES and len(out.exits) >= MAX_PROCESSES:
+            break
+        try:  # a torn last line, or anything a job wrote over the file: skipped
             doc: Any = json.loads(line)
             key = (str(doc["role"]), int(doc["index"]))
-        except (ValueError, KeyError, TypeError):
-            continue  # a torn last line
-        if "exit" in doc:
-            out.exits[key] = (int(doc["exit"]), bool(doc.get("stopped")))
-        elif key not in seen:
+            code = int(doc["exit"]) if "exit" in doc else None
+        except Exception:  # noqa: BLE001 - RecursionError, OverflowError and the like too
+            continue
+        if code is not None:
+            if len(out.exits) < MAX_PROCESSES or key in out.exits:
+                out.exits[key] = (code, bool(doc.get("stopped")))
+        elif key not in seen and len(out.placed) < MAX_PROCESSES:
             seen.add(key)
             out.placed.append(Placed(key[0], key[1], str(doc.get("node_id") or ""), str(doc.get("host") or "")))
     return out
