@@ -88,3 +88,24 @@ async def test_logs_since_a_time_ask_the_pod_log_api_for_since_seconds(stub: Any
     q = parse_qs(urlsplit(asked.split(" ", 1)[1]).query)
     assert 60 <= int(q["sinceSeconds"][0]) <= 63, asked  # rounded up, never short
     assert q["timestamps"] == ["true"]
+
+
+async def test_a_line_longer_than_a_message_goes_out_in_pieces(stub: Any, emu: tuple[Emulator, str]) -> None:
+    """Output without a newline for a long while is not held whole in the driver: pieces of at
+    most MAX_LINE_CHARS, as the other drivers send them, which together are the line."""
+    from drivers.common.convert import MAX_LINE_CHARS
+
+    e, url = emu
+    job = new_id("long")
+    await launch(stub, job, spec("single_process"))
+    pod = f"{job}-1-main-0"
+    await kubelet(url, pod, "Running")
+    line = "".join(f"{i:07d}" for i in range(30_000))  # 210,000 characters, one line
+    e.write_log(pod, line)
+    await kubelet(url, pod, "Succeeded", **exited(0, "Completed"))
+    texts: list[str] = []
+    async for r in stub.TailJobLogs(dpb.TailJobLogsRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job)),
+                                    timeout=30):
+        texts.extend(x.text for x in r.entries)
+    assert len(texts) > 1 and max(len(t) for t in texts) <= MAX_LINE_CHARS
+    assert "".join(texts) == line

@@ -28,6 +28,7 @@ from dlsched.errors import DlschedError
 from dlsched.kit import metrics
 from dlsched.kit.parse import decimal
 from drivers.common.base import LogEntry, LogQuery, LogStream, ReplicaState
+from drivers.common.convert import MAX_LINE_CHARS
 from drivers.kubernetes.api import api_error, raise_for_status, status_of, status_text
 from drivers.kubernetes.tracking import KubeCluster, Replica, TrackedJob
 
@@ -207,6 +208,9 @@ async def _tail_one(c: KubeCluster, job: TrackedJob, r: Replica, index: int, con
                         return
                     buf += chunk
                     *lines, buf = buf.split(b"\n")
+                    while len(buf) >= MAX_LINE_CHARS:  # output without newlines: in pieces, as a line
+                        lines.append(buf[:MAX_LINE_CHARS])
+                        buf = buf[MAX_LINE_CHARS:]
                     put(lines)
                 if buf:
                     put([buf])
