@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from dlsched.errors import Unavailable
 from drivers.common.base import LogEntry, LogQuery, LogStream
+from drivers.common.convert import MAX_LINE_CHARS
 from drivers.ray import layout
 from drivers.ray.api import FileMissing, RayApi
 
@@ -58,6 +59,10 @@ class OutputFile:
     stream: LogStream
     node_id: str
     path: str
+
+#: Bytes without a newline held at most: the writer ends every line within MAX_LINE_CHARS (and
+#: its time stamp), so a longer run was written by something else (the job, into its own file).
+_MAX_PENDING = 4 * MAX_LINE_CHARS
 
 
 async def read_manifest(api: RayApi, sid: str, node_id: str) -> layout.Manifest | None:
@@ -139,6 +144,8 @@ async def _follow_file(api: RayApi, f: OutputFile, after_ns: int, query: LogQuer
                         break
                     quiet = 0.0
                     *raw, pending = (pending + data).split(b"\n")
+                    if len(pending) > _MAX_PENDING:  # longer than any line the writer makes: no line
+                        pending = b""
                     entries, eof = parse(f, (ln.decode(errors="replace") for ln in raw))
                     if not checked and entries:
                         checked = True
