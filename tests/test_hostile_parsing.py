@@ -113,6 +113,16 @@ def test_a_slurm_log_without_newlines_or_an_index_full_of_names_stays_bounded() 
     assert len(cur.files["main-0.stdout"].partial) == 5
     more = cur.feed([slogs.Frame("main-0.stdout", len(chunk), len(chunk) + 2, None, b"y\n")])
     assert [e.text for e in more] == ["zzzzzy"]
+    # The same long line, whole in one read or over several, gives the same pieces, cut
+    # between characters.
+    line = ("€" * 50_000 + "end").encode() + b"\n"
+    whole = slogs.LogCursor(LogQuery(follow=True))
+    a = [e.text for e in whole.feed([slogs.Frame("main-0.stdout", 0, len(line), None, line)])]
+    split = slogs.LogCursor(LogQuery(follow=True))
+    b = []
+    for at, end in ((0, 70_001), (70_001, 100_000), (100_000, len(line))):
+        b += [e.text for e in split.feed([slogs.Frame("main-0.stdout", at, len(line), None, line[at:end])])]
+    assert a == b and len(a) == 3 and "".join(a) == line.decode()[:-1] and "\ufffd" not in "".join(a)
     index = b"".join(b"1.5 %d w-%d.stdout\n" % (i + 1, i) for i in range(slogs._MAX_FILES + 50))
     cur.feed([slogs.Frame(slogs.LOG_INDEX, 0, len(index), None, index + b"9" * 100_000)])
     assert len(cur.files) <= slogs._MAX_FILES and len(cur.index_partial) <= slogs._MAX_INDEX_LINE

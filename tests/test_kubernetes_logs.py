@@ -92,7 +92,8 @@ async def test_logs_since_a_time_ask_the_pod_log_api_for_since_seconds(stub: Any
 
 async def test_a_line_longer_than_a_message_goes_out_in_pieces(stub: Any, emu: tuple[Emulator, str]) -> None:
     """Output without a newline for a long while is not held whole in the driver: pieces of at
-    most MAX_LINE_CHARS, as the other drivers send them, which together are the line."""
+    most MAX_LINE_CHARS bytes, cut between characters, each with the line's time stamp (only
+    its first piece carries it), which together are the line."""
     from drivers.common.convert import MAX_LINE_CHARS
 
     e, url = emu
@@ -100,12 +101,14 @@ async def test_a_line_longer_than_a_message_goes_out_in_pieces(stub: Any, emu: t
     await launch(stub, job, spec("single_process"))
     pod = f"{job}-1-main-0"
     await kubelet(url, pod, "Running")
-    line = "".join(f"{i:07d}" for i in range(30_000))  # 210,000 characters, one line
+    line = "".join(f"{i:07d} €" for i in range(30_000))  # 300,000 characters, 360,000 bytes, one line
     e.write_log(pod, line)
     await kubelet(url, pod, "Succeeded", **exited(0, "Completed"))
-    texts: list[str] = []
+    got: list[Any] = []
     async for r in stub.TailJobLogs(dpb.TailJobLogsRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job)),
                                     timeout=30):
-        texts.extend(x.text for x in r.entries)
-    assert len(texts) > 1 and max(len(t) for t in texts) <= MAX_LINE_CHARS
-    assert "".join(texts) == line
+        got.extend(r.entries)
+    texts = [x.text for x in got]
+    assert len(texts) > 1 and max(len(t.encode()) for t in texts) <= MAX_LINE_CHARS
+    assert "".join(texts) == line  # cut between characters, never inside one
+    assert len({(x.time.seconds, x.time.nanos) for x in got}) == 1 and got[0].time.seconds > 0  # the line's time

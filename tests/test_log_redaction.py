@@ -1,8 +1,8 @@
 """What the services log never carries a credential, and what a job or client chose stays bounded.
 
 ``dlsched.kit.logs.RedactingFilter`` masks private key blocks (one without its END line to the
-end), bearer tokens and ``token=``/``password:`` values, after cutting a message to
-``MAX_LOG_CHARS``; the key scan is one pass (20,000 BEGIN lines without an END once took 55 s).
+end), bearer tokens and ``token=``/``password:`` values, and cuts a message to
+``MAX_LOG_CHARS`` (after masking: a key's BEGIN line may fall in the cut); the key scan is one pass (20,000 BEGIN lines without an END once took 55 s).
 """
 
 from __future__ import annotations
@@ -39,9 +39,11 @@ def test_keys_tokens_and_passwords_are_masked() -> None:
 
 
 def test_what_a_job_or_client_chose_is_cut_and_scanned_once() -> None:
-    text = _logged("state %r", "x" * (logs.MAX_LOG_CHARS * 4))
-    assert len(text) < logs.MAX_LOG_CHARS + 200 and "characters cut" in text
+    text = _logged("state %r; the end", "x" * (logs.MAX_LOG_CHARS * 4))
+    assert len(text) < logs.MAX_LOG_CHARS + 200 and "characters cut" in text and text.rstrip().endswith("the end")
     many = _logged("%s", "-----BEGIN RSA PRIVATE KEY-----" * 20000)
     assert many.strip() == "[REDACTED]"
     secret_after_cut = _logged("%s", "y" * logs.MAX_LOG_CHARS + KEY)
     assert "b3BlbnNz" not in secret_after_cut
+    long_key = KEY.replace("b3BlbnNzaC1rZXktdjEAAAAA", "QUJD" * logs.MAX_LOG_CHARS)
+    assert "QUJD" not in _logged("%s", "z" * logs.MAX_LOG_CHARS + long_key)  # its BEGIN line in the cut

@@ -448,6 +448,7 @@ class FakeHead:
         self.requests: list[tuple[str, str, str]] = []  # method, path, Authorization
         self.jobs: dict[str, dict] = {}
         self.list_jobs = True  # False: the list lags behind (the job is only found by id)
+        self.files: dict[str, bytes] = {}  # served by the log file endpoint
         self.runner = None
         self.address = ""
 
@@ -469,6 +470,8 @@ class FakeHead:
             if req.method == "GET" and req.path.startswith("/api/jobs/"):
                 job = self.jobs.get(req.path.split("/")[3])
                 return web.json_response(job) if job else web.Response(status=404, text="no such job")
+            if req.path == "/api/v0/logs/file" and req.query.get("filename") in self.files:
+                return web.Response(body=self.files[req.query["filename"]])
             if req.path == "/api/cluster_status":
                 return web.json_response({"data": {"clusterStatus": {"loadMetricsReport": {
                     "usage": {"CPU": [1.0, 4.0], "memory": [0.0, 8e9], "GPU": [1.0, 2.0]},
@@ -680,3 +683,22 @@ async def test_a_follower_of_50_mb_gets_every_line_in_order_for_at_most_twice_th
     assert len(got) == n and all(t.startswith(f"{i:07d} ") for i, t in enumerate(got)), (len(got), got[:2])
     written = n * LINE
     assert spent <= 2 * written, f"fetched {spent:.0f} bytes for {written} written"
+
+
+async def test_a_file_read_through_the_dashboard_is_bounded_to_its_first_or_newest_lines(fake):
+    """A job's files can grow without bound: a read keeps at most ``limit`` bytes, the first
+    ones (the manifest), or with ``newest`` the last whole lines (a log's history)."""
+    from drivers.common.base import ClusterConfig
+    from drivers.ray.api import RayApi
+
+    fake.files["f"] = b"".join(b"%07d\n" % i for i in range(100_000))  # 800,000 bytes
+    api = RayApi(ClusterConfig("clusters/t", fake.address), 30)
+    try:
+        first = await api.read_file("n", "f", limit=100_000)
+        assert first == fake.files["f"][:100_000]
+        newest = await api.read_file("n", "f", limit=100_003, newest=True)
+        assert newest is not None and len(newest) <= 100_003 and fake.files["f"].endswith(newest)
+        assert newest.startswith(b"%07d\n" % (100_000 - len(newest) // 8))  # whole lines only
+        assert await api.read_file("n", "f") == fake.files["f"]  # under the limit: all of it
+    finally:
+        await api.close()

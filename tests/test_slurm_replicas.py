@@ -533,7 +533,7 @@ async def test_records_a_job_wrote_over_are_skipped_bounded_not_the_call(tmp_pat
         job.exits_read(None), job.exits_read(None), job.exits_read(None)
         return job.record()
 
-    bad = {"huge": b"{" + b" " * ((1 << 20) + 10) + b"}",
+    bad = {"huge": b"{" + b" " * (records.MAX_RECORD_BYTES + 10) + b"}",
            "bomb": b"[" * 100_000 + b"]" * 100_000,
            "inf": json.dumps({**recorded("inf"), "exit_code": 1e400}).encode().replace(b"Infinity", b"1e400"),
            "other": json.dumps(recorded("someone-else")).encode()}

@@ -33,7 +33,7 @@ def job_context(job_id: str) -> Iterator[None]:
     finally:
         JOB_ID.reset(token)
 
-#: a longer message (or exception text) is cut before it is redacted and written: text a job
+#: a longer message (or exception text) is cut after it is redacted, before it is written: text a job
 #: or a client chose (a state, a reason) may reach a log line, and its cost stays bounded
 MAX_LOG_CHARS = 16384
 _KEY_BEGIN = re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----")
@@ -57,9 +57,11 @@ class RedactingFilter(logging.Filter):
 
 
 def _cut(text: str) -> str:
+    """Its head and its tail (a traceback's last line, the exception, is the one that matters)."""
     if len(text) <= MAX_LOG_CHARS:
         return text
-    return f"{text[:MAX_LOG_CHARS]}... ({len(text) - MAX_LOG_CHARS} characters cut)"
+    half = MAX_LOG_CHARS // 2
+    return f"{text[:half]} ... ({len(text) - 2 * half} characters cut) ... {text[-half:]}"
 
 
 def _redact_keys(text: str) -> str:
@@ -78,10 +80,12 @@ def _redact_keys(text: str) -> str:
 
 
 def redact(text: str) -> str:
-    text = _redact_keys(_cut(text))
+    """Secrets masked (each scan linear in the text), then cut to ``MAX_LOG_CHARS``: cut first,
+    a key whose BEGIN line fell in the cut would show its body."""
+    text = _redact_keys(text)
     for pat in _SECRET_PATTERNS:
         text = pat.sub(lambda m: (m.group(1) if m.groups() else "") + "[REDACTED]", text)
-    return text
+    return _cut(text)
 
 
 class JsonFormatter(logging.Formatter):

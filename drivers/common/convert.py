@@ -271,6 +271,16 @@ def watch_event_pb(ev: base.WatchEvent) -> driver_service_pb2.WatchJobObservatio
 #: a longer line goes out in pieces of this many characters (as the local and
 #: Ray drivers write them): every backend's lines fit a message
 MAX_LINE_CHARS = 64 * 1024
+
+
+def piece_end(line: bytes, most: int = MAX_LINE_CHARS) -> int:
+    """Where the first piece of a ``line`` longer than ``most`` bytes ends: at ``most``, moved
+    back to the start of a UTF-8 character. Cuts made from a line's start are the same
+    however its bytes arrived (whole, or over several reads)."""
+    end = most
+    while end > most - 4 and (line[end] & 0xC0) == 0x80:
+        end -= 1
+    return end if (line[end] & 0xC0) != 0x80 else most
 #: a batch of more goes out as several messages (the channels' limit is 8 MiB;
 #: one message of a MultiplexJobLogs stream over it would end every tail on it)
 BATCH_BYTES = 1 << 20

@@ -28,7 +28,7 @@ from dlsched.errors import DlschedError
 from dlsched.kit import metrics
 from dlsched.kit.parse import decimal
 from drivers.common.base import LogEntry, LogQuery, LogStream, ReplicaState
-from drivers.common.convert import MAX_LINE_CHARS
+from drivers.common.convert import MAX_LINE_CHARS, piece_end
 from drivers.kubernetes.api import api_error, raise_for_status, status_of, status_text
 from drivers.kubernetes.tracking import KubeCluster, Replica, TrackedJob
 
@@ -89,10 +89,51 @@ def line_time(line: str) -> tuple[int | None, str]:
     return int(secs) * 1_000_000_000 + nanos, text
 
 
-def _entries(role: str, index: int, lines: list[bytes], query: LogQuery) -> list[LogEntry]:
+class _Pieces:
+    """The log API's bytes -> (time, text) per line; a line longer than MAX_LINE_CHARS bytes in
+    pieces (``piece_end``: the same cuts however the bytes arrive), each carrying the time stamp
+    of the line's first piece (only that one starts with it)."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+        self._stamp: int | None = None
+        self._mid = False  # pieces of the line in ``_buf`` went out already
+
+    def _piece(self, raw: bytes, out: list[tuple[int | None, str]]) -> None:
+        if self._mid:
+            out.append((self._stamp, raw.decode("utf-8", "replace")))
+        else:
+            self._stamp, text = line_time(raw.decode("utf-8", "replace"))
+            out.append((self._stamp, text))
+        self._mid = True
+
+    def feed(self, chunk: bytes) -> list[tuple[int | None, str]]:
+        out: list[tuple[int | None, str]] = []
+        *lines, self._buf = (self._buf + chunk).split(b"\n")
+        for line in lines:
+            while len(line) > MAX_LINE_CHARS:
+                cut = piece_end(line)
+                self._piece(line[:cut], out)
+                line = line[cut:]
+            self._piece(line.rstrip(b"\r"), out)
+            self._mid = False
+        while len(self._buf) > MAX_LINE_CHARS:  # output without newlines: the same pieces, now
+            cut = piece_end(self._buf)
+            self._piece(self._buf[:cut], out)
+            self._buf = self._buf[cut:]
+        return out
+
+    def end(self) -> list[tuple[int | None, str]]:
+        out: list[tuple[int | None, str]] = []
+        if self._buf:
+            self._piece(self._buf, out)
+            self._buf, self._mid = b"", False
+        return out
+
+
+def _entries(role: str, index: int, lines: list[tuple[int | None, str]], query: LogQuery) -> list[LogEntry]:
     out = []
-    for raw in lines:
-        ns, text = line_time(raw.decode("utf-8", "replace").rstrip("\r"))
+    for ns, text in lines:
         if query.since_ns is not None and ns is not None and ns < query.since_ns:
             continue
         out.append(LogEntry(role=role, replica_index=index, stream=LogStream.STDOUT, text=text, time_ns=ns))
@@ -187,7 +228,7 @@ async def _tail_one(c: KubeCluster, job: TrackedJob, r: Replica, index: int, con
         loop = asyncio.get_running_loop()
         kwargs = _request(c, r, container, query)
 
-        def put(lines: list[bytes]) -> None:
+        def put(lines: list[tuple[int | None, str]]) -> None:
             entries = _entries(r.role, index, lines, query)
             if entries:
                 loop.call_soon_threadsafe(queue.put_nowait, entries)
@@ -202,18 +243,12 @@ async def _tail_one(c: KubeCluster, job: TrackedJob, r: Replica, index: int, con
                 return
             try:
                 raise_for_status(resp)
-                buf = b""
+                pieces = _Pieces()
                 for chunk in resp.stream(amt=None, decode_content=True):
                     if stop.is_set():
                         return
-                    buf += chunk
-                    *lines, buf = buf.split(b"\n")
-                    while len(buf) >= MAX_LINE_CHARS:  # output without newlines: in pieces, as a line
-                        lines.append(buf[:MAX_LINE_CHARS])
-                        buf = buf[MAX_LINE_CHARS:]
-                    put(lines)
-                if buf:
-                    put([buf])
+                    put(pieces.feed(chunk))
+                put(pieces.end())
             finally:
                 if stop.is_set():  # the socket was shut down: never back into the pool
                     with contextlib.suppress(Exception):

@@ -18,6 +18,7 @@ Every byte read is counted in ``dlsched_backend_bytes_fetched_total``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -122,21 +123,31 @@ class RayApi:
             metrics.backend_call("ray", call_name(method, path), ok)
 
     async def read_file(self, node_id: str, filename: str, lines: int = -1,
-                        limit: int = MAX_FILE_READ) -> bytes | None:
+                        limit: int = MAX_FILE_READ, *, newest: bool = False) -> bytes | None:
         """A file in ``node_id``'s Ray log directory (its last ``lines`` lines; -1: all), at most
-        its first ``limit`` bytes (jobs write these files: a read is bounded); ``None``: not there."""
+        ``limit`` bytes of it (jobs write these files: a read is bounded): its first, or with
+        ``newest`` its last whole lines; ``None``: not there."""
         params = {"node_id": node_id, "filename": filename, "lines": str(lines)}
         ok = False
         try:
             async with self.session.get(self.base + "/api/v0/logs/file", params=params) as r:
-                parts: list[bytes] = []
-                got = 0
+                kept: collections.deque[bytes] = collections.deque()
+                size, cut = 0, False
                 async for chunk in r.content.iter_chunked(1 << 16):
-                    parts.append(chunk[:limit - got])
-                    got += len(parts[-1])
-                    if got >= limit:
+                    kept.append(chunk)
+                    size += len(chunk)
+                    if size >= limit and not newest:
                         break
-                data = b"".join(parts)
+                    while newest and size - len(kept[0]) >= limit:  # whole chunks past the limit
+                        size -= len(kept.popleft())
+                        cut = True
+                data = b"".join(kept)
+                if newest and len(data) > limit:
+                    data, cut = data[len(data) - limit:], True
+                elif not newest:
+                    data = data[:limit]
+                if cut:  # the oldest line kept may be torn: from the next whole line on
+                    data = data[data.find(b"\n") + 1:]
                 metrics.BACKEND_BYTES.labels("ray", "GET /api/v0/logs/file").inc(len(data))
                 if r.status >= 300:
                     err = RayHttpError(r.status, data.decode(errors="replace"))

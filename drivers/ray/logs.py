@@ -102,7 +102,7 @@ def _since(entries: list[LogEntry], q: LogQuery) -> list[LogEntry]:
 async def history(api: RayApi, wanted: list[OutputFile], query: LogQuery) -> tuple[list[LogEntry], dict[OutputFile, int]]:
     """Every wanted file once, merged by time, ``tail_lines`` kept; and each file's last nanos."""
     lines = query.tail_lines + 1 if query.tail_lines > 0 else -1  # + the eof line
-    datas = await asyncio.gather(*(api.read_file(f.node_id, f.path, lines) for f in wanted))
+    datas = await asyncio.gather(*(api.read_file(f.node_id, f.path, lines, newest=True) for f in wanted))
     per_file, last = [], {}
     for f, data in zip(wanted, datas, strict=True):
         entries, _ = parse(f, (data or b"").decode(errors="replace").split("\n"))

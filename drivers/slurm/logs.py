@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import re
 import shlex
@@ -70,7 +71,7 @@ from dlsched.errors import DlschedError
 from dlsched.kit.parse import decimal
 from dlsched.spec_rules import MAX_PROCESSES
 from drivers.common.base import LogEntry, LogQuery, LogStream
-from drivers.common.convert import MAX_LINE_CHARS
+from drivers.common.convert import MAX_LINE_CHARS, piece_end
 from drivers.common.registry import BackendUnavailable
 from drivers.slurm.render import LOG_INDEX
 
@@ -79,7 +80,8 @@ if TYPE_CHECKING:
 
 #: Bounds on what the job can write into its log index (``dlsched_index`` keeps it, in the job's
 #: directory): a line's length, the files named (two streams per process, and the batch files)
-#: and the entries kept per file (dating lines not read yet).
+#: and the entries kept per file (dating lines not read yet; past it, every other one is dropped,
+#: so a day of output keeps its early lines dated, a little more coarsely).
 _MAX_INDEX_LINE = 1024
 _MAX_FILES = 2 * MAX_PROCESSES + 8
 _MAX_INDEX_ENTRIES = 100_000
@@ -306,13 +308,19 @@ class LogCursor:
             f.partial = raw.pop()
             role, index, stream = m.group(1), int(m.group(2)), LogStream[m.group(3).upper()]
             lines = []
-            for text in raw:
+            for text in raw:  # a longer line in pieces, each dated by its own end
+                while len(text) > MAX_LINE_CHARS:
+                    cut = piece_end(text)
+                    line_start += cut
+                    lines.append((text[:cut], self._date(f, line_start)))
+                    text = text[cut:]
                 line_start += len(text) + 1
                 lines.append((text, self._date(f, line_start)))
-            while len(f.partial) >= MAX_LINE_CHARS:  # output without newlines: in pieces, as a line
-                piece, f.partial = f.partial[:MAX_LINE_CHARS], f.partial[MAX_LINE_CHARS:]
-                line_start += len(piece)
-                lines.append((piece, self._date(f, line_start)))
+            while len(f.partial) > MAX_LINE_CHARS:  # output without newlines: the same pieces, now
+                cut = piece_end(f.partial)
+                line_start += cut
+                lines.append((f.partial[:cut], self._date(f, line_start)))
+                f.partial = f.partial[cut:]
             out.extend(self._entries(role, index, stream, lines))
         if ended:
             for name, f in sorted(self.files.items()):
@@ -355,8 +363,8 @@ class LogCursor:
             f = self.files.setdefault(parts[2], _File())
             size = int(parts[1])
             if (not f.index or size > f.index[-1][0]) and size > f.offset - len(f.partial):
-                if len(f.index) >= _MAX_INDEX_ENTRIES:
-                    f.index.popleft()
+                if len(f.index) >= _MAX_INDEX_ENTRIES:  # thinned, every part of the file still dated
+                    f.index = deque(itertools.islice(f.index, 0, None, 2))
                 f.index.append((size, ns))
 
     @staticmethod

@@ -31,8 +31,9 @@ log = logging.getLogger("drivers.slurm")
 
 Run = Callable[..., Awaitable[tuple[int, str, str]]]
 
-#: the most of a record read (a record is a few KiB; a job could write any size over it)
-MAX_RECORD_BYTES = 1 << 20
+#: the most of a record read: a record takes about 250 bytes per replica (up to 25 MB for the
+#: largest job), and a job could write any size over it
+MAX_RECORD_BYTES = 64 << 20
 
 #: Each record goes to a temporary file first and is renamed into place.
 _WRITE = ('while IFS= read -r p && IFS= read -r j; do mkdir -p -- "${p%/*}" && '
