@@ -107,18 +107,26 @@ class _Pieces:
             out.append((self._stamp, text))
         self._mid = True
 
+    def _most(self, buf: bytes) -> int:
+        """The bytes the next piece may take: MAX_LINE_CHARS of text, and the first piece its
+        line's time stamp too (so pieces are cut where the other backends cut the text)."""
+        if self._mid:
+            return MAX_LINE_CHARS
+        sp = buf.find(b" ", 0, 64)
+        return MAX_LINE_CHARS + sp + 1 if sp >= 0 else MAX_LINE_CHARS
+
     def feed(self, chunk: bytes) -> list[tuple[int | None, str]]:
         out: list[tuple[int | None, str]] = []
         *lines, self._buf = (self._buf + chunk).split(b"\n")
         for line in lines:
-            while len(line) > MAX_LINE_CHARS:
-                cut = piece_end(line)
+            while len(line) > (most := self._most(line)):
+                cut = piece_end(line, most)
                 self._piece(line[:cut], out)
                 line = line[cut:]
             self._piece(line.rstrip(b"\r"), out)
             self._mid = False
-        while len(self._buf) > MAX_LINE_CHARS:  # output without newlines: the same pieces, now
-            cut = piece_end(self._buf)
+        while len(self._buf) > (most := self._most(self._buf)):  # without newlines: the same pieces
+            cut = piece_end(self._buf, most)
             self._piece(self._buf[:cut], out)
             self._buf = self._buf[cut:]
         return out
