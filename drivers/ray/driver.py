@@ -127,6 +127,9 @@ END_WAIT_SECONDS = 5.0
 #: look-ups of untracked (forgotten) jobs one observation may have in flight at once
 UNTRACKED_CONCURRENCY = 8
 ADDRESS_RE = re.compile(r"https?://[^/\s]+(/\S*)?")
+#: How long after a submission's end Ray's job monitor may still look at it (its loop period is
+#: 1 s): a delete waits that long (see ``_settled``).
+MONITOR_SETTLE_SECONDS = 2.5
 
 
 @dataclass(frozen=True)
@@ -396,6 +399,18 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
             await self._delete(c, sid)
             return None
 
+    async def _settled(self, c: _Cluster, sid: str) -> None:
+        """Until Ray's own monitor of an ended submission has seen its end (it looks once a
+        second): deleted before, the monitor goes on, and when the same submission id is used
+        again (a job id submitted again) it takes the new job for its dead supervisor and fails
+        it (JobSupervisorActorDied). At most ``MONITOR_SETTLE_SECONDS`` after the end."""
+        info = await c.api.find(sid)
+        end = info.get("end_time") if isinstance(info, dict) else None
+        if isinstance(end, (int, float)) and end > 0:
+            wait = min(MONITOR_SETTLE_SECONDS, end / 1000 + MONITOR_SETTLE_SECONDS - time.time())
+            if wait > 0:
+                await asyncio.sleep(wait)
+
     def _snapshot(self, c: _Cluster) -> Iterable[JobObservation]:
         return list(c.jobs.values())
 
@@ -507,6 +522,7 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
             c.stop_requested.discard(sid)
 
     async def _delete(self, c: _Cluster, sid: str) -> None:
+        await self._settled(c, sid)
         for stopped in (False, True):
             try:
                 await c.request("DELETE", f"/api/jobs/{sid}")
