@@ -543,6 +543,75 @@ async def test_refused_resubmit_is_the_first_submission(fake):
     assert len(fake.jobs) == 1 and [m for m, p, _ in fake.requests if p == "/api/jobs/"].count("POST") == 2
 
 
+async def test_a_job_id_used_again_gets_a_submission_id_of_its_own_uid(fake):
+    """Ray's monitor of a deleted submission may still run and would fail a new submission of
+    the same id: a new job (a new uid) of a used id never uses that id again, and its launch
+    deletes nothing first."""
+    from drivers.common.base import ClusterConfig, JobRef, JobState
+    from drivers.ray.driver import RayConfig, RayDriver
+
+    d = RayDriver(RayConfig(poll_interval=0.05))
+    try:
+        await d.configure_cluster(ClusterConfig("clusters/t", fake.address))
+        a = await d.launch("clusters/t", "again", _spec(), 1, uid="uid-a")
+        fake.jobs[a.backend_job_id]["status"] = "SUCCEEDED"
+        while (await d.observe("clusters/t", [JobRef("again", "")]))[0].state is not JobState.SUCCEEDED:
+            await asyncio.sleep(0.05)
+        assert await d.forget("clusters/t", [JobRef("again", a.backend_job_id)]) == 1
+        b = await d.launch("clusters/t", "again", _spec(), 1, uid="uid-b")
+        await asyncio.sleep(0.3)  # polls that list both submissions of one attempt
+        [now] = await d.observe("clusters/t", [JobRef("again", "")])
+    finally:
+        await d.close()
+    assert (a.backend_job_id, b.backend_job_id) == ("dlsched-again-1_uid-a", "dlsched-again-1_uid-b")
+    assert not [r for r in fake.requests if r[0] == "DELETE"]
+    assert now.backend_job_id == b.backend_job_id and now.uid == "uid-b", now
+
+
+async def test_of_one_attempts_submissions_of_two_uids_a_restarted_driver_tracks_the_last(fake):
+    """An ended job left without its cleanup and the new job of its id, both attempt 1: the
+    poller tracks the one submitted last, whatever the list's order."""
+    from drivers.common.base import ClusterConfig, JobRef, JobState
+    from drivers.ray.driver import RayConfig, RayDriver
+
+    for uid, status, start in (("old", "FAILED", 1000), ("new", "RUNNING", 2000)):
+        fake.jobs[f"dlsched-j-1_{uid}"] = {
+            "type": "SUBMISSION", "submission_id": f"dlsched-j-1_{uid}", "status": status, "start_time": start,
+            "message": "", "metadata": {"dlsched_job_id": "j", "dlsched_attempt": "1", "dlsched_job_uid": uid}}
+    d = RayDriver(RayConfig(poll_interval=0.05))
+    try:
+        await d.configure_cluster(ClusterConfig("clusters/t", fake.address))
+        [now] = await d.observe("clusters/t", [JobRef("j", "")])
+    finally:
+        await d.close()
+    assert (now.backend_job_id, now.state, now.uid) == ("dlsched-j-1_new", JobState.RUNNING, "new"), now
+
+
+async def test_a_launch_an_earlier_driver_submitted_without_the_uid_in_its_id_is_adopted(fake):
+    """Submissions made before ids named uids: a restarted driver's launch of the same job,
+    attempt and uid is that one, ended or not; another uid's is not adopted."""
+    from drivers.common.base import ClusterConfig, JobState
+    from drivers.ray.driver import RayConfig, RayDriver
+
+    for job, uid, status in (("ended", "u1", "SUCCEEDED"), ("runs", "u2", "RUNNING"), ("other", "u3", "FAILED")):
+        fake.jobs[f"dlsched-{job}-1"] = {
+            "type": "SUBMISSION", "submission_id": f"dlsched-{job}-1", "status": status, "start_time": 1000,
+            "end_time": 2000 if status != "RUNNING" else None, "message": "",
+            "metadata": {"dlsched_job_id": job, "dlsched_attempt": "1", "dlsched_job_uid": uid}}
+    d = RayDriver(RayConfig(poll_interval=0.05))
+    try:
+        await d.configure_cluster(ClusterConfig("clusters/t", fake.address))
+        ended = await d.launch("clusters/t", "ended", _spec(), 1, uid="u1")
+        runs = await d.launch("clusters/t", "runs", _spec(), 1, uid="u2")
+        other = await d.launch("clusters/t", "other", _spec(), 1, uid="u4")
+    finally:
+        await d.close()
+    assert (ended.backend_job_id, ended.observation.state) == ("dlsched-ended-1", JobState.SUCCEEDED)
+    assert (runs.backend_job_id, runs.observation.state) == ("dlsched-runs-1", JobState.RUNNING)
+    assert other.backend_job_id == "dlsched-other-1_u4" and other.observation.state is JobState.PENDING
+    assert [m for m, p, _ in fake.requests if p == "/api/jobs/"].count("POST") == 1
+
+
 async def test_head_never_reached_is_unavailable_not_not_found():
     from dlsched.errors import Unavailable
     from drivers.common.base import ClusterConfig, ClusterState, JobRef

@@ -5,11 +5,13 @@ credentials, when the cluster has token auth, are a token sent as
 ``Authorization: Bearer`` (kept in memory, never logged or returned).
 
 Submission (``launch``): ``render.render_submission`` POSTed to
-``/api/jobs/``. The submission id ``dlsched-{job}-{attempt}`` makes it
+``/api/jobs/``. The submission id ``dlsched-{job}-{attempt}_{uid}`` makes it
 idempotent at Ray itself: a retried POST is refused ("already exists",
 HTTP 400 or 500 depending on the Ray version), and on *any* refused or
 failed POST the driver asks ``GET /api/jobs/{submission_id}``: a job there
-is the first submission, returned as the launch's result. The attempt rules
+is the first submission, returned as the launch's result. A job id used
+again is a new uid, so a new id: never one Ray's monitor of a deleted
+submission still watches (``render.submission_id``). The attempt rules
 (one launch of a job at a time; a lower attempt than the newest known is
 FAILED_PRECONDITION ``STALE_ATTEMPT``, a new attempt while the previous one
 runs ``PREVIOUS_ATTEMPT_ACTIVE``) are the kit's ``drivers.common.launches``.
@@ -147,6 +149,9 @@ class _Cluster:
         self.api = RayApi(config, timeout)
         self.jobs: dict[str, JobObservation] = {}  # job id -> newest attempt
         self.submissions: dict[str, set[str]] = {}  # job id -> every submission id seen
+        #: job id -> (attempt, uid, submission id) of an ended, untracked submission whose id
+        #: does not name its uid (made by an earlier driver): a launch of that attempt adopts it
+        self.legacy: dict[str, tuple[int, str, str]] = {}
         self.nodes: dict[str, str] = {}  # job id -> the newest attempt's entrypoint node (Ray's driver_node_id)
         self.ends: dict[str, layout.Manifest] = {}  # submission id -> its manifest, read once it ended
         self.reading: set[str] = set()  # manifests being read
@@ -246,16 +251,23 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
             self.hub.publish(name, obs)
 
     def _apply(self, name: str, c: _Cluster, items: list[Any]) -> None:
-        newest: dict[str, tuple[int, dict[str, Any]]] = {}
+        newest: dict[str, tuple[tuple[int, bool, float], dict[str, Any]]] = {}
         seen: dict[str, set[str]] = {}
+        c.legacy.clear()
         for it in items:
             meta = render.parse_submission(it) if isinstance(it, dict) else None
             if meta is None:
                 continue
             seen.setdefault(meta.job_id, set()).add(meta.submission_id)
-            if meta.job_id not in newest or meta.attempt > newest[meta.job_id][0]:
-                newest[meta.job_id] = (meta.attempt, it)
-        for job_id, (attempt, it) in newest.items():
+            # The newest attempt; of one attempt's submissions (jobs of one id, other uids) the
+            # tracked job's, else the last submitted.
+            prev = c.jobs.get(meta.job_id)
+            started = it.get("start_time")
+            key = (meta.attempt, prev is not None and same_job(prev.uid, meta.uid),
+                   float(started) if isinstance(started, (int, float)) else 0.0)
+            if meta.job_id not in newest or key > newest[meta.job_id][0]:
+                newest[meta.job_id] = (key, it)
+        for job_id, ((attempt, _, _), it) in newest.items():
             prev = c.jobs.get(job_id)
             if prev is not None and prev.attempt > attempt:
                 continue  # a launch the list does not show yet
@@ -263,6 +275,9 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
                 continue  # a list from before a cleanup: an earlier job's submission of the same id
             obs = observation(job_id, attempt, it)
             if prev is None and obs.state.is_terminal():
+                uid = render.uid_of(it)
+                if uid and not render.carries_uid(obs.backend_job_id):  # made before ids named uids
+                    c.legacy[job_id] = (attempt, uid, obs.backend_job_id)
                 continue  # ended before it was tracked, or forgotten: answered when asked (``_untracked``)
             node = it.get("driver_node_id")
             if isinstance(node, str) and node:
@@ -355,23 +370,24 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
         if prev is None:
             return None
         return Known(c.config.name, prev.attempt, not prev.state.is_terminal(),
-                     lambda: LaunchResult(rendered.submission_id, rendered.native_spec(), prev), prev.uid)
+                     lambda: LaunchResult(prev.backend_job_id, rendered.native_spec(), prev), prev.uid)
 
     async def _submit(self, c: _Cluster, name: str, job_id: str, spec: JobSpec, attempt: int,
                       rendered: render.RaySubmission) -> LaunchResult:
-        sid = rendered.submission_id
-        obs = await self._post(c, job_id, attempt, rendered)
-        if obs is None:  # an ended earlier job of the same id, deleted without its cleanup: deleted now
-            obs = await self._post(c, job_id, attempt, rendered, again=True)
-        assert obs is not None
+        legacy, obs = c.legacy.get(job_id), None
+        if legacy is not None and legacy[0] == attempt and same_job(legacy[1], rendered.uid):
+            # this launch, submitted by an earlier driver under an id without the uid: adopted
+            obs = await self._untracked(c, JobRef(job_id, legacy[2], legacy[1]))
+        if obs is None:
+            obs = await self._post(c, job_id, attempt, rendered)
+        sid = obs.backend_job_id
         self._set(name, c, obs)
         c.submissions.setdefault(job_id, set()).add(sid)
         return LaunchResult(sid, rendered.native_spec(), obs)
 
-    async def _post(self, c: _Cluster, job_id: str, attempt: int, rendered: render.RaySubmission,
-                    again: bool = False) -> JobObservation | None:
-        """POST the submission: its observation, the first submission's when Ray has it already;
-        None when Ray had an ended one of another job uid, deleted now (unless ``again``)."""
+    async def _post(self, c: _Cluster, job_id: str, attempt: int,
+                    rendered: render.RaySubmission) -> JobObservation:
+        """POST the submission: its observation, the first submission's when Ray has it already."""
         sid = rendered.submission_id
         try:
             await c.request("POST", "/api/jobs/", dict(rendered.body))
@@ -388,22 +404,17 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
                 raise FailedPrecondition(f"Ray refused the submission: {last_line(e.text)}",
                                          reason="BACKEND_REJECTED",
                                          metadata={"http_status": str(e.status)}) from e
-            first = observation(job_id, attempt, existing)
-            if same_job(render.uid_of(existing), rendered.uid):
-                return first  # the first submission
-            if again or not first.state.is_terminal():
-                raise NameCollision(f"Ray submission {sid} of an earlier job {job_id!r} (uid "
-                                    f"{render.uid_of(existing)}) still runs", metadata={
-                                        "job_uid": render.uid_of(existing)}) from e
-            log.warning("submission %s: deleting the ended one of job uid %s first", sid, render.uid_of(existing))
-            await self._delete(c, sid)
-            return None
+            if not same_job(render.uid_of(existing), rendered.uid):  # not ours: its id names our uid
+                raise NameCollision(f"Ray submission {sid} is another job's (uid {render.uid_of(existing)})",
+                                    metadata={"job_uid": render.uid_of(existing)}) from e
+            return observation(job_id, attempt, existing)  # the first submission
 
     async def _settled(self, c: _Cluster, sid: str) -> None:
-        """Until Ray's own monitor of an ended submission has seen its end (it looks once a
-        second): deleted before, the monitor goes on, and when the same submission id is used
-        again (a job id submitted again) it takes the new job for its dead supervisor and fails
-        it (JobSupervisorActorDied). At most ``MONITOR_SETTLE_SECONDS`` after the end."""
+        """Until Ray's job monitor (a look a second) has seen a submission's end, if a later one
+        may use its id (no uid in it): deleted before, the monitor goes on and fails the next
+        job of that id (JobSupervisorActorDied). At most ``MONITOR_SETTLE_SECONDS`` after it."""
+        if render.carries_uid(sid):
+            return
         info = await c.api.find(sid)
         end = info.get("end_time") if isinstance(info, dict) else None
         if isinstance(end, (int, float)) and end > 0:

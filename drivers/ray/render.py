@@ -7,9 +7,13 @@ no clock.
 
 The submission:
 
-- ``submission_id`` is ``dlsched-{job_id}-{attempt}``: Ray refuses a second
-  submission with the same id, so a retried launch can never start a second
-  job. ``metadata`` carries ``dlsched_job_id``, ``dlsched_attempt`` and
+- ``submission_id`` is ``dlsched-{job_id}-{attempt}_{uid}`` (``dlsched-{job_id}-{attempt}``
+  for a launch without the job's uid, and for submissions made before uids
+  were in the id): Ray refuses a second submission with the same id, so a
+  retried launch can never start a second job, and a job id used again (a
+  new job, a new uid) never reuses an id Ray has seen. Ray's job monitor of
+  a deleted submission may still be running; a new submission of the same
+  id would be taken for its dead supervisor and failed. ``metadata`` carries ``dlsched_job_id``, ``dlsched_attempt`` and
   ``dlsched_run_mode`` (plus ``dlsched_time_limit_seconds``, and
   ``dlsched_job_uid`` when the launch gives the job's uid: a submission of the
   same id with another uid is another job's, never adopted); the poller
@@ -107,8 +111,14 @@ class RayOptions:
         return o
 
 
-def submission_id(job_id: str, attempt: int) -> str:
-    return f"dlsched-{job_id}-{attempt}"
+def submission_id(job_id: str, attempt: int, uid: str = "") -> str:
+    """The submission's id; ``_`` is in neither a job id nor a uid (``carries_uid``)."""
+    return f"dlsched-{job_id}-{attempt}_{uid}" if uid else f"dlsched-{job_id}-{attempt}"
+
+
+def carries_uid(sid: str) -> bool:
+    """Whether a submission id names its job's uid: one no later job of the same id uses again."""
+    return "_" in sid
 
 
 def is_uri(path: str) -> bool:
@@ -224,22 +234,21 @@ def check(spec: JobSpec, options: Mapping[str, str] | None = None) -> RayOptions
 def render(job_id: str, spec: JobSpec, attempt: int, options: Mapping[str, str] | None = None,
            uid: str = "") -> RaySubmission:
     """check → emit (Ray places replicas itself: the launcher's placement group)."""
-    body = render_submission(job_id, spec, attempt, options)
-    if uid:
-        body["metadata"][META_JOB_UID] = uid
-    return RaySubmission(body)
+    return RaySubmission(render_submission(job_id, spec, attempt, options, uid))
 
 
 def render_submission(job_id: str, spec: JobSpec, attempt: int,
-                      options: Mapping[str, str] | None = None) -> dict[str, Any]:
+                      options: Mapping[str, str] | None = None, uid: str = "") -> dict[str, Any]:
     """The ``POST /api/jobs/`` body. Raises InvalidArgument / ``MpiNotSupported``."""
     opts = check(spec, options)
-    sid = submission_id(job_id, attempt)
+    sid = submission_id(job_id, attempt, uid)
     body: dict[str, Any] = {
         "submission_id": sid,
         "metadata": {META_JOB_ID: job_id, META_ATTEMPT: str(attempt),
                      "dlsched_run_mode": f"RUN_MODE_{spec.run_mode.name}"},
     }
+    if uid:
+        body["metadata"][META_JOB_UID] = uid
     if spec.time_limit_seconds:
         body["metadata"][META_TIME_LIMIT] = repr(float(spec.time_limit_seconds))
     launcher = {
