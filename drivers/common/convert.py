@@ -281,6 +281,19 @@ def piece_end(line: bytes, most: int = MAX_LINE_CHARS) -> int:
     while end > most - 4 and (line[end] & 0xC0) == 0x80:
         end -= 1
     return end if (line[end] & 0xC0) != 0x80 else most
+
+
+def pieces(line: bytes, first: int = MAX_LINE_CHARS) -> tuple[list[bytes], bytes]:
+    """A ``line`` (or the unfinished end of a stream) longer than a piece: its whole pieces
+    (``piece_end``; the first at most ``first`` bytes, the others ``MAX_LINE_CHARS``) and
+    what is left, at most one piece."""
+    out: list[bytes] = []
+    most = first
+    while len(line) > most:
+        cut = piece_end(line, most)
+        out.append(line[:cut])
+        line, most = line[cut:], MAX_LINE_CHARS
+    return out, line
 #: a batch of more goes out as several messages (the channels' limit is 8 MiB;
 #: one message of a MultiplexJobLogs stream over it would end every tail on it)
 BATCH_BYTES = 1 << 20

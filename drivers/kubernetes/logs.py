@@ -28,7 +28,7 @@ from dlsched.errors import DlschedError
 from dlsched.kit import metrics
 from dlsched.kit.parse import decimal
 from drivers.common.base import LogEntry, LogQuery, LogStream, ReplicaState
-from drivers.common.convert import MAX_LINE_CHARS, piece_end
+from drivers.common.convert import MAX_LINE_CHARS, pieces
 from drivers.kubernetes.api import api_error, raise_for_status, status_of, status_text
 from drivers.kubernetes.tracking import KubeCluster, Replica, TrackedJob
 
@@ -119,16 +119,14 @@ class _Pieces:
         out: list[tuple[int | None, str]] = []
         *lines, self._buf = (self._buf + chunk).split(b"\n")
         for line in lines:
-            while len(line) > (most := self._most(line)):
-                cut = piece_end(line, most)
-                self._piece(line[:cut], out)
-                line = line[cut:]
+            cuts, line = pieces(line, self._most(line))
+            for piece in cuts:
+                self._piece(piece, out)
             self._piece(line.rstrip(b"\r"), out)
             self._mid = False
-        while len(self._buf) > (most := self._most(self._buf)):  # without newlines: the same pieces
-            cut = piece_end(self._buf, most)
-            self._piece(self._buf[:cut], out)
-            self._buf = self._buf[cut:]
+        cuts, self._buf = pieces(self._buf, self._most(self._buf))  # without newlines: the same pieces
+        for piece in cuts:
+            self._piece(piece, out)
         return out
 
     def end(self) -> list[tuple[int | None, str]]:

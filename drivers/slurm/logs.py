@@ -71,7 +71,7 @@ from dlsched.errors import DlschedError
 from dlsched.kit.parse import decimal
 from dlsched.spec_rules import MAX_PROCESSES
 from drivers.common.base import LogEntry, LogQuery, LogStream
-from drivers.common.convert import MAX_LINE_CHARS, piece_end
+from drivers.common.convert import pieces
 from drivers.common.registry import BackendUnavailable
 from drivers.slurm.render import LOG_INDEX
 
@@ -304,23 +304,19 @@ class LogCursor:
             f.offset = fr.start + len(fr.data)
             f.mtime_ns = fr.mtime_ns or f.mtime_ns
             f.more = f.offset < fr.size
-            raw = (f.partial + fr.data).split(b"\n")
-            f.partial = raw.pop()
+            *raw, unfinished = (f.partial + fr.data).split(b"\n")
             role, index, stream = m.group(1), int(m.group(2)), LogStream[m.group(3).upper()]
             lines = []
-            for text in raw:  # a longer line in pieces, each dated by its own end
-                while len(text) > MAX_LINE_CHARS:
-                    cut = piece_end(text)
-                    line_start += cut
-                    lines.append((text[:cut], self._date(f, line_start)))
-                    text = text[cut:]
-                line_start += len(text) + 1
-                lines.append((text, self._date(f, line_start)))
-            while len(f.partial) > MAX_LINE_CHARS:  # output without newlines: the same pieces, now
-                cut = piece_end(f.partial)
-                line_start += cut
-                lines.append((f.partial[:cut], self._date(f, line_start)))
-                f.partial = f.partial[cut:]
+            for n, text in enumerate([*raw, unfinished]):  # long ones in pieces, each dated by its end
+                cuts, text = pieces(text)
+                for piece in cuts:
+                    line_start += len(piece)
+                    lines.append((piece, self._date(f, line_start)))
+                if n < len(raw):
+                    line_start += len(text) + 1
+                    lines.append((text, self._date(f, line_start)))
+                else:  # output without newlines went out in the same pieces; the rest waits
+                    f.partial = text
             out.extend(self._entries(role, index, stream, lines))
         if ended:
             for name, f in sorted(self.files.items()):
