@@ -145,3 +145,27 @@ async def test_a_killed_supervisor_fails_its_job_supervisor_lost_and_leaves_no_p
         assert obs.state == job_pb2.JOB_STATE_FAILED and obs.reason == "SupervisorLost"
         await asyncio.sleep(0.2)  # killed before FAILED was reported; give the kernel a moment
         assert not pid_alive(pid)
+
+
+@pytest.mark.parametrize("field,value", [("message", ["a", "list"]), ("exit_code", 10 ** 30),
+                                         ("start_time", float("nan")), ("processes", {"a": 1})])
+async def test_a_status_file_a_job_wrote_over_is_skipped_and_every_other_job_still_tracked(
+        local: Driver, tmp_path: pathlib.Path, field: str, value: object) -> None:
+    """A local job runs as the driver's user and can write over its own ``status.json``: a
+    document of the wrong types is skipped (the last state stays), never taken in, and the
+    driver goes on tracking every job."""
+    path = tmp_path / "state" / "jobs" / "forger" / "attempt-1" / "status.json"
+    async for s in local.stub():
+        await launch(s, "forger", single("import time; time.sleep(120)"))
+        await wait_state(s, "forger", [job_pb2.JOB_STATE_RUNNING])
+        doc = json.loads(path.read_text())
+        doc.update({"state": "SUCCEEDED", field: value})
+        tmp = path.with_suffix(".forged")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, path)
+        await launch(s, "after", single("print('fine')"))
+        assert (await wait_state(s, "after", within=30)).state == job_pb2.JOB_STATE_SUCCEEDED
+        forged = await observe(s, "forger")
+        assert forged.state == job_pb2.JOB_STATE_RUNNING, forged
+        await s.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id="forger")),
+                             timeout=10)

@@ -31,13 +31,15 @@ job is ``signalled`` and a non-zero exit is a stop, not a failure.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from drivers.common.base import JobObservation, JobState, ReplicaState, ReplicaStatus
 from drivers.local import states
 from drivers.local.render import LocalPlan
+
+T = TypeVar("T")
 
 #: the format of ``to_json`` (the status file)
 STATUS_VERSION = 1
@@ -244,18 +246,56 @@ class JobMachine:
 
     @classmethod
     def from_json(cls, plan: LocalPlan, doc: Mapping[str, Any]) -> JobMachine:
+        """Raises KeyError, TypeError or ValueError for a document not of ``to_json``'s shape (a
+        job can write over the file: every field is checked for its type)."""
         m = cls(plan)
-        m.state = JobState[doc["state"]]
-        m.reason, m.message, m.exit_code = doc["reason"], doc["message"], doc["exit_code"]
-        m.start_time, m.end_time = doc["start_time"], doc["end_time"]
+        m.state = JobState[_str(doc["state"])]
+        m.reason, m.message = _str(doc["reason"]), _str(doc["message"])
+        m.exit_code = _opt(_int, doc["exit_code"])
+        m.start_time = _opt(_time, doc["start_time"])
+        m.end_time = _opt(_time, doc["end_time"])
         m.spawned, m.signalled = bool(doc["spawned"]), bool(doc["signalled"])
         m.succeeding, m.logs_done = bool(doc["succeeding"]), bool(doc["logs_done"])
         if doc.get("stop"):
-            m.stop = (JobState[doc["stop"][0]], str(doc["stop"][1]))
+            state, reason = _list(doc["stop"])
+            m.stop = (JobState[_str(state)], _str(reason))
         if doc.get("failure"):
-            role, index, code, reason = doc["failure"]
-            m.failure = (str(role), int(index), int(code), str(reason))
-        for p, d in zip(m.procs, doc["processes"], strict=True):
-            p.state, p.pid, p.start_ticks = ReplicaState[d["state"]], d["pid"], int(d["start_ticks"] or 0)
-            p.exit_code, p.message = d["exit_code"], d["message"]
+            role, index, code, reason = _list(doc["failure"])
+            m.failure = (_str(role), _int(index), _int(code), _str(reason))
+        for p, d in zip(m.procs, _list(doc["processes"]), strict=True):
+            p.state = ReplicaState[_str(d["state"])]
+            p.pid, p.start_ticks = _opt(_int, d["pid"]), _int(d["start_ticks"] or 0)
+            p.exit_code, p.message = _opt(_int, d["exit_code"]), _str(d["message"])
         return m
+
+
+def _str(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"a string expected, got {type(value).__name__}")
+    return value
+
+
+def _int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"an integer expected, got {type(value).__name__}")
+    if not -(1 << 63) <= value < (1 << 63):
+        raise ValueError("integer out of range")
+    return value
+
+
+def _time(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"a number expected, got {type(value).__name__}")
+    if not 0 <= value < 1e11:
+        raise ValueError("not a time")
+    return float(value)
+
+
+def _list(value: Any) -> list[Any]:
+    if not isinstance(value, list):
+        raise TypeError(f"a list expected, got {type(value).__name__}")
+    return value
+
+
+def _opt(check: Callable[[Any], T], value: Any) -> T | None:
+    return None if value is None else check(value)
