@@ -62,6 +62,7 @@ class Emulator(kmock.KubernetesEmulator):
         self.gone_at = 0
         self.logs: dict[tuple[str, str], list[str]] = {}
         self.log_event = asyncio.Event()
+        self.log_sent: dict[tuple[str, str], int] = {}  # bytes of log lines written to clients
         self.stamps: list[tuple[float, str]] = []  # (monotonic arrival, "METHOD path")
         self.fail_with: int | None = None  # answer every request with this status (5xx)
         self.failed = 0
@@ -150,7 +151,9 @@ class Emulator(kmock.KubernetesEmulator):
         while True:
             while pos < len(lines):
                 if cutoff is None or stamp_time(lines[pos]) >= cutoff:
-                    await resp.write(lines[pos].encode() + b"\n")
+                    data = lines[pos].encode() + b"\n"
+                    await resp.write(data)
+                    self.log_sent[key] = self.log_sent.get(key, 0) + len(data)
                 pos += 1
             if q.get("follow") not in ("true", "True") or self.phase(request.name) in ("Succeeded", "Failed", ""):
                 break

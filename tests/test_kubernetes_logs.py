@@ -112,3 +112,34 @@ async def test_a_line_longer_than_a_message_goes_out_in_pieces(stub: Any, emu: t
     assert len(texts) > 1 and max(len(t.encode()) for t in texts) <= MAX_LINE_CHARS
     assert "".join(texts) == line  # cut between characters, never inside one
     assert len({(x.time.seconds, x.time.nanos) for x in got}) == 1 and got[0].time.seconds > 0  # the line's time
+
+
+async def test_a_client_that_reads_slowly_holds_the_pod_log_stream_back(stub: Any, emu: tuple[Emulator, str]) -> None:
+    """A follower that does not read: the driver queues a bounded amount (QUEUED_BYTES) and the
+    pod log stream waits in flow control, instead of the driver reading all the pod wrote into
+    memory. Every line still arrives, in order, once the client reads."""
+    e, url = emu
+    job = new_id("slow")
+    await launch(stub, job, spec("single_process"))
+    pod = f"{job}-1-main-0"
+    await kubelet(url, pod, "Running")
+    lines = [f"{i:06d} " + "x" * 16_000 for i in range(4_000)]  # 64 MB
+    for line in lines:
+        e.write_log(pod, line)
+    total = sum(len(x) + 40 for x in lines)
+    req = dpb.TailJobLogsRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job), follow=True)
+    call = stub.TailJobLogs(req, timeout=300)
+    got = [x.text for x in (await call.read()).entries]
+    last, still = -1, time.monotonic()
+    while time.monotonic() - still < 2.0:  # until the emulator's writes stall (or all went out)
+        sent = e.log_sent.get((pod, "main"), 0)
+        if sent != last:
+            last, still = sent, time.monotonic()
+        if sent >= total:
+            break
+        await asyncio.sleep(0.1)
+    assert last < total / 2, (last, total)
+    await kubelet(url, pod, "Succeeded", **exited(0, "Completed"))
+    async for r in call:
+        got.extend(x.text for x in r.entries)
+    assert got == lines

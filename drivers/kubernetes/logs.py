@@ -9,7 +9,10 @@ follow), or is waited for (with follow); a follow ends once every replica's
 stream has ended and the job is terminal. Each reader runs in a worker
 thread (the client blocks); closing the stream (``LogStream.close``) shuts
 the socket down so a reader blocked on a silent follow ends at once and no
-reader outlives its consumer.
+reader outlives its consumer. What the readers of one tail hold for their
+consumer is bounded (``QUEUED_BYTES``): past it a reader waits, and the pod
+log stream waits in the connection's flow control, so a slow client costs
+the driver a bounded amount of memory however fast the pods write.
 """
 
 from __future__ import annotations
@@ -35,7 +38,45 @@ from drivers.kubernetes.tracking import KubeCluster, Replica, TrackedJob
 BATCH_ENTRIES = 500
 FOLLOW_READ_TIMEOUT = 24 * 3600.0  # a followed log may stay silent for long
 
+#: the bytes of log text one tail's readers may have queued for its consumer
+QUEUED_BYTES = 4 << 20
+_ENTRY_COST = 64  #: an entry's bytes beyond its text
+
 _Queue = asyncio.Queue[list[LogEntry] | BaseException | None]
+
+
+def _cost(entries: list[LogEntry]) -> int:
+    return sum(len(e.text) + _ENTRY_COST for e in entries)
+
+
+class _Budget:
+    """The bytes one tail's readers have queued: a reader (a thread) waits while they are past
+    ``QUEUED_BYTES`` (one batch always goes), until the consumer takes some or it is stopped."""
+
+    def __init__(self, limit: int = QUEUED_BYTES) -> None:
+        self._cond = threading.Condition()
+        self._used = 0
+        self._limit = limit
+
+    def take(self, n: int, stop: _LogStream) -> bool:
+        with self._cond:
+            while self._used and self._used + n > self._limit:
+                if stop.is_set():
+                    return False
+                self._cond.wait(0.1)
+            self._used += n
+            return True
+
+    def charge(self, entries: list[LogEntry]) -> list[LogEntry]:
+        """Counts what the event loop queues itself (a note), without waiting."""
+        with self._cond:
+            self._used += _cost(entries)
+        return entries
+
+    def give(self, n: int) -> None:
+        with self._cond:
+            self._used -= n
+            self._cond.notify_all()
 
 
 class _LogStream:
@@ -162,7 +203,8 @@ async def tail(c: KubeCluster, job: TrackedJob, query: LogQuery) -> AsyncGenerat
     targets = [(r, index, cname) for r, index, cname in targets if query.wants_replica(r.role, index)]
     queue: _Queue = asyncio.Queue()
     stops: list[_LogStream] = []
-    tasks = [asyncio.ensure_future(_tail_one(c, job, r, index, cname, query, queue, stops))
+    budget = _Budget()
+    tasks = [asyncio.ensure_future(_tail_one(c, job, r, index, cname, query, queue, stops, budget))
              for r, index, cname in targets]
     remaining = len(tasks)
     held: list[list[LogEntry] | BaseException | None] = []  # a reader's end met while coalescing
@@ -183,6 +225,7 @@ async def tail(c: KubeCluster, job: TrackedJob, query: LogQuery) -> AsyncGenerat
                     held.append(more)
                     break
                 batch.extend(more)
+            budget.give(_cost(batch))
             for i in range(0, len(batch), BATCH_ENTRIES):
                 yield batch[i:i + BATCH_ENTRIES]
     finally:
@@ -195,7 +238,8 @@ async def tail(c: KubeCluster, job: TrackedJob, query: LogQuery) -> AsyncGenerat
                 await t
 
 
-async def _started(job: TrackedJob, r: Replica, index: int, query: LogQuery, queue: _Queue) -> bool:
+async def _started(job: TrackedJob, r: Replica, index: int, query: LogQuery, queue: _Queue,
+                   budget: _Budget) -> bool:
     """Whether the replica's pod has started; without follow (or once it is gone) a note says it has not."""
     while True:
         view = job.pods.get(r.pod)
@@ -204,7 +248,7 @@ async def _started(job: TrackedJob, r: Replica, index: int, query: LogQuery, que
         gone = (view is None and (r.pod in job.seen or r.pod in job.deleted)) or job.final is not None
         if not query.follow or gone:
             why = view.reason if view is not None else "not created yet"
-            await queue.put(_note(r, index, f"pod {r.pod} has not started yet ({why})"))
+            await queue.put(budget.charge(_note(r, index, f"pod {r.pod} has not started yet ({why})")))
             return False
         changed = job.changed
         with contextlib.suppress(TimeoutError):
@@ -225,9 +269,9 @@ def _request(c: KubeCluster, r: Replica, container: str, query: LogQuery) -> dic
 
 
 async def _tail_one(c: KubeCluster, job: TrackedJob, r: Replica, index: int, container: str,
-                    query: LogQuery, queue: _Queue, stops: list[_LogStream]) -> None:
+                    query: LogQuery, queue: _Queue, stops: list[_LogStream], budget: _Budget) -> None:
     try:
-        if not await _started(job, r, index, query, queue):
+        if not await _started(job, r, index, query, queue, budget):
             return
         stop = _LogStream()
         stops.append(stop)
@@ -236,7 +280,7 @@ async def _tail_one(c: KubeCluster, job: TrackedJob, r: Replica, index: int, con
 
         def put(lines: list[tuple[int | None, str]]) -> None:
             entries = _entries(r.role, index, lines, query)
-            if entries:
+            if entries and budget.take(_cost(entries), stop):  # else stopped: nobody reads them
                 loop.call_soon_threadsafe(queue.put_nowait, entries)
 
         def read() -> None:
@@ -271,7 +315,7 @@ async def _tail_one(c: KubeCluster, job: TrackedJob, r: Replica, index: int, con
                 return  # closed by the consumer
             if status_of(e) not in (400, 404):
                 raise api_error(e, f"reading the log of {r.pod}") from None
-            await queue.put(_note(r, index, f"no log for pod {r.pod} ({status_text(e)})"))
+            await queue.put(budget.charge(_note(r, index, f"no log for pod {r.pod} ({status_text(e)})")))
     except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
         queue.put_nowait(e)
     finally:
