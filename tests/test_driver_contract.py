@@ -199,20 +199,55 @@ async def test_a_forgotten_ended_job_of_the_same_id_left_without_its_cleanup_is_
     assert now.state not in TERMINAL and now.job_uid.replace("-", "") == uid.replace("-", ""), now
 
 
-async def test_a_running_job_of_the_same_id_left_without_its_cleanup_is_a_name_collision(peer: Peer) -> None:
+@pytest.mark.parametrize("restarted", [False, True], ids=["same-driver", "driver-restarted"])
+async def test_a_running_job_of_the_same_id_left_without_its_cleanup_is_a_name_collision(
+        peer: Peer, restarted: bool) -> None:
     """The same while the old job still runs: NAME_COLLISION naming the old uid, nothing stopped
     (it could be another installation's job); the new job's DeleteJob (a cleanup without a
-    backend id) stops and cleans the old one up, and then the new job launches."""
+    backend id, with the new job's uid, as JobManager sends it) stops and cleans the old one
+    up, and then the new job launches. Also when the driver restarted after the old launch."""
     job, old, new = new_id(), str(uuid.uuid4()), str(uuid.uuid4())
     first = await peer.launch(job, peer.sleeping(), uid=old)
+    if restarted:
+        await peer.restart()
     md = await refused(peer.launch(job, peer.sleeping(), uid=new), grpc.StatusCode.FAILED_PRECONDITION,
                        "NAME_COLLISION")
     assert md["job_uid"].replace("-", "") == old.replace("-", "")  # (Slurm's comment keeps it without dashes)
-    still = (await peer.observe(job))[0]
-    assert still.state not in TERMINAL and still.backend_job_id == first.backend_job_id
-    await peer.cleanup(job)
-    second = await peer.launch(job, peer.sleeping(), uid=new)
+    if not restarted:  # (a restarted driver is asked for the old job by nobody: JobManager deleted it)
+        still = (await peer.observe(job))[0]
+        assert still.state not in TERMINAL and still.backend_job_id == first.backend_job_id
+    await peer.cleanup(job, dpb.JobRef(job_id=job, job_uid=new))
+    deadline = time.monotonic() + 90
+    while True:  # UNAVAILABLE while the old one is still ending: JobManager retries the launch
+        try:
+            second = await peer.launch(job, peer.sleeping(), uid=new)
+            break
+        except grpc.aio.AioRpcError as e:
+            if e.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.5)
     assert second.observation.state not in TERMINAL, second.observation
+    gone = (await peer.stub.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
+        cluster=peer.cluster, jobs=[dpb.JobRef(job_id=job, backend_job_id=first.backend_job_id, job_uid=old)]),
+        timeout=peer.call_timeout)).observations[0]
+    assert not gone.found or gone.state in TERMINAL, gone  # the old one stopped, never left running
+
+
+async def test_a_restarted_drivers_first_call_for_a_running_job_may_be_its_stop(peer: Peer) -> None:
+    """StopJob right after a driver restart, before any observation named the job: the job is
+    stopped (found by its ref), not answered "unknown" and left running."""
+    job, uid = new_id(), str(uuid.uuid4())
+    first = await peer.launch(job, peer.sleeping(), uid=uid)
+    ref = dpb.JobRef(job_id=job, backend_job_id=first.backend_job_id, job_uid=uid)
+    await peer.restart()
+    stopped = await peer.terminate(job, ref)
+    assert stopped.found, stopped
+    deadline = time.monotonic() + 90
+    while (now := (await peer.stub.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
+            cluster=peer.cluster, jobs=[ref]), timeout=peer.call_timeout)).observations[0]).state not in TERMINAL:
+        assert time.monotonic() < deadline, now
+        await asyncio.sleep(0.3)
+    assert now.state == job_pb2.JOB_STATE_STOPPED, now
 
 
 async def test_after_a_driver_restart_a_running_job_of_the_same_id_is_a_name_collision(peer: Peer) -> None:

@@ -60,7 +60,15 @@ import logging
 import re
 import shlex
 import time
-from collections.abc import Awaitable, Container, Iterable, Mapping, MutableMapping, MutableSet
+from collections.abc import (
+    Awaitable,
+    Collection,
+    Container,
+    Iterable,
+    Mapping,
+    MutableMapping,
+    MutableSet,
+)
 
 from dlsched.errors import DlschedError, FailedPrecondition, Unavailable
 from dlsched.kit.parse import decimal
@@ -243,31 +251,41 @@ class SlurmClient:
         """Slurm's jobs of this attempt, oldest first; raises when Slurm cannot tell."""
         return [j for j in await self._listed(script) if script.marks(j.comment)]
 
+    async def running(self, job_id: str) -> list[poll.SlurmJob]:
+        """Slurm's jobs of this job id (any attempt or uid, retired ones too) that have not
+        ended; raises when Slurm cannot tell."""
+        return [j for j in await self._named(render.job_name(job_id)) if not ended(j)
+                and (parsed := render.parse_comment(j.comment)) is not None and parsed[0] == job_id]
+
     async def _listed(self, script: SlurmScript) -> list[poll.SlurmJob]:
         """Slurm's jobs with this job's name, oldest first (voided and retired ones left out);
-        raises when Slurm cannot tell. squeue only reads, so a failed look-up is tried again
-        (a loaded controller or login node fails one now and then) before the caller hears."""
+        raises when Slurm cannot tell."""
+        return [j for j in await self._named(script.job_name) if not voided(j) and j.job_id not in self.retired]
+
+    async def _named(self, job_name: str) -> list[poll.SlurmJob]:
+        """Slurm's jobs named ``job_name``, oldest first. squeue only reads, so a failed look-up
+        is tried again (a loaded controller or login node fails one now and then) before the
+        caller hears."""
         error: DlschedError | None = None
         for tries in range(LOOKUP_TRIES):
             if tries:
                 await asyncio.sleep(0.3 * tries)
             try:
-                rc, out, err = await self.run(poll.squeue_command(self.username, script.job_name))
+                rc, out, err = await self.run(poll.squeue_command(self.username, job_name))
             except Unavailable:  # transport: a changed host key etc. is not retried
                 if tries + 1 == LOOKUP_TRIES:
                     raise
                 continue
             error = exit_error("squeue", rc, err)
             if error is None:
-                return oldest_first(j for j in poll.parse_squeue(out).values()
-                                    if not voided(j) and j.job_id not in self.retired)
-            log.warning("look-up of %s: %s", script.comment, error.message)
+                return oldest_first(poll.parse_squeue(out).values())
+            log.warning("look-up of %s: %s", job_name, error.message)
         assert error is not None
         raise error
 
     async def submit(self, script: SlurmScript, listed: Mapping[str, Mapping[str, poll.SlurmJob]] | None,
                      unsure: MutableSet[str], late: MutableMapping[str, float],
-                     retired: Container[str] = frozenset()) -> tuple[str, bool]:
+                     retired: Container[str] = frozenset(), ending: Collection[str] = ()) -> tuple[str, bool]:
         """Submit the attempt once, held, and adopt one job for it (see the module
         docstring): that job's Slurm id, and whether it is still held. The caller
         releases a held one (``release``), after it tracks the id: the release is
@@ -280,7 +298,9 @@ class SlurmClient:
         leaves ``unsure`` once a job is adopted for it. ``late``: comment -> when
         (monotonic) an sbatch of it last failed or timed out, so that a job may still land.
         ``retired``: Slurm ids of deleted jobs (``listed`` leaves them out): never adopted,
-        their attempt's comment may be a new job's that reuses the id."""
+        their attempt's comment may be a new job's that reuses the id. ``ending``: those of this
+        job id: while Slurm runs one (a cancelled job ends after KillWait) it may still write in
+        the attempt's directory, so the launch is UNAVAILABLE (JobManager tries again)."""
         self.retired = retired
         looked = listed is None or script.comment in unsure
         if looked:
@@ -290,7 +310,12 @@ class SlurmClient:
         existing = script.in_listing(listed)  # (a round before a delete may still list it)
         if existing is not None and existing.job_id in retired:
             existing = None
-        if existing is None and (running := [j for j in script.rivals(listed) if not ended(j)]):
+        if existing is None and ending and (still := [j for j in await self.running(script.job_id)
+                                                      if j.job_id in ending]):
+            raise BackendUnavailable(f"Slurm job {still[0].job_id} of an earlier job {script.job_id!r}, "
+                                     "deleted, is still ending")
+        if existing is None and (running := [j for j in script.rivals(listed)
+                                             if not ended(j) and j.job_id not in ending]):
             theirs = (render.parse_comment(running[0].comment) or ("", 0, ""))[2]
             raise NameCollision(f"Slurm job {running[0].job_id} of an earlier job {script.job_id!r} (uid "
                                 f"{theirs}), deleted without its cleanup, still runs in its directory; "

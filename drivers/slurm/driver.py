@@ -12,8 +12,8 @@ public operations, the attempt rules, cluster look-up) over these hooks and
 one module per concern: ``render`` the script (check → place → emit) and the
 job's metadata codec (``dlsched-<job_id>.<attempt>.<uid>``), ``adapter`` the Slurm
 commands over SSH with the one mapping of their exits to errors (and
-exactly-once submission), ``poller`` the shared squeue rounds, ``jobs`` what
-those rounds make of a tracked job, ``states`` the state table, ``logs`` the
+exactly-once submission), ``poller`` the shared squeue rounds, ``cluster`` what is
+kept per cluster, ``jobs`` what those rounds make of a tracked job, ``states`` the state table, ``logs`` the
 log files and followers, ``usage`` sstat/sacct and the node capacity.
 
 Launch: ``adapter.SlurmClient.submit`` (an ``sbatch --parsable --hold`` started ahead of the launch
@@ -47,6 +47,9 @@ driver does not know (after a restart) are adopted on the first observation that
 answered by the next poll round.
 
 Stop: ``scancel`` (Slurm sends SIGTERM, then SIGKILL after KillWait); stopping an ended or unknown job is fine. CANCELLED maps to STOPPED.
+A stop or cleanup by a ref the driver does not track (it restarted) adopts the job first. A cleanup by
+job id alone (a new job of that id, refused NAME_COLLISION) cancels every job of the id Slurm still
+runs; until they have ended, a launch of the id is UNAVAILABLE (they may still run in its directory).
 
 Bounded memory (``ForgetJobs``): a job whose end JobManager recorded leaves
 memory once its record is written (``records``); untracked jobs are looked up there first.
@@ -55,7 +58,6 @@ memory once its record is written (``records``); untracked jobs are looked up th
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import logging
 import time
@@ -82,12 +84,12 @@ from drivers.common.base import (
 )
 from drivers.common.launches import Known
 from drivers.common.planner import ALL_RUN_MODES
+from drivers.common.registry import BackendUnavailable
 from drivers.common.skeleton import BackendDriver
 from drivers.slurm import exits, records, render, strays, usage
 from drivers.slurm import logs as slogs
 from drivers.slurm import poller as poll
 from drivers.slurm.adapter import (
-    LATE_WINDOW,
     SbatchRejected,
     SlurmClient,
     bounded,
@@ -95,6 +97,7 @@ from drivers.slurm.adapter import (
     listing,
     voided,
 )
+from drivers.slurm.cluster import SlurmCluster
 from drivers.slurm.config import SlurmConfig
 from drivers.slurm.jobs import TrackedJob
 from drivers.slurm.render import SlurmScript
@@ -112,77 +115,7 @@ RECORD_RETRY_SECONDS = 5.0  # between tries to write forgotten jobs' records whi
 __all__ = ["SbatchRejected", "SlurmConfig", "SlurmDriver"]
 
 
-class _Cluster:
-    """One configured cluster: its commands (``client``), poller and tracked jobs."""
-
-    def __init__(self, config: ClusterConfig, client: SlurmClient, driver: SlurmDriver) -> None:
-        self.config = config
-        self.name = config.name
-        self.client = client
-        self.options = {k: v for k, v in config.options.items() if not ENV_RE.match(k)}
-        self.jobs: dict[str, TrackedJob] = {}
-        #: forgotten jobs whose ``recorded.json`` is being written (answered from here until it is)
-        self.recording: dict[str, TrackedJob] = {}
-        self.record_writer: asyncio.Task[None] | None = None
-        self.last_error: str | None = None
-        #: the oldest Slurm job of every dlsched attempt the last good round listed (``listing``); None before one.
-        self.listed: dict[str, dict[str, poll.SlurmJob]] | None = None
-        #: comments of attempts whose sbatch may have landed unseen (look them up before submitting).
-        self.unsure: set[str] = set()
-        self.retired: dict[str, float] = {}  # Slurm id of a deleted job -> when; while squeue lists it
-        #: comment -> when (monotonic) an sbatch of it last failed or timed out: polled for
-        #: ``LATE_WINDOW`` afterwards, ended or not, so a late-landing job is cancelled on sight.
-        self.late: dict[str, float] = {}
-        #: adopted Slurm jobs found held: released in the background, retried each round until done.
-        self.to_release: set[str] = set()
-        #: Slurm ids an observation is adopting (waiting for the poll round that lists them)
-        self.claiming: collections.Counter[str] = collections.Counter()
-        #: (action, Slurm job id) of scancel / scontrol release calls in flight.
-        self.pending: set[tuple[str, str]] = set()
-        #: comments of attempts this driver is submitting or adopting right now (their jobs may be held).
-        self.launching: set[str] = set()
-        #: Slurm job id -> when (monotonic) a round first saw it held, for jobs of attempts not tracked here.
-        self.held_since: dict[str, float] = {}
-        #: Whether the cluster has accounting storage (sacct answers); None until GetClusterInfo says.
-        self.accounting: bool | None = None
-        #: the capacity the last good look-up (``scontrol show nodes``) found, and when (monotonic) one ended
-        self.capacity: ClusterCapacity | None = None
-        self.looked_up: float | None = None
-        #: (monotonic end, error or None) of the last look-up; the poller's rounds beside it say health
-        self.lookup_result: tuple[float, DlschedError | None] | None = None
-        self.info_lock = asyncio.Lock()
-        self.poller = poll.Poller(client.run, client.username, driver.config.poll_interval, self.tracked,
-                                  lambda jobs, err, complete: driver._on_round(self, jobs, err, complete),
-                                  accounting=lambda: bool(self.accounting),
-                                  watching=lambda: bool(self.held_since) or bool(self.late))
-
-    def tracked(self) -> list[str]:
-        now = time.monotonic()
-        for comment, since in list(self.late.items()):
-            if now - since > LATE_WINDOW:
-                del self.late[comment]
-        return [j.backend_job_id for j in self.jobs.values()
-                if not j.state.is_terminal() or render.job_comment(j.job_id, j.attempt, j.uid) in self.late]
-
-    def find(self, ref: JobRef) -> TrackedJob | None:
-        job = self.jobs.get(ref.job_id)
-        if job is None or (ref.backend_job_id and ref.backend_job_id != job.backend_job_id):
-            return None
-        return job
-
-    def find_known(self, ref: JobRef) -> TrackedJob | None:
-        """A tracked job, or a forgotten one whose record is still being written."""
-        job = self.find(ref)
-        if job is None and (gone := self.recording.get(ref.job_id)) is not None \
-                and ref.backend_job_id in ("", gone.backend_job_id):
-            job = gone
-        return job
-
-    def observation(self, job: TrackedJob) -> JobObservation:
-        return job.observation(self.last_error)
-
-
-class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
+class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
     name = "slurm"
     #: kept across a reconfiguration: what was tracked; the connections, poller and warm sbatch are new
     carry_over = ("jobs", "recording", "unsure", "late", "to_release", "launching", "held_since", "claiming",
@@ -205,12 +138,12 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         render.state_dir_of(config.options)
         render.port_range_of(config.options)
 
-    def _unchanged(self, old: _Cluster, config: ClusterConfig) -> bool:
+    def _unchanged(self, old: SlurmCluster, config: ClusterConfig) -> bool:
         a = old.config
         return a.address == config.address and dict(a.options) == dict(config.options) \
             and a.credentials == config.credentials
 
-    async def _connect(self, config: ClusterConfig, old: _Cluster | None) -> _Cluster:
+    async def _connect(self, config: ClusterConfig, old: SlurmCluster | None) -> SlurmCluster:
         assert isinstance(config.credentials, SshCredentials)  # _validate_config
         client = SlurmClient(config.address, config.credentials,
                              {k: v for k, v in config.options.items() if ENV_RE.match(k)}, config.options,
@@ -223,9 +156,9 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
             raise
         except DlschedError as e:
             log.info("cluster %s not reachable yet: %s", config.name, e.message)
-        return _Cluster(config, client, self)
+        return SlurmCluster(config, client, self.config.poll_interval, self._on_round)
 
-    async def _disconnect(self, c: _Cluster) -> None:
+    async def _disconnect(self, c: SlurmCluster) -> None:
         # Each step bounded: a login node that stops answering (or a machine
         # under load) must not hold RemoveCluster/ConfigureCluster past the
         # caller's deadline; what did not close in time is abandoned.
@@ -234,13 +167,13 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
             c.record_writer.cancel()
         await c.client.close()
 
-    async def _activate(self, name: str, c: _Cluster) -> None:
+    async def _activate(self, name: str, c: SlurmCluster) -> None:
         c.poller.start()
         c.client.warm.refill()
         if c.recording:  # carried over from the record a reconfiguration replaced
             self._start_record_writer(c)
 
-    async def _info(self, c: _Cluster) -> ClusterInfo:
+    async def _info(self, c: SlurmCluster) -> ClusterInfo:
         """Health and capacity at a bounded controller cost: while the poller polls, health
         is its last round (no call of its own) and capacity is looked up every
         ``capacity_interval``, taking one round's slot (``Poller.charge``); with nothing
@@ -273,7 +206,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
                            capacity=c.capacity or ClusterCapacity(),
                            supported_run_modes=ALL_RUN_MODES, driver_version=f"slurm/{__version__}")
 
-    async def _look_up(self, c: _Cluster, busy: bool, budget: float) -> None:
+    async def _look_up(self, c: SlurmCluster, busy: bool, budget: float) -> None:
         error: DlschedError | None = None
         try:
             # Bounded well below ClusterManager's deadline for GetClusterInfo: a
@@ -294,7 +227,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         if busy:
             c.poller.charge()
 
-    def _health(self, c: _Cluster) -> tuple[ClusterState, str]:
+    def _health(self, c: SlurmCluster) -> tuple[ClusterState, str]:
         """The state the latest of the poller's round and the look-up says, and why."""
         results = [r for r in (c.poller.last_round, c.lookup_result) if r is not None]
         error = max(results, key=lambda r: r[0])[1] if results else None
@@ -308,22 +241,23 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
 
     # ------------------------------------------------------------------ render / launch
 
-    async def _prepare(self, c: _Cluster, job_id: str, spec: JobSpec, attempt: int, uid: str) -> SlurmScript:
+    async def _prepare(self, c: SlurmCluster, job_id: str, spec: JobSpec, attempt: int, uid: str) -> SlurmScript:
         return render.render_job(job_id, spec, attempt, c.options, uid=uid)
 
-    def _known(self, c: _Cluster, job_id: str, rendered: SlurmScript) -> Known | None:
+    def _known(self, c: SlurmCluster, job_id: str, rendered: SlurmScript) -> Known | None:
         prev = c.jobs.get(job_id) or c.recording.get(job_id)
         if prev is None:
             return None
         return Known(prev.cluster, prev.attempt, not prev.state.is_terminal(), lambda: LaunchResult(
             prev.backend_job_id, prev.native or rendered.native_spec(), c.observation(prev)), prev.uid)
 
-    async def _submit(self, c: _Cluster, name: str, job_id: str, spec: JobSpec, attempt: int,
+    async def _submit(self, c: SlurmCluster, name: str, job_id: str, spec: JobSpec, attempt: int,
                       rendered: SlurmScript) -> LaunchResult:
         marks = {rendered.comment, render.job_comment(job_id, attempt)}  # what it may adopt, see ``marks``
         c.launching.update(marks)  # its job may sit held a while: not a stray
         try:
-            backend_id, held = await c.client.submit(rendered, c.listed, c.unsure, c.late, c.retired)
+            backend_id, held = await c.client.submit(rendered, c.listed, c.unsure, c.late, c.retired,
+                                                     [k for k, (_, j) in c.retired.items() if j == job_id])
         finally:
             c.launching.difference_update(marks)
         # no native spec kept (a few KiB): a repeated launch renders it again (``_known``)
@@ -339,14 +273,14 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
 
     # ------------------------------------------------------------------ polling and observing
 
-    def _on_round(self, c: _Cluster, jobs: dict[str, poll.SlurmJob], error: str | None,
+    def _on_round(self, c: SlurmCluster, jobs: dict[str, poll.SlurmJob], error: str | None,
                   complete: bool) -> None:
         if self.clusters.get(c.name) is not c:
             return
         c.last_error = error
         if error is None:
             attempts: dict[str, list[poll.SlurmJob]] = {}
-            c.retired = {k: t for k, t in c.retired.items() if k in jobs or time.monotonic() - t < 60}
+            c.retired = {k: t for k, t in c.retired.items() if k in jobs or time.monotonic() - t[0] < 60}
             for listed in jobs.values():
                 if render.is_ours(listed.comment) and not voided(listed) and listed.job_id not in c.retired:
                     attempts.setdefault(listed.comment, []).append(listed)
@@ -367,7 +301,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
             if job.needs_exits and error is None:  # ended: its processes' ends are read before the end is reported
                 self._read_exits(c, job)
 
-    def _cancel_strays(self, c: _Cluster, attempts: dict[str, list[poll.SlurmJob]]) -> None:
+    def _cancel_strays(self, c: SlurmCluster, attempts: dict[str, list[poll.SlurmJob]]) -> None:
         """Cancel the jobs no driver will ever release (``strays``)."""
         def tracked(job_id: str, attempt: int, uid: str) -> str | None:
             job = c.jobs.get(job_id)
@@ -390,7 +324,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
             log.warning("cancelling Slurm job %s: %s", jid, why)
             self._later(c, "cancel", jid)
 
-    def _later(self, c: _Cluster, action: str, backend_job_id: str, job_id: str = "") -> None:
+    def _later(self, c: SlurmCluster, action: str, backend_job_id: str, job_id: str = "") -> None:
         """``scancel`` ("cancel") or ``scontrol release`` ("release") in the background; a failure is
         logged (the next round asks again), a release's also in the message of ``job_id``'s job."""
         async def call() -> None:
@@ -408,14 +342,14 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
 
         self._once(c, (action, backend_job_id), call)
 
-    def _release_failed(self, c: _Cluster, job_id: str, backend_job_id: str, error: str | None) -> None:
+    def _release_failed(self, c: SlurmCluster, job_id: str, backend_job_id: str, error: str | None) -> None:
         """Job ``job_id``, still Slurm job ``backend_job_id``, reports why its release failed, or no more."""
         job = c.jobs.get(job_id)
         if (self.clusters.get(c.name) is c and job is not None and job.backend_job_id == backend_job_id
                 and job.note_release(error) and not job.state.is_terminal()):
             self._publish(c, job)
 
-    def _read_exits(self, c: _Cluster, job: TrackedJob) -> None:
+    def _read_exits(self, c: SlurmCluster, job: TrackedJob) -> None:
         """Read an ended job's exits file (``exits``) in the background, one read per job at a
         time; the job reports its end once it is read (or could not be, ``exits.MAX_READS`` times)."""
         async def call() -> None:
@@ -430,7 +364,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
 
         self._once(c, ("exits", job.backend_job_id), call)
 
-    def _once(self, c: _Cluster, key: tuple[str, str], work: Callable[[], Awaitable[None]]) -> None:
+    def _once(self, c: SlurmCluster, key: tuple[str, str], work: Callable[[], Awaitable[None]]) -> None:
         """``work`` in the background, unless work of the same ``key`` (action, Slurm job id) runs."""
         if key in c.pending:
             return
@@ -446,17 +380,17 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _publish(self, c: _Cluster, job: TrackedJob) -> None:
+    def _publish(self, c: SlurmCluster, job: TrackedJob) -> None:
         self.hub.publish(job.cluster, c.observation(job))
 
-    def _snapshot(self, c: _Cluster) -> Iterable[JobObservation]:
+    def _snapshot(self, c: SlurmCluster) -> Iterable[JobObservation]:
         return [c.observation(j) for j in c.jobs.values()]
 
-    def _lookup(self, c: _Cluster, ref: JobRef) -> JobObservation | None:
+    def _lookup(self, c: SlurmCluster, ref: JobRef) -> JobObservation | None:
         job = c.find_known(ref)
         return c.observation(job) if job is not None else None
 
-    async def _observe(self, c: _Cluster, refs: Sequence[JobRef]) -> list[JobObservation | None]:
+    async def _observe(self, c: SlurmCluster, refs: Sequence[JobRef]) -> list[JobObservation | None]:
         untracked = [r for r in refs if c.find_known(r) is None and decimal(r.backend_job_id)]
         recorded = await self._recorded(c, untracked) if untracked else {}
         unknown = [r for r in untracked if r.job_id not in c.jobs and (r.job_id, r.backend_job_id) not in recorded]
@@ -468,8 +402,9 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
             out.append(gone.observation(None) if gone is not None else self._lookup(c, ref))
         return out
 
-    async def _adopt(self, c: _Cluster, refs: Sequence[JobRef]) -> None:
-        """Track jobs submitted before this driver started, from the next poll round's answer."""
+    async def _adopt(self, c: SlurmCluster, refs: Sequence[JobRef]) -> bool:
+        """Track jobs submitted before this driver started, from the next poll round's answer;
+        whether the round answered."""
         ids = [r.backend_job_id for r in refs]
         c.claiming.update(ids)  # the round that lists them must not cancel them as strays
         try:
@@ -480,7 +415,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
                 if c.claiming[jid] <= 0:
                     del c.claiming[jid]
         if jobs is None:
-            return
+            return False
         for ref in refs:
             sj = jobs.get(ref.backend_job_id)
             parsed = render.parse_comment(sj.comment) if sj is not None else None
@@ -493,28 +428,36 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
             if is_held(sj):  # submitted held by a driver that died before releasing it
                 c.to_release.add(sj.job_id)
                 self._later(c, "release", sj.job_id, ref.job_id)
+        return True
 
     # ------------------------------------------------------------------ stop / cleanup
 
-    async def _terminate(self, c: _Cluster, name: str, ref: JobRef,
+    async def _terminate(self, c: SlurmCluster, name: str, ref: JobRef,
                          grace_seconds: float | None) -> JobObservation | None:
         job = c.find(ref)
-        if job is None:  # forgotten: it ended; unknown: nothing to stop
-            gone = await self._forgotten(c, ref) if decimal(ref.backend_job_id) else None
-            return c.observation(gone) if gone is not None else None
+        if job is None and decimal(ref.backend_job_id):  # forgotten: it ended; else submitted before
+            if (gone := await self._forgotten(c, ref)) is not None:  # this driver started: adopted
+                return c.observation(gone)
+            if not await self._adopt(c, [ref]):
+                raise BackendUnavailable("Slurm did not answer the look-up of the job to stop")
+            job = c.find(ref)
+        if job is None or not ref.names_uid(job.uid):  # unknown (or another uid's): nothing to stop
+            return None
         await c.client.cancel(job.backend_job_id)
         job.stop_sent()
         self._publish(c, job)
         c.poller.wake()
         return c.observation(job)
 
-    async def _cleanup(self, c: _Cluster, name: str, ref: JobRef) -> None:
+    async def _cleanup(self, c: SlurmCluster, name: str, ref: JobRef) -> None:
         job = c.find(ref)  # its job id may come back as a new job: the Slurm id is retired
-        c.retired[job.backend_job_id if job is not None else ref.backend_job_id] = time.monotonic()
-        if job is None:  # forgotten (its record written or being written), or unknown: nothing to do
+        if job is not None:
+            c.retired[job.backend_job_id] = (time.monotonic(), ref.job_id)
+        else:  # forgotten (its record written or being written), or not tracked here
             job = await self._forgotten(c, ref)
             if job is None:
-                return
+                return await self._cleanup_untracked(c, ref)
+            c.retired[job.backend_job_id] = (time.monotonic(), ref.job_id)
             if c.recording.get(job.job_id) is job:
                 del c.recording[job.job_id]
                 if (writer := c.record_writer) is not None and not writer.done():  # it may hold its record:
@@ -528,9 +471,28 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         c.to_release.discard(job.backend_job_id)  # cancelled: nothing to release
         c.unsure.discard(render.job_comment(job.job_id, job.attempt, job.uid))
 
+    async def _cleanup_untracked(self, c: SlurmCluster, ref: JobRef) -> None:
+        """Jobs Slurm runs that this driver does not track (submitted before it started): the
+        ref's, or by its job id alone (a new job's cleanup) each of that id's, cancelled (their
+        ids retired once Slurm took the cancel) and their files removed. Raises when Slurm
+        cannot tell: JobManager tries again, never taking a job left running for cleaned up."""
+        if ref.backend_job_id and not decimal(ref.backend_job_id):
+            return
+        for sj in await c.client.running(ref.job_id):
+            parsed = render.parse_comment(sj.comment)
+            tracked = c.jobs.get(ref.job_id) or c.recording.get(ref.job_id)  # (a launch may land meanwhile)
+            if parsed is None or sj.comment in c.launching or (tracked is not None and tracked.backend_job_id ==
+                                                               sj.job_id) or not ref.names_uid(parsed[2]):
+                continue
+            if ref.backend_job_id in ("", sj.job_id):
+                await c.client.cancel(sj.job_id)
+                c.retired[sj.job_id] = (time.monotonic(), ref.job_id)
+                await c.client.remove_files(ref.job_id, render.attempt_dir(c.options, ref.job_id, parsed[1])
+                                            .rsplit("/", 1)[0])
+
     # ------------------------------------------------------------------ logs and usage
 
-    def _tail(self, c: _Cluster, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
+    def _tail(self, c: SlurmCluster, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
         job = c.find_known(ref)
         if job is None:
             return self._tail_forgotten(c, ref, query)
@@ -542,7 +504,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
     def _log_interval(self) -> float:
         return max(slogs.LOG_POLL_FLOOR, min(1.0, self.config.poll_interval))
 
-    async def _tail_forgotten(self, c: _Cluster, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
+    async def _tail_forgotten(self, c: SlurmCluster, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
         job = await self._forgotten(c, ref)
         if job is None:
             raise JobNotFound(ref.job_id)
@@ -552,7 +514,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
             async for batch in batches:
                 yield batch
 
-    async def _usage(self, c: _Cluster, ref: JobRef) -> JobUsage:
+    async def _usage(self, c: SlurmCluster, ref: JobRef) -> JobUsage:
         job = c.find_known(ref) or await self._forgotten(c, ref)
         if job is None:
             raise JobNotFound(ref.job_id)
@@ -560,7 +522,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
 
     # ------------------------------------------------------------------ forgotten jobs
 
-    def _forget(self, c: _Cluster, ref: JobRef) -> bool:
+    def _forget(self, c: SlurmCluster, ref: JobRef) -> bool:
         job = c.find(ref)
         if job is None or not job.state.is_terminal():
             return False
@@ -572,7 +534,7 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
         self._start_record_writer(c)
         return True
 
-    def _start_record_writer(self, c: _Cluster) -> None:
+    def _start_record_writer(self, c: SlurmCluster) -> None:
         if c.record_writer is None or c.record_writer.done():
             c.record_writer = asyncio.create_task(self._write_records(c.name), name=f"slurm-records-{c.name}")
 
@@ -590,11 +552,11 @@ class SlurmDriver(BackendDriver[_Cluster, SlurmScript]):
                 if c.recording.get(job.job_id) is job:
                     del c.recording[job.job_id]
 
-    async def _forgotten(self, c: _Cluster, ref: JobRef) -> TrackedJob | None:
+    async def _forgotten(self, c: SlurmCluster, ref: JobRef) -> TrackedJob | None:
         """A forgotten job (not tracked): being recorded, or read from its record."""
         if (job := c.find_known(ref)) is not None and c.jobs.get(ref.job_id) is not job:
             return job
         return (await self._recorded(c, [ref])).get((ref.job_id, ref.backend_job_id))
 
-    async def _recorded(self, c: _Cluster, refs: Sequence[JobRef]) -> dict[tuple[str, str], TrackedJob]:
+    async def _recorded(self, c: SlurmCluster, refs: Sequence[JobRef]) -> dict[tuple[str, str], TrackedJob]:
         return await records.read(c.client.run, c.name, render.state_dir_of(c.options), refs)
