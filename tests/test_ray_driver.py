@@ -563,7 +563,7 @@ async def test_a_job_id_used_again_gets_a_submission_id_of_its_own_uid(fake):
         [now] = await d.observe("clusters/t", [JobRef("again", "")])
     finally:
         await d.close()
-    assert (a.backend_job_id, b.backend_job_id) == ("dlsched-again-1_uid-a", "dlsched-again-1_uid-b")
+    assert (a.backend_job_id, b.backend_job_id) == ("dlsched-again-1_uida", "dlsched-again-1_uidb")
     assert not [r for r in fake.requests if r[0] == "DELETE"]
     assert now.backend_job_id == b.backend_job_id and now.uid == "uid-b", now
 
@@ -585,6 +585,36 @@ async def test_of_one_attempts_submissions_of_two_uids_a_restarted_driver_tracks
     finally:
         await d.close()
     assert (now.backend_job_id, now.state, now.uid) == ("dlsched-j-1_new", JobState.RUNNING, "new"), now
+
+
+async def test_a_new_job_of_an_id_is_followed_beside_an_earlier_jobs_higher_attempt(fake):
+    """An earlier job of the id (attempt 3, left without its cleanup) listed beside the new
+    job's attempt 1: the new job's states are followed, before and after a driver restart."""
+    from drivers.common.base import ClusterConfig, JobRef, JobState
+    from drivers.ray.driver import RayConfig, RayDriver
+
+    fake.jobs["dlsched-j-3_old"] = {
+        "type": "SUBMISSION", "submission_id": "dlsched-j-3_old", "status": "FAILED", "start_time": 500,
+        "message": "", "metadata": {"dlsched_job_id": "j", "dlsched_attempt": "3", "dlsched_job_uid": "old"}}
+    for restarted in (False, True):
+        d = RayDriver(RayConfig(poll_interval=0.05))
+        try:
+            await d.configure_cluster(ClusterConfig("clusters/t", fake.address))
+            if not restarted:
+                b = await d.launch("clusters/t", "j", _spec(), 1, uid="new")
+                await asyncio.sleep(0.2)  # polls listing both
+                fake.jobs[b.backend_job_id]["status"] = "SUCCEEDED"
+                want = JobState.SUCCEEDED
+            else:
+                fake.jobs[b.backend_job_id]["status"] = "RUNNING"
+                want = JobState.RUNNING
+            deadline = time.monotonic() + 10
+            while (now := (await d.observe("clusters/t", [JobRef("j", "")]))[0]).state is not want:
+                assert time.monotonic() < deadline, now
+                await asyncio.sleep(0.05)
+        finally:
+            await d.close()
+        assert now.backend_job_id == "dlsched-j-1_new", now
 
 
 async def test_a_launch_an_earlier_driver_submitted_without_the_uid_in_its_id_is_adopted(fake):

@@ -142,7 +142,7 @@ async def run_to_end(jm: jm_grpc.JobManagerServiceStub, runs: list[Run], spec: S
 async def test_single_process_succeeds_with_the_job_environment(jm, runs, tmp_path):
     r, job = await run_to_end(jm, runs, on_ray(S.RUN_MODE_SINGLE_PROCESS, probe_group("main", tmp_path)))
     assert job.state == S.JOB_STATE_SUCCEEDED and job.exit_code == 0, job
-    assert job.cluster == CLUSTER and job.backend_job_id == f"dlsched-{r.id}-1_{job.uid}" and job.attempt == 1
+    assert job.cluster == CLUSTER and job.backend_job_id == f"dlsched-{r.id}-1_{job.uid.replace('-', '')}" and job.attempt == 1
     assert r.states[0] == S.JOB_STATE_PENDING and r.states[-1] == S.JOB_STATE_SUCCEEDED, r.states
     [env] = [p["env"] for p in probes(tmp_path)]
     assert (env["DLSCHED_JOB_ID"], env["DLSCHED_JOB_NAME"]) == (r.id, r.name)

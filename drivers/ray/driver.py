@@ -120,7 +120,13 @@ from drivers.common.registry import STOP_REQUESTED, BackendUnavailable
 from drivers.common.skeleton import BackendDriver
 from drivers.ray import layout, logs, render, states, usage
 from drivers.ray.api import RayApi, RayHttpError, last_line
-from drivers.ray.parse import capacity, observation, over_time_limit, with_replicas
+from drivers.ray.parse import (
+    capacity,
+    newest_submission,
+    observation,
+    over_time_limit,
+    with_replicas,
+)
 
 log = logging.getLogger("dlsched.driver.ray")
 
@@ -251,23 +257,15 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
             self.hub.publish(name, obs)
 
     def _apply(self, name: str, c: _Cluster, items: list[Any]) -> None:
-        newest: dict[str, tuple[tuple[int, bool, float], dict[str, Any]]] = {}
-        seen: dict[str, set[str]] = {}
+        groups: dict[str, list[tuple[render.SubmissionMeta, dict[str, Any]]]] = {}
         c.legacy.clear()
         for it in items:
             meta = render.parse_submission(it) if isinstance(it, dict) else None
-            if meta is None:
-                continue
-            seen.setdefault(meta.job_id, set()).add(meta.submission_id)
-            # The newest attempt; of one attempt's submissions (jobs of one id, other uids) the
-            # tracked job's, else the last submitted.
-            prev = c.jobs.get(meta.job_id)
-            started = it.get("start_time")
-            key = (meta.attempt, prev is not None and same_job(prev.uid, meta.uid),
-                   float(started) if isinstance(started, (int, float)) else 0.0)
-            if meta.job_id not in newest or key > newest[meta.job_id][0]:
-                newest[meta.job_id] = (key, it)
-        for job_id, ((attempt, _, _), it) in newest.items():
+            if meta is not None:
+                groups.setdefault(meta.job_id, []).append((meta, it))
+        seen = {job_id: {m.submission_id for m, _ in subs} for job_id, subs in groups.items()}
+        newest = {job_id: newest_submission(c.jobs.get(job_id), subs) for job_id, subs in groups.items()}
+        for job_id, (attempt, it) in newest.items():
             prev = c.jobs.get(job_id)
             if prev is not None and prev.attempt > attempt:
                 continue  # a launch the list does not show yet
@@ -275,9 +273,8 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
                 continue  # a list from before a cleanup: an earlier job's submission of the same id
             obs = observation(job_id, attempt, it)
             if prev is None and obs.state.is_terminal():
-                uid = render.uid_of(it)
-                if uid and not render.carries_uid(obs.backend_job_id):  # made before ids named uids
-                    c.legacy[job_id] = (attempt, uid, obs.backend_job_id)
+                if not render.carries_uid(obs.backend_job_id):  # made before ids named uids
+                    c.legacy[job_id] = (attempt, render.uid_of(it), obs.backend_job_id)
                 continue  # ended before it was tracked, or forgotten: answered when asked (``_untracked``)
             node = it.get("driver_node_id")
             if isinstance(node, str) and node:

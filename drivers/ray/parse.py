@@ -13,6 +13,7 @@ from drivers.common.base import (
     JobState,
     ReplicaState,
     ReplicaStatus,
+    same_job,
 )
 from drivers.ray import layout, render, states
 
@@ -126,3 +127,19 @@ def capacity(report: Mapping[str, Any]) -> ClusterCapacity:
         max_memory_bytes_per_node=int(max((pair(n, "memory")[1] for n in nodes), default=0.0)),
         max_gpus_per_node=int(max((pair(n, "GPU")[1] for n in nodes), default=0.0)),
     )
+
+
+def newest_submission(prev: JobObservation | None, subs: list[tuple[render.SubmissionMeta, dict[str, Any]]]
+                      ) -> tuple[int, dict[str, Any]]:
+    """A job id's listed submission to follow and its attempt: of the tracked job's uid (else of
+    the uid submitted last: jobs of one id deleted without their cleanup may be listed beside
+    it), the newest attempt."""
+    def started(it: dict[str, Any]) -> float:
+        t = it.get("start_time")
+        return float(t) if isinstance(t, (int, float)) else 0.0
+    mine = [x for x in subs if prev is not None and same_job(prev.uid, x[0].uid)]
+    if not mine:
+        last = max(subs, key=lambda x: started(x[1]))[0].uid
+        mine = [x for x in subs if x[0].uid == last]
+    meta, it = max(mine, key=lambda x: (x[0].attempt, started(x[1])))
+    return meta.attempt, it

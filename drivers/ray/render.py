@@ -112,8 +112,9 @@ class RayOptions:
 
 
 def submission_id(job_id: str, attempt: int, uid: str = "") -> str:
-    """The submission's id; ``_`` is in neither a job id nor a uid (``carries_uid``)."""
-    return f"dlsched-{job_id}-{attempt}_{uid}" if uid else f"dlsched-{job_id}-{attempt}"
+    """The submission's id (the uid without dashes: one id however the uid is written); ``_``
+    is in neither a job id nor a uid (``carries_uid``)."""
+    return f"dlsched-{job_id}-{attempt}_{uid.replace('-', '')}" if uid else f"dlsched-{job_id}-{attempt}"
 
 
 def carries_uid(sid: str) -> bool:
