@@ -115,7 +115,7 @@ async def test_a_line_longer_than_a_message_goes_out_in_pieces(stub: Any, emu: t
 
 
 async def test_a_client_that_reads_slowly_holds_the_pod_log_stream_back(stub: Any, emu: tuple[Emulator, str]) -> None:
-    """A follower that does not read: the driver queues a bounded amount (QUEUED_BYTES) and the
+    """A follower that does not read: the driver queues a bounded amount (QUEUED_CHARS) and the
     pod log stream waits in flow control, instead of the driver reading all the pod wrote into
     memory. Every line still arrives, in order, once the client reads."""
     e, url = emu
@@ -143,3 +143,25 @@ async def test_a_client_that_reads_slowly_holds_the_pod_log_stream_back(stub: An
     async for r in call:
         got.extend(x.text for x in r.entries)
     assert got == lines
+
+
+async def test_many_followers_never_hold_back_the_drivers_api_calls(stub: Any, emu: tuple[Emulator, str]) -> None:
+    """Each follow holds a reader thread for as long as it lasts: 40 of them (more than the
+    default thread pool of any machine) and the driver still launches and observes jobs."""
+    e, url = emu
+    job = new_id("crowd")
+    await launch(stub, job, spec("single_process"))
+    pod = f"{job}-1-main-0"
+    await kubelet(url, pod, "Running")
+    e.write_log(pod, "hello")
+    req = dpb.TailJobLogsRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job), follow=True)
+    calls = [stub.TailJobLogs(req, timeout=300) for _ in range(40)]
+    try:
+        for call in calls:  # every follow has its reader (it has read the first line)
+            assert [x.text for x in (await call.read()).entries] == ["hello"]
+        other = new_id("other")
+        await asyncio.wait_for(launch(stub, other, spec("single_process")), 60)
+        await eventually(lambda: e.phase(f"{other}-1-main-0") != "")
+    finally:
+        for call in calls:
+            call.cancel()

@@ -10,14 +10,18 @@ stream has ended and the job is terminal. Each reader runs in a worker
 thread (the client blocks); closing the stream (``LogStream.close``) shuts
 the socket down so a reader blocked on a silent follow ends at once and no
 reader outlives its consumer. What the readers of one tail hold for their
-consumer is bounded (``QUEUED_BYTES``): past it a reader waits, and the pod
-log stream waits in the connection's flow control, so a slow client costs
-the driver a bounded amount of memory however fast the pods write.
+consumer is bounded (``QUEUED_CHARS`` characters of text): past it a reader
+waits, and the pod log stream waits in the connection's flow control, so a
+slow client costs the driver a bounded amount of memory however fast the
+pods write. Readers run in a pool of their own (``READER_THREADS``): a
+follow holds its thread for as long as it lasts, and the pool the API calls
+use must never wait for them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import math
 import socket
@@ -38,9 +42,12 @@ from drivers.kubernetes.tracking import KubeCluster, Replica, TrackedJob
 BATCH_ENTRIES = 500
 FOLLOW_READ_TIMEOUT = 24 * 3600.0  # a followed log may stay silent for long
 
-#: the bytes of log text one tail's readers may have queued for its consumer
-QUEUED_BYTES = 4 << 20
-_ENTRY_COST = 64  #: an entry's bytes beyond its text
+#: the characters of log text one tail's readers may have queued for its consumer
+QUEUED_CHARS = 4 << 20
+_ENTRY_COST = 64  #: what an entry costs beyond its text, in characters
+#: log readers at once in this process (a follow holds one for its whole life); more wait
+READER_THREADS = 256
+_READERS = concurrent.futures.ThreadPoolExecutor(max_workers=READER_THREADS, thread_name_prefix="k8s-log")
 
 _Queue = asyncio.Queue[list[LogEntry] | BaseException | None]
 
@@ -50,10 +57,10 @@ def _cost(entries: list[LogEntry]) -> int:
 
 
 class _Budget:
-    """The bytes one tail's readers have queued: a reader (a thread) waits while they are past
-    ``QUEUED_BYTES`` (one batch always goes), until the consumer takes some or it is stopped."""
+    """What one tail's readers have queued: a reader (a thread) waits while it is past
+    ``QUEUED_CHARS`` (one batch always goes), until the consumer takes some or it is stopped."""
 
-    def __init__(self, limit: int = QUEUED_BYTES) -> None:
+    def __init__(self, limit: int = QUEUED_CHARS) -> None:
         self._cond = threading.Condition()
         self._used = 0
         self._limit = limit
@@ -307,7 +314,7 @@ async def _tail_one(c: KubeCluster, job: TrackedJob, r: Replica, index: int, con
                     resp.release_conn()
 
         try:
-            await asyncio.to_thread(read)
+            await loop.run_in_executor(_READERS, read)
         except DlschedError:
             raise
         except Exception as e:  # noqa: BLE001
