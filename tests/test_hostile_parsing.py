@@ -137,3 +137,16 @@ def test_a_ray_manifest_a_job_wrote_over_is_read_line_by_line_and_bounded() -> N
                       '{"role":"a","index":0,"exit":3}', "torn {"])
     m = layout.parse_manifest(text)
     assert [(p.role, p.index, p.node_id) for p in m.placed] == [("a", 0, "n")] and m.exits == {("a", 0): (3, False)}
+
+
+@pytest.mark.parametrize("sup", ["x", [1, 2], {"pid": "1", "start_ticks": 5}, {"pid": True, "start_ticks": 5},
+                                 {"pid": -1, "start_ticks": 5}, {"pid": 2 ** 40, "start_ticks": 5},
+                                 {"pid": 7, "start_ticks": 1.5}, {"pid": 7}, None])
+def test_a_local_status_files_supervisor_is_taken_only_as_two_integers(sup: object) -> None:
+    """A local job can write over its status file: the supervisor it names (signalled on a
+    stop) is a positive pid and start time as integers, or none."""
+    from drivers.local import attempt
+
+    assert attempt.supervisor_of({"supervisor": sup}) is None
+    assert attempt.supervisor_of({"supervisor": {"pid": 7, "start_ticks": 5}}) == (7, 5)
+    attempt.wake_supervisor(attempt.supervisor_of({"supervisor": sup}))  # nothing to signal, no error

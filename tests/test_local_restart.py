@@ -169,3 +169,4 @@ async def test_a_status_file_a_job_wrote_over_is_skipped_and_every_other_job_sti
         assert forged.state == job_pb2.JOB_STATE_RUNNING, forged
         await s.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id="forger")),
                              timeout=10)
+

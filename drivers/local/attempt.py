@@ -121,16 +121,27 @@ def read_stop(adir: str) -> float | None:
         return None
 
 
-def wake_supervisor(status: Mapping[str, Any] | None) -> None:
-    """SIGUSR1 to the supervisor named in its status (only when pid and start time still match)."""
-    sup = (status or {}).get("supervisor") or {}
+def supervisor_of(status: Mapping[str, Any] | None) -> tuple[int, int] | None:
+    """The (pid, start ticks) of the supervisor its status names; None when it names none or
+    not as integers (a job can write over the file)."""
+    sup = (status or {}).get("supervisor")
+    if not isinstance(sup, dict):
+        return None
     pid, ticks = sup.get("pid"), sup.get("start_ticks")
-    if not pid or not ticks:
+    if type(pid) is not int or type(ticks) is not int or not 0 < pid < 1 << 31 or not 0 < ticks < 1 << 63:
+        return None
+    return pid, ticks
+
+
+def wake_supervisor(supervisor: tuple[int, int] | None) -> None:
+    """SIGUSR1 to the supervisor (pid, start ticks), only when its start time still matches."""
+    if supervisor is None:
         return  # no status yet: it reads the stop file once it has installed its handler
-    st = procfs.read_stat(int(pid))
+    pid, ticks = supervisor
+    st = procfs.read_stat(pid)
     if st is not None and st.start_ticks == ticks:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(int(pid), signal.SIGUSR1)
+            os.kill(pid, signal.SIGUSR1)
 
 
 def signal_sessions(leaders: Iterable[int], sig: int) -> None:

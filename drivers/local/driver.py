@@ -318,8 +318,7 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
             except OSError as e:
                 raise Internal(f"cannot ask the job to stop: {e.strerror or e}") from e
             job.pending_stop = grace
-            pid, ticks = job.supervisor or (None, None)
-            attempt.wake_supervisor({"supervisor": {"pid": pid, "start_ticks": ticks}})
+            attempt.wake_supervisor(job.supervisor)
             self._publish(job)
         return self._observation(job)
 
@@ -441,9 +440,8 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
         except (KeyError, TypeError, ValueError) as e:
             log.warning("unreadable status of job %s: %s", job.job_id, e)
             return
-        sup = doc.get("supervisor") or {}
         job.signature, job.machine = sig, machine
-        job.supervisor = (sup.get("pid"), sup.get("start_ticks")) if sup else None
+        job.supervisor = attempt.supervisor_of(doc)
         if job.pending_stop is not None:
             if machine.stop is not None or machine.succeeding or machine.state.is_terminal():
                 job.pending_stop = None  # the supervisor has it

@@ -42,7 +42,7 @@ class TrackedJob:
         self.request = request
         self.dir = render.attempt_dir(state_dir, job_id, attempt_no)
         self.machine = JobMachine(plan)
-        self.supervisor: tuple[Any, Any] | None = None  # pid and start ticks, from the status file
+        self.supervisor: tuple[int, int] | None = None  # pid and start ticks, from the status file
         self.signature: tuple[int, int, int] | None = None
         self.proc: subprocess.Popen[bytes] | None = None  # the supervisor, while it is our child
         self.next_liveness = 0.0
