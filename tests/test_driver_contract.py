@@ -250,6 +250,46 @@ async def test_a_restarted_drivers_first_call_for_a_running_job_may_be_its_stop(
     assert now.state == job_pb2.JOB_STATE_STOPPED, now
 
 
+async def test_the_cleanup_of_an_earlier_job_of_the_id_stops_only_that_one(peer: Peer) -> None:
+    """An earlier job of the id (attempt 2, its uid) still running across a driver restart, and
+    a new job of the id (attempt 1): the new launch is refused NAME_COLLISION where the backend
+    knows the old one by the id, or runs beside it. Either way the old job's cleanup by its ref
+    stops the old job only: the new one runs on, its output still there."""
+    job, old, new = new_id(), str(uuid.uuid4()), str(uuid.uuid4())
+    first = await peer.launch(job, peer.sleeping(), attempt=2, uid=old)
+    await peer.restart()
+    printing = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+        peer.group("import time\nprint('new job here', flush=True)\ntime.sleep(120)")])
+    old_ref = dpb.JobRef(job_id=job, backend_job_id=first.backend_job_id, job_uid=old)
+    beside = True
+    try:
+        second = await peer.launch(job, printing, uid=new)
+    except grpc.aio.AioRpcError as e:
+        assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and error_info(e).reason == "NAME_COLLISION", e
+        beside = False
+    if beside:  # (Slurm: a restarted driver knows jobs by their Slurm id, not by the job id alone)
+
+        async def output() -> list[str]:
+            req = dpb.TailJobLogsRequest(cluster=peer.cluster, job=dpb.JobRef(
+                job_id=job, backend_job_id=second.backend_job_id, job_uid=new))
+            return [e.text async for r in peer.stub.TailJobLogs(req, timeout=60) for e in r.entries]
+        deadline = time.monotonic() + 90
+        while "new job here" not in await output():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.5)
+    await peer.cleanup(job, old_ref)
+    gone = (await peer.stub.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
+        cluster=peer.cluster, jobs=[old_ref]), timeout=peer.call_timeout)).observations[0]
+    assert not gone.found or gone.state in TERMINAL, gone
+    if beside:
+        now = (await peer.stub.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
+            cluster=peer.cluster, jobs=[dpb.JobRef(job_id=job, backend_job_id=second.backend_job_id, job_uid=new)]),
+            timeout=peer.call_timeout)).observations[0]
+        assert now.found and now.state not in TERMINAL, now
+        assert "new job here" in await output()
+    await peer.cleanup(job, dpb.JobRef(job_id=job, job_uid=new))
+
+
 async def test_after_a_driver_restart_a_running_job_of_the_same_id_is_a_name_collision(peer: Peer) -> None:
     """The same after a driver restart (nothing of the old job in the driver's memory): the new
     job is never started beside the old one (on Slurm they would share the attempt directory)

@@ -619,27 +619,31 @@ async def test_a_new_job_of_an_id_is_followed_beside_an_earlier_jobs_higher_atte
 
 async def test_a_launch_an_earlier_driver_submitted_without_the_uid_in_its_id_is_adopted(fake):
     """Submissions made before ids named uids: a restarted driver's launch of the same job,
-    attempt and uid is that one, ended or not; another uid's is not adopted."""
+    attempt and uid is that one, ended or not; another uid's is not adopted, nor an ended one
+    without a uid (no telling whose it was: a job id used again is a new job)."""
     from drivers.common.base import ClusterConfig, JobState
     from drivers.ray.driver import RayConfig, RayDriver
 
-    for job, uid, status in (("ended", "u1", "SUCCEEDED"), ("runs", "u2", "RUNNING"), ("other", "u3", "FAILED")):
+    for job, uid, status in (("ended", "u1", "SUCCEEDED"), ("runs", "u2", "RUNNING"), ("other", "u3", "FAILED"),
+                             ("bare", "", "SUCCEEDED")):
         fake.jobs[f"dlsched-{job}-1"] = {
             "type": "SUBMISSION", "submission_id": f"dlsched-{job}-1", "status": status, "start_time": 1000,
             "end_time": 2000 if status != "RUNNING" else None, "message": "",
-            "metadata": {"dlsched_job_id": job, "dlsched_attempt": "1", "dlsched_job_uid": uid}}
+            "metadata": {"dlsched_job_id": job, "dlsched_attempt": "1", **({"dlsched_job_uid": uid} if uid else {})}}
     d = RayDriver(RayConfig(poll_interval=0.05))
     try:
         await d.configure_cluster(ClusterConfig("clusters/t", fake.address))
         ended = await d.launch("clusters/t", "ended", _spec(), 1, uid="u1")
         runs = await d.launch("clusters/t", "runs", _spec(), 1, uid="u2")
         other = await d.launch("clusters/t", "other", _spec(), 1, uid="u4")
+        bare = await d.launch("clusters/t", "bare", _spec(), 1, uid="u5")
     finally:
         await d.close()
     assert (ended.backend_job_id, ended.observation.state) == ("dlsched-ended-1", JobState.SUCCEEDED)
     assert (runs.backend_job_id, runs.observation.state) == ("dlsched-runs-1", JobState.RUNNING)
     assert other.backend_job_id == "dlsched-other-1_u4" and other.observation.state is JobState.PENDING
-    assert [m for m, p, _ in fake.requests if p == "/api/jobs/"].count("POST") == 1
+    assert bare.backend_job_id == "dlsched-bare-1_u5" and bare.observation.state is JobState.PENDING
+    assert [m for m, p, _ in fake.requests if p == "/api/jobs/"].count("POST") == 2
 
 
 async def test_head_never_reached_is_unavailable_not_not_found():

@@ -273,8 +273,8 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
                 continue  # a list from before a cleanup: an earlier job's submission of the same id
             obs = observation(job_id, attempt, it)
             if prev is None and obs.state.is_terminal():
-                if not render.carries_uid(obs.backend_job_id):  # made before ids named uids
-                    c.legacy[job_id] = (attempt, render.uid_of(it), obs.backend_job_id)
+                if (uid := render.uid_of(it)) and not render.carries_uid(obs.backend_job_id):  # made before
+                    c.legacy[job_id] = (attempt, uid, obs.backend_job_id)  # ids named uids (uid-less: no telling)
                 continue  # ended before it was tracked, or forgotten: answered when asked (``_untracked``)
             node = it.get("driver_node_id")
             if isinstance(node, str) and node:

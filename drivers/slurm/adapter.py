@@ -312,6 +312,9 @@ class SlurmClient:
             existing = None
         if existing is None and ending and (still := [j for j in await self.running(script.job_id)
                                                       if j.job_id in ending]):
+            for j in still:  # (again: the cleanup's cancel may not have reached a job Slurm still queues)
+                with contextlib.suppress(DlschedError):
+                    await self.cancel(j.job_id)
             raise BackendUnavailable(f"Slurm job {still[0].job_id} of an earlier job {script.job_id!r}, "
                                      "deleted, is still ending")
         if existing is None and (running := [j for j in script.rivals(listed)

@@ -111,6 +111,9 @@ INFO_BUDGET = 3.5
 PING_BUDGET = 1.0  # of which the controller ping (one quick RPC) always gets at least this much
 
 RECORD_RETRY_SECONDS = 5.0  # between tries to write forgotten jobs' records while they fail
+#: how long after its cleanup a job Slurm still runs holds back a new launch of its id
+#: (UNAVAILABLE; a cancelled job ends within KillWait, default 30 s)
+ENDING_WINDOW = 300.0
 
 __all__ = ["SbatchRejected", "SlurmConfig", "SlurmDriver"]
 
@@ -256,8 +259,8 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
         marks = {rendered.comment, render.job_comment(job_id, attempt)}  # what it may adopt, see ``marks``
         c.launching.update(marks)  # its job may sit held a while: not a stray
         try:
-            backend_id, held = await c.client.submit(rendered, c.listed, c.unsure, c.late, c.retired,
-                                                     [k for k, (_, j) in c.retired.items() if j == job_id])
+            ending = [k for k, (t, j) in c.retired.items() if j == job_id and time.monotonic() - t < ENDING_WINDOW]
+            backend_id, held = await c.client.submit(rendered, c.listed, c.unsure, c.late, c.retired, ending)
         finally:
             c.launching.difference_update(marks)
         # no native spec kept (a few KiB): a repeated launch renders it again (``_known``)
@@ -464,7 +467,7 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
                     await asyncio.wait([writer], timeout=self.config.command_timeout)  # removed after it
             await c.client.remove_files(job.job_id, job.dir.rsplit("/", 1)[0])
             return
-        if not job.state.is_terminal():
+        if not job.state.is_terminal() or job.unschedulable:  # (FAILED here, maybe still queued there)
             await self._terminate(c, name, ref, None)
         await c.client.remove_files(job.job_id, job.dir.rsplit("/", 1)[0])
         c.jobs.pop(job.job_id, None)
@@ -474,21 +477,29 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
     async def _cleanup_untracked(self, c: SlurmCluster, ref: JobRef) -> None:
         """Jobs Slurm runs that this driver does not track (submitted before it started): the
         ref's, or by its job id alone (a new job's cleanup) each of that id's, cancelled (their
-        ids retired once Slurm took the cancel) and their files removed. Raises when Slurm
-        cannot tell: JobManager tries again, never taking a job left running for cleaned up."""
+        ids retired once Slurm took the cancel), and the id's files removed unless a job of it
+        is tracked or launching now. Raises when Slurm cannot tell: a job left running is
+        never answered cleaned up."""
         if ref.backend_job_id and not decimal(ref.backend_job_id):
             return
         for sj in await c.client.running(ref.job_id):
             parsed = render.parse_comment(sj.comment)
-            tracked = c.jobs.get(ref.job_id) or c.recording.get(ref.job_id)  # (a launch may land meanwhile)
-            if parsed is None or sj.comment in c.launching or (tracked is not None and tracked.backend_job_id ==
-                                                               sj.job_id) or not ref.names_uid(parsed[2]):
+            if parsed is None or self._live(c, ref.job_id, sj.job_id) or not ref.names_uid(parsed[2]):
                 continue
             if ref.backend_job_id in ("", sj.job_id):
                 await c.client.cancel(sj.job_id)
                 c.retired[sj.job_id] = (time.monotonic(), ref.job_id)
-                await c.client.remove_files(ref.job_id, render.attempt_dir(c.options, ref.job_id, parsed[1])
-                                            .rsplit("/", 1)[0])
+        if ref.backend_job_id:  # (ended or not: never adopted by a new job of the id)
+            c.retired.setdefault(ref.backend_job_id, (time.monotonic(), ref.job_id))
+        if not self._live(c, ref.job_id, ""):
+            await c.client.remove_files(ref.job_id, f"{render.state_dir_of(c.options)}/{ref.job_id}")
+
+    @staticmethod
+    def _live(c: SlurmCluster, job_id: str, backend_job_id: str) -> bool:
+        """Whether a job of ``job_id`` is tracked or launching here (that Slurm job, or any)."""
+        tracked = c.jobs.get(job_id) or c.recording.get(job_id)
+        return (tracked is not None and backend_job_id in ("", tracked.backend_job_id)) or any(
+            m.startswith(f"{render.job_name(job_id)}.") for m in c.launching)
 
     # ------------------------------------------------------------------ logs and usage
 
