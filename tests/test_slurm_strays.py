@@ -175,3 +175,26 @@ async def test_a_job_held_while_its_own_launch_releases_it_is_never_cancelled(st
     finally:
         await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=name), timeout=30)
     assert marker.read_text().splitlines() == ["ran"]
+
+
+async def test_a_held_job_a_stop_is_the_first_to_name_is_cancelled_never_released(stub, cluster, tmp_path):
+    """A job its driver submitted held and never released (it died), stopped by its ref before
+    any observation named it: the driver adopts it to stop it, and never releases it first (it
+    would start, however briefly, before the cancel)."""
+    name = "clusters/slurm-stopheld"
+    released = tmp_path / "released"
+    req = configure_request(cluster, name)
+    req.options["PATH"] = _scontrol(tmp_path / "bin", f"echo \"$2\" >> {released}")
+    await stub.ConfigureCluster(req, timeout=30)
+    jid = new_id("heldstop")
+    marker = pathlib.Path(cluster.home) / f"{jid}.ran"
+    held = sbatch(cluster, jid, f"touch {marker}", hold=True)
+    try:
+        resp = await stub.TerminateJob(dpb.TerminateJobRequest(
+            cluster=name, job=dpb.JobRef(job_id=jid, backend_job_id=held)), timeout=60)
+        assert resp.observation.found, resp.observation
+        await until(lambda: slurm_jobs(cluster, jid), lambda j: j == {held: "CANCELLED"})
+    finally:
+        await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=name), timeout=30)
+    assert not marker.exists()
+    assert held not in (released.read_text().split() if released.exists() else [])

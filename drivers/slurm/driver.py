@@ -405,9 +405,9 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
             out.append(gone.observation(None) if gone is not None else self._lookup(c, ref))
         return out
 
-    async def _adopt(self, c: SlurmCluster, refs: Sequence[JobRef]) -> bool:
-        """Track jobs submitted before this driver started, from the next poll round's answer;
-        whether the round answered."""
+    async def _adopt(self, c: SlurmCluster, refs: Sequence[JobRef], release: bool = True) -> bool:
+        """Track jobs submitted before this driver started, from the next poll round's answer
+        (releasing a held one unless ``release`` is False); whether the round answered."""
         ids = [r.backend_job_id for r in refs]
         c.claiming.update(ids)  # the round that lists them must not cancel them as strays
         try:
@@ -428,7 +428,7 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
                              render.attempt_dir(c.options, ref.job_id, parsed[1]), None, uid=parsed[2])
             job.apply(sj)
             c.jobs[ref.job_id] = job
-            if is_held(sj):  # submitted held by a driver that died before releasing it
+            if is_held(sj) and release:  # submitted held by a driver that died before releasing it
                 c.to_release.add(sj.job_id)
                 self._later(c, "release", sj.job_id, ref.job_id)
         return True
@@ -441,7 +441,7 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
         if job is None and decimal(ref.backend_job_id):  # forgotten: it ended; else submitted before
             if (gone := await self._forgotten(c, ref)) is not None:  # this driver started: adopted
                 return c.observation(gone)
-            if not await self._adopt(c, [ref]):
+            if not await self._adopt(c, [ref], release=False):  # (held: cancelled before it may start)
                 raise BackendUnavailable("Slurm did not answer the look-up of the job to stop")
             job = c.find(ref)
         if job is None or not ref.names_uid(job.uid):  # unknown (or another uid's): nothing to stop
