@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import pathlib
 import time
 import uuid
@@ -250,16 +251,24 @@ async def test_a_restarted_drivers_first_call_for_a_running_job_may_be_its_stop(
     assert now.state == job_pb2.JOB_STATE_STOPPED, now
 
 
-async def test_the_cleanup_of_an_earlier_job_of_the_id_stops_only_that_one(peer: Peer) -> None:
+async def test_the_cleanup_of_an_earlier_job_of_the_id_stops_only_that_one(
+        peer: Peer, tmp_path: pathlib.Path) -> None:
     """An earlier job of the id (attempt 2, its uid) still running across a driver restart, and
     a new job of the id (attempt 1): the new launch is refused NAME_COLLISION where the backend
     knows the old one by the id, or runs beside it. Either way the old job's cleanup by its ref
     stops the old job only: the new one runs on, its output still there."""
     job, old, new = new_id(), str(uuid.uuid4()), str(uuid.uuid4())
-    first = await peer.launch(job, peer.sleeping(), attempt=2, uid=old)
+    beat = tmp_path / "beat"
+    first = await peer.launch(job, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+        peer.group(f"import time\nwhile True:\n    open({str(beat)!r}, 'a').write('.')\n    time.sleep(0.2)")]),
+        attempt=2, uid=old)
+    deadline = time.monotonic() + 90
+    while peer.name != "kubernetes" and not beat.exists():  # it runs (released), where pods run
+        assert time.monotonic() < deadline, (await peer.observe(job))[0]
+        await asyncio.sleep(0.2)
     await peer.restart()
     printing = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
-        peer.group("import time\nprint('new job here', flush=True)\ntime.sleep(120)")])
+        peer.group("import time\nprint('new job here', flush=True)\ntime.sleep(600)")])
     old_ref = dpb.JobRef(job_id=job, backend_job_id=first.backend_job_id, job_uid=old)
     beside = True
     try:
@@ -278,16 +287,59 @@ async def test_the_cleanup_of_an_earlier_job_of_the_id_stops_only_that_one(peer:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.5)
     await peer.cleanup(job, old_ref)
-    gone = (await peer.stub.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
-        cluster=peer.cluster, jobs=[old_ref]), timeout=peer.call_timeout)).observations[0]
-    assert not gone.found or gone.state in TERMINAL, gone
     if beside:
+        deadline, last, still = time.monotonic() + 90, -1, time.monotonic()
+        while time.monotonic() - still < 3:  # the old one's heart beat stops
+            if (size := beat.stat().st_size) != last:
+                last, still = size, time.monotonic()
+            assert time.monotonic() < deadline, "the earlier job still runs after its cleanup"
+            await asyncio.sleep(0.2)
         now = (await peer.stub.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
             cluster=peer.cluster, jobs=[dpb.JobRef(job_id=job, backend_job_id=second.backend_job_id, job_uid=new)]),
             timeout=peer.call_timeout)).observations[0]
         assert now.found and now.state not in TERMINAL, now
         assert "new job here" in await output()
+    else:
+        gone = (await peer.stub.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
+            cluster=peer.cluster, jobs=[old_ref]), timeout=peer.call_timeout)).observations[0]
+        assert not gone.found or gone.state in TERMINAL, gone
     await peer.cleanup(job, dpb.JobRef(job_id=job, job_uid=new))
+
+
+async def test_a_late_cleanup_of_a_forgotten_earlier_job_leaves_the_new_job_of_its_id_alone(peer: Peer) -> None:
+    """An ended job whose end JobManager recorded (forgotten), a new job of its id launched, and
+    then the earlier job's cleanup by its ref (a retry arriving late): the new job runs on, and
+    its output is still there (on Slurm a job id's attempts share one directory)."""
+    job = new_id()
+    if peer.name == "kubernetes":  # (the test plays the kubelet)
+        await peer.run_printing(job, 1)
+        ended = (await peer.observe(job))[0]
+    else:  # attempt 2: its record stays beside the new job's attempt 1
+        await peer.launch(job, peer.marking(os.devnull), attempt=2)
+        ended = await peer.wait_state(job)
+    await peer.stub.ForgetJobs(dpb.ForgetJobsRequest(cluster=peer.cluster, jobs=[
+        dpb.JobRef(job_id=job, backend_job_id=ended.backend_job_id)]), timeout=peer.call_timeout)
+    await asyncio.sleep(3)  # its record written (Slurm): from then on the driver knows it only from there
+    uid = str(uuid.uuid4())
+    second = await peer.launch(job, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+        peer.group("import time\nprint('new job here', flush=True)\ntime.sleep(600)")]), uid=uid)
+    ref = dpb.JobRef(job_id=job, backend_job_id=second.backend_job_id, job_uid=uid)
+
+    async def output() -> list[str]:
+        req = dpb.TailJobLogsRequest(cluster=peer.cluster, job=ref)
+        return [e.text async for r in peer.stub.TailJobLogs(req, timeout=60) for e in r.entries]
+    deadline = time.monotonic() + 90
+    while peer.name != "kubernetes" and "new job here" not in await output():  # (no pod runs there)
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.5)
+    await peer.cleanup(job, dpb.JobRef(job_id=job, backend_job_id=ended.backend_job_id,
+                                       job_uid=peer.uids[job]))
+    now = (await peer.stub.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
+        cluster=peer.cluster, jobs=[ref]), timeout=peer.call_timeout)).observations[0]
+    assert now.found and now.state not in TERMINAL, now
+    if peer.name != "kubernetes":
+        assert "new job here" in await output()
+    await peer.cleanup(job, ref)
 
 
 async def test_after_a_driver_restart_a_running_job_of_the_same_id_is_a_name_collision(peer: Peer) -> None:

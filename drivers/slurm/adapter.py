@@ -62,7 +62,6 @@ import shlex
 import time
 from collections.abc import (
     Awaitable,
-    Collection,
     Container,
     Iterable,
     Mapping,
@@ -80,6 +79,7 @@ from drivers.slurm.render import SlurmScript
 from drivers.slurm.ssh import Congested, SshClient, Started
 
 log = logging.getLogger("dlsched.driver.slurm")
+_NONE: Mapping[str, bool] = {}
 
 SUBMIT_TRIES = 3
 #: squeue look-ups of one attempt before a launch says UNAVAILABLE.
@@ -285,7 +285,8 @@ class SlurmClient:
 
     async def submit(self, script: SlurmScript, listed: Mapping[str, Mapping[str, poll.SlurmJob]] | None,
                      unsure: MutableSet[str], late: MutableMapping[str, float],
-                     retired: Container[str] = frozenset(), ending: Collection[str] = ()) -> tuple[str, bool]:
+                     retired: Container[str] = frozenset(), ending: Mapping[str, bool] = _NONE
+                     ) -> tuple[str, bool]:
         """Submit the attempt once, held, and adopt one job for it (see the module
         docstring): that job's Slurm id, and whether it is still held. The caller
         releases a held one (``release``), after it tracks the id: the release is
@@ -299,8 +300,9 @@ class SlurmClient:
         (monotonic) an sbatch of it last failed or timed out, so that a job may still land.
         ``retired``: Slurm ids of deleted jobs (``listed`` leaves them out): never adopted,
         their attempt's comment may be a new job's that reuses the id. ``ending``: those of this
-        job id: while Slurm runs one (a cancelled job ends after KillWait) it may still write in
-        the attempt's directory, so the launch is UNAVAILABLE (JobManager tries again)."""
+        job id, each with whether it was retired lately: while Slurm runs one (a cancelled job
+        ends after KillWait) it may still write in the attempt's directory, so the launch is
+        UNAVAILABLE (JobManager tries again), and NAME_COLLISION once it is not lately."""
         self.retired = retired
         looked = listed is None or script.comment in unsure
         if looked:
@@ -312,6 +314,10 @@ class SlurmClient:
             existing = None
         if existing is None and ending and (still := [j for j in await self.running(script.job_id)
                                                       if j.job_id in ending]):
+            if not any(ending[j.job_id] for j in still):
+                raise NameCollision(f"Slurm job {still[0].job_id} of an earlier job {script.job_id!r}, deleted, "
+                                    "has not ended long after its cancel (a node not responding?); submit this "
+                                    "job again once it has", metadata={"slurm_job_id": still[0].job_id})
             for j in still:  # (again: the cleanup's cancel may not have reached a job Slurm still queues)
                 with contextlib.suppress(DlschedError):
                     await self.cancel(j.job_id)

@@ -49,7 +49,8 @@ answered by the next poll round.
 Stop: ``scancel`` (Slurm sends SIGTERM, then SIGKILL after KillWait); stopping an ended or unknown job is fine. CANCELLED maps to STOPPED.
 A stop or cleanup by a ref the driver does not track (it restarted) adopts the job first. A cleanup by
 job id alone (a new job of that id, refused NAME_COLLISION) cancels every job of the id Slurm still
-runs; until they have ended, a launch of the id is UNAVAILABLE (they may still run in its directory).
+runs; until they have ended, a launch of the id is UNAVAILABLE (they may still run in its directory),
+for ``ENDING_WINDOW``. A cleanup removes no files while another job of the id may use them.
 
 Bounded memory (``ForgetJobs``): a job whose end JobManager recorded leaves
 memory once its record is written (``records``); untracked jobs are looked up there first.
@@ -61,7 +62,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, Iterable, Sequence
 
 from dlsched import __version__
 from dlsched.errors import DlschedError, InvalidArgument
@@ -93,6 +94,7 @@ from drivers.slurm.adapter import (
     SbatchRejected,
     SlurmClient,
     bounded,
+    ended,
     is_held,
     listing,
     voided,
@@ -259,7 +261,7 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
         marks = {rendered.comment, render.job_comment(job_id, attempt)}  # what it may adopt, see ``marks``
         c.launching.update(marks)  # its job may sit held a while: not a stray
         try:
-            ending = [k for k, (t, j) in c.retired.items() if j == job_id and time.monotonic() - t < ENDING_WINDOW]
+            ending = {k: time.monotonic() - t < ENDING_WINDOW for k, (t, j) in c.retired.items() if j == job_id}
             backend_id, held = await c.client.submit(rendered, c.listed, c.unsure, c.late, c.retired, ending)
         finally:
             c.launching.difference_update(marks)
@@ -465,10 +467,11 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
                 del c.recording[job.job_id]
                 if (writer := c.record_writer) is not None and not writer.done():  # it may hold its record:
                     await asyncio.wait([writer], timeout=self.config.command_timeout)  # removed after it
-            await c.client.remove_files(job.job_id, job.dir.rsplit("/", 1)[0])
-            return
-        if not job.state.is_terminal() or job.unschedulable:  # (FAILED here, maybe still queued there)
+            return await self._remove_files(c, job.job_id)
+        if not job.state.is_terminal():
             await self._terminate(c, name, ref, None)
+        elif job.unschedulable:  # FAILED here, maybe still queued there
+            await c.client.cancel(job.backend_job_id)
         await c.client.remove_files(job.job_id, job.dir.rsplit("/", 1)[0])
         c.jobs.pop(job.job_id, None)
         c.to_release.discard(job.backend_job_id)  # cancelled: nothing to release
@@ -476,30 +479,45 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
 
     async def _cleanup_untracked(self, c: SlurmCluster, ref: JobRef) -> None:
         """Jobs Slurm runs that this driver does not track (submitted before it started): the
-        ref's, or by its job id alone (a new job's cleanup) each of that id's, cancelled (their
-        ids retired once Slurm took the cancel), and the id's files removed unless a job of it
-        is tracked or launching now. Raises when Slurm cannot tell: a job left running is
-        never answered cleaned up."""
+        ref's, or by its job id alone (a new job's cleanup) each of that id's, cancelled (each
+        id retired once Slurm took its cancel), then the id's files (``_remove_files``). Raises
+        when Slurm cannot tell, or while a launch of such a job is in flight: a job left
+        running is never answered cleaned up."""
         if ref.backend_job_id and not decimal(ref.backend_job_id):
             return
-        for sj in await c.client.running(ref.job_id):
+        running, cancelled, launching = await c.client.running(ref.job_id), set(), False
+        for sj in running:
             parsed = render.parse_comment(sj.comment)
-            if parsed is None or self._live(c, ref.job_id, sj.job_id) or not ref.names_uid(parsed[2]):
+            tracked = c.jobs.get(ref.job_id) or c.recording.get(ref.job_id)  # (a launch may land meanwhile)
+            if parsed is None or (tracked is not None and tracked.backend_job_id == sj.job_id) \
+                    or not ref.names_uid(parsed[2]) or ref.backend_job_id not in ("", sj.job_id):
                 continue
-            if ref.backend_job_id in ("", sj.job_id):
-                await c.client.cancel(sj.job_id)
-                c.retired[sj.job_id] = (time.monotonic(), ref.job_id)
-        if ref.backend_job_id:  # (ended or not: never adopted by a new job of the id)
-            c.retired.setdefault(ref.backend_job_id, (time.monotonic(), ref.job_id))
-        if not self._live(c, ref.job_id, ""):
-            await c.client.remove_files(ref.job_id, f"{render.state_dir_of(c.options)}/{ref.job_id}")
+            if sj.comment in c.launching:
+                launching = True
+                continue
+            await c.client.cancel(sj.job_id)
+            c.retired[sj.job_id] = (time.monotonic(), ref.job_id)
+            cancelled.add(sj.job_id)
+        if launching:
+            raise BackendUnavailable(f"a launch of job {ref.job_id!r} is in flight; clean it up after it")
+        if ref.backend_job_id and all(sj.job_id != ref.backend_job_id for sj in running):
+            c.retired.setdefault(ref.backend_job_id, (time.monotonic(), ref.job_id))  # ended: never adopted
+        await self._remove_files(c, ref.job_id, running, cancelled)
 
-    @staticmethod
-    def _live(c: SlurmCluster, job_id: str, backend_job_id: str) -> bool:
-        """Whether a job of ``job_id`` is tracked or launching here (that Slurm job, or any)."""
-        tracked = c.jobs.get(job_id) or c.recording.get(job_id)
-        return (tracked is not None and backend_job_id in ("", tracked.backend_job_id)) or any(
-            m.startswith(f"{render.job_name(job_id)}.") for m in c.launching)
+    async def _remove_files(self, c: SlurmCluster, job_id: str, running: list[poll.SlurmJob] | None = None,
+                            cancelled: Container[str] = ()) -> None:
+        """A cleaned-up job id's files (every attempt's), unless a job of the id is tracked or
+        launching here, or Slurm runs one not just cancelled (after a restart, maybe a new
+        job's: attempt directories are per job id). ``running``: Slurm's jobs of the id that
+        have not ended, if known (else the last round's listing says)."""
+        if job_id in c.jobs or job_id in c.recording or any(m.startswith(f"{render.job_name(job_id)}.") for m in c.launching):
+            return
+        if running is None:
+            running = await c.client.running(job_id) if c.listed is None else [
+                j for key, entry in c.listed.items() if key.startswith(f"{render.job_name(job_id)}.")
+                for j in entry.values() if not ended(j)]
+        if all(sj.job_id in cancelled for sj in running):
+            await c.client.remove_files(job_id, f"{render.state_dir_of(c.options)}/{job_id}")
 
     # ------------------------------------------------------------------ logs and usage
 
