@@ -42,6 +42,7 @@ from job_manager.job_metrics import JobStateGauge
 from job_manager.ownership import ClusterOwnership
 from job_manager.scheduler import Scheduler, SchedulerConfig
 from job_manager.servicer import JobManagerServicer
+from job_manager.sole_writer import SoleWriter
 from job_manager.store import JobStore
 from job_manager.watch import WatchHub
 
@@ -143,7 +144,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 
 async def amain(cfg: Config) -> None:
     client = await etcd.connect(cfg.etcd)
-    store = JobStore(client, cfg.prefix)
+    # Job writes are fenced by the sole-writer key; alone, this replica claims it and
+    # its consistent reads need no etcd round trip (job_manager/sole_writer.py).
+    sole = SoleWriter(cfg.prefix, cfg.replica_id)
+    store = JobStore(client, cfg.prefix, sole=sole)
     # The watch cache: every job, loaded page by page at one revision, then kept
     # by the hub's one watch; reads are served from it.
     cache = JobCache()
@@ -151,6 +155,7 @@ async def amain(cfg: Config) -> None:
                    buffer_bytes=cfg.watch_buffer_bytes, history=cfg.watch_history,
                    consistent_reads=cfg.consistent_reads,
                    cache=cache, store=store)
+    hub.sole = sole
     await hub.start()
     log.info("job cache loaded: %d jobs at revision %d", len(cache), cache.revision)
     access = AccessStore(client, cfg.prefix)

@@ -54,6 +54,7 @@ from dlsched.errors import DlschedError
 from job_manager.cache import JobCache
 from job_manager.domain.model import Job
 from job_manager.job_metrics import CLUSTER_OWNED, OWNERSHIP_CHANGES, TRACKING_WRITES
+from job_manager.sole_writer import VALID_FRACTION
 from job_manager.store import Fence, JobStore
 from job_manager.watch import EventType, WatchHub
 
@@ -134,6 +135,9 @@ class ClusterOwnership:
         self.interval = ttl / 4
         self._client, self._store, self._hub = client, store, hub
         self._cache = cache  # the watch cache; without one, the view pages through etcd
+        self._sole = store.sole  # the sole-writer claim, taken while this replica is alone
+        self._sole.nudge = self._nudge_soon
+        self._lease_until = 0.0  # loop time before which etcd still holds our lease's keys
         self.members_prefix = f"{prefix}job-managers/".encode()
         self.owners_prefix = f"{prefix}cluster-owners/".encode()
         self._held: dict[str, _Held] = {}
@@ -174,6 +178,9 @@ class ClusterOwnership:
 
     def lost(self, cluster: str) -> None:
         """A fenced write was refused: look at the keys now."""
+        self._nudge.set()
+
+    def _nudge_soon(self) -> None:
         self._nudge.set()
 
     async def claim(self, cluster: str) -> bool:
@@ -259,8 +266,11 @@ class ClusterOwnership:
             await asyncio.sleep(self.interval)
 
     async def _session(self) -> None:
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
         lease = await self._client.lease(self.ttl)
         self._lease_id = lease.id
+        self._lease_until = sent + self.ttl * VALID_FRACTION
         change = "lost"
         try:
             await self._client.put(self.member_key(self.identity), b"", lease=lease)
@@ -270,14 +280,20 @@ class ClusterOwnership:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._nudge.wait(), self.interval)
                 self._nudge.clear()
+                sent = loop.time()
                 resp = await asyncio.wait_for(lease.refresh(), self.interval)
                 if resp is None or resp.TTL <= 0:
                     raise aetcd.exceptions.ClientError("lease expired")
+                # etcd keeps the lease (and the sole-writer key) at least a TTL past `sent`
+                self._lease_until = sent + min(int(resp.TTL), self.ttl) * VALID_FRACTION
+                self._sole.extend(self._lease_until)
         except asyncio.CancelledError:
             change = "released"  # closing: hand over at once
             raise
         finally:
+            self._sole.drop()  # reads stop trusting the claim before anything else
             self._lease_id = 0
+            self._lease_until = 0.0
             self._members = []
             await asyncio.shield(self._drop_all(change))
             with contextlib.suppress(*_ETCD_ERRORS):  # our keys go now, not after the TTL
@@ -299,12 +315,40 @@ class ClusterOwnership:
                     await self._drop(cluster, "lost")
                 elif rendezvous(cluster, members) != self.identity:
                     await self._release(cluster)
+            await self._sole_round(members)
             if self.identity not in members:
                 return  # our member key is gone: the lease is too; the refresh says so
             for cluster in sorted(self._per_cluster):
                 if (cluster not in self._held and cluster not in owners
                         and rendezvous(cluster, members) == self.identity):
                     await self._claim(cluster)
+
+    async def _sole_round(self, members: list[str]) -> None:
+        """Claim the sole-writer key while this replica is the only one and no other
+        process waited to write a job lately; release it otherwise (``sole_writer.py``)."""
+        sole, now = self._sole, asyncio.get_running_loop().time()
+        alone = (members == [self.identity] and self._lease_id != 0
+                 and not sole.cooling(now) and now < self._lease_until)
+        if sole.claim_revision and not alone:
+            sole.drop()
+            log.info("%s releases the sole-writer claim", self.identity)
+        if sole.stale_revision:
+            key, rev = sole.key, sole.stale_revision
+            await self._txn([rpc.Compare(key=key, result=rpc.Compare.EQUAL, target=rpc.Compare.CREATE,
+                                         create_revision=rev)],
+                            [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))])
+            if sole.stale_revision == rev:
+                sole.stale_revision = 0
+        if alone and not sole.claim_revision:
+            resp = await self._txn(
+                [rpc.Compare(key=sole.key, result=rpc.Compare.EQUAL, target=rpc.Compare.VERSION, version=0)],
+                [rpc.RequestOp(request_put=rpc.PutRequest(key=sole.key, value=sole.token,
+                                                          lease=self._lease_id))])
+            if resp.succeeded:
+                sole.claimed(int(resp.header.revision), self._lease_until)
+                log.info("%s is the only JobManager replica: it holds the sole-writer claim "
+                         "(revision %d); consistent reads need no etcd round trip", self.identity,
+                         sole.claim_revision)
 
     async def _claim(self, cluster: str) -> None:
         key = self.owner_key(cluster)

@@ -93,10 +93,12 @@ _NO_ANSWER_READ_SECONDS = 2.0
 #: how each GetJob/ListJobs proved this replica's cache fresh enough
 READS = Counter("dlsched_job_manager_reads",
                 "GetJob and ListJobs calls by how the cache was proved fresh: cache (it showed the "
-                "min_etag asked for), consistent (etcd's current revision read, unless "
+                "min_etag asked for), sole_writer (this replica holds the sole-writer claim: no "
+                "other process writes jobs), consistent (etcd's current revision read, unless "
                 "--no-consistent-reads and no min_etag)", ["proof"])
 _READ_CACHED = READS.labels("cache")
 _READ_CONSISTENT = READS.labels("consistent")
+_READ_SOLE = READS.labels("sole_writer")
 #: an etag (an etcd revision) as this service writes it: digits, below 2**63
 _ETAG_RE = re.compile(r"[1-9][0-9]{0,17}")
 
@@ -216,6 +218,9 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         write, else the consistent read (which covers every write a caller could hold an etag
         of), after which a cache still behind it proves the etag was never issued."""
         if not min_etag:
+            if self.hub.sole_current():
+                _READ_SOLE.inc()
+                return Freshness.CURRENT
             _READ_CONSISTENT.inc()
             return await self.hub.read_current()
         if not _ETAG_RE.fullmatch(min_etag):

@@ -42,10 +42,14 @@ from dlsched.errors import Aborted, StoreUnavailable
 from job_manager.convert import job_from_bytes, job_to_bytes
 from job_manager.domain.errors import JobAlreadyExists, JobNotFound
 from job_manager.domain.model import Job
+from job_manager.sole_writer import SoleWriter
 
 log = logging.getLogger("job_manager.store")
 
 MAX_CAS_ATTEMPTS = 50
+#: how long a job write refused by another replica's sole-writer key waits for it to go
+#: (past that replica's lease TTL: a frozen holder's key expires with its lease)
+FENCED_WAIT_SECONDS = 15.0
 #: keys per keys-only range of a scan (a key is the prefix plus a job id: ~100 bytes at most)
 KEYS_PAGE = 10_000
 #: what a scan aims for per value range: well under the etcd client's 4 MiB receive limit
@@ -149,7 +153,8 @@ def _prefix_end(prefix: bytes) -> bytes:
 
 class JobStore:
     def __init__(self, client: aetcd.Client, prefix: str = "/dlsched/", *,
-                 timeout: float = 10.0, clock: Callable[[], datetime] = _utcnow) -> None:
+                 timeout: float = 10.0, clock: Callable[[], datetime] = _utcnow,
+                 sole: SoleWriter | None = None, fenced_wait: float = FENCED_WAIT_SECONDS) -> None:
         if not prefix.endswith("/"):
             prefix += "/"
         self.client = client
@@ -160,6 +165,9 @@ class JobStore:
         self.purged_mark_key = purged_mark_key(prefix)
         self._timeout = timeout
         self._clock = clock
+        # every job write is fenced by the sole writer's key (``sole_writer.py``)
+        self.sole = sole or SoleWriter(prefix)
+        self._fenced_wait = fenced_wait
 
     # -- keys
 
@@ -180,13 +188,65 @@ class JobStore:
             raise StoreUnavailable("etcd: timeout") from e
 
     async def _txn(self, compare: list[rpc.Compare], success: list[rpc.RequestOp],
-                   failure: list[rpc.RequestOp]) -> rpc.TxnResponse:
+                   failure: list[rpc.RequestOp], *, jobs: bool = True) -> rpc.TxnResponse:
+        """One transaction, fenced by the sole writer's key (``sole_writer.py``): refused
+        by another process's claim, it posts the join mark and waits (bounded) for the
+        key to go, then runs again. ``jobs``: it writes a key the job watch covers."""
+        sole = self.sole
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._fenced_wait
+        pause, joined_at = 0.02, -1e9
+
+        async def go(claim: int) -> rpc.TxnResponse:
+            await self.client.connect()
+            return await self.client.kvstub.Txn(
+                rpc.TxnRequest(compare=[*compare, sole.compare(claim)], success=success,
+                               failure=[*failure, self._range(sole.key)]),
+                timeout=self._timeout, metadata=self.client.metadata)
+
+        while True:
+            claim = sole.claim_revision
+            resp: rpc.TxnResponse = await self._call(go, claim)
+            if resp.succeeded:
+                if jobs:
+                    sole.wrote(int(resp.header.revision))
+                return resp
+            holder = list(resp.responses[-1].response_range.kvs)
+            del resp.responses[-1]
+            if sole.admits(claim, holder):
+                return resp  # the fence held: the caller's own compare failed
+            if loop.time() >= deadline:
+                raise StoreUnavailable("etcd: another JobManager replica holds the job store's "
+                                       "sole-writer key and has not released it; retry")
+            if holder and holder[0].value == sole.token:
+                if int(holder[0].create_revision) != sole.claim_revision:
+                    await self._delete_claim(int(holder[0].create_revision))  # ours, dropped
+                continue
+            if not holder:  # our claim's key is gone (the lease ended): reads stop trusting it
+                if claim and claim == sole.claim_revision:
+                    sole.drop()
+                continue
+            if loop.time() - joined_at > 2.0:  # the holder releases when its watch sees this
+                joined_at = loop.time()
+                await self._call(self.client.put, sole.join_key, sole.token)
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.5)
+
+    async def _delete_claim(self, revision: int) -> None:
+        """Delete the sole writer's key if it is still the claim made at ``revision``."""
+        key = self.sole.key
+        cmp = rpc.Compare(key=key, result=rpc.Compare.EQUAL, target=rpc.Compare.CREATE,
+                          create_revision=revision)
+
         async def go() -> rpc.TxnResponse:
             await self.client.connect()
             return await self.client.kvstub.Txn(
-                rpc.TxnRequest(compare=compare, success=success, failure=failure),
+                rpc.TxnRequest(compare=[cmp], success=[
+                    rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))]),
                 timeout=self._timeout, metadata=self.client.metadata)
-        return await self._call(go)
+        await self._call(go)
+        if self.sole.stale_revision == revision:
+            self.sole.stale_revision = 0
 
     @staticmethod
     def _cmp(key: bytes, target: str, value: int) -> rpc.Compare:
@@ -460,7 +520,7 @@ class JobStore:
         """Delete one request key if unchanged since ``mod_revision``."""
         resp = await self._txn(
             [self._cmp(key, "mod", mod_revision)],
-            [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))], [])
+            [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))], [], jobs=False)
         return bool(resp.succeeded)
 
     async def delete_request_keys(self, job_id: str) -> int:
@@ -471,6 +531,7 @@ class JobStore:
             if kv.value == job_id.encode():
                 resp = await self._txn(
                     [self._cmp(kv.key, "mod", kv.mod_revision)],
-                    [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=kv.key))], [])
+                    [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=kv.key))], [],
+                    jobs=False)
                 n += int(resp.succeeded)
         return n

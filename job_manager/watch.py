@@ -72,6 +72,7 @@ from job_manager.store import archived_mark_key, parse_purged_mark, purged_mark_
 
 if TYPE_CHECKING:
     from job_manager.cache import JobCache
+    from job_manager.sole_writer import SoleWriter
     from job_manager.store import JobStore
 
 log = logging.getLogger("job_manager.watch")
@@ -375,6 +376,10 @@ class WatchHub:
         self._archived_mark = archived_mark_key(prefix)
         self._archiving: tuple[int, bytes] = (0, b"")  # the last mark: its revision, the job id
         self._purged_mark = purged_mark_key(prefix)
+        #: the sole writer (``sole_writer.py``): while it holds its claim, reads need no etcd
+        #: revision; set by the server when this process takes part in ownership
+        self.sole: SoleWriter | None = None
+        self._join_mark = f"{prefix}jobs.sync.join".encode()
         self._consistent = consistent_reads  # False: wait_current answers at once
         self._can_progress = isinstance(client, EtcdClient) and cache is not None
         # etcd sends a progress answer after the events it covers (None: ask its version)
@@ -431,13 +436,24 @@ class WatchHub:
         delete must not be taken for one deleted by someone else)."""
         return await self.read_current(within, prove=prove) is Freshness.CURRENT
 
+    def sole_current(self) -> bool:
+        """Whether the cache has every job write made so far, proved by this process's
+        sole-writer claim (no other process can write a job while it holds it)."""
+        sole = self.sole
+        if sole is None or self.cache is None:
+            return False
+        if sole.serves(asyncio.get_running_loop().time(), self.cache.current):
+            sole.served += 1
+            return True
+        return False
+
     async def read_current(self, within: float = CONSISTENT_READ_SECONDS, *,
                            prove: bool = False) -> Freshness:
         """``wait_current``, saying how this read ended when the cache was not proved
         current: etcd's revision came (LAGGING), or not in time (NO_ANSWER), or
         etcd refused the connection (UNREACHABLE)."""
         assert self.cache is not None
-        if not self._consistent and not prove:
+        if (not self._consistent and not prove) or self.sole_current():
             return Freshness.CURRENT
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within
@@ -602,6 +618,8 @@ class WatchHub:
                 return
             if self.cache is not None:  # a sync or purge mark: every job event before it is here
                 self.cache.confirm(rev)
+            if ev.kv.key == self._join_mark and self.sole is not None and ev.kind != "DELETE":
+                self.sole.joined(asyncio.get_running_loop().time())  # another writer waits
             if ev.kv.key == self._purged_mark and ev.kind != "DELETE" and rev > self.last_revision:
                 # DeleteJob of an archived job (its key left with no event): DELETED now
                 mark = parse_purged_mark(ev.kv.value)
