@@ -43,7 +43,7 @@ from job_manager.ownership import ClusterOwnership
 from job_manager.scheduler import Scheduler, SchedulerConfig
 from job_manager.servicer import JobManagerServicer
 from job_manager.sole_writer import SoleWriter
-from job_manager.store import JobStore
+from job_manager.store import FENCED_WAIT_SECONDS, JobStore
 from job_manager.watch import WatchHub
 
 log = logging.getLogger("job_manager")
@@ -147,7 +147,10 @@ async def amain(cfg: Config) -> None:
     # Job writes are fenced by the sole-writer key; alone, this replica claims it and
     # its consistent reads need no etcd round trip (job_manager/sole_writer.py).
     sole = SoleWriter(cfg.prefix, cfg.replica_id)
-    store = JobStore(client, cfg.prefix, sole=sole)
+    # A write the claim of another replica refuses waits past that replica's lease TTL
+    # (a frozen or dead holder's key goes with its lease).
+    store = JobStore(client, cfg.prefix, sole=sole,
+                     fenced_wait=max(FENCED_WAIT_SECONDS, cfg.owner_ttl * 1.5 + 2))
     # The watch cache: every job, loaded page by page at one revision, then kept
     # by the hub's one watch; reads are served from it.
     cache = JobCache()

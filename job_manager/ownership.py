@@ -54,7 +54,7 @@ from dlsched.errors import DlschedError
 from job_manager.cache import JobCache
 from job_manager.domain.model import Job
 from job_manager.job_metrics import CLUSTER_OWNED, OWNERSHIP_CHANGES, TRACKING_WRITES
-from job_manager.sole_writer import VALID_FRACTION
+from job_manager.sole_writer import VALID_FRACTION, sole_clock
 from job_manager.store import Fence, JobStore
 from job_manager.watch import EventType, WatchHub
 
@@ -137,7 +137,7 @@ class ClusterOwnership:
         self._cache = cache  # the watch cache; without one, the view pages through etcd
         self._sole = store.sole  # the sole-writer claim, taken while this replica is alone
         self._sole.nudge = self._nudge_soon
-        self._lease_until = 0.0  # loop time before which etcd still holds our lease's keys
+        self._lease_until = 0.0  # sole_clock() time before which etcd still holds our lease's keys
         self.members_prefix = f"{prefix}job-managers/".encode()
         self.owners_prefix = f"{prefix}cluster-owners/".encode()
         self._held: dict[str, _Held] = {}
@@ -266,8 +266,7 @@ class ClusterOwnership:
             await asyncio.sleep(self.interval)
 
     async def _session(self) -> None:
-        loop = asyncio.get_running_loop()
-        sent = loop.time()
+        sent = sole_clock()
         lease = await self._client.lease(self.ttl)
         self._lease_id = lease.id
         self._lease_until = sent + self.ttl * VALID_FRACTION
@@ -280,7 +279,7 @@ class ClusterOwnership:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._nudge.wait(), self.interval)
                 self._nudge.clear()
-                sent = loop.time()
+                sent = sole_clock()
                 resp = await asyncio.wait_for(lease.refresh(), self.interval)
                 if resp is None or resp.TTL <= 0:
                     raise aetcd.exceptions.ClientError("lease expired")
@@ -325,30 +324,42 @@ class ClusterOwnership:
 
     async def _sole_round(self, members: list[str]) -> None:
         """Claim the sole-writer key while this replica is the only one and no other
-        process waited to write a job lately; release it otherwise (``sole_writer.py``)."""
-        sole, now = self._sole, asyncio.get_running_loop().time()
+        process waited to write a job lately; release it otherwise (``sole_writer.py``).
+        Run under the round's lock: no other claim is in flight here."""
+        sole = self._sole
         alone = (members == [self.identity] and self._lease_id != 0
-                 and not sole.cooling(now) and now < self._lease_until)
+                 and not sole.cooling(sole_clock()) and sole_clock() < self._lease_until)
         if sole.claim_revision and not alone:
             sole.drop()
             log.info("%s releases the sole-writer claim", self.identity)
-        if sole.stale_revision:
-            key, rev = sole.key, sole.stale_revision
-            await self._txn([rpc.Compare(key=key, result=rpc.Compare.EQUAL, target=rpc.Compare.CREATE,
-                                         create_revision=rev)],
-                            [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))])
-            if sole.stale_revision == rev:
-                sole.stale_revision = 0
-        if alone and not sole.claim_revision:
+        kv = await self._client.get(sole.key)
+        held = int(kv.create_revision) if kv is not None else 0
+        if sole.claim_revision and held != sole.claim_revision:
+            sole.drop()  # its key is gone (deleted, or the lease ended): reads stop trusting it
+            log.warning("%s: the sole-writer key is no longer its claim", self.identity)
+        if kv is not None and kv.value == sole.token and held != sole.claim_revision:
+            # ours, not the claim: dropped, or a claim whose answer was lost
+            await self._txn([rpc.Compare(key=sole.key, result=rpc.Compare.EQUAL,
+                                         target=rpc.Compare.CREATE, create_revision=held)],
+                            [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=sole.key))])
+            kv = None
+        if sole.stale_revision and sole.stale_revision != (held if kv is not None else 0):
+            sole.stale_revision = 0
+        if alone and kv is None and not sole.claim_revision:
             resp = await self._txn(
                 [rpc.Compare(key=sole.key, result=rpc.Compare.EQUAL, target=rpc.Compare.VERSION, version=0)],
                 [rpc.RequestOp(request_put=rpc.PutRequest(key=sole.key, value=sole.token,
                                                           lease=self._lease_id))])
-            if resp.succeeded:
-                sole.claimed(int(resp.header.revision), self._lease_until)
-                log.info("%s is the only JobManager replica: it holds the sole-writer claim "
-                         "(revision %d); consistent reads need no etcd round trip", self.identity,
-                         sole.claim_revision)
+            if not resp.succeeded:
+                return
+            sole.claimed(int(resp.header.revision), self._lease_until)
+            if sole.cooling(sole_clock()):  # a writer came to wait meanwhile: release at once
+                sole.drop()
+                self._nudge.set()
+                return
+            log.info("%s is the only JobManager replica: it holds the sole-writer claim "
+                     "(revision %d); consistent reads need no etcd round trip", self.identity,
+                     sole.claim_revision)
 
     async def _claim(self, cluster: str) -> None:
         key = self.owner_key(cluster)

@@ -27,6 +27,7 @@ The proof is one key, ``{prefix}jobs-writer``:
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -37,6 +38,12 @@ from aetcd import rpc
 COOLDOWN_SECONDS = 10.0
 #: the share of the lease's TTL a claim serves reads for after the lease's last refresh was sent
 VALID_FRACTION = 0.75
+
+
+def sole_clock() -> float:
+    """The claim's clock: seconds on CLOCK_BOOTTIME, which, unlike the event loop's
+    CLOCK_MONOTONIC, goes on while the machine sleeps (etcd's lease clock does)."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
 
 
 class _KV(Protocol):
@@ -57,7 +64,7 @@ class SoleWriter:
         self.token = f"{identity or 'writer'}/{uuid.uuid4().hex}".encode()
         self.claim_revision = 0  # the key's create revision while this process holds it
         self.stale_revision = 0  # a claim dropped, its key not yet deleted
-        self._until = 0.0  # loop time the claim serves reads until
+        self._until = 0.0  # sole_clock() time the claim serves reads until
         self._written = 0  # the highest revision of a job write made here
         self._cool_until = 0.0
         self.nudge: Callable[[], None] = lambda: None  # the ownership round, to release at once
@@ -117,4 +124,4 @@ class SoleWriter:
                 and current >= self.claim_revision and current >= self._written)
 
 
-__all__ = ["COOLDOWN_SECONDS", "VALID_FRACTION", "SoleWriter"]
+__all__ = ["COOLDOWN_SECONDS", "VALID_FRACTION", "SoleWriter", "sole_clock"]

@@ -23,11 +23,16 @@ transaction also compares the owner key's mod revision with the one the
 replica claimed it at. A replica whose lease expired (the key is gone) or
 whose cluster another replica claimed since (a new mod revision) cannot
 write; the update raises ``OwnershipLost`` instead.
+
+Every transaction also compares the sole writer's key (``sole_writer.py``):
+absent, or this process's claim. A write another replica's claim refuses
+waits for its release (``_txn``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -168,6 +173,7 @@ class JobStore:
         # every job write is fenced by the sole writer's key (``sole_writer.py``)
         self.sole = sole or SoleWriter(prefix)
         self._fenced_wait = fenced_wait
+        self._joined_at = -1e9  # when this process last posted the join mark
 
     # -- keys
 
@@ -195,7 +201,7 @@ class JobStore:
         sole = self.sole
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._fenced_wait
-        pause, joined_at = 0.02, -1e9
+        pause = 0.02
 
         async def go(claim: int) -> rpc.TxnResponse:
             await self.client.connect()
@@ -206,7 +212,13 @@ class JobStore:
 
         while True:
             claim = sole.claim_revision
-            resp: rpc.TxnResponse = await self._call(go, claim)
+            try:
+                resp: rpc.TxnResponse = await self._call(go, claim)
+            except StoreUnavailable:
+                if sole.claim_revision:  # it may have committed unseen: the claim no longer
+                    sole.drop()          # knows every job write made here (claimed again later)
+                    sole.nudge()
+                raise
             if resp.succeeded:
                 if jobs:
                     sole.wrote(int(resp.header.revision))
@@ -215,22 +227,36 @@ class JobStore:
             del resp.responses[-1]
             if sole.admits(claim, holder):
                 return resp  # the fence held: the caller's own compare failed
-            if loop.time() >= deadline:
-                raise StoreUnavailable("etcd: another JobManager replica holds the job store's "
-                                       "sole-writer key and has not released it; retry")
-            if holder and holder[0].value == sole.token:
-                if int(holder[0].create_revision) != sole.claim_revision:
-                    await self._delete_claim(int(holder[0].create_revision))  # ours, dropped
-                continue
             if not holder:  # our claim's key is gone (the lease ended): reads stop trusting it
                 if claim and claim == sole.claim_revision:
                     sole.drop()
                 continue
-            if loop.time() - joined_at > 2.0:  # the holder releases when its watch sees this
-                joined_at = loop.time()
-                await self._call(self.client.put, sole.join_key, sole.token)
+            if loop.time() >= deadline:
+                raise StoreUnavailable("etcd: another JobManager replica holds the job store's "
+                                       "sole-writer key and has not released it; retry")
+            held = int(holder[0].create_revision)
+            if holder[0].value == sole.token:  # our own key
+                if held == sole.claim_revision:
+                    continue  # claimed while this write was in flight
+                if held == sole.stale_revision:  # a claim dropped, its key not deleted yet
+                    with contextlib.suppress(StoreUnavailable):
+                        await self._delete_claim(held)
+                    continue
+                sole.nudge()  # a claim being taken now, or one whose answer was lost: the round settles it
+            else:
+                await self._post_join()
             await asyncio.sleep(pause)
             pause = min(pause * 2, 0.5)
+
+    async def _post_join(self) -> None:
+        """Tell the claim's holder a writer waits (its watch sees the mark): one put per
+        process every 2 s, however many writes wait."""
+        now = asyncio.get_running_loop().time()
+        if now - self._joined_at < 2.0:
+            return
+        self._joined_at = now
+        with contextlib.suppress(StoreUnavailable):
+            await self._call(self.client.put, self.sole.join_key, self.sole.token)
 
     async def _delete_claim(self, revision: int) -> None:
         """Delete the sole writer's key if it is still the claim made at ``revision``."""
@@ -284,6 +310,9 @@ class JobStore:
         res = await self._read_range(self.job_key(job_id), b"", within=within)
         if not res.kvs:
             raise JobNotFound(f"job jobs/{job_id} not found", metadata={"name": f"jobs/{job_id}"})
+        # a write this process may not have had the answer of yet: reads proved by the
+        # sole-writer claim wait for the cache to show it too (no read goes back in time)
+        self.sole.wrote(int(res.kvs[0].mod_revision))
         return job_from_bytes(res.kvs[0].value, res.kvs[0].mod_revision)
 
     async def _read_range(self, key: bytes, end: bytes, *, limit: int = 0, revision: int = 0,

@@ -34,6 +34,8 @@ event, so the cache has to be proved current another way:
   every read waiting at the time, and none is made while the cache is at R.
 
 When neither proves it in time the caller falls back (GetJob reads the key).
+A replica holding the sole-writer claim (``sole_writer.py``) needs none of
+this: no other process writes a job while it holds it (``sole_current``).
 
 Two marks share the range. The archiver writes ``jobs.sync.archived`` (the
 job id) in the transaction that deletes an archived job's key: that DELETE
@@ -68,6 +70,7 @@ from dlsched.kit.etcd import EtcdClient, WatchProgress, progress_exact
 from dlsched.kit.parse import decimal
 from job_manager.convert import job_from_bytes
 from job_manager.domain.model import Job
+from job_manager.sole_writer import sole_clock
 from job_manager.store import archived_mark_key, parse_purged_mark, purged_mark_key
 
 if TYPE_CHECKING:
@@ -380,6 +383,7 @@ class WatchHub:
         #: revision; set by the server when this process takes part in ownership
         self.sole: SoleWriter | None = None
         self._join_mark = f"{prefix}jobs.sync.join".encode()
+        self._loaded_at = 0  # the revision the cache was loaded at: join marks before it are old
         self._consistent = consistent_reads  # False: wait_current answers at once
         self._can_progress = isinstance(client, EtcdClient) and cache is not None
         # etcd sends a progress answer after the events it covers (None: ask its version)
@@ -442,7 +446,7 @@ class WatchHub:
         sole = self.sole
         if sole is None or self.cache is None:
             return False
-        if sole.serves(asyncio.get_running_loop().time(), self.cache.current):
+        if sole.serves(sole_clock(), self.cache.current):
             sole.served += 1
             return True
         return False
@@ -564,6 +568,7 @@ class WatchHub:
                 self._exact = progress_exact(await self._client.server_version())
         except (aetcd.exceptions.ClientError, grpc.RpcError, OSError) as e:
             raise Unavailable(f"etcd: {e}", reason="STORE_UNAVAILABLE") from e
+        self._loaded_at = current
         start = max(1, current - self._history)
         self.horizon = start - 1
         self.last_revision = start - 1
@@ -618,8 +623,9 @@ class WatchHub:
                 return
             if self.cache is not None:  # a sync or purge mark: every job event before it is here
                 self.cache.confirm(rev)
-            if ev.kv.key == self._join_mark and self.sole is not None and ev.kind != "DELETE":
-                self.sole.joined(asyncio.get_running_loop().time())  # another writer waits
+            if (ev.kv.key == self._join_mark and self.sole is not None and ev.kind != "DELETE"
+                    and rev > self._loaded_at and ev.kv.value != self.sole.token):
+                self.sole.joined(sole_clock())  # another writer waits
             if ev.kv.key == self._purged_mark and ev.kind != "DELETE" and rev > self.last_revision:
                 # DeleteJob of an archived job (its key left with no event): DELETED now
                 mark = parse_purged_mark(ev.kv.value)
