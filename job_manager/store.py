@@ -470,6 +470,7 @@ class JobStore:
                     raise JobNotFound(f"job jobs/{job_id} not found",
                                       metadata={"name": f"jobs/{job_id}"})
                 cur = job_from_bytes(kv.value, kv.mod_revision)  # type: ignore[attr-defined]
+                self.sole.wrote(int(cur.etag))  # it may be answered as it is (no change)
             new = change(cur)
             if new is None:
                 return cur
