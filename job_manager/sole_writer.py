@@ -40,10 +40,13 @@ COOLDOWN_SECONDS = 10.0
 VALID_FRACTION = 0.75
 
 
+_CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)  # BOOTTIME: Linux only
+
+
 def sole_clock() -> float:
     """The claim's clock: seconds on CLOCK_BOOTTIME, which, unlike the event loop's
     CLOCK_MONOTONIC, goes on while the machine sleeps (etcd's lease clock does)."""
-    return time.clock_gettime(time.CLOCK_BOOTTIME)
+    return time.clock_gettime(_CLOCK)
 
 
 class _KV(Protocol):

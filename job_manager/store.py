@@ -214,9 +214,9 @@ class JobStore:
             claim = sole.claim_revision
             try:
                 resp: rpc.TxnResponse = await self._call(go, claim)
-            except StoreUnavailable:
-                if sole.claim_revision:  # it may have committed unseen: the claim no longer
-                    sole.drop()          # knows every job write made here (claimed again later)
+            except BaseException:  # no answer (etcd, or the caller cancelled): it may have
+                if sole.claim_revision:  # committed unseen, so the claim no longer knows
+                    sole.drop()          # every job write made here (claimed again later)
                     sole.nudge()
                 raise
             if resp.succeeded:
@@ -226,7 +226,9 @@ class JobStore:
             holder = list(resp.responses[-1].response_range.kvs)
             del resp.responses[-1]
             if sole.admits(claim, holder):
-                return resp  # the fence held: the caller's own compare failed
+                if jobs:  # the caller's own compare failed; it may answer from what etcd holds now
+                    sole.wrote(int(resp.header.revision))
+                return resp
             if not holder:  # our claim's key is gone (the lease ended): reads stop trusting it
                 if claim and claim == sole.claim_revision:
                     sole.drop()
@@ -239,9 +241,11 @@ class JobStore:
                 if held == sole.claim_revision:
                     continue  # claimed while this write was in flight
                 if held == sole.stale_revision:  # a claim dropped, its key not deleted yet
-                    with contextlib.suppress(StoreUnavailable):
+                    try:
                         await self._delete_claim(held)
-                    continue
+                        continue
+                    except StoreUnavailable:
+                        pass  # tried again after the pause
                 sole.nudge()  # a claim being taken now, or one whose answer was lost: the round settles it
             else:
                 await self._post_join()

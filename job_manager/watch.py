@@ -452,12 +452,12 @@ class WatchHub:
         return False
 
     async def read_current(self, within: float = CONSISTENT_READ_SECONDS, *,
-                           prove: bool = False) -> Freshness:
+                           prove: bool = False, by_claim: bool = True) -> Freshness:
         """``wait_current``, saying how this read ended when the cache was not proved
         current: etcd's revision came (LAGGING), or not in time (NO_ANSWER), or
         etcd refused the connection (UNREACHABLE)."""
         assert self.cache is not None
-        if (not self._consistent and not prove) or self.sole_current():
+        if (not self._consistent and not prove) or (by_claim and self.sole_current()):
             return Freshness.CURRENT
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within
@@ -525,7 +525,7 @@ class WatchHub:
             await asyncio.sleep(self._stall)
             if loop.time() - self._last_read >= self._stall:
                 try:
-                    await self.read_current(prove=True)
+                    await self.read_current(prove=True, by_claim=False)  # the watch itself
                 except Exception as e:  # noqa: BLE001 - the next round tries again
                     log.warning("job watch: check: %s", e)
 
