@@ -186,8 +186,15 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         job_id = job_id_from_name(request.name)
         # Consistent read: the cache has every write made before this call (or the
         # write ``min_etag`` names), or etcd is read.
-        fresh = await self._freshness(request.min_etag)
+        claimed = not request.min_etag and self.hub.sole_current()
+        if claimed:
+            _READ_SOLE.inc()
+            fresh = Freshness.CURRENT
+        else:
+            fresh = await self._freshness(request.min_etag)
         cached = self.cache.get(job_id)
+        if cached is None and claimed:  # proved by the claim: not in etcd, so archived or none
+            return pb.GetJobResponse(job=await self._archived_or_missing(job_id))
         if fresh is Freshness.UNREACHABLE and cached is not None and self._reached(request.min_etag):
             fresh = Freshness.CURRENT  # etcd refuses connections: this replica's last view, as below
         if cached is None or fresh is not Freshness.CURRENT:  # not here yet (written on another replica
@@ -204,10 +211,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                 # be missing from it; none made through this one can be; never one older
                 # than the min_etag asked for).
             except JobNotFound:
-                archived = await self._archived(job_id)
-                if archived is None:
-                    raise
-                return pb.GetJobResponse(job=archived.proto())
+                return pb.GetJobResponse(job=await self._archived_or_missing(job_id))
         if not access.may_read(caller(), cached):  # type: ignore[arg-type]
             raise JobNotFound(f"job {cached.name} not found", metadata={"name": cached.name})
         return pb.GetJobResponse(job=cached.proto())
@@ -263,6 +267,13 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             page = await self._with_archived(page, flt, after, size + 1)
         token = _encode_page(page[size - 1].key) if len(page) > size else ""
         return pb.ListJobsResponse(jobs=[j.proto() for j in page[:size]], next_page_token=token)
+
+    async def _archived_or_missing(self, job_id: str) -> job_pb2.Job:
+        """The archived job ``job_id`` the caller may read, else NOT_FOUND."""
+        archived = await self._archived(job_id)
+        if archived is None:
+            raise JobNotFound(f"job jobs/{job_id} not found", metadata={"name": f"jobs/{job_id}"})
+        return archived.proto()
 
     async def _archived(self, job_id: str) -> ArchivedJob | None:
         """The archived job ``job_id`` if the caller may read it (else None)."""

@@ -165,3 +165,72 @@ async def test_many_followers_never_hold_back_the_drivers_api_calls(stub: Any, e
     finally:
         for call in calls:
             call.cancel()
+
+
+async def test_follows_past_the_reader_pool_are_refused_not_left_waiting(emu: tuple[Emulator, str]) -> None:
+    """A follow holds a reader thread for as long as it lasts. With ``--max-log-readers 8``
+    follows may hold 7: the 8th follow is RESOURCE_EXHAUSTED ``LOG_READERS_EXHAUSTED`` at once
+    (it used to wait, silent, for a thread a follow may hold for days); a tail that ends is still
+    read; once a follow ends, another is taken."""
+    import grpc
+    from google.rpc import error_details_pb2
+    from grpc_status import rpc_status
+
+    from tests import security
+    from tests.harness import ServiceProcess
+    from tests.kube_emulator import configure
+
+    e, url = emu
+    svc = ServiceProcess("drivers.kubernetes", ["--request-timeout", "3", "--qps", "500", "--burst", "1000",
+                                                "--max-log-readers", "8"],
+                         name="kubernetes-driver-8-readers").start()
+    calls: list[Any] = []
+    try:
+        async with security.channel(svc.address) as ch:
+            from dlsched.v1 import driver_service_pb2_grpc
+
+            stub = driver_service_pb2_grpc.DriverServiceStub(ch)
+            await configure(stub, "clusters/k8s", url)
+            job = new_id("readers")
+            await launch(stub, job, spec("single_process"))
+            pod = f"{job}-1-main-0"
+            await kubelet(url, pod, "Running")
+            e.write_log(pod, "hello")
+            follow = dpb.TailJobLogsRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job), follow=True)
+            for _ in range(7):
+                call = stub.TailJobLogs(follow, timeout=300)
+                calls.append(call)
+                assert [x.text for x in (await call.read()).entries] == ["hello"]
+
+            refused = stub.TailJobLogs(follow, timeout=60)
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await refused.read()
+            assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            status = rpc_status.from_call(err.value)
+            assert status is not None
+            info = error_details_pb2.ErrorInfo()
+            assert any(d.Unpack(info) for d in status.details) and info.reason == "LOG_READERS_EXHAUSTED"
+
+            once = stub.TailJobLogs(dpb.TailJobLogsRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job)),
+                                    timeout=60)
+            assert [x.text for r in [m async for m in once] for x in r.entries] == ["hello"]
+
+            calls.pop().cancel()
+
+            deadline = time.monotonic() + 60
+            while True:  # the cancelled follow's thread is given back as its reader ends
+                call = stub.TailJobLogs(follow, timeout=300)
+                try:
+                    first = await call.read()
+                except grpc.aio.AioRpcError as ex:
+                    assert ex.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+                    assert time.monotonic() < deadline, "no follow was taken after one ended"
+                    await asyncio.sleep(0.1)
+                    continue
+                calls.append(call)
+                assert [x.text for x in first.entries] == ["hello"]
+                break
+    finally:
+        for call in calls:
+            call.cancel()
+        svc.stop()

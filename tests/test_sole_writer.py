@@ -17,6 +17,7 @@ import asyncio
 import time
 import uuid
 
+import grpc
 import pytest
 
 from dlsched.errors import StoreUnavailable
@@ -179,6 +180,18 @@ async def test_a_lone_replica_reads_without_etcd_and_a_joining_one_is_read_at_on
             # (a launch or stop the replica writes in the background may make a read wait for
             # etcd until its cache shows that write: most, not all, are proved by the claim)
             assert _reads(stack.jm, "sole_writer") > sole
+
+            # a job the proved cache lacks is NOT_FOUND without an etcd read (none is in etcd)
+            for _ in range(20):
+                sole = _reads(stack.jm, "sole_writer")
+                with pytest.raises(grpc.aio.AioRpcError) as missing:
+                    await a.GetJob(pb.GetJobRequest(name="jobs/never-submitted"), timeout=30)
+                assert missing.value.code() is grpc.StatusCode.NOT_FOUND
+                if _reads(stack.jm, "sole_writer") == sole + 1:
+                    break
+                await asyncio.sleep(0.2)  # a background write the cache has not shown yet
+            else:
+                raise AssertionError("no GetJob of a missing job was proved by the claim")
 
             # a second replica: its first write waits for A's release, and A reads it at once
             b = await asyncio.to_thread(_replica(etcd, stack, "job-manager-b").start)

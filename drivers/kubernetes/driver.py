@@ -122,6 +122,9 @@ class KubernetesConfig:
     watch_read_timeout: float = field(default=330.0, metadata={
         "help": "seconds without a byte after which a watch is re-opened"})
     grace_seconds: float = field(default=10.0, metadata={"help": "pod deletion grace when a stop names none"})
+    max_log_readers: int = field(default=logs.READER_THREADS, metadata={
+        "help": "pod log streams read at once (a thread each); follows may hold 7/8 of them, "
+                "one past that is RESOURCE_EXHAUSTED"})
 
 
 def _run_modes() -> tuple[RunMode, ...]:
@@ -145,6 +148,7 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
         super().__init__()
         self._cfg = config or KubernetesConfig()
         self._tasks: set[asyncio.Task[Any]] = set()
+        logs.configure(self._cfg.max_log_readers)
 
     # ------------------------------------------------------------------ hooks: clusters
 

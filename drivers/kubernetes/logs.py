@@ -13,9 +13,11 @@ reader outlives its consumer. What the readers of one tail hold for their
 consumer is bounded (``QUEUED_CHARS`` characters of text): past it a reader
 waits, and the pod log stream waits in the connection's flow control, so a
 slow client costs the driver a bounded amount of memory however fast the
-pods write. Readers run in a pool of their own (``READER_THREADS``): a
-follow holds its thread for as long as it lasts, and the pool the API calls
-use must never wait for them.
+pods write. Readers run in a pool of their own (``READER_THREADS``,
+``--max-log-readers``): a follow holds its thread for as long as it lasts,
+and the pool the API calls use must never wait for them. Follows may hold
+all but an eighth of the pool; a follow past that is RESOURCE_EXHAUSTED
+``LOG_READERS_EXHAUSTED`` at once.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from collections.abc import AsyncGenerator
 from datetime import datetime
 from typing import Any
 
-from dlsched.errors import DlschedError
+from dlsched.errors import DlschedError, ResourceExhausted
 from dlsched.kit import metrics
 from dlsched.kit.parse import decimal
 from drivers.common.base import LogEntry, LogQuery, LogStream, ReplicaState
@@ -45,9 +47,40 @@ FOLLOW_READ_TIMEOUT = 24 * 3600.0  # a followed log may stay silent for long
 #: the characters of log text one tail's readers may have queued for its consumer
 QUEUED_CHARS = 4 << 20
 _ENTRY_COST = 64  #: what an entry costs beyond its text, in characters
-#: log readers at once in this process (a follow holds one for its whole life); more wait
+#: log readers at once in this process (a follow holds one for its whole life)
 READER_THREADS = 256
-_READERS = concurrent.futures.ThreadPoolExecutor(max_workers=READER_THREADS, thread_name_prefix="k8s-log")
+
+
+class _Readers:
+    """The reader threads, and how many follows hold one: follows may hold all but an
+    eighth of them, so a read that ends (no follow) always finds a thread soon. A tail
+    whose follows would pass that is refused RESOURCE_EXHAUSTED, not left waiting
+    silently for a thread that a follow may hold for days."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(2, threads)
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.threads,
+                                                          thread_name_prefix="k8s-log")
+        self.follow_cap = self.threads - max(1, self.threads // 8)
+        self.following = 0
+
+    def reserve(self, n: int) -> None:
+        if self.following + n > self.follow_cap:
+            raise ResourceExhausted(
+                f"this driver follows {self.following} pod logs (at most {self.follow_cap} at "
+                f"once; this follow needs {n}): follow fewer replicas, or retry later",
+                reason="LOG_READERS_EXHAUSTED")
+        self.following += n
+
+
+_READERS = _Readers(READER_THREADS)
+
+
+def configure(threads: int) -> None:
+    """Size the reader pool (``--max-log-readers``), before any log is read."""
+    global _READERS  # noqa: PLW0603 - one pool per process, sized once at start
+    if threads != _READERS.threads:
+        _READERS = _Readers(threads)
 
 _Queue = asyncio.Queue[list[LogEntry] | BaseException | None]
 
@@ -208,6 +241,9 @@ async def tail(c: KubeCluster, job: TrackedJob, query: LogQuery) -> AsyncGenerat
     targets = [(r, r.index * max(1, len(r.containers)) + k, cname)
                for r in job.replicas for k, cname in enumerate(r.containers or ("",))]
     targets = [(r, index, cname) for r, index, cname in targets if query.wants_replica(r.role, index)]
+    readers = _READERS
+    held_readers = len(targets) if query.follow else 0
+    readers.reserve(held_readers)
     queue: _Queue = asyncio.Queue()
     stops: list[_LogStream] = []
     budget = _Budget()
@@ -243,6 +279,7 @@ async def tail(c: KubeCluster, job: TrackedJob, query: LogQuery) -> AsyncGenerat
         for t in tasks:
             with contextlib.suppress(BaseException):
                 await t
+        readers.following -= held_readers
 
 
 async def _started(job: TrackedJob, r: Replica, index: int, query: LogQuery, queue: _Queue,
@@ -314,7 +351,7 @@ async def _tail_one(c: KubeCluster, job: TrackedJob, r: Replica, index: int, con
                     resp.release_conn()
 
         try:
-            await loop.run_in_executor(_READERS, read)
+            await loop.run_in_executor(_READERS.pool, read)
         except DlschedError:
             raise
         except Exception as e:  # noqa: BLE001
