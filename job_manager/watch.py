@@ -524,9 +524,9 @@ class WatchHub:
         while True:
             await asyncio.sleep(self._stall)
             if loop.time() - self._last_read >= self._stall:
-                if self.sole is not None and self.cache is not None and self.sole.serves(
-                        sole_clock(), self.cache.current):
-                    continue  # no job was written since the cache's revision: nothing to miss
+                if (not self.proves_by_progress and self.sole is not None and self.cache is not None
+                        and self.sole.serves(sole_clock(), self.cache.current)):
+                    continue  # no job written since the cache's revision: spare the sync key's write
                 try:
                     await self.read_current(prove=True, by_claim=False)  # the watch itself
                 except Exception as e:  # noqa: BLE001 - the next round tries again

@@ -242,16 +242,18 @@ async def tail(c: KubeCluster, job: TrackedJob, query: LogQuery) -> AsyncGenerat
                for r in job.replicas for k, cname in enumerate(r.containers or ("",))]
     targets = [(r, index, cname) for r, index, cname in targets if query.wants_replica(r.role, index)]
     readers = _READERS
-    held_readers = len(targets) if query.follow else 0
-    readers.reserve(held_readers)
+    need = len(targets) if query.follow else 0
+    readers.reserve(need)  # given back in the finally below, whatever happens after this line
     queue: _Queue = asyncio.Queue()
     stops: list[_LogStream] = []
-    budget = _Budget()
-    tasks = [asyncio.ensure_future(_tail_one(c, job, r, index, cname, query, queue, stops, budget))
-             for r, index, cname in targets]
-    remaining = len(tasks)
+    tasks: list[asyncio.Future[None]] = []
     held: list[list[LogEntry] | BaseException | None] = []  # a reader's end met while coalescing
     try:
+        budget = _Budget()
+        tasks.extend(asyncio.ensure_future(_tail_one(c, job, r, index, cname, query, queue, stops,
+                                                     budget, readers.pool))
+                     for r, index, cname in targets)
+        remaining = len(tasks)
         while remaining:
             item = held.pop() if held else await queue.get()
             if item is None:
@@ -279,7 +281,7 @@ async def tail(c: KubeCluster, job: TrackedJob, query: LogQuery) -> AsyncGenerat
         for t in tasks:
             with contextlib.suppress(BaseException):
                 await t
-        readers.following -= held_readers
+        readers.following -= need
 
 
 async def _started(job: TrackedJob, r: Replica, index: int, query: LogQuery, queue: _Queue,
@@ -313,7 +315,8 @@ def _request(c: KubeCluster, r: Replica, container: str, query: LogQuery) -> dic
 
 
 async def _tail_one(c: KubeCluster, job: TrackedJob, r: Replica, index: int, container: str,
-                    query: LogQuery, queue: _Queue, stops: list[_LogStream], budget: _Budget) -> None:
+                    query: LogQuery, queue: _Queue, stops: list[_LogStream], budget: _Budget,
+                    pool: concurrent.futures.ThreadPoolExecutor) -> None:
     try:
         if not await _started(job, r, index, query, queue, budget):
             return
@@ -351,7 +354,7 @@ async def _tail_one(c: KubeCluster, job: TrackedJob, r: Replica, index: int, con
                     resp.release_conn()
 
         try:
-            await loop.run_in_executor(_READERS.pool, read)
+            await loop.run_in_executor(pool, read)
         except DlschedError:
             raise
         except Exception as e:  # noqa: BLE001
