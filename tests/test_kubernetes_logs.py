@@ -145,16 +145,22 @@ async def test_a_client_that_reads_slowly_holds_the_pod_log_stream_back(stub: An
     assert got == lines
 
 
-async def test_many_followers_never_hold_back_the_drivers_api_calls(stub: Any, emu: tuple[Emulator, str]) -> None:
-    """Each follow holds a reader thread for as long as it lasts: 40 of them (more than the
-    default thread pool of any machine) and the driver still launches and observes jobs."""
+async def _running_job_saying_hello(stub: Any, emu: tuple[Emulator, str], prefix: str) -> dpb.TailJobLogsRequest:
+    """A job launched, its pod running and logging "hello": the request following its log."""
     e, url = emu
-    job = new_id("crowd")
+    job = new_id(prefix)
     await launch(stub, job, spec("single_process"))
     pod = f"{job}-1-main-0"
     await kubelet(url, pod, "Running")
     e.write_log(pod, "hello")
-    req = dpb.TailJobLogsRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job), follow=True)
+    return dpb.TailJobLogsRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job), follow=True)
+
+
+async def test_many_followers_never_hold_back_the_drivers_api_calls(stub: Any, emu: tuple[Emulator, str]) -> None:
+    """Each follow holds a reader thread for as long as it lasts: 40 of them (more than the
+    default thread pool of any machine) and the driver still launches and observes jobs."""
+    e, url = emu
+    req = await _running_job_saying_hello(stub, emu, "crowd")
     calls = [stub.TailJobLogs(req, timeout=300) for _ in range(40)]
     try:
         for call in calls:  # every follow has its reader (it has read the first line)
@@ -191,12 +197,8 @@ async def test_follows_past_the_reader_pool_are_refused_not_left_waiting(emu: tu
 
             stub = driver_service_pb2_grpc.DriverServiceStub(ch)
             await configure(stub, "clusters/k8s", url)
-            job = new_id("readers")
-            await launch(stub, job, spec("single_process"))
-            pod = f"{job}-1-main-0"
-            await kubelet(url, pod, "Running")
-            e.write_log(pod, "hello")
-            follow = dpb.TailJobLogsRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job), follow=True)
+            follow = await _running_job_saying_hello(stub, emu, "readers")
+            job = follow.job.job_id
             for _ in range(7):
                 call = stub.TailJobLogs(follow, timeout=300)
                 calls.append(call)
