@@ -136,7 +136,6 @@ class ClusterOwnership:
         self._client, self._store, self._hub = client, store, hub
         self._cache = cache  # the watch cache; without one, the view pages through etcd
         self._sole = store.sole  # the sole-writer claim, taken while this replica is alone
-        self._sole.nudge = self._nudge_soon
         self._lease_until = 0.0  # sole_clock() time before which etcd still holds our lease's keys
         self.members_prefix = f"{prefix}job-managers/".encode()
         self.owners_prefix = f"{prefix}cluster-owners/".encode()
@@ -144,6 +143,7 @@ class ClusterOwnership:
         self._members: list[str] = []
         self._lease_id = 0
         self._nudge = asyncio.Event()
+        self._sole.nudge = self._nudge.set  # a writer waits: release at once
         self._lock = asyncio.Lock()  # claims and releases, one at a time
         # The job view: unfinished jobs per cluster, from the job watch.
         self._unfinished: dict[str, str] = {}  # job id -> cluster
@@ -178,9 +178,6 @@ class ClusterOwnership:
 
     def lost(self, cluster: str) -> None:
         """A fenced write was refused: look at the keys now."""
-        self._nudge.set()
-
-    def _nudge_soon(self) -> None:
         self._nudge.set()
 
     async def claim(self, cluster: str) -> bool:
@@ -338,16 +335,13 @@ class ClusterOwnership:
             sole.drop()  # its key is gone (deleted, or the lease ended): reads stop trusting it
             log.warning("%s: the sole-writer key is no longer its claim", self.identity)
         if kv is not None and kv.value == sole.token and held != sole.claim_revision:
-            # ours, not the claim: dropped, or a claim whose answer was lost
-            await self._txn([rpc.Compare(key=sole.key, result=rpc.Compare.EQUAL,
-                                         target=rpc.Compare.CREATE, create_revision=held)],
-                            [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=sole.key))])
+            await self._store.delete_claim(held)  # ours, not the claim: dropped, or its answer lost
             kv = None
         if sole.stale_revision and sole.stale_revision != (held if kv is not None else 0):
             sole.stale_revision = 0
         if alone and kv is None and not sole.claim_revision:
             resp = await self._txn(
-                [rpc.Compare(key=sole.key, result=rpc.Compare.EQUAL, target=rpc.Compare.VERSION, version=0)],
+                [sole.compare(0)],
                 [rpc.RequestOp(request_put=rpc.PutRequest(key=sole.key, value=sole.token,
                                                           lease=self._lease_id))])
             if not resp.succeeded:

@@ -242,7 +242,7 @@ class JobStore:
                     continue  # claimed while this write was in flight
                 if held == sole.stale_revision:  # a claim dropped, its key not deleted yet
                     try:
-                        await self._delete_claim(held)
+                        await self.delete_claim(held)
                         continue
                     except StoreUnavailable:
                         pass  # tried again after the pause
@@ -262,7 +262,7 @@ class JobStore:
         with contextlib.suppress(StoreUnavailable):
             await self._call(self.client.put, self.sole.join_key, self.sole.token)
 
-    async def _delete_claim(self, revision: int) -> None:
+    async def delete_claim(self, revision: int) -> None:
         """Delete the sole writer's key if it is still the claim made at ``revision``."""
         key = self.sole.key
         cmp = rpc.Compare(key=key, result=rpc.Compare.EQUAL, target=rpc.Compare.CREATE,

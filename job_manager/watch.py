@@ -382,7 +382,6 @@ class WatchHub:
         #: the sole writer (``sole_writer.py``): while it holds its claim, reads need no etcd
         #: revision; set by the server when this process takes part in ownership
         self.sole: SoleWriter | None = None
-        self._join_mark = f"{prefix}jobs.sync.join".encode()
         self._loaded_at = 0  # the revision the cache was loaded at: join marks before it are old
         self._consistent = consistent_reads  # False: wait_current answers at once
         self._can_progress = isinstance(client, EtcdClient) and cache is not None
@@ -626,7 +625,7 @@ class WatchHub:
                 return
             if self.cache is not None:  # a sync or purge mark: every job event before it is here
                 self.cache.confirm(rev)
-            if (ev.kv.key == self._join_mark and self.sole is not None and ev.kind != "DELETE"
+            if (self.sole is not None and ev.kv.key == self.sole.join_key and ev.kind != "DELETE"
                     and rev > self._loaded_at and ev.kv.value != self.sole.token):
                 self.sole.joined(sole_clock())  # another writer waits
             if ev.kv.key == self._purged_mark and ev.kind != "DELETE" and rev > self.last_revision:

@@ -88,7 +88,7 @@ async def test_a_claim_fences_every_other_writer_until_it_is_released(
         assert not sole.serves(now(), 10**9)
         assert await client.get(other.job_key("s2")) is None
         # its ownership round deletes the key (here by hand); the write goes through
-        await holder._delete_claim(sole.stale_revision)
+        await holder.delete_claim(sole.stale_revision)
         theirs, created = await asyncio.wait_for(waiting, 60)
         assert created and int(theirs.etag) > int(mine.etag)
 
