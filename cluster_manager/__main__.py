@@ -19,6 +19,7 @@ from dlsched.kit import etcd, logs, tracing
 from dlsched.kit.election import Leadership
 from dlsched.kit.envelope import Keyring
 from dlsched.kit.etcd import EtcdOptions, add_etcd_flags, etcd_options_from_args
+from dlsched.kit.parse import flag_number
 from dlsched.kit.server import (
     Registration,
     ServerOptions,
@@ -68,18 +69,18 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--port-file", default=None, help="write the bound host:port here")
     add_etcd_flags(p)
     p.add_argument("--prefix", default="/dlsched/", help="etcd key prefix")
-    p.add_argument("--monitor-interval", type=float, default=2.0,
+    p.add_argument("--monitor-interval", type=flag_number(float, 0, inclusive=False), default=2.0,
                    help="seconds between GetClusterInfo calls per cluster")
-    p.add_argument("--heartbeat-interval", type=float, default=30.0,
+    p.add_argument("--heartbeat-interval", type=flag_number(float, 0, inclusive=False), default=30.0,
                    help="most seconds between last_heartbeat_time writes of a steady cluster")
     p.add_argument("--watch-buffer", type=int, default=1024,
                    help="cluster events kept for WatchClusters resume")
-    p.add_argument("--driver-timeout", type=float, default=5.0,
+    p.add_argument("--driver-timeout", type=flag_number(float, 0, inclusive=False), default=5.0,
                    help="deadline of each DriverService call, seconds")
-    p.add_argument("--grace", type=float, default=5.0, help="shutdown grace, seconds")
+    p.add_argument("--grace", type=flag_number(float, 0), default=5.0, help="shutdown grace, seconds")
     p.add_argument("--log-level", default="INFO")
     add_observability_flags(p)
-    p.add_argument("--leader-ttl", type=int, default=5,
+    p.add_argument("--leader-ttl", type=flag_number(int, 2), default=5,
                    help="seconds a dead leader's lease outlives it before another replica takes over")
     keys.add_key_file_flag(p)
     add_tls_flags(p)

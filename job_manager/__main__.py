@@ -19,6 +19,7 @@ from dlsched.auth.store import AccessStore
 from dlsched.kit import etcd, logs, tracing
 from dlsched.kit.channel import TokenSource
 from dlsched.kit.etcd import EtcdOptions, add_etcd_flags, etcd_options_from_args
+from dlsched.kit.parse import flag_number
 from dlsched.kit.server import (
     Registration,
     ServerOptions,
@@ -94,16 +95,16 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--consistent-reads", action=argparse.BooleanOptionalAction, default=True,
                    help="GetJob and ListJobs show every write made before them, on any replica "
                         "(one etcd read each); --no-consistent-reads: this replica's cache as it is")
-    p.add_argument("--watch-history", type=int, default=5000,
+    p.add_argument("--watch-history", type=flag_number(int, 0), default=5000,
                    help="revisions back the job watch starts at, so tokens survive a restart")
-    p.add_argument("--stop-grace-seconds", type=float, default=10.0)
-    p.add_argument("--stream-heartbeat-seconds", type=float, default=15.0,
+    p.add_argument("--stop-grace-seconds", type=flag_number(float, 0), default=10.0)
+    p.add_argument("--stream-heartbeat-seconds", type=flag_number(float, 0), default=15.0,
                    help="WatchJobs and StreamJobLogs send a heartbeat after this long without "
                         "a message, so proxies keep quiet streams open: 0 < S <= 30, or 0 for none")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--replica-id", default="",
                    help="this replica's name among the JobManagers (default host/pid/random)")
-    p.add_argument("--owner-ttl", type=int, default=5,
+    p.add_argument("--owner-ttl", type=flag_number(int, 2), default=5,
                    help="lease TTL of this replica's cluster ownership: a dead replica's "
                         "clusters move to another within it")
     add_history_flags(p)

@@ -181,3 +181,44 @@ async def test_the_registry_knows_since_when_a_cluster_is_watched_past_its_snaps
         await later
     await second.aclose()
     assert reg.observed_since("clusters/a") is None
+
+
+def test_numeric_service_flags_are_finite_and_in_range(capsys: pytest.CaptureFixture[str]) -> None:
+    """An interval of 0 spins, a channel count of 0 waits forever, and NaN passes every
+    range check: each flag is refused at start, naming it (every driver's config, as the
+    kit builds its flags, and JobManager's and ClusterManager's own)."""
+    from cluster_manager.__main__ import parse_args as cm_args
+    from drivers.common.main import parse_config
+    from drivers.kubernetes.driver import KubernetesConfig
+    from drivers.local.driver import LocalConfig
+    from drivers.ray.driver import RayConfig
+    from drivers.slurm.config import SlurmConfig
+    from job_manager.__main__ import parse_args as jm_args
+
+    _, k = parse_config("kubernetes", ["--qps", "2.5", "--grace-seconds", "0", "--max-log-readers", "2"],
+                        KubernetesConfig)
+    assert k is not None and (k.qps, k.grace_seconds, k.max_log_readers) == (2.5, 0.0, 2)
+    _, s = parse_config("slurm", ["--max-log-streams", "0"], SlurmConfig)
+    assert s is not None and s.max_log_streams == 0
+    jm = ["--etcd", "127.0.0.1:1", "--cluster-manager", "127.0.0.1:2", "--no-auth"]
+    cm = ["--etcd", "127.0.0.1:1", "--no-auth"]
+    refused = [
+        (lambda a: parse_config("kubernetes", a, KubernetesConfig), ["--qps", "0"], "--qps"),
+        (lambda a: parse_config("kubernetes", a, KubernetesConfig), ["--request-timeout", "nan"], "--request-timeout"),
+        (lambda a: parse_config("kubernetes", a, KubernetesConfig), ["--max-log-readers", "1"], "--max-log-readers"),
+        (lambda a: parse_config("kubernetes", a, KubernetesConfig), ["--burst", "1.5"], "--burst"),
+        (lambda a: parse_config("slurm", a, SlurmConfig), ["--max-channels", "0"], "--max-channels"),
+        (lambda a: parse_config("slurm", a, SlurmConfig), ["--poll-interval", "-2"], "--poll-interval"),
+        (lambda a: parse_config("ray", a, RayConfig), ["--poll-interval", "inf"], "--poll-interval"),
+        (lambda a: parse_config("local", a, LocalConfig), ["--grace-seconds", "-1"], "--grace-seconds"),
+        (lambda a: jm_args([*jm, *a]), ["--stop-grace-seconds", "nan"], "--stop-grace-seconds"),
+        (lambda a: jm_args([*jm, *a]), ["--keepalive-seconds", "0"], "--keepalive-seconds"),
+        (lambda a: jm_args([*jm, *a]), ["--owner-ttl", "1"], "--owner-ttl"),
+        (lambda a: cm_args([*cm, *a]), ["--monitor-interval", "nan"], "--monitor-interval"),
+        (lambda a: cm_args([*cm, *a]), ["--driver-timeout", "0"], "--driver-timeout"),
+    ]
+    for parse, argv, flag in refused:
+        capsys.readouterr()
+        with pytest.raises(SystemExit):
+            parse(argv)
+        assert f"argument {flag}:" in capsys.readouterr().err, argv

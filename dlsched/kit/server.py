@@ -51,6 +51,7 @@ from dlsched.kit.handlers import (
 )
 from dlsched.kit.memory import Trimmer
 from dlsched.kit.metrics import MetricsEndpoint, MetricsInterceptor, serve_metrics
+from dlsched.kit.parse import flag_number
 from dlsched.kit.rpc_errors import (
     PASSTHROUGH,
     ErrorInterceptor,
@@ -75,9 +76,9 @@ def add_observability_flags(p: argparse.ArgumentParser) -> None:
 
 def add_keepalive_flags(p: argparse.ArgumentParser) -> None:
     """``--keepalive-seconds`` and ``--keepalive-timeout-seconds``."""
-    p.add_argument("--keepalive-seconds", type=float, default=30.0,
+    p.add_argument("--keepalive-seconds", type=flag_number(float, 0, inclusive=False), default=30.0,
                    help="ping a connection after this long without activity (default 30)")
-    p.add_argument("--keepalive-timeout-seconds", type=float, default=10.0,
+    p.add_argument("--keepalive-timeout-seconds", type=flag_number(float, 0, inclusive=False), default=10.0,
                    help="close a connection whose ping is not answered in this long, ending "
                         "its calls (default 10)")
 

@@ -4,7 +4,8 @@ Common flags: ``--listen HOST:PORT`` (port 0 picks one), ``--port-file F``,
 ``--log-level``. Driver flags come from the fields of the driver's frozen
 config dataclass: field ``state_dir: str`` becomes ``--state-dir``, with the
 field's default and ``metadata={"help": ...}``; ``bool`` fields become
-``--flag/--no-flag``. The parsed values build that dataclass once, and
+``--flag/--no-flag``; an ``int`` or ``float`` must be finite and more than 0,
+or at least its ``metadata["min"]``. The parsed values build that dataclass once, and
 ``driver_factory(config)`` builds the driver. Start-up: build the driver →
 ``driver.start()`` (reconcile) → serve ``dlsched.v1.DriverService`` with
 health and reflection → on SIGTERM health NOT_SERVING, ``server.stop`` →
@@ -25,6 +26,7 @@ from typing import Any, TypeVar
 from dlsched.auth.authn import Authenticator
 from dlsched.auth.interceptor import AuthInterceptor
 from dlsched.kit import logs, tracing
+from dlsched.kit.parse import flag_number
 from dlsched.kit.server import (
     Registration,
     ServerOptions,
@@ -93,6 +95,9 @@ def build_parser(name: str, config_type: type[Any] | None) -> argparse.ArgumentP
                 kw["required"] = True
             if tp is bool:
                 p.add_argument(_flag(f.name), action=argparse.BooleanOptionalAction, **kw)
+            elif tp in (int, float):  # more than 0, or at least the field's "min"
+                p.add_argument(_flag(f.name), type=flag_number(tp, f.metadata.get("min", 0),
+                                                               inclusive="min" in f.metadata), **kw)
             else:
                 p.add_argument(_flag(f.name), type=tp, **kw)
     return p

@@ -121,8 +121,8 @@ class KubernetesConfig:
         "help": "timeoutSeconds of each pod watch (it then resumes from the last resourceVersion)"})
     watch_read_timeout: float = field(default=330.0, metadata={
         "help": "seconds without a byte after which a watch is re-opened"})
-    grace_seconds: float = field(default=10.0, metadata={"help": "pod deletion grace when a stop names none"})
-    max_log_readers: int = field(default=logs.READER_THREADS, metadata={
+    grace_seconds: float = field(default=10.0, metadata={"min": 0, "help": "pod deletion grace when a stop names none"})
+    max_log_readers: int = field(default=logs.READER_THREADS, metadata={"min": 2,
         "help": "pod log streams read at once (a thread each); follows may hold 7/8 of them, "
                 "one past that is RESOURCE_EXHAUSTED"})
 

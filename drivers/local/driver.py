@@ -143,7 +143,7 @@ class LocalConfig:
 
     state_dir: str = field(default_factory=_default_state_dir,
                            metadata={"help": "where job records and logs live"})
-    grace_seconds: float = field(default=10.0, metadata={
+    grace_seconds: float = field(default=10.0, metadata={"min": 0,
         "help": "SIGTERM-to-SIGKILL grace when a request names none"})
 
 

@@ -15,9 +15,9 @@ class SlurmConfig:
     poll_interval: float = field(default=2.0, metadata={
         "help": f"seconds between squeue rounds per cluster (at least {poll.MIN_INTERVAL:g})"})
     command_timeout: float = field(default=30.0, metadata={"help": "timeout of one remote command"})
-    max_channels: int = field(default=8, metadata={
+    max_channels: int = field(default=8, metadata={"min": 1,
         "help": "concurrent SSH channels per cluster (keep below the server's MaxSessions, 10)"})
-    max_log_streams: int = field(default=8, metadata={
+    max_log_streams: int = field(default=8, metadata={"min": 0,
         "help": "log followers streaming at once per cluster, each on one channel of a second SSH "
                 "connection (at most 9; followers beyond it read by polls)"})
     log_stream_interval: float = field(default=slogs.STREAM_INTERVAL, metadata={
