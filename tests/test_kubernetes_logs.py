@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -174,9 +175,10 @@ async def test_many_followers_never_hold_back_the_drivers_api_calls(stub: Any, e
 
 
 async def test_follows_past_the_reader_pool_are_refused_not_left_waiting(emu: tuple[Emulator, str]) -> None:
-    """A follow holds a reader thread for as long as it lasts. With ``--max-log-readers 8``
-    follows may hold 7: the 8th follow is RESOURCE_EXHAUSTED ``LOG_READERS_EXHAUSTED`` at once
-    (it used to wait, silent, for a thread a follow may hold for days); a tail that ends is still
+    """A follow holds a reader slot (an open response) for as long as it lasts. With
+    ``--max-log-readers 8`` follows may hold 7: the 8th follow is RESOURCE_EXHAUSTED
+    ``LOG_READERS_EXHAUSTED`` at once (not left waiting, silent, for a slot a follow may hold
+    for days); a tail that ends is still
     read; once a follow ends, another is taken."""
     import grpc
     from google.rpc import error_details_pb2
@@ -199,10 +201,14 @@ async def test_follows_past_the_reader_pool_are_refused_not_left_waiting(emu: tu
             await configure(stub, "clusters/k8s", url)
             follow = await _running_job_saying_hello(stub, emu, "readers")
             job = follow.job.job_id
+            assert svc.proc is not None
+            threads = len(os.listdir(f"/proc/{svc.proc.pid}/task"))
             for _ in range(7):
                 call = stub.TailJobLogs(follow, timeout=300)
                 calls.append(call)
                 assert [x.text for x in (await call.read()).entries] == ["hello"]
+            # Seven silent follows hold seven responses, not seven threads (a thread each before).
+            assert len(os.listdir(f"/proc/{svc.proc.pid}/task")) < threads + 7
 
             refused = stub.TailJobLogs(follow, timeout=60)
             with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -220,7 +226,7 @@ async def test_follows_past_the_reader_pool_are_refused_not_left_waiting(emu: tu
             calls.pop().cancel()
 
             deadline = time.monotonic() + 60
-            while True:  # the cancelled follow's thread is given back as its reader ends
+            while True:  # the cancelled follow's slot is given back as its reader ends
                 call = stub.TailJobLogs(follow, timeout=300)
                 try:
                     first = await call.read()

@@ -31,6 +31,7 @@ from dlsched.kit import metrics
 from drivers.common.base import ClusterConfig, KubernetesCredentials
 from drivers.common.registry import BackendUnavailable
 from drivers.kubernetes.informer import RequestBudget
+from drivers.kubernetes.podlog import PodLogClient
 
 
 def is_unreachable(exc: BaseException) -> bool:
@@ -133,8 +134,11 @@ class KubeApi:
         self.core: Any = client.CoreV1Api(self.client)  # responses read as plain JSON, not its models
         self.budget = RequestBudget(qps, burst)
         self.timeout = request_timeout
+        self.logs = PodLogClient(self.client.configuration, request_timeout)  # on the loop, no thread
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.logs.close()
         with contextlib.suppress(Exception):
             self.client.close()
         if self._ca_file:

@@ -122,9 +122,9 @@ class KubernetesConfig:
     watch_read_timeout: float = field(default=330.0, metadata={
         "help": "seconds without a byte after which a watch is re-opened"})
     grace_seconds: float = field(default=10.0, metadata={"min": 0, "help": "pod deletion grace when a stop names none"})
-    max_log_readers: int = field(default=logs.READER_THREADS, metadata={"min": 2,
-        "help": "pod log streams read at once (a thread each); follows may hold 7/8 of them, "
-                "one past that is RESOURCE_EXHAUSTED"})
+    max_log_readers: int = field(default=logs.READERS, metadata={"min": 2,
+        "help": "pod log responses open at once (a connection each, no thread); follows may hold "
+                "7/8 of them, one past that is RESOURCE_EXHAUSTED"})
 
 
 def _run_modes() -> tuple[RunMode, ...]:
@@ -162,7 +162,7 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
     async def _disconnect(self, c: KubeCluster) -> None:
         if c.informer is not None:
             c.informer.stop()
-        c.api.close()
+        await c.api.close()
 
     async def _activate(self, name: str, c: KubeCluster) -> None:
         loop = asyncio.get_running_loop()

@@ -22,6 +22,7 @@ per (re)connect), so a busy driver stays polite to the API server.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import threading
@@ -51,17 +52,25 @@ class RequestBudget:
         self._last = clock()
         self._lock = threading.Lock()
 
+    def _take(self) -> float:
+        """0 when a token was taken, else the seconds until one is there."""
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self._burst, self._tokens + (now - self._last) * self._qps)
+            self._last = now
+            if self._tokens >= 1 - 1e-9:  # a token earned by the last sleep, rounding aside
+                self._tokens = max(0.0, self._tokens - 1)
+                return 0.0
+            return (1 - self._tokens) / self._qps
+
     def acquire(self) -> None:
-        while True:
-            with self._lock:
-                now = self._clock()
-                self._tokens = min(self._burst, self._tokens + (now - self._last) * self._qps)
-                self._last = now
-                if self._tokens >= 1 - 1e-9:  # a token earned by the last sleep, rounding aside
-                    self._tokens = max(0.0, self._tokens - 1)
-                    return
-                wait = (1 - self._tokens) / self._qps
+        while wait := self._take():
             self._sleep(wait)
+
+    async def acquire_async(self) -> None:
+        """``acquire`` on the event loop (a pod log read), sleeping without a thread."""
+        while wait := self._take():  # noqa: ASYNC110 - a token bucket: the wait is computed, no event
+            await asyncio.sleep(wait)
 
 
 class PodInformer:

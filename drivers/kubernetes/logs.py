@@ -6,39 +6,39 @@ filtered exactly). Kubernetes merges a container's stdout and stderr, so
 every line is reported as STDOUT; a query that does not want STDOUT opens
 nothing. A pod that has not started yet gives one line saying so (without
 follow), or is waited for (with follow); a follow ends once every replica's
-stream has ended and the job is terminal. Each reader runs in a worker
-thread (the client blocks); closing the stream (``LogStream.close``) shuts
-the socket down so a reader blocked on a silent follow ends at once and no
-reader outlives its consumer. What the readers of one tail hold for their
-consumer is bounded (``QUEUED_CHARS`` characters of text): past it a reader
-waits, and the pod log stream waits in the connection's flow control, so a
-slow client costs the driver a bounded amount of memory however fast the
-pods write. Readers run in a pool of their own (``READER_THREADS``,
-``--max-log-readers``): a follow holds its thread for as long as it lasts,
-and the pool the API calls use must never wait for them. Follows may hold
-all but an eighth of the pool; a follow past that is RESOURCE_EXHAUSTED
-``LOG_READERS_EXHAUSTED`` at once.
+stream has ended and the job is terminal. Each reader is a task on the
+event loop reading its response with aiohttp (``podlog.PodLogClient``): a
+silent follow costs a socket, not a thread, and closing the tail cancels
+its readers, which close their responses, so no reader outlives its
+consumer. What the readers of one tail hold for their consumer is bounded
+(``QUEUED_CHARS`` characters of text): past it a reader waits, and the pod
+log stream waits in the connection's flow control, so a slow client costs
+the driver a bounded amount of memory however fast the pods write. At most
+``READERS`` (``--max-log-readers``) responses are open at once (a
+descriptor each); follows may hold all but an eighth of them, so a read
+that ends always finds a slot soon, and a follow past that is
+RESOURCE_EXHAUSTED ``LOG_READERS_EXHAUSTED`` at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import math
-import socket
-import threading
+import resource
 import time
 from collections.abc import AsyncGenerator
 from datetime import datetime
-from typing import Any
 
-from dlsched.errors import DlschedError, ResourceExhausted
+import aiohttp
+
+from dlsched.errors import ResourceExhausted
 from dlsched.kit import metrics
 from dlsched.kit.parse import decimal
 from drivers.common.base import LogEntry, LogQuery, LogStream, ReplicaState
 from drivers.common.convert import MAX_LINE_CHARS, pieces
-from drivers.kubernetes.api import api_error, raise_for_status, status_of, status_text
+from drivers.kubernetes.api import api_error, status_of, status_text
+from drivers.kubernetes.podlog import HttpError
 from drivers.kubernetes.tracking import KubeCluster, Replica, TrackedJob
 
 BATCH_ENTRIES = 500
@@ -47,21 +47,20 @@ FOLLOW_READ_TIMEOUT = 24 * 3600.0  # a followed log may stay silent for long
 #: the characters of log text one tail's readers may have queued for its consumer
 QUEUED_CHARS = 4 << 20
 _ENTRY_COST = 64  #: what an entry costs beyond its text, in characters
-#: log readers at once in this process (a follow holds one for its whole life)
-READER_THREADS = 256
+#: pod log responses open at once in this process (a follow holds one for its whole life)
+READERS = 4096
 
 
 class _Readers:
-    """The reader threads, and how many follows hold one: follows may hold all but an
-    eighth of them, so a read that ends (no follow) always finds a thread soon. A tail
+    """The open pod log responses, and how many follows hold one: follows may hold all but
+    an eighth of them, so a read that ends (no follow) always finds a slot soon. A tail
     whose follows would pass that is refused RESOURCE_EXHAUSTED, not left waiting
-    silently for a thread that a follow may hold for days."""
+    silently for a slot that a follow may hold for days."""
 
-    def __init__(self, threads: int) -> None:
-        self.threads = max(2, threads)
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=self.threads,
-                                                          thread_name_prefix="k8s-log")
-        self.follow_cap = self.threads - max(1, self.threads // 8)
+    def __init__(self, slots: int) -> None:
+        self.slots = max(2, slots)
+        self.open = asyncio.Semaphore(self.slots)
+        self.follow_cap = self.slots - max(1, self.slots // 8)
         self.following = 0
 
     def reserve(self, n: int) -> None:
@@ -73,14 +72,22 @@ class _Readers:
         self.following += n
 
 
-_READERS = _Readers(READER_THREADS)
+_READERS = _Readers(READERS)
 
 
-def configure(threads: int) -> None:
-    """Size the reader pool (``--max-log-readers``), before any log is read."""
+def configure(slots: int) -> None:
+    """Size the reader slots (``--max-log-readers``), before any log is read, and let the
+    process open that many descriptors beside the 1,024 it has for everything else (the
+    soft limit is raised towards the hard one; where that is lower, a read past it fails
+    as unreachable, not the process)."""
     global _READERS  # noqa: PLW0603 - one pool per process, sized once at start
-    if threads != _READERS.threads:
-        _READERS = _Readers(threads)
+    if slots != _READERS.slots:
+        _READERS = _Readers(slots)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = slots + 1024 if hard == resource.RLIM_INFINITY else min(hard, slots + 1024)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 _Queue = asyncio.Queue[list[LogEntry] | BaseException | None]
 
@@ -90,67 +97,28 @@ def _cost(entries: list[LogEntry]) -> int:
 
 
 class _Budget:
-    """What one tail's readers have queued: a reader (a thread) waits while it is past
-    ``QUEUED_CHARS`` (one batch always goes), until the consumer takes some or it is stopped."""
+    """What one tail's readers have queued: a reader waits while it is past ``QUEUED_CHARS``
+    (one batch always goes), until the consumer takes some (or the tail ends: cancelled)."""
 
     def __init__(self, limit: int = QUEUED_CHARS) -> None:
-        self._cond = threading.Condition()
+        self._freed = asyncio.Event()
         self._used = 0
         self._limit = limit
 
-    def take(self, n: int, stop: _LogStream) -> bool:
-        with self._cond:
-            while self._used and self._used + n > self._limit:
-                if stop.is_set():
-                    return False
-                self._cond.wait(0.1)
-            self._used += n
-            return True
+    async def take(self, n: int) -> None:
+        while self._used and self._used + n > self._limit:
+            self._freed.clear()
+            await self._freed.wait()
+        self._used += n
 
     def charge(self, entries: list[LogEntry]) -> list[LogEntry]:
-        """Counts what the event loop queues itself (a note), without waiting."""
-        with self._cond:
-            self._used += _cost(entries)
+        """Counts what is queued without waiting (a note)."""
+        self._used += _cost(entries)
         return entries
 
     def give(self, n: int) -> None:
-        with self._cond:
-            self._used -= n
-            self._cond.notify_all()
-
-
-class _LogStream:
-    """One open pod log response, closable from the event loop while a thread reads it."""
-
-    def __init__(self) -> None:
-        self._stop = threading.Event()
-        self._lock = threading.Lock()
-        self._resp: Any = None
-
-    def is_set(self) -> bool:
-        return self._stop.is_set()
-
-    def attach(self, resp: Any) -> bool:
-        with self._lock:
-            if self._stop.is_set():
-                return False
-            self._resp = resp
-            return True
-
-    def close(self) -> None:
-        """Stop the reader without blocking the caller (the event loop).
-
-        Closing the response here would wait for the reading thread's buffer
-        lock; shutting the socket down instead ends a read blocked on a silent
-        follow at once, and the reader closes the response itself.
-        """
-        with self._lock:
-            self._stop.set()
-            resp, self._resp = self._resp, None
-        sock = getattr(getattr(resp, "connection", None), "sock", None)
-        if sock is not None:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
+        self._used -= n
+        self._freed.set()
 
 
 def line_time(line: str) -> tuple[int | None, str]:
@@ -245,13 +213,12 @@ async def tail(c: KubeCluster, job: TrackedJob, query: LogQuery) -> AsyncGenerat
     need = len(targets) if query.follow else 0
     readers.reserve(need)  # given back in the finally below, whatever happens after this line
     queue: _Queue = asyncio.Queue()
-    stops: list[_LogStream] = []
     tasks: list[asyncio.Future[None]] = []
     held: list[list[LogEntry] | BaseException | None] = []  # a reader's end met while coalescing
     try:
         budget = _Budget()
-        tasks.extend(asyncio.ensure_future(_tail_one(c, job, r, index, cname, query, queue, stops,
-                                                     budget, readers.pool))
+        tasks.extend(asyncio.ensure_future(_tail_one(c, job, r, index, cname, query, queue,
+                                                     budget, readers.open))
                      for r, index, cname in targets)
         remaining = len(tasks)
         while remaining:
@@ -274,8 +241,6 @@ async def tail(c: KubeCluster, job: TrackedJob, query: LogQuery) -> AsyncGenerat
             for i in range(0, len(batch), BATCH_ENTRIES):
                 yield batch[i:i + BATCH_ENTRIES]
     finally:
-        for st in stops:
-            st.close()
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -301,68 +266,49 @@ async def _started(job: TrackedJob, r: Replica, index: int, query: LogQuery, que
             await asyncio.wait_for(changed.wait(), timeout=5)
 
 
-def _request(c: KubeCluster, r: Replica, container: str, query: LogQuery) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"timestamps": True, "follow": query.follow,
-                              "_request_timeout": (c.api.timeout, FOLLOW_READ_TIMEOUT) if query.follow
-                              else c.api.timeout}
+def _params(container: str, query: LogQuery) -> dict[str, str]:
+    params = {"timestamps": "true", "follow": "true" if query.follow else "false"}
     if container:
-        kwargs["container"] = container
+        params["container"] = container
     if query.tail_lines:
-        kwargs["tail_lines"] = query.tail_lines
+        params["tailLines"] = str(query.tail_lines)
     if query.since_ns is not None:
-        kwargs["since_seconds"] = max(1, math.ceil(time.time() - query.since_ns / 1e9) + 1)
-    return kwargs
+        params["sinceSeconds"] = str(max(1, math.ceil(time.time() - query.since_ns / 1e9) + 1))
+    return params
 
 
 async def _tail_one(c: KubeCluster, job: TrackedJob, r: Replica, index: int, container: str,
-                    query: LogQuery, queue: _Queue, stops: list[_LogStream], budget: _Budget,
-                    pool: concurrent.futures.ThreadPoolExecutor) -> None:
+                    query: LogQuery, queue: _Queue, budget: _Budget, slots: asyncio.Semaphore) -> None:
     try:
         if not await _started(job, r, index, query, queue, budget):
             return
-        stop = _LogStream()
-        stops.append(stop)
-        loop = asyncio.get_running_loop()
-        kwargs = _request(c, r, container, query)
 
-        def put(lines: list[tuple[int | None, str]]) -> None:
-            entries = _entries(r.role, index, lines, query)
-            if entries and budget.take(_cost(entries), stop):  # else stopped: nobody reads them
-                loop.call_soon_threadsafe(queue.put_nowait, entries)
+        async def put(lines: list[tuple[int | None, str]]) -> None:
+            if entries := _entries(r.role, index, lines, query):
+                await budget.take(_cost(entries))
+                queue.put_nowait(entries)
 
-        def read() -> None:
-            c.api.budget.acquire()
-            metrics.backend_call("kubernetes", "read_namespaced_pod_log")
-            resp = c.api.core.read_namespaced_pod_log(r.pod, c.namespace, _preload_content=False, **kwargs)
-            if not stop.attach(resp):
-                with contextlib.suppress(Exception):
-                    resp.close()
+        async with slots:
+            try:
+                await c.api.budget.acquire_async()
+                metrics.backend_call("kubernetes", "read_namespaced_pod_log")
+                resp = await c.api.logs.open(
+                    c.namespace, r.pod, _params(container, query),
+                    read_timeout=FOLLOW_READ_TIMEOUT if query.follow else c.api.timeout)
+            except (HttpError, aiohttp.ClientError, TimeoutError) as e:
+                if status_of(e) not in (400, 404):
+                    raise api_error(e, f"reading the log of {r.pod}") from None
+                await queue.put(budget.charge(_note(r, index, f"no log for pod {r.pod} ({status_text(e)})")))
                 return
             try:
-                raise_for_status(resp)
                 pieces = _Pieces()
-                for chunk in resp.stream(amt=None, decode_content=True):
-                    if stop.is_set():
-                        return
-                    put(pieces.feed(chunk))
-                put(pieces.end())
-            finally:
-                if stop.is_set():  # the socket was shut down: never back into the pool
-                    with contextlib.suppress(Exception):
-                        resp.close()
-                else:
-                    resp.release_conn()
-
-        try:
-            await loop.run_in_executor(pool, read)
-        except DlschedError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            if stop.is_set():
-                return  # closed by the consumer
-            if status_of(e) not in (400, 404):
+                async for chunk in resp.content.iter_any():
+                    await put(pieces.feed(chunk))
+                await put(pieces.end())
+            except (aiohttp.ClientError, TimeoutError) as e:
                 raise api_error(e, f"reading the log of {r.pod}") from None
-            await queue.put(budget.charge(_note(r, index, f"no log for pod {r.pod} ({status_text(e)})")))
+            finally:  # read to its end: the connection may serve another; else (a cancel) closed
+                resp.release() if resp.content.at_eof() else resp.close()
     except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
         queue.put_nowait(e)
     finally:

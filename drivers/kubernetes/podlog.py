@@ -1,0 +1,115 @@
+"""The pod log API over asyncio: one HTTP response per container log, no thread.
+
+The Kubernetes client reads a response in a thread that blocks until the
+next byte: a follow, which may stay silent for days, held a thread for its
+whole life, so a driver followed as many containers as it had threads.
+``PodLogClient`` opens the same request (``GET
+/api/v1/namespaces/{ns}/pods/{pod}/log``) with aiohttp on the event loop,
+with what the client's ``Configuration`` says: the host, the CA bundle or
+no verification, a client certificate, the TLS server name, a proxy, and the
+``authorization`` header (a kubeconfig's refreshing token is asked for
+anew, in a thread, each time: its hook may run an exec plugin). A response
+costs a socket and its buffers; idle, nothing else.
+
+A refusal (non-2xx) raises ``HttpError`` with the status and the body (the
+API's Status object), which ``api.api_error`` maps as it maps the client's
+``ApiException``; a connection failure raises aiohttp's error, which has no
+status: unreachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+
+#: the most bytes of a refusal's body kept (the API's Status object is small)
+_ERROR_BODY_BYTES = 64 << 10
+
+
+class HttpError(Exception):
+    """A non-2xx answer of the pod log API (``status``, ``body``: as ``ApiException``)."""
+
+    def __init__(self, status: int, reason: str, body: str) -> None:
+        super().__init__(f"HTTP {status} {reason}")
+        self.status = status
+        self.reason = reason
+        self.body = body
+
+
+def _ssl_context(cfg: Any) -> ssl.SSLContext | bool:
+    if not str(cfg.host).startswith("https"):
+        return False
+    if not cfg.verify_ssl:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+    else:
+        ctx = ssl.create_default_context(cafile=cfg.ssl_ca_cert or None)
+        if cfg.assert_hostname is False:
+            ctx.check_hostname = False
+    if cfg.cert_file:
+        ctx.load_cert_chain(cfg.cert_file, cfg.key_file or None)
+    return ctx
+
+
+class PodLogClient:
+    """One cluster's pod log requests, on the event loop (``open``), sharing a session."""
+
+    def __init__(self, cfg: Any, request_timeout: float) -> None:
+        self._cfg = cfg
+        self._host = str(cfg.host).rstrip("/")
+        self._ssl = _ssl_context(cfg)  # reads the CA and certificate files now, not per request
+        self._timeout = request_timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # No connection limit of its own: --max-log-readers bounds the streams open at once.
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(ssl=self._ssl, limit=0),
+                auto_decompress=True, trust_env=False)
+        return self._session
+
+    async def _authorization(self) -> str | None:
+        if self._cfg.refresh_api_key_hook is not None:  # may run an exec plugin: not on the loop
+            return await asyncio.to_thread(self._cfg.get_api_key_with_prefix, "authorization")
+        return self._cfg.get_api_key_with_prefix("authorization")  # type: ignore[no-any-return]
+
+    async def open(self, namespace: str, pod: str, params: dict[str, str], *,
+                   read_timeout: float) -> aiohttp.ClientResponse:
+        """The log response of ``pod`` (2xx; the caller reads and releases it); ``read_timeout``:
+        the most seconds between two chunks (a follow may stay silent for long)."""
+        headers = {"Accept": "*/*"}
+        if auth := await self._authorization():
+            headers["Authorization"] = auth
+        extra: dict[str, Any] = {}
+        if self._cfg.proxy:
+            extra["proxy"] = self._cfg.proxy
+            if self._cfg.proxy_headers:
+                extra["proxy_headers"] = self._cfg.proxy_headers
+        if self._cfg.tls_server_name:
+            extra["server_hostname"] = self._cfg.tls_server_name
+        url = f"{self._host}/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(pod, safe='')}/log"
+        resp = await self._client().get(
+            url, params=params, headers=headers, allow_redirects=False,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._timeout, sock_read=read_timeout),
+            **extra)
+        if not 200 <= resp.status <= 299:
+            try:
+                body = (await asyncio.wait_for(resp.content.read(_ERROR_BODY_BYTES), self._timeout)
+                        ).decode("utf-8", "replace")
+            except (TimeoutError, aiohttp.ClientError):
+                body = ""
+            finally:
+                resp.release()
+            raise HttpError(resp.status, resp.reason or "", body)
+        return resp
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
