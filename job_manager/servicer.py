@@ -53,7 +53,7 @@ import grpc
 from prometheus_client import Counter
 
 from dlsched.auth.interceptor import caller
-from dlsched.errors import DlschedError, InvalidArgument, StoreUnavailable
+from dlsched.errors import DlschedError, InvalidArgument, StoreUnavailable, WatchTokenExpired
 from dlsched.kit import logs, tokens
 from dlsched.kit.timeutil import to_timestamp
 from dlsched.v1 import job_manager_service_pb2 as pb
@@ -378,7 +378,13 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         flt: Filter = parse_filter(request.filter)
         p = caller()
         if request.resume_token:
-            sub = self.hub.subscribe(decode_token(request.resume_token))
+            after = decode_token(request.resume_token)
+            if after > self.cache.current and after > (now := await self.store.revision()):
+                # A revision etcd never had: a token of another etcd (restored, replaced).
+                # Subscribed, it would skip every event up to it, silently.
+                raise WatchTokenExpired("resume_token is from another etcd; re-list",
+                                        metadata={"revision": str(now)})
+            sub = self.hub.subscribe(after)
         else:
             sub = self.hub.subscribe()  # queue live events before reading the snapshot
         try:

@@ -751,12 +751,14 @@ class WatchHub:
                     # can be honoured, and live subscribers have a gap.
                     log.warning("job watch: revisions %d..%d compacted away", next_rev, lost_to)
                     self._expire_all(lost_to, "events were compacted; re-list")
-                next_rev = compacted
                 if self.cache is not None and self._store is not None and compacted > self.cache.revision + 1:
                     # The cache missed events: read every job again, then go on from there.
                     try:
                         rev = await self.cache.load(self._store)
                     except DlschedError as le:
+                        # next_rev stays below the compaction: the next try meets it again and
+                        # reloads. Watching on from ``compacted`` would skip the missed events
+                        # for good while the cache passed for current.
                         log.warning("job watch: reloading the cache: %s", le)
                     else:
                         log.warning("job watch: cache reloaded at revision %d", rev)
@@ -764,6 +766,7 @@ class WatchHub:
                         next_rev = rev + 1
                         continue
                 else:
+                    next_rev = compacted
                     continue
             except Exception as e:  # noqa: BLE001 - reconnect on any etcd trouble
                 self._live = False

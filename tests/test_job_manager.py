@@ -526,6 +526,36 @@ async def test_expired_token_is_out_of_range(stack: Stack, cluster: str, etcd: E
         small.stop()
 
 
+async def test_a_token_from_the_future_is_out_of_range(stack: Stack, cluster: str) -> None:
+    """A resume token past etcd's revision (of an etcd restored or replaced) is refused, as
+    WatchClusters refuses one: subscribed, it skipped every event up to it, silently."""
+    from job_manager.watch import decode_token, encode_token
+
+    assert stack.jm is not None
+    async with security.channel(stack.jm.address) as ch:
+        jm = pb_grpc.JobManagerServiceStub(ch)
+        call = jm.WatchJobs(pb.WatchJobsRequest())
+        token = ""
+        async for ev in call:
+            if ev.type == S.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE:
+                token = ev.resume_token
+                break
+        call.cancel()
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            async for _ in jm.WatchJobs(pb.WatchJobsRequest(resume_token=encode_token(decode_token(token) + 1000)),
+                                        timeout=30):
+                pass
+        assert ei.value.code() == grpc.StatusCode.OUT_OF_RANGE
+        assert error_info(ei.value).reason == "WATCH_TOKEN_EXPIRED"  # type: ignore[union-attr]
+        # The snapshot's own token resumes, and the next job comes through it.
+        resumed = jm.WatchJobs(pb.WatchJobsRequest(resume_token=token), timeout=60)
+        name = (await jm.SubmitJob(pb.SubmitJobRequest(spec=single("pass")))).job.name
+        async for ev in resumed:
+            if ev.job.name == name:
+                break
+        resumed.cancel()
+
+
 async def test_jobs_survive_job_manager_sigkill(stack: Stack, cluster: str) -> None:
     assert stack.jm is not None
     mdir = tempfile.mkdtemp(prefix="jm-restart-")

@@ -228,6 +228,49 @@ async def test_a_compaction_the_watch_missed_reloads_the_cache() -> None:
         own.stop()
 
 
+async def test_a_reload_that_fails_after_a_compaction_is_tried_again() -> None:
+    """The reload after a compaction fails (etcd unreachable for that read): the watch must not
+    go on from the compaction, which would skip the missed events for good while the cache
+    passed for current (a PENDING job written in the gap never launched, its request key swept,
+    a retried SubmitJob made a second job). It meets the compaction again and reloads."""
+    from dlsched.errors import StoreUnavailable
+
+    own = EtcdServer().start()
+    client = await connect(own.endpoint)
+    store = JobStore(client, "/g/")
+    h = WatchHub(client, "/g/", cache=JobCache(page_size=10), store=store)
+    try:
+        await put_jobs(client, "/g/", [synthetic(i) for i in range(3)])
+        await h.start()
+        cache = h.cache
+        assert cache is not None and cache.loads == 1
+        assert h._task is not None
+        h._task.cancel()
+        await asyncio.gather(h._task, return_exceptions=True)
+        missed_from = cache.revision + 1
+        await store.create(synthetic(50, state=JobState.PENDING))  # written in the gap
+        await store.delete("s000000")
+        await client.compact(await store.revision())  # compacted past the gap's job
+        scan, failed = store.scan, []
+
+        def scan_once_unreachable(*a, **k):  # type: ignore[no-untyped-def]
+            if not failed:
+                failed.append(True)
+                raise StoreUnavailable("etcd did not answer (injected: the reload's first read)")
+            return scan(*a, **k)
+
+        store.scan = scan_once_unreachable  # type: ignore[method-assign]
+        h._task = asyncio.create_task(h._run(missed_from))
+        await until(lambda: cache.get("s000050") is not None)  # the gap's job, by the retried load
+        assert failed and cache.loads == 2
+        await store.create(synthetic(51))
+        await until(lambda: cache.get("s000051") is not None)  # and the watch goes on
+    finally:
+        await h.stop()
+        await client.close()
+        own.stop()
+
+
 # ---------------------------------------------------------------- 20,000 jobs through the stack
 
 M = ["--metrics-listen", "127.0.0.1:0"]
