@@ -167,8 +167,8 @@ class JobCache:
         """
         if revision < self.revision:
             return
+        new = CachedJob(job_id, data, revision) if data is not None else None  # may raise: first
         old = self._jobs.pop(job_id, None)
-        new = CachedJob(job_id, data, revision) if data is not None else None
         old_keys = set(old.index_keys()) if old is not None else set()
         new_keys = set(new.index_keys()) if new is not None else set()
         same_key = old is not None and new is not None and old.key == new.key

@@ -245,6 +245,8 @@ class ClusterOwnership:
                         self._tracker.on_job(ev.job)
             except DlschedError as e:
                 log.info("ownership job view restarts: %s", e)
+            except Exception:  # a job that fails to decode, a bug: never a silent, dead view
+                log.exception("ownership job view failed; restarting it")
             finally:
                 sub.close()
             await asyncio.sleep(1.0)
@@ -260,6 +262,8 @@ class ClusterOwnership:
                 raise
             except (*_ETCD_ERRORS, DlschedError) as e:
                 log.warning("ownership session of %s ended: %s; starting another", self.identity, e)
+            except Exception:  # never a dead session loop: the replica would own nothing, silently
+                log.exception("ownership session of %s failed; starting another", self.identity)
             await asyncio.sleep(self.interval)
 
     async def _session(self) -> None:

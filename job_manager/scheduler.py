@@ -541,23 +541,34 @@ class Scheduler:
             if (obs.found and obs.state.is_terminal() and job.state.is_terminal()
                     and obs.backend_job_id == job.backend_job_id):
                 self._forget_later(cluster, job.id, job.backend_job_id)
+            elif (obs.found and not obs.state.is_terminal() and job.state.is_terminal()
+                  and obs.backend_job_id and obs.backend_job_id != job.backend_job_id
+                  and job.cluster == cluster and not states.of_another_job(job, obs)):
+                # A backend job the ended job never recorded: a launch whose answer was lost
+                # (the driver frozen past the deadline, the owner killed before the record),
+                # then the job was stopped before any launch was recorded. Nothing else would
+                # ever stop it.
+                self._reap(cluster, job.id, obs.backend_job_id, job.uid, cleanup=False,
+                           why=f"ended ({job.state.name}) without it")
             if retry and job.state == JobState.PENDING:
                 log.info("job %s failed (attempt %d); retrying as attempt %d", job.id,
                          job.attempt - 1, job.attempt)
                 self._spawn(self.launch(job.id, cluster, job), name=f"relaunch-{job.id}", cluster=cluster)
             return job
 
-    def _reap(self, cluster: str, job_id: str, backend_job_id: str, uid: str) -> None:
+    def _reap(self, cluster: str, job_id: str, backend_job_id: str, uid: str, *,
+              cleanup: bool = True, why: str = "is deleted") -> None:
         """A backend job still running for a job the store no longer has (deleted while its
-        launch or stop was in flight, or while the driver was down): stop it and remove its
-        files, once (later observations of it while that runs change nothing)."""
+        launch or stop was in flight, or while the driver was down): stop it and, with
+        ``cleanup``, remove its files, once (later observations of it while that runs change
+        nothing). Also for an ended job that never recorded it (``cleanup=False``: its logs stay)."""
         key = (job_id, backend_job_id, uid)  # (both jobs of one id may have one backend id)
         if key in self._reaping or self._closed:
             return
-        log.warning("job %s is deleted but %s still runs on %s: terminating it", job_id,
+        log.warning("job %s %s but %s still runs on %s: terminating it", job_id, why,
                     backend_job_id, cluster)
         self._reaping.add(key)
-        t = self._spawn(self._terminate_backend(cluster, job_id, backend_job_id, uid, cleanup=True),
+        t = self._spawn(self._terminate_backend(cluster, job_id, backend_job_id, uid, cleanup=cleanup),
                         name=f"reap-{job_id}", cluster=cluster)
         t.add_done_callback(lambda _: self._reaping.discard(key))
 

@@ -235,6 +235,27 @@ async def test_an_attempt_that_failed_before_its_launch_answered_is_retried(env:
     assert (g.state, g.attempt, g.exit_code) == (JobState.FAILED, 1, 7), g
 
 
+async def test_a_job_stopped_after_its_launch_answer_was_lost_is_terminated_on_the_backend(env: Any) -> None:
+    """The launch reached the driver, which submitted, but the answer was lost (the driver
+    frozen past the deadline): the job stays PENDING with no backend id, and a stop then ends it
+    STOPPED at once. The driver goes on to report the backend job running: it is terminated
+    (nothing else would ever stop it), and the job stays STOPPED."""
+    sched, drv = env
+    drv.launch_errors = [errors.Unavailable("deadline exceeded (the answer was lost)")] * 10_000
+    drv.launch_gate = asyncio.Event()
+    job, _ = await sched.submit("h", SPEC, "", dry_run=False, spec_bytes=10)
+    drv.launch_gate.set()
+    await stored(sched, "h", lambda j: j.reason == "DriverUnavailable")
+    assert (await sched.stop("h")).state == JobState.STOPPED
+    drv.events.put_nowait(Observation("h", "b-h-1", state=JobState.RUNNING, attempt=1, job_uid=job.uid))
+
+    async def terminated() -> bool:
+        return drv.terminated == ["h"]
+    await until(terminated)
+    j = await sched.store.get("h")
+    assert j.state == JobState.STOPPED and not j.backend_job_id and drv.launches == []
+
+
 async def test_late_observations_never_reopen_a_terminal_job(env: Any) -> None:
     sched, drv = env
     await sched.submit("e", SPEC, "", dry_run=False, spec_bytes=10)
