@@ -222,3 +222,56 @@ def test_numeric_service_flags_are_finite_and_in_range(capsys: pytest.CaptureFix
         with pytest.raises(SystemExit):
             parse(argv)
         assert f"argument {flag}:" in capsys.readouterr().err, argv
+
+
+async def test_concurrent_configurations_of_a_cluster_replace_and_drop_each_record_once() -> None:
+    """Two ConfigureCluster calls of one cluster overlap (an old ClusterManager leader resumed
+    from SIGSTOP configures beside the new one): each record that was installed and replaced is
+    dropped exactly once, and the one installed at the end is not dropped. Without the kit's
+    per-cluster lock both read no old record, both installed theirs, and the first one, already
+    activated, was replaced without being dropped (its connections and poller leaked)."""
+    from drivers.common.skeleton import BackendDriver
+
+    gate = asyncio.Event()
+
+    class Record:
+        def __init__(self, address: str) -> None:
+            self.address = address
+
+    class Probe(BackendDriver[Record, None]):  # type: ignore[type-var]
+        name = "probe"
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.built: list[Record] = []
+            self.dropped: list[Record] = []
+            self.active: list[Record] = []
+
+        async def _connect(self, config: base.ClusterConfig, old: Record | None) -> Record:
+            r = Record(config.address)
+            self.built.append(r)
+            await gate.wait()  # both calls are building at once
+            return r
+
+        async def _disconnect(self, c: Record) -> None:
+            self.dropped.append(c)
+
+        async def _activate(self, name: str, c: Record) -> None:
+            self.active.append(c)
+
+        async def _info(self, c: Record) -> base.ClusterInfo:
+            return base.ClusterInfo(state=base.ClusterState.READY)
+
+    for method in ("_prepare", "_known", "_submit", "_snapshot", "_observe", "_lookup", "_terminate", "_cleanup"):
+        setattr(Probe, method, None)
+    Probe.__abstractmethods__ = frozenset()
+    d = Probe()
+    calls = [asyncio.ensure_future(d.configure_cluster(base.ClusterConfig(name="clusters/p", address=a)))
+             for a in ("http://a", "http://b")]
+    await asyncio.sleep(0.1)
+    gate.set()
+    await asyncio.gather(*calls)
+    current = d.clusters.get("clusters/p")
+    assert current is not None and current not in d.dropped
+    assert sorted(id(r) for r in d.dropped) == sorted(id(r) for r in d.built if r is not current)
+    assert len(d.active) == 2 and len(d.dropped) == 1

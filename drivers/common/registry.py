@@ -21,6 +21,7 @@ observation reasons ``STOP_REQUESTED``, ``BACKEND_STALE``, ``UNKNOWN``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import time
@@ -61,6 +62,7 @@ class ClusterRegistry(Generic[C]):
     def __init__(self, hub: ObservationHub) -> None:
         self._hub = hub
         self._records: dict[str, C] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
         # cluster -> when each watch open now got past its snapshot
         self._observed: dict[str, list[float]] = {}
 
@@ -100,14 +102,20 @@ class ClusterRegistry(Generic[C]):
     def clear(self) -> None:
         self._records.clear()
 
+    def lock(self, name: str) -> asyncio.Lock:
+        """The cluster's configuration lock: one ConfigureCluster or removal at a time (an old
+        ClusterManager leader resumed from SIGSTOP may configure beside the new one)."""
+        return self._locks.setdefault(name, asyncio.Lock())
+
     async def configure(self, name: str, build: Callable[[C | None], Awaitable[C] | C], *,
                         carry_over: Sequence[str] = (),
                         drop: Callable[[C], object] | None = None) -> C:
-        """Install the record ``build(old)`` makes for ``name``.
+        """Install the record ``build(old)`` makes for ``name`` (the caller holds ``lock(name)``).
 
         The attributes named in ``carry_over`` go from the old record to the
-        new one, then the old record is dropped (``drop``), then the new one
-        is installed. ``build`` may refuse (raise): nothing changes then.
+        new one, the new one is installed, then the old one is dropped
+        (``drop``), shielded: a cancelled call never leaves a dropped record
+        installed. ``build`` may refuse (raise): nothing changes then.
         """
         old = self._records.get(name)
         new = build(old)
@@ -116,16 +124,18 @@ class ClusterRegistry(Generic[C]):
         if old is not None:
             for attr in carry_over:
                 setattr(new, attr, getattr(old, attr))
-            await _call(drop, old)
         self._records[name] = new
+        if old is not None:
+            await asyncio.shield(_call(drop, old))
         return new
 
     async def remove(self, cluster: str, *, drop: Callable[[C], object] | None = None) -> None:
         """Forget the cluster (idempotent): drop its record, end its watches."""
-        c = self._records.pop(cluster, None)
-        if c is not None:
-            await _call(drop, c)
-            self._hub.close_cluster(cluster, ClusterNotConfigured(cluster))
+        async with self.lock(cluster):
+            c = self._records.pop(cluster, None)
+            if c is not None:
+                self._hub.close_cluster(cluster, ClusterNotConfigured(cluster))
+                await asyncio.shield(_call(drop, c))
 
     async def watch(self, cluster: str, snapshot: Callable[[C], Iterable[JobObservation]], *,
                     ready: Callable[[C], Awaitable[object]] | None = None) -> AsyncIterator[WatchEvent]:

@@ -189,12 +189,14 @@ class BackendDriver(Driver, Generic[C, R]):
 
     async def configure_cluster(self, config: ClusterConfig) -> ClusterInfo:
         self._validate_config(config)
-        old = self.clusters.get(config.name)
-        if old is not None and self._unchanged(old, config):
-            return await self._info(old)
-        c = await self.clusters.configure(config.name, lambda prev: self._connect(config, prev),
-                                          carry_over=self.carry_over, drop=self._disconnect)
-        await self._activate(config.name, c)
+        async with self.clusters.lock(config.name):  # one configuration of a cluster at a time
+            old = self.clusters.get(config.name)
+            if old is not None and self._unchanged(old, config):
+                c = old
+            else:
+                c = await self.clusters.configure(config.name, lambda prev: self._connect(config, prev),
+                                                  carry_over=self.carry_over, drop=self._disconnect)
+                await self._activate(config.name, c)
         return await self._info(c)
 
     async def remove_cluster(self, cluster: str) -> None:
