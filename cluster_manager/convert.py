@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Any, TypeVar
 
+from dlsched.errors import InvalidArgument
 from dlsched.kit.timeutil import from_timestamp, to_timestamp
 from dlsched.v1 import cluster_pb2, driver_service_pb2, job_pb2
 
@@ -18,10 +19,16 @@ from .domain import models as m
 E = TypeVar("E", m.ClusterType, m.ClusterState, m.RunMode)
 
 
-def _from_enum(enum_desc: Any, prefix: str, value: int, cls: type[E]) -> E:
+def _from_enum(enum_desc: Any, prefix: str, value: int, cls: type[E], field: str | None = None) -> E:
+    """The domain value of ``value``. An unknown number is UNSPECIFIED in what was
+    stored or a driver reported; in a request (``field`` given) it is
+    INVALID_ARGUMENT naming the field, never read as unset."""
     try:
         name = enum_desc.Name(value)
     except ValueError:
+        if field is not None:
+            known = ", ".join(n for n in enum_desc.keys() if not n.endswith("_UNSPECIFIED"))
+            raise InvalidArgument.for_field(field, f"unknown value {value}: one of {known}") from None
         return cls("UNSPECIFIED")
     return cls(name[len(prefix):])
 
@@ -30,8 +37,8 @@ def _to_enum(enum_desc: Any, prefix: str, value: m.ClusterType | m.ClusterState 
     return int(enum_desc.Value(prefix + value.value))
 
 
-def cluster_type_from_proto(v: int) -> m.ClusterType:
-    return _from_enum(job_pb2.ClusterType, "CLUSTER_TYPE_", v, m.ClusterType)
+def cluster_type_from_proto(v: int, field: str | None = None) -> m.ClusterType:
+    return _from_enum(job_pb2.ClusterType, "CLUSTER_TYPE_", v, m.ClusterType, field)
 
 
 def cluster_type_to_proto(v: m.ClusterType) -> int:
@@ -46,8 +53,8 @@ def cluster_state_to_proto(v: m.ClusterState) -> int:
     return _to_enum(cluster_pb2.ClusterState, "CLUSTER_STATE_", v)
 
 
-def run_mode_from_proto(v: int) -> m.RunMode:
-    return _from_enum(job_pb2.RunMode, "RUN_MODE_", v, m.RunMode)
+def run_mode_from_proto(v: int, field: str | None = None) -> m.RunMode:
+    return _from_enum(job_pb2.RunMode, "RUN_MODE_", v, m.RunMode, field)
 
 
 def run_mode_to_proto(v: m.RunMode) -> int:
@@ -152,10 +159,11 @@ def observation_from_info(info: driver_service_pb2.ClusterInfo) -> m.Observation
 
 
 def cluster_from_proto(cluster_id: str, p: cluster_pb2.Cluster) -> m.Cluster:
-    """The input fields of a request's cluster (output-only fields ignored)."""
+    """The input fields of a request's cluster (output-only fields ignored); an
+    unknown type is INVALID_ARGUMENT on ``cluster.type``."""
     return m.Cluster(
         cluster_id=cluster_id,
-        type=cluster_type_from_proto(p.type),
+        type=cluster_type_from_proto(p.type, "cluster.type"),
         driver_address=p.driver_address.strip(),
         address=p.address.strip(),
         labels=dict(p.labels),
@@ -220,6 +228,8 @@ def cluster_from_bytes(b: bytes, etag: str) -> m.Cluster:
 
 
 def job_requirements_from_proto(spec: job_pb2.JobSpec) -> m.JobRequirements:
+    """What matching reads of a request's spec; an unknown run mode or cluster
+    type is INVALID_ARGUMENT naming the field."""
     groups = tuple(
         m.ReplicaGroup(
             role=g.role,
@@ -232,10 +242,11 @@ def job_requirements_from_proto(spec: job_pb2.JobSpec) -> m.JobRequirements:
     )
     sel = spec.cluster_selector
     return m.JobRequirements(
-        run_mode=run_mode_from_proto(spec.run_mode),
+        run_mode=run_mode_from_proto(spec.run_mode, "spec.run_mode"),
         replica_groups=groups,
         selector=m.Selector(cluster=sel.cluster.strip(),
-                            cluster_type=cluster_type_from_proto(sel.cluster_type),
+                            cluster_type=cluster_type_from_proto(
+                                sel.cluster_type, "spec.cluster_selector.cluster_type"),
                             labels=dict(sel.labels)),
     )
 

@@ -17,8 +17,10 @@ from typing import Any
 
 import grpc
 
+from dlsched import spec_rules
 from dlsched.auth.interceptor import caller
 from dlsched.errors import FieldViolation, InvalidArgument
+from dlsched.kit.timeutil import check_duration
 from dlsched.v1 import cluster_manager_service_pb2 as pb
 from dlsched.v1 import cluster_manager_service_pb2_grpc as pb_grpc
 from dlsched.v1 import job_pb2
@@ -193,8 +195,15 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
 
 def _check_spec(spec: job_pb2.JobSpec) -> list[FieldViolation]:
     out: list[FieldViolation] = []
-    if spec.run_mode == job_pb2.RUN_MODE_UNSPECIFIED:
-        out.append(FieldViolation("spec.run_mode", "required"))
+    if spec.run_mode not in spec_rules.MODE_NAMES:  # unset or unknown (a newer client's)
+        out += spec_rules.check_run_mode(spec.run_mode, (), "spec")
+    out += spec_rules.check_cluster_type(spec.cluster_selector.cluster_type,
+                                         "spec.cluster_selector.cluster_type", allow_unspecified=True)
+    if spec.HasField("time_limit"):
+        try:
+            check_duration(spec.time_limit, "spec.time_limit")
+        except InvalidArgument as e:
+            out += e.violations
     if not spec.replica_groups:
         out.append(FieldViolation("spec.replica_groups", "at least one replica group"))
     for i, g in enumerate(spec.replica_groups):

@@ -9,7 +9,7 @@ the backend lacks: MPI, GPUs).
 The checks read attributes only (``run_mode``, ``replica_groups[i].role``,
 ``.replicas``, ``.processes_per_replica``, ``.command``, ``.args``, ``.env``,
 ``.image``, ``.working_dir``, ``.resources.cpu|memory_bytes|gpus|gpu_type``,
-``labels``, ``queue``, ``max_retries``), so they run on the ``dlsched.v1``
+``labels``, ``queue``, ``max_retries``, ``cluster_selector.cluster_type``), so they run on the ``dlsched.v1``
 message itself before conversion and on the services' plain dataclasses
 alike. Patterns match whole strings (``\\Z``). What bounds the work a spec can
 cost (group, replica, process, entry and byte counts) is checked first; the
@@ -66,6 +66,9 @@ MAX_TIME_LIMIT_SECONDS = 366 * 24 * 3600.0
 SINGLE_PROCESS, MULTI_PROCESS, PS_WORKER, MASTER_WORKER, MPI = 1, 2, 3, 4, 5
 MODE_NAMES = {SINGLE_PROCESS: "SINGLE_PROCESS", MULTI_PROCESS: "MULTI_PROCESS", PS_WORKER: "PS_WORKER",
               MASTER_WORKER: "MASTER_WORKER", MPI: "MPI"}
+#: Cluster types by their API numbers (dlsched.v1.ClusterType); 0, unspecified, means any type
+#: in a ClusterSelector and is refused where a cluster is registered.
+CLUSTER_TYPE_NAMES = {1: "LOCAL", 2: "SLURM", 3: "KUBERNETES", 4: "RAY"}
 #: Roles each mode accepts, in rank / layout order.
 ROLES: Mapping[int, tuple[str, ...]] = {
     MULTI_PROCESS: ("worker",),
@@ -250,8 +253,8 @@ def check_run_mode(run_mode: int, groups: Sequence[_Group], field: str = "spec")
     out: list[FieldViolation] = []
     gf = f"{field}.replica_groups"
     if run_mode not in MODE_NAMES:
-        return [FieldViolation(f"{field}.run_mode", "required: one of " + ", ".join(
-            f"RUN_MODE_{n}" for n in MODE_NAMES.values()))]
+        return [FieldViolation(f"{field}.run_mode", (f"unknown value {run_mode}" if run_mode else "required")
+                               + ": one of " + ", ".join(f"RUN_MODE_{n}" for n in MODE_NAMES.values()))]
     name = f"RUN_MODE_{MODE_NAMES[run_mode]}"
     if not groups:
         return [FieldViolation(gf, "at least one replica group")]
@@ -306,8 +309,19 @@ def check_spec(spec: Any, *, time_limit_seconds: float | None, spec_bytes: int |
                                   f"more than 0 and at most {MAX_TIME_LIMIT_SECONDS:.0f} s (366 days)"))
     if "\x00" in spec.queue:
         out.append(FieldViolation(f"{field}.queue", "must not contain NUL"))
+    out += check_cluster_type(int(spec.cluster_selector.cluster_type), f"{field}.cluster_selector.cluster_type",
+                              allow_unspecified=True)
     _labels(out, f"{field}.labels", spec.labels)
     return out
+
+
+def check_cluster_type(value: int, field: str, *, allow_unspecified: bool) -> list[FieldViolation]:
+    """A ClusterType a client sent: a known value (an unknown one is never read as "any")."""
+    if value in CLUSTER_TYPE_NAMES or (value == 0 and allow_unspecified):
+        return []
+    names = ", ".join(f"CLUSTER_TYPE_{n}" for n in CLUSTER_TYPE_NAMES.values())
+    return [FieldViolation(field, (f"unknown value {value}" if value else "required") + f": one of {names}"
+                           + (" (or unset for any)" if allow_unspecified else ""))]
 
 
 def check_labels(labels: Mapping[str, str], field: str) -> list[FieldViolation]:

@@ -87,6 +87,12 @@ class MethodNotAllowed(errors.Unimplemented):
     reason = "METHOD_NOT_ALLOWED"
 
 
+class RequestTooLarge(errors.ResourceExhausted):
+    """The request body is over the gateway's limit (``--max-message-bytes``): HTTP 413."""
+
+    reason = "REQUEST_TOO_LARGE"
+
+
 # Retried by the shipped service config because they deduplicate on their
 # request_id, which the SDK always sets and a REST client may leave out.
 _RETRIED_WITH_REQUEST_ID = frozenset({"SubmitJob", "CreateCluster"})
@@ -237,7 +243,7 @@ class Gateway:
         try:
             route, values = self.match(request.method, request.rel_url.raw_path)
             request["rpc"] = route.grpc_path
-            body = await request.read() if route.body else b""
+            body = await self._body(request) if route.body else b""
             msg = transcode.build_request(route, values, request.rel_url.query.items(), body)
             md = _forwarded_metadata(request)
             if route.server_streaming:
@@ -251,6 +257,8 @@ class Gateway:
             if isinstance(e, MethodNotAllowed):
                 out.set_status(405)
                 out.headers["Allow"] = e.metadata["allow"]
+            elif isinstance(e, RequestTooLarge):
+                out.set_status(413)
             return out
         except web.HTTPException:
             raise
@@ -261,6 +269,16 @@ class Gateway:
             log.exception("unhandled error on %s %s (correlation id %s)",
                           request.method, request.path, cid)
             return _error(status.from_error(err))
+
+    async def _body(self, request: web.Request) -> bytes:
+        """The request body, at most ``max_message_bytes``: aiohttp's own refusal
+        (a text/plain 413) becomes ``RequestTooLarge``, answered as JSON like
+        every other error."""
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge as e:
+            raise RequestTooLarge(f"request body over {self.max_message_bytes} bytes",
+                                  metadata={"limit_bytes": str(self.max_message_bytes)}) from e
 
     def renew_channels(self) -> None:
         """The TLS files changed: new calls go over new channels."""

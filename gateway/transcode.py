@@ -64,7 +64,11 @@ def _apply_body(route: Route, msg: message.Message, body: bytes) -> None:
     if not body.strip():
         return  # an empty body is an empty message: POST jobs/x:stop needs none
     try:
-        data = json.loads(body)
+        data = json.loads(body, object_pairs_hook=_unique_keys)
+    except DuplicateKey as e:
+        raise _invalid(_body_field(route), str(e)) from e
+    except RecursionError as e:  # nested deeper than the interpreter recurses
+        raise _invalid(_body_field(route), "not JSON this gateway takes: nested too deeply") from e
     except (ValueError, UnicodeDecodeError) as e:
         raise _invalid(_body_field(route), f"not JSON: {e}") from e
     if route.body != "*":
@@ -75,6 +79,21 @@ def _apply_body(route: Route, msg: message.Message, body: bytes) -> None:
         json_format.ParseDict(data, msg)
     except json_format.ParseError as e:
         raise _invalid(_parse_error_field(str(e), route), str(e)) from e
+    except RecursionError as e:  # a google.protobuf.Value/Struct nested too deeply
+        raise _invalid(_body_field(route), "nested too deeply") from e
+
+
+class DuplicateKey(ValueError):
+    """A JSON object names a key twice (protobuf's ``json_format.Parse`` refuses it too)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise DuplicateKey(f"duplicate key {k[:80]!r} in a JSON object")
+        out[k] = v
+    return out
 
 
 def _body_field(route: Route) -> str:

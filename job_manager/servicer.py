@@ -55,7 +55,13 @@ from prometheus_client import Counter
 from dlsched.auth.interceptor import caller
 from dlsched.errors import DlschedError, InvalidArgument, StoreUnavailable, WatchTokenExpired
 from dlsched.kit import logs, tokens
-from dlsched.kit.timeutil import to_timestamp
+from dlsched.kit.timeutil import (
+    MAX_TIMESTAMP_SECONDS,
+    MIN_TIMESTAMP_SECONDS,
+    check_duration,
+    check_timestamp,
+    to_timestamp,
+)
 from dlsched.v1 import job_manager_service_pb2 as pb
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
 from dlsched.v1 import job_pb2
@@ -67,7 +73,12 @@ from job_manager.domain.filter import Filter, parse_filter
 from job_manager.domain.log_cursor import FIELD as CURSOR_FIELD
 from job_manager.domain.log_cursor import LogCursor, Skipper
 from job_manager.domain.model import Job, JobState
-from job_manager.domain.validation import MAX_SPEC_BYTES, job_id_from_name, validate_request_id
+from job_manager.domain.validation import (
+    JOB_ID_RE,
+    MAX_SPEC_BYTES,
+    job_id_from_name,
+    validate_request_id,
+)
 from job_manager.heartbeats import waiting
 from job_manager.history.store import ArchivedJob, HistoryStore
 from job_manager.scheduler import Scheduler
@@ -108,12 +119,20 @@ def _encode_page(key: SortKey) -> str:
     return tokens.encode(f"p1:{ct!r}:{key[1]}")
 
 
+#: a page token's create time as ``_encode_page`` writes it (``repr`` of a float within a
+#: Timestamp's range): no nan, inf, '_' or spaces, which ``float()`` takes
+_PAGE_TIME_RE = re.compile(r"-?[0-9]{1,12}(?:\.[0-9]{1,17})?(?:e[-+]?[0-9]{1,3})?")
+
+
 def _decode_page(token: str) -> SortKey:
     try:
         tag, ct, job_id = (tokens.decode(token) or "").split(":", 2)
-        if tag != "p1":
+        if tag != "p1" or not _PAGE_TIME_RE.fullmatch(ct) or not JOB_ID_RE.match(job_id):
             raise ValueError(tag)
-        return (-float(ct), job_id)
+        seconds = float(ct)
+        if not MIN_TIMESTAMP_SECONDS <= seconds <= MAX_TIMESTAMP_SECONDS:
+            raise ValueError(ct)
+        return (-seconds, job_id)
     except (ValueError, UnicodeDecodeError) as e:
         raise InvalidArgument.for_field("page_token", "not a page token this server issued") from e
 
@@ -155,6 +174,8 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         spec_bytes = request.spec.ByteSize()
         if spec_bytes > MAX_SPEC_BYTES:  # before any conversion: a request costs at most its size
             raise InvalidArgument.for_field("spec", f"serialized spec is {spec_bytes} bytes, at most {MAX_SPEC_BYTES}")
+        if request.spec.HasField("time_limit"):  # before conversion, which would normalise it
+            check_duration(request.spec.time_limit, "spec.time_limit")
         spec = convert.spec_from_proto(request.spec) if request.HasField("spec") else None
         if spec is None:
             raise InvalidArgument.for_field("spec", "required")
@@ -468,8 +489,10 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         if request.tail_lines < 0:
             raise InvalidArgument.for_field("tail_lines", "0 or more")
         for i, s in enumerate(request.streams):
-            if s == job_pb2.LOG_STREAM_UNSPECIFIED:
-                raise InvalidArgument.for_field(f"streams[{i}]", "LOG_STREAM_UNSPECIFIED")
+            if s not in (job_pb2.LOG_STREAM_STDOUT, job_pb2.LOG_STREAM_STDERR):
+                raise InvalidArgument.for_field(f"streams[{i}]", "LOG_STREAM_STDOUT or LOG_STREAM_STDERR")
+        if request.HasField("since_time"):  # before the driver converts it
+            check_timestamp(request.since_time, "since_time")
         resumed = LogCursor.decode(request.resume_cursor) if request.resume_cursor else None
         every = self.heartbeat_seconds
         at = request.resume_cursor  # the cursor of the last response sent

@@ -27,12 +27,13 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 import grpc
 import pytest
 from cryptography import x509
-from google.protobuf import duration_pb2, field_mask_pb2, message_factory
+from google.protobuf import duration_pb2, field_mask_pb2, message_factory, timestamp_pb2
 from google.protobuf.descriptor import MethodDescriptor
 
 from dlsched.client import AccessClient, ClusterManagerClient, DlschedRpcError, JobManagerClient
@@ -810,6 +811,29 @@ async def test_audit_log_records_mutations_and_never_a_token(env: Env) -> None:
             if len(part) >= 16:
                 assert part not in text
     assert oct(os.stat(e.audit_log).st_mode & 0o777) == oct(0o600)
+
+
+async def test_an_api_token_expire_time_outside_a_timestamp_is_invalid_argument(env: Env) -> None:
+    """CreateApiToken with an expire_time no Timestamp holds (seconds past year 9999
+    or before year 1, nanos outside 0..999,999,999): INVALID_ARGUMENT naming
+    ``api_token.expire_time``, never INTERNAL, and no token made."""
+    sa = f"expiry-{uuid.uuid4().hex[:6]}"
+    async with as_caller(env.stack, admin_token()) as a:
+        for ts in ({"seconds": 2**62}, {"seconds": -2**62}, {"seconds": 253402300800},
+                   {"seconds": 4102444800, "nanos": -5}, {"seconds": 4102444800, "nanos": 10**9}):
+            req = acs.CreateApiTokenRequest(api_token=access_pb2.ApiToken(
+                service_account=sa, expire_time=timestamp_pb2.Timestamp(**ts)))
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await a.access.stub.CreateApiToken(req)
+            err = DlschedRpcError.from_rpc_error(ei.value)
+            assert (err.code, err.reason) == ("INVALID_ARGUMENT", "INVALID_ARGUMENT"), (ts, str(err))
+            assert [v.field for v in err.field_violations] == ["api_token.expire_time"], (ts, str(err))
+        assert await a.access.list_api_tokens(service_account=sa) == []
+        # The last second a Timestamp holds is a valid expiry.
+        tok, secret = await a.access.create_api_token(sa, expire_time=datetime(9999, 12, 31, 23, 59, 59, tzinfo=UTC))
+        env.secrets.append(secret)
+        assert tok.expire_time.seconds == 253402300799
+        await a.access.delete_api_token(tok.name)
 
 
 async def test_revoking_a_token_ends_its_open_watch(env: Env) -> None:

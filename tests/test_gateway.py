@@ -15,6 +15,7 @@ so a drift between the two APIs fails here.
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -40,12 +41,28 @@ import openapi_spec_validator
 import pytest
 import yaml
 from google.api import annotations_pb2, http_pb2
-from google.protobuf import descriptor_pb2, descriptor_pool, json_format
+from google.protobuf import (
+    descriptor_pb2,
+    descriptor_pool,
+    duration_pb2,
+    field_mask_pb2,
+    json_format,
+    timestamp_pb2,
+)
 
 from dlsched.client import AccessClient
-from dlsched.kit import pki
+from dlsched.kit import pki, tokens
 from dlsched.kit.rpc_errors import error_info, field_violations
-from dlsched.v1 import access_service_pb2, cluster_manager_service_pb2, job_manager_service_pb2
+from dlsched.v1 import (
+    access_service_pb2,
+    cluster_manager_service_pb2,
+    cluster_pb2,
+    driver_service_pb2,
+    job_manager_service_pb2,
+    job_pb2,
+)
+from dlsched.v1 import cluster_manager_service_pb2_grpc as cm_grpc
+from dlsched.v1 import driver_service_pb2_grpc as drv_grpc
 from dlsched.v1 import job_manager_service_pb2_grpc as jm_grpc
 from gateway import rules
 from tests import security
@@ -400,6 +417,176 @@ def test_gateway_side_errors_are_status_json(base: str) -> None:
     assert code == 404 and reason(body) == "ROUTE_NOT_FOUND"
     code, body = call(base, "PUT", "/v1/jobs")
     assert code == 405 and reason(body) == "METHOD_NOT_ALLOWED"
+
+
+def test_json_the_gateway_cannot_take_is_status_json_never_a_500_or_text(base: str, local_cluster: str) -> None:
+    # Nested past the interpreter's recursion limit: 400, not a RecursionError's 500.
+    for deep in (b"[" * 100_000 + b"]" * 100_000, b'{"spec":' * 100_000 + b"1" + b"}" * 100_000):
+        code, body = call(base, "POST", "/v1/jobs", raw=deep)
+        assert code == 400 and body["code"] == 3 and reason(body) == "INVALID_ARGUMENT", body
+    code, body = call(base, "POST", "/v1/jobs:wait", raw=b"[" * 100_000)  # no route: still JSON
+    assert code == 404 and reason(body) == "ROUTE_NOT_FOUND", body
+    # A key twice is refused, as protobuf's json_format.Parse refuses it, never last-wins;
+    # once, the same request is fine.
+    valid = json.dumps(spec("pass"))[1:]  # the spec's members, without its "{"
+    code, body = call(base, "POST", "/v1/clusters:match", raw=b'{"spec": {' + valid.encode() + b"}")
+    assert code == 200, body
+    for dup in ('{"spec": {"runMode": "RUN_MODE_MPI", ' + valid + "}",
+                '{"spec": {"labels": {"k": "a", "k": "b"}, ' + valid.replace(', "labels": {}', "") + "}",
+                '{"spec": {}, "spec": {' + valid + "}"):
+        code, body = call(base, "POST", "/v1/clusters:match", raw=dup.encode())
+        assert code == 400 and body["code"] == 3 and reason(body) == "INVALID_ARGUMENT", (dup, body)
+    # Over the 8 MiB limit: HTTP 413 still, as a google.rpc.Status like every other error
+    # (``call`` asserts the JSON content type), not aiohttp's text/plain page.
+    big = json.dumps({"spec": {"labels": {"x": "y" * (8 * 1024 * 1024 + 1)}}}).encode()
+    code, body = call(base, "POST", "/v1/jobs", raw=big)
+    assert code == 413 and body["code"] == 8 and reason(body) == "REQUEST_TOO_LARGE", body
+    code, _ = call(base, "GET", "/v1/jobs?pageSize=1")  # the gateway still serves
+    assert code == 200
+
+
+async def _rejected(aw: Any) -> tuple[grpc.StatusCode, str | None, list[str]]:
+    """(code, ErrorInfo reason, field violations) of a call that must fail."""
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await aw
+    info = error_info(e.value)
+    return e.value.code(), info.reason if info is not None else None, [v.field for v in field_violations(e.value)]
+
+
+async def _stream_rejected(call: Any) -> tuple[grpc.StatusCode, str | None, list[str]]:
+    """``_rejected`` for a server stream: its first message must not come."""
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        async for _ in call:
+            raise AssertionError("the stream answered instead of refusing")
+    info = error_info(e.value)
+    return e.value.code(), info.reason if info is not None else None, [v.field for v in field_violations(e.value)]
+
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_invalid_times_and_unknown_enum_values_are_invalid_argument_naming_the_field(
+        stack: Stack, local_cluster: str) -> None:
+    """Timestamps and Durations outside their types' ranges, and enum values the
+    API does not define, are INVALID_ARGUMENT naming the field on every service
+    (never INTERNAL, never read as unset or "any"), and nothing is stored."""
+    assert stack.jm is not None
+    good = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[job_pb2.ReplicaGroup(
+        role="main", replicas=1, command=[sys.executable, "-c", "print('hello', flush=True)"])])
+
+    def spec_with(**kw: Any) -> job_pb2.JobSpec:
+        s = job_pb2.JobSpec()
+        s.CopyFrom(good)
+        for k, v in kw.items():
+            if k == "cluster_type":
+                s.cluster_selector.cluster_type = v
+            elif k == "time_limit":
+                s.time_limit.CopyFrom(v)
+            else:
+                setattr(s, k, v)
+        return s
+
+    bad_specs = [
+        (spec_with(cluster_type=99), "spec.cluster_selector.cluster_type"),
+        (spec_with(run_mode=99), "spec.run_mode"),
+        (spec_with(time_limit=duration_pb2.Duration(seconds=60, nanos=2_000_000_000)), "spec.time_limit"),
+        (spec_with(time_limit=duration_pb2.Duration(seconds=60, nanos=-1)), "spec.time_limit"),
+    ]
+    bad_times = [timestamp_pb2.Timestamp(seconds=2**62), timestamp_pb2.Timestamp(seconds=-2**62),
+                 timestamp_pb2.Timestamp(seconds=1, nanos=2**30), timestamp_pb2.Timestamp(seconds=1, nanos=-5)]
+    async with security.channel(stack.jm.address) as jm_ch, security.channel(stack.cm.address) as cm_ch, \
+            security.channel(stack.driver.address) as drv_ch:
+        jm = jm_grpc.JobManagerServiceStub(jm_ch)
+        cm = cm_grpc.ClusterManagerServiceStub(cm_ch)
+        drv = drv_grpc.DriverServiceStub(drv_ch)
+        for bad, field in bad_specs:
+            job_id = uniq()
+            got = await _rejected(jm.SubmitJob(job_manager_service_pb2.SubmitJobRequest(job_id=job_id, spec=bad)))
+            assert got == (INVALID, "INVALID_ARGUMENT", [field]), (bad, got)
+            assert (await _rejected(jm.GetJob(job_manager_service_pb2.GetJobRequest(name=f"jobs/{job_id}"))))[
+                1] == "JOB_NOT_FOUND"
+            got = await _rejected(cm.MatchClusters(cluster_manager_service_pb2.MatchClustersRequest(spec=bad)))
+            assert got == (INVALID, "INVALID_ARGUMENT", [field]), (bad, got)
+            # The driver checks again, as it assumes a hostile client.
+            got = await _rejected(drv.RenderJob(driver_service_pb2.RenderJobRequest(
+                cluster=local_cluster, job_id=job_id, spec=bad)))
+            assert got == (INVALID, "INVALID_ARGUMENT", [field]), (bad, got)
+
+        # A cluster of an unknown type: not "type required", and not registered.
+        cid = uniq()
+        got = await _rejected(cm.CreateCluster(cluster_manager_service_pb2.CreateClusterRequest(
+            cluster_id=cid, cluster=cluster_pb2.Cluster(type=99, driver_address=stack.driver.address))))  # type: ignore[arg-type]
+        assert got == (INVALID, "INVALID_ARGUMENT", ["cluster.type"]), got
+        assert (await _rejected(cm.GetCluster(cluster_manager_service_pb2.GetClusterRequest(
+            name=f"clusters/{cid}"))))[1] == "CLUSTER_NOT_FOUND"
+        got = await _rejected(cm.UpdateCluster(cluster_manager_service_pb2.UpdateClusterRequest(
+            cluster=cluster_pb2.Cluster(name=local_cluster, type=99, labels={"x": "y"}),  # type: ignore[arg-type]
+            update_mask=field_mask_pb2.FieldMask(paths=["labels"]))))
+        assert got == (INVALID, "INVALID_ARGUMENT", ["cluster.type"]), got
+
+        # Logs of a launched job: since_time out of range, an unknown stream.
+        job_id = uniq()
+        await jm.SubmitJob(job_manager_service_pb2.SubmitJobRequest(job_id=job_id, spec=good))
+        for _ in range(300):
+            job = (await jm.GetJob(job_manager_service_pb2.GetJobRequest(name=f"jobs/{job_id}"))).job
+            if job.backend_job_id:
+                break
+            await asyncio.sleep(0.1)
+        assert job.backend_job_id, job
+        for ts in bad_times:
+            got = await _stream_rejected(jm.StreamJobLogs(job_manager_service_pb2.StreamJobLogsRequest(
+                name=f"jobs/{job_id}", since_time=ts)))
+            assert got == (INVALID, "INVALID_ARGUMENT", ["since_time"]), (ts, got)
+            got = await _stream_rejected(drv.TailJobLogs(driver_service_pb2.TailJobLogsRequest(
+                cluster=local_cluster, since_time=ts, job=driver_service_pb2.JobRef(
+                    job_id=job_id, backend_job_id=job.backend_job_id))))
+            assert got == (INVALID, "INVALID_ARGUMENT", ["since_time"]), (ts, got)
+        got = await _stream_rejected(jm.StreamJobLogs(job_manager_service_pb2.StreamJobLogsRequest(
+            name=f"jobs/{job_id}", streams=[job_pb2.LOG_STREAM_STDOUT, 99])))  # type: ignore[list-item]
+        assert got == (INVALID, "INVALID_ARGUMENT", ["streams[1]"]), got
+        # A valid since_time still streams the job's lines.
+        lines = [e.text async for r in jm.StreamJobLogs(job_manager_service_pb2.StreamJobLogsRequest(
+            name=f"jobs/{job_id}", follow=True, since_time=timestamp_pb2.Timestamp(seconds=1)))
+            for e in r.entries]
+        assert lines == ["hello"], lines
+        for grace in (duration_pb2.Duration(seconds=1, nanos=-1), duration_pb2.Duration(nanos=10**9)):
+            got = await _rejected(drv.TerminateJob(driver_service_pb2.TerminateJobRequest(
+                cluster=local_cluster, grace_period=grace, job=driver_service_pb2.JobRef(
+                    job_id=job_id, backend_job_id=job.backend_job_id))))
+            assert got == (INVALID, "INVALID_ARGUMENT", ["grace_period"]), (grace, got)
+
+
+async def test_forged_list_page_tokens_are_invalid_argument(stack: Stack, local_cluster: str) -> None:
+    """A page token this server did not issue (a create time that is not a finite
+    number within a Timestamp's range, a bad job id) is INVALID_ARGUMENT naming
+    page_token, never an empty last page; the tokens it issues page as before."""
+    assert stack.jm is not None
+    label = uniq()
+    async with security.channel(stack.jm.address) as ch:
+        jm = jm_grpc.JobManagerServiceStub(ch)
+        spec_ = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, labels={"test": label},
+                                replica_groups=[job_pb2.ReplicaGroup(role="main", replicas=1,
+                                                                     command=[sys.executable, "-c", "pass"])])
+        names = set()
+        for _ in range(3):
+            resp = await jm.SubmitJob(job_manager_service_pb2.SubmitJobRequest(spec=spec_))
+            names.add(resp.job.name)
+        seen: list[str] = []
+        token = ""
+        while True:
+            page = await jm.ListJobs(job_manager_service_pb2.ListJobsRequest(
+                filter=f"labels.test={label}", page_size=1, page_token=token))
+            seen += [j.name for j in page.jobs]
+            token = page.next_page_token
+            if not token:
+                break
+        assert sorted(seen) == sorted(names)
+        for text in ("p1:nan:x", "p1:-inf:", "p1:inf:a", "p1:-nan:a", "p1:1e400:a", "p1:-1e400:a",
+                     "p1:1_700_000_000:a", "p1: 5:a", "p1:253402300800.0:a", "p1:-62135596801.0:a",
+                     "p1:1700000000.0:Not-an-id", "p1:1700000000.0:"):
+            forged = tokens.encode(text)
+            got = await _rejected(jm.ListJobs(job_manager_service_pb2.ListJobsRequest(page_token=forged)))
+            assert got == (INVALID, "INVALID_ARGUMENT", ["page_token"]), (text, got)
 
 
 def test_logs_stream_ndjson_until_the_job_ends(base: str, local_cluster: str) -> None:

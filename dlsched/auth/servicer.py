@@ -22,7 +22,7 @@ from dlsched.auth.model import (
 from dlsched.auth.store import AccessStore, ApiTokenNotFound, RoleBindingNotFound
 from dlsched.auth.tokens import new_api_token
 from dlsched.errors import InvalidArgument
-from dlsched.kit.timeutil import to_timestamp
+from dlsched.kit.timeutil import check_timestamp, to_timestamp
 from dlsched.v1 import access_pb2, access_service_pb2_grpc
 from dlsched.v1 import access_service_pb2 as pb
 
@@ -114,6 +114,7 @@ class AccessServicer(access_service_pb2_grpc.AccessServiceServicer):
             raise InvalidArgument.for_field("api_token.description", "at most 256 characters")
         expire = None
         if t.HasField("expire_time"):
+            check_timestamp(t.expire_time, "api_token.expire_time")
             expire = t.expire_time.ToDatetime(tzinfo=UTC)
             if expire <= datetime.now(UTC):
                 raise InvalidArgument.for_field("api_token.expire_time", "must be in the future")

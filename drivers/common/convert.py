@@ -15,7 +15,7 @@ from google.protobuf import duration_pb2, timestamp_pb2
 
 from dlsched import spec_rules
 from dlsched.errors import FieldViolation, InvalidArgument
-from dlsched.kit.timeutil import from_duration, to_timestamp
+from dlsched.kit.timeutil import check_duration, check_timestamp, from_duration, to_timestamp
 from dlsched.v1 import cluster_pb2, driver_service_pb2, job_pb2
 from drivers.common import base
 
@@ -94,6 +94,7 @@ def job_uid(value: str, field: str = "job_uid") -> str:
 def grace_seconds(pb: duration_pb2.Duration, present: bool, field: str = "grace_period") -> float | None:
     if not present:
         return None
+    check_duration(pb, field)
     secs = float(pb.ToNanoseconds()) / 1e9
     if secs < 0:
         raise InvalidArgument.for_field(field, "must not be negative")
@@ -104,6 +105,8 @@ def job_spec(pb: job_pb2.JobSpec, present: bool, field: str = "spec") -> base.Jo
     """Validate (``dlsched.spec_rules``, as JobManager does) and convert a JobSpec."""
     if not present:
         raise InvalidArgument.for_field(field, "required")
+    if pb.HasField("time_limit"):  # as JobManager checks it: never normalised
+        check_duration(pb.time_limit, f"{field}.time_limit")
     time_limit = from_duration(pb.time_limit) if pb.HasField("time_limit") else None  # 0 = unset, as in JobManager
     # The same rules as JobManager's (dlsched.spec_rules), on the message before any conversion.
     _raise(spec_rules.check_spec(pb, time_limit_seconds=time_limit, spec_bytes=pb.ByteSize(), field=field))
@@ -157,6 +160,8 @@ def log_query(req: driver_service_pb2.TailJobLogsRequest) -> base.LogQuery:
         else:
             streams.add(base.LogStream(s))
     _raise(vs)
+    if req.HasField("since_time"):  # JobManager checks it too; a driver assumes a hostile client
+        check_timestamp(req.since_time, "since_time")
     since = req.since_time.ToNanoseconds() if req.HasField("since_time") else None
     return base.LogQuery(
         follow=req.follow,
