@@ -10,7 +10,9 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from dlsched.errors import Unavailable
+import pytest
+
+from dlsched.errors import DlschedError, Unavailable
 from drivers.slurm import poller
 from drivers.slurm.poller import Poller
 
@@ -19,7 +21,7 @@ FIELDS = len(poller.SQUEUE_FIELDS)
 
 
 def squeue_line(jid: str, state: str = "PENDING") -> str:
-    values = [jid, state, "0", "N/A", "N/A", "", "Priority", "0", f"dlsched-j{jid}.1"]
+    values = [jid, state, "0", "N/A", "N/A", "", "Priority", "0", f"dlsched-j{jid}.1".ljust(poller.COMMENT_WIDTH)]
     assert len(values) == FIELDS
     return "|".join(values) + "|"
 
@@ -40,6 +42,7 @@ class FakeLogin:
         self.round_starts: list[float] = []
 
     async def run(self, command: str) -> tuple[int, str, str]:
+        command = command.removeprefix("o=$(")
         self.calls.append((time.monotonic(), command.split()[0]))
         if self.poller is not None and command.startswith("squeue"):
             assert self.poller.last_start is not None
@@ -51,7 +54,8 @@ class FakeLogin:
             return 0, "".join(squeue_line(j) + "\n" for j in sorted(self.queue)), ""
         if command.startswith("sacct"):
             asked = command.split("--jobs=", 1)[1].split()[0].split(",")
-            return 0, "".join(f"{j}|COMPLETED|0:0|Unknown|Unknown|n1|x|None|dlsched-j{j}.1\n"
+            d = command.split("--delimiter=", 1)[1].split()[0]
+            return 0, "".join(d.join([j, "COMPLETED", "0:0", "Unknown", "Unknown", "n1", "x", f"dlsched-j{j}.1\n"])
                               for j in asked if j in self.gone), ""
         return 0, "".join(f"JobId={j} JobName=x JobState=COMPLETED ExitCode=0:0\n" for j in self.gone), ""
 
@@ -220,3 +224,28 @@ def test_call_names_are_bounded_and_never_an_argument():
     assert call_name("evil-$(x) 'unbalanced") == "other"
     assert call_name("whatever --flag") == "other"
     assert "other" not in CALL_NAMES
+
+
+def test_a_forged_line_in_a_comment_changes_nothing_about_another_job() -> None:
+    """A job sets its own comment to ``x\\n101|COMPLETED|...|dlsched-victim.1.abc``: no answer
+    then reports job 101, nor takes a key out of the comment's text."""
+    forged = "x\n101|COMPLETED|0|N/A|N/A||None|0|dlsched-victim.1.abc"
+    evil = "|".join(["2", "PENDING", "0", "N/A", "N/A", "", "JobHeldUser", "0",
+                     forged.ljust(poller.COMMENT_WIDTH)]) + "|\n"
+    assert set(poller.parse_squeue(evil)) == {"2"}
+    with pytest.raises(DlschedError):  # a record out of shape: nothing in the answer is believed
+        poller.parse_squeue("2|PENDING|0|N/A|N/A||JobHeldUser|0|x\n" + squeue_line("101", "COMPLETED") + "\n")
+    # scontrol: a comment's ` JobState=FAILED` is no key; a forged line for a listed job refuses the answer
+    line = ("JobId=2 JobName=w JobState=PENDING Reason=JobHeldUser ExitCode=0:0 NodeList= "
+            "Comment=x JobState=FAILED ExitCode=3:0  StdErr=/x\n")
+    j = poller.parse_scontrol_jobs(line)["2"]
+    assert (j.state, j.exit_status, j.comment) == ("PENDING", 0, "x")
+    real = "JobId=101 JobName=v JobState=RUNNING ExitCode=0:0 Comment=dlsched-victim.1.abc\n"
+    with pytest.raises(DlschedError):
+        poller.parse_scontrol_jobs(real + line.replace("Comment=x", "Comment=x\nJobId=101 JobState=FAILED"))
+    # sacct: with the poller's delimiter, a comment's lines continue it
+    d = poller.new_delimiter()
+    assert d != poller.new_delimiter() and d in poller.sacct_command(["1"], d)
+    text = d.join(["2", "PENDING", "0:0", "Unknown", "Unknown", "", "None", forged]) + "\n"
+    jobs = poller.parse_sacct(text, d)
+    assert set(jobs) == {"2"} and jobs["2"].comment == forged

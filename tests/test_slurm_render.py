@@ -283,7 +283,7 @@ def test_mpi_launcher_argv_reaches_the_ranks_verbatim():
     assert mpirun.endswith(shlex.join(planner.MPI_RANK_PROGRAM) + " ) &") and "hello" not in mpirun
 
 
-def test_the_comment_carries_the_job_uid_and_a_launch_also_finds_a_comment_without_one():
+def test_the_comment_carries_the_job_uid_and_a_launch_never_adopts_a_comment_without_one():
     spec = JobSpec(RunMode.SINGLE_PROCESS, (g("main"),))
     uid = "0b6c7f3e-58d2-4c1a-9a55-3f0e9d7d2a11"
     out = render.render_job("job-1", spec, 2, {}, uid=uid)
@@ -293,15 +293,17 @@ def test_the_comment_carries_the_job_uid_and_a_launch_also_finds_a_comment_witho
     assert render.parse_comment("dlsched-job-1.2") == ("job-1", 2, "")
     for bad in ("dlsched-job-1.2.a-b", "dlsched-job-1.2.x.y", "dlsched-job-1.x", "dlsched-Job.1", "other-job.1"):
         assert render.parse_comment(bad) is None, bad
-    # another incarnation of the id (another uid) is not this attempt; one without a uid may be
-    assert out.marks(out.comment) and out.marks("dlsched-job-1.2")
+    # another incarnation of the id (another uid) is not this attempt, nor is one without a uid
+    assert out.marks(out.comment) and not out.marks("dlsched-job-1.2")
     assert not out.marks(render.job_comment("job-1", 2, "ffff")) and not out.marks("dlsched-job-1.1")
     other = render.job_comment("job-1", 2, "ffff")
     key = "dlsched-job-1.2"
     assert out.attempt_key == key
     assert out.in_listing({key: {other: "theirs"}}) is None and out.rivals({key: {other: "theirs"}}) == ["theirs"]
-    assert out.in_listing({key: {key: "old"}}) == "old" and out.rivals({key: {key: "old"}}) == []
+    assert out.in_listing({key: {key: "old"}}) is None and out.rivals({key: {key: "old"}}) == []
     assert out.in_listing({key: {out.comment: "mine", key: "old"}}) == "mine"
+    bare = render.render_job("job-1", spec, 2, {})  # a launch without a uid has the bare key for its comment
+    assert bare.comment == key and bare.marks(key) and bare.in_listing({key: {key: "old"}}) == "old"
     assert same_job(uid, uid.replace("-", "")) and same_job("", uid) and not same_job("a", "b")
 
 
@@ -310,3 +312,16 @@ def test_a_job_uid_that_is_not_one_is_refused(bad):
     with pytest.raises(InvalidArgument) as e:
         render.render_job("job-1", JobSpec(RunMode.SINGLE_PROCESS, (g("main"),)), 1, {}, uid=bad)
     assert [v.field for v in e.value.violations] == ["job_uid"]
+
+
+def test_a_forged_uidless_submission_is_never_adopted_as_the_victims_attempt():
+    """Any job of the Slurm user can ``sbatch --hold --job-name=dlsched-victim
+    --comment=dlsched-victim.2 evil.sh``: a launch with a uid neither adopts (and releases) it
+    nor takes it for a rival."""
+    victim = render.render_job("victim", JobSpec(RunMode.SINGLE_PROCESS, (g("main"),)), 2, {},
+                               uid="0b6c7f3e-58d2-4c1a-9a55-3f0e9d7d2a11")
+    forged = "dlsched-victim.2"
+    assert render.parse_comment(forged) == ("victim", 2, "")
+    assert not victim.marks(forged)
+    assert victim.in_listing({victim.attempt_key: {forged: "evil"}}) is None
+    assert victim.rivals({victim.attempt_key: {forged: "evil"}}) == []

@@ -79,10 +79,16 @@ def test_replica_state_follows_the_job():
 
 # --------------------------------------------------------------------------- recorded Slurm output
 
+def sq(*fields: str) -> str:
+    """One job of ``squeue_command``'s answer: the fields, then the comment at its fixed width."""
+    *head, comment = fields
+    return "|".join(head) + "|" + comment.ljust(poller.COMMENT_WIDTH)[:poller.COMMENT_WIDTH] + "|\n"
+
+
 SQUEUE = (
-    "1|FAILED|768|2026-12-02T14:34:08|2026-12-02T14:34:08|vm|NonZeroExitCode|0|dlsched-x.1|\n"
-    "2|RUNNING|0|2026-12-02T14:34:08|NONE|vm|None|2|(null)|\n"
-    "3|PENDING|0|N/A|N/A||Resources|0|a|b|c|\n"
+    sq("1", "FAILED", "768", "2026-12-02T14:34:08", "2026-12-02T14:34:08", "vm", "NonZeroExitCode", "0", "dlsched-x.1")
+    + sq("2", "RUNNING", "0", "2026-12-02T14:34:08", "NONE", "vm", "None", "2", "(null)")
+    + sq("3", "PENDING", "0", "N/A", "N/A", "", "Resources", "0", "a|b|c")
 )
 SCONTROL_JOB = (
     "JobId=7 JobName=dlsched-z UserId=root(0) JobState=CANCELLED Reason=None ExitCode=0:15 "
@@ -106,14 +112,14 @@ def test_parse_squeue():
 
 
 def test_a_comment_with_newlines_or_pipes_shifts_no_column_and_makes_no_job():
-    """The comment is the only text a job chooses in the listing (its name is not asked for)
-    and goes last: '|' stays in it, and the lines after a newline in it are no job's line
-    unless they start with a job id (the same user's job could forge one, and could as well
-    scancel: jobs of one SSH user are not isolated, README)."""
-    text = ("4|PENDING|0|N/A|N/A||JobHeldUser|0|x|y|99999999999|\nrest ² of it|\n"
-            "5|RUNNING|0|N/A|N/A|vm|None|123456789012345678901234|dlsched-q.1|\n")
+    """The comment is the only text a job chooses in the listing (its name is not asked for),
+    goes last and has a fixed width: '|' stays in it, and no line after a newline in it is a
+    job's, even one that starts with a job id (a forged line)."""
+    forged = "x|y|99999999999|\n101|COMPLETED|0|N/A|N/A||None|0|dlsched-victim.1.abc|\nrest ? of it"
+    text = (sq("4", "PENDING", "0", "N/A", "N/A", "", "JobHeldUser", "0", forged)
+            + sq("5", "RUNNING", "0", "N/A", "N/A", "vm", "None", "123456789012345678901234", "dlsched-q.1"))
     jobs = poller.parse_squeue(text)
-    assert set(jobs) == {"4", "5"} and jobs["4"].comment == "x|y|99999999999" and jobs["4"].restarts == 0
+    assert set(jobs) == {"4", "5"} and jobs["4"].comment == forged and jobs["4"].restarts == 0
     assert jobs["5"].restarts == 0  # past an int64: not a count
 
 

@@ -258,7 +258,7 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
 
     async def _submit(self, c: SlurmCluster, name: str, job_id: str, spec: JobSpec, attempt: int,
                       rendered: SlurmScript) -> LaunchResult:
-        marks = {rendered.comment, render.job_comment(job_id, attempt)}  # what it may adopt, see ``marks``
+        marks = {rendered.comment}  # what it may adopt, see ``SlurmScript.marks``
         c.launching.update(marks)  # its job may sit held a while: not a stray
         try:
             ending = {k: time.monotonic() - t < ENDING_WINDOW for k, (t, j) in c.retired.items() if j == job_id}

@@ -42,6 +42,7 @@ import asyncio
 import calendar
 import contextlib
 import logging
+import secrets
 import shlex
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -56,11 +57,14 @@ log = logging.getLogger("dlsched.driver.slurm.poller")
 
 #: The shortest interval between two rounds' starts, in seconds (see the module docstring).
 MIN_INTERVAL = 2.0
-#: squeue -O fields; the comment goes last so a '|' in someone's comment cannot shift ours.
-#: The comment, which the job's owner sets (any text, '|' and newlines too), goes last and is the
-#: only such field: a job's name is not asked for, so no text a job chose can shift a column.
+#: squeue -O fields. The comment, which the job's owner sets (any text, '|' and newlines too), goes
+#: last and is the only such field (a job's name is not asked for), at a fixed width: squeue pads or
+#: cuts it to exactly ``COMMENT_WIDTH`` bytes, so each job is ``<fields>|<COMMENT_WIDTH bytes>|\n``
+#: and a newline in a comment can never start a (forged) job of its own (``parse_squeue``).
 SQUEUE_FIELDS = ("JobID", "State", "exit_code", "StartTime", "EndTime", "NodeList", "Reason",
                  "RestartCnt", "Comment")
+#: longer than any comment dlsched writes (``dlsched-<63>.<attempt>.<64>``); longer ones are cut
+COMMENT_WIDTH = 256
 
 
 @dataclass(frozen=True)
@@ -79,11 +83,13 @@ class SlurmJob:
 
 
 def squeue_command(user: str, name: str | None = None) -> str:
-    fmt = ",".join(f"{f}:|" for f in SQUEUE_FIELDS)
+    """squeue, its output made ASCII byte for byte (``tr``: a comment's other bytes become '?'),
+    so the comment's fixed width counts in characters too."""
+    fmt = ",".join(f"{f}:|" for f in SQUEUE_FIELDS[:-1]) + f",{SQUEUE_FIELDS[-1]}:{COMMENT_WIDTH}|"
     cmd = f"squeue --noheader --all --states=all --user={shlex.quote(user)} -O {shlex.quote(fmt)}"
     if name:
         cmd += f" --name={shlex.quote(name)}"
-    return cmd
+    return f"o=$({cmd}) || exit $?; printf '%s\\n' \"$o\" | LC_ALL=C tr -c '\\n -~' '?'"
 
 
 def scontrol_command() -> str:
@@ -94,26 +100,43 @@ def scontrol_command() -> str:
 SACCT_FIELDS = ("JobID", "State", "ExitCode", "Start", "End", "NodeList", "Reason", "Comment")
 
 
-def sacct_command(ids: Iterable[str]) -> str:
+def sacct_command(ids: Iterable[str], delimiter: str = "|") -> str:
     """The jobs' allocations (not their steps) from the accounting database; with
-    ``--jobs`` sacct looks back to the epoch, not just today."""
+    ``--jobs`` sacct looks back to the epoch, not just today. ``delimiter``: the poller's
+    is new each call (``new_delimiter``), so no comment can hold it."""
     jobs = ",".join(sorted(i for i in ids if decimal(i)))
     return (f"sacct --noheader --parsable2 --allocations --jobs={jobs} "
-            f"-o {','.join(SACCT_FIELDS)}")
+            f"--delimiter={shlex.quote(delimiter)} -o {','.join(SACCT_FIELDS)}")
 
 
-def parse_sacct(text: str) -> dict[str, SlurmJob]:
-    """``sacct --parsable2 -o SACCT_FIELDS`` lines; ExitCode is ``code:signal``."""
+def new_delimiter() -> str:
+    """A field delimiter no job can have put in its comment beforehand."""
+    return f"@{secrets.token_hex(8)}@"
+
+
+def parse_sacct(text: str, delimiter: str = "|") -> dict[str, SlurmJob]:
+    """``sacct --parsable2 -o SACCT_FIELDS`` lines; ExitCode is ``code:signal``. A line without
+    the delimiter continues the comment (the last field) of the line before it: with the
+    poller's unguessable delimiter a comment's newline never starts a job. A job listed twice
+    refuses the answer."""
     out: dict[str, SlurmJob] = {}
     n = len(SACCT_FIELDS)
+    rows: list[list[str]] = []
     for line in text.splitlines():
-        parts = line.split("|")
-        if len(parts) < n or not decimal(parts[0].strip()):
+        parts = line.split(delimiter, n - 1)
+        if len(parts) == n:
+            rows.append(parts)
+        elif rows and len(parts) == 1:
+            rows[-1][-1] += "\n" + line
+    for parts in rows:
+        if not decimal(parts[0].strip()):
             continue  # a step (123.batch), a heterogeneous component (123+0) or noise
         jid, state, code, start, end, nodes, reason = (p.strip() for p in parts[:n - 1])
+        if jid in out:
+            raise BackendUnavailable(f"sacct listed job {jid} twice")
         out[jid] = SlurmJob(job_id=jid, state=state, reason=reason, exit_status=_exit_code(code),
                             start_time=parse_time(start), end_time=parse_time(end), nodes=nodes,
-                            comment="|".join(parts[n - 1:]).strip())
+                            comment=parts[n - 1].strip())
     return out
 
 
@@ -146,21 +169,35 @@ def decode_wait_status(value: str) -> int | None:
 
 
 def parse_squeue(text: str) -> dict[str, SlurmJob]:
+    """``squeue_command``'s answer: each job ``<8 fields>|<COMMENT_WIDTH chars>|\n``, read by
+    position, so a comment (newlines and '|' in it too) never shifts a field or adds a job. An
+    answer out of that shape is refused whole (``BackendUnavailable``), never half believed."""
     out: dict[str, SlurmJob] = {}
-    n = len(SQUEUE_FIELDS)
-    for line in text.splitlines():
-        if not line.strip():
+    n = len(SQUEUE_FIELDS) - 1
+    pos = 0
+    while pos < len(text):
+        if text[pos] == "\n":  # the empty answer's one newline
+            pos += 1
             continue
-        parts = line.split("|")
-        if len(parts) < n:
-            continue
-        jid, state, code, start, end, nodes, reason, restarts = (p.strip() for p in parts[:n - 1])
-        comment = "|".join(parts[n - 1:])
-        comment = comment[:-1] if comment.endswith("|") else comment
+        head: list[str] = []
+        for _ in range(n):
+            bar = text.find("|", pos)
+            if bar < 0 or "\n" in text[pos:bar]:
+                raise BackendUnavailable(f"squeue answered out of shape at byte {pos}")
+            head.append(text[pos:bar].strip())
+            pos = bar + 1
+        comment, pos = text[pos:pos + COMMENT_WIDTH], pos + COMMENT_WIDTH
+        if text[pos:pos + 2] != "|\n":
+            raise BackendUnavailable(f"squeue answered out of shape at byte {pos}")
+        pos += 2
+        jid, state, code, start, end, nodes, reason, restarts = head
         if not decimal(jid):
-            continue  # not a job's line: the rest of a comment that holds a newline
-        if jid in out and state.startswith("REVOKED"):
-            continue  # --all lists a federated job's revoked sibling too; the live one wins
+            continue  # an array task (123_4) or a heterogeneous component: not ours
+        if jid in out:
+            if state.startswith("REVOKED"):
+                continue  # --all lists a federated job's revoked sibling too; the live one wins
+            if not out[jid].state.startswith("REVOKED"):
+                raise BackendUnavailable(f"squeue listed job {jid} twice")
         out[jid] = SlurmJob(job_id=jid, state=state, reason=reason, exit_status=decode_wait_status(code),
                             start_time=parse_time(start), end_time=parse_time(end), nodes=nodes,
                             comment=comment.strip(),
@@ -169,29 +206,36 @@ def parse_squeue(text: str) -> dict[str, SlurmJob]:
 
 
 def parse_scontrol_jobs(text: str) -> dict[str, SlurmJob]:
-    """``scontrol --oneliner show job`` output: one ``Key=Value ...`` line per job."""
+    """``scontrol --oneliner show job`` output: one ``Key=Value ...`` line per job. Each key is
+    taken where it first appears (Slurm's own keys come before the free text a job sets: a
+    ``Comment`` holding `` JobState=FAILED`` changes nothing), the comment is its first word
+    (a dlsched comment has no space), and an answer naming a job twice (a comment with a
+    newline and a forged line in it) is refused whole."""
     out: dict[str, SlurmJob] = {}
     for line in text.splitlines():
-        kv = key_values(line)
+        kv = key_values(line, first=True)
         jid = kv.get("JobId", "")
-        if not jid:
+        if not line.startswith("JobId=") or not decimal(jid):
             continue
+        if jid in out:
+            raise BackendUnavailable(f"scontrol listed job {jid} twice")
         exit_code = _exit_code(kv.get("ExitCode", ""))
         out[jid] = SlurmJob(job_id=jid, state=kv.get("JobState", ""), reason=kv.get("Reason", ""),
                             exit_status=exit_code, start_time=parse_time(kv.get("StartTime", "")),
                             end_time=parse_time(kv.get("EndTime", "")), nodes=kv.get("NodeList", ""),
-                            comment=kv.get("Comment", ""),
+                            comment=kv.get("Comment", "").split(" ", 1)[0],
                             restarts=int(r) if decimal(r := kv.get("Restarts", "")) else 0)
     return out
 
 
-def key_values(line: str) -> dict[str, str]:
-    """Split ``A=1 B=x y C=2`` (values may hold spaces) into a dict."""
+def key_values(line: str, first: bool = False) -> dict[str, str]:
+    """Split ``A=1 B=x y C=2`` (values may hold spaces) into a dict; ``first``: a key seen again
+    is text of the value before it, not a new value."""
     out: dict[str, str] = {}
     key = None
     for tok in line.strip().split(" "):
         k, sep, v = tok.partition("=")
-        if sep and k and k.replace("/", "").replace(":", "").isalnum():
+        if sep and k and k.replace("/", "").replace(":", "").isalnum() and not (first and k in out):
             key = k
             out[key] = v
         elif key is not None and tok:
@@ -340,17 +384,23 @@ class Poller:
             self.last_round = (self._clock(), BackendUnavailable(error))
             self._on_round({}, error, False)
             return None
-        jobs = parse_squeue(out)
+        try:
+            jobs = parse_squeue(out)
+        except DlschedError as e:  # out of shape: nothing in it is believed
+            self.last_round = (self._clock(), e)
+            self._on_round({}, f"{e.reason}: {e.message}", False)
+            return None
         complete = True
         if missing := wanted - set(jobs):
             self.last_round_commands = 2
-            sacct = self._accounting()
+            sacct, delimiter = self._accounting(), new_delimiter()
             try:
-                rc2, out2, _ = await self._run(sacct_command(missing) if sacct else scontrol_command())
+                rc2, out2, _ = await self._run(sacct_command(missing, delimiter) if sacct else scontrol_command())
+                found = (parse_sacct(out2, delimiter) if sacct else parse_scontrol_jobs(out2)) if rc2 == 0 else {}
             except DlschedError:
-                rc2, out2 = 1, ""
+                rc2, found = 1, {}
             complete = rc2 == 0
-            for jid, j in (parse_sacct(out2) if sacct else parse_scontrol_jobs(out2)).items():
+            for jid, j in found.items():
                 if jid in wanted and jid not in jobs:
                     jobs[jid] = j
         self.last_round = (self._clock(), None)

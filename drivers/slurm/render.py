@@ -44,8 +44,9 @@ name the same type), ``--partition`` (``spec.queue``, else cluster option
 ``--job-name=dlsched-<job_id>`` and ``--comment=dlsched-<job_id>.<attempt>.<uid>``
 (how a retried launch finds an earlier submission; ``<uid>``, the job's uid
 without its dashes, tells a job id used again after a delete from the deleted
-job, which squeue may still list; a launch without a uid, or a driver older
-than it, leaves ``.<uid>`` out, and such a comment is taken for any uid), and the batch script's
+job, which squeue may still list; a launch without a uid leaves ``.<uid>`` out; a launch
+with one adopts only its own comment, never the uid-less one, which any job of the Slurm
+user could put on a held submission), and the batch script's
 own output (and Slurm's notes on the job: cancelled, time limit) in
 ``<job_id>.<attempt>.batch.stdout|stderr`` directly in the state dir. That
 directory exists before any job of the cluster (the driver creates it once),
@@ -200,21 +201,23 @@ class SlurmScript:
         return job_comment(self.job_id, self.attempt)
 
     def marks(self, comment: str) -> bool:
-        """Whether a Slurm job with ``comment`` is a submission of this attempt: this comment, or
-        the same job id and attempt without a uid (a launch without one, an older driver's)."""
-        return comment == self.comment or comment == self.attempt_key
+        """Whether a Slurm job with ``comment`` is a submission of this attempt: this comment
+        only. A launch with a uid never takes the uid-less key: any job of the same Slurm user
+        can submit one (``--comment=dlsched-<id>.<attempt>``, held) and would be adopted and
+        released as this attempt. A launch without a uid has that key for its comment."""
+        return comment == self.comment
 
     def in_listing(self, listed: Mapping[str, Mapping[str, T]]) -> T | None:
         """This attempt's job in ``listed`` (attempt key -> comment -> job), by ``marks``; None when none."""
-        entry = listed.get(self.attempt_key) or {}
-        found = entry.get(self.comment)
-        return found if found is not None or not self.uid else entry.get(self.attempt_key)
+        return (listed.get(self.attempt_key) or {}).get(self.comment)
 
     def rivals(self, listed: Mapping[str, Mapping[str, T]]) -> list[T]:
         """The jobs ``listed`` has of this job id and attempt for another job uid (an earlier job
-        of the same id, deleted without its cleanup); none when this launch has no uid."""
+        of the same id, deleted without its cleanup); none when this launch has no uid. A
+        uid-less comment is no rival either: it names no job, and anyone can write it."""
         entry = listed.get(self.attempt_key) or {}
-        return [j for comment, j in entry.items() if self.uid and not self.marks(comment)]
+        return [j for comment, j in entry.items() if self.uid and comment != self.attempt_key
+                and not self.marks(comment)]
 
 
 # --------------------------------------------------------------------------- metadata codec and files
