@@ -364,8 +364,9 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             return pb.DeleteJobResponse()
         last = await self.scheduler.delete(job_id, request.allow_missing)
         if self.history is not None:
-            # A copy the archiver wrote before the delete (etcd won until now) goes too.
-            await self.history.delete(job_id)
+            # A copy the archiver wrote before the delete (etcd won until now) goes too, and
+            # an archiver that picked the job before the delete never stores it again.
+            await self.history.delete(job_id, upto=int(last.etag) if last is not None and last.etag else 0)
         if last is not None and last.etag:
             await self.cache.wait_gone(job_id, int(last.etag), _CACHE_WAIT_SECONDS)
         resp = pb.DeleteJobResponse()
@@ -386,9 +387,9 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         # archived): a delete that fails after is retried, and a watch sees a
         # second DELETED, never none.
         if await self.store.mark_purged(job.id, archived.revision, archived.data):
-            await self.history.delete(job.id)
+            await self.history.delete(job.id, upto=archived.revision)
         else:  # its id is a live job's again: this archived copy was deleted meanwhile
-            await self.history.delete(job.id, archived.revision)
+            await self.history.delete(job.id, archived.revision, upto=archived.revision)
         return pb.DeleteJobResponse(job=archived.proto())
 
     async def WatchJobs(self, request: pb.WatchJobsRequest,  # noqa: N802

@@ -185,6 +185,33 @@ async def test_upserts_are_idempotent_and_a_newer_revision_wins(history: History
     assert await history.select(parse_filter("labels.group=moved"), None, None, 10) == []
 
 
+async def test_an_archiver_resumed_after_a_delete_does_not_bring_the_job_back(history: HistoryStore) -> None:
+    """An archiver leader picks its batch, then is frozen (SIGSTOP) past its lease; the job is
+    deleted meanwhile (DeleteJob: etcd and the history). When it resumes, its put must not store
+    the job again (it did: the deleted job reappeared in GetJob and ListJobs). A later job of
+    the same id (a higher revision) is archived as ever; deleted ids are forgotten after
+    DELETED_KEPT_SECONDS."""
+    from job_manager.history.store import DELETED_KEPT_SECONDS
+
+    j = make(1, state=JobState.FAILED)
+    picked = entries([j], revision=40)  # the frozen archiver's batch
+    await history.put(entries([j], revision=40))  # archived by the new leader, say
+    assert await history.delete(j.id, upto=45)  # then deleted by a client (etcd had it at 45)
+    await history.put(picked)  # the old leader resumes
+    assert await history.get(j.id) is None and await history.count() == 0
+    await history.put(entries([make(2)], revision=41))  # other ids are untouched by it
+    assert await history.get(make(2).id) is not None
+    again = entries([j], revision=90)  # a new job of that id, archived later
+    await history.put(again)
+    got = await history.get(j.id)
+    assert got is not None and got.revision == 90
+    assert await history.delete(j.id, revision=90, upto=90)
+    assert await history.forget_deleted(now=time.time() + DELETED_KEPT_SECONDS / 2) == 0
+    assert await history.forget_deleted(now=time.time() + DELETED_KEPT_SECONDS + 60) == 1
+    await history.put(picked)  # forgotten: a put (of a pause past a week) is stored again
+    assert await history.get(j.id) is not None
+
+
 async def test_retention_prunes_in_bulk_batches(history: HistoryStore) -> None:
     now = T0 + timedelta(days=100)
     n = 12_000

@@ -195,6 +195,7 @@ class Archiver:
             PRUNED.inc(n)
             if n:
                 log.info("history pruned: %d jobs", n)
+        await self.history.forget_deleted()
         if due:
             log.info("archived %d jobs (total %d)", len(due), self.stats.archived)
         return len(due) >= self.config.max_per_round
@@ -251,7 +252,7 @@ class Archiver:
                 self.stats.kept_changed += 1  # etcd wins; archived again once due
             elif outcome == "missing":
                 # Deleted by a client since the round began: no history either.
-                await self.history.delete(a.id, a.revision)
+                await self.history.delete(a.id, a.revision, upto=a.revision)
                 self.stats.dropped_deleted += 1
             else:
                 raise LeadershipLost()

@@ -9,7 +9,8 @@ then ``id``: the watch cache's order, so one page token spans both),
 ``project`` is stored resolved (``default`` for a job without one), as
 access rules and filters read it. ``job_history_labels``: one row per label,
 with the job's ``create_us`` so a ``labels.KEY=VALUE`` page walks that
-label's index in listing order. ``job_requests``: see below.
+label's index in listing order. ``job_requests`` and ``job_history_deleted``:
+see below.
 
 Every listing index is ``(column, create_us DESC, id)``: a keyset page is one
 index range, never an OFFSET.
@@ -54,6 +55,18 @@ requests = sa.Table(
     sa.Column("job_id", sa.String(128), nullable=False),
 )
 
+#: ``job_history_deleted``: job ids deleted up to an etcd revision (DeleteJob, or a job
+#: the archiver found gone from etcd). ``put`` stores no row of such an id at or below that
+#: revision, so an archiver that resumes after a delete (frozen with its batch picked
+#: before it) cannot bring the job back; a later job of the same id has a higher revision.
+#: Rows older than ``DELETED_KEPT_SECONDS`` go with pruning.
+deleted = sa.Table(
+    "job_history_deleted", metadata,
+    sa.Column("id", sa.String(128), primary_key=True),
+    sa.Column("revision", sa.BigInteger, nullable=False),
+    sa.Column("deleted_us", sa.BigInteger, nullable=False),
+)
+
 #: (name, table, columns): the migrations create exactly these
 INDEXES: list[tuple[str, str, list[str]]] = [
     ("ix_job_history_order", "job_history", ["create_us DESC", "id"]),
@@ -64,4 +77,5 @@ INDEXES: list[tuple[str, str, list[str]]] = [
     ("ix_job_history_end", "job_history", ["end_us", "id"]),
     ("ix_job_history_labels_kv", "job_history_labels", ["key", "value", "create_us DESC", "job_id"]),
     ("ix_job_requests_job", "job_requests", ["job_id"]),
+    ("ix_job_history_deleted_at", "job_history_deleted", ["deleted_us"]),
 ]

@@ -47,6 +47,7 @@ from job_manager.convert import end_us_of_proto, job_from_bytes
 from job_manager.domain.filter import Filter, Term
 from job_manager.domain.model import Job, JobState
 from job_manager.history import migrate
+from job_manager.history.schema import deleted as D
 from job_manager.history.schema import jobs as T
 from job_manager.history.schema import labels as L
 from job_manager.history.schema import requests as R
@@ -57,6 +58,8 @@ SortKey = tuple[float, str]
 
 #: rows per pruning DELETE (one short transaction each)
 PRUNE_BATCH = 5000
+#: how long a deleted id keeps an archiver that paused before the delete from storing it again
+DELETED_KEPT_SECONDS = 7 * 86400.0
 #: most operations the writer runs in one transaction
 WRITER_BATCH = 256
 
@@ -251,7 +254,8 @@ class HistoryStore:
 
     async def put(self, entries: Sequence[ArchivedJob]) -> None:
         """Upsert ``entries`` (idempotent; a row archived at a newer revision is
-        kept over an older one), committed when this returns."""
+        kept over an older one; none of an id deleted at or after its revision),
+        committed when this returns."""
         if not entries:
             return
         latest: dict[str, ArchivedJob] = {}
@@ -275,7 +279,12 @@ class HistoryStore:
             where=T.c.revision <= ins.excluded.revision)
 
         async def go(conn: AsyncConnection) -> None:
-            await conn.execute(upsert, rows)
+            gone = {str(r[0]): int(r[1]) for r in await conn.execute(
+                sa.select(D.c.id, D.c.revision).where(D.c.id.in_(ids)))}
+            live = [r for r in rows if revisions[str(r["id"])] > gone.get(str(r["id"]), -1)]
+            if not live:
+                return
+            await conn.execute(upsert, live)
             # The labels of the rows as stored now (a newer revision may have won).
             stored = {str(r[0]) for r in await conn.execute(
                 sa.select(T.c.id, T.c.revision).where(T.c.id.in_(ids))) if revisions[r[0]] == r[1]}
@@ -287,13 +296,23 @@ class HistoryStore:
                 await conn.execute(L.insert(), keep)
         await self._write(go)
 
-    async def delete(self, job_id: str, revision: int | None = None) -> bool:
-        """Delete one job (only as archived at ``revision``, when given); whether it was there."""
+    async def delete(self, job_id: str, revision: int | None = None, *, upto: int = 0) -> bool:
+        """Delete one job (only as archived at ``revision``, when given); whether it was there.
+        ``upto``: the job is deleted as of this etcd revision: ``put`` stores no row of its id
+        at or below it from now on (an archiver that picked the job before the delete)."""
         cond = T.c.id == job_id
         if revision is not None:
             cond = sa.and_(cond, T.c.revision == revision)
+        mark = self._insert(D).values(id=job_id, revision=upto, deleted_us=to_us(time.time()))
+        mark = mark.on_conflict_do_update(
+            index_elements=[D.c.id], set_={"revision": sa.func.max(D.c.revision, mark.excluded.revision)
+                                          if self.dialect != "postgresql"
+                                          else sa.func.greatest(D.c.revision, mark.excluded.revision),
+                                          "deleted_us": mark.excluded.deleted_us})
 
         async def go(conn: AsyncConnection) -> bool:
+            if upto:
+                await conn.execute(mark)
             res = await conn.execute(T.delete().where(cond))
             if res.rowcount:
                 await conn.execute(L.delete().where(L.c.job_id == job_id))
@@ -362,6 +381,21 @@ class HistoryStore:
                 deleted += n
                 excess -= n
         return deleted
+
+    async def forget_deleted(self, *, batch: int = PRUNE_BATCH, now: float | None = None) -> int:
+        """Forget deleted ids older than ``DELETED_KEPT_SECONDS`` (far past any archiver
+        pause), ``batch`` per transaction; how many."""
+        old = to_us((now if now is not None else time.time()) - DELETED_KEPT_SECONDS)
+
+        async def go(conn: AsyncConnection) -> int:
+            ids = sa.select(D.c.id).where(D.c.deleted_us < old).limit(batch)
+            return int((await conn.execute(D.delete().where(D.c.id.in_(ids)))).rowcount)
+        total = 0
+        while (n := int(await self._write(go))) > 0:
+            total += n
+            if n < batch:
+                break
+        return total
 
     # -- reads
 
