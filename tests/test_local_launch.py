@@ -290,6 +290,27 @@ async def test_bad_ids_are_invalid_argument_naming_the_field(stub):
     assert not (await observe(stub, "ok")).found
 
 
+async def test_a_relative_working_dir_out_of_the_attempt_directory_is_invalid_argument(stub, state_dir):
+    """A relative working directory is taken in the attempt directory and stays inside it:
+    one that climbs out (into another job's attempt) is refused, at render and at launch,
+    naming the field; one inside runs there; an absolute one is used as it is (documented)."""
+    field = "spec.replica_groups[0].working_dir"
+    for wd in ("../../other/attempt-1", "..", "sub/../../x"):
+        spec = single("import os; print(os.getcwd())", working_dir=wd)
+        for call in (stub.LaunchJob(dpb.LaunchJobRequest(cluster=CLUSTER, job_id="climber", attempt=1, spec=spec),
+                                    timeout=10),
+                     stub.RenderJob(dpb.RenderJobRequest(cluster=CLUSTER, job_id="climber", spec=spec), timeout=10)):
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await call
+            assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, wd
+            assert error_info(ei.value).metadata["field"] == field, wd
+    assert not (await observe(stub, "climber")).found
+    job_id = new_id("inside")
+    await launch(stub, job_id, single("import os; print('CWD=' + os.getcwd())", working_dir="sub/../."))
+    assert (await wait_state(stub, job_id)).state == job_pb2.JOB_STATE_SUCCEEDED
+    assert texts(await logs(stub, job_id)) == [f"CWD={os.path.join(state_dir, 'jobs', job_id, 'attempt-1')}"]
+
+
 async def test_run_mode_structure_is_invalid_argument(stub):
     spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_PS_WORKER, replica_groups=[group("pass", role="worker")])
     with pytest.raises(grpc.aio.AioRpcError) as ei:

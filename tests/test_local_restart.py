@@ -170,3 +170,86 @@ async def test_a_status_file_a_job_wrote_over_is_skipped_and_every_other_job_sti
         await s.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id="forger")),
                              timeout=10)
 
+
+
+#: what a job may write into its working directory, by default its attempt directory: JSON nested too deep to parse
+DEEP = "'[' * 100000 + ']' * 100000"
+
+
+def overwrite(name: str, content: str, release: pathlib.Path) -> str:
+    """Writes ``content`` (an expression) over ``name`` in its working directory, whole, then
+    waits for ``release``."""
+    return (f"import os, pathlib, time\ntime.sleep(0.5)\n"
+            f"open({name!r} + '.t', 'w').write({content})\nos.replace({name!r} + '.t', {name!r})\n"
+            f"print('written', flush=True)\n"
+            f"while not pathlib.Path({str(release)!r}).exists():\n    time.sleep(0.1)\n")
+
+
+async def written(s: driver_service_pb2_grpc.DriverServiceStub, job_id: str) -> None:
+    """Until the ``overwrite`` job has written its file (10 s at most)."""
+    for _ in range(100):
+        if texts(await logs(s, job_id)) == ["written"]:
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"{job_id} did not write its file")
+
+
+async def test_a_status_file_nested_too_deep_is_skipped_once_and_every_other_job_still_tracked(local, tmp_path):
+    """A job writes JSON nested deeper than the parser goes over its ``status.json``: its last
+    state stays, the driver says so once (not at every poll) and follows every other job."""
+    release = tmp_path / "release"
+    async for s in local.stub():
+        await launch(s, "deep", single(overwrite("status.json", DEEP, release)))
+        await written(s, "deep")
+        await asyncio.sleep(1.0)  # ten polls of the file
+        await launch(s, "after", single("print('fine')"))
+        assert (await wait_state(s, "after", within=30)).state == job_pb2.JOB_STATE_SUCCEEDED
+        assert (await observe(s, "deep")).state == job_pb2.JOB_STATE_RUNNING
+        assert (tmp_path / "state" / "jobs" / "deep" / "attempt-1" / "status.json").read_text().startswith("[[[")
+        release.touch()
+        assert (await wait_state(s, "deep", within=15)).state == job_pb2.JOB_STATE_SUCCEEDED
+    log = local.svc.log()
+    assert "cannot follow job deep" not in log and "RecursionError" not in log
+    assert log.count("unreadable status of job deep") == 1, log[-3000:]
+
+
+async def test_a_record_a_job_wrote_over_is_unreadable_and_a_restarted_driver_follows_every_other_job(
+        local, tmp_path):
+    """Jobs write over their own ``record.json``: JSON nested too deep, and a record naming another
+    job. A restarted driver starts, skips both as unreadable and re-adopts the job named, as itself."""
+    release = tmp_path / "release"
+    rename = ("(lambda d: __import__('json').dumps({**d, 'job_id': 'honest'}))"
+              "(__import__('json').load(open('record.json')))")
+    async for s in local.stub():
+        await launch(s, "deep", single(overwrite("record.json", DEEP, release)))
+        await launch(s, "liar", single(overwrite("record.json", rename, release)))
+        await launch(s, "honest", single("import time; print('honest', flush=True); time.sleep(120)"))
+        for name in ("deep", "liar"):
+            await written(s, name)
+    local.svc.kill()
+    await asyncio.to_thread(local.svc.start)
+    async for s in local.stub():
+        honest = await observe(s, "honest")
+        assert (honest.state, honest.backend_job_id) == (job_pb2.JOB_STATE_RUNNING, "local-honest-1"), honest
+        assert texts(await logs(s, "honest", follow=False)) == ["honest"]
+        for name in ("deep", "liar"):
+            assert not (await observe(s, name)).found, name
+        await s.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id="honest"),
+                                                     grace_period={"seconds": 1}), timeout=10)
+        assert (await wait_state(s, "honest", within=10)).state == job_pb2.JOB_STATE_STOPPED
+    release.touch()
+    assert local.svc.log().count("skipping unreadable record") == 2
+
+
+def test_a_file_over_its_bound_or_nested_too_deep_is_unreadable(tmp_path):
+    """``read_json`` reads at most its bound (a record's is ``RECORD_LIMIT``), so a job's
+    gigabytes are never read whole, and parses nothing nested past the parser's reach."""
+    from drivers.local import attempt
+
+    path = tmp_path / "record.json"
+    path.write_text('{"a": 1}' + " " * 100)
+    assert attempt.read_json(str(path), limit=108) == {"a": 1}
+    assert attempt.read_json(str(path), limit=107) is None
+    path.write_text("[" * 100000 + "]" * 100000)
+    assert attempt.read_json(str(path)) is None
+    assert attempt.STATUS_LIMIT < attempt.RECORD_LIMIT <= 1 << 30

@@ -220,6 +220,55 @@ async def test_retried_launch_makes_one_ray_submission(stub, head):
     assert len(mine) == 1
 
 
+async def test_a_forged_submission_is_not_the_job_and_a_stop_stops_the_refs_submission(stub, head):
+    """From inside the cluster anything may POST a job with our metadata: one without the
+    uid, ended SUCCEEDED, is never reported as the job, and TerminateJob stops the ref's own
+    submission (an earlier attempt's ref leaves the running newer attempt alone)."""
+    import urllib.request
+
+    job_id, uid = new_id("victim"), str(uuid.uuid4())
+    ref = dpb.JobRef(job_id=job_id, job_uid=uid)
+
+    async def launch_uid(spec: S.JobSpec, attempt: int) -> dpb.LaunchJobResponse:
+        return await stub.LaunchJob(dpb.LaunchJobRequest(cluster=CLUSTER, job_id=job_id, spec=spec,
+                                                         attempt=attempt, job_uid=uid), timeout=30)
+
+    def ray(method: str, path: str, body: dict | None = None) -> None:
+        req = urllib.request.Request(f"{head.address}{path}", method=method, data=json.dumps(body).encode()
+                                     if body is not None else None, headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=10).close()
+
+    first = await launch_uid(single("print('first')"), 1)
+    assert (await wait_state(stub, job_id)).state == S.JOB_STATE_SUCCEEDED
+    second = await launch_uid(single("import time; time.sleep(300)"), 2)
+    await wait_state(stub, job_id, (S.JOB_STATE_RUNNING,))
+    forged = new_id("forged")
+    ray("POST", "/api/jobs/", {"submission_id": forged, "entrypoint": "true",
+                               "metadata": {"dlsched_job_id": job_id, "dlsched_attempt": "2"}})
+    try:
+        deadline = time.monotonic() + 60
+        while not [j for j in ray_jobs(head) if j["submission_id"] == forged and j["status"] == "SUCCEEDED"]:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.2)
+        await asyncio.sleep(2.5)  # polls listing the forged one ended, started after the job
+        obs = await wait_state(stub, job_id, tuple(S.JobState.values()))
+        assert (obs.state, obs.backend_job_id) == (S.JOB_STATE_RUNNING, second.backend_job_id), obs
+        old = dpb.JobRef(job_id=job_id, backend_job_id=first.backend_job_id, job_uid=uid)
+        resp = await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=old), timeout=20)
+        assert resp.observation.state == S.JOB_STATE_SUCCEEDED, resp
+        assert (await wait_state(stub, job_id, tuple(S.JobState.values()))).state == S.JOB_STATE_RUNNING
+        ref.backend_job_id = second.backend_job_id
+        resp = await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=ref), timeout=20)
+        assert resp.observation.state == S.JOB_STATE_STOPPING, resp
+        obs = await wait_state(stub, job_id, within=60)
+        assert (obs.state, obs.backend_job_id) == (S.JOB_STATE_STOPPED, second.backend_job_id), obs
+        await stub.CleanupJob(dpb.CleanupJobRequest(cluster=CLUSTER, job=ref), timeout=60)
+        left = [j["submission_id"] for j in ray_jobs(head) if (j.get("metadata") or {}).get("dlsched_job_id") == job_id]
+        assert left == [forged]  # not the driver's to delete
+    finally:
+        ray("DELETE", f"/api/jobs/{forged}")
+
+
 async def test_mpi_is_refused(stub):
     spec = S.JobSpec(run_mode=S.RUN_MODE_MPI, replica_groups=[
         S.ReplicaGroup(role="launcher", replicas=1, command=["true"]),

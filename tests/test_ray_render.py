@@ -174,3 +174,48 @@ def test_hostile_argv_and_working_dir_reach_the_program_byte_for_byte(tmp_path):
 ])
 def test_state_table(status, error_type, want):
     assert states.map_status(status, error_type) == want
+
+
+# --------------------------------------------------------------------------- whose submission a listed one is
+
+def _listed(sid: str, attempt: str, uid: str = "", start: int = 1000) -> dict:
+    meta = {"dlsched_job_id": "victim", "dlsched_attempt": attempt, **({"dlsched_job_uid": uid} if uid else {})}
+    return {"type": "SUBMISSION", "submission_id": sid, "status": "SUCCEEDED", "start_time": start, "metadata": meta}
+
+
+def test_a_submission_under_an_id_its_metadata_does_not_derive_is_not_ours():
+    """Anything in the cluster may POST to the dashboard with our metadata: only the id a
+    driver gives a submission (with the uid, or the id made before ids named uids) is one."""
+    assert render.parse_submission(_listed("anything", "1")) is None
+    assert render.parse_submission(_listed("anything", "1", uid="u-1")) is None
+    assert render.parse_submission(_listed("dlsched-victim-1_u1", "1")) is None  # the id names a uid it lacks
+    assert render.parse_submission(_listed("dlsched-victim-1_u2", "1", uid="u1")) is None
+    assert render.parse_submission(_listed("dlsched-victim-2_u1", "1", uid="u1")) is None
+    assert render.parse_submission(_listed("dlsched-victim-1_u1", "1", uid="u-1")) == render.SubmissionMeta(
+        "victim", 1, "dlsched-victim-1_u1", "u-1")
+    assert render.parse_submission(_listed("dlsched-victim-1", "1", uid="u1")) is not None  # before ids named uids
+    assert render.parse_submission(_listed("dlsched-victim-1", "1")) is not None
+
+
+def test_a_tracked_job_with_a_uid_follows_only_its_own_submissions():
+    """A uid-less submission of the tracked job's id and attempt, started later (a forged one,
+    or another job's), is never followed as the job; nor one of its uid under another id than
+    the driver's (``of_job``), except the one followed already (adopted from an earlier driver)."""
+    from drivers.common.base import JobObservation, JobState
+    from drivers.ray.parse import newest_submission, of_job
+
+    mine = _listed("dlsched-victim-1_u1", "1", uid="u1")
+    prev = JobObservation(job_id="victim", backend_job_id="dlsched-victim-1_u1", found=True,
+                          state=JobState.RUNNING, attempt=1, uid="u1")
+    for forged in (_listed("dlsched-victim-1", "1", start=2000), _listed("dlsched-victim-2", "2", start=2000)):
+        subs = [(m, it) for it in (mine, forged) if (m := render.parse_submission(it)) is not None]
+        assert len(subs) == 2
+        meta, it = newest_submission(prev, subs)
+        assert it is mine and meta.submission_id == "dlsched-victim-1_u1"
+        assert not of_job(prev, subs[1][0])
+    assert not of_job(prev, render.SubmissionMeta("victim", 1, "anything", "u1"))
+    assert of_job(prev, render.SubmissionMeta("victim", 2, "dlsched-victim-2_u1", "u-1"))
+    adopted = JobObservation(job_id="victim", backend_job_id="dlsched-victim-1", found=True,
+                             state=JobState.RUNNING, attempt=1, uid="u1")
+    assert of_job(adopted, render.SubmissionMeta("victim", 1, "dlsched-victim-1", "u1"))
+    assert not of_job(adopted, render.SubmissionMeta("victim", 2, "dlsched-victim-2", "u1"))

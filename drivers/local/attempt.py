@@ -41,6 +41,12 @@ SUPERVISOR_LOG = "supervisor.log"
 #: written when JobManager has recorded the attempt's end (ForgetJobs): the driver
 #: no longer holds the job in memory, nor loads it on start; holds the usage peaks
 RECORDED = "recorded.json"
+#: the most bytes ``read_json`` reads of a record: its plan is at most ``spec_rules.MAX_EXPANDED_BYTES``
+#: (16 MiB) of argv, env and paths, JSON-escaped twice (the plan is a string in the record)
+RECORD_LIMIT = 64 << 20
+#: the most bytes of a status (``JobMachine.to_json``: a few hundred per process, at most
+#: ``render.MAX_PROCESSES`` of them) or of the other files the driver reads
+STATUS_LIMIT = 4 << 20
 #: the folder ``python -m drivers.local.supervisor`` runs in (where ``drivers`` is importable)
 _ROOT = str(pathlib.Path(__file__).resolve().parent.parent.parent)
 
@@ -52,12 +58,18 @@ def write_json(path: str, doc: Mapping[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def read_json(path: str) -> dict[str, Any] | None:
-    """The file's document; None when it is missing or unreadable."""
+def read_json(path: str, limit: int = RECORD_LIMIT) -> dict[str, Any] | None:
+    """The file's document; None when it is missing or unreadable: over ``limit`` bytes, not
+    JSON, or nested too deep to parse. The job's default working directory is its attempt
+    directory, so a job can write over these files: what they say is checked by the reader
+    (``JobMachine.from_json``), what they weigh here."""
     try:
-        with open(path) as f:
-            doc = json.load(f)
-    except (OSError, ValueError):
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+        if len(data) > limit:
+            return None
+        doc = json.loads(data)
+    except (OSError, ValueError, RecursionError):
         return None
     return doc if isinstance(doc, dict) else None
 
@@ -112,7 +124,7 @@ def ask_stop(adir: str, grace: float) -> None:
 
 
 def read_stop(adir: str) -> float | None:
-    doc = read_json(os.path.join(adir, STOP))
+    doc = read_json(os.path.join(adir, STOP), STATUS_LIMIT)
     if doc is None:
         return None
     try:

@@ -370,13 +370,13 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
         if marker is None:
             return None  # not forgotten (in memory, or being removed)
         try:
-            job = self._job_from_record(attempt.read_json(os.path.join(adir, attempt.RECORD)))
-            doc = attempt.read_json(os.path.join(adir, attempt.STATUS))
+            job = self._job_from_record(attempt.read_json(os.path.join(adir, attempt.RECORD)), job_id, max(attempts))
+            doc = attempt.read_json(os.path.join(adir, attempt.STATUS), attempt.STATUS_LIMIT)
             if doc is not None:
                 job.machine = JobMachine.from_json(job.plan, doc)
             for peak, (cpu, mem) in zip(job.peaks, marker.get("peaks", []), strict=False):
                 peak.cpu_seconds, peak.peak_bytes = float(cpu), int(mem)
-        except (KeyError, TypeError, ValueError, IndexError) as e:
+        except Exception as e:  # the job's own files (it may write over them): never the driver's end
             log.warning("unreadable files of forgotten job %s: %s", job_id, e)
             return None
         job.machine.logs_done = True
@@ -432,12 +432,13 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
         sig = attempt.signature(path)
         if sig is None or sig == job.signature:
             return
-        doc = attempt.read_json(path)
-        if doc is None:
-            return
+        doc = attempt.read_json(path, attempt.STATUS_LIMIT)
         try:
+            if doc is None:
+                raise ValueError("missing, too large, not JSON or nested too deep")
             machine = JobMachine.from_json(job.plan, doc)
-        except (KeyError, TypeError, ValueError) as e:
+        except Exception as e:  # the job may write over it: read again once it changes, not every poll
+            job.signature = sig
             log.warning("unreadable status of job %s: %s", job.job_id, e)
             return
         job.signature, job.machine = sig, machine
@@ -492,15 +493,20 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
             for n in attempts:
                 path = os.path.join(render.attempt_dir(self._state_dir, job_id, n), attempt.RECORD)
                 try:
-                    out.append(self._job_from_record(attempt.read_json(path)))
+                    out.append(self._job_from_record(attempt.read_json(path), job_id, n))
                     break
-                except (KeyError, TypeError, ValueError, IndexError) as e:
+                except Exception as e:  # one job's files (it may write over them) never stop the others
                     log.warning("skipping unreadable record %s: %s", path, e)
         return out
 
-    def _job_from_record(self, rec: dict[str, Any] | None) -> TrackedJob:
+    def _job_from_record(self, rec: dict[str, Any] | None, job_id: str, attempt_no: int) -> TrackedJob:
+        """The job the record of ``job_id``'s attempt ``attempt_no`` launched; raises for one
+        unreadable, or naming another job or attempt (a job can write over its record)."""
         if rec is None:
-            raise ValueError("missing or not JSON")
+            raise ValueError("missing, too large, not JSON or nested too deep")
+        if rec.get("job_id") != job_id or rec.get("attempt") != attempt_no:
+            raise ValueError(f"the record names job {str(rec.get('job_id'))[:80]!r} attempt "
+                             f"{str(rec.get('attempt'))[:20]}, not its directory's")
         plan = render.plan_from_json(json.loads(rec["native_spec"]))
         cpu, gpu = rec.get("request") or (0.0, 0)
         job = TrackedJob(self._state_dir, rec["cluster"], rec["job_id"], int(rec["attempt"]), plan, (float(cpu), int(gpu)),

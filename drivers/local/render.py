@@ -46,7 +46,9 @@ it reads it, so ``since_time`` and ``LogEntry.time`` are exact to the read. For
 MULTI_PROCESS each process is a slot whose index is its rank.
 
 Working directory: empty means the attempt directory; a relative one is
-taken relative to it.
+taken relative to it and must stay inside it (``a/../..`` or ``../other``
+is INVALID_ARGUMENT naming the group's ``working_dir``, checked before
+anything is placed); an absolute one is used as it is.
 """
 
 from __future__ import annotations
@@ -135,6 +137,16 @@ def check(spec: JobSpec, *, mpi_available: bool = True) -> None:
     if sum(g.replicas * g.processes for g in spec.replica_groups) > MAX_PROCESSES:
         raise InvalidArgument.for_field(
             "spec.replica_groups", f"the local driver runs at most {MAX_PROCESSES} processes per job")
+    for i, g in enumerate(spec.replica_groups):
+        if g.working_dir and not os.path.isabs(g.working_dir) and _escapes(g.working_dir):
+            raise InvalidArgument.for_field(f"spec.replica_groups[{i}].working_dir",
+                                            "a relative working directory must stay inside the attempt directory")
+
+
+def _escapes(relative: str) -> bool:
+    """Whether a relative path leads out of the directory it is taken in (``..`` first, once normalised)."""
+    first = os.path.normpath(relative).split(os.sep, 1)[0]
+    return first == os.pardir
 
 
 def place(spec: JobSpec, *, ports: Mapping[tuple[str, int], int] | None = None,

@@ -124,6 +124,7 @@ from drivers.ray.parse import (
     capacity,
     newest_submission,
     observation,
+    of_job,
     over_time_limit,
     with_replicas,
 )
@@ -265,16 +266,16 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
                 groups.setdefault(meta.job_id, []).append((meta, it))
         seen = {job_id: {m.submission_id for m, _ in subs} for job_id, subs in groups.items()}
         newest = {job_id: newest_submission(c.jobs.get(job_id), subs) for job_id, subs in groups.items()}
-        for job_id, (attempt, it) in newest.items():
+        for job_id, (meta, it) in newest.items():
             prev = c.jobs.get(job_id)
-            if prev is not None and prev.attempt > attempt:
+            if prev is not None and prev.attempt > meta.attempt:
                 continue  # a launch the list does not show yet
-            if prev is not None and not same_job(prev.uid, render.uid_of(it)):
-                continue  # a list from before a cleanup: an earlier job's submission of the same id
-            obs = observation(job_id, attempt, it)
+            if prev is not None and not of_job(prev, meta):
+                continue  # a list from before a cleanup (an earlier job's submission of the id), or not ours
+            obs = observation(job_id, meta.attempt, it)
             if prev is None and obs.state.is_terminal():
                 if (uid := render.uid_of(it)) and not render.carries_uid(obs.backend_job_id):  # made before
-                    c.legacy[job_id] = (attempt, uid, obs.backend_job_id)  # ids named uids (uid-less: no telling)
+                    c.legacy[job_id] = (meta.attempt, uid, obs.backend_job_id)  # ids named uids (uid-less: no telling)
                 continue  # ended before it was tracked, or forgotten: answered when asked (``_untracked``)
             node = it.get("driver_node_id")
             if isinstance(node, str) and node:
@@ -401,7 +402,7 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
                 raise FailedPrecondition(f"Ray refused the submission: {last_line(e.text)}",
                                          reason="BACKEND_REJECTED",
                                          metadata={"http_status": str(e.status)}) from e
-            if not same_job(render.uid_of(existing), rendered.uid):  # not ours: its id names our uid
+            if render.parse_submission(existing) is None:  # our id, not of our job and uid: not ours
                 raise NameCollision(f"Ray submission {sid} is another job's (uid {render.uid_of(existing)})",
                                     metadata={"job_uid": render.uid_of(existing)}) from e
             return observation(job_id, attempt, existing)  # the first submission
@@ -463,20 +464,22 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
         return obs
 
     def _sid(self, c: _Cluster, ref: JobRef) -> str | None:
-        obs = c.jobs.get(ref.job_id)
-        if obs is not None:
-            return obs.backend_job_id
-        return ref.backend_job_id or None
+        """The ref's submission: its backend id, else the tracked job's."""
+        return ref.backend_job_id or (obs.backend_job_id if (obs := c.jobs.get(ref.job_id)) else None)
+
+    def _follows(self, c: _Cluster, ref: JobRef) -> bool:
+        """Whether the ref's submission is the one tracked (else Ray says whose it is: ``_submission``)."""
+        return ref.job_id in c.jobs and ref.backend_job_id in ("", c.jobs[ref.job_id].backend_job_id)
 
     async def _terminate(self, c: _Cluster, name: str, ref: JobRef,
                          grace_seconds: float | None) -> JobObservation | None:
         sid = self._sid(c, ref)
         if sid is None:
             return None
-        obs = c.jobs.get(ref.job_id)
-        if obs is None:  # not tracked: an ended (forgotten) job is not stopped again
+        obs = c.jobs.get(ref.job_id) if self._follows(c, ref) else None
+        if obs is None:  # not the submission tracked: Ray says whose it is; an ended one is not stopped again
             gone = await self._untracked(c, ref)
-            if gone is not None and gone.state.is_terminal():
+            if gone is None or gone.state.is_terminal():
                 return gone
         try:
             await c.request("POST", f"/api/jobs/{sid}/stop")
@@ -558,7 +561,7 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
         return obs is None or obs.state.is_terminal()
 
     def _tail(self, c: _Cluster, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
-        if ref.job_id not in c.jobs:
+        if not self._follows(c, ref):
             return self._tail_untracked(c, ref, query)
         sid = self._sid(c, ref)
         if sid is None:
@@ -581,7 +584,7 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
                 yield batch
 
     async def _usage(self, c: _Cluster, ref: JobRef) -> JobUsage:
-        if ref.job_id not in c.jobs:  # untracked: its node from Ray
+        if not self._follows(c, ref):  # untracked: its node from Ray
             found = await self._submission(c, ref)
             if found is None:
                 raise JobNotFound(ref.job_id)

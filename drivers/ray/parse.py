@@ -129,17 +129,31 @@ def capacity(report: Mapping[str, Any]) -> ClusterCapacity:
     )
 
 
+def of_job(prev: JobObservation, meta: render.SubmissionMeta) -> bool:
+    """Whether a listed submission (``render.parse_submission``) may be the tracked job ``prev``'s.
+
+    A job with a uid owns only submissions of that uid under the id the driver gives them
+    (``render.submission_id``), or the one it follows already (adopted from a driver that
+    made ids without uids): a uid-less submission, or one under an id of its own, is
+    anyone's (anything in the cluster may POST to the dashboard), never the job's. A job
+    without a uid has no more to tell by than ``same_job``.
+    """
+    if not prev.uid:
+        return True
+    return bool(meta.uid) and same_job(prev.uid, meta.uid) and meta.submission_id in (
+        render.submission_id(prev.job_id, meta.attempt, prev.uid), prev.backend_job_id)
+
+
 def newest_submission(prev: JobObservation | None, subs: list[tuple[render.SubmissionMeta, dict[str, Any]]]
-                      ) -> tuple[int, dict[str, Any]]:
-    """A job id's listed submission to follow and its attempt: of the tracked job's uid (else of
-    the uid submitted last: jobs of one id deleted without their cleanup may be listed beside
-    it), the newest attempt."""
+                      ) -> tuple[render.SubmissionMeta, dict[str, Any]]:
+    """A job id's listed submission to follow: of the tracked job (``of_job``; else of the uid
+    submitted last: jobs of one id deleted without their cleanup may be listed beside it),
+    the newest attempt."""
     def started(it: dict[str, Any]) -> float:
         t = it.get("start_time")
         return float(t) if isinstance(t, (int, float)) else 0.0
-    mine = [x for x in subs if prev is not None and same_job(prev.uid, x[0].uid)]
+    mine = [x for x in subs if prev is not None and of_job(prev, x[0])]
     if not mine:
         last = max(subs, key=lambda x: started(x[1]))[0].uid
         mine = [x for x in subs if x[0].uid == last]
-    meta, it = max(mine, key=lambda x: (x[0].attempt, started(x[1])))
-    return meta.attempt, it
+    return max(mine, key=lambda x: (x[0].attempt, started(x[1])))

@@ -17,7 +17,8 @@ The submission:
   ``dlsched_run_mode`` (plus ``dlsched_time_limit_seconds``, and
   ``dlsched_job_uid`` when the launch gives the job's uid: a submission of the
   same id with another uid is another job's, never adopted); the poller
-  knows our jobs by them.
+  knows our jobs by them, and only under the id they derive
+  (``parse_submission``): anything in the cluster can POST our metadata.
 - ``entrypoint`` is always ``<python> -m drivers.ray.launcher``, the
   in-cluster launcher (``drivers.ray.launcher``); ``<python>`` is cluster
   option ``python`` (default ``python``), an interpreter on the cluster that
@@ -205,7 +206,13 @@ def uid_of(it: Mapping[str, Any]) -> str:
 
 
 def parse_submission(it: Mapping[str, Any]) -> SubmissionMeta | None:
-    """The dlsched metadata of a ``GET /api/jobs/`` entry; ``None`` for other jobs."""
+    """The dlsched metadata of a ``GET /api/jobs/`` entry; ``None`` for other jobs.
+
+    Only a submission whose id is the one its metadata derives (``submission_id`` of its
+    job, attempt and uid, or of job and attempt alone: made before ids named uids) is one
+    a driver made: anything in the cluster may POST a job with our metadata under an id
+    of its own choosing, never to be taken for the job it names (nor stopped or deleted
+    for it)."""
     if it.get("type") != "SUBMISSION":
         return None
     meta = it.get("metadata") or {}
@@ -216,7 +223,10 @@ def parse_submission(it: Mapping[str, Any]) -> SubmissionMeta | None:
         return None
     if not isinstance(job_id, str) or not job_id or not isinstance(sid, str) or not sid:
         return None
-    return SubmissionMeta(job_id, attempt, sid, uid_of(it))
+    uid = uid_of(it)
+    if sid not in (submission_id(job_id, attempt, uid), submission_id(job_id, attempt)):
+        return None
+    return SubmissionMeta(job_id, attempt, sid, uid)
 
 
 def check(spec: JobSpec, options: Mapping[str, str] | None = None) -> RayOptions:
