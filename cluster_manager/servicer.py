@@ -19,6 +19,7 @@ import grpc
 
 from dlsched import spec_rules
 from dlsched.auth.interceptor import caller
+from dlsched.auth.model import check_project
 from dlsched.errors import FieldViolation, InvalidArgument
 from dlsched.kit.timeutil import check_duration
 from dlsched.v1 import cluster_manager_service_pb2 as pb
@@ -186,6 +187,9 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
         if not request.HasField("spec"):
             raise InvalidArgument.for_field("spec", "required")
         validation.raise_if(_check_spec(request.spec), "invalid job spec")
+        for field, project in (("project", request.project), ("spec.project", request.spec.project)):
+            if project:
+                check_project(project, field)
         job = replace(convert.job_requirements_from_proto(request.spec),
                       project=request.project or request.spec.project)
         clusters, _ = await self._store.list_all()

@@ -836,6 +836,36 @@ async def test_an_api_token_expire_time_outside_a_timestamp_is_invalid_argument(
         await a.access.delete_api_token(tok.name)
 
 
+async def test_a_bad_service_account_or_match_project_names_its_field(env: Env) -> None:
+    """CreateApiToken's service_account is a bare DNS label (its message said 'user:...' or
+    'sa:...'); MatchClusters' project and spec.project are project names (any text was taken)."""
+    from dlsched.v1 import cluster_manager_service_pb2 as cms
+    from dlsched.v1 import cluster_manager_service_pb2_grpc as cms_grpc
+    from dlsched.v1 import job_pb2
+
+    async with as_caller(env.stack, admin_token()) as a:
+        for bad in ("sa:ci", "CI", "-ci", "a" * 64, ""):
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await a.access.stub.CreateApiToken(acs.CreateApiTokenRequest(
+                    api_token=access_pb2.ApiToken(service_account=bad)))
+            err = DlschedRpcError.from_rpc_error(ei.value)
+            assert err.code == "INVALID_ARGUMENT" and "DNS label" in str(err), (bad, str(err))
+            assert [v.field for v in err.field_violations] == ["api_token.service_account"]
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+        job_pb2.ReplicaGroup(role="main", replicas=1, command=["true"])])
+    async with security.channel(env.stack.cm.address) as ch:
+        cm = cms_grpc.ClusterManagerServiceStub(ch)
+        assert (await cm.MatchClusters(cms.MatchClustersRequest(spec=spec, project="team-a"))).candidates is not None
+        for req, field in ((cms.MatchClustersRequest(spec=spec, project="BAD PROJ"), "project"),
+                           (cms.MatchClustersRequest(spec=job_pb2.JobSpec(
+                               run_mode=spec.run_mode, replica_groups=spec.replica_groups, project="x/../y")),
+                            "spec.project")):
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await cm.MatchClusters(req)
+            err = DlschedRpcError.from_rpc_error(ei.value)
+            assert err.code == "INVALID_ARGUMENT" and [v.field for v in err.field_violations] == [field]
+
+
 async def test_revoking_a_token_ends_its_open_watch(env: Env) -> None:
     """Authorization is not checked only when a stream opens: once its API token
     is revoked, an open WatchJobs stream ends UNAUTHENTICATED at its next event."""

@@ -13,6 +13,7 @@ import grpc
 from dlsched.auth.interceptor import caller
 from dlsched.auth.model import (
     ALL_PROJECTS,
+    PROJECT_RE,
     ApiToken,
     Role,
     RoleBinding,
@@ -109,7 +110,9 @@ class AccessServicer(access_service_pb2_grpc.AccessServiceServicer):
         p = caller()
         p.require_admin("managing API tokens")
         t = request.api_token
-        check_principal(f"sa:{t.service_account}", "api_token.service_account")
+        if not PROJECT_RE.fullmatch(t.service_account):  # the DNS label of 'sa:<label>'
+            raise InvalidArgument.for_field("api_token.service_account",
+                                            "a DNS label: lowercase letters, digits and '-', at most 63")
         if len(t.description) > 256:
             raise InvalidArgument.for_field("api_token.description", "at most 256 characters")
         expire = None
