@@ -8,9 +8,11 @@ has no path for them).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
@@ -19,7 +21,7 @@ import grpc
 
 from dlsched import spec_rules
 from dlsched.auth.interceptor import caller
-from dlsched.auth.model import check_project
+from dlsched.auth.model import Principal, check_project
 from dlsched.errors import FieldViolation, InvalidArgument
 from dlsched.kit.timeutil import check_duration
 from dlsched.v1 import cluster_manager_service_pb2 as pb
@@ -31,9 +33,9 @@ from .domain import filter as flt
 from .domain import matching, validation
 from .domain.errors import ClusterNotFound
 from .domain.models import Cluster, ClusterState, ClusterType, Credentials
-from .hub import ResumeToken, WatchHub
+from .hub import ResumeToken, Subscription, WatchHub
 from .monitor import MonitorManager
-from .store import ClusterStore, EventKind
+from .store import ClusterStore, EventKind, StoreEvent
 
 log = logging.getLogger("cluster_manager.servicer")
 
@@ -52,13 +54,57 @@ def _request_credentials(p: Any) -> Credentials | None:
     return convert.credentials_from_proto(p.credentials) if p.HasField("credentials") else None
 
 
+#: how often a quiet WatchClusters stream re-checks its caller (no message is sent)
+RECHECK_SECONDS = 15.0
+
+
+def _watcher(p: Principal) -> Principal:
+    """A cluster watcher as of now: UNAUTHENTICATED once its token was revoked or
+    expired, PERMISSION_DENIED once it holds no role anywhere (an in-memory check)."""
+    p = p.current()
+    p.require_any_role("watching clusters")
+    return p
+
+
+async def _events(sub: Subscription, p: Principal, every: float) -> AsyncGenerator[StoreEvent, None]:
+    """``sub``'s events, each after the caller was checked again (``_watcher``), which
+    it also is every ``every`` seconds while none comes (<= 0: only per event).
+
+    One task awaits the pending event across those checks: a check never cancels
+    the subscription's step."""
+    step: asyncio.Future[StoreEvent] | None = None
+    try:
+        while True:
+            if every <= 0:
+                ev = await sub.next()
+            else:
+                if step is None:
+                    step = asyncio.ensure_future(sub.next())
+                done, _ = await asyncio.wait((step,), timeout=every)
+                if not done:
+                    p = _watcher(p)
+                    continue
+                finished, step = step, None
+                ev = finished.result()
+            p = _watcher(p)
+            yield ev
+    finally:
+        if step is not None:
+            step.cancel()
+            await asyncio.wait((step,))
+            if not step.cancelled():
+                step.exception()  # retrieved: the stream is ending for a reason of its own
+
+
 class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
     def __init__(self, store: ClusterStore, hub: WatchHub, monitors: MonitorManager,
-                 clock: Callable[[], datetime] = _utcnow) -> None:
+                 clock: Callable[[], datetime] = _utcnow, *,
+                 recheck_seconds: float = RECHECK_SECONDS) -> None:
         self._store = store
         self._hub = hub
         self._monitors = monitors
         self._clock = clock
+        self._recheck = recheck_seconds
 
     async def CreateCluster(self, request: pb.CreateClusterRequest,
                             context: grpc.aio.ServicerContext) -> pb.CreateClusterResponse:
@@ -153,7 +199,9 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
     async def WatchClusters(self, request: pb.WatchClustersRequest,
                             context: grpc.aio.ServicerContext,
                             ) -> AsyncIterator[pb.WatchClustersResponse]:
-        caller().require_any_role("watching clusters")
+        # The caller is checked again on every event and while the stream is
+        # quiet (``_events``): a revoked or expired token, or a lost role, ends it.
+        p = _watcher(caller())
         f = flt.parse_filter(request.filter)
         token = ResumeToken.decode(request.resume_token) if request.resume_token else None
         if token is not None and token.in_snapshot:
@@ -172,12 +220,12 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
                 yield pb.WatchClustersResponse(
                     type=job_pb2.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE,
                     resume_token=ResumeToken(rev).encode())
-            while True:
-                ev = await sub.next()
-                if f.matches(ev.cluster) or (ev.prev is not None and f.matches(ev.prev)):
-                    yield pb.WatchClustersResponse(
-                        type=_EVENT_TYPE[ev.kind], cluster=convert.cluster_to_proto(ev.cluster),
-                        resume_token=ResumeToken(ev.revision).encode())
+            async with contextlib.aclosing(_events(sub, p, self._recheck)) as events:
+                async for ev in events:
+                    if f.matches(ev.cluster) or (ev.prev is not None and f.matches(ev.prev)):
+                        yield pb.WatchClustersResponse(
+                            type=_EVENT_TYPE[ev.kind], cluster=convert.cluster_to_proto(ev.cluster),
+                            resume_token=ResumeToken(ev.revision).encode())
         finally:
             sub.close()
 

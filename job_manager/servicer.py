@@ -27,7 +27,12 @@ Both streams send a heartbeat when they have sent nothing for
 ``heartbeat_seconds`` (``--stream-heartbeat-seconds``; 0: never): WatchJobs a
 HEARTBEAT event with the current resume token, StreamJobLogs a response with
 no entries. L7 proxies close streams idle for a while and HTTP/2 PINGs end at
-the first one; a message keeps the stream open through all of them.
+the first one; a message keeps the stream open through all of them. Each
+heartbeat, like each event or batch of lines, re-checks the caller as of now
+(``Principal.current``, in memory): a revoked or expired token ends either
+stream UNAUTHENTICATED; StreamJobLogs ends NOT_FOUND (what GetJob then answers)
+once the caller may no longer read the job's project, WatchJobs then leaves the
+project's events out.
 
 StreamJobLogs puts a resume cursor (``domain/log_cursor.py``) on every
 response, heartbeats included: the position after the last line sent. A
@@ -53,6 +58,7 @@ import grpc
 from prometheus_client import Counter
 
 from dlsched.auth.interceptor import caller
+from dlsched.auth.model import Principal
 from dlsched.errors import DlschedError, InvalidArgument, StoreUnavailable, WatchTokenExpired
 from dlsched.kit import logs, tokens
 from dlsched.kit.timeutil import (
@@ -154,6 +160,29 @@ def _response(ev: JobEvent) -> pb.WatchJobsResponse:
 
 def _time_ns(e: job_pb2.LogEntry) -> int:
     return e.time.seconds * 1_000_000_000 + e.time.nanos if e.HasField("time") else 0
+
+
+def _still_reading(p: Principal, job: Job) -> Principal:
+    """The caller as of now, while it may still read ``job`` (else NOT_FOUND)."""
+    return _Readable(job.name, access.project_of(job)).check(p)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Readable:
+    """A streamed job's name and project: what a stream re-checks its caller
+    against per response, without the job (a follower may wait for days)."""
+
+    name: str
+    project: str
+
+    def check(self, p: Principal) -> Principal:
+        """``p`` as of now (``Principal.current``: UNAUTHENTICATED once its token was
+        revoked or expired, an in-memory check), still a reader of the job: else
+        NOT_FOUND, what GetJob answers for a job the caller may not read."""
+        p = p.current()
+        if not p.may_read(self.project):
+            raise JobNotFound(f"job {self.name} not found", metadata={"name": self.name})
+        return p
 
 
 class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
@@ -436,6 +465,9 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             while True:
                 ev = await sub.next_within(every, sent)
                 if ev is None:
+                    # A quiet stream re-checks its caller too: a revoked or
+                    # expired token ends it here, not at the next event.
+                    p = p.current()
                     yield pb.WatchJobsResponse(type=job_pb2.WATCH_EVENT_TYPE_HEARTBEAT,
                                                resume_token=at)
                     sent = loop.time()
@@ -467,8 +499,10 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                 raise
             return archived.job()
 
-    async def _launched(self, name: str, follow: bool, resumed: LogCursor | None) -> Job | None:
+    async def _launched(self, name: str, follow: bool, resumed: LogCursor | None,
+                        seen: list[Job]) -> Job | None:
         job = await self._readable(name)
+        seen.append(job)  # its project: what the stream's heartbeats re-check the caller against
         if resumed is not None and resumed.job_uid != job.uid:  # before any wait for a launch
             raise InvalidArgument.for_field(CURSOR_FIELD, f"not a cursor of {job.name}")
         if not job.launched:
@@ -497,15 +531,24 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         resumed = LogCursor.decode(request.resume_cursor) if request.resume_cursor else None
         every = self.heartbeat_seconds
         at = request.resume_cursor  # the cursor of the last response sent
+        p = caller()
         got: list[Job | None] = []
+        seen: list[Job] = []
         async with contextlib.aclosing(waiting(
-                self._launched(request.name, request.follow, resumed), every, got)) as beats:
+                self._launched(request.name, request.follow, resumed, seen), every, got)) as beats:
             async for _ in beats:
+                # Waiting for the launch: the caller as of now, as on every response below.
+                p = _still_reading(p, seen[0]) if seen else p.current()
                 yield pb.StreamJobLogsResponse(resume_cursor=at)
         job = got.pop()
         if job is None:
             return
-        p = caller()
+        # What the caller's access is re-checked against on every response (the
+        # caller as of now: a revoked or expired token ends the stream
+        # UNAUTHENTICATED, a lost role in the job's project NOT_FOUND, as GetJob
+        # then answers), kept here: no etcd read per batch.
+        readable = _Readable(job.name, access.project_of(job))
+        p = readable.check(p)
         skip: Skipper | None = None
         upstream = request
         if resumed is None:
@@ -528,6 +571,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             stream = drv.tail_logs(cluster, job_id, attempt, upstream, idle=every)
             try:
                 async for entries in stream:
+                    p = readable.check(p)
                     if not entries:  # nothing for ``every`` seconds
                         yield pb.StreamJobLogsResponse(resume_cursor=at)
                         continue
@@ -540,7 +584,6 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                         out.append(e)
                     del entries, e
                     if out:
-                        p = p.current()  # a revoked or expired token ends the stream
                         at = cursor.encode()
                         yield pb.StreamJobLogsResponse(entries=out, resume_cursor=at)
                         del out
@@ -556,11 +599,13 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             async with contextlib.aclosing(waiting(self._after_attempt(job_id, uid, attempt), every,
                                                    after)) as beats:
                 async for _ in beats:
+                    p = readable.check(p)
                     yield pb.StreamJobLogsResponse(resume_cursor=at)
             nxt = after.pop()
             if nxt is None:
                 return
-            nxt = access.check_read(p.current(), nxt)
+            readable = _Readable(nxt.name, access.project_of(nxt))
+            p = readable.check(p)
             cluster, attempt = nxt.cluster, nxt.backend_job_id
             del nxt
 

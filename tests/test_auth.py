@@ -238,8 +238,10 @@ def issuer() -> Iterator[OidcIssuer]:
 async def env(etcd: EtcdServer, issuer: OidcIssuer) -> AsyncIterator[Env]:
     tmp = tempfile.mkdtemp(prefix="dlsched-auth-")
     audit = os.path.join(tmp, "audit.jsonl")
+    # Streams beat every second: a quiet stream's re-check of its caller is seen soon.
     st = Stack(etcd, f"/dlsched-auth-{uuid.uuid4().hex[:8]}/",
-               jm_args=[*issuer.service_args(AUD), "--audit-log", audit, "--stop-grace-seconds", "1"],
+               jm_args=[*issuer.service_args(AUD), "--audit-log", audit, "--stop-grace-seconds", "1",
+                        "--stream-heartbeat-seconds", "1"],
                cm_args=issuer.service_args(AUD))
     try:
         st.start()
@@ -893,6 +895,236 @@ async def test_revoking_a_token_ends_its_open_watch(env: Env) -> None:
         assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         await ch.close()
+
+
+# ---------------------------------------------------------------- open streams re-check their caller
+
+def chatty(project: str) -> job_pb2.JobSpec:
+    """A job that prints a line every 0.2 s (for 5 minutes)."""
+    return job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, project=project,
+                           replica_groups=[job_pb2.ReplicaGroup(
+                               role="main", replicas=1,
+                               command=[PY, "-c", "import time\nfor i in range(1500):\n"
+                                                  "    print('line', i, flush=True); time.sleep(0.2)"])])
+
+
+async def ends_with_error(stream: Any, what: str,
+                          allowed: Callable[[Any], bool] = lambda _: True) -> grpc.aio.AioRpcError:
+    """Reads ``stream`` (each message must pass ``allowed``) until it fails; its error.
+    A stream still open after WAIT seconds, or ended without an error, fails the test."""
+    async def read() -> grpc.aio.AioRpcError:
+        while True:
+            try:
+                msg = await stream.read()
+            except grpc.aio.AioRpcError as err:
+                return err
+            assert msg is not grpc.aio.EOF, f"{what}: the stream ended without an error"
+            assert allowed(msg), f"{what}: sent {msg}"
+    try:
+        return await asyncio.wait_for(read(), WAIT)
+    except TimeoutError:
+        raise AssertionError(f"{what}: still open after {WAIT:.0f}s") from None
+
+
+def code_and_reason(err: grpc.aio.AioRpcError) -> tuple[str, str | None]:
+    info = error_info(err)
+    return err.code().name, info.reason if info else None
+
+
+async def test_losing_read_access_ends_open_log_streams_as_not_found(env: Env) -> None:
+    """A viewer following a job's logs loses its role binding (its token stays
+    valid): GetJob answers NOT_FOUND, and so do its open StreamJobLogs streams,
+    at their next batch of lines (a chatty job) or next heartbeat (a quiet one)."""
+    from dlsched.v1 import job_manager_service_pb2_grpc as jgrpc
+
+    viewer = f"log-viewer-{uuid.uuid4().hex[:6]}"
+    async with as_caller(env.stack, admin_token()) as a:
+        binding = await a.access.create_role_binding(f"user:{viewer}", "pv", "viewer")
+        loud = (await a.jobs.submit_job(chatty("pv"))).job
+        quiet = (await a.jobs.submit_job(sleeper(300, project="pv"))).job
+        await wait_running(a, loud.name)
+        await wait_running(a, quiet.name)
+    token = env.jwt(viewer)
+    ch = security.user_channel(env.jm, token)
+    try:
+        stub = jgrpc.JobManagerServiceStub(ch)
+        streams = {j.name: stub.StreamJobLogs(jms.StreamJobLogsRequest(name=j.name, follow=True))
+                   for j in (loud, quiet)}
+        # Both streams are open and the loud one delivers lines.
+        first = await asyncio.wait_for(streams[quiet.name].read(), WAIT)
+        assert first is not grpc.aio.EOF
+
+        async def a_line() -> None:
+            while not (await streams[loud.name].read()).entries:
+                pass
+        await asyncio.wait_for(a_line(), WAIT)
+
+        async with as_caller(env.stack, admin_token()) as a:
+            await a.access.delete_role_binding(binding.name)
+        async with as_caller(env.stack, token) as v:
+            await refused(v.jobs.get_job(loud.name), "NOT_FOUND", "JOB_NOT_FOUND")
+        for name, stream in streams.items():
+            err = await ends_with_error(stream, f"the log stream of {name}")
+            assert code_and_reason(err) == ("NOT_FOUND", "JOB_NOT_FOUND"), err
+            assert name in (err.details() or ""), err
+    finally:
+        await ch.close()
+        async with as_caller(env.stack, admin_token()) as a:
+            for j in (loud, quiet):
+                with contextlib.suppress(DlschedRpcError):
+                    await a.jobs.stop_job(j.name)
+
+
+async def test_a_revoked_token_ends_quiet_streams_at_their_heartbeat(env: Env) -> None:
+    """No event, no line: a WatchJobs and a StreamJobLogs stream that only
+    beat end UNAUTHENTICATED at a heartbeat once their API token is revoked."""
+    from dlsched.v1 import job_manager_service_pb2_grpc as jgrpc
+
+    sa = f"quiet-{uuid.uuid4().hex[:6]}"
+    async with as_caller(env.stack, admin_token()) as a:
+        await a.access.create_role_binding(f"sa:{sa}", "ph", "viewer")
+        tok, secret = await a.access.create_api_token(sa)
+        job = (await a.jobs.submit_job(sleeper(300, project="ph"))).job
+        await wait_running(a, job.name)
+        # Quiet: no other job changes while the streams wait (any job event
+        # would end the watch at the event, not at a heartbeat).
+        for j in await a.jobs.list_all_jobs():
+            if j.name != job.name and j.state not in (
+                    job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_STOPPED):
+                with contextlib.suppress(DlschedRpcError):
+                    await a.jobs.stop_job(j.name)
+
+        async def others_ended() -> bool:
+            return all(j.name == job.name or j.state in (
+                job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_STOPPED)
+                for j in await a.jobs.list_all_jobs())
+        await eventually(others_ended, "every other job ended")
+    env.secrets.append(secret)
+    ch = security.user_channel(env.jm, secret)
+    try:
+        stub = jgrpc.JobManagerServiceStub(ch)
+        watch = stub.WatchJobs(jms.WatchJobsRequest())
+        while (await asyncio.wait_for(watch.read(), WAIT)).type != job_pb2.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE:
+            pass
+        logs = stub.StreamJobLogs(jms.StreamJobLogsRequest(name=job.name, follow=True))
+        assert await asyncio.wait_for(logs.read(), WAIT) is not grpc.aio.EOF
+        async with as_caller(env.stack, admin_token()) as a:
+            await a.access.delete_api_token(tok.name)
+        err = await ends_with_error(watch, "the quiet watch",
+                                    lambda ev: ev.type == job_pb2.WATCH_EVENT_TYPE_HEARTBEAT)
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err
+        err = await ends_with_error(logs, "the quiet log stream")
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err
+    finally:
+        await ch.close()
+        async with as_caller(env.stack, admin_token()) as a:
+            with contextlib.suppress(DlschedRpcError):
+                await a.jobs.stop_job(job.name)
+
+
+async def test_a_revoked_token_or_a_lost_role_ends_an_open_cluster_watch(env: Env) -> None:
+    """WatchClusters re-checks its caller on every event: once its API token is
+    revoked the stream ends UNAUTHENTICATED, once its only role binding is
+    deleted PERMISSION_DENIED (as a new call would), before the next event."""
+    from dlsched.v1 import cluster_manager_service_pb2_grpc as cgrpc
+
+    tag = uuid.uuid4().hex[:6]
+    async with as_caller(env.stack, admin_token()) as a:
+        await a.access.create_role_binding(f"sa:cw-revoked-{tag}", "pc", "viewer")
+        revoked, revoked_secret = await a.access.create_api_token(f"cw-revoked-{tag}")
+        unbound = await a.access.create_role_binding(f"sa:cw-unbound-{tag}", "pc", "viewer")
+        _, unbound_secret = await a.access.create_api_token(f"cw-unbound-{tag}")
+    env.secrets += [revoked_secret, unbound_secret]
+
+    def answers(secret: str, code: str | None) -> Callable[[], Awaitable[bool]]:
+        async def check() -> bool:
+            async with as_caller(env.stack, secret) as c:
+                try:
+                    await c.clusters.list_all_clusters()
+                    return code is None
+                except DlschedRpcError as err:
+                    return err.code == code
+        return check
+
+    for secret in (revoked_secret, unbound_secret):  # ClusterManager learns of bindings by its watch
+        await eventually(answers(secret, None), "ClusterManager takes the new API token")
+    channels = [security.user_channel(env.stack.cm.address, s) for s in (revoked_secret, unbound_secret)]
+    try:
+        watches = [cgrpc.ClusterManagerServiceStub(ch).WatchClusters(cms.WatchClustersRequest())
+                   for ch in channels]
+        for w in watches:
+            while (await asyncio.wait_for(w.read(), WAIT)).type != job_pb2.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE:
+                pass
+        async with as_caller(env.stack, admin_token()) as a:
+            await a.access.delete_api_token(revoked.name)
+            await a.access.delete_role_binding(unbound.name)
+            # Once ClusterManager's own view has both changes, an event every watch gets.
+            await eventually(answers(revoked_secret, "UNAUTHENTICATED"),
+                             "ClusterManager refuses the revoked token")
+            await eventually(answers(unbound_secret, "PERMISSION_DENIED"),
+                             "ClusterManager refuses the caller without a role")
+            before = await a.clusters.get_cluster(env.cluster)
+            await a.clusters.update_cluster(cluster_pb2.Cluster(
+                name=env.cluster, labels={**before.labels, "watch-probe": tag}), ["labels"])
+            try:
+                for w, want in zip(watches, ("UNAUTHENTICATED", "PERMISSION_DENIED"), strict=True):
+                    err = await ends_with_error(
+                        w, f"the cluster watch that should end {want}",
+                        lambda ev: ev.cluster.labels.get("watch-probe") != tag)
+                    assert err.code().name == want, err
+            finally:
+                await a.clusters.update_cluster(cluster_pb2.Cluster(
+                    name=env.cluster, labels=dict(before.labels)), ["labels"])
+    finally:
+        for ch in channels:
+            await ch.close()
+
+
+async def test_a_quiet_cluster_watch_rechecks_its_caller_while_no_event_comes() -> None:
+    """WatchClusters' events (``cluster_manager.servicer._events``) re-check the
+    caller every ``recheck_seconds`` while none arrives: a quiet watch ends
+    PERMISSION_DENIED once its caller has no role, UNAUTHENTICATED once its token
+    is revoked, without an event. (In process: ClusterManager has no flag for
+    the interval, 15 s; a real, empty subscription of a real hub.)"""
+    from cluster_manager.hub import Subscription, WatchHub
+    from cluster_manager.servicer import _events
+    from dlsched.auth.model import Principal, Role
+    from dlsched.errors import DlschedError, PermissionDenied, Unauthenticated
+
+    @dataclass
+    class Now:  # the caller's roles and token as the access store would say now
+        roles: dict[str, Role] = field(default_factory=lambda: {"pc": Role.VIEWER})
+        revoked: bool = False
+
+        def revalidate(self, p: Principal) -> Principal:
+            if self.revoked:
+                raise Unauthenticated("invalid or revoked token")
+            return Principal(p.name, dict(self.roles), revalidate=p.revalidate)
+
+        def lose_role(self) -> None:
+            self.roles = {}
+
+        def revoke(self) -> None:
+            self.revoked = True
+
+    hub = WatchHub(store=None)  # type: ignore[arg-type]  # never started: no etcd needed
+    for how, error in (("lose_role", PermissionDenied), ("revoke", Unauthenticated)):
+        now = Now()
+        p = Principal("sa:quiet", dict(now.roles), revalidate=now.revalidate)
+        sub = Subscription(hub, 10)
+        events = _events(sub, p, 0.05)
+        step = asyncio.ensure_future(events.__anext__())
+        try:
+            await asyncio.sleep(0.3)  # several re-checks pass: the caller is fine
+            assert not step.done()
+            getattr(now, how)()
+            with pytest.raises(DlschedError) as ei:
+                await asyncio.wait_for(step, WAIT)
+            assert type(ei.value) is error, ei.value
+        finally:
+            step.cancel()
+            await events.aclose()
+            sub.close()
 
 
 def test_audit_caps_unauthenticated_refusals_and_says_how_many_it_left_out(tmp_path) -> None:
