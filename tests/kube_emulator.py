@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
@@ -59,10 +60,12 @@ class Emulator(kmock.KubernetesEmulator):
         self.auth: set[str] = set()
         self.watches: set[asyncio.Task[Any]] = set()
         self.gone = False
+        self.gone_in_stream = False  # with gone: a 200 watch whose one event is the 410
         self.gone_at = 0
         self.logs: dict[tuple[str, str], list[str]] = {}
         self.log_event = asyncio.Event()
         self.log_sent: dict[tuple[str, str], int] = {}  # bytes of log lines written to clients
+        self.log_auth: list[str] = []  # the Authorization header of each log request
         self.stamps: list[tuple[float, str]] = []  # (monotonic arrival, "METHOD path")
         self.fail_with: int | None = None  # answer every request with this status (5xx)
         self.failed = 0
@@ -89,9 +92,17 @@ class Emulator(kmock.KubernetesEmulator):
         if raw.rel_url.query.get("watch") == "true" and self.gone:
             self.gone = False  # the resourceVersion was compacted away: the client must re-list
             self.gone_at = len(self.paths)
-            return aiohttp.web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-                                              "code": 410, "reason": "Expired",
-                                              "message": "too old resource version"}, status=410)
+            gone = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 410,
+                    "reason": "Expired", "message": "too old resource version"}
+            if self.gone_in_stream:  # as kube-apiserver answers a watch: 200, then an ERROR event
+                self.gone_in_stream = False
+                resp = aiohttp.web.StreamResponse()
+                resp.content_type = "application/json"
+                await resp.prepare(raw)
+                await resp.write(json.dumps({"type": "ERROR", "object": gone}).encode() + b"\n")
+                await resp.write_eof()
+                return resp
+            return aiohttp.web.json_response(gone, status=410)
         if raw.rel_url.query.get("watch") == "true" or raw.rel_url.query.get("follow") == "true":
             task = asyncio.current_task()
             assert task is not None
@@ -137,6 +148,7 @@ class Emulator(kmock.KubernetesEmulator):
 
     async def _serve_log(self, request: Any) -> aiohttp.web.StreamResponse:
         raw = request._raw_request
+        self.log_auth.append(raw.headers.get("Authorization", ""))
         q = raw.rel_url.query
         key = (request.name, q.get("container", "main"))
         if self.phase(request.name) in ("", "Pending"):

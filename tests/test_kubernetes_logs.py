@@ -242,3 +242,62 @@ async def test_follows_past_the_reader_pool_are_refused_not_left_waiting(emu: tu
         for call in calls:
             call.cancel()
         svc.stop()
+
+
+async def test_logs_of_a_kubeconfig_cluster_carry_its_token_and_a_bad_ca_is_invalid_argument(
+        stub: Any, emu: tuple[Emulator, str]) -> None:
+    """A kubeconfig's token sits where the client keeps it (``BearerToken``), not where a
+    bearer-token credential's does: the pod log reads, which do not go through the client,
+    sent no token at all for such a cluster. And a CA bundle that is no certificate is refused
+    at configuration, naming the field, not an INTERNAL."""
+    import grpc
+
+    from dlsched.v1 import cluster_pb2
+    from tests.kube_emulator import NS
+
+    e, url = emu
+    token = "kc-token-" + new_id("t")
+    kubeconfig = (
+        "apiVersion: v1\nkind: Config\n"
+        f"clusters:\n- name: c\n  cluster: {{server: \"{url}\"}}\n"
+        f"users:\n- name: u\n  user: {{token: \"{token}\"}}\n"
+        "contexts:\n- name: x\n  context: {cluster: c, user: u}\ncurrent-context: x\n")
+    await stub.ConfigureCluster(dpb.ConfigureClusterRequest(
+        cluster="clusters/kc", options={"namespace": NS, "default_image": "python:3.11-slim"},
+        credentials=cluster_pb2.ClusterCredentials(kubernetes=cluster_pb2.KubernetesCredentials(
+            kubeconfig=kubeconfig))), timeout=15)
+    try:
+        job = new_id("kc")
+        await launch(stub, job, spec("single_process"), cluster="clusters/kc")
+        pod = f"{job}-1-main-0"
+        await kubelet(url, pod, "Running")
+        e.write_log(pod, "hello")
+        asked = len(e.log_auth)
+        req = dpb.TailJobLogsRequest(cluster="clusters/kc", job=dpb.JobRef(job_id=job))
+        assert [x.text for r in [m async for m in stub.TailJobLogs(req, timeout=60)] for x in r.entries] == ["hello"]
+        assert e.log_auth[asked:] == [f"Bearer {token}"]
+    finally:
+        await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/kc"), timeout=10)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.ConfigureCluster(dpb.ConfigureClusterRequest(
+            cluster="clusters/bad-ca", address="https://127.0.0.1:1", options={"namespace": NS},
+            credentials=cluster_pb2.ClusterCredentials(kubernetes=cluster_pb2.KubernetesCredentials(
+                token="t", ca_cert="not a certificate"))), timeout=15)
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "credentials.kubernetes.ca_cert" in (err.value.details() or "")
+
+
+async def test_a_closed_pod_log_client_opens_nothing_again(emu: tuple[Emulator, str]) -> None:
+    """A tail still waiting (for its pod, or a slot) when its cluster is reconfigured or removed
+    must not open a new session on the dropped record: it would never be closed."""
+    from dlsched.errors import Unavailable
+    from drivers.common.base import ClusterConfig
+    from drivers.kubernetes.api import KubeApi
+    from tests.kube_emulator import NS
+
+    _, url = emu
+    api = KubeApi(ClusterConfig(name="clusters/closing", address=url), qps=100, burst=100, request_timeout=3)
+    await api.close()
+    with pytest.raises(Unavailable):
+        await api.logs.open(NS, "no-such-pod", {"follow": "false"}, read_timeout=3)
+    assert api.logs._session is None

@@ -112,6 +112,30 @@ async def test_a_410_gone_watch_relists(stub: Any, emu: tuple[Emulator, str]) ->
     await kubelet(url, f"{job}-1-main-0", "Running")
     await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])  # watching again after the re-list
 
+async def test_a_410_inside_a_watch_relists_without_marking_the_cluster_stale(
+        stub: Any, emu: tuple[Emulator, str], driver: ServiceProcess) -> None:
+    """kube-apiserver answers a watch from a compacted resourceVersion with 200 and one ERROR
+    event (code 410). That is a re-list, not a failure: the client's Watch raised KeyError on
+    it (deserialize=False), so every compaction marked the whole cluster stale and backed off."""
+    e, url = emu
+    job = new_id("gone-in-stream")
+    await launch(stub, job, spec("single_process"))
+
+    def relisted() -> bool:
+        return e.gone_at > 0 and any(p.startswith("GET /api/v1/namespaces/dl/pods?") and "watch" not in p
+                                     for p in e.paths[e.gone_at:])
+
+    gone = driver.log().count("resourceVersion gone (410)")
+    e.gone, e.gone_in_stream, e.gone_at = True, True, 0
+    e.drop_streams()  # (the broken watch is a failure; the next watch meets the 410)
+    await eventually(relisted)
+    await kubelet(url, f"{job}-1-main-0", "Running")
+    await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
+    # The re-list came from the 410 event, not from a failure of the watch (KeyError before).
+    assert driver.log().count("resourceVersion gone (410)") == gone + 1, driver.log()[-2000:]
+    assert "KeyError" not in driver.log()
+
+
 async def test_render_and_watch_observations(stub: Any, emu: tuple[Emulator, str]) -> None:
     e, url = emu
     job = new_id("watched")

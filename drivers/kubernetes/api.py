@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import os
+import ssl
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -131,19 +132,29 @@ class KubeApi:
         from kubernetes import client
 
         self.client, self._ca_file = _client(config)
+        try:  # the CA bundle and client certificate are read here, once
+            self.logs = PodLogClient(self.client.configuration, request_timeout)  # on the loop, no thread
+        except (ssl.SSLError, OSError, ValueError) as e:
+            self._release()
+            field = ("credentials.kubernetes.kubeconfig" if isinstance(config.credentials, KubernetesCredentials)
+                     and config.credentials.kubeconfig else "credentials.kubernetes.ca_cert")
+            raise InvalidArgument.for_field(
+                field, f"its CA bundle or client certificate cannot be loaded ({type(e).__name__})") from None
         self.core: Any = client.CoreV1Api(self.client)  # responses read as plain JSON, not its models
         self.budget = RequestBudget(qps, burst)
         self.timeout = request_timeout
-        self.logs = PodLogClient(self.client.configuration, request_timeout)  # on the loop, no thread
 
-    async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await self.logs.close()
+    def _release(self) -> None:
         with contextlib.suppress(Exception):
             self.client.close()
         if self._ca_file:
             with contextlib.suppress(OSError):
                 os.unlink(self._ca_file)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.logs.close()
+        self._release()
 
     async def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """One request in a worker thread; the response body as plain JSON (raises ``ApiException``)."""

@@ -23,8 +23,10 @@ per (re)connect), so a busy driver stays polite to the API server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -103,15 +105,12 @@ class PodInformer:
 
     def stop(self) -> None:
         self._stop.set()
-        w = self._watch
-        if w is not None:
-            w.stop()
-            resp = getattr(w, "_resp", None)
-            if resp is not None:
-                try:
-                    resp.close()
-                except Exception:  # noqa: BLE001 - best effort from another thread
-                    pass
+        resp = self._watch  # the open watch response: its socket shut down, its reader ends
+        # (closing the response here would wait for the lock its blocked reader holds)
+        sock = getattr(getattr(resp, "connection", None), "sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
 
     def _list(self) -> None:
         self._budget.acquire()
@@ -128,25 +127,44 @@ class PodInformer:
         self._on_sync(list(doc.get("items") or ()))
 
     def _watch_once(self) -> bool:
-        """Watch until the stream ends; False when the resourceVersion is gone (re-list)."""
-        from kubernetes import watch
+        """Watch until the stream ends; False when the resourceVersion is gone (re-list).
+
+        The stream's lines are read here, not through the client's ``Watch``: with
+        ``deserialize=False`` it raised ``KeyError('raw_object')`` on an ERROR event, so the
+        410 an API server sends inside a watch (a resourceVersion compacted away) was taken
+        for a failure of the cluster instead of a re-list."""
+        from kubernetes.watch.watch import iter_resp_lines
 
         self._budget.acquire()
         metrics.backend_call("kubernetes", "watch_namespaced_pod")
-        w = watch.Watch()  # type: ignore[no-untyped-call]
-        self._watch = w
         self.watches += 1
         kwargs: dict[str, Any] = {
-            "label_selector": self._selector, "allow_watch_bookmarks": True,
-            "timeout_seconds": self._watch_timeout, "deserialize": False,
+            "label_selector": self._selector, "allow_watch_bookmarks": True, "watch": True,
+            "timeout_seconds": self._watch_timeout, "_preload_content": False,
             "_request_timeout": (self._request_timeout, self._read_timeout),
         }
         if self.resource_version:
             kwargs["resource_version"] = self.resource_version
         try:
-            for ev in w.stream(self._core.list_namespaced_pod, self._ns, **kwargs):  # type: ignore[no-untyped-call]
+            resp = self._core.list_namespaced_pod(self._ns, **kwargs)
+        except Exception as e:
+            if getattr(e, "status", None) == 410:
+                return False
+            raise
+        self._watch = resp
+        try:
+            if self._stop.is_set():
+                return True
+            if resp.status == 410:
+                return False
+            if not 200 <= resp.status <= 299:
+                from kubernetes.client.exceptions import ApiException
+
+                raise ApiException(http_resp=resp)
+            for line in iter_resp_lines(resp):  # type: ignore[no-untyped-call]
                 if self._stop.is_set():
                     return True
+                ev = json.loads(line)
                 kind = ev.get("type")
                 obj = ev.get("object") or {}
                 if kind == "ERROR":
@@ -158,12 +176,12 @@ class PodInformer:
                     self.resource_version = rv
                 if kind in ("ADDED", "MODIFIED", "DELETED"):
                     self._on_event(kind, obj)
-        except Exception as e:
-            if getattr(e, "status", None) == 410:
-                return False
-            raise
         finally:
             self._watch = None
+            with contextlib.suppress(Exception):
+                resp.close()
+            with contextlib.suppress(Exception):
+                resp.release_conn()
         return True
 
     def _run(self) -> None:

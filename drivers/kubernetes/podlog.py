@@ -20,11 +20,14 @@ status: unreachable.
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 from typing import Any
 from urllib.parse import quote
 
 import aiohttp
+
+from dlsched.errors import Unavailable
 
 #: the most bytes of a refusal's body kept (the API's Status object is small)
 _ERROR_BODY_BYTES = 64 << 10
@@ -38,6 +41,18 @@ class HttpError(Exception):
         self.status = status
         self.reason = reason
         self.body = body
+
+
+def _keepalive_socket(addr: Any) -> socket.socket:
+    """A socket for aiohttp with TCP keepalive: probes after 30 s idle, every 10 s, 3 lost
+    ones end it."""
+    family, kind, proto = addr[0], addr[1], addr[2]
+    sock = socket.socket(family=family, type=kind, proto=proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for opt, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, opt):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+    return sock
 
 
 def _ssl_context(cfg: Any) -> ssl.SSLContext | bool:
@@ -65,19 +80,30 @@ class PodLogClient:
         self._ssl = _ssl_context(cfg)  # reads the CA and certificate files now, not per request
         self._timeout = request_timeout
         self._session: aiohttp.ClientSession | None = None
+        self._closed = False
 
     def _client(self) -> aiohttp.ClientSession:
+        if self._closed:  # the cluster was reconfigured or removed: nothing opens on this record
+            raise Unavailable("the cluster's configuration changed while the log was opened; retry")
         if self._session is None or self._session.closed:
             # No connection limit of its own: --max-log-readers bounds the streams open at once.
+            # TCP keepalive: a follow on a connection that died silently (a node or load balancer
+            # gone) ends within about a minute, not at the 24 h read timeout.
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(ssl=self._ssl, limit=0),
+                connector=aiohttp.TCPConnector(ssl=self._ssl, limit=0, socket_factory=_keepalive_socket),
                 auto_decompress=True, trust_env=False)
         return self._session
 
+    def _bearer(self) -> str | None:
+        """The header the client sends: a kubeconfig's token is under ``BearerToken``, a
+        bearer-token credential's under ``authorization`` (``auth_settings`` reads both)."""
+        auth = self._cfg.auth_settings().get("BearerToken")
+        return str(auth["value"]) if auth and auth.get("value") else None
+
     async def _authorization(self) -> str | None:
         if self._cfg.refresh_api_key_hook is not None:  # may run an exec plugin: not on the loop
-            return await asyncio.to_thread(self._cfg.get_api_key_with_prefix, "authorization")
-        return self._cfg.get_api_key_with_prefix("authorization")  # type: ignore[no-any-return]
+            return await asyncio.to_thread(self._bearer)
+        return self._bearer()
 
     async def open(self, namespace: str, pod: str, params: dict[str, str], *,
                    read_timeout: float) -> aiohttp.ClientResponse:
@@ -110,6 +136,7 @@ class PodLogClient:
         return resp
 
     async def close(self) -> None:
+        self._closed = True
         if self._session is not None:
             await self._session.close()
             self._session = None
