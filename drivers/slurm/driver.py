@@ -528,7 +528,7 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
         jobs = c.jobs  # the same dict after a reconfiguration (carried over)
         return slogs.tail(lambda: self.clusters.require(c.name).client, job.dir, query,
                           lambda: job.state.is_terminal() or jobs.get(job.job_id) is not job,
-                          self._log_interval(), max(0.01, self.config.log_stream_interval))
+                          self._log_interval(), max(0.01, self.config.log_stream_interval), job.roles)
 
     def _log_interval(self) -> float:
         return max(slogs.LOG_POLL_FLOOR, min(1.0, self.config.poll_interval))
@@ -538,7 +538,7 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
         if job is None:
             raise JobNotFound(ref.job_id)
         tail = slogs.tail(lambda: self.clusters.require(c.name).client, job.dir, query, lambda: True,
-                          self._log_interval(), max(0.01, self.config.log_stream_interval))
+                          self._log_interval(), max(0.01, self.config.log_stream_interval), job.roles)
         async with contextlib.aclosing(tail) as batches:
             async for batch in batches:
                 yield batch

@@ -13,6 +13,18 @@ Both remote scripts answer in frames, one per file with new bytes::
 ``YYYY-MM-DDTHH:MM:SS.nnnnnnnnn+ZZZZ``); a stream ends each round that sent
 anything with ``0 0 0 - .`` and its very end with ``0 0 0 - end``.
 
+The job can write anything into its attempt directory (and so can any job of
+the same Slurm user), so both scripts bound what they send: only the job's
+own log files (``<role>-<index>`` of its rendered steps, or, for a job
+adopted without them, of its exits file's ``labels`` line; each name checked
+in the shell before anything stats it), only regular files (no symlink, no
+FIFO), at most ``MAX_CHUNK`` of a file and ``ROUND_BUDGET`` (file bytes and
+``HEADER_BYTES`` a frame) of a round. A read that spends its budget ends with
+``0 0 0 - more`` and the cursor reads on at once; a first read still sends a
+frame of no bytes for each file it did not reach, so the file keeps its
+first-read start. Offsets move only by what was sent: nothing is lost or
+said twice. A stream's round past the budget fails the stream.
+
 - ``read_script``: one read of every file from the offsets already known
   (new files from 0, or, on a first read, from ``tail_lines`` lines before
   their end and/or the last index entry before ``since``), in one POSIX sh
@@ -62,7 +74,7 @@ import re
 import shlex
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -73,6 +85,7 @@ from dlsched.spec_rules import MAX_PROCESSES
 from drivers.common.base import LogEntry, LogQuery, LogStream
 from drivers.common.convert import pieces
 from drivers.common.registry import BackendUnavailable
+from drivers.slurm import shell
 from drivers.slurm.render import LOG_INDEX
 
 if TYPE_CHECKING:
@@ -100,17 +113,31 @@ FILTERED_INDEX = LOG_INDEX + ".filtered"
 ROUND_END = "."
 STREAM_END = "end"
 
-#: The shell function both scripts share: emit <name> <from> <size> <mtime>.
-_EMIT = (f"emit() {{ [ \"$3\" -gt \"$2\" ] || return 0; n=$(($3 - $2)); [ $n -le {MAX_CHUNK} ] || "
-         f"n={MAX_CHUNK}; printf '%s %s %s %s %s\\n' \"$n\" \"$2\" \"$3\" \"$4\" \"$1\"; "
+#: The most one round sends (a read's answer, a stream's round): file bytes plus ``HEADER_BYTES``
+#: for each frame. A round that runs out sends ``0 0 0 - more`` and the next reads on at once.
+ROUND_BUDGET = 8 << 20
+#: A frame header's share of the budget (a header is at most about 170 bytes: the name is checked).
+HEADER_BYTES = 256
+MORE = "more"
+#: The most of a listing a script reads: the exits file's ``labels`` line (a job adopted without
+#: its roles), the log index filtered on a first read (the rest of it follows in later reads).
+LISTING_BYTES = 1 << 20
+_MAX_NAME = 80  # the longest log file name: a 63-character role, a 7-digit index, ".stdout"
+
+#: The shell function both scripts share: emit <name> <from> <size> <mtime> sends what it may of
+#: the file (a regular file only, nothing past ``MAX_CHUNK`` or the round's budget ``left``); it
+#: sets ``n`` to the bytes sent (0: nothing, it fails) and ``more`` when bytes stay unsent.
+_EMIT = ("emit() { n=0; [ \"$3\" -gt \"$2\" ] || return 1; [ -f \"$1\" ] && [ ! -L \"$1\" ] || return 1; "
+         f"[ $left -gt {HEADER_BYTES} ] || {{ more=1; return 1; }}; "
+         f"n=$(($3 - $2)); [ $n -le {MAX_CHUNK} ] || n={MAX_CHUNK}; "
+         f"[ $n -le $((left - {HEADER_BYTES})) ] || n=$((left - {HEADER_BYTES})); "
+         f"left=$((left - {HEADER_BYTES} - n)); [ $(($2 + n)) -ge \"$3\" ] || more=1; "
+         "printf '%s %s %s %s %s\\n' \"$n\" \"$2\" \"$3\" \"$4\" \"$1\"; "
          "tail -c +$(($2 + 1)) -- \"$1\" | head -c \"$n\"; }; ")
 _ROLE_RE = re.compile(r"^[a-z][a-z0-9-]{0,62}\Z")
 
 
-def log_globs(query: LogQuery | None = None) -> str:
-    """The shell globs of the log files a query wants (plus the index), so a filtered tail
-    reads only those; a role that is not a plain name is not put in a glob (the driver
-    filters it). Globs may match more (role ``a`` matches ``a-b-0``), never less."""
+def _file_globs(query: LogQuery | None) -> list[str]:
     role, index = "*", "*"
     streams: tuple[str, ...] = ("stdout", "stderr")
     if query is not None:
@@ -120,21 +147,58 @@ def log_globs(query: LogQuery | None = None) -> str:
             index = str(int(query.replica_index))
         if query.streams:
             streams = tuple(sorted(st.name.lower() for st in query.streams))
-    return " ".join(f"{role}-{index}.{st}" for st in streams) + f" {LOG_INDEX}"
+    return [f"{role}-{index}.{st}" for st in streams]
 
 
-def _stat(query: LogQuery | None) -> str:
-    """One stat for every file of a round: <size> <date> <time> <zone> <name>."""
-    return f"stat -c '%s %y %n' -- {log_globs(query)} 2>/dev/null"
+def log_globs(query: LogQuery | None = None) -> str:
+    """The shell globs of the log files a query wants (plus the index), so a filtered tail
+    reads only those; a role that is not a plain name is not put in a glob (the driver
+    filters it). Globs may match more (role ``a`` matches ``a-b-0``), never less."""
+    return " ".join(_file_globs(query)) + f" {LOG_INDEX}"
+
+
+def _replica_filter(roles: Sequence[tuple[str, int]]) -> str:
+    """Shell that ``continue``s past a name ``$f`` that is no ``<role>-<index>.stdout|stderr``
+    of the job: one ``case`` arm per role, longest first (role ``a-b``'s files are never taken
+    for role ``a``'s), a decimal index below the role's replica count."""
+    q = shlex.quote
+    count: dict[str, int] = {}
+    for role, index in roles:
+        count[role] = max(count.get(role, 0), index + 1)
+    arms = "".join(f"{q(r)}-*) r={q(r)}; c={count[r]};; "
+                   for r in sorted(count, key=lambda r: (-len(r), r)))
+    return (f'case "$f" in {arms}*) continue;; esac; i=${{f#"$r"-}}; i=${{i%.stdout}}; i=${{i%.stderr}}; '
+            "case \"$i\" in ''|*[!0-9]*|0?*|????????*) continue;; esac; [ \"$i\" -lt \"$c\" ] || continue; ")
+
+
+def _listing(query: LogQuery | None, roles: Sequence[tuple[str, int]]) -> str:
+    """One stat line per file of a round, the index first: ``<mode> <size> <date> <time> <zone>
+    <name>``. Names are filtered before anything looks at them (``_replica_filter``; without
+    roles, a job adopted without its record, by the ``labels`` line of its exits file, in one
+    awk), so the files a job makes beside its logs cost the driver nothing, and no command
+    line grows with them (names go to stat through xargs; they hold no blank or quote)."""
+    too_long = "?" * (_MAX_NAME + 1) + "*"
+    names = (f"for f in {LOG_INDEX} {' '.join(_file_globs(query))}; do "
+             f"case \"$f\" in *[!a-z0-9.-]*|{too_long}) continue;; esac; "
+             + (f'if [ "$f" != {LOG_INDEX} ]; then {_replica_filter(roles)}fi; ' if roles else "")
+             + "printf '%s\\n' \"$f\"; done")
+    if not roles:
+        names = (f"{{ head -c {LISTING_BYTES} -- {shell.EXITS} 2>/dev/null | head -n 1; echo; {names}; }} | "
+                 "awk 'NR == 1 { if ($1 == \"labels\") for (i = 2; i <= NF; i++) ok[$i] = 1; next } "
+                 f"{{ l = $0; sub(/[.]std(out|err)$/, \"\", l) }} $0 == \"{LOG_INDEX}\" || (l in ok)'")
+    return f"{names} | xargs -r stat -c '%A %s %y %n' -- 2>/dev/null"
 
 
 def read_script(adir: str, offsets: Mapping[str, int], tail_lines: int = 0,
-                since_ns: int | None = None, query: LogQuery | None = None) -> str:
-    """One framed read of every log file of ``adir`` past ``offsets`` (POSIX sh).
-    With no offsets at all it is a first read: ``tail_lines`` and ``since_ns`` pick
-    where each file starts, and the index comes filtered."""
+                since_ns: int | None = None, query: LogQuery | None = None,
+                roles: Sequence[tuple[str, int]] = ()) -> str:
+    """One framed read of every log file of ``adir`` past ``offsets`` (POSIX sh), at most
+    ``ROUND_BUDGET``: past it, ``0 0 0 - more``. ``roles``: the job's (role, index) pairs,
+    the only log files read. With no offsets at all it is a first read: ``tail_lines`` and
+    ``since_ns`` pick where each file starts (a file the budget left unread still says where
+    it starts, in a frame of no bytes), and the index comes filtered."""
     q = shlex.quote
-    head = f"cd -- {q(adir)} 2>/dev/null || exit 0; export LC_ALL=C; {_EMIT}"
+    head = f"cd -- {q(adir)} 2>/dev/null || exit 0; export LC_ALL=C; left={ROUND_BUDGET}; more=0; {_EMIT}"
     if offsets:
         cases = "".join(f"{q(n)}) o={o};; " for n, o in sorted(offsets.items()))
         per_file = f'case "$f" in {cases}*) o=0;; esac; '
@@ -149,44 +213,51 @@ def read_script(adir: str, offsets: Mapping[str, int], tail_lines: int = 0,
                      f"{LOG_INDEX} 2>/dev/null); ")
             per_file += ("b=$(printf '%s\n' \"$since\" | awk -v f=\"$f\" '$1 == f { print $2 }'); "
                          '[ -z "$b" ] || [ "$b" -le "$o" ] || o=$b; ')
-        # then the index entries past each file's start, as one frame
-        tail = (f"[ -f {LOG_INDEX} ] || exit 0; isz=$(stat -c %s {LOG_INDEX}); "
-                f"x=$(DLSCHED_STARTS=\"$starts\" awk 'BEGIN {{ n = split(ENVIRON[\"DLSCHED_STARTS\"], a, \"\\n\"); "
-                f"for (i = 1; i <= n; i++) {{ split(a[i], kv, \" \"); st[kv[1]] = kv[2] }} }} "
-                f"($3 in st) && $2 > st[$3]' {LOG_INDEX}; echo .); x=${{x%.}}; "
+        # then the index entries past each file's start, as one frame of at most LISTING_BYTES
+        # whose start is where the index was read to (the rest comes in later reads), then its
+        # size: awk ends with that place, the digits after the last entry
+        tail = (f"[ -f {LOG_INDEX} ] && [ ! -L {LOG_INDEX} ] || exit 0; isz=$(stat -c %s {LOG_INDEX}); "
+                f"x=$(DLSCHED_STARTS=\"$starts\" awk -v cap={LISTING_BYTES} "
+                "'BEGIN { n = split(ENVIRON[\"DLSCHED_STARTS\"], a, \"\\n\"); "
+                "for (i = 1; i <= n; i++) { split(a[i], kv, \" \"); st[kv[1]] = kv[2] } } "
+                "{ if (($3 in st) && $2 > st[$3]) { if (out + length($0) + 1 > cap) exit; print; "
+                "out += length($0) + 1 } pos += length($0) + 1 } END { print pos + 0 }' "
+                f"{LOG_INDEX}; echo .); x=${{x%.}}; x=${{x%?}}; p=${{x##*[!0-9]}}; x=${{x%\"$p\"}}; "
+                '[ "$p" -le "$isz" ] || p=$isz; '
                 f"printf '%s %s %s - {FILTERED_INDEX}\\n%s' $(($(printf '%s' \"$x\" | wc -c))) "
-                f'"$isz" "$isz" "$x"; ')
-    return (f"{head}starts=''; {_stat(query)} | {{ while read -r s d t z f; do "
-            "case \"$f\" in *[!a-z0-9.-]*|'') continue;; esac; "
+                f'"$p" "$isz" "$x"; ')
+    return (f"{head}starts=''; {_listing(query, roles)} | {{ while read -r a s d t z f; do "
+            'case "$a" in -*) ;; *) continue;; esac; [ -f "$f" ] && [ ! -L "$f" ] || continue; '
             f"{per_file}"
             '[ "$s" -ge "$o" ] || o=0; starts="$starts$f $o\n"; '
-            + ("" if offsets else  # a file read from its very end still says where it stands
-               '[ "$s" -gt "$o" ] || printf \'0 %s %s %s %s\\n\' "$o" "$s" "${d}T$t$z" "$f"; ')
-            + 'emit "$f" "$o" "$s" "${d}T$t$z"; '
-            f"done; {tail}}}")
+            'emit "$f" "$o" "$s" "${d}T$t$z"'
+            + (" || :; " if offsets else  # a file not read (at its end, or past the budget) says where it stands
+               ' || printf \'0 %s %s %s %s\\n\' "$o" "$s" "${d}T$t$z" "$f"; ')
+            + f"done; [ $more = 0 ] || printf '0 0 0 - {MORE}\\n'; {tail}}}")
 
 
 def stream_script(adir: str, offsets: Mapping[str, int], interval: float,
-                  query: LogQuery | None = None) -> str:
-    """The long-lived follower (bash): frames every round that found new bytes."""
+                  query: LogQuery | None = None, roles: Sequence[tuple[str, int]] = ()) -> str:
+    """The long-lived follower (bash): frames every round that found new bytes, at most
+    ``ROUND_BUDGET`` a round (a round that runs out is followed at once by the next)."""
     init = " ".join(f"[{shlex.quote(n)}]={o}" for n, o in sorted(offsets.items()))
     body = (
         "set -u; export LC_ALL=C; "
-        f"declare -A off=({init}); capped=0; sent=0; "
+        f"declare -A off=({init}); more=0; sent=0; left=0; n=0; "
         f"{_EMIT}"
-        "round() { local s d t z f o; capped=0; sent=0; "
-        f"while read -r s d t z f; do case \"$f\" in *[!a-z0-9.-]*|'') continue;; esac; "
-        "o=${off[$f]:-0}; [ \"$s\" -ge \"$o\" ] || o=0; [ \"$s\" -gt \"$o\" ] || continue; "
-        "emit \"$f\" \"$o\" \"$s\" \"${d}T$t$z\"; off[$f]=$((o + n)); sent=1; "
-        f"[ $((o + n)) -ge \"$s\" ] || capped=1; done < <({_stat(query)}); "
+        f"round() {{ local a s d t z f o; more=0; sent=0; left={ROUND_BUDGET}; "
+        "while read -r a s d t z f; do case \"$a\" in -*) ;; *) continue;; esac; "
+        "o=${off[$f]:-0}; [ \"$s\" -ge \"$o\" ] || o=0; "
+        "emit \"$f\" \"$o\" \"$s\" \"${d}T$t$z\" || continue; off[$f]=$((o + n)); sent=1; "
+        f"done < <({_listing(query, roles)}); "
         f"[ $sent = 0 ] || printf '0 0 0 - {ROUND_END}\\n'; }}; "
         # wait for the attempt directory (a pending job has none), listening to the driver
         f"until cd -- {shlex.quote(adir)} 2>/dev/null; do "
         "read -t 1 -r cmd; [ $? -gt 128 ] || { "
         f"printf '0 0 0 - {STREAM_END}\\n'; exit 0; }}; done; "
-        "while :; do round; w=" + f"{interval:g}" + "; [ $capped = 0 ] || w=0.01; "
+        "while :; do round; w=" + f"{interval:g}" + "; [ $more = 0 ] || w=0.01; "
         "read -t \"$w\" -r cmd; [ $? -gt 128 ] && continue; "
-        "round; while [ $capped = 1 ]; do round; done; "
+        "round; while [ $more = 1 ]; do round; done; "
         f"printf '0 0 0 - {STREAM_END}\\n'; exit 0; done"
     )
     return f"exec bash -c {shlex.quote(body)} dlsched-log-stream"
@@ -257,11 +328,14 @@ class LogCursor:
     """Where a tail stands in each file: offsets for the next read, unfinished lines,
     and the index entries that date the lines still to come."""
 
-    def __init__(self, query: LogQuery) -> None:
+    def __init__(self, query: LogQuery, roles: Sequence[tuple[str, int]] = ()) -> None:
         self.query = query
+        self.roles = tuple(roles)  #: the job's (role, index) pairs; none known: any the files name
+        self._replicas = frozenset(self.roles)
         self.files: dict[str, _File] = {}
         self.index_partial = b""
         self.first = True
+        self.budget_spent = False  # the last read ran out of its budget: files it did not reach
 
     def offsets(self) -> dict[str, int]:
         out = {n: f.offset for n, f in self.files.items()}
@@ -270,31 +344,49 @@ class LogCursor:
         return out
 
     def more(self) -> bool:
-        """A file has bytes past the last read (its chunk was capped)."""
-        return any(f.more for f in self.files.values())
+        """A file has bytes past the last read (its chunk was capped, or the read's budget spent)."""
+        return self.budget_spent or any(f.more for f in self.files.values())
 
     def read_script(self, adir: str) -> str:
         return read_script(adir, self.offsets() if not self.first else {},
                            self.query.tail_lines if self.first else 0,
-                           self.query.since_ns if self.first else None, self.query)
+                           self.query.since_ns if self.first else None, self.query, self.roles)
+
+    def stream_script(self, adir: str, interval: float) -> str:
+        return stream_script(adir, self.offsets(), interval, self.query, self.roles)
+
+    def _log_file(self, name: str) -> re.Match[str] | None:
+        """``name``'s match if it is a log file of one of the job's replicas."""
+        m = FILE_RE.match(name)
+        if m is None or (self._replicas and (m.group(1), int(m.group(2))) not in self._replicas):
+            return None
+        return m
 
     def feed(self, frames: Iterable[Frame], ended: bool = False) -> list[LogEntry]:
         """One round of frames -> the log entries the query wants, oldest first per file.
         ``ended``: the job has ended, so a drained file's unfinished line is a line."""
         frames = list(frames)
+        self.budget_spent = any(fr.name == MORE for fr in frames)
+        if not self.budget_spent:  # a file without a frame had nothing to send (or is no regular
+            # file now: one swapped for a symlink while capped is not read on for ever)
+            sent = {LOG_INDEX if fr.name == FILTERED_INDEX else fr.name for fr in frames}
+            for name, f in self.files.items():
+                f.more = f.more and name in sent
         for fr in frames:  # the index first: it dates this round's lines
-            if fr.name == FILTERED_INDEX:
+            if fr.name == FILTERED_INDEX:  # read up to its start (the rest follows)
                 self._index(fr.data, replace=True)
-                self.files.setdefault(LOG_INDEX, _File()).offset = fr.size
+                f = self.files.setdefault(LOG_INDEX, _File())
+                f.offset, f.more = fr.start, fr.start < fr.size
             elif fr.name == LOG_INDEX:
                 f = self.files.setdefault(LOG_INDEX, _File())
                 if fr.start != f.offset:
                     self.index_partial = b""
                 f.offset = fr.start + len(fr.data)
+                f.more = f.offset < fr.size
                 self._index(fr.data)
         out: list[LogEntry] = []
         for fr in frames:
-            m = FILE_RE.match(fr.name)
+            m = self._log_file(fr.name)
             if m is None:
                 continue
             f = self.files.setdefault(fr.name, _File())
@@ -320,7 +412,7 @@ class LogCursor:
             out.extend(self._entries(role, index, stream, lines))
         if ended:
             for name, f in sorted(self.files.items()):
-                m = FILE_RE.match(name)
+                m = self._log_file(name)
                 if m is None or f.more or not f.partial:
                     continue
                 end = f.offset
@@ -349,7 +441,7 @@ class LogCursor:
         self.index_partial = raw.pop()[-_MAX_INDEX_LINE:]  # an index line is short: a longer one is no line
         for line in raw:
             parts = line.decode("ascii", "replace").split(" ")
-            if len(parts) != 3 or not decimal(parts[1]) or FILE_RE.match(parts[2]) is None:
+            if len(parts) != 3 or not decimal(parts[1]) or self._log_file(parts[2]) is None:
                 continue
             ns = _index_time_ns(parts[0])
             if ns is None:
@@ -377,15 +469,16 @@ class LogCursor:
 
 
 async def tail(client: Callable[[], SlurmClient], adir: str, query: LogQuery, ended: Callable[[], bool],
-               poll_interval: float, stream_interval: float = STREAM_INTERVAL
-               ) -> AsyncGenerator[list[LogEntry], None]:
+               poll_interval: float, stream_interval: float = STREAM_INTERVAL,
+               roles: Sequence[tuple[str, int]] = ()) -> AsyncGenerator[list[LogEntry], None]:
     """A tail of the attempt directory ``adir``: one framed read of every file on the
     control connection, then (``query.follow``) a stream on one channel of the log
     connection (``_stream``) while one is free, else polls every ``poll_interval``
     (and a stream slot taken when one frees). ``client()`` is looked up again each
     round (a reconfigured cluster has new connections); ``ended()`` says the job has
-    ended (or was forgotten): then every file is drained and the tail ends."""
-    cursor = LogCursor(query)
+    ended (or was forgotten): then every file is drained and the tail ends. ``roles``: the
+    job's (role, index) pairs, whose files alone are read (none: the exits file's labels)."""
+    cursor = LogCursor(query, roles)
     while True:
         c = client()
         done = ended()
@@ -394,7 +487,7 @@ async def tail(client: Callable[[], SlurmClient], adir: str, query: LogQuery, en
         if batch:
             yield batch
         if cursor.more():
-            continue  # a capped chunk: read on at once
+            continue  # a capped chunk or a spent budget: read on at once
         if done or not query.follow:
             return
         if c.log_ssh.channel_free():
@@ -415,29 +508,30 @@ async def _stream(c: SlurmClient, adir: str, cursor: LogCursor, ended: Callable[
     until the job has ended and every file is drained. Rounds are applied whole, so when the
     channel fails the cursor stands at the end of the last whole round and nothing is lost or
     said twice."""
-    proc = await c.log_ssh.start(stream_script(adir, cursor.offsets(), interval, cursor.query),
-                                 call="tail", wait=False)
+    proc = await c.log_ssh.start(cursor.stream_script(adir, interval), call="tail", wait=False)
     rounds: asyncio.Queue[list[Frame] | None | DlschedError] = asyncio.Queue()
 
     async def read() -> None:
         frames: list[Frame] = []
+        size = 0  # of this round so far: never more than its budget (the script keeps to it)
         try:
             while True:
                 line = await proc.readline()
                 h = parse_header(line) if line else None
                 if h is None:
                     raise BackendUnavailable("the log stream ended without its end frame")
-                n, start, size, mtime, name = h
+                n, start, fsize, mtime, name = h
                 if name == STREAM_END:
                     await rounds.put(None)
                     return
                 if name == ROUND_END:
                     await rounds.put(frames)
-                    frames = []
+                    frames, size = [], 0
                     continue
-                if n > MAX_CHUNK:  # the stream is out of step (a file name with a newline in it)
-                    raise BackendUnavailable(f"the log stream sent a frame of {n} bytes")
-                frames.append(Frame(name, start, size, mtime, await proc.readexactly(n) if n else b""))
+                size += len(line) + n
+                if n > MAX_CHUNK or size > ROUND_BUDGET + HEADER_BYTES:  # out of step, or not our script
+                    raise BackendUnavailable(f"the log stream sent a round of over {size} bytes")
+                frames.append(Frame(name, start, fsize, mtime, await proc.readexactly(n) if n else b""))
         except DlschedError as e:
             await rounds.put(e)
         except Exception as e:  # noqa: BLE001 - a stream out of step ends this channel, not the follower
