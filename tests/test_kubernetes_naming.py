@@ -67,3 +67,30 @@ def test_only_the_kinds_an_attempt_owns_are_read_from_the_objects_annotation() -
     ann[naming.ANN_OBJECTS] += ",Deployment/evil,Secret/,ConfigMap"
     meta = naming.decode(pod)
     assert meta is not None and meta.others == (("ConfigMap", "m-1-mpi"), ("Secret", "m-1-ssh"))
+
+
+def test_two_jobs_never_name_the_same_pod_and_older_pods_keep_their_names() -> None:
+    """Job ids and roles both take '-': job "x" role "w-1-ps" and job "x-1-w" role "ps" named
+    the same pod, so one user's launch took another's pod for an earlier try of its own, and its
+    clean-up deleted it. A role with a '-' now adds a hash of the four parts; a pod made before
+    (no names annotation) keeps its name, so a restarted driver still finds it."""
+    import dataclasses
+
+    from tests.test_kubernetes_render import g
+
+    def rendered(job: str, role: str) -> render.Rendered:
+        return render.render_job(job, dataclasses.replace(SPECS["single_process"], replica_groups=(g(role),)), 1, OPTS)
+
+    a, b = rendered("x", "w-1-ps"), rendered("x-1-w", "ps")
+    assert {p.name for p in a.pods}.isdisjoint(p.name for p in b.pods)
+    assert [p.name for p in b.pods] == ["x-1-w-1-ps-0"]  # a role without '-': the name as before
+    (pod,) = pods(a)
+    meta = naming.decode(pod)
+    assert meta is not None and meta.pods() == [(p.role, p.index, p.name) for p in a.pods]
+    del pod["metadata"]["annotations"][naming.ANN_NAMES]  # a pod of a driver from before
+    old = naming.decode(pod)
+    assert old is not None and old.pods() == [("w-1-ps", 0, "x-1-w-1-ps-0")]
+    for name in (p.name for p in a.pods):
+        assert naming.is_dns_label(name)
+    long = naming.pod_name("a" * 63, 12, "b" * 60 + "-c", 999)
+    assert naming.is_dns_label(long) and long != naming.pod_name("a" * 63, 12, "b" * 60 + "-d", 999)

@@ -55,6 +55,7 @@ ANN_DECISIVE = "dlsched.io/decisive-roles"
 ANN_STOPPED_AFTER = "dlsched.io/stopped-after-success"
 ANN_REPLICAS = "dlsched.io/replicas"
 ANN_LABELS = "dlsched.io/labels"  # the job's labels verbatim (JSON), when it has any
+ANN_NAMES = "dlsched.io/names"  # the pod naming scheme (``pod_name``), when not 1
 ANN_OBJECTS = "dlsched.io/objects"  # "<Kind>/<name>,..." the attempt's objects besides Service and Pods
 #: A forgotten attempt (ForgetJobs): its Service carries the record (``ANN_FINAL``, JSON: the final
 #: observation, replicas, other objects, usage) and every object the label ``LABEL_RECORDED``.
@@ -120,8 +121,20 @@ def hostname(role: str, index: int) -> str:
     return dns_label(f"{role}-{index}")
 
 
-def pod_name(job_id: str, attempt: int, role: str, index: int) -> str:
-    return dns_label(f"{job_id}-{attempt}-{role}-{index}")
+#: Pod naming schemes (annotation ``ANN_NAMES``): 1, ``<job>-<attempt>-<role>-<index>``; 2, the
+#: same, with a hash of the four parts when the role has a '-'. Job ids have '-' too, so under 1
+#: job "x" role "w-1-ps" and job "x-1-w" role "ps" named the same pod: one user's job could make
+#: another's pod look like its own (and delete it). Without a '-' in the role the name reads back
+#: to one (job, attempt, role, index), so both schemes name it alike.
+NAMES = 2
+
+
+def pod_name(job_id: str, attempt: int, role: str, index: int, scheme: int = NAMES) -> str:
+    text = f"{job_id}-{attempt}-{role}-{index}"
+    if scheme < 2 or "-" not in role:
+        return dns_label(text)
+    digest = hashlib.sha256(f"{job_id}\0{attempt}\0{role}\0{index}".encode()).hexdigest()[:12]
+    return f"{dns_label(text, MAX_LABEL - 13)}-{digest}"
 
 
 def secret_name(job_id: str, attempt: int) -> str:
@@ -226,10 +239,11 @@ class JobMeta:
     #: (kind, name) of the attempt's objects besides the Service and the Pods
     others: tuple[tuple[str, str], ...] = ()
     uid: str = ""  #: the job's uid (label ``LABEL_UID``; "" for none)
+    names: int = NAMES  #: the pod naming scheme its pods were made with (``pod_name``)
 
     def pods(self) -> list[tuple[str, int, str]]:
         """(role, index, pod name) of every replica."""
-        return [(role, i, pod_name(self.job_id, self.attempt, role, i))
+        return [(role, i, pod_name(self.job_id, self.attempt, role, i, self.names))
                 for role, n in self.replicas for i in range(n)]
 
 
@@ -243,6 +257,8 @@ def encode(meta: JobMeta) -> dict[str, str]:
     }
     if meta.others:
         out[ANN_OBJECTS] = ",".join(f"{kind}/{name}" for kind, name in meta.others)
+    if meta.names != 1 and any("-" in role for role, _ in meta.replicas):  # else both schemes agree
+        out[ANN_NAMES] = str(meta.names)
     return out
 
 
@@ -273,4 +289,6 @@ def decode(pod: Mapping[str, Any]) -> JobMeta | None:
     others = tuple((kind, name) for kind, _, name in (part.partition("/") for part in
                                                       ann.get(ANN_OBJECTS, "").split(",") if part)
                    if kind in OTHER_KINDS and name)
-    return JobMeta(job_id, attempt, replicas, rule, others, str((meta.get("labels") or {}).get(LABEL_UID, "")))
+    names = NAMES if ann.get(ANN_NAMES) == str(NAMES) else 1  # pods made before the annotation: 1
+    return JobMeta(job_id, attempt, replicas, rule, others, str((meta.get("labels") or {}).get(LABEL_UID, "")),
+                   names)
