@@ -68,3 +68,30 @@ def test_threads_share_one_budget() -> None:
         th.join(10)
     assert not any(th.is_alive() for th in threads)
     assert t.now - 1000.0 >= (8 * 5 - 2) / 4 - 1e-6  # 40 tokens: 2 saved, 38 earned at 4 a second
+
+
+async def test_a_cluster_waiting_for_its_budget_holds_no_thread_another_cluster_needs() -> None:
+    """A cluster held to its QPS waits for tokens on the event loop: its calls used to sleep in
+    the default thread pool (a handful of threads on a small machine) that every cluster's calls
+    share, so one throttled cluster stalled the others' calls."""
+    import asyncio
+
+    pytest.importorskip("kmock")
+    from drivers.common.base import ClusterConfig
+    from drivers.kubernetes.api import KubeApi
+    from tests.kube_emulator import NS, emulator
+
+    async with emulator() as (_, url):
+        slow = KubeApi(ClusterConfig(name="clusters/slow", address=url), qps=0.2, burst=1, request_timeout=5)
+        fast = KubeApi(ClusterConfig(name="clusters/fast", address=url), qps=100, burst=100, request_timeout=5)
+        backlog = [asyncio.ensure_future(slow.call(slow.core.list_namespaced_pod, NS)) for _ in range(60)]
+        try:
+            await asyncio.sleep(0.5)  # the slow cluster's calls are all waiting for tokens now
+            await asyncio.wait_for(fast.call(fast.core.list_namespaced_pod, NS), 60)
+            assert sum(not t.done() for t in backlog) >= 50  # (they take 5 s each)
+        finally:
+            for t in backlog:
+                t.cancel()
+            await asyncio.gather(*backlog, return_exceptions=True)
+            await slow.close()
+            await fast.close()

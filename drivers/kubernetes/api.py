@@ -3,8 +3,8 @@
 ``KubeApi`` holds a cluster's ``ApiClient`` (a bearer token with an
 optional CA bundle, or a kubeconfig's current context; credentials stay in
 memory, never logged), its ``CoreV1Api`` and its ``RequestBudget``
-(``--qps`` / ``--burst``). ``call`` runs one request in a worker thread
-(``asyncio.to_thread``) after taking a token, and returns the response body
+(``--qps`` / ``--burst``). ``call`` takes a token on the event loop, then runs one request in a
+worker thread (``asyncio.to_thread``), and returns the response body
 as plain JSON: never through the client's model classes, so a response
 they cannot deserialize (a pod status missing a field they require) does
 not turn a delete that worked into an error.
@@ -160,7 +160,6 @@ class KubeApi:
         """One request in a worker thread; the response body as plain JSON (raises ``ApiException``)."""
 
         def run() -> Any:
-            self.budget.acquire()
             kwargs.setdefault("_request_timeout", self.timeout)
             ok = False
             try:
@@ -175,6 +174,9 @@ class KubeApi:
             finally:
                 metrics.backend_call("kubernetes", getattr(fn, "__name__", "call"), ok)
 
+        # The token is waited for on the loop: a cluster held to its QPS must not hold the
+        # default thread pool's threads, which every cluster's calls share.
+        await self.budget.acquire_async()
         return await asyncio.to_thread(run)
 
     async def create(self, fn: Callable[..., Any], namespace: str, body: Any, what: str) -> Any | None:
