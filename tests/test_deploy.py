@@ -1080,8 +1080,11 @@ def _driver_api_calls() -> set[tuple[str, str, str]]:
             continue  # below, with its group
         assert kind in resources, f"the driver calls {verb}_namespaced_{kind}: map it here"
         calls.add(("namespace", resources[kind], verbs[verb]))
-    if re.search(r"\.stream\(\s*self\._core\.list_namespaced_pod", src):
-        calls.add(("namespace", "pods", "watch"))
+    if re.search(r"\.stream\(\s*self\._core\.list_namespaced_pod", src) or re.search(
+            r'"watch": True,[^}]*\}\s*\n(?:.*\n){0,8}?\s*resp = self\._core\.list_namespaced_pod\(', src):
+        calls.add(("namespace", "pods", "watch"))  # the informer's watch (list with watch=true)
+    if re.search(r'/pods/\{[^}]*\}/log"', src):
+        calls.add(("namespace", "pods/log", "get"))  # podlog.py: the log request, not through the client
     if "metrics.k8s.io" in src:
         calls.add(("namespace", "metrics.k8s.io/pods", "list"))
     for verb, kind in re.findall(r"\b(list|read)_(node|pod)(?:_for_all_namespaces)?\b", src):
