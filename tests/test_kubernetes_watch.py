@@ -190,3 +190,36 @@ async def test_an_api_server_answering_5xx_never_fails_jobs(driver: ServiceProce
         await kubelet(url, pod, "Succeeded", **exited(0, "Completed"))
         await wait_for(stub, job, [job_pb2.JOB_STATE_SUCCEEDED], cluster=cluster)
         await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=cluster), timeout=10)
+
+
+async def test_an_api_server_that_accepts_and_never_answers_is_stale() -> None:
+    """A list or watch request that times out is the cluster failing: the informer used to take
+    every timeout (a connect or a list timeout too) for an idle watch, so an API server that
+    accepts connections and never answers was never reported, and was retried without backoff."""
+    import threading
+
+    from drivers.common.base import ClusterConfig
+    from drivers.kubernetes.api import KubeApi
+    from drivers.kubernetes.informer import PodInformer, RequestBudget
+
+    held: list[asyncio.StreamWriter] = []
+
+    async def silent(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        held.append(w)  # accepted, never answered
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    api = KubeApi(ClusterConfig(name="clusters/silent", address=f"http://127.0.0.1:{port}"),
+                  qps=100, burst=100, request_timeout=1)
+    stale = threading.Event()
+    inf = PodInformer(api.core, NS, "dlsched.io/job-id", RequestBudget(100, 100), on_sync=lambda _: None,
+                      on_event=lambda *_: None, on_stale=lambda _: stale.set(), request_timeout=1, read_timeout=1)
+    try:
+        inf.start()
+        assert await asyncio.to_thread(stale.wait, 60), "a silent API server was never reported"
+    finally:
+        inf.stop()
+        for w in held:
+            w.close()
+        server.close()
+        await api.close()

@@ -95,6 +95,7 @@ class PodInformer:
         self._max_backoff = max_backoff
         self._stop = threading.Event()
         self._watch: Any = None
+        self._streaming = False  # the open watch was answered (its read timeout means idle)
         self._thread = threading.Thread(target=self._run, name=f"informer-{namespace}", daemon=True)
         self.resource_version = ""
         self.lists = 0
@@ -161,6 +162,7 @@ class PodInformer:
                 from kubernetes.client.exceptions import ApiException
 
                 raise ApiException(http_resp=resp)
+            self._streaming = True  # answered: a read timeout from here on is an idle watch
             for line in iter_resp_lines(resp):  # type: ignore[no-untyped-call]
                 if self._stop.is_set():
                     return True
@@ -188,6 +190,7 @@ class PodInformer:
         backoff = 0.2
         need_list = True
         while not self._stop.is_set():
+            self._streaming = False
             try:
                 if need_list:
                     self._list()
@@ -199,8 +202,10 @@ class PodInformer:
             except Exception as e:  # noqa: BLE001 - the informer never dies
                 if self._stop.is_set():
                     return
-                if _is_read_timeout(e):
-                    continue  # an idle watch: resume from the last resourceVersion
+                if self._streaming and _is_read_timeout(e):
+                    continue  # an idle watch (answered, then silent): resume from the last resourceVersion
+                # A list or a watch request that timed out (an API server that accepts and never
+                # answers) is the cluster failing, not an idle watch: stale, and backing off.
                 msg = _describe(e)
                 log.warning("list/watch of pods in %s failed: %s", self._ns, msg)
                 self._on_stale(msg)
