@@ -17,6 +17,7 @@ from dlsched.v1 import driver_service_pb2 as dpb  # noqa: E402
 from dlsched.v1 import job_pb2  # noqa: E402
 from tests.kube_emulator import (  # noqa: E402, F401 - the fixtures driver, emu, stub, by their names
     Emulator,
+    configure,
     driver_fixture,
     emu_fixture,
     eventually,
@@ -301,3 +302,28 @@ async def test_a_closed_pod_log_client_opens_nothing_again(emu: tuple[Emulator, 
     with pytest.raises(Unavailable):
         await api.logs.open(NS, "no-such-pod", {"follow": "false"}, read_timeout=3)
     assert api.logs._session is None
+
+
+async def test_an_adopted_job_of_several_processes_per_pod_reads_each_containers_log(
+        stub: Any, emu: tuple[Emulator, str]) -> None:
+    """A driver that finds a job on the watch (after a restart; here a second configuration of
+    the same API server) learns each pod's containers from the pod: it asked the log API without
+    a container, which a pod of several answers 400, so such a job showed no log at all."""
+    e, url = emu
+    await configure(stub, "clusters/adopter", url)
+    try:
+        job = new_id("procs")
+        await launch(stub, job, spec("multi_process"))  # 2 workers x 2 processes, a container each
+        for i in range(2):
+            pod = f"{job}-1-worker-{i}"
+            await kubelet(url, pod, "Running")
+            for k in range(2):
+                e.write_log(pod, f"worker {i} process {k}", container=f"proc-{k}")
+        await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING], cluster="clusters/adopter")
+        req = dpb.TailJobLogsRequest(cluster="clusters/adopter", job=dpb.JobRef(job_id=job))
+        got = sorted((x.replica_index, x.text) for r in [m async for m in stub.TailJobLogs(req, timeout=60)]
+                     for x in r.entries)
+        assert got == [(0, "worker 0 process 0"), (1, "worker 0 process 1"),
+                       (2, "worker 1 process 0"), (3, "worker 1 process 1")], got
+    finally:
+        await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/adopter"), timeout=10)

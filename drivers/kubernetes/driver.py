@@ -204,8 +204,11 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
                 self._adopt(c, pod)
                 by_job.setdefault(labels[naming.LABEL_JOB], {})[pod["metadata"].get("name", "")] = pod
         for key, job in list(c.jobs.items()):
-            fresh = {n: states.replica_of(p) for n, p in by_job.get(key, {}).items()
-                     if job.by_pod(n) is not None and naming.attempt_of(p) == job.attempt and ours(job, p)}
+            fresh = {}
+            for n, p in by_job.get(key, {}).items():
+                if (r := job.by_pod(n)) is not None and naming.attempt_of(p) == job.attempt and ours(job, p):
+                    job.learn_containers(r, p)
+                    fresh[n] = states.replica_of(p)
             job.pods = fresh
             job.seen.update(fresh)
             self._update(c, job)
@@ -221,9 +224,10 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
         if kind != "DELETED":
             self._adopt(c, pod)
         job = c.jobs.get(labels[naming.LABEL_JOB])
-        if job is None or naming.attempt_of(pod) != job.attempt or job.by_pod(meta.get("name", "")) is None \
+        if job is None or naming.attempt_of(pod) != job.attempt or (r := job.by_pod(meta.get("name", ""))) is None \
                 or not ours(job, pod):
             return
+        job.learn_containers(r, pod)
         if kind == "DELETED":
             job.pods.pop(meta["name"], None)
         else:
@@ -525,7 +529,8 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
                 raise api_error(e, f"listing the pods of job {ref.job_id}") from None
             for pod in doc.get("items") or ():
                 podname = (pod.get("metadata") or {}).get("name", "")
-                if naming.attempt_of(pod) == best.attempt and best.by_pod(podname) is not None:
+                if naming.attempt_of(pod) == best.attempt and (r := best.by_pod(podname)) is not None:
+                    best.learn_containers(r, pod)
                     best.pods[podname] = states.replica_of(pod)
             best.seen = set(best.pods)
         return best

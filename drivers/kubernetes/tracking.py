@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from drivers.common.base import (
     ClusterConfig,
@@ -105,6 +105,15 @@ class TrackedJob:
             if r.pod == name:
                 return r
         return None
+
+    def learn_containers(self, r: Replica, pod: Mapping[str, Any]) -> None:
+        """An adopted replica's container names, from its pod (a launched one knows them): the
+        log API answers a pod of several processes only per container, so after a restart the
+        driver read no log of such a job, and numbered its processes as one."""
+        if not r.containers:
+            names = tuple(str(c.get("name", "")) for c in ((pod.get("spec") or {}).get("containers") or ()))
+            if len(names) > 1:
+                r.containers = names
 
     def notify(self) -> None:
         """Wake whoever waits for a change of this job (log followers)."""
