@@ -224,3 +224,35 @@ async def test_the_request_budget_paces_api_requests() -> None:
             await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/paced"), timeout=10)
     finally:
         svc.stop()
+
+
+def test_a_kubeconfig_may_not_read_the_drivers_files_or_run_its_commands_unless_allowed(tmp_path: Any) -> None:
+    """A kubeconfig is credentials an admin sends, not a say over the driver's host: an exec or
+    auth-provider plugin (a command run there) is refused unless the driver allows them
+    (--allow-kubeconfig-exec, for EKS or GKE), and fields naming the host's files always are."""
+    from dlsched.errors import InvalidArgument
+    from drivers.common.base import ClusterConfig, KubernetesCredentials
+    from drivers.kubernetes.api import KubeApi
+
+    def kubeconfig(user: str, cluster: str = 'server: "https://127.0.0.1:6443"') -> str:
+        return ("apiVersion: v1\nkind: Config\n"
+                f"clusters:\n- name: c\n  cluster: {{{cluster}}}\n"
+                f"users:\n- name: u\n  user: {{{user}}}\n"
+                "contexts:\n- name: x\n  context: {cluster: c, user: u}\ncurrent-context: x\n")
+
+    def api(text: str, allow_exec: bool = False) -> KubeApi:
+        return KubeApi(ClusterConfig(name="clusters/kc", credentials=KubernetesCredentials(kubeconfig=text)),
+                       qps=1, burst=1, request_timeout=1, allow_exec=allow_exec)
+
+    ran = tmp_path / "ran"
+    exec_user = f'exec: {{apiVersion: client.authentication.k8s.io/v1, command: /bin/touch, args: [{ran}]}}'
+    for text in (kubeconfig(exec_user), kubeconfig('auth-provider: {name: oidc, config: {}}'),
+                 kubeconfig('tokenFile: /etc/shadow'), kubeconfig('client-certificate: /etc/ssl/x.pem'),
+                 kubeconfig('token: t', 'server: "https://127.0.0.1:6443", certificate-authority: /etc/hosts')):
+        with pytest.raises(InvalidArgument) as e:
+            api(text)
+        assert [v.field for v in e.value.violations] == ["credentials.kubernetes.kubeconfig"], text
+    assert not ran.exists()  # refused before anything ran
+    api(kubeconfig("token: t")).client.close()  # a token, or the -data forms: as before
+    api(kubeconfig(exec_user), allow_exec=True).client.close()  # allowed by the operator: it runs
+    assert ran.exists()

@@ -84,7 +84,37 @@ def raise_for_status(resp: Any) -> None:
         raise ApiException(http_resp=resp)
 
 
-def _client(config: ClusterConfig) -> tuple[Any, str | None]:
+#: kubeconfig user fields that read the driver host's files; a cluster's ``certificate-authority``
+#: likewise. The ``-data`` forms carry the same material inline.
+_HOST_FILE_FIELDS = ("tokenFile", "client-certificate", "client-key")
+
+
+def _refuse_host_access(doc: Any, allow_exec: bool) -> None:
+    """A kubeconfig is credentials an admin sends, not a say over the driver's host: file paths
+    (the host's files read as certificates or tokens) are refused, and so are ``exec`` and
+    ``auth-provider`` plugins (a command run on the host) unless the driver was started with
+    ``--allow-kubeconfig-exec`` (EKS, GKE and the like need them)."""
+    field = "credentials.kubernetes.kubeconfig"
+    if not isinstance(doc, dict):
+        raise InvalidArgument.for_field(field, "not a kubeconfig document")
+    for entry in doc.get("users") or ():
+        user = (entry or {}).get("user") or {} if isinstance(entry, dict) else {}
+        if not isinstance(user, dict):
+            continue
+        if used := [k for k in _HOST_FILE_FIELDS if user.get(k)]:
+            raise InvalidArgument.for_field(field, f"user fields {', '.join(used)} name files on the "
+                                            "driver's host: give client-certificate-data / client-key-data / token")
+        if not allow_exec and (user.get("exec") or user.get("auth-provider")):
+            raise InvalidArgument.for_field(field, "exec and auth-provider plugins run commands on the "
+                                            "driver's host: start the driver with --allow-kubeconfig-exec to allow them")
+    for entry in doc.get("clusters") or ():
+        cluster = (entry or {}).get("cluster") or {} if isinstance(entry, dict) else {}
+        if isinstance(cluster, dict) and cluster.get("certificate-authority"):
+            raise InvalidArgument.for_field(field, "cluster field certificate-authority names a file on "
+                                            "the driver's host: give certificate-authority-data")
+
+
+def _client(config: ClusterConfig, allow_exec: bool = False) -> tuple[Any, str | None]:
     """(ApiClient, CA file to remove on close) from the cluster's address, options and credentials."""
     from kubernetes import client
     from kubernetes import config as kconfig
@@ -98,6 +128,11 @@ def _client(config: ClusterConfig) -> tuple[Any, str | None]:
 
         try:
             doc = yaml.safe_load(creds.kubeconfig)
+        except Exception as e:  # noqa: BLE001 - never echo the kubeconfig
+            raise InvalidArgument.for_field("credentials.kubernetes.kubeconfig",
+                                            f"cannot be loaded ({type(e).__name__})") from None
+        _refuse_host_access(doc, allow_exec)
+        try:
             kconfig.load_kube_config_from_dict(doc, client_configuration=cfg,  # type: ignore[no-untyped-call]
                                                persist_config=False)
         except Exception as e:  # noqa: BLE001 - never echo the kubeconfig
@@ -128,10 +163,11 @@ def _client(config: ClusterConfig) -> tuple[Any, str | None]:
 class KubeApi:
     """One cluster's API client, request budget and request timeout."""
 
-    def __init__(self, config: ClusterConfig, *, qps: float, burst: int, request_timeout: float) -> None:
+    def __init__(self, config: ClusterConfig, *, qps: float, burst: int, request_timeout: float,
+                 allow_exec: bool = False) -> None:
         from kubernetes import client
 
-        self.client, self._ca_file = _client(config)
+        self.client, self._ca_file = _client(config, allow_exec)
         try:  # the CA bundle and client certificate are read here, once
             self.logs = PodLogClient(self.client.configuration, request_timeout)  # on the loop, no thread
         except (ssl.SSLError, OSError, ValueError) as e:

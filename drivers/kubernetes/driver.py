@@ -122,6 +122,8 @@ class KubernetesConfig:
     watch_read_timeout: float = field(default=330.0, metadata={
         "help": "seconds without a byte after which a watch is re-opened"})
     grace_seconds: float = field(default=10.0, metadata={"min": 0, "help": "pod deletion grace when a stop names none"})
+    allow_kubeconfig_exec: bool = field(default=False, metadata={
+        "help": "let a cluster's kubeconfig run exec / auth-provider plugins on this host (EKS, GKE)"})
     max_log_readers: int = field(default=logs.READERS, metadata={"min": 2,
         "help": "pod log responses open at once (a connection each, no thread); follows may hold "
                 "7/8 of them, one past that is RESOURCE_EXHAUSTED"})
@@ -156,7 +158,8 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
         naming.namespace_of(config.options)
 
     async def _connect(self, config: ClusterConfig, old: KubeCluster | None) -> KubeCluster:
-        api = KubeApi(config, qps=self._cfg.qps, burst=self._cfg.burst, request_timeout=self._cfg.request_timeout)
+        api = KubeApi(config, qps=self._cfg.qps, burst=self._cfg.burst, request_timeout=self._cfg.request_timeout,
+                      allow_exec=self._cfg.allow_kubeconfig_exec)
         return KubeCluster(config, api, naming.namespace_of(config.options))
 
     async def _disconnect(self, c: KubeCluster) -> None:
