@@ -256,3 +256,30 @@ def test_a_kubeconfig_may_not_read_the_drivers_files_or_run_its_commands_unless_
     api(kubeconfig("token: t")).client.close()  # a token, or the -data forms: as before
     api(kubeconfig(exec_user), allow_exec=True).client.close()  # allowed by the operator: it runs
     assert ran.exists()
+
+
+async def test_an_object_of_the_launch_someone_else_made_is_a_name_collision(
+        stub: Any, emu: tuple[Emulator, str]) -> None:
+    """A pod (or an MPI job's Secret or ConfigMap) of the launch's names that exists and is not
+    owned by this launch's Service was taken for 'an earlier try' (409): the job then tracked a
+    stranger's pod, and its clean-up deleted it by name; a pre-made SSH Secret would have been
+    trusted by the job's workers. Now: NAME_COLLISION, the stranger's object untouched, nothing
+    of the launch left behind."""
+    import grpc
+
+    from dlsched.kit.rpc_errors import error_info
+    from tests.kube_emulator import PODS, SECRETS
+
+    e, url = emu
+    for kind, mode, name in ((PODS, "single_process", "{job}-1-main-0"), (SECRETS, "mpi", "{job}-1-ssh")):
+        job = new_id("squat")
+        obj = name.format(job=job)
+        e.objects[kind, NS, obj] = {"apiVersion": "v1", "kind": "Pod" if kind == PODS else "Secret",
+                                    "metadata": {"name": obj, "namespace": NS, "labels": {"owner": "mallory"}}}
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await launch(stub, job, spec(mode))
+        assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert error_info(err.value).reason == "NAME_COLLISION", err.value.details()
+        assert has(e, kind, obj)  # the stranger's object stays
+        assert not has_service(e, f"{job}-1")
+        assert not (await observe(stub, job)).found

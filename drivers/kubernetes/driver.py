@@ -363,16 +363,38 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
         c.jobs[naming.job_label(job_id)] = job
         create = {"Pod": c.api.core.create_namespaced_pod, "Secret": c.api.core.create_namespaced_secret,
                   "ConfigMap": c.api.core.create_namespaced_config_map}
+        read = {"Pod": c.api.core.read_namespaced_pod, "Secret": c.api.core.read_namespaced_secret,
+                "ConfigMap": c.api.core.read_namespaced_config_map}
         for m in rest:
             kind, obj = m["kind"], m["metadata"]["name"]
             body = render.with_owner_uid(m, uid)
             if kind == "Secret" and key_pair is not None:
                 body = mpi.with_ssh_key(body, *key_pair)
-            # None (409): created by an earlier try of this launch
-            await c.api.create(create[kind], c.namespace, body, f"{kind.lower()} {obj}")
+            if await c.api.create(create[kind], c.namespace, body, f"{kind.lower()} {obj}") is None:
+                # 409: an earlier try of this launch made it (owned by this Service), or someone
+                # else did - a pod, or an MPI Secret (its key) or ConfigMap (sshd's config) the
+                # job would then trust: refused, not taken for ours, and nothing of this launch
+                # is left to name it (a clean-up deletes by name).
+                try:
+                    await self._owned(c, read[kind], kind, obj, uid)
+                except NameCollision:
+                    if c.jobs.get(naming.job_label(job_id)) is job:
+                        del c.jobs[naming.job_label(job_id)]
+                    await c.api.delete(c.api.core.delete_namespaced_service, rendered.service, c.namespace,
+                                       f"service {rendered.service}", propagation_policy="Background")
+                    raise
         obs = observation(job, c.stale)
         self._publish(c, job, obs)
         return LaunchResult(rendered.backend_job_id, native, obs)
+
+    async def _owned(self, c: KubeCluster, read: Any, kind: str, obj: str, uid: str) -> None:
+        try:
+            found = await c.api.call(read, obj, c.namespace)
+        except Exception as e:  # noqa: BLE001
+            raise api_error(e, f"reading {kind.lower()} {obj}") from None
+        owners = {str(r.get("uid", "")) for r in (found.get("metadata") or {}).get("ownerReferences") or ()}
+        if uid not in owners:
+            raise NameCollision(f"{kind.lower()} {c.namespace}/{obj} exists and is not this job's")
 
     async def _existing_service(self, c: KubeCluster, rendered: Rendered) -> dict[str, Any]:
         try:
