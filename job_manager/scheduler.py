@@ -168,12 +168,7 @@ class Scheduler:
         early = (asyncio.ensure_future(self._archived(request_id, owner))
                  if request_id and not dry_run and self.history is not None else None)
         try:
-            job, dry = await self._submit(job_id, spec, request_id, dry_run, owner, early)
-            if request_id and job_id and job.id != job_id:
-                # The request id made another job: this request is not a retry of that one
-                # (as ClusterManager's CreateCluster answers a reused request id).
-                raise errors.InvalidArgument.for_field("request_id", f"already used to create jobs/{job.id}")
-            return job, dry
+            return await self._submit(job_id, spec, request_id, dry_run, owner, early)
         finally:
             if early is not None and not early.done():
                 early.cancel()  # the match failed otherwise than DlschedError, or the call left

@@ -165,20 +165,6 @@ async def test_unreachable_driver_leaves_job_pending_and_retries(env: Any) -> No
     assert again.id == "a" and drv.launches == [("a", 1)]
 
 
-async def test_a_request_id_reused_for_another_job_id_is_invalid_argument(env: Any) -> None:
-    """A request id names one SubmitJob: a retry (same job id, or none given) answers its job;
-    another job id with it is a different request, refused, not answered with the first job."""
-    sched, drv = env
-    first, _ = await sched.submit("r1", SPEC, "req-a", dry_run=False, spec_bytes=10)
-    assert (await sched.submit("r1", SPEC, "req-a", dry_run=False, spec_bytes=10))[0].uid == first.uid
-    assert (await sched.submit("", SPEC, "req-a", dry_run=False, spec_bytes=10))[0].uid == first.uid
-    with pytest.raises(errors.InvalidArgument) as e:
-        await sched.submit("r2", SPEC, "req-a", dry_run=False, spec_bytes=10)
-    assert "jobs/r1" in str(e.value) and [v.field for v in e.value.violations] == ["request_id"]
-    with pytest.raises(errors.NotFound):
-        await sched.store.get("r2")
-
-
 async def test_refused_launch_fails_the_job(env: Any) -> None:
     sched, drv = env
     drv.launch_errors = [errors.InvalidArgument("no such mode")]
