@@ -327,3 +327,26 @@ async def test_an_adopted_job_of_several_processes_per_pod_reads_each_containers
                        (2, "worker 1 process 0"), (3, "worker 1 process 1")], got
     finally:
         await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/adopter"), timeout=10)
+
+
+async def test_log_reads_bypass_the_proxy_where_the_client_does(stub: Any, emu: tuple[Emulator, str]) -> None:
+    """The pod log request goes where the client's other requests go: a host in no_proxy is
+    reached directly, not through the proxy (here one that refuses connections)."""
+    from drivers.common.base import ClusterConfig
+    from drivers.kubernetes.api import KubeApi
+    from tests.kube_emulator import NS
+
+    e, url = emu
+    req = await _running_job_saying_hello(stub, emu, "proxied")
+    pod = f"{req.job.job_id}-1-main-0"
+    api = KubeApi(ClusterConfig(name="clusters/proxied", address=url), qps=100, burst=100, request_timeout=3)
+    try:
+        api.client.configuration.proxy = "http://127.0.0.1:9"  # nothing listens there
+        api.client.configuration.no_proxy = "127.0.0.1,localhost"
+        resp = await api.logs.open(NS, pod, {"follow": "false", "timestamps": "true"}, read_timeout=5)
+        try:
+            assert (await resp.read()).decode().endswith("hello\n")
+        finally:
+            resp.release()
+    finally:
+        await api.close()

@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import quote
 
 import aiohttp
+from kubernetes.client.rest import should_bypass_proxies
 
 from dlsched.errors import Unavailable
 
@@ -113,7 +114,7 @@ class PodLogClient:
         if auth := await self._authorization():
             headers["Authorization"] = auth
         extra: dict[str, Any] = {}
-        if self._cfg.proxy:
+        if self._cfg.proxy and not should_bypass_proxies(self._host, self._cfg.no_proxy or ""):  # as the client
             extra["proxy"] = self._cfg.proxy
             if self._cfg.proxy_headers:
                 extra["proxy_headers"] = self._cfg.proxy_headers
