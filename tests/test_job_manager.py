@@ -497,6 +497,18 @@ async def test_list_paging_and_delete(jm: pb_grpc.JobManagerServiceStub) -> None
     assert not (await jm.DeleteJob(pb.DeleteJobRequest(name=names[0], allow_missing=True))).HasField("job")
 
 
+async def _snapshot_token(jm: pb_grpc.JobManagerServiceStub) -> str:
+    """The resume token of a fresh WatchJobs snapshot (the stream then closed)."""
+    call = jm.WatchJobs(pb.WatchJobsRequest(), timeout=60)
+    try:
+        async for ev in call:
+            if ev.type == S.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE:
+                return str(ev.resume_token)
+        raise AssertionError("the watch ended before its snapshot")
+    finally:
+        call.cancel()
+
+
 async def test_expired_token_is_out_of_range(stack: Stack, cluster: str, etcd: EtcdServer) -> None:
     # A second JobManager with a 5-event buffer, on a prefix of its own.
     small = ServiceProcess("job_manager", ["--etcd", etcd.endpoint, "--prefix",
@@ -506,13 +518,7 @@ async def test_expired_token_is_out_of_range(stack: Stack, cluster: str, etcd: E
     try:
         async with security.channel(small.address) as ch:
             jm = pb_grpc.JobManagerServiceStub(ch)
-            call = jm.WatchJobs(pb.WatchJobsRequest())
-            token = ""
-            async for ev in call:
-                if ev.type == S.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE:
-                    token = ev.resume_token
-                    break
-            call.cancel()
+            token = await _snapshot_token(jm)
             for i in range(4):
                 j = (await jm.SubmitJob(pb.SubmitJobRequest(job_id=f"x{i}", spec=single("pass")))).job
                 await jm.StopJob(pb.StopJobRequest(name=j.name))
@@ -534,13 +540,7 @@ async def test_a_token_from_the_future_is_out_of_range(stack: Stack, cluster: st
     assert stack.jm is not None
     async with security.channel(stack.jm.address) as ch:
         jm = pb_grpc.JobManagerServiceStub(ch)
-        call = jm.WatchJobs(pb.WatchJobsRequest())
-        token = ""
-        async for ev in call:
-            if ev.type == S.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE:
-                token = ev.resume_token
-                break
-        call.cancel()
+        token = await _snapshot_token(jm)
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             async for _ in jm.WatchJobs(pb.WatchJobsRequest(resume_token=encode_token(decode_token(token) + 1000)),
                                         timeout=30):
