@@ -533,11 +533,14 @@ async def test_records_a_job_wrote_over_are_skipped_bounded_not_the_call(tmp_pat
         job.exits_read(None), job.exits_read(None), job.exits_read(None)
         return job.record()
 
+    def compact(record: dict[str, object]) -> bytes:  # as records.write puts it
+        return json.dumps(record, separators=(",", ":")).encode()
+
     bad = {"huge": b"{" + b" " * (records.MAX_RECORD_BYTES + 10) + b"}",
            "bomb": b"[" * 100_000 + b"]" * 100_000,
-           "inf": json.dumps({**recorded("inf"), "exit_code": 1e400}).encode().replace(b"Infinity", b"1e400"),
-           "other": json.dumps(recorded("someone-else")).encode()}
-    for job_id, body in {"good": json.dumps(recorded("good")).encode(), **bad}.items():
+           "inf": compact({**recorded("inf"), "exit_code": 1e400}).replace(b"Infinity", b"1e400"),
+           "other": compact(recorded("someone-else"))}
+    for job_id, body in {"good": compact(recorded("good")), **bad}.items():
         d = tmp_path / job_id / "attempt-1"
         d.mkdir(parents=True)
         (d / RECORDED).write_bytes(body + b"\n")
