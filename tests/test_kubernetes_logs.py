@@ -125,7 +125,10 @@ async def test_a_client_that_reads_slowly_holds_the_pod_log_stream_back(stub: An
     await launch(stub, job, spec("single_process"))
     pod = f"{job}-1-main-0"
     await kubelet(url, pod, "Running")
-    lines = [f"{i:06d} " + "x" * 16_000 for i in range(4_000)]  # 64 MB
+    # 128 MB: what sits in flow control between the emulator and the unread gRPC stream (socket
+    # buffers both ways, HTTP/2 windows, the tail's 4 Mi characters) reached 35 MB on a loaded CI
+    # machine, past half of the 64 MB this wrote before; reading it all is what this must catch.
+    lines = [f"{i:06d} " + "x" * 16_000 for i in range(8_000)]
     for line in lines:
         e.write_log(pod, line)
     total = sum(len(x) + 40 for x in lines)
