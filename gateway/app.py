@@ -158,7 +158,8 @@ class Gateway:
         missing = {r.service for r in routes} - set(upstreams)
         if missing:
             raise ValueError(f"no upstream address for {sorted(missing)}")
-        self.routes = list(routes)
+        # A custom verb's routes first: a path ending in ``:stop`` is the verb's, whatever the method.
+        self.routes = sorted(routes, key=lambda r: not r.template.verb)
         self.rpc_timeout = rpc_timeout
         self.max_message_bytes = max_message_bytes
         self.channels = Upstreams(list(upstreams.values()), tls, max_message_bytes)
@@ -167,7 +168,7 @@ class Gateway:
         self._callables: dict[str, tuple[grpc.aio.Channel, Any]] = {}
         self._streams: set[grpc.aio.Call] = set()
         self.draining = False
-        self.openapi = build_openapi(self.routes)
+        self.openapi = build_openapi(list(routes))
 
     # ---------------------------------------------------------------- app
 
@@ -227,10 +228,15 @@ class Gateway:
 
     def match(self, method: str, raw_path: str) -> tuple[Route, dict[str, str]]:
         allowed: list[str] = []
+        verb_matched = False
         for route in self.routes:
             values = route.template.match(raw_path)
             if values is None:
                 continue
+            if route.template.verb:
+                verb_matched = True
+            elif verb_matched:  # GET /v1/jobs/x:stop: 405 for the verb, not a job named "x:stop"
+                break
             if route.http_method == method:
                 return route, values
             allowed.append(route.http_method)

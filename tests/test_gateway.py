@@ -417,6 +417,9 @@ def test_gateway_side_errors_are_status_json(base: str) -> None:
     assert code == 404 and reason(body) == "ROUTE_NOT_FOUND"
     code, body = call(base, "PUT", "/v1/jobs")
     assert code == 405 and reason(body) == "METHOD_NOT_ALLOWED"
+    # A custom verb's path with the wrong method is that verb's 405, not a job named "x:stop".
+    code, body = call(base, "GET", "/v1/jobs/x:stop")
+    assert code == 405 and reason(body) == "METHOD_NOT_ALLOWED"
 
 
 def test_json_the_gateway_cannot_take_is_status_json_never_a_500_or_text(base: str, local_cluster: str) -> None:
