@@ -481,9 +481,15 @@ class AccessClient(_Client):
 
     async def list_role_bindings(self, *, principal: str = "",
                                  project: str = "") -> list[access_pb2.RoleBinding]:
-        resp = await self._unary(self.stub.ListRoleBindings, acs.ListRoleBindingsRequest(
-            principal=principal, project=project))
-        return list(resp.role_bindings)
+        out: list[access_pb2.RoleBinding] = []
+        token = ""
+        while True:
+            resp = await self._unary(self.stub.ListRoleBindings, acs.ListRoleBindingsRequest(
+                principal=principal, project=project, page_token=token))
+            out.extend(resp.role_bindings)
+            token = resp.next_page_token
+            if not token:
+                return out
 
     async def delete_role_binding(self, name: str) -> None:
         if "/" not in name:
@@ -501,9 +507,15 @@ class AccessClient(_Client):
         return resp.api_token, resp.secret
 
     async def list_api_tokens(self, *, service_account: str = "") -> list[access_pb2.ApiToken]:
-        resp = await self._unary(self.stub.ListApiTokens,
-                                 acs.ListApiTokensRequest(service_account=service_account))
-        return list(resp.api_tokens)
+        out: list[access_pb2.ApiToken] = []
+        token = ""
+        while True:
+            resp = await self._unary(self.stub.ListApiTokens, acs.ListApiTokensRequest(
+                service_account=service_account, page_token=token))
+            out.extend(resp.api_tokens)
+            token = resp.next_page_token
+            if not token:
+                return out
 
     async def delete_api_token(self, name: str) -> None:
         if "/" not in name:

@@ -838,6 +838,65 @@ async def test_an_api_token_expire_time_outside_a_timestamp_is_invalid_argument(
         await a.access.delete_api_token(tok.name)
 
 
+async def test_role_bindings_and_api_tokens_are_listed_in_pages(env: Env) -> None:
+    """ListRoleBindings and ListApiTokens page (AIP-158): page_size caps a page, the
+    next_page_token walks every item once in order, a token is refused with other filters
+    or when forged, a negative page_size names its field."""
+    tag = uuid.uuid4().hex[:6]
+    sa = f"pages-{tag}"
+    project = f"pages-{tag}"
+    async with as_caller(env.stack, admin_token()) as a:
+        made_tokens = []
+        for _ in range(5):
+            tok, secret = await a.access.create_api_token(sa)
+            env.secrets.append(secret)
+            made_tokens.append(tok.name)
+        made_bindings = [(await a.access.create_role_binding(f"user:p{i}-{tag}", project, "viewer")).name
+                         for i in range(5)]
+        try:
+            names, token, pages = [], "", 0
+            while True:
+                resp = await a.access.stub.ListApiTokens(acs.ListApiTokensRequest(
+                    service_account=sa, page_size=2, page_token=token))
+                assert len(resp.api_tokens) <= 2
+                names += [t.name for t in resp.api_tokens]
+                pages += 1
+                token = resp.next_page_token
+                if not token:
+                    break
+            assert pages == 3 and sorted(names) == sorted(made_tokens) and len(set(names)) == 5
+            names, token = [], ""
+            while True:
+                resp2 = await a.access.stub.ListRoleBindings(acs.ListRoleBindingsRequest(
+                    project=project, page_size=3, page_token=token))
+                names += [b.name for b in resp2.role_bindings]
+                token = resp2.next_page_token
+                if not token:
+                    break
+            assert sorted(names) == sorted(made_bindings) and len(names) == 5
+            # the client's list walks every page
+            assert sorted(t.name for t in await a.access.list_api_tokens(service_account=sa)) == sorted(made_tokens)
+            first = await a.access.stub.ListRoleBindings(acs.ListRoleBindingsRequest(project=project, page_size=1))
+            assert first.next_page_token
+            bad_calls = [
+                (a.access.stub.ListRoleBindings(acs.ListRoleBindingsRequest(
+                    project="default", page_token=first.next_page_token)), "page_token"),
+                (a.access.stub.ListApiTokens(acs.ListApiTokensRequest(page_token="bmFu")), "page_token"),
+                (a.access.stub.ListApiTokens(acs.ListApiTokensRequest(page_token="x" * 100_000)), "page_token"),
+                (a.access.stub.ListRoleBindings(acs.ListRoleBindingsRequest(page_size=-1)), "page_size"),
+            ]
+            for call, field in bad_calls:
+                with pytest.raises(grpc.aio.AioRpcError) as ei:
+                    await call
+                err = DlschedRpcError.from_rpc_error(ei.value)
+                assert err.code == "INVALID_ARGUMENT" and [v.field for v in err.field_violations] == [field]
+        finally:
+            for name in made_tokens:
+                await a.access.delete_api_token(name)
+            for name in made_bindings:
+                await a.access.delete_role_binding(name)
+
+
 async def test_a_bad_service_account_or_match_project_names_its_field(env: Env) -> None:
     """CreateApiToken's service_account is a bare DNS label (its message said 'user:...' or
     'sa:...'); MatchClusters' project and spec.project are project names (any text was taken)."""

@@ -5,8 +5,11 @@ Served next to JobManagerService. Every method but GetCaller is for admins.
 
 from __future__ import annotations
 
+import json
 import secrets
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
+from typing import TypeVar
 
 import grpc
 
@@ -23,6 +26,7 @@ from dlsched.auth.model import (
 from dlsched.auth.store import AccessStore, ApiTokenNotFound, RoleBindingNotFound
 from dlsched.auth.tokens import new_api_token
 from dlsched.errors import InvalidArgument
+from dlsched.kit import tokens
 from dlsched.kit.timeutil import check_timestamp, to_timestamp
 from dlsched.v1 import access_pb2, access_service_pb2_grpc
 from dlsched.v1 import access_service_pb2 as pb
@@ -48,6 +52,45 @@ def _token_to_proto(t: ApiToken) -> access_pb2.ApiToken:
     if t.expire_time:
         p.expire_time.CopyFrom(to_timestamp(t.expire_time))
     return p
+
+
+T = TypeVar("T")
+DEFAULT_PAGE_SIZE = 100
+MAX_PAGE_SIZE = 1000
+_PAGE_PREFIX = "a1:"
+_MAX_TOKEN_CHARS = 4096
+
+
+def _page(items: Iterable[T], key: Callable[[T], tuple[str, ...]], page_size: int, page_token: str,
+          scope: Sequence[str], method: str) -> tuple[list[T], str]:
+    """One page of ``items`` in ``key`` order (keyset: after the key the token names) and the
+    next page's token. A token is only good for the same filters (``scope``) it was issued for."""
+    if page_size < 0:
+        raise InvalidArgument.for_field("page_size", "must not be negative")
+    size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+    after: tuple[str, ...] | None = None
+    if page_token:
+        after = _decode_page(page_token, list(scope), method)
+    hits = sorted((i for i in items if after is None or key(i) > after), key=key)
+    page = hits[:size]
+    token = ""
+    if len(hits) > size:
+        token = tokens.encode(_PAGE_PREFIX + json.dumps([list(scope), list(key(page[-1]))]))
+    return page, token
+
+
+def _decode_page(token: str, scope: list[str], method: str) -> tuple[str, ...]:
+    raw = tokens.decode(token) if len(token) <= _MAX_TOKEN_CHARS else None
+    try:
+        doc = json.loads(raw[len(_PAGE_PREFIX):]) if raw and raw.startswith(_PAGE_PREFIX) else None
+    except ValueError:
+        doc = None
+    if (not isinstance(doc, list) or len(doc) != 2 or not isinstance(doc[1], list)
+            or not all(isinstance(k, str) for k in doc[1])):
+        raise InvalidArgument.for_field("page_token", f"not a next_page_token of {method}")
+    if doc[0] != scope:
+        raise InvalidArgument.for_field("page_token", f"issued for a {method} call with other filters")
+    return tuple(doc[1])
 
 
 def _id_from_name(name: str, collection: str, field: str) -> str:
@@ -90,11 +133,13 @@ class AccessServicer(access_service_pb2_grpc.AccessServiceServicer):
     async def ListRoleBindings(self, request: pb.ListRoleBindingsRequest,  # noqa: N802
                                context: grpc.aio.ServicerContext) -> pb.ListRoleBindingsResponse:
         caller().require_admin("listing role bindings")
-        out = [b for b in self.store.bindings.values()
-               if (not request.principal or b.principal == request.principal)
-               and (not request.project or b.project == request.project)]
-        out.sort(key=lambda b: (b.principal, b.project, b.id))
-        return pb.ListRoleBindingsResponse(role_bindings=[_binding_to_proto(b) for b in out])
+        matching = (b for b in self.store.bindings.values()
+                    if (not request.principal or b.principal == request.principal)
+                    and (not request.project or b.project == request.project))
+        page, token = _page(matching, lambda b: (b.principal, b.project, b.id), request.page_size,
+                            request.page_token, (request.principal, request.project), "ListRoleBindings")
+        return pb.ListRoleBindingsResponse(role_bindings=[_binding_to_proto(b) for b in page],
+                                           next_page_token=token)
 
     async def DeleteRoleBinding(self, request: pb.DeleteRoleBindingRequest,  # noqa: N802
                                 context: grpc.aio.ServicerContext) -> pb.DeleteRoleBindingResponse:
@@ -129,10 +174,11 @@ class AccessServicer(access_service_pb2_grpc.AccessServiceServicer):
     async def ListApiTokens(self, request: pb.ListApiTokensRequest,  # noqa: N802
                             context: grpc.aio.ServicerContext) -> pb.ListApiTokensResponse:
         caller().require_admin("listing API tokens")
-        out = sorted((t for t in self.store.tokens.values()
-                      if not request.service_account or t.service_account == request.service_account),
-                     key=lambda t: (t.service_account, t.id))
-        return pb.ListApiTokensResponse(api_tokens=[_token_to_proto(t) for t in out])
+        matching = (t for t in self.store.tokens.values()
+                    if not request.service_account or t.service_account == request.service_account)
+        page, token = _page(matching, lambda t: (t.service_account, t.id), request.page_size,
+                            request.page_token, (request.service_account,), "ListApiTokens")
+        return pb.ListApiTokensResponse(api_tokens=[_token_to_proto(t) for t in page], next_page_token=token)
 
     async def DeleteApiToken(self, request: pb.DeleteApiTokenRequest,  # noqa: N802
                              context: grpc.aio.ServicerContext) -> pb.DeleteApiTokenResponse:

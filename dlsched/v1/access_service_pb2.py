@@ -26,7 +26,7 @@ from dlsched.v1 import access_pb2 as dlsched_dot_v1_dot_access__pb2
 from google.api import annotations_pb2 as google_dot_api_dot_annotations__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x64lsched/v1/access_service.proto\x12\ndlsched.v1\x1a\x17\x64lsched/v1/access.proto\x1a\x1cgoogle/api/annotations.proto\"\x12\n\x10GetCallerRequest\"]\n\x11GetCallerResponse\x12\x11\n\tprincipal\x18\x01 \x01(\t\x12\r\n\x05\x61\x64min\x18\x02 \x01(\x08\x12&\n\x05roles\x18\x03 \x03(\x0b\x32\x17.dlsched.v1.ProjectRole\"I\n\x18\x43reateRoleBindingRequest\x12-\n\x0crole_binding\x18\x01 \x01(\x0b\x32\x17.dlsched.v1.RoleBinding\"J\n\x19\x43reateRoleBindingResponse\x12-\n\x0crole_binding\x18\x01 \x01(\x0b\x32\x17.dlsched.v1.RoleBinding\"=\n\x17ListRoleBindingsRequest\x12\x11\n\tprincipal\x18\x01 \x01(\t\x12\x0f\n\x07project\x18\x02 \x01(\t\"J\n\x18ListRoleBindingsResponse\x12.\n\rrole_bindings\x18\x01 \x03(\x0b\x32\x17.dlsched.v1.RoleBinding\"(\n\x18\x44\x65leteRoleBindingRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1b\n\x19\x44\x65leteRoleBindingResponse\"@\n\x15\x43reateApiTokenRequest\x12\'\n\tapi_token\x18\x01 \x01(\x0b\x32\x14.dlsched.v1.ApiToken\"Q\n\x16\x43reateApiTokenResponse\x12\'\n\tapi_token\x18\x01 \x01(\x0b\x32\x14.dlsched.v1.ApiToken\x12\x0e\n\x06secret\x18\x02 \x01(\t\"/\n\x14ListApiTokensRequest\x12\x17\n\x0fservice_account\x18\x01 \x01(\t\"A\n\x15ListApiTokensResponse\x12(\n\napi_tokens\x18\x01 \x03(\x0b\x32\x14.dlsched.v1.ApiToken\"%\n\x15\x44\x65leteApiTokenRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x18\n\x16\x44\x65leteApiTokenResponse2\xd8\x06\n\rAccessService\x12\\\n\tGetCaller\x12\x1c.dlsched.v1.GetCallerRequest\x1a\x1d.dlsched.v1.GetCallerResponse\"\x12\x82\xd3\xe4\x93\x02\x0c\x12\n/v1/caller\x12\x88\x01\n\x11\x43reateRoleBinding\x12$.dlsched.v1.CreateRoleBindingRequest\x1a%.dlsched.v1.CreateRoleBindingResponse\"&\x82\xd3\xe4\x93\x02 \"\x10/v1/roleBindings:\x0crole_binding\x12w\n\x10ListRoleBindings\x12#.dlsched.v1.ListRoleBindingsRequest\x1a$.dlsched.v1.ListRoleBindingsResponse\"\x18\x82\xd3\xe4\x93\x02\x12\x12\x10/v1/roleBindings\x12\x83\x01\n\x11\x44\x65leteRoleBinding\x12$.dlsched.v1.DeleteRoleBindingRequest\x1a%.dlsched.v1.DeleteRoleBindingResponse\"!\x82\xd3\xe4\x93\x02\x1b*\x19/v1/{name=roleBindings/*}\x12y\n\x0e\x43reateApiToken\x12!.dlsched.v1.CreateApiTokenRequest\x1a\".dlsched.v1.CreateApiTokenResponse\" \x82\xd3\xe4\x93\x02\x1a\"\r/v1/apiTokens:\tapi_token\x12k\n\rListApiTokens\x12 .dlsched.v1.ListApiTokensRequest\x1a!.dlsched.v1.ListApiTokensResponse\"\x15\x82\xd3\xe4\x93\x02\x0f\x12\r/v1/apiTokens\x12w\n\x0e\x44\x65leteApiToken\x12!.dlsched.v1.DeleteApiTokenRequest\x1a\".dlsched.v1.DeleteApiTokenResponse\"\x1e\x82\xd3\xe4\x93\x02\x18*\x16/v1/{name=apiTokens/*}B\x8b\x01\n\rio.dlsched.v1B\x12\x41\x63\x63\x65ssServiceProtoP\x01Z6github.com/dlsched/dlsched/gen/go/dlsched/v1;dlschedv1\xa2\x02\x03\x44LS\xaa\x02\nDlsched.V1\xca\x02\nDlsched\\V1\xea\x02\x0b\x44lsched::V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x64lsched/v1/access_service.proto\x12\ndlsched.v1\x1a\x17\x64lsched/v1/access.proto\x1a\x1cgoogle/api/annotations.proto\"\x12\n\x10GetCallerRequest\"]\n\x11GetCallerResponse\x12\x11\n\tprincipal\x18\x01 \x01(\t\x12\r\n\x05\x61\x64min\x18\x02 \x01(\x08\x12&\n\x05roles\x18\x03 \x03(\x0b\x32\x17.dlsched.v1.ProjectRole\"I\n\x18\x43reateRoleBindingRequest\x12-\n\x0crole_binding\x18\x01 \x01(\x0b\x32\x17.dlsched.v1.RoleBinding\"J\n\x19\x43reateRoleBindingResponse\x12-\n\x0crole_binding\x18\x01 \x01(\x0b\x32\x17.dlsched.v1.RoleBinding\"d\n\x17ListRoleBindingsRequest\x12\x11\n\tprincipal\x18\x01 \x01(\t\x12\x0f\n\x07project\x18\x02 \x01(\t\x12\x11\n\tpage_size\x18\x03 \x01(\x05\x12\x12\n\npage_token\x18\x04 \x01(\t\"c\n\x18ListRoleBindingsResponse\x12.\n\rrole_bindings\x18\x01 \x03(\x0b\x32\x17.dlsched.v1.RoleBinding\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"(\n\x18\x44\x65leteRoleBindingRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x1b\n\x19\x44\x65leteRoleBindingResponse\"@\n\x15\x43reateApiTokenRequest\x12\'\n\tapi_token\x18\x01 \x01(\x0b\x32\x14.dlsched.v1.ApiToken\"Q\n\x16\x43reateApiTokenResponse\x12\'\n\tapi_token\x18\x01 \x01(\x0b\x32\x14.dlsched.v1.ApiToken\x12\x0e\n\x06secret\x18\x02 \x01(\t\"V\n\x14ListApiTokensRequest\x12\x17\n\x0fservice_account\x18\x01 \x01(\t\x12\x11\n\tpage_size\x18\x02 \x01(\x05\x12\x12\n\npage_token\x18\x03 \x01(\t\"Z\n\x15ListApiTokensResponse\x12(\n\napi_tokens\x18\x01 \x03(\x0b\x32\x14.dlsched.v1.ApiToken\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"%\n\x15\x44\x65leteApiTokenRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x18\n\x16\x44\x65leteApiTokenResponse2\xd8\x06\n\rAccessService\x12\\\n\tGetCaller\x12\x1c.dlsched.v1.GetCallerRequest\x1a\x1d.dlsched.v1.GetCallerResponse\"\x12\x82\xd3\xe4\x93\x02\x0c\x12\n/v1/caller\x12\x88\x01\n\x11\x43reateRoleBinding\x12$.dlsched.v1.CreateRoleBindingRequest\x1a%.dlsched.v1.CreateRoleBindingResponse\"&\x82\xd3\xe4\x93\x02 \"\x10/v1/roleBindings:\x0crole_binding\x12w\n\x10ListRoleBindings\x12#.dlsched.v1.ListRoleBindingsRequest\x1a$.dlsched.v1.ListRoleBindingsResponse\"\x18\x82\xd3\xe4\x93\x02\x12\x12\x10/v1/roleBindings\x12\x83\x01\n\x11\x44\x65leteRoleBinding\x12$.dlsched.v1.DeleteRoleBindingRequest\x1a%.dlsched.v1.DeleteRoleBindingResponse\"!\x82\xd3\xe4\x93\x02\x1b*\x19/v1/{name=roleBindings/*}\x12y\n\x0e\x43reateApiToken\x12!.dlsched.v1.CreateApiTokenRequest\x1a\".dlsched.v1.CreateApiTokenResponse\" \x82\xd3\xe4\x93\x02\x1a\"\r/v1/apiTokens:\tapi_token\x12k\n\rListApiTokens\x12 .dlsched.v1.ListApiTokensRequest\x1a!.dlsched.v1.ListApiTokensResponse\"\x15\x82\xd3\xe4\x93\x02\x0f\x12\r/v1/apiTokens\x12w\n\x0e\x44\x65leteApiToken\x12!.dlsched.v1.DeleteApiTokenRequest\x1a\".dlsched.v1.DeleteApiTokenResponse\"\x1e\x82\xd3\xe4\x93\x02\x18*\x16/v1/{name=apiTokens/*}B\x8b\x01\n\rio.dlsched.v1B\x12\x41\x63\x63\x65ssServiceProtoP\x01Z6github.com/dlsched/dlsched/gen/go/dlsched/v1;dlschedv1\xa2\x02\x03\x44LS\xaa\x02\nDlsched.V1\xca\x02\nDlsched\\V1\xea\x02\x0b\x44lsched::V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -57,25 +57,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CREATEROLEBINDINGRESPONSE']._serialized_start=292
   _globals['_CREATEROLEBINDINGRESPONSE']._serialized_end=366
   _globals['_LISTROLEBINDINGSREQUEST']._serialized_start=368
-  _globals['_LISTROLEBINDINGSREQUEST']._serialized_end=429
-  _globals['_LISTROLEBINDINGSRESPONSE']._serialized_start=431
-  _globals['_LISTROLEBINDINGSRESPONSE']._serialized_end=505
-  _globals['_DELETEROLEBINDINGREQUEST']._serialized_start=507
-  _globals['_DELETEROLEBINDINGREQUEST']._serialized_end=547
-  _globals['_DELETEROLEBINDINGRESPONSE']._serialized_start=549
-  _globals['_DELETEROLEBINDINGRESPONSE']._serialized_end=576
-  _globals['_CREATEAPITOKENREQUEST']._serialized_start=578
-  _globals['_CREATEAPITOKENREQUEST']._serialized_end=642
-  _globals['_CREATEAPITOKENRESPONSE']._serialized_start=644
-  _globals['_CREATEAPITOKENRESPONSE']._serialized_end=725
-  _globals['_LISTAPITOKENSREQUEST']._serialized_start=727
-  _globals['_LISTAPITOKENSREQUEST']._serialized_end=774
-  _globals['_LISTAPITOKENSRESPONSE']._serialized_start=776
-  _globals['_LISTAPITOKENSRESPONSE']._serialized_end=841
-  _globals['_DELETEAPITOKENREQUEST']._serialized_start=843
-  _globals['_DELETEAPITOKENREQUEST']._serialized_end=880
-  _globals['_DELETEAPITOKENRESPONSE']._serialized_start=882
-  _globals['_DELETEAPITOKENRESPONSE']._serialized_end=906
-  _globals['_ACCESSSERVICE']._serialized_start=909
-  _globals['_ACCESSSERVICE']._serialized_end=1765
+  _globals['_LISTROLEBINDINGSREQUEST']._serialized_end=468
+  _globals['_LISTROLEBINDINGSRESPONSE']._serialized_start=470
+  _globals['_LISTROLEBINDINGSRESPONSE']._serialized_end=569
+  _globals['_DELETEROLEBINDINGREQUEST']._serialized_start=571
+  _globals['_DELETEROLEBINDINGREQUEST']._serialized_end=611
+  _globals['_DELETEROLEBINDINGRESPONSE']._serialized_start=613
+  _globals['_DELETEROLEBINDINGRESPONSE']._serialized_end=640
+  _globals['_CREATEAPITOKENREQUEST']._serialized_start=642
+  _globals['_CREATEAPITOKENREQUEST']._serialized_end=706
+  _globals['_CREATEAPITOKENRESPONSE']._serialized_start=708
+  _globals['_CREATEAPITOKENRESPONSE']._serialized_end=789
+  _globals['_LISTAPITOKENSREQUEST']._serialized_start=791
+  _globals['_LISTAPITOKENSREQUEST']._serialized_end=877
+  _globals['_LISTAPITOKENSRESPONSE']._serialized_start=879
+  _globals['_LISTAPITOKENSRESPONSE']._serialized_end=969
+  _globals['_DELETEAPITOKENREQUEST']._serialized_start=971
+  _globals['_DELETEAPITOKENREQUEST']._serialized_end=1008
+  _globals['_DELETEAPITOKENRESPONSE']._serialized_start=1010
+  _globals['_DELETEAPITOKENRESPONSE']._serialized_end=1034
+  _globals['_ACCESSSERVICE']._serialized_start=1037
+  _globals['_ACCESSSERVICE']._serialized_end=1893
 # @@protoc_insertion_point(module_scope)

@@ -35,18 +35,24 @@ class CreateRoleBindingResponse(_message.Message):
     def __init__(self, role_binding: _Optional[_Union[_access_pb2.RoleBinding, _Mapping]] = ...) -> None: ...
 
 class ListRoleBindingsRequest(_message.Message):
-    __slots__ = ("principal", "project")
+    __slots__ = ("principal", "project", "page_size", "page_token")
     PRINCIPAL_FIELD_NUMBER: _ClassVar[int]
     PROJECT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     principal: str
     project: str
-    def __init__(self, principal: _Optional[str] = ..., project: _Optional[str] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, principal: _Optional[str] = ..., project: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListRoleBindingsResponse(_message.Message):
-    __slots__ = ("role_bindings",)
+    __slots__ = ("role_bindings", "next_page_token")
     ROLE_BINDINGS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     role_bindings: _containers.RepeatedCompositeFieldContainer[_access_pb2.RoleBinding]
-    def __init__(self, role_bindings: _Optional[_Iterable[_Union[_access_pb2.RoleBinding, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, role_bindings: _Optional[_Iterable[_Union[_access_pb2.RoleBinding, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class DeleteRoleBindingRequest(_message.Message):
     __slots__ = ("name",)
@@ -73,16 +79,22 @@ class CreateApiTokenResponse(_message.Message):
     def __init__(self, api_token: _Optional[_Union[_access_pb2.ApiToken, _Mapping]] = ..., secret: _Optional[str] = ...) -> None: ...
 
 class ListApiTokensRequest(_message.Message):
-    __slots__ = ("service_account",)
+    __slots__ = ("service_account", "page_size", "page_token")
     SERVICE_ACCOUNT_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     service_account: str
-    def __init__(self, service_account: _Optional[str] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, service_account: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListApiTokensResponse(_message.Message):
-    __slots__ = ("api_tokens",)
+    __slots__ = ("api_tokens", "next_page_token")
     API_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     api_tokens: _containers.RepeatedCompositeFieldContainer[_access_pb2.ApiToken]
-    def __init__(self, api_tokens: _Optional[_Iterable[_Union[_access_pb2.ApiToken, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, api_tokens: _Optional[_Iterable[_Union[_access_pb2.ApiToken, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class DeleteApiTokenRequest(_message.Message):
     __slots__ = ("name",)
