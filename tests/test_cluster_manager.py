@@ -351,8 +351,8 @@ async def test_update_applies_masked_fields_and_checks_etag(
     assert dict(resp.cluster.options) == {"partition": "gpu"}
     assert dict(resp.cluster.labels) == {"team": "web"}
 
-    # update_mask is required and limited; type is immutable.
-    for paths in ([], ["type"], ["state"], ["name"]):
+    # update_mask is required and limited ('*' alone); type is immutable.
+    for paths in ([], ["type"], ["state"], ["name"], ["*", "labels"]):
         e = await rpc_error(stub.UpdateCluster(pb.UpdateClusterRequest(
             cluster=body, update_mask=field_mask_pb2.FieldMask(paths=paths))))
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and fields(e) == ["update_mask"], paths
@@ -361,6 +361,21 @@ async def test_update_applies_masked_fields_and_checks_etag(
                                     labels={"a": "b"}),
         update_mask=field_mask_pb2.FieldMask(paths=["labels"]))))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and fields(e) == ["cluster.type"]
+    # '*' replaces every updatable field: labels and options not sent are cleared.
+    for _ in range(20):
+        current = (await stub.GetCluster(pb.GetClusterRequest(name="clusters/upd"))).cluster
+        try:
+            full = cluster_pb2.Cluster(name="clusters/upd", address=current.address,
+                                       driver_address=current.driver_address, labels={"whole": "1"})
+            resp = await stub.UpdateCluster(pb.UpdateClusterRequest(
+                cluster=full, update_mask=field_mask_pb2.FieldMask(paths=["*"]), etag=current.etag))
+            break
+        except grpc.aio.AioRpcError as err:
+            assert err.code() == grpc.StatusCode.ABORTED, err
+    else:
+        raise AssertionError("UpdateCluster with the current etag kept being ABORTED")
+    assert dict(resp.cluster.labels) == {"whole": "1"} and not resp.cluster.options
+    assert resp.cluster.driver_address == current.driver_address
     # Masked fields are validated.
     e = await rpc_error(stub.UpdateCluster(pb.UpdateClusterRequest(
         cluster=cluster_pb2.Cluster(name="clusters/upd", driver_address="nope"),

@@ -229,8 +229,13 @@ def check_new_cluster(cluster_id: str, cluster: Cluster, creds: Credentials | No
 
 
 def check_update_mask(paths: Iterable[str]) -> list[str]:
-    """The mask's paths, checked: required, each one of UPDATABLE_FIELDS."""
+    """The mask's paths, checked: required, each one of UPDATABLE_FIELDS, or ``*`` alone
+    (AIP-134's full replacement: every updatable field, an unset one cleared)."""
     ps = list(paths)
+    if "*" in ps:
+        if len(ps) > 1:
+            raise InvalidArgument.for_field("update_mask", "'*' stands alone")
+        return list(UPDATABLE_FIELDS)
     if not ps:
         raise InvalidArgument.for_field(
             "update_mask", f"required; fields: {', '.join(UPDATABLE_FIELDS)}")
