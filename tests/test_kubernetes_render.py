@@ -87,6 +87,19 @@ def test_rendezvous_names_the_headless_service() -> None:
     assert ps.success.decisive_roles == {"chief"}
 
 
+def test_a_pod_mounts_an_api_token_only_of_the_clusters_service_account() -> None:
+    """Without the cluster option ``service_account`` a job's pods mount no API token (the
+    namespace's default ServiceAccount's would reach the API server); with it, that one's."""
+    for name in ("single_process", "mpi"):
+        pods = [m for m in render.render_job("sa", SPECS[name], 1, OPTS).manifests if m["kind"] == "Pod"]
+        assert pods and all(p["spec"]["automountServiceAccountToken"] is False for p in pods)
+        assert not any("serviceAccountName" in p["spec"] for p in pods)
+        pods = [m for m in render.render_job("sa", SPECS[name], 1, {**OPTS, "service_account": "trainer"}).manifests
+                if m["kind"] == "Pod"]
+        assert all(p["spec"]["serviceAccountName"] == "trainer" for p in pods)
+        assert not any("automountServiceAccountToken" in p["spec"] for p in pods)
+
+
 def test_gpus_split_over_the_containers_of_a_replica() -> None:
     out = render.render_job("golden", SPECS["multi_process"], 1, OPTS)
     pod = out.manifests[1]

@@ -36,7 +36,8 @@ containers, as equal requests and limits (Guaranteed QoS); GPUs as the
 ``nvidia.com/gpu.product`` (the label NVIDIA GPU feature discovery sets).
 
 Cluster options: ``namespace`` (default ``default``), ``default_image``,
-``image_pull_secrets`` (comma-separated Secret names), ``service_account``.
+``image_pull_secrets`` (comma-separated Secret names), ``service_account``
+(the pods' ServiceAccount; without it a pod mounts no API token).
 
 MPI (as MPI Operator v2 does it, with built-in objects only): ``mpi``.
 """
@@ -385,6 +386,8 @@ def _pod(c: _Common, role: str, index: int, procs: Sequence[planner.ProcessLaunc
         pod_spec["imagePullSecrets"] = [{"name": s} for s in pull]
     if options.get("service_account"):
         pod_spec["serviceAccountName"] = options["service_account"]
+    else:  # no API credentials for a job unless the cluster names a ServiceAccount for its jobs
+        pod_spec["automountServiceAccountToken"] = False
     if g.resources.gpus and g.resources.gpu_type:
         pod_spec["nodeSelector"] = {GPU_PRODUCT_LABEL: g.resources.gpu_type}
     name = pod_name(p.job_id, p.attempt, role, index)
