@@ -223,3 +223,101 @@ async def test_an_api_server_that_accepts_and_never_answers_is_stale() -> None:
             w.close()
         server.close()
         await api.close()
+
+
+class _WatchServer:
+    """A raw HTTP API server for the informer alone: lists answer an empty pod list at
+    resourceVersion 10; each watch is answered by ``mode``: ``drop`` sends one event (version 11)
+    and cuts the connection without the final chunk, ``empty`` ends at once with nothing."""
+
+    def __init__(self, mode: str) -> None:
+        import socket
+        import threading
+
+        self.mode = mode
+        self.lists = 0
+        self.watch_lines: list[str] = []
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: Any) -> None:
+        import json
+        import time
+
+        with conn:
+            f = conn.makefile("rb")
+            line = f.readline().decode()
+            while f.readline() not in (b"\r\n", b""):
+                pass
+            if "watch=true" not in line:
+                self.lists += 1
+                body = json.dumps({"metadata": {"resourceVersion": "10"}, "items": []}).encode()
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n" % len(body) + body)
+                return
+            self.watch_lines.append(line)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+            if self.mode == "drop":
+                ev = json.dumps({"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "11"}}}).encode()
+                conn.sendall(b"%x\r\n" % (len(ev) + 1) + ev + b"\n\r\n")
+                time.sleep(0.1)  # then cut: no terminating chunk
+            else:
+                conn.sendall(b"0\r\n\r\n")
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("mode", ["drop", "empty"])
+async def test_a_cut_watch_resumes_and_watches_that_end_at_once_back_off_to_stale(mode: str) -> None:
+    """A watch cut mid-stream (a load balancer, an API server restart) resumes from the last
+    resourceVersion without marking the cluster stale (it did, and re-listed every pod each time);
+    watches that keep ending at once with nothing read (a proxy) are backed off and reported
+    stale (they looped at the full request budget, the cluster shown fresh)."""
+    import threading
+
+    from kubernetes import client
+
+    from drivers.kubernetes.informer import MAX_EMPTY_WATCHES, PodInformer, RequestBudget
+
+    server = _WatchServer(mode)
+    cfg = client.Configuration()
+    cfg.host = f"http://127.0.0.1:{server.port}"
+    api = client.ApiClient(cfg)
+    stale: list[str] = []
+    reported = threading.Event()
+
+    def on_stale(msg: str) -> None:
+        stale.append(msg)
+        reported.set()
+
+    inf = PodInformer(client.CoreV1Api(api), NS, "dlsched.io/job-id", RequestBudget(100, 100),
+                      on_sync=lambda _: None, on_event=lambda *_: None, on_stale=on_stale)
+    try:
+        inf.start()
+        if mode == "drop":
+            await eventually(lambda: len(server.watch_lines) >= 6, within=60)
+            assert not stale, stale
+            assert server.lists == 1
+            assert all("resourceVersion=11" in w for w in server.watch_lines[1:]), server.watch_lines
+        else:
+            assert await asyncio.to_thread(reported.wait, 60), "watches ending at once were never reported"
+            assert "ended at once" in stale[0]
+            assert len(server.watch_lines) >= MAX_EMPTY_WATCHES and server.lists >= 1
+    finally:
+        inf.stop()
+        server.close()
+        api.close()

@@ -4,11 +4,16 @@
 lists the pods with label ``dlsched.io/job-id`` in the cluster's namespace,
 hands the whole set to ``on_sync``, then watches from the list's
 ``resourceVersion`` and hands each event to ``on_event``. A watch that ends
-(``timeout_seconds``, a read timeout, a dropped connection) resumes from the
-last resourceVersion seen (bookmarks included); ``410 Gone`` (the version
-was compacted away) re-lists. Any failure to reach the API server (connection
-refused, 5xx) calls ``on_stale`` and retries with capped exponential backoff;
-the next successful list calls ``on_sync`` again. So status needs one
+after it was answered (``timeout_seconds``, a dropped connection, one read
+timeout) resumes from the last resourceVersion seen (bookmarks included);
+``410 Gone`` (the version was compacted away) re-lists. Any failure to reach
+the API server (connection refused, 5xx, a request never answered) calls
+``on_stale`` and retries with capped exponential backoff; the next
+successful list calls ``on_sync`` again. So do watches that keep ending at
+once with nothing read (a proxy that cuts them: ``MAX_EMPTY_WATCHES`` in a
+row), after backing off between them, and a second read timeout in a row (a
+healthy server ends every watch at ``timeout_seconds``, before the read
+timeout, and sends bookmarks: a watch silent that long hangs). So status needs one
 long-lived request per cluster, however many jobs it runs: no per-job GETs.
 
 Callbacks run on the informer thread; the driver hops them onto its event
@@ -35,6 +40,11 @@ from typing import Any
 from dlsched.kit import metrics
 
 log = logging.getLogger("dlsched.driver.kubernetes")
+
+#: watches in a row that ended (cleanly or dropped) within ``QUICK_WATCH_SECONDS`` with nothing read:
+#: backed off between them, and this many call ``on_stale`` and re-list
+MAX_EMPTY_WATCHES = 3
+QUICK_WATCH_SECONDS = 2.0
 
 
 class RequestBudget:
@@ -96,6 +106,7 @@ class PodInformer:
         self._stop = threading.Event()
         self._watch: Any = None
         self._streaming = False  # the open watch was answered (its read timeout means idle)
+        self._lines = 0  # lines the open watch delivered
         self._thread = threading.Thread(target=self._run, name=f"informer-{namespace}", daemon=True)
         self.resource_version = ""
         self.lists = 0
@@ -166,6 +177,7 @@ class PodInformer:
             for line in iter_resp_lines(resp):  # type: ignore[no-untyped-call]
                 if self._stop.is_set():
                     return True
+                self._lines += 1
                 ev = json.loads(line)
                 kind = ev.get("type")
                 obj = ev.get("object") or {}
@@ -189,29 +201,63 @@ class PodInformer:
     def _run(self) -> None:
         backoff = 0.2
         need_list = True
+        empty = 0  # watches in a row that ended at once with nothing read
+        timed_out = False  # the last watch ended in a read timeout
         while not self._stop.is_set():
             self._streaming = False
+            self._lines = 0
+            started = time.monotonic()
             try:
                 if need_list:
                     self._list()
                     need_list = False
-                    backoff = 0.2
+                    if not empty:
+                        backoff = 0.2
                 if not self._watch_once():
                     log.info("watch of %s: resourceVersion gone (410); re-listing", self._ns)
                     need_list = True
+                    continue
+                timed_out = False
             except Exception as e:  # noqa: BLE001 - the informer never dies
                 if self._stop.is_set():
                     return
-                if self._streaming and _is_read_timeout(e):
-                    continue  # an idle watch (answered, then silent): resume from the last resourceVersion
-                # A list or a watch request that timed out (an API server that accepts and never
-                # answers) is the cluster failing, not an idle watch: stale, and backing off.
-                msg = _describe(e)
-                log.warning("list/watch of pods in %s failed: %s", self._ns, msg)
-                self._on_stale(msg)
-                need_list = True
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, self._max_backoff)
+                read_timeout = _is_read_timeout(e)
+                if not (self._streaming and (_is_dropped(e) or (read_timeout and not timed_out))):
+                    # Not answered (an API server that accepts and never answers, refused, 5xx),
+                    # or a second read timeout in a row: the cluster failing, not an idle watch.
+                    self._failed(_describe(e) if not self._streaming else "the watch hangs (no bookmark, no end)")
+                    need_list, timed_out, empty = True, False, 0
+                    self._stop.wait(backoff)
+                    backoff = min(backoff * 2, self._max_backoff)
+                    continue
+                timed_out = read_timeout  # answered, then silent or cut: resume from the last version
+            if self._lines or time.monotonic() - started >= QUICK_WATCH_SECONDS:
+                empty, backoff = 0, 0.2
+                continue
+            empty += 1  # ended at once with nothing read: never in a tight loop
+            if empty >= MAX_EMPTY_WATCHES:
+                self._failed(f"{empty} watches in a row ended at once with nothing read")
+                need_list, empty = True, 0
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, self._max_backoff)
+
+    def _failed(self, msg: str) -> None:
+        log.warning("list/watch of pods in %s failed: %s", self._ns, msg)
+        self._on_stale(msg)
+
+
+def _is_dropped(exc: BaseException) -> bool:
+    """The connection ended mid-stream (no final chunk): urllib3's ProtocolError, a reset."""
+    seen: BaseException | None = exc
+    for _ in range(6):
+        if seen is None:
+            return False
+        if type(seen).__name__ in ("ProtocolError", "IncompleteRead", "InvalidChunkLength",
+                                   "ConnectionResetError", "BrokenPipeError"):
+            return True
+        seen = seen.__cause__ or seen.__context__ or (seen.args[0] if seen.args and
+                                                       isinstance(seen.args[0], BaseException) else None)
+    return False
 
 
 def _is_read_timeout(exc: BaseException) -> bool:
