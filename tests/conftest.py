@@ -49,6 +49,13 @@ _IN_CI = os.environ.get("CI", "").lower() == "true"
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
     outcome = yield
     rep = outcome.get_result()
+    if rep.failed:
+        # The logs of the processes the test ran against (a Ray head, a service), so a
+        # failure on a CI machine says why.
+        for name, value in getattr(item, "funcargs", {}).items():
+            logs = getattr(value, "failure_logs", None)
+            if callable(logs):
+                rep.sections.append((f"logs of fixture {name!r}", logs()[-20000:]))
     if _IN_CI and rep.skipped and not hasattr(rep, "wasxfail"):
         rep.outcome = "failed"
         rep.longrepr = f"skipped under CI, where nothing may be skipped: {rep.longrepr}"

@@ -239,6 +239,9 @@ class ServiceProcess:
         except OSError:
             return ""
 
+    def failure_logs(self) -> str:
+        return f"--- {self.name}\n{self.log()[-8000:]}"
+
     def kill(self) -> None:
         """SIGKILL, as a crash would."""
         if self.proc and self.proc.poll() is None:
