@@ -95,3 +95,18 @@ async def test_a_cluster_waiting_for_its_budget_holds_no_thread_another_cluster_
             await asyncio.gather(*backlog, return_exceptions=True)
             await slow.close()
             await fast.close()
+
+
+def test_an_error_body_of_any_json_maps_to_its_status_never_an_attribute_error() -> None:
+    """A proxy may answer any JSON (a string, a list) where the API server answers a Status:
+    the error is still mapped by status (``api_error`` raised AttributeError: INTERNAL)."""
+    from kubernetes.client.exceptions import ApiException
+
+    from drivers.kubernetes.api import api_error
+
+    for body in ('"conflict"', "[1, 2]", "null", "[" * 100_000, '{"message": "pod x exists"}'):
+        exc = ApiException(status=422, reason="Unprocessable")
+        exc.body = body
+        err = api_error(exc, "creating pod x")
+        assert err.code == "INVALID_ARGUMENT" and "HTTP 422" in str(err), body
+    assert "pod x exists" in str(err)

@@ -57,8 +57,10 @@ def status_text(exc: BaseException) -> str:
 def _message(exc: BaseException) -> str:
     body = getattr(exc, "body", None)
     if body:
-        with contextlib.suppress(ValueError, TypeError):
-            return str(json.loads(body).get("message", ""))[:500]
+        with contextlib.suppress(ValueError, TypeError, RecursionError):
+            doc = json.loads(body)
+            if isinstance(doc, dict):  # a Status; a proxy's body may be any JSON
+                return str(doc.get("message", ""))[:500]
     return ""
 
 
