@@ -65,6 +65,9 @@ class Emulator(kmock.KubernetesEmulator):
         self.logs: dict[tuple[str, str], list[str]] = {}
         self.log_event = asyncio.Event()
         self.log_sent: dict[tuple[str, str], int] = {}  # bytes of log lines written to clients
+        #: pods whose log responses trickle: a line every half second until the client leaves
+        #: (a slow API server, a log read slower than it grows), follow or not
+        self.trickle: set[str] = set()
         self.log_auth: list[str] = []  # the Authorization header of each log request
         self.stamps: list[tuple[float, str]] = []  # (monotonic arrival, "METHOD path")
         self.fail_with: int | None = None  # answer every request with this status (5xx)
@@ -157,6 +160,10 @@ class Emulator(kmock.KubernetesEmulator):
         resp = aiohttp.web.StreamResponse()
         resp.content_type = "text/plain"
         await resp.prepare(raw)
+        if request.name in self.trickle:
+            while True:
+                await resp.write(f"{rfc3339(time.time())} trickle\n".encode())
+                await asyncio.sleep(0.5)
         lines = self.logs.setdefault(key, [])
         pos = max(0, len(lines) - int(q["tailLines"])) if q.get("tailLines") else 0
         cutoff = time.time() - int(q["sinceSeconds"]) if q.get("sinceSeconds") else None

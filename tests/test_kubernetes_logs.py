@@ -248,6 +248,44 @@ async def test_follows_past_the_reader_pool_are_refused_not_left_waiting(emu: tu
         svc.stop()
 
 
+async def test_reads_that_never_end_keep_no_follow_waiting(emu: tuple[Emulator, str]) -> None:
+    """Reads without follow hold their own eighth of the reader slots: two reads of a log that
+    never ends (an API server that trickles) held both slots of ``--max-log-readers 2``, and a
+    follow, let through by its count, then waited silently behind them for good. Now the
+    second read waits for the first, and the follow is read at once."""
+    from tests import security
+    from tests.harness import ServiceProcess
+    from tests.kube_emulator import configure
+
+    e, url = emu
+    svc = ServiceProcess("drivers.kubernetes", ["--request-timeout", "3", "--qps", "500", "--burst", "1000",
+                                                "--max-log-readers", "2"],
+                         name="kubernetes-driver-2-readers").start()
+    calls: list[Any] = []
+    try:
+        async with security.channel(svc.address) as ch:
+            from dlsched.v1 import driver_service_pb2_grpc
+
+            stub = driver_service_pb2_grpc.DriverServiceStub(ch)
+            await configure(stub, "clusters/k8s", url)
+            slow = await _running_job_saying_hello(stub, emu, "trickle")
+            e.trickle.add(f"{slow.job.job_id}-1-main-0")
+            read = dpb.TailJobLogsRequest(cluster="clusters/k8s", job=slow.job)
+            first = stub.TailJobLogs(read, timeout=300)
+            calls.append(first)
+            assert [x.text for x in (await first.read()).entries] == ["trickle"]
+            calls.append(stub.TailJobLogs(read, timeout=300))  # waits for a read slot
+            follow = await _running_job_saying_hello(stub, emu, "followed")
+            call = stub.TailJobLogs(follow, timeout=300)
+            calls.append(call)
+            got = await asyncio.wait_for(call.read(), 60)
+            assert [x.text for x in got.entries] == ["hello"]
+    finally:
+        for c in calls:
+            c.cancel()
+        svc.stop()
+
+
 async def test_logs_of_a_kubeconfig_cluster_carry_its_token_and_a_bad_ca_is_invalid_argument(
         stub: Any, emu: tuple[Emulator, str]) -> None:
     """A kubeconfig's token sits where the client keeps it (``BearerToken``), not where a

@@ -126,7 +126,7 @@ class KubernetesConfig:
         "help": "let a cluster's kubeconfig run exec / auth-provider plugins on this host (EKS, GKE)"})
     max_log_readers: int = field(default=logs.READERS, metadata={"min": 2,
         "help": "pod log responses open at once (a connection each, no thread); follows may hold "
-                "7/8 of them, one past that is RESOURCE_EXHAUSTED"})
+                "7/8 of them (one past that is RESOURCE_EXHAUSTED), reads without follow the rest"})
 
 
 def _run_modes() -> tuple[RunMode, ...]:

@@ -15,9 +15,11 @@ consumer. What the readers of one tail hold for their consumer is bounded
 log stream waits in the connection's flow control, so a slow client costs
 the driver a bounded amount of memory however fast the pods write. At most
 ``READERS`` (``--max-log-readers``) responses are open at once (a
-descriptor each); follows may hold all but an eighth of them, so a read
-that ends always finds a slot soon, and a follow past that is
-RESOURCE_EXHAUSTED ``LOG_READERS_EXHAUSTED`` at once.
+descriptor each): follows hold at most seven eighths of them (a follow past
+that is RESOURCE_EXHAUSTED ``LOG_READERS_EXHAUSTED`` at once), reads without
+follow the other eighth, each tail at most ``TAIL_READS`` of those at once.
+So reads whose clients stopped taking lines never keep a follow waiting,
+and one large job's read leaves room for the others.
 """
 
 from __future__ import annotations
@@ -49,18 +51,21 @@ QUEUED_CHARS = 4 << 20
 _ENTRY_COST = 64  #: what an entry costs beyond its text, in characters
 #: pod log responses open at once in this process (a follow holds one for its whole life)
 READERS = 4096
+#: the responses one read without follow has open at once (its replicas are read in waves)
+TAIL_READS = 32
 
 
 class _Readers:
-    """The open pod log responses, and how many follows hold one: follows may hold all but
-    an eighth of them, so a read that ends (no follow) always finds a slot soon. A tail
-    whose follows would pass that is refused RESOURCE_EXHAUSTED, not left waiting
-    silently for a slot that a follow may hold for days."""
+    """The open pod log responses: follows may hold all but an eighth of them, counted as
+    they start (a tail whose follows would pass that is refused RESOURCE_EXHAUSTED, not
+    left waiting silently for a slot that a follow may hold for days); reads without
+    follow wait for a slot of the other eighth (``reads``), which they give back as they
+    end, and a follow never waits for."""
 
     def __init__(self, slots: int) -> None:
-        self.slots = max(2, slots)
-        self.open = asyncio.Semaphore(self.slots)
-        self.follow_cap = self.slots - max(1, self.slots // 8)
+        self.slots = slots
+        self.follow_cap = slots - max(1, slots // 8)
+        self.reads = asyncio.Semaphore(slots - self.follow_cap)
         self.following = 0
 
     def reserve(self, n: int) -> None:
@@ -217,8 +222,11 @@ async def tail(c: KubeCluster, job: TrackedJob, query: LogQuery) -> AsyncGenerat
     held: list[list[LogEntry] | BaseException | None] = []  # a reader's end met while coalescing
     try:
         budget = _Budget()
+        # A follow's readers were counted by reserve(); a read's wait for a slot of their own
+        # (a wave of this tail's, then the process's).
+        gates = () if query.follow else (asyncio.Semaphore(TAIL_READS), readers.reads)
         tasks.extend(asyncio.ensure_future(_tail_one(c, job, r, index, cname, query, queue,
-                                                     budget, readers.open))
+                                                     budget, gates))
                      for r, index, cname in targets)
         remaining = len(tasks)
         while remaining:
@@ -278,7 +286,8 @@ def _params(container: str, query: LogQuery) -> dict[str, str]:
 
 
 async def _tail_one(c: KubeCluster, job: TrackedJob, r: Replica, index: int, container: str,
-                    query: LogQuery, queue: _Queue, budget: _Budget, slots: asyncio.Semaphore) -> None:
+                    query: LogQuery, queue: _Queue, budget: _Budget,
+                    gates: tuple[asyncio.Semaphore, ...]) -> None:
     try:
         if not await _started(job, r, index, query, queue, budget):
             return
@@ -288,7 +297,9 @@ async def _tail_one(c: KubeCluster, job: TrackedJob, r: Replica, index: int, con
                 await budget.take(_cost(entries))
                 queue.put_nowait(entries)
 
-        async with slots:
+        async with contextlib.AsyncExitStack() as slots:
+            for gate in gates:
+                await slots.enter_async_context(gate)
             try:
                 await c.api.budget.acquire_async()
                 metrics.backend_call("kubernetes", "read_namespaced_pod_log")
