@@ -193,6 +193,20 @@ def test_selector_name_type_and_labels() -> None:
         rank(job(), [])
 
 
+def test_a_cluster_kept_for_projects_matches_only_their_jobs() -> None:
+    """allowed_projects: a job of another project, or a request naming none (MatchClusters
+    without a project), is refused with the reason; a listed project's job matches."""
+    from dataclasses import replace
+
+    cs = [replace(cluster("kept"), allowed_projects=("team-a",)), cluster("open")]
+    for project, want in (("team-a", ["clusters/kept", "clusters/open"]), ("team-b", ["clusters/open"]),
+                          ("", ["clusters/open"])):
+        got = rank(replace(job(), project=project), cs)
+        assert sorted(c.cluster for c in got if c.eligible) == want, project
+    refused = next(c for c in rank(job(), cs) if c.cluster == "clusters/kept")
+    assert not refused.eligible and "name a project" in refused.reasons[0]
+
+
 def test_capacity_noise_is_not_a_change() -> None:
     a = cap(cpus=16)
     noisy = Capacity(**{**a.__dict__, "memory_bytes_free": a.memory_bytes_free - GIB // 2})

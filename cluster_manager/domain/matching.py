@@ -95,8 +95,11 @@ def _evaluate(job: JobRequirements, c: Cluster, now: datetime) -> Candidate:
             have = c.labels.get(k)
             refusals.append(f"label {k}={v} wanted, cluster has "
                             + (f"{k}={have}" if have is not None else f"no label {k}"))
-    if c.allowed_projects and job.project and job.project not in c.allowed_projects:
-        refusals.append(f"project {job.project} may not use this cluster")
+    if c.allowed_projects and job.project not in c.allowed_projects:
+        # a request naming no project (MatchClusters without one) is not in any: a cluster kept for
+        # some projects was shown eligible to it
+        refusals.append(f"project {job.project} may not use this cluster" if job.project
+                        else "this cluster runs only its allowed projects' jobs; name a project")
     if refusals:
         return _refused(c, refusals)
     msg = f"state is {c.state.value}"
