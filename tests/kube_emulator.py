@@ -68,6 +68,7 @@ class Emulator(kmock.KubernetesEmulator):
         #: pods whose log responses trickle: a line every half second until the client leaves
         #: (a slow API server, a log read slower than it grows), follow or not
         self.trickle: set[str] = set()
+        self.follow_cuts = 0  # cut_follows() calls: each ends the open follows as if done
         self.log_auth: list[str] = []  # the Authorization header of each log request
         self.stamps: list[tuple[float, str]] = []  # (monotonic arrival, "METHOD path")
         self.fail_with: int | None = None  # answer every request with this status (5xx)
@@ -164,6 +165,7 @@ class Emulator(kmock.KubernetesEmulator):
             while True:
                 await resp.write(f"{rfc3339(time.time())} trickle\n".encode())
                 await asyncio.sleep(0.5)
+        cuts = self.follow_cuts
         lines = self.logs.setdefault(key, [])
         pos = max(0, len(lines) - int(q["tailLines"])) if q.get("tailLines") else 0
         cutoff = time.time() - int(q["sinceSeconds"]) if q.get("sinceSeconds") else None
@@ -176,11 +178,18 @@ class Emulator(kmock.KubernetesEmulator):
                 pos += 1
             if q.get("follow") not in ("true", "True") or self.phase(request.name) in ("Succeeded", "Failed", ""):
                 break
+            if self.follow_cuts != cuts:  # as kube-apiserver ends a log it lost the kubelet of
+                break
             self.log_event.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.log_event.wait(), 0.5)
         await resp.write_eof()
         return resp
+
+    def cut_follows(self) -> None:
+        """End every open follow cleanly, the pods running on (a kubelet restart)."""
+        self.follow_cuts += 1
+        self.log_event.set()
 
     def write_log(self, pod: str, text: str, container: str = "main", at: float | None = None) -> None:
         stamp = rfc3339(at) if at is not None else time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime()) + ".123456789Z"

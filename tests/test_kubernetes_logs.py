@@ -7,6 +7,7 @@ import os
 import time
 from typing import Any
 
+import grpc
 import pytest
 
 pytest.importorskip("kmock")
@@ -246,6 +247,31 @@ async def test_follows_past_the_reader_pool_are_refused_not_left_waiting(emu: tu
         for call in calls:
             call.cancel()
         svc.stop()
+
+
+async def test_a_follow_cut_while_its_pod_runs_reads_on_from_its_last_line(
+        stub: Any, emu: tuple[Emulator, str]) -> None:
+    """The API server ends a followed log as if done when it loses the kubelet (a kubelet
+    restart); the pod runs on. The follow ended OK there, the job still running; it now reads
+    again from its last line's time: every line once, and it ends when the pod does."""
+    e, url = emu
+    req = await _running_job_saying_hello(stub, emu, "cut")
+    pod = f"{req.job.job_id}-1-main-0"
+    call = stub.TailJobLogs(req, timeout=300)
+    got = [x.text for x in (await call.read()).entries]
+    assert got == ["hello"]
+    e.cut_follows()
+    await asyncio.sleep(0.2)
+    e.write_log(pod, "after the cut")
+    more = await asyncio.wait_for(call.read(), 60)
+    assert more is not grpc.aio.EOF, "the follow ended with the pod running"
+    got += [x.text for x in more.entries]
+    e.cut_follows()
+    e.write_log(pod, "last")
+    await kubelet(url, pod, "Succeeded", **exited(0, "Completed"))
+    async for r in call:
+        got.extend(x.text for x in r.entries)
+    assert got == ["hello", "after the cut", "last"]
 
 
 async def test_reads_that_never_end_keep_no_follow_waiting(emu: tuple[Emulator, str]) -> None:

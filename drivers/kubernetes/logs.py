@@ -6,7 +6,9 @@ filtered exactly). Kubernetes merges a container's stdout and stderr, so
 every line is reported as STDOUT; a query that does not want STDOUT opens
 nothing. A pod that has not started yet gives one line saying so (without
 follow), or is waited for (with follow); a follow ends once every replica's
-stream has ended and the job is terminal. Each reader is a task on the
+stream has ended and the job is terminal (a followed stream that ends while
+its pod runs, as when the API server loses its kubelet, is read again from
+its last line's time). Each reader is a task on the
 event loop reading its response with aiohttp (``podlog.PodLogClient``): a
 silent follow costs a socket, not a thread, and closing the tail cancels
 its readers, which close their responses, so no reader outlives its
@@ -53,6 +55,11 @@ _ENTRY_COST = 64  #: what an entry costs beyond its text, in characters
 READERS = 4096
 #: the responses one read without follow has open at once (its replicas are read in waves)
 TAIL_READS = 32
+#: a followed stream that ends while its pod runs (the API server's link to the kubelet broke:
+#: it ends the response as if done) is read again from its last line's time, after this long
+#: (doubling up to ``RESUME_MAX_SECONDS``)
+RESUME_SECONDS = 0.5
+RESUME_MAX_SECONDS = 10.0
 
 
 class _Readers:
@@ -274,15 +281,24 @@ async def _started(job: TrackedJob, r: Replica, index: int, query: LogQuery, que
             await asyncio.wait_for(changed.wait(), timeout=5)
 
 
-def _params(container: str, query: LogQuery) -> dict[str, str]:
+def _params(container: str, query: LogQuery, after_ns: int | None = None) -> dict[str, str]:
+    """The log request's parameters; ``after_ns``: resuming a follow after the line of that time
+    (every line since, whatever ``tail_lines`` said)."""
     params = {"timestamps": "true", "follow": "true" if query.follow else "false"}
     if container:
         params["container"] = container
-    if query.tail_lines:
+    if query.tail_lines and after_ns is None:
         params["tailLines"] = str(query.tail_lines)
-    if query.since_ns is not None:
-        params["sinceSeconds"] = str(max(1, math.ceil(time.time() - query.since_ns / 1e9) + 1))
+    since = after_ns if after_ns is not None else query.since_ns
+    if since is not None:
+        params["sinceSeconds"] = str(max(1, math.ceil(time.time() - since / 1e9) + 1))
     return params
+
+
+def _may_write(job: TrackedJob, r: Replica) -> bool:
+    """Whether the replica's pod may still write: it runs, and its job has not ended."""
+    view = job.pods.get(r.pod)
+    return job.final is None and view is not None and not view.state.is_terminal()
 
 
 async def _tail_one(c: KubeCluster, job: TrackedJob, r: Replica, index: int, container: str,
@@ -292,34 +308,54 @@ async def _tail_one(c: KubeCluster, job: TrackedJob, r: Replica, index: int, con
         if not await _started(job, r, index, query, queue, budget):
             return
 
+        resumed: int | None = None  # reading again after a follow's stream ended early: its last line's time
+        last: int | None = None  # the newest line's time sent
+
         async def put(lines: list[tuple[int | None, str]]) -> None:
+            nonlocal last
+            if resumed is not None:  # the lines read before come again (sinceSeconds is whole seconds)
+                lines = [(ns, text) for ns, text in lines if ns is not None and ns > resumed]
             if entries := _entries(r.role, index, lines, query):
                 await budget.take(_cost(entries))
                 queue.put_nowait(entries)
+            last = max((ns for ns, _ in lines if ns is not None), default=last)
 
         async with contextlib.AsyncExitStack() as slots:
             for gate in gates:
                 await slots.enter_async_context(gate)
-            try:
-                await c.api.budget.acquire_async()
-                metrics.backend_call("kubernetes", "read_namespaced_pod_log")
-                resp = await c.api.logs.open(
-                    c.namespace, r.pod, _params(container, query),
-                    read_timeout=FOLLOW_READ_TIMEOUT if query.follow else c.api.timeout)
-            except (HttpError, aiohttp.ClientError, TimeoutError) as e:
-                if status_of(e) not in (400, 404):
+            wait = RESUME_SECONDS
+            while True:
+                before = last
+                try:
+                    await c.api.budget.acquire_async()
+                    metrics.backend_call("kubernetes", "read_namespaced_pod_log")
+                    resp = await c.api.logs.open(
+                        c.namespace, r.pod, _params(container, query, resumed),
+                        read_timeout=FOLLOW_READ_TIMEOUT if query.follow else c.api.timeout)
+                except (HttpError, aiohttp.ClientError, TimeoutError) as e:
+                    if status_of(e) not in (400, 404):
+                        raise api_error(e, f"reading the log of {r.pod}") from None
+                    if resumed is None:  # resuming, the pod went away meanwhile: its log has ended
+                        await queue.put(budget.charge(_note(r, index,
+                                                            f"no log for pod {r.pod} ({status_text(e)})")))
+                    return
+                try:
+                    pieces = _Pieces()
+                    async for chunk in resp.content.iter_any():
+                        await put(pieces.feed(chunk))
+                    await put(pieces.end())
+                except (aiohttp.ClientError, TimeoutError) as e:
                     raise api_error(e, f"reading the log of {r.pod}") from None
-                await queue.put(budget.charge(_note(r, index, f"no log for pod {r.pod} ({status_text(e)})")))
-                return
-            try:
-                pieces = _Pieces()
-                async for chunk in resp.content.iter_any():
-                    await put(pieces.feed(chunk))
-                await put(pieces.end())
-            except (aiohttp.ClientError, TimeoutError) as e:
-                raise api_error(e, f"reading the log of {r.pod}") from None
-            finally:  # read to its end: the connection may serve another; else (a cancel) closed
-                resp.release() if resp.content.at_eof() else resp.close()
+                finally:  # read to its end: the connection may serve another; else (a cancel) closed
+                    resp.release() if resp.content.at_eof() else resp.close()
+                if not query.follow or not _may_write(job, r):
+                    return
+                # The stream ended while the pod runs (the API server lost its kubelet): read on
+                # from the last line, not end the follow as if the job had.
+                wait = RESUME_SECONDS if last != before else wait  # it read on a while: cut afresh
+                await asyncio.sleep(wait)
+                wait = min(wait * 2, RESUME_MAX_SECONDS)
+                resumed = last  # None: nothing read yet, so the first request's again
     except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
         queue.put_nowait(e)
     finally:
