@@ -46,6 +46,7 @@ import asyncio
 import json
 import logging
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
@@ -62,7 +63,7 @@ from dlsched.kit import tls as tls_kit
 
 from . import status, transcode
 from .openapi import build_openapi
-from .rules import Route
+from .rules import BadPathValue, Route
 
 HTTP_REQUESTS = prometheus_client.Counter(
     "dlsched_http_requests", "gateway HTTP requests, by the RPC they reach and the HTTP status",
@@ -79,6 +80,15 @@ class RouteNotFound(errors.NotFound):
     """No route has this path."""
 
     reason = "ROUTE_NOT_FOUND"
+
+
+def _query(request: web.Request) -> list[tuple[str, str]]:
+    """The query's pairs, percent-decoded as UTF-8 or refused (``%FF`` was taken as U+FFFD)."""
+    try:
+        return urllib.parse.parse_qsl(request.rel_url.raw_query_string, keep_blank_values=True,
+                                      errors="strict")
+    except UnicodeDecodeError:
+        raise errors.InvalidArgument("the query is not UTF-8 once percent-decoded") from None
 
 
 class MethodNotAllowed(errors.Unimplemented):
@@ -227,19 +237,27 @@ class Gateway:
     # ---------------------------------------------------------------- dispatch
 
     def match(self, method: str, raw_path: str) -> tuple[Route, dict[str, str]]:
+        """The route and path values of a request; HEAD is a unary GET's (RFC 9110 9.3.2:
+        aiohttp sends its headers, no body)."""
         allowed: list[str] = []
         verb_matched = False
         for route in self.routes:
-            values = route.template.match(raw_path)
+            try:
+                values = route.template.match(raw_path)
+            except BadPathValue as e:
+                raise errors.InvalidArgument.for_field(str(e), "not UTF-8 once percent-decoded") from None
             if values is None:
                 continue
             if route.template.verb:
                 verb_matched = True
             elif verb_matched:  # GET /v1/jobs/x:stop: 405 for the verb, not a job named "x:stop"
                 break
-            if route.http_method == method:
+            if route.http_method == method or (method == "HEAD" and route.http_method == "GET"
+                                               and not route.server_streaming):
                 return route, values
             allowed.append(route.http_method)
+            if route.http_method == "GET" and not route.server_streaming:
+                allowed.append("HEAD")
         if allowed:
             raise MethodNotAllowed(f"{method} is not allowed here; use {', '.join(allowed)}",
                                    metadata={"allow": ",".join(sorted(set(allowed)))})
@@ -250,7 +268,7 @@ class Gateway:
             route, values = self.match(request.method, request.rel_url.raw_path)
             request["rpc"] = route.grpc_path
             body = await self._body(request) if route.body else b""
-            msg = transcode.build_request(route, values, request.rel_url.query.items(), body)
+            msg = transcode.build_request(route, values, _query(request), body)
             md = _forwarded_metadata(request)
             if route.server_streaming:
                 return await self._stream(request, route, msg, md)

@@ -50,6 +50,10 @@ class Variable:
         return len(self.segments) > 1 or "**" in self.segments
 
 
+class BadPathValue(ValueError):
+    """A path variable that is not UTF-8 once percent-decoded (``%FF``): its field path."""
+
+
 @dataclass(frozen=True)
 class PathTemplate:
     """A parsed path template, compiled to an anchored regex over the raw path."""
@@ -70,7 +74,11 @@ class PathTemplate:
             return None
         out = {}
         for v in self.variables:
-            out[".".join(v.field_path)] = _decode(m.group(v.group), v.multi_segment)
+            field = ".".join(v.field_path)
+            try:
+                out[field] = _decode(m.group(v.group), v.multi_segment)
+            except UnicodeDecodeError as e:
+                raise BadPathValue(field) from e
         return out
 
 
@@ -78,8 +86,8 @@ def _decode(raw: str, multi_segment: bool) -> str:
     # http.proto: a single-segment variable is fully percent-decoded; a
     # multi-segment one keeps %2F, so a decoded "/" never forges a segment.
     if not multi_segment:
-        return urllib.parse.unquote(raw)
-    return "%2F".join(urllib.parse.unquote(p) for p in re.split("%2[fF]", raw))
+        return urllib.parse.unquote(raw, errors="strict")
+    return "%2F".join(urllib.parse.unquote(p, errors="strict") for p in re.split("%2[fF]", raw))
 
 
 def _split_top(text: str, sep: str) -> list[str]:

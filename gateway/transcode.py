@@ -123,18 +123,21 @@ def _apply_query(route: Route, msg: message.Message, pairs: list[tuple[str, str]
     if route.body == "*":
         raise _invalid(pairs[0][0], "query parameters are not accepted here: "
                                     "the JSON body holds the whole request")
-    grouped: dict[str, list[str]] = {}
-    for key, value in pairs:
-        grouped.setdefault(key, []).append(value)
-    tree: dict[str, Any] = {}
     inp = route.method.input_type
     bound = route.path_fields
-    for key, values in grouped.items():
+    # By the field a key names: ``tail_lines`` and ``tailLines`` are one field, given twice.
+    grouped: dict[str, tuple[str, list[descriptor.FieldDescriptor], list[str]]] = {}
+    for key, value in pairs:
         try:
             fields = resolve_field_path(inp, key.split("."))
         except RuleError as e:
             raise _invalid(key, f"unknown query parameter ({e})") from e
         proto_path = ".".join(f.name for f in fields)
+        first = grouped.setdefault(proto_path, (key, fields, []))
+        if first[0] != key:
+            raise _invalid(key, f"the field {first[0]} names too: given more than once")
+        first[2].append(value)
+    for proto_path, (key, fields, values) in grouped.items():
         if proto_path in bound or any(p.startswith(proto_path + ".") for p in bound):
             raise _invalid(key, "set by the URL path, not the query")
         if route.body and fields[0].name == route.body:
@@ -155,16 +158,17 @@ def _apply_query(route: Route, msg: message.Message, pairs: list[tuple[str, str]
             converted = [_query_value(leaf, v) for v in values]
         except ValueError as e:
             raise _invalid(key, str(e)) from e
+        tree: dict[str, Any] = {}
         node = tree
         for f in fields[:-1]:
             node = node.setdefault(f.name, {})
         node[leaf.name] = converted if repeated else converted[0]
-    try:
-        parsed = message_class(inp)()
-        json_format.ParseDict(tree, parsed)
-    except json_format.ParseError as e:
-        raise _invalid(next(iter(grouped)), str(e)) from e
-    msg.MergeFrom(parsed)
+        try:  # each parameter alone, so an error names its own
+            parsed = message_class(inp)()
+            json_format.ParseDict(tree, parsed)
+        except json_format.ParseError as e:
+            raise _invalid(key, str(e)) from e
+        msg.MergeFrom(parsed)
 
 
 def _message_type(f: descriptor.FieldDescriptor) -> descriptor.Descriptor:
@@ -177,6 +181,9 @@ def _query_value(f: descriptor.FieldDescriptor, text: str) -> Any:
     """A query string value as the JSON value json_format expects for ``f``."""
     kind = f.type
     if kind == FD.TYPE_MESSAGE:  # a scalar well-known type
+        if _message_type(f).full_name == "google.protobuf.FieldMask":
+            # paths by field name (``state_message``, as grpc-gateway passes them) or JSON name
+            return ",".join(_json_path(p) for p in text.split(","))
         inner = _message_type(f).fields_by_name.get("value")
         if _message_type(f).full_name == "google.protobuf.BoolValue" or (
                 inner is not None and inner.type == FD.TYPE_BOOL):
@@ -189,6 +196,11 @@ def _query_value(f: descriptor.FieldDescriptor, text: str) -> Any:
     if kind in _FLOATS:
         return float(text)
     return text  # ints (json_format takes strings), strings, enums (name or number), bytes
+
+
+def _json_path(path: str) -> str:
+    """``a_b.c_d`` -> ``aB.cD`` (a FieldMask path's JSON form; one in that form stays)."""
+    return ".".join(re.sub(r"_([a-z0-9])", lambda m: m.group(1).upper(), seg) for seg in path.split("."))
 
 
 def _bool(text: str) -> bool:

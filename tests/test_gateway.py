@@ -422,6 +422,34 @@ def test_gateway_side_errors_are_status_json(base: str) -> None:
     assert code == 405 and reason(body) == "METHOD_NOT_ALLOWED"
 
 
+def test_queries_as_grpc_gateway_clients_send_them(base: str, local_cluster: str) -> None:
+    """What strangers' REST clients send: a bad value is blamed on its own parameter (the first
+    one was named); a field under both its names is given twice (last won); FieldMask paths by
+    field name (``update_mask=labels,driver_address``, as grpc-gateway passes them); HEAD of a
+    GET route (405 before); percent-escapes that are not UTF-8 are 400 (taken as U+FFFD)."""
+    code, body = call(base, "GET", "/v1/jobs/nope/logs?role=x&tail_lines=abc")
+    assert code == 400 and violations(body) == ["tail_lines"], body
+    code, body = call(base, "GET", "/v1/jobs/nope/logs?tail_lines=1&tailLines=2")
+    assert code == 400 and violations(body) == ["tailLines"], body
+    code, body = call(base, "GET", "/v1/clusters/local")
+    current = body["cluster"]
+    for mask in ("labels,driver_address", "labels,driverAddress"):
+        code, body = call(base, "PATCH", f"/v1/clusters/local?update_mask={mask}",
+                          {"labels": current.get("labels", {}), "driverAddress": current["driverAddress"]})
+        assert code == 200, (mask, body)
+    code, body, headers = call_h(base, "HEAD", "/v1/clusters/local")
+    assert code == 200 and body is None and headers["Content-Type"].startswith("application/json")
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(urllib.request.Request(base + "/v1/jobs/x:stop", method="HEAD",
+                                                      headers=auth_headers(ADMIN)),
+                               timeout=30, context=client_ssl())
+    assert refused.value.code == 405 and refused.value.headers["Allow"] == "POST"
+    code, body = call(base, "GET", "/v1/jobs/%FF")
+    assert code == 400 and violations(body) == ["name"], body
+    code, body = call(base, "GET", "/v1/jobs?filter=%FF")
+    assert code == 400 and reason(body) == "INVALID_ARGUMENT", body
+
+
 def test_json_the_gateway_cannot_take_is_status_json_never_a_500_or_text(base: str, local_cluster: str) -> None:
     # Nested past the interpreter's recursion limit: 400, not a RecursionError's 500.
     for deep in (b"[" * 100_000 + b"]" * 100_000, b'{"spec":' * 100_000 + b"1" + b"}" * 100_000):
