@@ -34,6 +34,8 @@ _SCALAR_WKT = {
     "google.protobuf.DoubleValue", "google.protobuf.FloatValue", "google.protobuf.BoolValue",
 }
 _FLOATS = {FD.TYPE_DOUBLE, FD.TYPE_FLOAT}
+#: messages whose JSON is not an object
+_NOT_OBJECTS = _SCALAR_WKT | {"google.protobuf.Value", "google.protobuf.ListValue"}
 
 
 def message_class(desc: descriptor.Descriptor) -> type[message.Message]:
@@ -72,6 +74,11 @@ def _apply_body(route: Route, msg: message.Message, body: bytes) -> None:
     except (ValueError, UnicodeDecodeError) as e:
         raise _invalid(_body_field(route), f"not JSON: {e}") from e
     if route.body != "*":
+        field = route.method.input_type.fields_by_name.get(route.body)
+        if (field is not None and field.type == FD.TYPE_MESSAGE and not is_repeated(field)
+                and _message_type(field).full_name not in _NOT_OBJECTS
+                and not isinstance(data, dict | None)):
+            raise _invalid(route.body, "the body must be a JSON object")  # [] was taken as {}
         data = {route.body: data}
     elif not isinstance(data, dict):
         raise _invalid("", "the body must be a JSON object")

@@ -448,6 +448,9 @@ def test_queries_as_grpc_gateway_clients_send_them(base: str, local_cluster: str
     assert code == 400 and violations(body) == ["name"], body
     code, body = call(base, "GET", "/v1/jobs?filter=%FF")
     assert code == 400 and reason(body) == "INVALID_ARGUMENT", body
+    # A message body must be an object: [] was taken as an empty cluster.
+    code, body = call(base, "PATCH", "/v1/clusters/local?update_mask=labels", [])
+    assert code == 400 and violations(body) == ["cluster"], body
 
 
 def test_json_the_gateway_cannot_take_is_status_json_never_a_500_or_text(base: str, local_cluster: str) -> None:
