@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -16,6 +18,7 @@ pytest.importorskip("kubernetes")
 
 from dlsched.v1 import driver_service_pb2 as dpb  # noqa: E402
 from dlsched.v1 import job_pb2  # noqa: E402
+from tests.harness import ServiceProcess  # noqa: E402
 from tests.kube_emulator import (  # noqa: E402, F401 - the fixtures driver, emu, stub, by their names
     Emulator,
     configure,
@@ -179,6 +182,26 @@ async def test_many_followers_never_hold_back_the_drivers_api_calls(stub: Any, e
             call.cancel()
 
 
+@contextlib.asynccontextmanager
+async def _driver_with_readers(readers: int, url: str) -> AsyncIterator[tuple[ServiceProcess, Any]]:
+    """A Kubernetes driver of its own with ``--max-log-readers readers``, clusters/k8s configured
+    on the emulator: the process and a stub."""
+    from dlsched.v1 import driver_service_pb2_grpc
+    from tests import security
+    from tests.kube_emulator import configure
+
+    svc = ServiceProcess("drivers.kubernetes", ["--request-timeout", "3", "--qps", "500", "--burst", "1000",
+                                                "--max-log-readers", str(readers)],
+                         name=f"kubernetes-driver-{readers}-readers").start()
+    try:
+        async with security.channel(svc.address) as ch:
+            stub = driver_service_pb2_grpc.DriverServiceStub(ch)
+            await configure(stub, "clusters/k8s", url)
+            yield svc, stub
+    finally:
+        svc.stop()
+
+
 async def test_follows_past_the_reader_pool_are_refused_not_left_waiting(emu: tuple[Emulator, str]) -> None:
     """A follow holds a reader slot (an open response) for as long as it lasts. With
     ``--max-log-readers 8`` follows may hold 7: the 8th follow is RESOURCE_EXHAUSTED
@@ -189,21 +212,10 @@ async def test_follows_past_the_reader_pool_are_refused_not_left_waiting(emu: tu
     from google.rpc import error_details_pb2
     from grpc_status import rpc_status
 
-    from tests import security
-    from tests.harness import ServiceProcess
-    from tests.kube_emulator import configure
-
     e, url = emu
-    svc = ServiceProcess("drivers.kubernetes", ["--request-timeout", "3", "--qps", "500", "--burst", "1000",
-                                                "--max-log-readers", "8"],
-                         name="kubernetes-driver-8-readers").start()
     calls: list[Any] = []
     try:
-        async with security.channel(svc.address) as ch:
-            from dlsched.v1 import driver_service_pb2_grpc
-
-            stub = driver_service_pb2_grpc.DriverServiceStub(ch)
-            await configure(stub, "clusters/k8s", url)
+        async with _driver_with_readers(8, url) as (svc, stub):
             follow = await _running_job_saying_hello(stub, emu, "readers")
             job = follow.job.job_id
             assert svc.proc is not None
@@ -246,7 +258,6 @@ async def test_follows_past_the_reader_pool_are_refused_not_left_waiting(emu: tu
     finally:
         for call in calls:
             call.cancel()
-        svc.stop()
 
 
 async def test_a_follow_cut_while_its_pod_runs_reads_on_from_its_last_line(
@@ -262,7 +273,10 @@ async def test_a_follow_cut_while_its_pod_runs_reads_on_from_its_last_line(
     assert got == ["hello"]
     e.cut_follows()
     await asyncio.sleep(0.2)
-    e.write_log(pod, "after the cut")
+    # of the very time of the line before it (a clock's tick): sent, and that one not again
+    lines = e.logs[(pod, "main")]
+    lines.append(lines[-1].split(" ", 1)[0] + " after the cut")
+    e.log_event.set()
     more = await asyncio.wait_for(call.read(), 60)
     assert more is not grpc.aio.EOF, "the follow ended with the pod running"
     got += [x.text for x in more.entries]
@@ -279,21 +293,10 @@ async def test_reads_that_never_end_keep_no_follow_waiting(emu: tuple[Emulator, 
     never ends (an API server that trickles) held both slots of ``--max-log-readers 2``, and a
     follow, let through by its count, then waited silently behind them for good. Now the
     second read waits for the first, and the follow is read at once."""
-    from tests import security
-    from tests.harness import ServiceProcess
-    from tests.kube_emulator import configure
-
     e, url = emu
-    svc = ServiceProcess("drivers.kubernetes", ["--request-timeout", "3", "--qps", "500", "--burst", "1000",
-                                                "--max-log-readers", "2"],
-                         name="kubernetes-driver-2-readers").start()
     calls: list[Any] = []
     try:
-        async with security.channel(svc.address) as ch:
-            from dlsched.v1 import driver_service_pb2_grpc
-
-            stub = driver_service_pb2_grpc.DriverServiceStub(ch)
-            await configure(stub, "clusters/k8s", url)
+        async with _driver_with_readers(2, url) as (_, stub):
             slow = await _running_job_saying_hello(stub, emu, "trickle")
             e.trickle.add(f"{slow.job.job_id}-1-main-0")
             read = dpb.TailJobLogsRequest(cluster="clusters/k8s", job=slow.job)
@@ -309,7 +312,6 @@ async def test_reads_that_never_end_keep_no_follow_waiting(emu: tuple[Emulator, 
     finally:
         for c in calls:
             c.cancel()
-        svc.stop()
 
 
 async def test_logs_of_a_kubeconfig_cluster_carry_its_token_and_a_bad_ca_is_invalid_argument(

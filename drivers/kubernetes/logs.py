@@ -309,16 +309,30 @@ async def _tail_one(c: KubeCluster, job: TrackedJob, r: Replica, index: int, con
             return
 
         resumed: int | None = None  # reading again after a follow's stream ended early: its last line's time
-        last: int | None = None  # the newest line's time sent
+        skip = 0  # resuming: the lines of that very time sent already
+        last: int | None = None  # the newest line's time sent, and how many lines of it
+        at_last = 0
 
         async def put(lines: list[tuple[int | None, str]]) -> None:
-            nonlocal last
+            nonlocal last, at_last, skip
             if resumed is not None:  # the lines read before come again (sinceSeconds is whole seconds)
-                lines = [(ns, text) for ns, text in lines if ns is not None and ns > resumed]
+                kept: list[tuple[int | None, str]] = []
+                for ns, text in lines:
+                    if ns is None or ns < resumed:
+                        continue
+                    if ns == resumed and skip:
+                        skip -= 1
+                        continue
+                    kept.append((ns, text))
+                lines = kept
             if entries := _entries(r.role, index, lines, query):
                 await budget.take(_cost(entries))
                 queue.put_nowait(entries)
-            last = max((ns for ns, _ in lines if ns is not None), default=last)
+            for ns, _ in lines:
+                if ns is not None and (last is None or ns > last):
+                    last, at_last = ns, 1
+                elif ns is not None and ns == last:
+                    at_last += 1
 
         async with contextlib.AsyncExitStack() as slots:
             for gate in gates:
@@ -355,7 +369,7 @@ async def _tail_one(c: KubeCluster, job: TrackedJob, r: Replica, index: int, con
                 wait = RESUME_SECONDS if last != before else wait  # it read on a while: cut afresh
                 await asyncio.sleep(wait)
                 wait = min(wait * 2, RESUME_MAX_SECONDS)
-                resumed = last  # None: nothing read yet, so the first request's again
+                resumed, skip = last, at_last  # None: nothing read yet, so the first request's again
     except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
         queue.put_nowait(e)
     finally:
