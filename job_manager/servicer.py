@@ -88,7 +88,16 @@ from job_manager.domain.validation import (
 from job_manager.heartbeats import waiting
 from job_manager.history.store import ArchivedJob, HistoryStore
 from job_manager.scheduler import Scheduler
-from job_manager.watch import EventType, Freshness, JobEvent, WatchHub, decode_token, encode_token
+from job_manager.watch import (
+    EventType,
+    Freshness,
+    JobEvent,
+    WatchHub,
+    decode_token,
+    encode_snapshot_token,
+    encode_token,
+    is_snapshot_token,
+)
 
 log = logging.getLogger("job_manager.servicer")
 
@@ -428,8 +437,11 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         # and an event's response is built once for every stream (``_response``).
         flt: Filter = parse_filter(request.filter)
         p = caller()
-        if request.resume_token:
-            after = decode_token(request.resume_token)
+        # An EXISTING event's token: cut mid-snapshot, the stream starts over with a snapshot
+        # (resumed after its revision, the rest of the snapshot was lost, silently).
+        resume = "" if is_snapshot_token(request.resume_token) else request.resume_token
+        if resume:
+            after = decode_token(resume)
             if after > self.cache.current and after > (now := await self.store.revision()):
                 # A revision etcd never had: a token of another etcd (restored, replaced).
                 # Subscribed, it would skip every event up to it, silently.
@@ -442,18 +454,18 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             # The resume token a heartbeat carries: that of the last event the
             # stream sent or skipped (filtered out, unreadable), so resuming
             # with it loses and repeats nothing.
-            at = request.resume_token
-            if not request.resume_token:
+            at = resume
+            if not resume:
                 # The snapshot and the subscription meet at the revision the
                 # cache is known to reflect (``current``: past a purge mark or
                 # sync write after its last job event, which a token must not
                 # replay): no await between subscribe() and here.
                 snapshot, rev = list(self.cache.select(flt, p)), self.cache.current
                 sub.skip_to(rev)
-                token = encode_token(rev)
+                token, in_snapshot = encode_token(rev), encode_snapshot_token(rev)
                 for j in snapshot:
                     yield pb.WatchJobsResponse(type=job_pb2.WATCH_EVENT_TYPE_EXISTING,
-                                               job=j.proto(), resume_token=token)
+                                               job=j.proto(), resume_token=in_snapshot)
                 # Heartbeats carry a token only from here: one taken mid-snapshot
                 # would resume without the rest of it.
                 at = token

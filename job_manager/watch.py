@@ -81,10 +81,24 @@ if TYPE_CHECKING:
 log = logging.getLogger("job_manager.watch")
 
 _TOKEN_PREFIX = "j1:"
+#: the token of an EXISTING event: a stream cut mid-snapshot resumes by sending the snapshot again
+_SNAPSHOT_PREFIX = "j1s:"
 
 
 def encode_token(revision: int) -> str:
     return tokens.encode(f"{_TOKEN_PREFIX}{revision}")
+
+
+def encode_snapshot_token(revision: int) -> str:
+    """The token of a snapshot's EXISTING event (the snapshot at ``revision``)."""
+    return tokens.encode(f"{_SNAPSHOT_PREFIX}{revision}")
+
+
+def is_snapshot_token(token: str) -> bool:
+    """Whether ``token`` is an EXISTING event's: resuming with it resends the snapshot, since
+    the events after it (the rest of the snapshot) have no revision of their own to resume at."""
+    raw = tokens.decode(token) or ""
+    return raw.startswith(_SNAPSHOT_PREFIX) and decimal(raw[len(_SNAPSHOT_PREFIX):])
 
 
 def decode_token(token: str, field: str = "resume_token") -> int:

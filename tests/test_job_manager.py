@@ -370,6 +370,33 @@ async def test_watch_resume_has_no_gap_and_no_duplicate(
     assert {n for n, _, _ in resumed} == {f"jobs/{i}" for i in ids}
 
 
+async def test_a_watch_cut_mid_snapshot_resumes_with_the_whole_snapshot(
+        jm: pb_grpc.JobManagerServiceStub) -> None:
+    """Resumed with the token of an EXISTING event (cut after the first of three), the stream
+    sends the snapshot again: every job, then SNAPSHOT_COMPLETE. Each EXISTING event carried
+    the snapshot's revision, so the resume went on after it and the other two never came."""
+    tag = uniq()
+    flt = f"labels.cut={tag}"
+    names = {(await jm.SubmitJob(pb.SubmitJobRequest(spec=single("pass", labels={"cut": tag})))).job.name
+             for _ in range(3)}
+    call = jm.WatchJobs(pb.WatchJobsRequest(filter=flt), timeout=60)
+    first = await call.read()
+    assert first.type == S.WATCH_EVENT_TYPE_EXISTING
+    call.cancel()
+    resumed: list[pb.WatchJobsResponse] = []
+    again = jm.WatchJobs(pb.WatchJobsRequest(filter=flt, resume_token=first.resume_token), timeout=60)
+    await asyncio.wait_for(_events(again, resumed, lambda evs: any(
+        e.type == S.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE for e in evs)), 30)
+    again.cancel()
+    assert {e.job.name for e in resumed if e.type == S.WATCH_EVENT_TYPE_EXISTING} == names
+    # The snapshot's end token resumes after it, with no second snapshot.
+    token = resumed[-1].resume_token
+    after = jm.WatchJobs(pb.WatchJobsRequest(filter=flt, resume_token=token), timeout=60)
+    ev = await asyncio.wait_for(after.read(), 60)  # a change of a job, or a heartbeat (15 s)
+    after.cancel()
+    assert ev.type in (S.WATCH_EVENT_TYPE_UPDATED, S.WATCH_EVENT_TYPE_HEARTBEAT)
+
+
 async def test_bad_input_is_invalid_argument_and_stores_nothing(
         jm: pb_grpc.JobManagerServiceStub) -> None:
     tag = uniq()
