@@ -70,6 +70,9 @@ async def _translated(what: str) -> AsyncIterator[None]:
     except aetcd.exceptions.RevisionCompactedError as e:
         raise WatchTokenExpired(
             f"etcd history was compacted (revision {e.compacted_revision}); re-list") from e
+    except aetcd.exceptions.InvalidArgumentError as e:  # e.g. a request past etcd's size limit
+        log.warning("etcd refused %s: %s", what, str(e)[:200])
+        raise InvalidArgument(f"etcd refused the {what} (too large?); a retry would be refused too") from e
     except (TimeoutError, aetcd.exceptions.ClientError, grpc.RpcError, OSError) as e:
         log.warning("etcd %s failed: %s", what, type(e).__name__)
         raise StoreUnavailable(f"etcd is unavailable ({what}); retry later") from e

@@ -266,6 +266,26 @@ def test_credentials_must_fit_the_type() -> None:
     assert "private_key" not in repr(ssh)
 
 
+def test_credentials_are_bounded_naming_the_field() -> None:
+    """Each secret, the host keys and all of them together are bounded before anything reads
+    them: a 2 MB kubeconfig reached etcd, whose refusal (a request past 1.5 MiB) came back as
+    UNAVAILABLE, and clients retried it."""
+    slurm, kube = base(ClusterType.SLURM, "login"), base(ClusterType.KUBERNETES, "https://k:1")
+    big = "x" * (2 << 20)
+    assert _fields(kube, Credentials(CredentialsKind.KUBERNETES, kubeconfig=big)) == [
+        "cluster.credentials.kubernetes.kubeconfig"]
+    assert _fields(slurm, Credentials(CredentialsKind.SSH, username="u", private_key=big)) == [
+        "cluster.credentials.ssh.private_key"]
+    assert _fields(slurm, Credentials(CredentialsKind.SSH, username="u", private_key="k",
+                                      known_host_keys=("ssh-ed25519 AAAA",) * 65)) == [
+        "cluster.credentials.ssh.known_host_keys"]
+    near = "x" * (510 << 10)
+    assert _fields(kube, Credentials(CredentialsKind.KUBERNETES, kubeconfig=near, ca_cert=near,
+                                     token="t" * (60 << 10))) == [
+        "cluster.credentials.kubernetes"]
+    assert not _fields(kube, Credentials(CredentialsKind.KUBERNETES, kubeconfig="x" * (100 << 10)))
+
+
 def test_ids_labels_options_driver_address() -> None:
     assert v.check_cluster_id("a-1") == []
     for bad in ("", "A", "1a", "a_b", "a" * 64):

@@ -187,6 +187,30 @@ def check_options(options: Mapping[str, str], field: str) -> list[FieldViolation
     return out
 
 
+#: the most characters a credential field may hold: a kubeconfig or CA bundle with its
+#: certificates inline stays far below; all of them together at most MAX_CREDENTIALS_CHARS
+MAX_SECRET_CHARS = {"username": 256, "private_key": 64 << 10, "kubeconfig": 512 << 10,
+                    "token": 64 << 10, "ca_cert": 512 << 10}
+MAX_HOST_KEYS, MAX_HOST_KEY_CHARS = 64, 16 << 10
+MAX_CREDENTIALS_CHARS = 1 << 20
+_CREDENTIAL_FIELDS = {CredentialsKind.SSH: "ssh", CredentialsKind.KUBERNETES: "kubernetes",
+                      CredentialsKind.TOKEN: "token"}
+
+
+def _credential_sizes(creds: Credentials, field: str) -> list[FieldViolation]:
+    at = f"{field}.{_CREDENTIAL_FIELDS.get(creds.kind, creds.kind.value)}"
+    out = [FieldViolation(f"{at}.{name}", f"at most {limit} characters")
+           for name, limit in MAX_SECRET_CHARS.items() if len(getattr(creds, name)) > limit]
+    if len(creds.known_host_keys) > MAX_HOST_KEYS:
+        out.append(FieldViolation(f"{at}.known_host_keys", f"at most {MAX_HOST_KEYS} keys"))
+    elif any(len(k) > MAX_HOST_KEY_CHARS for k in creds.known_host_keys):
+        out.append(FieldViolation(f"{at}.known_host_keys", f"at most {MAX_HOST_KEY_CHARS} characters a key"))
+    total = sum(len(getattr(creds, name)) for name in MAX_SECRET_CHARS) + sum(map(len, creds.known_host_keys))
+    if not out and total > MAX_CREDENTIALS_CHARS:
+        out.append(FieldViolation(at, f"at most {MAX_CREDENTIALS_CHARS} characters in all"))
+    return out
+
+
 def check_credentials(ctype: ClusterType, creds: Credentials | None,
                       field: str) -> list[FieldViolation]:
     if creds is None:
@@ -197,7 +221,9 @@ def check_credentials(ctype: ClusterType, creds: Credentials | None,
     if creds.kind is not want:
         return [FieldViolation(field, f"{ctype.value} clusters take {want.value} credentials, "
                                       f"not {creds.kind.value}")]
-    out: list[FieldViolation] = []
+    out = _credential_sizes(creds, field)
+    if out:  # bounded before anything else reads them (etcd refuses requests past 1.5 MiB)
+        return out
     if creds.kind is CredentialsKind.SSH:
         if not creds.username:
             out.append(FieldViolation(f"{field}.ssh.username", "required"))
