@@ -209,6 +209,10 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
 
     async def SubmitJob(self, request: pb.SubmitJobRequest,  # noqa: N802
                         context: grpc.aio.ServicerContext) -> pb.SubmitJobResponse:
+        if request.job_id and not JOB_ID_RE.match(request.job_id):  # before the history reads it
+            raise InvalidArgument.for_field("job_id", "1 to 63 characters: lower case letters, digits "
+                                                      "and '-', starting with a letter")
+        validate_request_id(request.request_id)
         spec_bytes = request.spec.ByteSize()
         if spec_bytes > MAX_SPEC_BYTES:  # before any conversion: a request costs at most its size
             raise InvalidArgument.for_field("spec", f"serialized spec is {spec_bytes} bytes, at most {MAX_SPEC_BYTES}")

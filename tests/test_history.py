@@ -842,6 +842,13 @@ async def test_an_archived_job_answers_stop_logs_and_usage(etcd: EtcdServer, dsn
         spec.cluster_selector.cluster = cluster
         async with security.channel(st.jm.address) as ch:
             jm = pb_grpc.JobManagerServiceStub(ch)
+            # A job id the history is asked about is a job id first: NUL (which PostgreSQL
+            # refuses: UNAVAILABLE, retried) or a megabyte is INVALID_ARGUMENT naming it.
+            for bad in ("a\x00b", "a" * 1_000_000):
+                with pytest.raises(grpc.aio.AioRpcError) as ei:
+                    await jm.SubmitJob(pb.SubmitJobRequest(job_id=bad, spec=spec), timeout=60)
+                assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value.details()
+                assert "job_id" in (ei.value.details() or "")
             job = (await jm.SubmitJob(pb.SubmitJobRequest(
                 job_id=f"a{uuid.uuid4().hex[:8]}", spec=spec), timeout=60)).job
 
