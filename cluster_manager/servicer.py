@@ -246,7 +246,11 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
 
 
 def _check_spec(spec: job_pb2.JobSpec) -> list[FieldViolation]:
-    out: list[FieldViolation] = []
+    """What matching reads of a spec (JobManager sends no commands: ``match_spec``), bounded
+    first; resources finite and in range (a NaN cpu was eligible, scored NaN)."""
+    out = spec_rules.check_bounds(spec, spec.ByteSize())
+    if out:
+        return out
     if spec.run_mode not in spec_rules.MODE_NAMES:  # unset or unknown (a newer client's)
         out += spec_rules.check_run_mode(spec.run_mode, (), "spec")
     out += spec_rules.check_cluster_type(spec.cluster_selector.cluster_type,
@@ -262,7 +266,5 @@ def _check_spec(spec: job_pb2.JobSpec) -> list[FieldViolation]:
         at = f"spec.replica_groups[{i}]"
         if g.replicas < 1:
             out.append(FieldViolation(f"{at}.replicas", "at least 1"))
-        r = g.resources
-        if r.cpu < 0 or r.memory_bytes < 0 or r.gpus < 0:
-            out.append(FieldViolation(f"{at}.resources", "must not be negative"))
+        spec_rules.check_resources(out, at, g.resources)
     return out

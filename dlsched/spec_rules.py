@@ -237,7 +237,11 @@ def check_group(out: list[FieldViolation], f: str, g: _Group) -> None:
     for name in ("image", "working_dir"):
         if "\x00" in getattr(g, name):
             out.append(FieldViolation(f"{f}.{name}", "must not contain NUL"))
-    r = g.resources
+    check_resources(out, f, g.resources)
+
+
+def check_resources(out: list[FieldViolation], f: str, r: Any) -> None:
+    """A replica group's resources (``f``: the group's field): finite, in range."""
     if not (math.isfinite(r.cpu) and 0 <= r.cpu <= MAX_CPU):
         out.append(FieldViolation(f"{f}.resources.cpu", f"a finite number from 0 to {MAX_CPU:g}"))
     if not 0 <= r.memory_bytes <= MAX_MEMORY_BYTES:

@@ -781,6 +781,10 @@ async def test_local_cluster_becomes_ready_and_is_matched(
     assert fields(e) == ["spec"]
     e = await rpc_error(stub.MatchClusters(pb.MatchClustersRequest(spec=spec(replicas=0))))
     assert fields(e) == ["spec.replica_groups[0].replicas"]
+    # Resources as SubmitJob takes them: a NaN or infinite cpu was eligible, scored NaN.
+    for cpu in (float("nan"), float("inf"), -1.0):
+        e = await rpc_error(stub.MatchClusters(pb.MatchClustersRequest(spec=spec(cpu=cpu))))
+        assert fields(e) == ["spec.replica_groups[0].resources.cpu"], cpu
 
 
 @needs_driver
