@@ -7,6 +7,7 @@ submitted again (its ``spec``).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -319,3 +320,51 @@ def contexts_table(current: str | None, contexts: dict[str, dict[str, Any]]) -> 
                      "insecure" if c.get("insecure") else str(c.get("ca-file") or "system CAs"),
                      auth])
     table(rows, ("CURRENT", "NAME", "SERVER", "CLUSTER_MANAGER", "TLS", "AUTH"))
+
+
+# --------------------------------------------------------------------------- terminals
+
+#: what a terminal would act on (C0 controls but newline and tab, DEL, C1): written as \xNN
+_CONTROLS = {c: f"\\x{c:02x}" for c in (*range(0x00, 0x20), 0x7F, *range(0x80, 0xA0)) if c not in (0x0A, 0x09)}
+
+
+class SafeTerminal(io.TextIOBase):
+    """A terminal stream that shows control characters instead of acting on them: a job's log
+    line, message or label with ESC sequences (a retitled window, a rewritten screen, a forged
+    prompt) or a carriage return comes out as ``\\x1b`` and ``\\x0d``. Pipes and files get
+    the bytes as they are."""
+
+    def __init__(self, inner: TextIO) -> None:
+        self._inner = inner
+
+    def write(self, text: str) -> int:
+        self._inner.write(text.translate(_CONTROLS))
+        return len(text)
+
+    def flush(self) -> None:
+        self._inner.flush()
+
+    def isatty(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self._inner.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self._inner.encoding
+
+
+def guard_terminal() -> None:
+    """Standard output and error: text a locale cannot encode is escaped, not an error; on a
+    terminal, control characters are shown (``SafeTerminal``)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            with contextlib.suppress(ValueError, OSError):
+                reconfigure(errors="backslashreplace")
+        isatty = getattr(stream, "isatty", None)
+        if not isinstance(stream, SafeTerminal) and isatty is not None and isatty():
+            setattr(sys, name, SafeTerminal(stream))
+

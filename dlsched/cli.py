@@ -71,10 +71,22 @@ def _key_value(text: str) -> tuple[str, str]:
     return key, value
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def _count(text: str) -> int:
+    """A non-negative count that fits the API's int32 (``--tail``)."""
+    if not decimal(text) or int(text) > _INT32_MAX:
+        raise argparse.ArgumentTypeError(f"want a whole number from 0 to {_INT32_MAX}, got {text!r}")
+    return int(text)
+
+
 def _parse_since(text: str) -> datetime:
     """``10m``, ``1h30m``, ``90s`` (ago) or an RFC 3339 time."""
     try:
         return datetime.now(UTC) - timedelta(seconds=parse_duration(text))
+    except OverflowError:
+        raise argparse.ArgumentTypeError(f"{text!r} reaches past the calendar") from None
     except ValueError:
         pass
     try:
@@ -89,6 +101,8 @@ def _parse_expires(text: str) -> datetime:
     """``30d``, ``12h`` (from now) or an RFC 3339 time, in the future."""
     try:
         dt = datetime.now(UTC) + timedelta(seconds=parse_duration(text))
+    except OverflowError:
+        raise argparse.ArgumentTypeError(f"{text!r} reaches past the calendar") from None
     except ValueError:
         try:
             dt = datetime.fromisoformat(text.replace("Z", "+00:00"))
@@ -103,7 +117,7 @@ def _parse_expires(text: str) -> datetime:
 
 def _parse_replica(text: str) -> tuple[str, int | None]:
     role, sep, index = text.partition("/")
-    if not role or (sep and not decimal(index)):
+    if not role or (sep and (not decimal(index) or int(index) > _INT32_MAX)):
         raise argparse.ArgumentTypeError(f"want ROLE or ROLE/INDEX, got {text!r}")
     return role, int(index) if sep else None
 
@@ -734,7 +748,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("logs", cmd_logs, "print a job's logs")
     p.add_argument("job", metavar="JOB")
     p.add_argument("-f", "--follow", action="store_true", help="keep streaming until the job ends")
-    p.add_argument("--tail", type=int, default=0, metavar="N",
+    p.add_argument("--tail", type=_count, default=0, metavar="N",
                    help="only the last N lines of each replica stream")
     p.add_argument("--replica", type=_parse_replica, metavar="ROLE[/INDEX]",
                    help="only this role, or one replica of it")
@@ -923,6 +937,7 @@ _OFFLINE = ("cmd_up", "cmd_config_get_contexts", "cmd_config_use_context", "cmd_
 
 
 def run(argv: Sequence[str] | None = None) -> int:
+    fmt.guard_terminal()
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

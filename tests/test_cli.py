@@ -247,6 +247,62 @@ def test_get_list_and_logs_tail(stack: Stack) -> None:
     assert "hello: done" in recent.stdout
 
 
+def _cli_on_a_terminal(stack: Stack, *args: str, timeout: float = 90) -> tuple[int, bytes]:
+    """The CLI with its standard output and error on a pseudo-terminal: exit code, bytes shown."""
+    import pty
+    import select
+
+    assert stack.jm is not None
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "dlsched", "--server", stack.jm.address,
+                             "--cluster-manager", stack.cm.address, *args],
+                            stdout=secondary, stderr=secondary, stdin=subprocess.DEVNULL,
+                            cwd=ROOT, env=_env())
+    os.close(secondary)
+    out = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([primary], [], [], 0.2)
+            if ready:
+                try:
+                    chunk = os.read(primary, 65536)
+                except OSError:  # the terminal closed: the CLI has exited
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            elif proc.poll() is not None:
+                break
+        return proc.wait(timeout=30), out
+    finally:
+        os.close(primary)
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_jobs_control_characters_are_shown_not_acted_on_by_a_terminal(stack: Stack, tmp_path: pathlib.Path) -> None:
+    """A hostile job's log line (ESC sequences retitling the window, a carriage return forging
+    the line) reaches a terminal as visible escapes; a pipe gets the bytes as they are. Counts
+    past int32 and durations past the calendar are refused by the command line, no traceback."""
+    job_id = _uid("ansi")
+    code = "print('\\x1b]0;pwned\\x07ok\\rforged\\x1b[2J', flush=True)"
+    r = cli(stack, "submit", write_job(tmp_path, single(["python3", "-c", code])), "--id", job_id)
+    assert r.returncode == 0, r.stderr
+    wait_job(stack, job_id, {job_pb2.JOB_STATE_SUCCEEDED})
+    rc, shown = _cli_on_a_terminal(stack, "logs", job_id)
+    assert rc == 0, shown
+    assert b"\x1b" not in shown and b"\x07" not in shown, shown
+    assert b"\\x1b]0;pwned\\x07ok\\x0dforged\\x1b[2J" in shown, shown
+    piped = subprocess.run([sys.executable, "-m", "dlsched", "--server", stack.jm.address, "logs", job_id],
+                           capture_output=True, timeout=90, cwd=ROOT, env=_env())
+    assert b"\x1b]0;pwned\x07ok\rforged\x1b[2J" in piped.stdout
+    for bad in (("logs", job_id, "--tail", "3000000000"), ("logs", job_id, "--replica", "main/99999999999"),
+                ("logs", job_id, "--since", "1000000000d")):
+        r = cli(stack, *bad)
+        assert r.returncode == 2 and "error" in r.stderr, (bad, r.stderr)
+
+
 def test_usage_stop_and_delete(stack: Stack, tmp_path: pathlib.Path) -> None:
     job_id = _uid("sleeper")
     path = write_job(tmp_path, single(["python3", "-c", "import time; print('up', flush=True); time.sleep(120)"]))
