@@ -420,21 +420,26 @@ class JobManagerClient(_Client):
 
     async def wait_for_job(self, name_or_id: str, *,
                            timeout: float | None = None,  # noqa: ASYNC109 - a deadline
+                           unavailable_timeout: float | None = 120.0,
                            ) -> job_pb2.Job:
         """Waits (via WatchJobs) until the job is terminal and returns it.
 
-        Raises ``TimeoutError`` after ``timeout`` seconds.
+        Raises ``TimeoutError`` after ``timeout`` seconds, and the last UNAVAILABLE error once
+        the server was unreachable for ``unavailable_timeout`` seconds in a row (None: never).
         """
         name = job_name(name_or_id)
 
         async def wait() -> job_pb2.Job:
             token = ""
+            failing_since: float | None = None
             while True:
                 try:
                     job = await self.get_job(name) if not token else None
                     if job is not None and is_terminal(job.state):
                         return job
+                    failing_since = None if job is not None else failing_since
                     async for ev in self.watch_jobs(resume_token=token):
+                        failing_since = None
                         token = ev.resume_token or token
                         if ev.job.name != name:
                             continue
@@ -447,6 +452,10 @@ class JobManagerClient(_Client):
                         token = ""
                         continue
                     if e.code != "UNAVAILABLE":
+                        raise
+                    now = time.monotonic()
+                    failing_since = now if failing_since is None else failing_since
+                    if unavailable_timeout is not None and now - failing_since > unavailable_timeout:
                         raise
                     await asyncio.sleep(0.5)
                     continue

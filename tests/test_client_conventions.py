@@ -127,6 +127,21 @@ async def test_sdk_retries_reads_and_request_id_submits_but_never_deletes(flaky)
         assert len(servicer.calls["DeleteJob"]) == 1  # a delete is never retried
 
 
+async def test_waiting_for_a_job_gives_up_once_the_server_stays_unreachable() -> None:
+    """wait_for_job (what `dlsched submit -f` waits with once the log stream gave up) retried
+    UNAVAILABLE forever, silently: it now raises it after ``unavailable_timeout`` in a row."""
+    import asyncio
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    async with JobManagerClient(f"127.0.0.1:{port}") as jm:
+        with pytest.raises(DlschedRpcError) as ei:
+            await asyncio.wait_for(jm.wait_for_job("jobs/a", unavailable_timeout=1.0), 120)
+    assert ei.value.code == "UNAVAILABLE"
+
+
 def test_clients_ping_no_faster_than_servers_allow_and_limits_agree() -> None:
     """Client keepalive pings (every 30 s) keep a quiet stream's connection in
     use behind load balancers, and stay above the servers' 10 s minimum, so a
