@@ -134,11 +134,11 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
         caller().require_any_role("reading clusters")
         size = flt.page_size(request.page_size)
         f = flt.parse_filter(request.filter)
-        after = flt.decode_page_token(request.page_token) if request.page_token else ""
+        after = flt.decode_page_token(request.page_token, request.filter) if request.page_token else ""
         clusters, _ = await self._store.list_all()
         hits = [c for c in clusters if c.cluster_id > after and f.matches(c)]
         page = hits[:size]
-        token = flt.encode_page_token(page[-1].cluster_id) if len(hits) > size else ""
+        token = flt.encode_page_token(page[-1].cluster_id, request.filter) if len(hits) > size else ""
         owners = await self._store.tracking_replicas() if page else {}
         out = [convert.cluster_to_proto(c) for c in page]
         for c in out:

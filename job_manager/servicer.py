@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import heapq
 import itertools
 import logging
@@ -129,9 +130,14 @@ _READ_SOLE = READS.labels("sole_writer")
 _ETAG_RE = re.compile(r"[1-9][0-9]{0,17}")
 
 
-def _encode_page(key: SortKey) -> str:
+def _encode_page(key: SortKey, filter_text: str) -> str:
     ct = -key[0] if key[0] else 0.0
-    return tokens.encode(f"p1:{ct!r}:{key[1]}")
+    return tokens.encode(f"p2:{_filter_hash(filter_text)}:{ct!r}:{key[1]}")
+
+
+def _filter_hash(filter_text: str) -> str:
+    """What ties a page token to the filter it was issued for (AIP-158)."""
+    return hashlib.sha256(filter_text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
 
 
 #: a page token's create time as ``_encode_page`` writes it (``repr`` of a float within a
@@ -139,9 +145,15 @@ def _encode_page(key: SortKey) -> str:
 _PAGE_TIME_RE = re.compile(r"-?[0-9]{1,12}(?:\.[0-9]{1,17})?(?:e[-+]?[0-9]{1,3})?")
 
 
-def _decode_page(token: str) -> SortKey:
+def _decode_page(token: str, filter_text: str) -> SortKey:
     try:
-        tag, ct, job_id = (tokens.decode(token) or "").split(":", 2)
+        raw = tokens.decode(token) or ""
+        if raw.startswith("p2:"):  # p1 (an older server's) names no filter
+            _, issued_for, raw = raw.split(":", 2)
+            if issued_for != _filter_hash(filter_text):
+                raise InvalidArgument.for_field("page_token", "issued for a ListJobs call with another filter")
+            raw = "p1:" + raw
+        tag, ct, job_id = raw.split(":", 2)
         if tag != "p1" or not _PAGE_TIME_RE.fullmatch(ct) or not JOB_ID_RE.match(job_id):
             raise ValueError(tag)
         seconds = float(ct)
@@ -318,7 +330,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             raise InvalidArgument.for_field("page_size", "0 to 1000")
         size = min(request.page_size or DEFAULT_PAGE, MAX_PAGE)
         flt = parse_filter(request.filter)
-        after = _decode_page(request.page_token) if request.page_token else None
+        after = _decode_page(request.page_token, request.filter) if request.page_token else None
         await self._freshness(request.min_etag)  # every write made before this call (bounded)
         if not self._reached(request.min_etag):
             raise StoreUnavailable("this replica has not seen the write min_etag names and etcd did not "
@@ -328,7 +340,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             itertools.islice(self.cache.select(flt, caller(), after), size + 1))
         if self.history is not None:
             page = await self._with_archived(page, flt, after, size + 1)
-        token = _encode_page(page[size - 1].key) if len(page) > size else ""
+        token = _encode_page(page[size - 1].key, request.filter) if len(page) > size else ""
         return pb.ListJobsResponse(jobs=[j.proto() for j in page[:size]], next_page_token=token)
 
     async def _archived_or_missing(self, job_id: str) -> job_pb2.Job:

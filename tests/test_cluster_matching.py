@@ -327,6 +327,10 @@ def test_filter_grammar() -> None:
 
 def test_page_and_resume_tokens_round_trip_and_reject_garbage() -> None:
     assert flt.decode_page_token(flt.encode_page_token("abc")) == "abc"
+    assert flt.decode_page_token(flt.encode_page_token("abc", "type=SLURM"), "type=SLURM") == "abc"
+    with pytest.raises(InvalidArgument) as other:  # AIP-158: the same filter, or no token
+        flt.decode_page_token(flt.encode_page_token("abc", "type=SLURM"), "type=RAY")
+    assert "another filter" in str(other.value)
     for bad in ("", "zzz", "cDE6QUJD"):  # the last is "p1:ABC"
         with pytest.raises(InvalidArgument):
             flt.decode_page_token(bad)

@@ -509,6 +509,11 @@ async def test_list_paging_and_delete(jm: pb_grpc.JobManagerServiceStub) -> None
         r = await jm.ListJobs(pb.ListJobsRequest(page_size=2, page_token=token,
                                                  filter=f"labels.page={tag}"))
         seen += [j.name for j in r.jobs]
+        if r.next_page_token and not token:  # AIP-158: a token goes with its own filter only
+            with pytest.raises(grpc.aio.AioRpcError) as other:
+                await jm.ListJobs(pb.ListJobsRequest(page_size=2, page_token=r.next_page_token))
+            assert other.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "another filter" in (other.value.details() or "")
         token = r.next_page_token
         if not token:
             break

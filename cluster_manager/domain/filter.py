@@ -9,6 +9,7 @@ field ``filter``.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
@@ -95,15 +96,27 @@ def parse_filter(text: str) -> ClusterFilter:
 # --- page tokens ------------------------------------------------------------
 
 _PAGE_PREFIX = "p1:"
+_FILTERED_PREFIX = "p2:"  # p2:<hash of the filter>:<last cluster id>
 
 
-def encode_page_token(last_cluster_id: str) -> str:
-    return tokens.encode(_PAGE_PREFIX + last_cluster_id)
+def _filter_hash(filter_text: str) -> str:
+    """What ties a page token to the filter it was issued for (AIP-158)."""
+    return hashlib.sha256(filter_text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
 
 
-def decode_page_token(token: str) -> str:
-    """The last cluster id of the previous page; InvalidArgument ``page_token`` if garbage."""
+def encode_page_token(last_cluster_id: str, filter_text: str = "") -> str:
+    return tokens.encode(f"{_FILTERED_PREFIX}{_filter_hash(filter_text)}:{last_cluster_id}")
+
+
+def decode_page_token(token: str, filter_text: str = "") -> str:
+    """The last cluster id of the previous page; InvalidArgument ``page_token`` if garbage or
+    issued for another filter (a ``p1`` token, an older server's, names none)."""
     raw = tokens.decode(token) or ""
+    if raw.startswith(_FILTERED_PREFIX):
+        issued_for, _, rest = raw[len(_FILTERED_PREFIX):].partition(":")
+        if issued_for != _filter_hash(filter_text):
+            raise InvalidArgument.for_field("page_token", "issued for a ListClusters call with another filter")
+        raw = _PAGE_PREFIX + rest
     last = raw[len(_PAGE_PREFIX):] if raw.startswith(_PAGE_PREFIX) else ""
     if not CLUSTER_ID_RE.match(last):
         raise InvalidArgument.for_field("page_token", "not a next_page_token of ListClusters")
