@@ -60,6 +60,7 @@ class Config:
     tls: TlsOptions = TlsOptions(insecure=True)
     auth: AuthOptions = AuthOptions()
     audit_log: str | None = None
+    stream_heartbeat_seconds: float = 15.0
 
 
 def parse_args(argv: Sequence[str] | None = None) -> Config:
@@ -87,7 +88,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     add_auth_flags(p)
     p.add_argument("--audit-log", default=os.environ.get("DLSCHED_AUDIT_LOG"),
                    help="append one JSON line per mutating call here (default: the service log)")
+    p.add_argument("--stream-heartbeat-seconds", type=flag_number(float, 0, inclusive=False), default=15.0,
+                   help="a quiet WatchClusters stream re-checks its caller and gets a HEARTBEAT this often "
+                        "(at most 30)")
     a = p.parse_args(argv)
+    if a.stream_heartbeat_seconds > 30:
+        p.error("--stream-heartbeat-seconds must be at most 30")
     tls = tls_options_from_args(a, p)
     auth = auth_options_from_args(a, p)
     if a.monitor_interval <= 0 or a.heartbeat_interval <= 0 or a.driver_timeout <= 0:
@@ -100,7 +106,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
                   a.heartbeat_interval, a.watch_buffer, a.driver_timeout, a.grace, a.log_level,
                   a.metrics_listen, a.leader_ttl, a.trace_export, a.log_format,
                   encryption_key_file=a.encryption_key_file, tls=tls, auth=auth,
-                  audit_log=a.audit_log)
+                  audit_log=a.audit_log, stream_heartbeat_seconds=a.stream_heartbeat_seconds)
 
 
 async def serve(cfg: Config, keyring: Keyring) -> None:
@@ -115,7 +121,7 @@ async def serve(cfg: Config, keyring: Keyring) -> None:
     audit = AuditLog(cfg.audit_log)
     monitors = MonitorManager(hub, store, drivers, MonitorConfig(
         interval=cfg.monitor_interval, heartbeat_interval=cfg.heartbeat_interval))
-    servicer = ClusterManagerServicer(store, hub, monitors)
+    servicer = ClusterManagerServicer(store, hub, monitors, recheck_seconds=cfg.stream_heartbeat_seconds)
     running = await start_server(
         ServerOptions(listen=cfg.listen, port_file=cfg.port_file, grace_seconds=cfg.grace_seconds,
                       metrics_listen=cfg.metrics_listen, tls=cfg.tls,

@@ -54,7 +54,7 @@ def _request_credentials(p: Any) -> Credentials | None:
     return convert.credentials_from_proto(p.credentials) if p.HasField("credentials") else None
 
 
-#: how often a quiet WatchClusters stream re-checks its caller (no message is sent)
+#: how often a quiet WatchClusters stream re-checks its caller and sends a HEARTBEAT
 RECHECK_SECONDS = 15.0
 
 
@@ -66,9 +66,10 @@ def _watcher(p: Principal) -> Principal:
     return p
 
 
-async def _events(sub: Subscription, p: Principal, every: float) -> AsyncGenerator[StoreEvent, None]:
+async def _events(sub: Subscription, p: Principal, every: float) -> AsyncGenerator[StoreEvent | None, None]:
     """``sub``'s events, each after the caller was checked again (``_watcher``), which
-    it also is every ``every`` seconds while none comes (<= 0: only per event).
+    it also is every ``every`` seconds while none comes (<= 0: only per event), each
+    such check yielding None (the stream's heartbeat).
 
     One task awaits the pending event across those checks: a check never cancels
     the subscription's step."""
@@ -83,6 +84,7 @@ async def _events(sub: Subscription, p: Principal, every: float) -> AsyncGenerat
                 done, _ = await asyncio.wait((step,), timeout=every)
                 if not done:
                     p = _watcher(p)
+                    yield None
                     continue
                 finished, step = step, None
                 ev = finished.result()
@@ -208,6 +210,7 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
             token = None  # a snapshot cannot be continued half-way: send a fresh one
         sub = await self._hub.subscribe(token)
         try:
+            at = request.resume_token  # a heartbeat's token: of the last event sent or skipped
             if token is None:
                 clusters, rev = await self._store.list_all()
                 sub.skip_through = rev
@@ -217,15 +220,18 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
                         yield pb.WatchClustersResponse(
                             type=job_pb2.WATCH_EVENT_TYPE_EXISTING,
                             cluster=convert.cluster_to_proto(c), resume_token=snap)
-                yield pb.WatchClustersResponse(
-                    type=job_pb2.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE,
-                    resume_token=ResumeToken(rev).encode())
+                at = ResumeToken(rev).encode()
+                yield pb.WatchClustersResponse(type=job_pb2.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE, resume_token=at)
             async with contextlib.aclosing(_events(sub, p, self._recheck)) as events:
                 async for ev in events:
+                    if ev is None:  # quiet: a proxy that closes idle streams keeps this one
+                        yield pb.WatchClustersResponse(type=job_pb2.WATCH_EVENT_TYPE_HEARTBEAT, resume_token=at)
+                        continue
+                    at = ResumeToken(ev.revision).encode()
                     if f.matches(ev.cluster) or (ev.prev is not None and f.matches(ev.prev)):
                         yield pb.WatchClustersResponse(
                             type=_EVENT_TYPE[ev.kind], cluster=convert.cluster_to_proto(ev.cluster),
-                            resume_token=ResumeToken(ev.revision).encode())
+                            resume_token=at)
         finally:
             sub.close()
 

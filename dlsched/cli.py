@@ -495,6 +495,8 @@ async def cmd_cluster_remove(args: argparse.Namespace) -> int:
 
 async def cmd_cluster_watch(args: argparse.Namespace) -> int:
     def render(ev: Any) -> None:
+        if ev.type == job_pb2.WATCH_EVENT_TYPE_HEARTBEAT:
+            return  # a quiet watch's keep-alive: _watch keeps its token, nothing is shown
         if _out(args) != "table":
             fmt.json_line(fmt.to_dict(ev))
         elif ev.type == job_pb2.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE:
@@ -506,7 +508,7 @@ async def cmd_cluster_watch(args: argparse.Namespace) -> int:
                   f"{'  ' + c.state_message if c.state_message else ''}", flush=True)
 
     async with _cm(args) as cm:
-        return await _watch(cm.watch_clusters, render, args)
+        return await _watch(lambda f, t: cm.watch_clusters(f, t, heartbeats=True), render, args)
 
 
 # --------------------------------------------------------------------------- access

@@ -591,11 +591,22 @@ class ClusterManagerClient(_Client):
             name=cluster_name(name_or_id), allow_missing=allow_missing))
         return resp.cluster if resp.HasField("cluster") else None
 
-    def watch_clusters(self, filter: str = "", resume_token: str = "",
+    def watch_clusters(self, filter: str = "", resume_token: str = "", *, heartbeats: bool = False,
                        ) -> AsyncIterator[cms.WatchClustersResponse]:
+        """Streams ``WatchClusters`` events; HEARTBEAT events are left out unless ``heartbeats``
+        (as in ``JobManagerClient.watch_jobs``)."""
         call = self.stub.WatchClusters(cms.WatchClustersRequest(
             filter=filter, resume_token=resume_token))
-        return self._stream(call)
+
+        async def events() -> AsyncIterator[cms.WatchClustersResponse]:
+            try:
+                async for ev in self._stream(call):
+                    if heartbeats or ev.type != job_pb2.WATCH_EVENT_TYPE_HEARTBEAT:
+                        yield ev
+            finally:
+                call.cancel()
+
+        return events()
 
     async def match_clusters(self, spec: job_pb2.JobSpec) -> list[cluster_pb2.ClusterCandidate]:
         resp = await self._unary(self.stub.MatchClusters, cms.MatchClustersRequest(spec=spec))

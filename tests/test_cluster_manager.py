@@ -387,6 +387,29 @@ async def test_update_applies_masked_fields_and_checks_etag(
     assert e.code() == grpc.StatusCode.NOT_FOUND and reason(e) == "CLUSTER_NOT_FOUND"
 
 
+async def test_a_quiet_cluster_watch_gets_heartbeats_with_its_resume_token(
+        etcd: EtcdServer, etcd_prefix: str) -> None:
+    """WatchClusters sends a HEARTBEAT (no cluster, the current resume token) when it has sent
+    nothing for --stream-heartbeat-seconds, as WatchJobs does (it sent nothing at all: a
+    proxy closing idle streams cut a quiet watch). Resuming with that token repeats nothing."""
+    proc = start_cm(etcd, etcd_prefix, "--stream-heartbeat-seconds", "0.3")
+    try:
+        async with security.channel(proc.address) as ch:
+            stub = pb_grpc.ClusterManagerServiceStub(ch)
+            await create(stub, "beat", local_cluster(dead_address()))
+            w = Watch(stub)
+            await w.snapshot()
+            beat = await w.until(lambda e: e.type == job_pb2.WATCH_EVENT_TYPE_HEARTBEAT)
+            assert not beat[-1].HasField("cluster") and beat[-1].resume_token
+            await w.close()
+            again = Watch(stub, token=beat[-1].resume_token)
+            first = await again.next()
+            assert first.type in (job_pb2.WATCH_EVENT_TYPE_HEARTBEAT, job_pb2.WATCH_EVENT_TYPE_UPDATED), first
+            await again.close()
+    finally:
+        proc.stop()
+
+
 async def test_create_with_request_id_is_idempotent(
         stub: pb_grpc.ClusterManagerServiceStub) -> None:
     drv = dead_address()
