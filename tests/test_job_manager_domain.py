@@ -216,6 +216,8 @@ def test_filter() -> None:
     assert not parse_filter("state!=RUNNING").matches(j)
     assert parse_filter("labels.other!=x").matches(j)
     assert not parse_filter('labels.team="dl"').matches(j)
+    # Single quotes as ListClusters' filter takes them ('ml' was the literal "'ml'", matching nothing).
+    assert parse_filter("labels.team='ml' AND state='RUNNING'").matches(j)
 
 
 @pytest.mark.parametrize("text", ["state=BOGUS", "color=red", "state", "state=RUNNING OR x=y",

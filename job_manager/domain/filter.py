@@ -26,7 +26,7 @@ from dlsched.errors import InvalidArgument
 from job_manager.domain.model import Job, JobState, RunMode
 
 _TERM_RE = re.compile(
-    r'^\s*([A-Za-z_][A-Za-z0-9_]*(?:\.[^\s=!<>]+)?)\s*(!=|<=|>=|=|<|>)\s*("[^"]*"|[^\s"]+)\s*\Z')
+    r'^\s*([A-Za-z_][A-Za-z0-9_]*(?:\.[^\s=!<>]+)?)\s*(!=|<=|>=|=|<|>)\s*("[^"]*"|\'[^\']*\'|[^\s"\']+)\s*\Z')
 # Split only at a whitespace run's first character: one scan, however long the runs.
 _AND_RE = re.compile(r"(?<!\s)\s+AND\s+")
 #: the longest filter taken (checked before any parsing: a request's work is bounded first)
@@ -208,7 +208,7 @@ def parse_filter(text: str) -> Filter:
                 "filter", f"bad term {part[:80]!r}; want field=value, field!=value or "
                 "create_time or end_time <, <=, >, >= \"RFC 3339\", joined by AND")
         field, op, raw = m.group(1), m.group(2), m.group(3)
-        if raw.startswith('"'):
+        if raw[:1] in ('"', "'"):  # either quote, as ListClusters' filter takes
             raw = raw[1:-1]
         if field in TIME_FIELDS:
             r = _time_range(field, op, raw)
