@@ -69,6 +69,7 @@ from dlsched.kit.timeutil import (
     check_timestamp,
     to_timestamp,
 )
+from dlsched.spec_rules import ROLE_RE
 from dlsched.v1 import job_manager_service_pb2 as pb
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
 from dlsched.v1 import job_pb2
@@ -527,12 +528,8 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                 raise
             return archived.job()
 
-    async def _launched(self, name: str, follow: bool, resumed: LogCursor | None,
-                        seen: list[Job]) -> Job | None:
-        job = await self._readable(name)
-        seen.append(job)  # its project: what the stream's heartbeats re-check the caller against
-        if resumed is not None and resumed.job_uid != job.uid:  # before any wait for a launch
-            raise InvalidArgument.for_field(CURSOR_FIELD, f"not a cursor of {job.name}")
+    async def _launched(self, job: Job, follow: bool) -> Job | None:
+        """``job`` once launched (waited for when followed), or None: nothing to tail."""
         if not job.launched:
             if not follow or job.state.is_terminal():
                 return None
@@ -556,17 +553,26 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                 raise InvalidArgument.for_field(f"streams[{i}]", "LOG_STREAM_STDOUT or LOG_STREAM_STDERR")
         if request.HasField("since_time"):  # before the driver converts it
             check_timestamp(request.since_time, "since_time")
+        if request.role and not ROLE_RE.match(request.role):  # before any wait (a driver checks again)
+            raise InvalidArgument.for_field("role", "a role name: [a-z][a-z0-9-]{0,62}")
+        if request.HasField("replica_index") and request.replica_index < 0:
+            raise InvalidArgument.for_field("replica_index", "0 or more")
         resumed = LogCursor.decode(request.resume_cursor) if request.resume_cursor else None
         every = self.heartbeat_seconds
         at = request.resume_cursor  # the cursor of the last response sent
         p = caller()
+        first = await self._readable(request.name)  # its project: what heartbeats re-check against
+        if resumed is not None and resumed.job_uid != first.uid:  # before any wait for a launch
+            raise InvalidArgument.for_field(CURSOR_FIELD, f"not a cursor of {first.name}")
+        if request.follow and every > 0:
+            # At once, not after the first lines or heartbeat: a client whose follow is cut
+            # from here on knows it was established, and resumes instead of failing.
+            yield pb.StreamJobLogsResponse(resume_cursor=at)
         got: list[Job | None] = []
-        seen: list[Job] = []
-        async with contextlib.aclosing(waiting(
-                self._launched(request.name, request.follow, resumed, seen), every, got)) as beats:
+        async with contextlib.aclosing(waiting(self._launched(first, request.follow), every, got)) as beats:
             async for _ in beats:
                 # Waiting for the launch: the caller as of now, as on every response below.
-                p = _still_reading(p, seen[0]) if seen else p.current()
+                p = _still_reading(p, first)
                 yield pb.StreamJobLogsResponse(resume_cursor=at)
         job = got.pop()
         if job is None:

@@ -344,6 +344,16 @@ async def test_a_foreign_cursor_is_refused_before_the_job_launches(stack: Stack,
                         pass
             assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, follow
             assert [v.field for v in field_violations(ei.value)] == ["resume_cursor"]
+        # A bad role or replica index too, at once (a follow kept beating until the launch).
+        for req, field in ((pb.StreamJobLogsRequest(name=f"jobs/{pending.id}", follow=True, replica_index=-1),
+                            "replica_index"),
+                           (pb.StreamJobLogsRequest(name=f"jobs/{pending.id}", follow=True, role="Bad Role"),
+                            "role")):
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                async with asyncio.timeout(60):
+                    async for _ in stub.StreamJobLogs(req):
+                        pass
+            assert [v.field for v in field_violations(ei.value)] == [field]
 
 
 async def test_resume_from_each_cursor_gives_exactly_the_rest(stack: Stack, cluster: str) -> None:
@@ -355,11 +365,15 @@ async def test_resume_from_each_cursor_gives_exactly_the_rest(stack: Stack, clus
         stub = pb_grpc.JobManagerServiceStub(ch)
         batches: list[tuple[list[tuple[int, str]], str]] = []
         async for resp in stub.StreamJobLogs(pb.StreamJobLogsRequest(name=job.name, follow=True)):
-            assert resp.resume_cursor or not batches
+            # The first response comes at once, empty, without a cursor (nothing delivered: a
+            # client cut from here asks again as it first did); every one after a line has one.
+            assert resp.resume_cursor or not any(b for b, _ in batches), batches
             batches.append(([(e.stream, e.text) for e in resp.entries], resp.resume_cursor))
+        assert batches[0] == ([], "")
         everything = [x for b, _ in batches for x in b]
         assert by_stream(everything, job_pb2.LOG_STREAM_STDOUT) == STDOUT
-        for i in (0, 1, len(batches) // 2, len(batches) - 1):
+        cursored = [i for i, (_, c) in enumerate(batches) if c]
+        for i in (cursored[0], cursored[1], cursored[len(cursored) // 2], cursored[-1]):
             rest: list[tuple[int, str]] = []
             async for resp in stub.StreamJobLogs(pb.StreamJobLogsRequest(
                     name=job.name, follow=True, tail_lines=5, resume_cursor=batches[i][1])):
