@@ -20,6 +20,7 @@ clients branch on, its metadata and the field violations::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import random
@@ -27,7 +28,7 @@ import re
 import shlex
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any, TypeVar, cast
 
@@ -241,7 +242,7 @@ class _Client:
             raise DlschedRpcError.from_rpc_error(e) from None
 
     @staticmethod
-    async def _stream(call: Any) -> AsyncIterator[Any]:
+    async def _stream(call: Any) -> AsyncGenerator[Any, None]:
         try:
             async for item in call:
                 yield item
@@ -249,6 +250,15 @@ class _Client:
             raise DlschedRpcError.from_rpc_error(e) from None
         finally:
             call.cancel()
+
+
+async def _watch_events(stream: AsyncGenerator[Any, None], heartbeats: bool) -> AsyncIterator[Any]:
+    """A watch's events, HEARTBEAT ones only if ``heartbeats``; closing this ends the call
+    (``_stream`` cancels it)."""
+    async with contextlib.aclosing(stream) as events:
+        async for ev in events:
+            if heartbeats or ev.type != job_pb2.WATCH_EVENT_TYPE_HEARTBEAT:
+                yield ev
 
 
 def _timestamp(value: datetime | float | timestamp_pb2.Timestamp | None) -> timestamp_pb2.Timestamp | None:
@@ -332,16 +342,7 @@ class JobManagerClient(_Client):
         from closing the stream) are left out unless ``heartbeats``: a caller
         that keeps resume tokens may take theirs, which can be newer."""
         call = self.stub.WatchJobs(jms.WatchJobsRequest(filter=filter, resume_token=resume_token))
-
-        async def events() -> AsyncIterator[jms.WatchJobsResponse]:
-            try:
-                async for ev in self._stream(call):
-                    if heartbeats or ev.type != job_pb2.WATCH_EVENT_TYPE_HEARTBEAT:
-                        yield ev
-            finally:
-                call.cancel()
-
-        return events()
+        return _watch_events(self._stream(call), heartbeats)
 
     async def stream_job_logs(
         self,
@@ -597,16 +598,7 @@ class ClusterManagerClient(_Client):
         (as in ``JobManagerClient.watch_jobs``)."""
         call = self.stub.WatchClusters(cms.WatchClustersRequest(
             filter=filter, resume_token=resume_token))
-
-        async def events() -> AsyncIterator[cms.WatchClustersResponse]:
-            try:
-                async for ev in self._stream(call):
-                    if heartbeats or ev.type != job_pb2.WATCH_EVENT_TYPE_HEARTBEAT:
-                        yield ev
-            finally:
-                call.cancel()
-
-        return events()
+        return _watch_events(self._stream(call), heartbeats)
 
     async def match_clusters(self, spec: job_pb2.JobSpec) -> list[cluster_pb2.ClusterCandidate]:
         resp = await self._unary(self.stub.MatchClusters, cms.MatchClustersRequest(spec=spec))
