@@ -163,7 +163,8 @@ class JobManagerServiceServicer:
         matching job as an EXISTING event, then one SNAPSHOT_COMPLETE event, then
         CREATED, UPDATED and DELETED events as they happen. Every event carries
         an opaque resume_token; a new call with the last token received resumes
-        after that event, with no snapshot, no duplicate and no gap. A token the
+        after that event, with no snapshot, no duplicate and no gap (an EXISTING
+        event's token starts over with the whole snapshot). A token the
         server can no longer honour ends the stream with OUT_OF_RANGE and reason
         WATCH_TOKEN_EXPIRED: the client must re-list (call again without a token).
         The stream otherwise runs until the client cancels it or the server shuts
