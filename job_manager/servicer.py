@@ -47,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hashlib
 import heapq
 import itertools
 import logging
@@ -133,12 +132,7 @@ _ETAG_RE = re.compile(r"[1-9][0-9]{0,17}")
 
 def _encode_page(key: SortKey, filter_text: str) -> str:
     ct = -key[0] if key[0] else 0.0
-    return tokens.encode(f"p2:{_filter_hash(filter_text)}:{ct!r}:{key[1]}")
-
-
-def _filter_hash(filter_text: str) -> str:
-    """What ties a page token to the filter it was issued for (AIP-158)."""
-    return hashlib.sha256(filter_text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+    return tokens.encode(f"p2:{tokens.filter_hash(filter_text)}:{ct!r}:{key[1]}")
 
 
 #: a page token's create time as ``_encode_page`` writes it (``repr`` of a float within a
@@ -151,7 +145,7 @@ def _decode_page(token: str, filter_text: str) -> SortKey:
         raw = tokens.decode(token) or ""
         if raw.startswith("p2:"):  # p1 (an older server's) names no filter
             _, issued_for, raw = raw.split(":", 2)
-            if issued_for != _filter_hash(filter_text):
+            if issued_for != tokens.filter_hash(filter_text):
                 raise InvalidArgument.for_field("page_token", "issued for a ListJobs call with another filter")
             raw = "p1:" + raw
         tag, ct, job_id = raw.split(":", 2)

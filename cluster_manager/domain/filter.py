@@ -9,7 +9,6 @@ field ``filter``.
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass
 
@@ -99,13 +98,8 @@ _PAGE_PREFIX = "p1:"
 _FILTERED_PREFIX = "p2:"  # p2:<hash of the filter>:<last cluster id>
 
 
-def _filter_hash(filter_text: str) -> str:
-    """What ties a page token to the filter it was issued for (AIP-158)."""
-    return hashlib.sha256(filter_text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
-
-
 def encode_page_token(last_cluster_id: str, filter_text: str = "") -> str:
-    return tokens.encode(f"{_FILTERED_PREFIX}{_filter_hash(filter_text)}:{last_cluster_id}")
+    return tokens.encode(f"{_FILTERED_PREFIX}{tokens.filter_hash(filter_text)}:{last_cluster_id}")
 
 
 def decode_page_token(token: str, filter_text: str = "") -> str:
@@ -114,7 +108,7 @@ def decode_page_token(token: str, filter_text: str = "") -> str:
     raw = tokens.decode(token) or ""
     if raw.startswith(_FILTERED_PREFIX):
         issued_for, _, rest = raw[len(_FILTERED_PREFIX):].partition(":")
-        if issued_for != _filter_hash(filter_text):
+        if issued_for != tokens.filter_hash(filter_text):
             raise InvalidArgument.for_field("page_token", "issued for a ListClusters call with another filter")
         raw = _PAGE_PREFIX + rest
     last = raw[len(_PAGE_PREFIX):] if raw.startswith(_PAGE_PREFIX) else ""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 
 
 def encode(text: str) -> str:
@@ -22,3 +23,8 @@ def decode(token: str) -> str | None:
         return base64.urlsafe_b64decode(token + "=" * (-len(token) % 4)).decode()
     except (binascii.Error, UnicodeDecodeError, ValueError):
         return None
+
+
+def filter_hash(filter_text: str) -> str:
+    """What ties a page token to the filter it was issued for (AIP-158): a short digest."""
+    return hashlib.sha256(filter_text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
