@@ -23,6 +23,7 @@ from dlsched import spec_rules
 from dlsched.auth.interceptor import caller
 from dlsched.auth.model import Principal, check_project
 from dlsched.errors import FieldViolation, InvalidArgument
+from dlsched.kit import tokens
 from dlsched.kit.timeutil import check_duration
 from dlsched.v1 import cluster_manager_service_pb2 as pb
 from dlsched.v1 import cluster_manager_service_pb2_grpc as pb_grpc
@@ -152,6 +153,7 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
         caller().require_admin("changing clusters")
         cid = validation.parse_cluster_name(request.cluster.name, "cluster.name")
         paths = validation.check_update_mask(request.update_mask.paths)
+        etag = _update_etag(request)
         given = convert.cluster_from_proto(cid, request.cluster)
         creds = _request_credentials(request.cluster)
         now = self._clock()
@@ -181,7 +183,7 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
             return replace(updated, update_time=now)
 
         kw: dict[str, Any] = {"credentials": creds} if "credentials" in paths else {}
-        stored = await self._store.update(cid, mutate, etag=request.etag, **kw)
+        stored = await self._store.update(cid, mutate, etag=etag, **kw)
         log.info("updated %s (%s)", stored.name, ", ".join(sorted(paths)))
         return pb.UpdateClusterResponse(cluster=convert.cluster_to_proto(stored))
 
@@ -189,7 +191,9 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
                             context: grpc.aio.ServicerContext) -> pb.DeleteClusterResponse:
         caller().require_admin("removing clusters")
         cid = validation.parse_cluster_name(request.name)
-        last = await self._store.delete(cid)
+        if request.etag:
+            tokens.parse_etag(request.etag, "etag")
+        last = await self._store.delete(cid, etag=request.etag)
         if last is None:
             if request.allow_missing:
                 return pb.DeleteClusterResponse()
@@ -249,6 +253,17 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
         clusters, _ = await self._store.list_all()
         cands = matching.rank(job, clusters)
         return pb.MatchClustersResponse(candidates=convert.candidates_to_proto(cands))
+
+
+def _update_etag(request: pb.UpdateClusterRequest) -> str:
+    """The etag an update must match: the request's or the cluster's (AIP-154 puts it
+    on the resource), each checked; both set must agree. Empty: no precondition."""
+    for field, etag in (("etag", request.etag), ("cluster.etag", request.cluster.etag)):
+        if etag:
+            tokens.parse_etag(etag, field)
+    if request.etag and request.cluster.etag and request.etag != request.cluster.etag:
+        raise InvalidArgument.for_field("etag", "differs from cluster.etag; set one")
+    return request.etag or request.cluster.etag
 
 
 def _check_spec(spec: job_pb2.JobSpec) -> list[FieldViolation]:

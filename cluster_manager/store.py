@@ -248,15 +248,23 @@ class ClusterStore:
                 raise Aborted(f"{cluster_name(cluster_id)} changed concurrently; re-read and retry")
         raise Aborted(f"{cluster_name(cluster_id)} is changing too often; retry")
 
-    async def delete(self, cluster_id: str) -> Cluster | None:
-        """Delete the cluster and its credentials; its last state, or None if missing."""
+    async def delete(self, cluster_id: str, *, etag: str = "") -> Cluster | None:
+        """Delete the cluster and its credentials; its last state, or None if missing.
+        With ``etag`` only while the record is at that revision, else Aborted (missing:
+        None, as without)."""
+        ckey = self._ckey(cluster_id)
+        compare = [self._tx.mod(ckey) == int(etag)] if etag else []
         async with _translated("delete"):
-            _, resp = await self._c.transaction(
-                compare=[],
-                success=[self._tx.delete(self._ckey(cluster_id), prev_kv=True),
-                         self._tx.delete(self._credkey(cluster_id))],
-                failure=[],
+            ok, resp = await self._c.transaction(
+                compare=compare,
+                success=[self._tx.delete(ckey, prev_kv=True), self._tx.delete(self._credkey(cluster_id))],
+                failure=[self._tx.get(ckey)],
             )
+        if not ok:
+            if not resp[0]:  # a get's answer: [(value, kv)], empty when missing
+                return None
+            raise Aborted(f"{cluster_name(cluster_id)} changed since etag {etag}; re-read and retry",
+                          metadata={"etag": str(resp[0][0][1].mod_revision)})
         prev = resp[0].response_delete_range.prev_kvs
         if not prev:
             return None

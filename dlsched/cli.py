@@ -344,7 +344,7 @@ async def cmd_stop(args: argparse.Namespace) -> int:
 
 async def cmd_delete(args: argparse.Namespace) -> int:
     async with _jm(args) as jm:
-        job = await jm.delete_job(args.job, allow_missing=args.allow_missing)
+        job = await jm.delete_job(args.job, allow_missing=args.allow_missing, etag=args.etag or "")
     if _out(args) != "table":
         fmt.dump(fmt.to_dict(job) if job is not None else {}, _out(args))
     elif job is None:
@@ -485,7 +485,7 @@ async def cmd_cluster_list(args: argparse.Namespace) -> int:
 
 async def cmd_cluster_remove(args: argparse.Namespace) -> int:
     async with _cm(args) as cm:
-        c = await cm.delete_cluster(args.name, allow_missing=args.allow_missing)
+        c = await cm.delete_cluster(args.name, allow_missing=args.allow_missing, etag=args.etag or "")
     if _out(args) != "table":
         fmt.dump(fmt.to_dict(c) if c is not None else {}, _out(args))
     else:
@@ -769,6 +769,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("delete", cmd_delete, "delete a job (stops it first if it runs)")
     p.add_argument("job", metavar="JOB")
     p.add_argument("--allow-missing", action="store_true", help="succeed if it does not exist")
+    p.add_argument("--etag", help="delete only if the job's etag still matches")
 
     p = add("watch", cmd_watch, "stream job changes (the current jobs first)")
     p.add_argument("--filter", metavar="F")
@@ -817,6 +818,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("remove", cmd_cluster_remove, "remove a cluster (its jobs are not touched)", csub)
     p.add_argument("name", metavar="NAME")
     p.add_argument("--allow-missing", action="store_true")
+    p.add_argument("--etag", help="remove only if the cluster's etag still matches")
 
     p = add("watch", cmd_cluster_watch, "stream cluster changes", csub)
     p.add_argument("--filter", metavar="F")

@@ -329,9 +329,11 @@ class JobManagerClient(_Client):
             name=job_name(name_or_id), request_id=request_id))
         return resp.job  # type: ignore[no-any-return]
 
-    async def delete_job(self, name_or_id: str, *, allow_missing: bool = False) -> job_pb2.Job | None:
+    async def delete_job(self, name_or_id: str, *, allow_missing: bool = False,
+                         etag: str = "") -> job_pb2.Job | None:
+        """Deletes (stopping it first if it runs); ``etag``: only if the job is unchanged."""
         resp = await self._unary(self.stub.DeleteJob, jms.DeleteJobRequest(
-            name=job_name(name_or_id), allow_missing=allow_missing))
+            name=job_name(name_or_id), allow_missing=allow_missing, etag=etag))
         return resp.job if resp.HasField("job") else None
 
     def watch_jobs(self, filter: str = "", resume_token: str = "", *, heartbeats: bool = False,
@@ -587,9 +589,9 @@ class ClusterManagerClient(_Client):
         return resp.cluster  # type: ignore[no-any-return]
 
     async def delete_cluster(self, name_or_id: str, *, allow_missing: bool = False,
-                             ) -> cluster_pb2.Cluster | None:
+                             etag: str = "") -> cluster_pb2.Cluster | None:
         resp = await self._unary(self.stub.DeleteCluster, cms.DeleteClusterRequest(
-            name=cluster_name(name_or_id), allow_missing=allow_missing))
+            name=cluster_name(name_or_id), allow_missing=allow_missing, etag=etag))
         return resp.cluster if resp.HasField("cluster") else None
 
     def watch_clusters(self, filter: str = "", resume_token: str = "", *, heartbeats: bool = False,

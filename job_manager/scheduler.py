@@ -430,8 +430,10 @@ class Scheduler:
 
     # ------------------------------------------------------------ stop / delete
 
-    async def stop(self, job_id: str) -> Job:
-        job = await self.store.update(job_id, lambda j: states.request_stop(j, self._clock()))
+    async def stop(self, job_id: str, *, expect: str = "") -> Job:
+        """Ask the job to stop; ``expect``: an etag the job must be at (``JobStore.update``)."""
+        job = await self.store.update(job_id, lambda j: states.request_stop(j, self._clock()),
+                                      expect=expect)
         if job.state == JobState.STOPPING:
             log.info("stopping job %s", job_id)
             try:
@@ -463,7 +465,10 @@ class Scheduler:
                 await self.apply(job.cluster, obs)
         return True
 
-    async def delete(self, job_id: str, allow_missing: bool) -> Job | None:
+    async def delete(self, job_id: str, allow_missing: bool, *, etag: str = "") -> Job | None:
+        """Stop (if it runs), clean up and delete a job. With ``etag`` the job must be
+        at that revision at the first write this makes (the stop, or the delete of an
+        ended job): else ``Aborted`` and nothing changed (AIP-154)."""
         # A launch in its driver call finishes first (its backend job is recorded, then
         # stopped below): its task is cancelled only while it waits, holding no lock.
         # One that starts later finds the job gone, or terminates what it launched.
@@ -478,8 +483,13 @@ class Scheduler:
             if allow_missing:
                 return None
             raise
+        if etag and job.etag != etag:
+            raise errors.Aborted(f"jobs/{job_id} changed since etag {etag}; re-read and retry",
+                                 metadata={"name": f"jobs/{job_id}", "etag": job.etag})
+        expect = etag
         if not job.state.is_terminal():
-            job = await self.stop(job_id)
+            job = await self.stop(job_id, expect=etag)
+            expect = ""  # the precondition held at the stop, this call's own first write
         if job.cluster:
             try:
                 drv = await self.driver_for(job.cluster)
@@ -490,7 +500,7 @@ class Scheduler:
         t = self._retries.pop((job_id, "terminate"), None)
         if t is not None:
             t.cancel()
-        last = await self.store.delete(job_id)
+        last = await self.store.delete(job_id, expect=expect)
         await self.store.delete_request_keys(job_id)
         log.info("job %s deleted", job_id)
         if last is None and not allow_missing:

@@ -59,7 +59,13 @@ from prometheus_client import Counter
 
 from dlsched.auth.interceptor import caller
 from dlsched.auth.model import Principal
-from dlsched.errors import DlschedError, InvalidArgument, StoreUnavailable, WatchTokenExpired
+from dlsched.errors import (
+    Aborted,
+    DlschedError,
+    InvalidArgument,
+    StoreUnavailable,
+    WatchTokenExpired,
+)
 from dlsched.kit import logs, tokens
 from dlsched.kit.timeutil import (
     MAX_TIMESTAMP_SECONDS,
@@ -126,10 +132,6 @@ READS = Counter("dlsched_job_manager_reads",
 _READ_CACHED = READS.labels("cache")
 _READ_CONSISTENT = READS.labels("consistent")
 _READ_SOLE = READS.labels("sole_writer")
-#: an etag (an etcd revision) as this service writes it: digits, below 2**63
-_ETAG_RE = re.compile(r"[1-9][0-9]{0,17}")
-
-
 def _encode_page(key: SortKey, filter_text: str) -> str:
     ct = -key[0] if key[0] else 0.0
     return tokens.encode(f"p2:{tokens.filter_hash(filter_text)}:{ct!r}:{key[1]}")
@@ -297,9 +299,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                 return Freshness.CURRENT
             _READ_CONSISTENT.inc()
             return await self.hub.read_current()
-        if not _ETAG_RE.fullmatch(min_etag):
-            raise InvalidArgument.for_field("min_etag", "not an etag this service returned")
-        want = int(min_etag)
+        want = tokens.parse_etag(min_etag, "min_etag")
         if self.cache.current >= want:
             _READ_CACHED.inc()
             return Freshness.CURRENT
@@ -402,16 +402,18 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                         context: grpc.aio.ServicerContext) -> pb.DeleteJobResponse:
         job_id = job_id_from_name(request.name)
         logs.JOB_ID.set(job_id)
+        if request.etag:
+            tokens.parse_etag(request.etag, "etag")
         try:
             access.check_write(caller(), await self.store.get(job_id))
         except JobNotFound:
             archived = await self._archived(job_id)
             if archived is not None:
-                return await self._delete_archived(archived)
+                return await self._delete_archived(archived, request.etag)
             if not request.allow_missing:
                 raise
             return pb.DeleteJobResponse()
-        last = await self.scheduler.delete(job_id, request.allow_missing)
+        last = await self.scheduler.delete(job_id, request.allow_missing, etag=request.etag)
         if self.history is not None:
             # A copy the archiver wrote before the delete (etcd won until now) goes too, and
             # an archiver that picked the job before the delete never stores it again.
@@ -423,9 +425,12 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             resp.job.CopyFrom(convert.job_to_proto(last))
         return resp
 
-    async def _delete_archived(self, archived: ArchivedJob) -> pb.DeleteJobResponse:
+    async def _delete_archived(self, archived: ArchivedJob, etag: str) -> pb.DeleteJobResponse:
         assert self.history is not None
         job = access.check_write(caller(), archived.job())
+        if etag and etag != job.etag:  # it keeps the etag it was archived with
+            raise Aborted(f"jobs/{job.id} changed since etag {etag}; re-read and retry",
+                          metadata={"name": f"jobs/{job.id}", "etag": job.etag})
         if job.cluster:  # its backend objects (logs kept for it), as a live delete does
             try:
                 drv = await self.scheduler.driver_for(job.cluster)

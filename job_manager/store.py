@@ -453,7 +453,8 @@ class JobStore:
                                metadata={"name": f"jobs/{job.id}"})
 
     async def update(self, job_id: str, change: Callable[[Job], Job | None], *,
-                     fence: Fence | None = None, current: Job | None = None) -> Job:
+                     fence: Fence | None = None, current: Job | None = None,
+                     expect: str = "") -> Job:
         """Compare-and-swap ``change`` onto the stored job; returns the job as stored after.
 
         ``change`` gets the current job and returns the new one, or None for no
@@ -462,7 +463,9 @@ class JobStore:
         when it has changed, raises ``OwnershipLost`` and writes nothing. With
         ``current`` (the job as read, its etag set) the first attempt starts
         from it instead of reading the key: one round trip less when it is
-        fresh, a conflict and a re-read when it is not.
+        fresh, a conflict and a re-read when it is not. With ``expect`` (an etag)
+        the job must be at that revision when written: else ``Aborted``, nothing
+        written (AIP-154).
         """
         key = self.job_key(job_id)
         for _ in range(MAX_CAS_ATTEMPTS):
@@ -475,6 +478,9 @@ class JobStore:
                                       metadata={"name": f"jobs/{job_id}"})
                 cur = job_from_bytes(kv.value, kv.mod_revision)  # type: ignore[attr-defined]
                 self.sole.wrote(int(cur.etag))  # it may be answered as it is (no change)
+            if expect and cur.etag != expect:
+                raise Aborted(f"jobs/{job_id} changed since etag {expect}; re-read and retry",
+                              metadata={"name": f"jobs/{job_id}", "etag": cur.etag})
             new = change(cur)
             if new is None:
                 return cur
@@ -499,11 +505,19 @@ class JobStore:
                 fence.note("conflict")
         raise Aborted(f"too many concurrent updates of jobs/{job_id}")
 
-    async def delete(self, job_id: str) -> Job | None:
-        """Delete the job key; its last state, or None when it was missing."""
+    async def delete(self, job_id: str, *, expect: str = "") -> Job | None:
+        """Delete the job key; its last state, or None when it was missing. With
+        ``expect`` (an etag) only while the job is at that revision, else ``Aborted``."""
         key = self.job_key(job_id)
         op = rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key, prev_kv=True))
-        resp = await self._txn([], [op], [])
+        compare = [self._cmp(key, "mod", int(expect))] if expect else []
+        resp = await self._txn(compare, [op], [self._range(key)] if expect else [])
+        if not resp.succeeded:
+            kvs = resp.responses[0].response_range.kvs
+            if not kvs:
+                return None
+            raise Aborted(f"jobs/{job_id} changed since etag {expect}; re-read and retry",
+                          metadata={"name": f"jobs/{job_id}", "etag": str(kvs[0].mod_revision)})
         prev = resp.responses[0].response_delete_range.prev_kvs
         if not prev:
             return None

@@ -256,7 +256,25 @@ async def test_create_get_list_delete(stub: pb_grpc.ClusterManagerServiceStub) -
     listed = (await stub.ListClusters(pb.ListClustersRequest())).clusters
     assert [c.name for c in listed] == ["clusters/alpha"]
 
-    deleted = (await stub.DeleteCluster(pb.DeleteClusterRequest(name="clusters/alpha"))).cluster
+    # An etag on delete (AIP-154): a stale one deletes nothing, a garbage one names its field.
+    upd = (await stub.UpdateCluster(pb.UpdateClusterRequest(
+        cluster=cluster_pb2.Cluster(name="clusters/alpha", labels={"team": "ml2"}),
+        update_mask=field_mask_pb2.FieldMask(paths=["labels"])))).cluster
+    e = await rpc_error(stub.DeleteCluster(pb.DeleteClusterRequest(name="clusters/alpha", etag=made.etag)))
+    assert e.code() == grpc.StatusCode.ABORTED
+    e = await rpc_error(stub.DeleteCluster(pb.DeleteClusterRequest(name="clusters/alpha", etag="x1")))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and fields(e) == ["etag"]
+    assert (await stub.GetCluster(pb.GetClusterRequest(name="clusters/alpha"))).cluster.uid == upd.uid
+    for _ in range(20):  # the health checker writes the cluster's state too: re-read and retry
+        current = (await stub.GetCluster(pb.GetClusterRequest(name="clusters/alpha"))).cluster
+        try:
+            deleted = (await stub.DeleteCluster(pb.DeleteClusterRequest(
+                name="clusters/alpha", etag=current.etag))).cluster
+            break
+        except grpc.aio.AioRpcError as err:
+            assert err.code() == grpc.StatusCode.ABORTED, err
+    else:
+        raise AssertionError("DeleteCluster with the current etag kept being ABORTED")
     assert deleted.uid == made.uid
     e = await rpc_error(stub.GetCluster(pb.GetClusterRequest(name="clusters/alpha")))
     assert reason(e) == "CLUSTER_NOT_FOUND"
@@ -350,6 +368,23 @@ async def test_update_applies_masked_fields_and_checks_etag(
         raise AssertionError("UpdateCluster with the current etag kept being ABORTED")
     assert dict(resp.cluster.options) == {"partition": "gpu"}
     assert dict(resp.cluster.labels) == {"team": "web"}
+
+    # The resource's own etag (AIP-154) is a precondition too; a garbage one is the
+    # caller's error, naming its field; both set must agree.
+    e = await rpc_error(stub.UpdateCluster(pb.UpdateClusterRequest(
+        cluster=cluster_pb2.Cluster(name="clusters/upd", labels={"x": "y"}, etag=made.etag),
+        update_mask=field_mask_pb2.FieldMask(paths=["labels"]))))
+    assert e.code() == grpc.StatusCode.ABORTED
+    for req, field in ((pb.UpdateClusterRequest(etag="nope"), "etag"),
+                       (pb.UpdateClusterRequest(cluster=cluster_pb2.Cluster(etag="00")), "cluster.etag"),
+                       (pb.UpdateClusterRequest(etag="5", cluster=cluster_pb2.Cluster(etag="6")), "etag")):
+        req.cluster.name = "clusters/upd"
+        req.cluster.labels["x"] = "y"
+        req.update_mask.paths.append("labels")
+        e = await rpc_error(stub.UpdateCluster(req))
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and fields(e) == [field], req
+    assert dict((await stub.GetCluster(pb.GetClusterRequest(name="clusters/upd"))).cluster.labels) \
+        == {"team": "web"}
 
     # update_mask is required and limited ('*' alone); type is immutable.
     for paths in ([], ["type"], ["state"], ["name"], ["*", "labels"]):

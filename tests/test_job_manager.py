@@ -529,6 +529,43 @@ async def test_list_paging_and_delete(jm: pb_grpc.JobManagerServiceStub) -> None
     assert not (await jm.DeleteJob(pb.DeleteJobRequest(name=names[0], allow_missing=True))).HasField("job")
 
 
+async def test_delete_with_an_etag_changes_nothing_unless_it_matches(
+        jm: pb_grpc.JobManagerServiceStub) -> None:
+    """DeleteJob's etag (AIP-154): a stale one is ABORTED and the job neither stopped nor
+    deleted; a garbage one is INVALID_ARGUMENT naming it; the current one deletes."""
+    running = (await jm.SubmitJob(pb.SubmitJobRequest(job_id=uniq(), spec=single(
+        "import time; time.sleep(600)")))).job
+    running = await wait_state(jm, running.name, {S.JOB_STATE_RUNNING})
+    stale = str(int(running.etag) - 1)
+    for bad in ("abc", "0", "-1", "1" * 30, " 12"):
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await jm.DeleteJob(pb.DeleteJobRequest(name=running.name, etag=bad))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+        assert [v.field for v in field_violations(ei.value)] == ["etag"], bad
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await jm.DeleteJob(pb.DeleteJobRequest(name=running.name, etag=stale))
+    assert ei.value.code() == grpc.StatusCode.ABORTED
+    still = (await jm.GetJob(pb.GetJobRequest(name=running.name))).job
+    assert still.state == S.JOB_STATE_RUNNING and still.etag == running.etag  # not even stopped
+    last = (await jm.DeleteJob(pb.DeleteJobRequest(name=running.name, etag=running.etag))).job
+    assert last.name == running.name and last.state in TERMINAL | {S.JOB_STATE_STOPPING}
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await jm.GetJob(pb.GetJobRequest(name=running.name))
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+
+    ended = (await jm.SubmitJob(pb.SubmitJobRequest(job_id=uniq(), spec=single("pass")))).job
+    ended = await wait_state(jm, ended.name, TERMINAL)
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await jm.DeleteJob(pb.DeleteJobRequest(name=ended.name, etag=str(int(ended.etag) - 1)))
+    assert ei.value.code() == grpc.StatusCode.ABORTED
+    assert (await jm.GetJob(pb.GetJobRequest(name=ended.name))).job.etag == ended.etag
+    last = (await jm.DeleteJob(pb.DeleteJobRequest(name=ended.name, etag=ended.etag))).job
+    assert last.etag == ended.etag
+    # Gone: with allow_missing, any etag answers an empty response.
+    assert not (await jm.DeleteJob(pb.DeleteJobRequest(
+        name=ended.name, etag=ended.etag, allow_missing=True))).HasField("job")
+
+
 async def _snapshot_token(jm: pb_grpc.JobManagerServiceStub) -> str:
     """The resume token of a fresh WatchJobs snapshot (the stream then closed)."""
     call = jm.WatchJobs(pb.WatchJobsRequest(), timeout=60)

@@ -10,6 +10,12 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import re
+
+from dlsched.errors import InvalidArgument
+
+#: an etag (an etcd revision) as dlsched writes it: digits, no leading zero, below 2**63
+ETAG_RE = re.compile(r"[1-9][0-9]{0,17}")
 
 
 def encode(text: str) -> str:
@@ -28,3 +34,11 @@ def decode(token: str) -> str | None:
 def filter_hash(filter_text: str) -> str:
     """What ties a page token to the filter it was issued for (AIP-158): a short digest."""
     return hashlib.sha256(filter_text.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+
+
+def parse_etag(etag: str, field: str) -> int:
+    """The revision of an etag a dlsched server returned; InvalidArgument naming
+    ``field`` for anything else (a garbage etag is the caller's error, not a conflict)."""
+    if not ETAG_RE.fullmatch(etag):
+        raise InvalidArgument.for_field(field, "not an etag this service returned")
+    return int(etag)

@@ -73,12 +73,14 @@ class UpdateClusterResponse(_message.Message):
     def __init__(self, cluster: _Optional[_Union[_cluster_pb2.Cluster, _Mapping]] = ...) -> None: ...
 
 class DeleteClusterRequest(_message.Message):
-    __slots__ = ("name", "allow_missing")
+    __slots__ = ("name", "allow_missing", "etag")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ALLOW_MISSING_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
     name: str
     allow_missing: bool
-    def __init__(self, name: _Optional[str] = ..., allow_missing: _Optional[bool] = ...) -> None: ...
+    etag: str
+    def __init__(self, name: _Optional[str] = ..., allow_missing: _Optional[bool] = ..., etag: _Optional[str] = ...) -> None: ...
 
 class DeleteClusterResponse(_message.Message):
     __slots__ = ("cluster",)

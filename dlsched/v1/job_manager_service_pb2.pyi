@@ -91,12 +91,14 @@ class StopJobResponse(_message.Message):
     def __init__(self, job: _Optional[_Union[_job_pb2.Job, _Mapping]] = ...) -> None: ...
 
 class DeleteJobRequest(_message.Message):
-    __slots__ = ("name", "allow_missing")
+    __slots__ = ("name", "allow_missing", "etag")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ALLOW_MISSING_FIELD_NUMBER: _ClassVar[int]
+    ETAG_FIELD_NUMBER: _ClassVar[int]
     name: str
     allow_missing: bool
-    def __init__(self, name: _Optional[str] = ..., allow_missing: _Optional[bool] = ...) -> None: ...
+    etag: str
+    def __init__(self, name: _Optional[str] = ..., allow_missing: _Optional[bool] = ..., etag: _Optional[str] = ...) -> None: ...
 
 class DeleteJobResponse(_message.Message):
     __slots__ = ("job",)
