@@ -37,8 +37,11 @@ def same_job(uid: str, other: str) -> bool:
     return not uid or not other or uid.replace("-", "") == other.replace("-", "")
 ROLE_RE = re.compile(r"[a-z][a-z0-9-]{0,62}\Z")
 ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
-#: Kubernetes-like label keys: optional DNS prefix "a.b/" then a name; values alike.
-LABEL_KEY_RE = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?\Z")
+#: Kubernetes label keys: an optional prefix, a DNS subdomain ("a.b/": dot-separated DNS
+#: labels of up to 63 characters, 253 in all), then a name; values alike without prefix.
+_DNS_LABEL = r"[a-z0-9](?:[-a-z0-9]{0,61}[a-z0-9])?"
+LABEL_KEY_RE = re.compile(
+    rf"(?:{_DNS_LABEL}(?:\.{_DNS_LABEL})*/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?\Z")
 LABEL_VALUE_RE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?\Z")
 RESERVED_ENV_PREFIX = "DLSCHED_"  # any case
 
@@ -56,7 +59,8 @@ MAX_PROCESSES = 100_000  # replicas x processes over the job
 MAX_EXPANDED_BYTES = 16 * 1024 * 1024
 MAX_RETRIES = 10
 MAX_LABEL = 63
-MAX_LABEL_KEY = 253 + 1 + MAX_LABEL
+MAX_LABEL_PREFIX = 253
+MAX_LABEL_KEY = MAX_LABEL_PREFIX + 1 + MAX_LABEL
 MAX_CPU = 100_000.0
 MAX_MEMORY_BYTES = 1 << 60
 MAX_GPUS = 10_000
@@ -200,9 +204,12 @@ def _per_process_bytes(g: _Group) -> int:
 
 def _labels(out: list[FieldViolation], field: str, labels: Mapping[str, str]) -> None:
     for k, val in labels.items():
-        if not k or len(k) > MAX_LABEL_KEY or not LABEL_KEY_RE.match(k) or len(k.rpartition("/")[2]) > MAX_LABEL:
-            out.append(FieldViolation(f"{field}[{k[:40]!r}]", "label keys: up to 63 characters [A-Za-z0-9-_.], "
-                                      "alphanumeric at both ends, optional DNS prefix"))
+        prefix, _, name = k.rpartition("/")
+        if not k or len(k) > MAX_LABEL_KEY or len(name) > MAX_LABEL or len(prefix) > MAX_LABEL_PREFIX \
+                or not LABEL_KEY_RE.match(k):
+            out.append(FieldViolation(f"{field}[{k[:40]!r}]", "label keys: a name of up to 63 characters "
+                                      "[A-Za-z0-9-_.], alphanumeric at both ends, after an optional "
+                                      "DNS subdomain prefix of up to 253 and '/'"))
         if len(val) > MAX_LABEL or not LABEL_VALUE_RE.match(val):
             out.append(FieldViolation(f"{field}[{k[:40]!r}]", "label values: up to 63 characters "
                                       "[A-Za-z0-9-_.], alphanumeric at both ends"))

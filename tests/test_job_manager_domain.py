@@ -194,6 +194,17 @@ def test_labels() -> None:
     with pytest.raises(InvalidArgument) as ei:
         validate_submit("", spec(labels={"ok": "x" * 64}), "", 10)
     assert any(f.startswith("spec.labels") for f in fields(ei))
+    # Keys as Kubernetes takes them (the driver copies them onto pods): a DNS-subdomain
+    # prefix of dot-separated DNS labels (up to 63 each, 253 in all), then a name up to 63.
+    for good in ("team", "example.com/team", "a-b.c/x_y.z", f"{'p' * 63}.{'q' * 63}/{'n' * 63}"):
+        validate_submit("", spec(labels={good: "v"}), "", 10)
+    dns253 = ".".join(["a" * 63] * 3 + ["b" * 61])
+    validate_submit("", spec(labels={f"{dns253}/x": "v"}), "", 10)
+    for bad in ("a..b/x", "-a/x", "a-/x", "Upper.com/x", "a_b/x", f"{'p' * 64}/x",
+                f"{dns253}c/x", "x/" + "n" * 64, "/x", "a/", ".a/x"):
+        with pytest.raises(InvalidArgument) as ei:
+            validate_submit("", spec(labels={bad: "v"}), "", 10)
+        assert all(f.startswith("spec.labels[") for f in fields(ei)), bad
 
 
 @pytest.mark.parametrize("name", ["job/x", "jobs/", "jobs/X", "x", "jobs/a/b", ""])
