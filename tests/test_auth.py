@@ -682,6 +682,25 @@ async def test_oidc_keys_are_cached_rotation_refetches_once_and_leeway_holds(etc
             assert iss.fetches("jwks") == 3
 
 
+async def test_oidc_email_as_the_user_needs_email_verified() -> None:
+    """With --oidc-user-claim email a token names its user by its email only when the
+    issuer says it verified it: many issuers let a user set any address, which would
+    make them whoever owns it ("nOAuth")."""
+    from dlsched.auth.oidc import OidcOptions, OidcVerifier
+    from dlsched.errors import Unauthenticated
+    with OidcIssuer().running() as iss:
+        v = OidcVerifier(OidcOptions(issuer=iss.url, audience=AUD, user_claim="email"))
+        ok = iss.token("someone", AUD, extra={"email": "lead@corp.example", "email_verified": True})
+        assert (await v.verify(ok)).name == "user:lead@corp.example"
+        for extra in ({"email_verified": False}, {}, {"email_verified": "true"}):
+            forged = iss.token("attacker", AUD, extra={"email": "lead@corp.example", **extra})
+            with pytest.raises(Unauthenticated, match="not verified"):
+                await v.verify(forged)
+        # The default claim, sub, is the issuer's own and needs no such flag.
+        plain = OidcVerifier(OidcOptions(issuer=iss.url, audience=AUD))
+        assert (await plain.verify(iss.token("someone", AUD))).name == "user:someone"
+
+
 # ---------------------------------------------------------------- (d) TLS
 
 def _served_certificate(port: int, opts: tls_kit.TlsOptions) -> x509.Certificate:
@@ -1032,6 +1051,29 @@ async def test_losing_read_access_ends_open_log_streams_as_not_found(env: Env) -
             for j in (loud, quiet):
                 with contextlib.suppress(DlschedRpcError):
                     await a.jobs.stop_job(j.name)
+
+
+async def test_a_retried_request_id_does_not_outlive_the_role_it_was_made_with(env: Env) -> None:
+    """SubmitJob retried with a request id answers the first job only to a caller who may
+    still read it: after losing the role in its project, a member of another project gets
+    REQUEST_ID_IN_USE (another caller's answer), not the job's state, spec and env."""
+    user = f"replayer-{uuid.uuid4().hex[:6]}"
+    rid = f"req-{uuid.uuid4().hex}"
+    async with as_caller(env.stack, admin_token()) as a:
+        lost = await a.access.create_role_binding(f"user:{user}", "pr1", "member")
+        await a.access.create_role_binding(f"user:{user}", "pr2", "member")
+    async with as_caller(env.stack, env.jwt(user)) as u:
+        first = (await u.jobs.submit_job(sleeper(300, project="pr1"), request_id=rid)).job
+        again = (await u.jobs.submit_job(sleeper(300, project="pr1"), request_id=rid)).job
+        assert again.name == first.name  # a retry, while it may read the job
+        async with as_caller(env.stack, admin_token()) as a:
+            await a.access.delete_role_binding(lost.name)
+        await refused(u.jobs.get_job(first.name), "NOT_FOUND", "JOB_NOT_FOUND")
+        err = await refused(u.jobs.submit_job(sleeper(300, project="pr2"), request_id=rid),
+                            "ALREADY_EXISTS", "REQUEST_ID_IN_USE")
+        assert first.name not in str(err)
+    async with as_caller(env.stack, admin_token()) as a:
+        await a.jobs.stop_job(first.name)
 
 
 async def test_a_revoked_token_ends_quiet_streams_at_their_heartbeat(env: Env) -> None:

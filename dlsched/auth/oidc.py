@@ -114,6 +114,10 @@ class OidcVerifier:
         subject = claims.get(self.opts.user_claim)
         if not isinstance(subject, str) or not subject or not subject.isprintable() or " " in subject:
             raise Unauthenticated(f"token has no usable '{self.opts.user_claim}' claim")
+        if self.opts.user_claim == "email" and claims.get("email_verified") is not True:
+            # Many issuers let a user set an address nobody verified: naming the user by it
+            # would let anyone claim another's ("nOAuth"). OpenID Connect Core 5.1.
+            raise Unauthenticated("token's email is not verified (email_verified is not true)")
         groups: tuple[str, ...] = ()
         if self.opts.groups_claim:
             raw = claims.get(self.opts.groups_claim, [])
