@@ -499,6 +499,12 @@ BAD_CREATES = [
      "cluster.address"),
     ("ok", cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_RAY, driver_address="127.0.0.1:1",
                                address="ftp://ray:8265"), "cluster.address"),
+    # A password in the address would reach every reader of the cluster (credentials
+    # are write-only); a user alone too.
+    ("ok", cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_RAY, driver_address="127.0.0.1:1",
+                               address="https://dlsched:s3cret@ray:8265"), "cluster.address"),
+    ("ok", cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_KUBERNETES, driver_address="127.0.0.1:1",
+                               address="https://admin@k8s.local:6443"), "cluster.address"),
     ("ok", local_cluster("127.0.0.1:1", **{"bad key!": "v"}), "cluster.labels"),
     ("ok", local_cluster("127.0.0.1:1", team="v" * 64), "cluster.labels"),
     ("ok", cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_LOCAL, driver_address="127.0.0.1:1",

@@ -143,7 +143,10 @@ def _check_url(addr: str, field: str, what: str) -> list[FieldViolation]:
         return [FieldViolation(field, f"want an http(s) URL ({what})")]
     if u.scheme not in ("http", "https") or not u.hostname or not port_ok:
         return [FieldViolation(field, f"want an http(s) URL ({what})")]
-    return []
+    if u.username is not None or u.password is not None:
+        # Every reader of the cluster sees its address: secrets go in `credentials`,
+        # which is write-only and encrypted at rest.
+        return [FieldViolation(field, "must not carry a user or password; set credentials instead")]
     return []
 
 
