@@ -61,6 +61,7 @@ from dlsched.auth.interceptor import caller
 from dlsched.auth.model import Principal
 from dlsched.errors import (
     Aborted,
+    AlreadyExists,
     DlschedError,
     InvalidArgument,
     StoreUnavailable,
@@ -132,6 +133,19 @@ READS = Counter("dlsched_job_manager_reads",
 _READ_CACHED = READS.labels("cache")
 _READ_CONSISTENT = READS.labels("consistent")
 _READ_SOLE = READS.labels("sole_writer")
+def _check_same_job(request: pb.SubmitJobRequest, job: Job, p: Principal) -> Job:
+    """``job``, as SubmitJob answers it to ``p``. A retried ``request_id`` answers its first
+    job only to a caller who may still read it (one whose role in its project is gone gets
+    what another caller's request id gets), and only for the same ``job_id``: a request id
+    reused for another request is refused, as CreateCluster refuses it (AIP-155)."""
+    if not access.may_read(p, job):
+        raise AlreadyExists("request_id already used by another caller",
+                            reason="REQUEST_ID_IN_USE", metadata={"field": "request_id"})
+    if request.job_id and job.id != request.job_id:
+        raise InvalidArgument.for_field("request_id", f"already used to submit jobs/{job.id}")
+    return job
+
+
 def _encode_page(key: SortKey, filter_text: str) -> str:
     ct = -key[0] if key[0] else 0.0
     return tokens.encode(f"p2:{tokens.filter_hash(filter_text)}:{ct!r}:{key[1]}")
@@ -238,12 +252,13 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             # on in the history: a new job must not hide the archived one.
             first = await self.scheduler.archived_request(request.request_id, p.name)
             if first is not None:
-                return pb.SubmitJobResponse(job=convert.job_to_proto(first))
+                return pb.SubmitJobResponse(job=convert.job_to_proto(_check_same_job(request, first, p)))
             raise JobAlreadyExists(f"job jobs/{request.job_id} already exists (archived)",
                                    metadata={"name": f"jobs/{request.job_id}"})
         job, dry = await self.scheduler.submit(
             request.job_id, spec, request.request_id, dry_run=request.dry_run,
             spec_bytes=spec_bytes, owner=p.name)
+        _check_same_job(request, job, p)
         await self._written(job)
         resp = pb.SubmitJobResponse(job=convert.job_to_proto(job))
         if dry is not None:

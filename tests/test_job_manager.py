@@ -303,10 +303,23 @@ async def test_same_request_id_runs_once(jm: pb_grpc.JobManagerServiceStub) -> N
     rid2 = f"req-{uuid.uuid4().hex}"
     marker2 = os.path.join(os.path.dirname(marker), "runs2")
     spec2 = single(f"open({marker2!r}, 'a').write('ran\\n')")
+    conc = f"conc-{uuid.uuid4().hex[:6]}"
     results = await asyncio.gather(*(jm.SubmitJob(pb.SubmitJobRequest(
-        job_id=f"conc-{i}-{uuid.uuid4().hex[:6]}", spec=spec2, request_id=rid2)) for i in range(8)))
+        job_id=conc, spec=spec2, request_id=rid2)) for _ in range(8)))
     names = {r.job.name for r in results}
-    assert len(names) == 1
+    assert names == {f"jobs/{conc}"}
+    # The request id of another job_id's request is refused (as CreateCluster refuses
+    # it), not answered with a job the caller did not name; nothing is stored for it.
+    other = f"other-{uuid.uuid4().hex[:6]}"
+    for rid_used, made in ((rid2, conc), (rid, first.name.removeprefix("jobs/"))):
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await jm.SubmitJob(pb.SubmitJobRequest(job_id=other, spec=spec2, request_id=rid_used))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [v.field for v in field_violations(ei.value)] == ["request_id"]
+        assert f"jobs/{made}" in (ei.value.details() or "")
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await jm.GetJob(pb.GetJobRequest(name=f"jobs/{other}"))
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND
     for name in (first.name, names.pop()):
         assert (await wait_state(jm, name, TERMINAL)).state == S.JOB_STATE_SUCCEEDED
     await asyncio.sleep(0.5)
