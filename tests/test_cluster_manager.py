@@ -247,6 +247,8 @@ async def test_create_get_list_delete(stub: pb_grpc.ClusterManagerServiceStub) -
 
     e = await rpc_error(stub.GetCluster(pb.GetClusterRequest(name="clusters/nope")))
     assert e.code() == grpc.StatusCode.NOT_FOUND and reason(e) == "CLUSTER_NOT_FOUND"
+    # The resource's name under "name", as JOB_NOT_FOUND has it ("cluster" kept for older clients).
+    assert dict(error_info(e).metadata) == {"name": "clusters/nope", "cluster": "clusters/nope"}
     e = await rpc_error(stub.GetCluster(pb.GetClusterRequest(name="alpha")))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and fields(e) == ["name"]
 

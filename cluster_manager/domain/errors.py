@@ -17,14 +17,14 @@ class ClusterNotFound(NotFound):
     reason = "CLUSTER_NOT_FOUND"
 
     def __init__(self, name: str, message: str | None = None) -> None:
-        super().__init__(message or f"{name} not found", metadata={"cluster": name})
+        super().__init__(message or f"{name} not found", metadata={"name": name, "cluster": name})
 
 
 class ClusterAlreadyExists(AlreadyExists):
     reason = "CLUSTER_ALREADY_EXISTS"
 
     def __init__(self, name: str) -> None:
-        super().__init__(f"{name} already exists", metadata={"cluster": name})
+        super().__init__(f"{name} already exists", metadata={"name": name, "cluster": name})
 
 
 class NoMatchingCluster(FailedPrecondition):
