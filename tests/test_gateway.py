@@ -353,7 +353,7 @@ def test_submit_get_list_stop_delete_over_rest(base: str, local_cluster: str) ->
 
     ended = wait_state(base, name, TERMINAL)
     code, body = call(base, "DELETE", f"/v1/{name}?etag={int(ended['etag']) - 1}")
-    assert code == 409 and body["error"]["status"] == "ABORTED", body  # a stale etag deletes nothing
+    assert code == 409 and body["code"] == grpc.StatusCode.ABORTED.value[0], body  # a stale etag deletes nothing
     code, deleted = call(base, "DELETE", f"/v1/{name}?etag={ended['etag']}")
     assert code == 200 and deleted["job"]["name"] == name
     code, gone = call(base, "GET", f"/v1/{name}")
