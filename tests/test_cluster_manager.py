@@ -335,6 +335,24 @@ async def test_list_pages_by_name_and_filters(stub: pb_grpc.ClusterManagerServic
     assert fields(e) == ["page_size"]
 
 
+async def test_an_error_echoing_a_long_input_still_reaches_the_client_as_itself(
+        stub: pb_grpc.ClusterManagerServiceStub) -> None:
+    """Errors quote what the client sent; a status travels in trailers that gRPC clients cap
+    at 16 KiB, so a long quoted filter (or a thousand violations) came back as the client's
+    own RESOURCE_EXHAUSTED ("metadata size exceeds hard limit"), naming no field."""
+    for flt in ("colour=" + "x" * 7000, "type=" + "\x01" * 3000, "x" * 7000,
+                "labels.a=b AND " * 400 + "nope"):
+        e = await rpc_error(stub.ListClusters(pb.ListClustersRequest(filter=flt)))
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and fields(e) == ["filter"], e.details()
+        assert len((e.details() or "").encode()) <= 512
+    huge = cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_LOCAL, driver_address="127.0.0.1:1",
+                               labels={f"bad key {i}!" + "k" * 60: "v" for i in range(1000)})
+    e = await rpc_error(create(stub, "many-bad", huge))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+    vs = field_violations(e)
+    assert 1 < len(vs) <= 11 and vs[-1].description.endswith("more"), vs[-1]
+
+
 async def test_update_applies_masked_fields_and_checks_etag(
         stub: pb_grpc.ClusterManagerServiceStub) -> None:
     drv = dead_address()

@@ -52,19 +52,45 @@ _CLASS_BY_CODE: dict[str, type[errors.DlschedError]] = {
 }
 
 
+#: What one status may carry. It travels in the trailers (the message percent-encoded, and
+#: again with the details base64-encoded), which gRPC clients cap at 16 KiB by default: an
+#: error that echoes a client's long input, or lists a violation for each of a thousand
+#: bad labels, would reach the client as RESOURCE_EXHAUSTED instead of itself.
+MAX_MESSAGE_BYTES = 512
+MAX_TEXT_BYTES = 160  # a field, subject, description or metadata value
+MAX_VIOLATIONS = 10
+MAX_METADATA = 8
+
+
+def clip(text: str, limit: int = MAX_TEXT_BYTES) -> str:
+    """``text`` within ``limit`` UTF-8 bytes, cut at a character boundary and marked."""
+    raw = text.encode("utf-8", "surrogatepass")
+    if len(raw) <= limit:
+        return text
+    return raw[:limit - 3].decode("utf-8", "ignore") + "..."
+
+
+def _clipped(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    out = [(clip(a), clip(b)) for a, b in pairs[:MAX_VIOLATIONS]]
+    if len(pairs) > MAX_VIOLATIONS:
+        out.append(("...", f"and {len(pairs) - MAX_VIOLATIONS} more"))
+    return out
+
+
 def to_status(err: errors.DlschedError) -> status_pb2.Status:
-    """The google.rpc.Status for a dlsched error."""
+    """The google.rpc.Status for a dlsched error, bounded in size (``MAX_*``)."""
     code = code_pb2.Code.Value(err.code)
     details: list[any_pb2.Any] = []
     info = error_details_pb2.ErrorInfo(
-        reason=err.reason, domain=errors.DOMAIN, metadata=err.metadata
+        reason=err.reason, domain=errors.DOMAIN,
+        metadata={clip(k): clip(v) for k, v in list(err.metadata.items())[:MAX_METADATA]},
     )
     details.append(_pack(info))
     if isinstance(err, errors.InvalidArgument) and err.violations:
         br = error_details_pb2.BadRequest(
             field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
-                for v in err.violations
+                error_details_pb2.BadRequest.FieldViolation(field=f, description=d)
+                for f, d in _clipped([(v.field, v.description) for v in err.violations])
             ]
         )
         details.append(_pack(br))
@@ -74,11 +100,11 @@ def to_status(err: errors.DlschedError) -> status_pb2.Status:
                 error_details_pb2.PreconditionFailure.Violation(
                     type=err.reason, subject=subject, description=desc
                 )
-                for subject, desc in err.violations
+                for subject, desc in _clipped(list(err.violations))
             ]
         )
         details.append(_pack(pf))
-    return status_pb2.Status(code=code, message=err.message, details=details)
+    return status_pb2.Status(code=code, message=clip(err.message, MAX_MESSAGE_BYTES), details=details)
 
 
 def _pack(msg: Any) -> any_pb2.Any:
