@@ -255,8 +255,10 @@ def check_resources(out: list[FieldViolation], f: str, r: Any) -> None:
         out.append(FieldViolation(f"{f}.resources.memory_bytes", f"0 to {MAX_MEMORY_BYTES}"))
     if not 0 <= r.gpus <= MAX_GPUS:
         out.append(FieldViolation(f"{f}.resources.gpus", f"0 to {MAX_GPUS}"))
-    if "\x00" in r.gpu_type:
-        out.append(FieldViolation(f"{f}.resources.gpu_type", "must not contain NUL"))
+    if len(r.gpu_type) > MAX_LABEL or not LABEL_VALUE_RE.match(r.gpu_type):
+        # What every backend takes: a Kubernetes node-label value, a Slurm GRES type.
+        out.append(FieldViolation(f"{f}.resources.gpu_type", "up to 63 characters [A-Za-z0-9-_.], "
+                                  "alphanumeric at both ends (e.g. a100, NVIDIA-A100-SXM4-80GB)"))
 
 
 def check_run_mode(run_mode: int, groups: Sequence[_Group], field: str = "spec") -> list[FieldViolation]:

@@ -207,6 +207,21 @@ def test_labels() -> None:
         assert all(f.startswith("spec.labels[") for f in fields(ei)), bad
 
 
+def test_gpu_type_is_a_value_every_backend_takes() -> None:
+    """gpu_type becomes a Kubernetes node-selector value and a Slurm GRES type, and the
+    matcher quotes it: bounded and plain (a 5,000-character one passed and its refusal
+    came back RESOURCE_EXHAUSTED, naming no field)."""
+    def with_type(t: str) -> JobSpec:
+        return spec(RunMode.SINGLE_PROCESS, ReplicaGroup(
+            role="main", replicas=1, command=["x"], resources=Resources(gpus=1, gpu_type=t)))
+    for good in ("", "a100", "NVIDIA-A100-SXM4-80GB", "tesla_v100.pcie", "x" * 63):
+        validate_submit("", with_type(good), "", 10)
+    for bad in ("x" * 64, "x" * 5000, "a100\n", "-a100", "a100 ", "a/b", "$(id)", "a\x00"):
+        with pytest.raises(InvalidArgument) as ei:
+            validate_submit("", with_type(bad), "", 10)
+        assert fields(ei) == {"spec.replica_groups[0].resources.gpu_type"}, bad
+
+
 @pytest.mark.parametrize("name", ["job/x", "jobs/", "jobs/X", "x", "jobs/a/b", ""])
 def test_malformed_names(name: str) -> None:
     with pytest.raises(InvalidArgument) as ei:
