@@ -385,7 +385,7 @@ async def test_a_job_that_cannot_start_is_refused_or_says_why(jm, runs, tmp_path
 HOSTILE = [
     "$(touch CANARY)", "`touch CANARY`", "a\n#SBATCH --wrap=touch CANARY\n", "\n#SBATCH --chdir=/nonexistent",
     "'; touch CANARY; '", '"; touch CANARY; "', "; touch CANARY", "&& touch CANARY", "| touch CANARY",
-    "-x", "--help", "--export=NONE", "$HOME ${PATH} $$ $1 !! ~ * ?", "\\", "\\'", "%j %u %x", "",
+    "-x", "--help", ":", "-np", "--export=NONE", "$HOME ${PATH} $$ $1 !! ~ * ?", "\\", "\\'", "%j %u %x", "",
     "ünï ✓ \t\r", "x\x1by", "'", '"',
 ]
 

@@ -27,7 +27,8 @@ gets one). So a line in the launcher's log is always one rank's whole line.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import shlex
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -95,6 +96,12 @@ def srun_steps(lay: Layout, steps: list[StepFiles]) -> list[str]:
                     f"--cpus-per-task={lay.cpus_per_task}", "--overlap", "--export=ALL", "--kill-on-bad-exit=1"]
             if p.working_dir:
                 opts.append(f"--chdir={sh_quote(p.working_dir)}")
+            if ":" in p.argv:
+                # srun splits its command line at a lone ":" into heterogeneous components,
+                # after "--" too: the rest would be read as srun's options and a second
+                # program. Such an argv reaches the step in the environment instead.
+                h += argv_by_env(p.argv, "  ")
+                argv = " ".join(sh_quote(a) for a in ARGV_PROGRAM)
             h.append(f"  exec srun {' '.join(opts)} -- {argv}")
         h.append(f') >"$DLSCHED_DIR/{label}.stdout" 2>"$DLSCHED_DIR/{label}.stderr" </dev/null &')
         h.append(f"DLSCHED_NAME[$!]={label}")
@@ -102,6 +109,21 @@ def srun_steps(lay: Layout, steps: list[StepFiles]) -> list[str]:
             h.append("DLSCHED_DECIDES[$!]=1")
     h += (shell.SUCCESS_RULE + shell.WAIT_LOOP).splitlines()
     return h
+
+
+#: A step whose argv srun would misread: the fixed program it runs instead, which takes the
+#: argv back from ``ARGV_ENV`` (``shlex.join``-ed) as MPI's ranks do theirs.
+ARGV_ENV = "DLSCHED_ARGV"
+ARGV_PROGRAM = ("/bin/sh", "-c", planner.MPI_RANK_SCRIPT.replace(planner.MPI_ARGV_ENV, ARGV_ENV))
+
+
+def argv_by_env(argv: Sequence[str], indent: str) -> list[str]:
+    joined = shlex.join(argv)
+    if len(joined.encode()) > planner.MPI_ARGV_MAX_BYTES:  # one environment string's limit
+        raise InvalidArgument.for_field(
+            "spec.replica_groups", f"a command line with a lone ':' is at most {planner.MPI_ARGV_MAX_BYTES} "
+                                   "bytes on Slurm (it reaches the step in the environment)")
+    return [f"{indent}export {ARGV_ENV}={sh_quote(joined)}"]
 
 
 def mpi_launcher(p: planner.ProcessLaunch) -> list[str]:
