@@ -57,6 +57,9 @@ MAX_PROCESSES = 100_000  # replicas x processes over the job
 # bound on what any renderer may produce from one spec. Without it, a 200 KB spec of 10,000
 # replicas asked the Slurm renderer for a 20 GB script and Kubernetes' for 20 GB of YAML.
 MAX_EXPANDED_BYTES = 16 * 1024 * 1024
+#: What one task adds to every PS_WORKER process's TF_CONFIG ('"host:port",'), counted as a
+#: long host name: a PS_WORKER job of about 590 tasks is the most that fits the bound above.
+TF_CONFIG_TASK_BYTES = 48
 MAX_RETRIES = 10
 MAX_LABEL = 63
 MAX_LABEL_PREFIX = 253
@@ -188,11 +191,16 @@ def check_bounds(spec: Any, spec_bytes: int | None = None, field: str = "spec") 
             return [FieldViolation(where.replace("spec", field, 1), f"at most {MAX_STRING_BYTES} bytes")]
     expanded = sum(max(0, g.replicas) * max(1, g.processes_per_replica) * _per_process_bytes(g)
                    for g in groups)
+    if int(getattr(spec, "run_mode", 0)) == PS_WORKER:
+        # Each task's TF_CONFIG lists every task of the cluster: bytes square in the tasks.
+        tasks = sum(max(0, g.replicas) for g in groups if g.role != "evaluator")
+        expanded += sum(max(0, g.replicas) for g in groups) * tasks * TF_CONFIG_TASK_BYTES
     if expanded > MAX_EXPANDED_BYTES:
         return [FieldViolation(f"{field}.replica_groups",
                                f"{expanded} bytes of command, args, env and working dir once every "
-                               f"process has its own copy, at most {MAX_EXPANDED_BYTES}: use fewer "
-                               "replicas or a smaller env (e.g. a file the job reads)")]
+                               f"process has its own copy (with PS_WORKER, a TF_CONFIG naming every "
+                               f"task), at most {MAX_EXPANDED_BYTES}: use fewer replicas or a smaller "
+                               "env (e.g. a file the job reads)")]
     return []
 
 

@@ -275,3 +275,41 @@ async def test_concurrent_configurations_of_a_cluster_replace_and_drop_each_reco
     assert current is not None and current not in d.dropped
     assert sorted(id(r) for r in d.dropped) == sorted(id(r) for r in d.built if r is not current)
     assert len(d.active) == 2 and len(d.dropped) == 1
+
+
+async def test_a_large_job_renders_off_the_event_loop() -> None:
+    """A driver renders a job of many processes in a worker thread (``render_off_loop``): its
+    native spec can be megabytes, and rendered in the loop it held every cluster's calls (a
+    PS_WORKER job of 2 x 1,000 tasks held the Slurm driver for 27 s). A small one renders
+    in place."""
+    import threading
+
+    from drivers.common.skeleton import RENDER_INLINE_PROCESSES, render_off_loop
+
+    def spec_of(replicas: int) -> base.JobSpec:
+        return base.JobSpec(run_mode=base.RunMode.MULTI_PROCESS, replica_groups=(
+            base.ReplicaGroup(role="worker", replicas=replicas, command=("x",)),))
+
+    def where(tag: str) -> tuple[str, int]:
+        return tag, threading.get_ident()
+
+    main = threading.get_ident()
+    assert await render_off_loop(spec_of(2), where, "small") == ("small", main)
+    tag, ident = await render_off_loop(spec_of(RENDER_INLINE_PROCESSES + 1), where, "large")
+    assert tag == "large" and ident != main
+
+
+def test_ps_worker_tf_config_counts_in_the_expanded_bound() -> None:
+    """Each PS_WORKER task's TF_CONFIG names every task: bytes square in the tasks. A 49-byte
+    spec of 1,000 ps and 1,000 workers rendered 187 MB; the bound now counts it."""
+    from dlsched import spec_rules
+    from dlsched.v1 import job_pb2
+
+    def ps(n: int) -> job_pb2.JobSpec:
+        return job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_PS_WORKER, replica_groups=[
+            job_pb2.ReplicaGroup(role="ps", replicas=n, command=["true"]),
+            job_pb2.ReplicaGroup(role="worker", replicas=n, command=["true"])])
+    assert spec_rules.check_bounds(ps(200)) == []
+    for n in (400, 1000, 10_000):
+        vs = spec_rules.check_bounds(ps(n))
+        assert [v.field for v in vs] == ["spec.replica_groups"] and "TF_CONFIG" in vs[0].description, n

@@ -39,9 +39,10 @@ What the wrappers own, once for every backend:
 from __future__ import annotations
 
 import abc
+import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
-from typing import ClassVar, Generic, Protocol, TypeVar
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from dlsched.errors import Unimplemented
 from drivers.common.base import (
@@ -69,6 +70,20 @@ C = TypeVar("C")
 #: how long ``close`` waits for launches still in flight
 CLOSE_LAUNCH_WAIT_SECONDS = 10.0
 
+
+
+#: A job of more processes renders in a worker thread (``render_off_loop``).
+RENDER_INLINE_PROCESSES = 64
+_R = TypeVar("_R")
+
+
+async def render_off_loop(spec: JobSpec, render: Callable[..., _R], *args: Any, **kw: Any) -> _R:
+    """``render(*args, **kw)``: in this thread for a small job, else in a worker thread, so a
+    large job's native spec (megabytes for thousands of processes) does not hold the event
+    loop, and with it every cluster's calls, while it is built."""
+    if sum(max(1, g.replicas) * max(1, g.processes) for g in spec.replica_groups) <= RENDER_INLINE_PROCESSES:
+        return render(*args, **kw)
+    return await asyncio.to_thread(render, *args, **kw)
 
 class Rendered(Protocol):
     """What a backend's renderer returns: one typed request that submit sends as is."""

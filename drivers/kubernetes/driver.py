@@ -98,7 +98,7 @@ from drivers.common.base import (
     same_job,
 )
 from drivers.common.launches import Known
-from drivers.common.skeleton import BackendDriver
+from drivers.common.skeleton import BackendDriver, render_off_loop
 from drivers.kubernetes import logs, mpi, naming, records, render, states, usage
 from drivers.kubernetes.api import KubeApi, api_error, status_of
 from drivers.kubernetes.informer import PodInformer
@@ -325,7 +325,8 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
     # ------------------------------------------------------------------ launch
 
     async def _prepare(self, c: KubeCluster, job_id: str, spec: JobSpec, attempt: int, uid: str) -> Rendered:
-        return render.with_job_uid(render.render_job(job_id, spec, attempt, c.config.options), uid)
+        return render.with_job_uid(
+            await render_off_loop(spec, render.render_job, job_id, spec, attempt, c.config.options), uid)
 
     def _known(self, c: KubeCluster, job_id: str, rendered: Rendered) -> Known | None:
         key = naming.job_label(job_id)

@@ -88,7 +88,7 @@ from drivers.common.convert import ID_RE
 from drivers.common.launches import Known
 from drivers.common.planner import ALL_RUN_MODES, DEFAULT_MASTER_PORT, TORCH_MODES, assign_gpus
 from drivers.common.ports import free_ports
-from drivers.common.skeleton import BackendDriver
+from drivers.common.skeleton import BackendDriver, render_off_loop
 from drivers.local import attempt, logs, render, states, usage
 from drivers.local.machine import JobMachine
 from drivers.local.tracked import RECORD_VERSION, TrackedJob
@@ -213,8 +213,9 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
 
     async def _prepare(self, c: _Cluster, job_id: str, spec: JobSpec, attempt_no: int,
                        uid: str) -> render.LocalRequest:
-        return render.render_job(job_id, spec, attempt=attempt_no, state_dir=self._state_dir,
-                                 mpirun=self._mpirun, mpirun_args=self._mpirun_args, uid=uid)
+        return await render_off_loop(spec, render.render_job, job_id, spec, attempt=attempt_no,
+                                     state_dir=self._state_dir, mpirun=self._mpirun,
+                                     mpirun_args=self._mpirun_args, uid=uid)
 
     async def _launch_plan(self, request: render.LocalRequest) -> render.LocalPlan:
         """The plan with free ports on this host and GPUs no running job holds."""

@@ -117,7 +117,7 @@ from drivers.common.base import (
 )
 from drivers.common.launches import Known
 from drivers.common.registry import STOP_REQUESTED, BackendUnavailable
-from drivers.common.skeleton import BackendDriver
+from drivers.common.skeleton import BackendDriver, render_off_loop
 from drivers.ray import layout, logs, render, states, usage
 from drivers.ray.api import RayApi, RayHttpError, last_line
 from drivers.ray.parse import (
@@ -361,7 +361,7 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
 
     async def _prepare(self, c: _Cluster, job_id: str, spec: JobSpec, attempt: int,
                        uid: str) -> render.RaySubmission:
-        return render.render(job_id, spec, attempt, c.config.options, uid)
+        return await render_off_loop(spec, render.render, job_id, spec, attempt, c.config.options, uid)
 
     def _known(self, c: _Cluster, job_id: str, rendered: render.RaySubmission) -> Known | None:
         prev = c.jobs.get(job_id)

@@ -86,7 +86,7 @@ from drivers.common.base import (
 from drivers.common.launches import Known
 from drivers.common.planner import ALL_RUN_MODES
 from drivers.common.registry import BackendUnavailable
-from drivers.common.skeleton import BackendDriver
+from drivers.common.skeleton import BackendDriver, render_off_loop
 from drivers.slurm import exits, records, render, strays, usage
 from drivers.slurm import logs as slogs
 from drivers.slurm import poller as poll
@@ -247,7 +247,7 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
     # ------------------------------------------------------------------ render / launch
 
     async def _prepare(self, c: SlurmCluster, job_id: str, spec: JobSpec, attempt: int, uid: str) -> SlurmScript:
-        return render.render_job(job_id, spec, attempt, c.options, uid=uid)
+        return await render_off_loop(spec, render.render_job, job_id, spec, attempt, c.options, uid=uid)
 
     def _known(self, c: SlurmCluster, job_id: str, rendered: SlurmScript) -> Known | None:
         prev = c.jobs.get(job_id) or c.recording.get(job_id)
