@@ -244,6 +244,7 @@ def job_requirements_from_proto(spec: job_pb2.JobSpec) -> m.JobRequirements:
     return m.JobRequirements(
         run_mode=run_mode_from_proto(spec.run_mode, "spec.run_mode"),
         replica_groups=groups,
+        image=any(g.image for g in spec.replica_groups),
         selector=m.Selector(cluster=sel.cluster.strip(),
                             cluster_type=cluster_type_from_proto(
                                 sel.cluster_type, "spec.cluster_selector.cluster_type"),

@@ -124,13 +124,14 @@ async def _unary(call: Awaitable[T]) -> T:
 def match_spec(spec: job_pb2.JobSpec) -> job_pb2.JobSpec:
     """What ClusterManager's matching reads of a spec (its run mode, each group's role,
     replicas, processes and resources, the selector, the project), nothing else:
-    commands, environment and labels differ from job to job and never change a match.
+    commands, environment and labels differ from job to job and never change a match
+    (whether a group names an image does: only container backends run one).
     ``tests/test_submit_path.py`` checks ClusterManager derives the same requirements."""
     return job_pb2.JobSpec(
         run_mode=spec.run_mode, cluster_selector=spec.cluster_selector, project=spec.project,
         replica_groups=[job_pb2.ReplicaGroup(role=g.role, replicas=g.replicas,
                                              processes_per_replica=g.processes_per_replica,
-                                             resources=g.resources)
+                                             resources=g.resources, image=g.image)
                         for g in spec.replica_groups])
 
 

@@ -175,6 +175,23 @@ def test_gpu_type_must_be_in_inventory() -> None:
     assert "h100" in ei.value.violations[0][1]
 
 
+def test_a_job_naming_an_image_matches_only_container_backends() -> None:
+    """Local, Slurm and Ray run a job's processes on their hosts as they are: a job naming a
+    container image went to the local driver, which dropped the image and ran on the host."""
+    from dataclasses import replace
+    cs = [cluster("l"), cluster("s", ctype=ClusterType.SLURM), cluster("r", ctype=ClusterType.RAY),
+          cluster("k", ctype=ClusterType.KUBERNETES)]
+    got = rank(replace(job(), image=True), cs)
+    assert [c.cluster for c in got if c.eligible] == ["clusters/k"]
+    for c in got:
+        if not c.eligible:
+            assert any("container image" in r for r in c.reasons), c
+    with pytest.raises(NoMatchingCluster) as ei:
+        rank(replace(job(), image=True), cs[:3])
+    assert all("container image" in why for _, why in ei.value.violations)
+    assert len([c for c in rank(job(), cs) if c.eligible]) == 4  # no image: any of them
+
+
 def test_selector_name_type_and_labels() -> None:
     cs = [cluster("a", team="ml"), cluster("b", team="web"),
           cluster("s", ctype=ClusterType.SLURM, team="ml")]

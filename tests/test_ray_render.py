@@ -138,6 +138,17 @@ def test_bad_options_are_invalid_argument(options, field):
     assert [v.field for v in e.value.violations] == [field]
 
 
+def test_a_group_naming_an_image_is_refused_naming_it():
+    """A Ray job runs in the cluster's own environment: an image was silently not used."""
+    import dataclasses
+    spec = SPECS["master_worker"]
+    spec = dataclasses.replace(spec, replica_groups=(
+        spec.replica_groups[0], dataclasses.replace(spec.replica_groups[1], image="pytorch/pytorch:2")))
+    with pytest.raises(InvalidArgument) as e:
+        render.render_submission("j", spec, 1)
+    assert [v.field for v in e.value.violations] == ["spec.replica_groups[1].image"]
+
+
 def test_invalid_run_mode_structure_is_invalid_argument():
     with pytest.raises(InvalidArgument):
         render.render_submission("j", JobSpec(RunMode.MASTER_WORKER, (g("worker"),)), 1)

@@ -64,6 +64,7 @@ class Backend:
     address: AddressKind
     address_help: str  # what the address is, for error messages
     cpus: CpuRule  # how the backend hands out CPUs (dlsched.resources): what the matcher counts
+    runs_images: bool = False  # runs a replica group's container image (else a job naming one never matches)
 
 
 #: The backends, by type. Adding one: its enum value (here and in the API's
@@ -73,7 +74,7 @@ BACKENDS: dict[ClusterType, Backend] = {
     ClusterType.SLURM: Backend(CredentialsKind.SSH, AddressKind.HOST_PORT, "the login node host[:port]",
                                CpuRule.WHOLE_TASKS),
     ClusterType.KUBERNETES: Backend(CredentialsKind.KUBERNETES, AddressKind.URL, "the API server URL",
-                                    CpuRule.AS_GIVEN),
+                                    CpuRule.AS_GIVEN, runs_images=True),
     ClusterType.RAY: Backend(CredentialsKind.TOKEN, AddressKind.URL, "the dashboard URL", CpuRule.AS_GIVEN),
 }
 
@@ -242,6 +243,7 @@ class JobRequirements:
     replica_groups: tuple[ReplicaGroup, ...]
     selector: Selector = field(default_factory=Selector)
     project: str = ""  # the job's project; "" skips the project check
+    image: bool = False  # a replica group names a container image
 
 
 @dataclass(frozen=True)

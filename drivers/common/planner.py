@@ -177,6 +177,15 @@ def groups_in_order(spec: JobSpec) -> list[tuple[int, ReplicaGroup]]:
     return sorted(indexed, key=lambda ig: order.index(ig[1].role) if ig[1].role in order else len(order))
 
 
+def check_no_images(spec: JobSpec, backend: str) -> None:
+    """For a backend that runs processes on its hosts as they are: a group naming a container
+    image is refused (run without it, the job would not get the software it named)."""
+    for i, g in enumerate(spec.replica_groups):
+        if g.image:
+            raise InvalidArgument.for_field(f"spec.replica_groups[{i}].image",
+                                            f"the {backend} driver runs no container images")
+
+
 def check_run_mode(spec: JobSpec, field: str = "spec") -> None:
     """The run mode's structural rules (``dlsched.spec_rules``, as JobManager applies them)."""
     vs = spec_rules.check_run_mode(int(spec.run_mode), spec.replica_groups, field)

@@ -235,6 +235,7 @@ def check(spec: JobSpec, options: Mapping[str, str] | None = None) -> RayOptions
     if spec.run_mode is RunMode.MPI:
         raise MpiNotSupported()
     planner.check_run_mode(spec)
+    planner.check_no_images(spec, "Ray")
     uris = {g.working_dir for g in spec.replica_groups if g.working_dir and is_uri(g.working_dir)}
     if len(uris) > 1:
         raise InvalidArgument.for_field("spec.replica_groups.working_dir",
