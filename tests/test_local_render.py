@@ -52,13 +52,3 @@ async def test_render_job_over_grpc_is_the_launch_plan(stub, state_dir):
     assert "PATH" not in doc["processes"][0]["env"]  # the driver's own environment is not shown
     assert not (await observe(stub, "render-me")).found  # rendering runs nothing
 
-
-async def test_a_group_naming_an_image_is_refused_naming_it(stub):
-    """The local driver runs processes on its host: a job naming an image ran there without
-    it (silently); refused as the Slurm and Ray drivers refuse it."""
-    spec = multi("pass", replicas=1)
-    spec.replica_groups[0].image = "registry.invalid/never:1"
-    with pytest.raises(Exception) as ei:
-        await stub.RenderJob(dpb.RenderJobRequest(cluster=CLUSTER, job_id="imaged", spec=spec), timeout=10)
-    assert ei.value.code().name == "INVALID_ARGUMENT"  # type: ignore[attr-defined]
-    assert "spec.replica_groups[0].image" in ei.value.details()  # type: ignore[attr-defined]

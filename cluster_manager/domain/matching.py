@@ -91,8 +91,8 @@ def _evaluate(job: JobRequirements, c: Cluster, now: datetime) -> Candidate:
     if sel.cluster_type is not ClusterType.UNSPECIFIED and c.type is not sel.cluster_type:
         refusals.append(f"type {c.type.value} is not the selected {sel.cluster_type.value}")
     backend = BACKENDS.get(c.type)
-    if job.image and not (backend is not None and backend.runs_images):
-        # run on the host instead, the job would not get what it named (its image's software)
+    if job.image and not (backend is not None and backend.takes_images):
+        # run on the hosts as they are, the job would not get what it named (its image's software)
         refusals.append(f"a replica group names a container image; {c.type.value} clusters run none")
     for k, v in sorted(sel.labels.items()):
         if c.labels.get(k) != v:

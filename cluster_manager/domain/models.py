@@ -64,17 +64,19 @@ class Backend:
     address: AddressKind
     address_help: str  # what the address is, for error messages
     cpus: CpuRule  # how the backend hands out CPUs (dlsched.resources): what the matcher counts
-    runs_images: bool = False  # runs a replica group's container image (else a job naming one never matches)
+    #: takes a job whose groups name container images: runs them (Kubernetes) or, the local
+    #: development backend, ignores them as the API documents; else such a job never matches
+    takes_images: bool = False
 
 
 #: The backends, by type. Adding one: its enum value (here and in the API's
 #: ``ClusterType``), one row here, one driver package (ARCHITECTURE.md).
 BACKENDS: dict[ClusterType, Backend] = {
-    ClusterType.LOCAL: Backend(None, AddressKind.OPTIONAL, "unused", CpuRule.AS_GIVEN),
+    ClusterType.LOCAL: Backend(None, AddressKind.OPTIONAL, "unused", CpuRule.AS_GIVEN, takes_images=True),
     ClusterType.SLURM: Backend(CredentialsKind.SSH, AddressKind.HOST_PORT, "the login node host[:port]",
                                CpuRule.WHOLE_TASKS),
     ClusterType.KUBERNETES: Backend(CredentialsKind.KUBERNETES, AddressKind.URL, "the API server URL",
-                                    CpuRule.AS_GIVEN, runs_images=True),
+                                    CpuRule.AS_GIVEN, takes_images=True),
     ClusterType.RAY: Backend(CredentialsKind.TOKEN, AddressKind.URL, "the dashboard URL", CpuRule.AS_GIVEN),
 }
 

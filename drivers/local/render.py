@@ -134,7 +134,6 @@ def check(spec: JobSpec, *, mpi_available: bool = True) -> None:
     if spec.run_mode is RunMode.MPI and not mpi_available:
         raise planner.MpiNotAvailable("no Open MPI mpirun on the local driver's PATH")
     planner.check_run_mode(spec)
-    planner.check_no_images(spec, "local")
     if sum(g.replicas * g.processes for g in spec.replica_groups) > MAX_PROCESSES:
         raise InvalidArgument.for_field(
             "spec.replica_groups", f"the local driver runs at most {MAX_PROCESSES} processes per job")
