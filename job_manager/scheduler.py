@@ -53,7 +53,7 @@ from dlsched.kit.locks import KeyedLocks
 from job_manager.cache import JobCache
 from job_manager.clients import ClusterManagerClient, DriverClient, DriverPool
 from job_manager.domain import states
-from job_manager.domain.errors import JobNotFound, NoMatchingCluster
+from job_manager.domain.errors import EtagMismatch, JobNotFound, NoMatchingCluster
 from job_manager.domain.model import Candidate, Job, JobSpec, JobState, NativeSpec, Observation
 from job_manager.domain.validation import validate_submit
 from job_manager.history.store import HistoryStore
@@ -484,8 +484,7 @@ class Scheduler:
                 return None
             raise
         if etag and job.etag != etag:
-            raise errors.Aborted(f"jobs/{job_id} changed since etag {etag}; re-read and retry",
-                                 metadata={"name": f"jobs/{job_id}", "etag": job.etag})
+            raise EtagMismatch(job_id, etag, job.etag)
         expect = etag
         if not job.state.is_terminal():
             job = await self.stop(job_id, expect=etag)

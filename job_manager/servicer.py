@@ -60,7 +60,6 @@ from prometheus_client import Counter
 from dlsched.auth.interceptor import caller
 from dlsched.auth.model import Principal
 from dlsched.errors import (
-    Aborted,
     AlreadyExists,
     DlschedError,
     InvalidArgument,
@@ -82,7 +81,7 @@ from dlsched.v1 import job_pb2
 from job_manager import convert
 from job_manager.cache import CachedJob, JobCache, SortKey
 from job_manager.domain import access
-from job_manager.domain.errors import JobAlreadyExists, JobNotFound, JobNotLaunched
+from job_manager.domain.errors import EtagMismatch, JobAlreadyExists, JobNotFound, JobNotLaunched
 from job_manager.domain.filter import Filter, parse_filter
 from job_manager.domain.log_cursor import FIELD as CURSOR_FIELD
 from job_manager.domain.log_cursor import LogCursor, Skipper
@@ -444,8 +443,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         assert self.history is not None
         job = access.check_write(caller(), archived.job())
         if etag and etag != job.etag:  # it keeps the etag it was archived with
-            raise Aborted(f"jobs/{job.id} changed since etag {etag}; re-read and retry",
-                          metadata={"name": f"jobs/{job.id}", "etag": job.etag})
+            raise EtagMismatch(job.id, etag, job.etag)
         if job.cluster:  # its backend objects (logs kept for it), as a live delete does
             try:
                 drv = await self.scheduler.driver_for(job.cluster)

@@ -45,7 +45,7 @@ from aetcd import rpc
 
 from dlsched.errors import Aborted, StoreUnavailable
 from job_manager.convert import job_from_bytes, job_to_bytes
-from job_manager.domain.errors import JobAlreadyExists, JobNotFound
+from job_manager.domain.errors import EtagMismatch, JobAlreadyExists, JobNotFound
 from job_manager.domain.model import Job
 from job_manager.sole_writer import SoleWriter
 
@@ -479,8 +479,7 @@ class JobStore:
                 cur = job_from_bytes(kv.value, kv.mod_revision)  # type: ignore[attr-defined]
                 self.sole.wrote(int(cur.etag))  # it may be answered as it is (no change)
             if expect and cur.etag != expect:
-                raise Aborted(f"jobs/{job_id} changed since etag {expect}; re-read and retry",
-                              metadata={"name": f"jobs/{job_id}", "etag": cur.etag})
+                raise EtagMismatch(job_id, expect, cur.etag)
             new = change(cur)
             if new is None:
                 return cur
@@ -516,8 +515,7 @@ class JobStore:
             kvs = resp.responses[0].response_range.kvs
             if not kvs:
                 return None
-            raise Aborted(f"jobs/{job_id} changed since etag {expect}; re-read and retry",
-                          metadata={"name": f"jobs/{job_id}", "etag": str(kvs[0].mod_revision)})
+            raise EtagMismatch(job_id, expect, str(kvs[0].mod_revision))
         prev = resp.responses[0].response_delete_range.prev_kvs
         if not prev:
             return None

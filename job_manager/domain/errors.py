@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dlsched.errors import AlreadyExists, FailedPrecondition, NotFound
+from dlsched.errors import Aborted, AlreadyExists, FailedPrecondition, NotFound
 
 
 class JobNotFound(NotFound):
@@ -11,6 +11,14 @@ class JobNotFound(NotFound):
 
 class JobAlreadyExists(AlreadyExists):
     reason = "JOB_ALREADY_EXISTS"
+
+
+class EtagMismatch(Aborted):
+    """A write's etag (AIP-154) is not the job's: nothing was changed."""
+
+    def __init__(self, job_id: str, etag: str, current: str) -> None:
+        super().__init__(f"jobs/{job_id} changed since etag {etag}; re-read and retry",
+                         metadata={"name": f"jobs/{job_id}", "etag": current})
 
 
 class NoMatchingCluster(FailedPrecondition):
