@@ -489,6 +489,14 @@ class Scheduler:
         if not job.state.is_terminal():
             job = await self.stop(job_id, expect=etag)
             expect = ""  # the precondition held at the stop, this call's own first write
+            if (job_id, "terminate") in self._retries:
+                # Its driver could not be asked to stop it (unreachable, or ClusterManager to
+                # find it): without the record nothing would stop it, ever. It stays STOPPING,
+                # its terminate retried in the background; a later delete goes through.
+                raise errors.Unavailable(
+                    f"jobs/{job_id} is stopping, but its cluster's driver could not be reached to "
+                    "stop it; it is deleted once it has stopped: retry", reason="JOB_STOP_PENDING",
+                    metadata={"name": f"jobs/{job_id}"})
         if job.cluster:
             try:
                 drv = await self.driver_for(job.cluster)

@@ -22,7 +22,7 @@ import pytest
 from dlsched.client import ClusterManagerClient, DlschedRpcError, JobManagerClient
 from dlsched.v1 import cluster_pb2, driver_service_pb2, driver_service_pb2_grpc, job_pb2
 from tests import security
-from tests.harness import EtcdServer, Stack, free_port
+from tests.harness import EtcdServer, Stack, free_port, pid_alive
 
 
 @pytest.fixture
@@ -208,3 +208,35 @@ async def test_a_job_id_submitted_again_after_a_delete_its_driver_missed_runs_ag
         assert again.state == job_pb2.JOB_STATE_SUCCEEDED, (again.reason, again.message)
         assert again.backend_job_id and done.backend_job_id
     assert marker.read_text().splitlines() == ["ran", "ran"]
+
+
+async def test_a_running_job_deleted_while_its_driver_is_down_is_stopped_before_it_goes(
+        stack: Stack, tmp_path: pathlib.Path) -> None:
+    """DeleteJob of a running job whose driver cannot be reached: JobManager cannot stop it, so
+    it keeps the record (STOPPING, UNAVAILABLE JOB_STOP_PENDING to the caller) rather than
+    delete it and leave the process running with nothing left to ever stop it. Once the
+    driver is back the stop goes through, the process ends, and the delete succeeds."""
+    pid_file = tmp_path / "pid"
+    script = 'echo $$ > "$0"; while :; do sleep 0.2; done'
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[job_pb2.ReplicaGroup(
+        role="main", replicas=1, command=["/bin/sh", "-c", script], args=[str(pid_file)])])
+    assert stack.jm is not None
+    async with JobManagerClient(stack.jm.address) as jm:
+        name = (await jm.submit_job(spec)).job.name
+        await _until(jm, name, lambda j: j.state == job_pb2.JOB_STATE_RUNNING)
+        await _wait_for(lambda: pid_file.exists() and pid_file.read_text().strip(), "the job's pid")
+        pid = int(pid_file.read_text())
+        stack.driver.kill()
+        with pytest.raises(DlschedRpcError) as ei:
+            await jm.delete_job(name)
+        assert (ei.value.code, ei.value.reason) == ("UNAVAILABLE", "JOB_STOP_PENDING"), ei.value
+        kept = await jm.get_job(name)
+        assert kept.state == job_pb2.JOB_STATE_STOPPING
+        assert pid_alive(pid)  # nothing has stopped it yet: the record must stay
+        await asyncio.to_thread(stack.driver.start)
+        await _until(jm, name, lambda j: j.state == job_pb2.JOB_STATE_STOPPED, within=120)
+        await _wait_for(lambda: not pid_alive(pid), "the job's process ends", within=60)
+        await jm.delete_job(name)
+        with pytest.raises(DlschedRpcError) as ei:
+            await jm.get_job(name)
+        assert ei.value.code == "NOT_FOUND"
