@@ -110,8 +110,15 @@ def _channel(address: str, tls: tls_kit.TlsOptions | None,
 
 
 def translate(exc: grpc.RpcError) -> errors.DlschedError:
-    """A failed call as the dlsched error it carries, details included."""
-    return from_rpc_error(exc)
+    """A failed call as the dlsched error it carries, details included. A call of
+    JobManager's that ran out of its own time (gRPC's DEADLINE_EXCEEDED, no error of the
+    peer's) is the peer not answering: UNAVAILABLE, which clients retry, as for a peer
+    that refuses connections (a frozen ClusterManager or driver gave JobManager's clients
+    DEADLINE_EXCEEDED, which neither the channel's retry policy nor the SDK retries)."""
+    err = from_rpc_error(exc)
+    if isinstance(err, errors.DeadlineExceeded) and err.reason == "DEADLINE_EXCEEDED":
+        return errors.Unavailable("no answer in time; retry", reason="UNAVAILABLE")
+    return err
 
 
 async def _unary(call: Awaitable[T]) -> T:
@@ -119,6 +126,19 @@ async def _unary(call: Awaitable[T]) -> T:
         return await call
     except grpc.RpcError as e:
         raise translate(e) from e
+
+
+async def _cm_unary(call: Awaitable[T]) -> T:
+    """``_unary`` for ClusterManager: its outage named as such, not by gRPC's text about
+    JobManager's connection to an internal address."""
+    try:
+        return await call
+    except grpc.RpcError as e:
+        err = translate(e)
+        if isinstance(err, errors.Unavailable) and err.reason == "UNAVAILABLE":
+            raise errors.Unavailable("ClusterManager does not answer; retry",
+                                     reason="CLUSTER_MANAGER_UNAVAILABLE") from e
+        raise err from e
 
 
 def match_spec(spec: job_pb2.JobSpec) -> job_pb2.JobSpec:
@@ -161,7 +181,7 @@ class ClusterManagerClient:
         call = self._matching.get(key)
         if call is None:  # the call is a task of its own: a caller that leaves never ends it
             call = self._matching[key] = asyncio.ensure_future(
-                _unary(self._stub.MatchClusters(req, timeout=self._timeout)))
+                _cm_unary(self._stub.MatchClusters(req, timeout=self._timeout)))
             call.add_done_callback(lambda done: self._match_done(key, done))
         resp = await asyncio.shield(call)
         out = [candidate_from_proto(c) for c in resp.candidates]
@@ -180,7 +200,7 @@ class ClusterManagerClient:
         hit = self._drivers.get(cluster)
         if hit and time.monotonic() - hit[1] < self._cache_seconds:
             return hit[0]
-        resp = await _unary(self._stub.GetCluster(cm_pb2.GetClusterRequest(name=cluster),
+        resp = await _cm_unary(self._stub.GetCluster(cm_pb2.GetClusterRequest(name=cluster),
                                                   timeout=self._timeout))
         addr = str(resp.cluster.driver_address)
         if not addr:

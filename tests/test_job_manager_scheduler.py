@@ -274,3 +274,45 @@ async def test_late_observations_never_reopen_a_terminal_job(env: Any) -> None:
     async def forgotten() -> bool:  # the driver hears the end is recorded
         return drv.forgotten == ["e"]
     await until(forgotten)
+
+
+async def test_a_peer_that_does_not_answer_in_time_is_unavailable_not_deadline_exceeded() -> None:
+    """JobManager's calls to a frozen ClusterManager or driver run out of their own time: the
+    peer is unavailable, so the client gets UNAVAILABLE (retried by the channel's policy and
+    the SDK), not gRPC's DEADLINE_EXCEEDED (which neither retries)."""
+    import grpc
+
+    from job_manager.clients import ClusterManagerClient, DriverClient
+    from job_manager.domain.model import ReplicaGroup as Group
+    from job_manager.domain.model import RunMode as Mode
+
+    never = asyncio.Event()
+
+    async def hang(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        await never.wait()  # a frozen peer: the call is taken, never answered
+        return b""
+
+    handler = grpc.method_handlers_generic_handler("dlsched.v1.ClusterManagerService", {
+        "MatchClusters": grpc.unary_unary_rpc_method_handler(hang),
+        "GetCluster": grpc.unary_unary_rpc_method_handler(hang)})
+    dhandler = grpc.method_handlers_generic_handler("dlsched.v1.DriverService", {
+        "LaunchJob": grpc.unary_unary_rpc_method_handler(hang)})
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler, dhandler))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    cm = ClusterManagerClient(f"127.0.0.1:{port}", timeout=0.5)
+    drv = DriverClient(f"127.0.0.1:{port}", timeout=0.5)
+    spec = JobSpec(run_mode=Mode.SINGLE_PROCESS, replica_groups=[Group(role="main", replicas=1, command=["x"])])
+    try:
+        for call, reason in ((cm.match(spec), "CLUSTER_MANAGER_UNAVAILABLE"),
+                             (cm.driver_address("clusters/c"), "CLUSTER_MANAGER_UNAVAILABLE"),
+                             (drv.launch("clusters/c", "j", spec, 1), "UNAVAILABLE")):
+            with pytest.raises(errors.Unavailable) as ei:
+                await call
+            assert ei.value.reason == reason, ei.value
+    finally:
+        never.set()
+        await cm.close()
+        await drv.close()
+        await server.stop(None)
