@@ -546,3 +546,15 @@ async def test_records_a_job_wrote_over_are_skipped_bounded_not_the_call(tmp_pat
         (d / RECORDED).write_bytes(body + b"\n")
     got = await records.read(run, "c", str(tmp_path), [JobRef(j, "77") for j in ("good", *bad)])
     assert list(got) == [("good", "77")] and got[("good", "77")].state is DJobState.SUCCEEDED
+
+
+def test_an_adopting_driver_releases_only_its_own_hold() -> None:
+    """A restarted driver releases a job it finds held by its ``sbatch --hold`` (JobHeldUser,
+    root's submissions too: checked against a real slurmctld), never an operator's
+    ``scontrol hold`` (JobHeldAdmin), which it released before."""
+    from drivers.slurm.adapter import held_by_dlsched
+    from drivers.slurm.poller import SlurmJob
+    assert held_by_dlsched(SlurmJob("1", "PENDING", reason="JobHeldUser"))
+    assert not held_by_dlsched(SlurmJob("2", "PENDING", reason="JobHeldAdmin"))
+    assert not held_by_dlsched(SlurmJob("3", "PENDING", reason="Resources"))
+    assert not held_by_dlsched(SlurmJob("4", "RUNNING", reason="JobHeldUser"))

@@ -412,6 +412,12 @@ def is_held(job: poll.SlurmJob) -> bool:
     return job.state.startswith("PENDING") and job.reason in HELD_REASONS
 
 
+def held_by_dlsched(job: poll.SlurmJob) -> bool:
+    """Whether a held job's hold can be dlsched's own: ``sbatch --hold`` is JobHeldUser, root's
+    too; an operator's ``scontrol hold`` (JobHeldAdmin) is never dlsched's to release."""
+    return is_held(job) and job.reason == "JobHeldUser"
+
+
 def voided(job: poll.SlurmJob) -> bool:
     """Cancelled while still held, before any allocation: never released, so it never ran and
     no driver adopted it. A launch of its attempt passes over it (submits anew)."""

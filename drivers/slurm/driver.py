@@ -95,6 +95,7 @@ from drivers.slurm.adapter import (
     SlurmClient,
     bounded,
     ended,
+    held_by_dlsched,
     is_held,
     listing,
     voided,
@@ -430,7 +431,8 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
                              render.attempt_dir(c.options, ref.job_id, parsed[1]), None, uid=parsed[2])
             job.apply(sj)
             c.jobs[ref.job_id] = job
-            if is_held(sj) and release:  # submitted held by a driver that died before releasing it
+            if release and held_by_dlsched(sj):
+                # submitted held by a driver that died before releasing it (an admin's hold stays)
                 c.to_release.add(sj.job_id)
                 self._later(c, "release", sj.job_id, ref.job_id)
         return True
