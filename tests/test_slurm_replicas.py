@@ -558,3 +558,35 @@ def test_an_adopting_driver_releases_only_its_own_hold() -> None:
     assert not held_by_dlsched(SlurmJob("2", "PENDING", reason="JobHeldAdmin"))
     assert not held_by_dlsched(SlurmJob("3", "PENDING", reason="Resources"))
     assert not held_by_dlsched(SlurmJob("4", "RUNNING", reason="JobHeldUser"))
+
+
+def test_a_job_slurm_purged_unseen_ends_as_its_exits_file_says() -> None:
+    """A job that ended while the driver could not poll (the login node out of reach longer
+    than Slurm's MinJobAge) is gone from squeue and the follow-up: its exits file decides its
+    end, as for any end. It was FAILED "LeftSlurm" at once, and a job with retries ran again."""
+    from drivers.slurm.jobs import TrackedJob
+    from drivers.slurm.poller import SlurmJob
+
+    def gone(roles: tuple[tuple[str, int], ...]) -> TrackedJob:
+        job = TrackedJob("c", "j", 1, "7", "d", None, roles=roles)
+        job.apply(SlurmJob("7", "RUNNING", nodes="n1"))
+        job.round(None, None, complete=True)  # listed nowhere
+        assert job.needs_exits and job.state is DJobState.RUNNING  # not reported before the read
+        job.round(None, None, complete=True)  # another round before the read changes nothing
+        return job
+
+    ok = gone((("main", 0),))
+    assert ok.exits_read(exits.parse("labels main-0\nend main-0 0 exit\n"))
+    obs = ok.observation(None)
+    assert (obs.state, obs.exit_code) == (DJobState.SUCCEEDED, 0), obs
+    bad = gone((("main", 0), ("main", 1)))
+    assert bad.exits_read(exits.parse("labels main-0 main-1\nend main-1 3 exit\nend main-0 15 stop\n"))
+    obs = bad.observation(None)
+    assert (obs.state, obs.exit_code) == (DJobState.FAILED, 3), obs
+    unknown = gone((("main", 0),))  # no file (or a process with no recorded end): nobody knows
+    assert not any(unknown.exits_read(None) for _ in range(exits.MAX_READS - 1))
+    assert unknown.exits_read(None)
+    assert (unknown.state, unknown.reason) == (DJobState.FAILED, "LeftSlurm")
+    running = gone((("main", 0),))
+    assert running.exits_read(exits.parse("labels main-0\n"))
+    assert running.reason == "LeftSlurm"

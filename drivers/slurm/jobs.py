@@ -54,6 +54,10 @@ RECORDED = "recorded.json"
 RECORD_VERSION = 1
 
 
+#: The pseudo Slurm state of a job no round lists any more (``TrackedJob.vanished``).
+VANISHED = "DLSCHED_VANISHED"
+
+
 class TrackedJob:
     """One attempt of a dlsched job on one Slurm cluster."""
 
@@ -116,11 +120,15 @@ class TrackedJob:
             if sj is not None:
                 self.apply(sj)
             elif complete and self.seen:
-                self.lost()
+                self.vanished()
         return self._reported() != before
 
     def apply(self, sj: SlurmJob) -> None:
         """Slurm's current word on the job."""
+        if sj.state == VANISHED:  # its exits file is read (or could not be): it decides
+            self.held = None
+            self._end_from_exits(sj)
+            return
         self.seen = True
         m = states.job_state(sj.state, sj.reason)
         if m.state is JobState.QUEUED and sj.reason in states.UNSCHEDULABLE_REASONS and not self.stop_requested:
@@ -181,6 +189,28 @@ class TrackedJob:
                 self.hosts = tuple(r for r in map(exits.split_label, found.hosts) if r is not None)
         self.apply(self.held)
         return True
+
+    def vanished(self) -> None:
+        """Neither squeue nor the follow-up lists the job any more, and its end was never seen
+        (Slurm purges an ended job after MinJobAge, 5 minutes by default: e.g. it ended while
+        the login node was out of reach). Its exits file is read first, as for any end: the
+        script's record of each process's end decides, not a guess of FAILED."""
+        if self.held is None:
+            self.held = SlurmJob(self.backend_job_id, VANISHED, nodes=self.nodes)
+
+    def _end_from_exits(self, sj: SlurmJob) -> None:
+        ex = self.exits
+        failure = ex.first_failure() if ex is not None else None
+        if ex is None or not (ex.succeeded() or failure is not None):
+            self.lost()  # no file, or processes with no recorded end: nobody knows how it ended
+            return
+        how = "every process exited 0" if failure is None else f"{failure.label} exited {failure.status}"
+        if self.stop_requested:  # scancel'ed: it ended because it was stopped
+            self.apply(dataclasses.replace(sj, state="CANCELLED"))
+            return
+        self.apply(dataclasses.replace(sj, state="COMPLETED" if failure is None else "FAILED",
+                                       exit_status=0 if failure is None else failure.status))
+        self.message = f"{how} (its exits file; Slurm no longer lists the job)"
 
     def lost(self) -> None:
         """Neither squeue nor the follow-up knows the job any more, and its end was never seen."""
