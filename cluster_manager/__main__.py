@@ -110,13 +110,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 
 
 async def serve(cfg: Config, keyring: Keyring) -> None:
-    client = await etcd.connect(cfg.etcd)
+    client = await etcd.until_reachable("ClusterManager", lambda: etcd.connect(cfg.etcd))
     store = ClusterStore(client, keyring, cfg.prefix)
     hub = WatchHub(store, buffer_size=cfg.watch_buffer)
-    await hub.start()
+    await etcd.until_reachable("ClusterManager: the cluster watch", hub.start)
     drivers = DriverClients(timeout=cfg.driver_timeout, tls=cfg.tls)
     access = AccessStore(client, cfg.prefix)
-    await access.start()
+    await etcd.until_reachable("ClusterManager: access", access.start)
     authenticator = Authenticator.from_options(cfg.auth, access)
     audit = AuditLog(cfg.audit_log)
     monitors = MonitorManager(hub, store, drivers, MonitorConfig(

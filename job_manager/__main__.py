@@ -144,7 +144,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
 
 
 async def amain(cfg: Config) -> None:
-    client = await etcd.connect(cfg.etcd)
+    client = await etcd.until_reachable("JobManager", lambda: etcd.connect(cfg.etcd))
     # Job writes are fenced by the sole-writer key; alone, this replica claims it and
     # its consistent reads need no etcd round trip (job_manager/sole_writer.py).
     sole = SoleWriter(cfg.prefix, cfg.replica_id)
@@ -160,10 +160,10 @@ async def amain(cfg: Config) -> None:
                    consistent_reads=cfg.consistent_reads,
                    cache=cache, store=store)
     hub.sole = sole
-    await hub.start()
+    await etcd.until_reachable("JobManager: the job cache", hub.start)
     log.info("job cache loaded: %d jobs at revision %d", len(cache), cache.revision)
     access = AccessStore(client, cfg.prefix)
-    await access.start()
+    await etcd.until_reachable("JobManager: access", access.start)
     # JobManager only presents the control-plane token (to ClusterManager);
     # it never accepts it: nobody calls JobManager as the control plane.
     authenticator = Authenticator.from_options(

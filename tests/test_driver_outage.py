@@ -22,7 +22,7 @@ import pytest
 from dlsched.client import ClusterManagerClient, DlschedRpcError, JobManagerClient
 from dlsched.v1 import cluster_pb2, driver_service_pb2, driver_service_pb2_grpc, job_pb2
 from tests import security
-from tests.harness import EtcdServer, Stack, free_port, pid_alive
+from tests.harness import EtcdServer, ServiceProcess, Stack, free_port, pid_alive
 
 
 @pytest.fixture
@@ -240,3 +240,46 @@ async def test_a_running_job_deleted_while_its_driver_is_down_is_stopped_before_
         with pytest.raises(DlschedRpcError) as ei:
             await jm.get_job(name)
         assert ei.value.code == "NOT_FOUND"
+
+
+async def test_services_started_before_etcd_wait_for_it() -> None:
+    """ClusterManager and JobManager started (or restarted by their supervisor) while etcd is
+    down wait for it and then serve, instead of exiting with a traceback (which `dlsched up`
+    took for the stack failing, and Kubernetes for a crash loop)."""
+    etcd = EtcdServer()  # its ports chosen, not started yet
+    prefix = f"/late-etcd-{uuid.uuid4().hex[:8]}/"
+    cm = ServiceProcess("cluster_manager", [*etcd.service_args(), "--prefix", prefix], name="cluster-manager")
+    jm: ServiceProcess | None = None
+    try:
+        cm_up = asyncio.create_task(asyncio.to_thread(cm.start, 120))
+        await asyncio.sleep(3)
+        assert not cm_up.done() and cm.proc is not None and cm.proc.poll() is None  # waiting, alive
+        assert "waiting for it" in cm.log()
+        etcd.start()
+        await cm_up
+        jm = ServiceProcess("job_manager", [*etcd.service_args(), "--prefix", prefix,
+                                            "--cluster-manager", cm.address], name="job-manager")
+        etcd.proc.kill()  # type: ignore[union-attr]  # down again: JobManager starts meanwhile
+        etcd.proc.wait()  # type: ignore[union-attr]
+        jm_up = asyncio.create_task(asyncio.to_thread(jm.start, 120))
+        await asyncio.sleep(3)
+        assert not jm_up.done() and jm.proc is not None and jm.proc.poll() is None
+        restart_on_same_data(etcd)
+        await jm_up
+        async with JobManagerClient(jm.address) as c:
+            assert list(await c.list_all_jobs()) == []
+            with pytest.raises(DlschedRpcError) as ei:
+                await c.get_job("jobs/nope")
+            assert ei.value.code == "NOT_FOUND"
+    finally:
+        for p in (jm, cm):
+            if p is not None:
+                p.stop()
+        etcd.stop()
+
+
+def restart_on_same_data(etcd: EtcdServer) -> None:
+    """Start ``etcd`` again (same ports and data dir) after its process was killed."""
+    data = etcd.dir
+    etcd.start()
+    assert etcd.dir == data

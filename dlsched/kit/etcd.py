@@ -42,9 +42,9 @@ import collections
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import aetcd
 import aetcd.exceptions
@@ -52,10 +52,11 @@ import aetcd.rpc
 import aetcd.watcher
 import grpc
 
-from dlsched.errors import InvalidArgument, StoreUnavailable, Unauthenticated
+from dlsched.errors import InvalidArgument, StoreUnavailable, Unauthenticated, Unavailable
 from dlsched.kit.parse import decimal
 
 log = logging.getLogger("dlsched.etcd")
+T = TypeVar("T")
 
 _ENV = {
     "ca_file": "DLSCHED_ETCD_CA_FILE",
@@ -180,6 +181,30 @@ async def connect(options_or_endpoint: EtcdOptions | str, *,
             await client.close()
             raise
     return client
+
+
+#: Backoff of ``until_reachable`` (seconds): first wait, ceiling.
+REACH_FIRST_WAIT, REACH_MAX_WAIT = 0.5, 5.0
+
+
+async def until_reachable(what: str, step: Callable[[], Awaitable[T]]) -> T:
+    """``step()`` (a service's first reads of etcd at startup), again with backoff while etcd
+    cannot be reached, for as long as it takes: a service started (or restarted by its
+    supervisor) during an etcd outage waits for etcd instead of exiting with a traceback,
+    which ``dlsched up`` took for the stack failing and Kubernetes for a crash loop.
+    Anything but unreachability (a refused login, a bad option) is raised at once."""
+    wait, tries = REACH_FIRST_WAIT, 0
+    while True:
+        try:
+            return await step()
+        except (StoreUnavailable, Unavailable, aetcd.exceptions.ConnectionFailedError,
+                aetcd.exceptions.ConnectionTimeoutError, OSError) as e:
+            tries += 1
+            if tries == 1 or tries % 10 == 0:
+                log.warning("%s: etcd cannot be reached (%s); waiting for it (try %d)",
+                            what, str(e).splitlines()[0][:200], tries)
+        await asyncio.sleep(wait)
+        wait = min(REACH_MAX_WAIT, wait * 2)
 
 
 def find_etcd_binary() -> str:
