@@ -116,7 +116,7 @@ def translate(exc: grpc.RpcError) -> errors.DlschedError:
     that refuses connections (a frozen ClusterManager or driver gave JobManager's clients
     DEADLINE_EXCEEDED, which neither the channel's retry policy nor the SDK retries)."""
     err = from_rpc_error(exc)
-    if isinstance(err, errors.DeadlineExceeded) and err.reason == "DEADLINE_EXCEEDED":
+    if isinstance(err, errors.DeadlineExceeded) and err.reason in ("DEADLINE_EXCEEDED", "TIMED_OUT"):
         return errors.Unavailable("no answer in time; retry", reason="UNAVAILABLE")
     return err
 

@@ -432,8 +432,13 @@ class Scheduler:
 
     async def stop(self, job_id: str, *, expect: str = "") -> Job:
         """Ask the job to stop; ``expect``: an etag the job must be at (``JobStore.update``)."""
+        return (await self._stop(job_id, expect))[0]
+
+    async def _stop(self, job_id: str, expect: str = "") -> tuple[Job, bool]:
+        """``stop``, and whether its backend took the stop (else it is retried in the background)."""
         job = await self.store.update(job_id, lambda j: states.request_stop(j, self._clock()),
                                       expect=expect)
+        done = True
         if job.state == JobState.STOPPING:
             log.info("stopping job %s", job_id)
             try:
@@ -444,7 +449,7 @@ class Scheduler:
             if not done:
                 self._retry_in_background(job_id, "terminate", job.cluster)
             job = await self.store.get(job_id)
-        return job
+        return job, done
 
     async def _try_terminate(self, job_id: str) -> bool:
         job = await self.store.get(job_id)
@@ -487,9 +492,9 @@ class Scheduler:
             raise EtagMismatch(job_id, etag, job.etag)
         expect = etag
         if not job.state.is_terminal():
-            job = await self.stop(job_id, expect=etag)
+            job, stopped = await self._stop(job_id, expect=etag)
             expect = ""  # the precondition held at the stop, this call's own first write
-            if (job_id, "terminate") in self._retries:
+            if not stopped:
                 # Its driver could not be asked to stop it (unreachable, or ClusterManager to
                 # find it): without the record nothing would stop it, ever. It stays STOPPING,
                 # its terminate retried in the background; a later delete goes through.

@@ -6,6 +6,7 @@ A real grpc.aio server on loopback, called through a real channel."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import grpc
@@ -54,6 +55,8 @@ class Servicer(jm_grpc.JobManagerServiceServicer):
     async def GetJob(self, request, context):  # noqa: N802
         if request.name == "jobs/missing":
             raise NotFound("job jobs/missing not found", metadata={"name": request.name})
+        if request.name == "jobs/slow":  # waits on something that does not answer
+            await asyncio.sleep(60)
         return job_manager_service_pb2.GetJobResponse(job=job_pb2.Job(name=request.name))
 
 
@@ -152,3 +155,22 @@ async def test_a_channel_with_a_token_sends_it_on_calls_of_every_kind() -> None:
         await server.stop(None)
     assert sorted(seen) == sorted((kind, "Bearer s3cret") for kind in
                                   ("unary_unary", "unary_stream", "stream_unary", "stream_stream"))
+
+
+async def test_a_call_its_server_cannot_finish_in_time_is_answered_before_its_deadline(
+        served: Any) -> None:
+    """A unary handler that would outlast its caller's deadline (a chain of waits on a frozen
+    etcd or driver) is answered just before it: DEADLINE_EXCEEDED with an ErrorInfo
+    (TIMED_OUT) saying why, not the caller's own DEADLINE_EXCEEDED with nothing in it."""
+    from dlsched.kit.rpc_errors import error_info
+    _, address = served
+    async with security.channel(address) as ch:
+        stub = jm_grpc.JobManagerServiceStub(ch)
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.GetJob(job_manager_service_pb2.GetJobRequest(name="jobs/slow"), timeout=4)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, e.value
+        info = error_info(e.value)
+        assert info is not None and info.reason == "TIMED_OUT"
+        # No deadline: the handler is not limited (a fast one answers as ever).
+        got = await stub.GetJob(job_manager_service_pb2.GetJobRequest(name="jobs/a"))
+        assert got.job.name == "jobs/a"
