@@ -7,6 +7,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import signal
 import sys
 import time
 import uuid
@@ -402,6 +403,32 @@ async def test_stop_of_a_placement_group_job_ends_every_replica_process(stub, tm
     while alive := [p for p in pids if os.path.exists(f"/proc/{p}")]:
         assert time.monotonic() < deadline, f"replica processes {alive} outlived the stop"
         await asyncio.sleep(0.2)
+
+
+async def test_a_replica_whose_ray_worker_dies_fails_the_job_and_never_runs_again(stub, tmp_path):
+    """Ray retries a task 3 times by default: a replica whose Ray worker (or node) died ran a
+    second time behind the job's back, the rest of the world waiting on the first, and the
+    job could end SUCCEEDED. The replica's task is not retried: the job FAILS, naming it."""
+    code = ("import os, sys, time\n"
+            "open(os.path.join(sys.argv[1], os.environ['DLSCHED_ROLE'] + '.starts'), 'a')"
+            ".write(f'{os.getpid()} {os.getppid()}\\n')\n"
+            "while True:\n    time.sleep(0.5)\n")
+    job_id = new_id("wkill")
+    spec = S.JobSpec(run_mode=S.RUN_MODE_MASTER_WORKER, replica_groups=[
+        S.ReplicaGroup(role=role, replicas=1, command=[PY, "-c", code, str(tmp_path)])
+        for role in ("master", "worker")])
+    await launch(stub, job_id, spec)
+    starts = tmp_path / "worker.starts"
+    deadline = time.monotonic() + 90
+    while not (starts.exists() and starts.read_text().strip()):
+        assert time.monotonic() < deadline, "the worker replica never started"
+        await asyncio.sleep(0.2)
+    pid, ray_worker = map(int, starts.read_text().split()[:2])
+    os.kill(ray_worker, signal.SIGKILL)  # the Ray worker running the replica's task dies
+    obs = await wait_state(stub, job_id, within=120)
+    assert obs.state == S.JOB_STATE_FAILED, obs
+    await asyncio.sleep(3)  # a retried task would have started it again by now
+    assert len(starts.read_text().splitlines()) == 1, starts.read_text()
 
 
 async def test_unreachable_head_keeps_last_state_as_backend_stale(stub, head):

@@ -349,7 +349,10 @@ def run_placement_group(job: dict[str, Any], spec: JobSpec) -> int:  # pragma: n
         nid = node_of[(p.role, p.replica_index)]
         outputs.note({"role": p.role, "index": p.slot_index, "node_id": nid, "host": registered[nid]})
 
-    @ray.remote
+    # max_retries=0: a replica whose Ray worker or node dies is not run again behind the job's
+    # back (Ray retries a task 3 times by default: the replica then ran twice, the rest of the
+    # world waiting on the first); the job fails naming it (``except`` below).
+    @ray.remote(max_retries=0)
     def replica(procs: list[planner.ProcessLaunch]) -> tuple[int, str, int]:
         # By module name: run as __main__, this module would be pickled by value.
         from drivers.ray import launcher
