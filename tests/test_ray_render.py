@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -12,6 +13,7 @@ import sys
 import pytest
 
 from dlsched.errors import FailedPrecondition, InvalidArgument
+from drivers.common import planner
 from drivers.common.base import JobSpec, JobState, ReplicaGroup, Resources, RunMode
 from drivers.ray import render, states
 
@@ -230,3 +232,23 @@ def test_a_tracked_job_with_a_uid_follows_only_its_own_submissions():
                              state=JobState.RUNNING, attempt=1, uid="u1")
     assert of_job(adopted, render.SubmissionMeta("victim", 1, "dlsched-victim-1", "u1"))
     assert not of_job(adopted, render.SubmissionMeta("victim", 2, "dlsched-victim-2", "u1"))
+
+
+def test_local_mode_replicas_get_their_own_share_of_the_entrypoints_gpus():
+    """MULTI_PROCESS on Ray: the entrypoint holds every replica's GPUs (Ray lists them in its
+    CUDA_VISIBLE_DEVICES); each replica gets its own share, as on the other backends (both
+    replicas of 1 GPU each saw '0,1', so code using cuda:0 put them on one GPU)."""
+    from drivers.ray import launcher
+
+    spec = JobSpec(RunMode.MULTI_PROCESS, (dataclasses.replace(
+        g("worker", replicas=2), resources=Resources(gpus=1)),))
+    layout_ = [("worker", 0), ("worker", 1)]
+    assert launcher.local_gpus(spec, layout_, "0,1") == [("0",), ("1",)]
+    assert launcher.local_gpus(spec, layout_, "3,5,7") == [("3",), ("5",)]
+    assert launcher.local_gpus(spec, layout_, "") == [(), ()]  # none listed: inherited as they are
+    two = JobSpec(RunMode.MULTI_PROCESS, (dataclasses.replace(
+        g("worker", replicas=2), resources=Resources(gpus=2)),))
+    assert launcher.local_gpus(two, layout_, "0,1,2,3") == [("0", "1"), ("2", "3")]
+    plan = planner.plan_job("j", spec, [planner.Placement(r, i, "127.0.0.1", 0, 1000 + i, gpus=share)
+                                        for (r, i), share in zip(layout_, launcher.local_gpus(spec, layout_, "0,1"), strict=True)])
+    assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plan.processes] == ["0", "1"]

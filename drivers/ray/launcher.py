@@ -264,11 +264,27 @@ def _exit_noter(outputs: Outputs) -> Callable[[planner.ProcessLaunch, int, bool]
     return note
 
 
+def local_gpus(spec: JobSpec, layout_: list[tuple[str, int]], visible: str) -> list[tuple[str, ...]]:
+    """Each replica's share of the GPUs Ray gave the entrypoint (``visible``: its
+    CUDA_VISIBLE_DEVICES), in layout order, as many as its group asks: every replica saw
+    all of the job's GPUs. Without enough of them listed, none (each inherits them all)."""
+    ids = [g for g in visible.split(",") if g.strip()] if visible else []
+    asked = {g.role: max(0, g.resources.gpus) for g in spec.replica_groups}
+    if sum(asked[role] for role, _ in layout_) > len(ids):
+        return [() for _ in layout_]
+    out, at = [], 0
+    for role, _ in layout_:
+        out.append(tuple(ids[at:at + asked[role]]))
+        at += asked[role]
+    return out
+
+
 def run_local(job: dict[str, Any], spec: JobSpec, stop: threading.Event) -> int:
     layout_ = _layout(spec)
     *ports, master_port = free_ports(len(layout_) + 1)
-    placements = [planner.Placement(role, r, render.LOCAL_HOST, 0, port)
-                  for (role, r), port in zip(layout_, ports, strict=True)]
+    gpus = local_gpus(spec, layout_, os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+    placements = [planner.Placement(role, r, render.LOCAL_HOST, 0, port, gpus=share)
+                  for (role, r), port, share in zip(layout_, ports, gpus, strict=True)]
     plan = planner.plan_job(job["job_id"], spec, placements, master_port=master_port)
     decisive = plan.success.decisive_roles
     outputs = Outputs(ray_logs_dir(), job["submission_id"])
