@@ -416,6 +416,21 @@ async def test_hostile_args_env_and_working_dir_arrive_byte_for_byte_and_run_not
     assert not [str(p) for p in canaries if p.exists()], "a hostile value ran as shell code"
 
 
+async def test_a_working_dir_that_does_not_exist_fails_the_job_in_every_mode(jm, runs, slurm, tmp_path):
+    """srun --chdir to a missing directory runs the step in /tmp instead (slurmstepd's
+    fallback): a job SUCCEEDED there, scattering its files, while PS_WORKER's wrapper failed
+    it. Every mode fails it, exit 126, as the `cd` of the other paths does."""
+    missing = str(tmp_path / "no" / "such" / "dir")
+    marker = tmp_path / "ran"
+    code = f"open({str(marker)!r}, 'a').write('ran\\n')"
+    for mode, roles in ((S.RUN_MODE_SINGLE_PROCESS, ("main",)), (S.RUN_MODE_MULTI_PROCESS, ("worker",))):
+        spec = on_slurm(mode, *(S.ReplicaGroup(role=role, replicas=1, command=[PY, "-c", code],
+                                               working_dir=missing) for role in roles))
+        _, job = await run_to_end(jm, runs, spec)
+        assert job.state == S.JOB_STATE_FAILED and job.exit_code == 126, job
+    assert not marker.exists(), "a process ran outside its working directory"
+
+
 @pytest.mark.parametrize(("field", "mutate"), [
     ("job_id", lambda req: setattr(req, "job_id", "x;touch-canary$(id)")),
     ("spec.labels", lambda req: req.spec.labels.__setitem__("team", "$(touch CANARY)")),

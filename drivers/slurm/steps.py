@@ -96,6 +96,9 @@ def srun_steps(lay: Layout, steps: list[StepFiles]) -> list[str]:
                     f"--cpus-per-task={lay.cpus_per_task}", "--overlap", "--export=ALL", "--kill-on-bad-exit=1"]
             if p.working_dir:
                 opts.append(f"--chdir={sh_quote(p.working_dir)}")
+                # srun runs the step in /tmp when --chdir fails (slurmstepd's fallback): the
+                # directory is checked first, as the launcher and wrapper paths' `cd` does.
+                h.append(f"  cd -- {sh_quote(p.working_dir)} || exit 126")
             if ":" in p.argv:
                 # srun splits its command line at a lone ":" into heterogeneous components,
                 # after "--" too: the rest would be read as srun's options and a second
