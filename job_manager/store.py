@@ -189,9 +189,11 @@ class JobStore:
         try:
             return await fn(*args, **kw)  # type: ignore[misc]
         except (aetcd.exceptions.ClientError, grpc.RpcError, OSError) as e:
-            raise StoreUnavailable(f"etcd: {e}") from e
+            # The detail (gRPC's debug text, etcd's internal address) is logged, not sent.
+            log.warning("etcd call failed: %s", str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
+            raise StoreUnavailable("etcd is unavailable; retry later") from e
         except TimeoutError as e:
-            raise StoreUnavailable("etcd: timeout") from e
+            raise StoreUnavailable("etcd did not answer in time; retry later") from e
 
     async def _txn(self, compare: list[rpc.Compare], success: list[rpc.RequestOp],
                    failure: list[rpc.RequestOp], *, jobs: bool = True) -> rpc.TxnResponse:

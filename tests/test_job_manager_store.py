@@ -176,3 +176,18 @@ async def test_purge_marks_reach_watchers_as_deleted_and_bad_events_are_skipped(
         assert evs[1].job.state == JobState.SUCCEEDED and evs[1].job.etag == "7"
     finally:
         await hub.stop()
+
+
+async def test_an_unreachable_etcd_is_unavailable_without_its_internal_details() -> None:
+    """The client learns etcd is unavailable, not gRPC's debug text with etcd's internal
+    address (``ipv4:...``, ``debug_error_string``), which JobManager passed on."""
+    from dlsched.errors import StoreUnavailable
+    from tests.harness import free_port
+
+    client = await connect(f"127.0.0.1:{free_port()}", rpc_timeout=2)  # nothing listens there
+    try:
+        with pytest.raises(StoreUnavailable) as ei:
+            await JobStore(client, "/dead/").get("nope")
+        assert ei.value.message in ("etcd is unavailable; retry later", "etcd did not answer in time; retry later")
+    finally:
+        await client.close()

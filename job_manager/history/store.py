@@ -485,7 +485,9 @@ def _unavailable(e: BaseException) -> StoreUnavailable:
         return e
     if _timed_out(e):
         return StoreUnavailable(f"history: no answer from the database within {COMMAND_TIMEOUT_SECONDS:g} s")
-    return StoreUnavailable(f"history: {e.__class__.__name__}: {e}")
+    # The database's own text (its host, user, SQL) is logged, not sent to the client.
+    log.warning("history: %s: %s", e.__class__.__name__, str(e).splitlines()[0][:300] if str(e) else "")
+    return StoreUnavailable("history: the database is unavailable; retry later")
 
 
 def _engine(url: str, *, statement_timeout: bool = True) -> AsyncEngine:
