@@ -199,12 +199,19 @@ async def until_reachable(what: str, step: Callable[[], Awaitable[T]]) -> T:
             return await step()
         except (StoreUnavailable, Unavailable, aetcd.exceptions.ConnectionFailedError,
                 aetcd.exceptions.ConnectionTimeoutError, OSError) as e:
+            if _misconfigured(e):
+                raise  # a certificate etcd or this service refuses: waiting would not help
             tries += 1
             if tries == 1 or tries % 10 == 0:
                 log.warning("%s: etcd cannot be reached (%s); waiting for it (try %d)",
                             what, str(e).splitlines()[0][:200], tries)
         await asyncio.sleep(wait)
         wait = min(REACH_MAX_WAIT, wait * 2)
+
+
+def _misconfigured(e: BaseException) -> bool:
+    text = str(e)
+    return "CERTIFICATE_VERIFY_FAILED" in text or "handshake" in text.lower()
 
 
 def find_etcd_binary() -> str:
