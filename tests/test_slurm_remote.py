@@ -140,10 +140,16 @@ async def test_ssh_outage_keeps_the_last_state_and_reconnects(stub, cluster):
     assert info.state == cluster_pb2.CLUSTER_STATE_READY
 
 
-async def test_controller_outage_keeps_the_last_state_and_recovers(stub, cluster):
+async def test_controller_outage_keeps_the_last_state_and_recovers(stub, cluster, tmp_path):
     jid = new_id("outage")
-    await launch(stub, jid, single("import time; time.sleep(12)"))
+    started = tmp_path / "started"
+    await launch(stub, jid, single(f"import pathlib, time; pathlib.Path({str(started)!r}).touch(); time.sleep(12)"))
     await wait_state(stub, jid, [job_pb2.JOB_STATE_RUNNING])
+    # R comes with the batch script; srun needs slurmctld to create the step, so the outage waits for the program.
+    deadline = time.monotonic() + 60
+    while not started.exists():
+        assert time.monotonic() < deadline, "the job's program never started"
+        await asyncio.sleep(0.1)
     await asyncio.to_thread(cluster.stop_slurmctld)
     try:
         deadline = time.monotonic() + 40

@@ -49,6 +49,7 @@ from tests.through_services import (
     probe_group,
     probes,
     wait_dead,
+    wait_file,
 )
 from tests.through_services import run_to_end as run_spec_to_end
 
@@ -520,19 +521,23 @@ async def test_an_outage_turns_the_cluster_unreachable_and_keeps_the_job_state(j
     BackendStale while it ends unseen; once the outage is over the cluster is READY again and the job
     reaches its true end."""
     stop, start = getattr(slurm, f"stop_{outage}"), getattr(slurm, f"start_{outage}")
-    go = tmp_path / "go"
+    go, started = tmp_path / "go", tmp_path / "started"
     r = run_of(jm, single("""
     import os, sys, time
+    open(sys.argv[2], 'w').close()
     print('up', flush=True)
     while not os.path.exists(sys.argv[1]):
         time.sleep(0.1)
-    """, str(go)))
+    """, str(go), str(started)))
     runs.append(r)
     watch = ClusterWatch(cm)
     try:
         await watch.until(C.CLUSTER_STATE_READY, 20)
         await r.submit()
         await r.until((S.JOB_STATE_RUNNING,))
+        # Slurm says R once the batch script starts; srun still needs slurmctld to create the step, so
+        # the outage begins once the program itself runs (an outage before the step is a real failure).
+        await wait_file(started)
         await asyncio.to_thread(stop)
         try:
             down = await watch.until(C.CLUSTER_STATE_UNREACHABLE, 60)
