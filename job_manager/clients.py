@@ -172,7 +172,7 @@ class ClusterManagerClient:
         self._stub = cm_grpc.ClusterManagerServiceStub(self._channel)
         self._timeout = timeout
         self._cache_seconds = cache_seconds
-        self._drivers: dict[str, tuple[str, float]] = {}
+        self._drivers: dict[str, tuple[str, float, int]] = {}  # cluster: (driver address, when, type)
         self._matching: dict[bytes, asyncio.Future[cm_pb2.MatchClustersResponse]] = {}  # in flight
 
     async def match(self, spec: JobSpec) -> list[Candidate]:
@@ -187,7 +187,7 @@ class ClusterManagerClient:
         out = [candidate_from_proto(c) for c in resp.candidates]
         for c in out:
             if c.driver_address:
-                self._drivers[c.cluster] = (c.driver_address, time.monotonic())
+                self._drivers[c.cluster] = (c.driver_address, time.monotonic(), c.cluster_type)
         return out
 
     def _match_done(self, key: bytes, call: asyncio.Future[cm_pb2.MatchClustersResponse]) -> None:
@@ -197,17 +197,24 @@ class ClusterManagerClient:
             call.exception()  # retrieved: every caller still waiting gets it
 
     async def driver_address(self, cluster: str) -> str:
+        return (await self._driver(cluster))[0]
+
+    async def cluster_type(self, cluster: str) -> int:
+        """The cluster's ``ClusterType`` (cached with its driver's address)."""
+        return (await self._driver(cluster))[2]
+
+    async def _driver(self, cluster: str) -> tuple[str, float, int]:
         hit = self._drivers.get(cluster)
         if hit and time.monotonic() - hit[1] < self._cache_seconds:
-            return hit[0]
+            return hit
         resp = await _cm_unary(self._stub.GetCluster(cm_pb2.GetClusterRequest(name=cluster),
                                                   timeout=self._timeout))
         addr = str(resp.cluster.driver_address)
         if not addr:
             raise errors.Unavailable(f"{cluster} has no driver address",
                                      reason="DRIVER_UNAVAILABLE")
-        self._drivers[cluster] = (addr, time.monotonic())
-        return addr
+        hit = self._drivers[cluster] = (addr, time.monotonic(), int(resp.cluster.type))
+        return hit
 
     def forget(self, cluster: str) -> None:
         self._drivers.pop(cluster, None)

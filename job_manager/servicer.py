@@ -600,7 +600,11 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         if resumed is None:
             cursor = LogCursor(job.uid)
         else:
-            cursor, skip = resumed, Skipper(resumed)
+            # Kubernetes may rotate a container's log (its first lines leave what the API reads):
+            # there the dates decide; elsewhere a whole stream's counts are its positions.
+            by_count = not request.HasField("since_time") and \
+                await self.scheduler.cm.cluster_type(job.cluster) != job_pb2.CLUSTER_TYPE_KUBERNETES
+            cursor, skip = resumed, Skipper(resumed, by_count)
             if resumed.attempt and resumed.attempt != job.backend_job_id:
                 # Finish the attempt the stream was on, then go on as it would have.
                 job = dataclasses.replace(job, backend_job_id=resumed.attempt)
@@ -612,7 +616,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         job_id, uid, cluster, attempt = job.id, job.uid, job.cluster, job.backend_job_id
         del job
         while True:
-            cursor.at_attempt(attempt)
+            cursor.at_attempt(attempt, upstream.tail_lines == 0 and not upstream.HasField("since_time"))
             drv = await self.scheduler.driver_for(cluster)
             stream = drv.tail_logs(cluster, job_id, attempt, upstream, idle=every)
             try:

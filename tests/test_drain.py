@@ -402,6 +402,20 @@ def test_cursor_skips_exactly_what_was_delivered() -> None:
             c.delivered(key, t)
         skip = Skipper(LogCursor.decode(c.encode()))
         assert sum(not skip.seen(*x) for x in undated) == 5 - cut
+    # A whole stream (no tail_lines, no since_time) on a backend whose logs only grow: counted.
+    # Slurm dated the lines by their file's last write (12) when they went out, and by its log
+    # index (11, 11, 13) on the re-read: by dates the third would go out twice.
+    sent, again = [(out, 12)] * 3, [(out, 11), (out, 11), (out, 13), (out, 13), (out, 14)]
+    for by_count, whole in ((True, True), (False, True), (True, False)):
+        c = LogCursor("uid")
+        c.at_attempt("a1", whole)
+        for key, t in sent:
+            c.delivered(key, t)
+        back = LogCursor.decode(c.encode())
+        assert back == c and back.whole is whole
+        skip = Skipper(back, by_count)
+        got = [x for x in again if not skip.seen(*x)]
+        assert got == (again[3:] if by_count and whole else again[2:]), (by_count, whole)
     for bad in ("", "!!", "eJzLSM3JyQcABiwCFQ", "x" * (1 << 21)):
         with pytest.raises(Exception) as ei:
             LogCursor.decode(bad)

@@ -329,6 +329,39 @@ async def test_logs_stream_and_usage_is_measured_while_the_job_runs(jm, runs, tm
     assert later == ["done"], later
 
 
+async def test_a_log_stream_resumed_from_any_cursor_sends_exactly_the_rest(jm, runs):
+    """A follower gets most lines before the log index covers them (dated by their file's
+    mtime), a resume reads them again dated by the index: resuming from each cursor of the
+    followed stream still sends every later line once and no earlier one."""
+    code = """
+    import sys, time
+    for i in range(60):
+        print(f'out-{i}', flush=True)
+        if i % 7 == 0:
+            print(f'err-{i}', file=sys.stderr, flush=True)
+        time.sleep(0.05)
+    """
+    r = run_of(jm, single(code))
+    runs.append(r)
+    await r.submit()
+    batches: list[tuple[list[tuple[int, str]], str]] = []
+    async for resp in jm.StreamJobLogs(jpb.StreamJobLogsRequest(name=r.name, follow=True), timeout=JOB_TIMEOUT):
+        batches.append(([(e.stream, e.text) for e in resp.entries], resp.resume_cursor))
+    everything = [x for b, _ in batches for x in b]
+    assert [t for s, t in everything if s == S.LOG_STREAM_STDOUT] == [f"out-{i}" for i in range(60)], everything
+    assert (await r.until()).state == S.JOB_STATE_SUCCEEDED
+    for i, (_, cursor) in enumerate(batches):
+        if not cursor:
+            continue
+        rest = [(e.stream, e.text) async for resp in jm.StreamJobLogs(
+            jpb.StreamJobLogsRequest(name=r.name, follow=True, resume_cursor=cursor), timeout=60)
+            for e in resp.entries]
+        done = [x for b, _ in batches[:i + 1] for x in b]
+        for stream in (S.LOG_STREAM_STDOUT, S.LOG_STREAM_STDERR):
+            pick = [t for s, t in done + rest if s == stream]
+            assert pick == [t for s, t in everything if s == stream], (i, stream, rest)
+
+
 async def test_stop_job_ends_a_running_job_stopped(jm, runs, tmp_path):
     r = run_of(jm, on_slurm(S.RUN_MODE_SINGLE_PROCESS, probe_group("main", tmp_path, PROBE_MAIN="forever")))
     runs.append(r)

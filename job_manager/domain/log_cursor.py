@@ -1,13 +1,20 @@
 """Where a StreamJobLogs stream stands, so a new call continues it exactly.
 
 A cursor names the job (its uid), the attempt being streamed (its backend
-job id) and, for every replica stream that has sent lines in that attempt,
-its ``StreamPos``: how many lines were delivered, the time of the last one
-and how many delivered lines share that time. Within one replica stream a
+job id), whether that attempt's lines went out from each stream's first
+line (``whole``: no ``tail_lines`` or ``since_time`` cut them) and, for
+every replica stream that has sent lines in that attempt, its
+``StreamPos``: how many lines were delivered, the time of the last one and
+how many delivered lines share that time. Within one replica stream a
 backend keeps the order the lines were written in and dates them
 non-decreasingly, so on resume (the driver asked again for every line of
 the attempt) a line was already delivered exactly when
 
+- counted (``whole``, on a backend whose logs only grow: ``by_count``): it
+  is one of the first ``count`` lines of its stream. A backend may date a
+  line differently on a second read (Slurm dates a line its log index does
+  not cover yet by its file's last write, later by the index), so counting
+  is the exact rule wherever positions are stable;
 - dated: it is older than the last delivered time, or it has that time and
   fewer than ``at_time`` lines with it were skipped so far (this holds
   whatever ``tail_lines`` or ``since_time`` the first call used);
@@ -56,11 +63,13 @@ class LogCursor:
     job_uid: str
     attempt: str = ""  # backend job id of the attempt streamed; "" before any line
     streams: dict[StreamKey, StreamPos] = field(default_factory=dict)
+    whole: bool = False  # the attempt's lines went out from each stream's first line
 
-    def at_attempt(self, attempt: str) -> None:
-        """Lines from now on belong to ``attempt``; a new one starts from nothing."""
+    def at_attempt(self, attempt: str, whole: bool) -> None:
+        """Lines from now on belong to ``attempt`` (``whole``: sent from each stream's first
+        line); a new one starts from nothing."""
         if attempt != self.attempt:
-            self.attempt = attempt
+            self.attempt, self.whole = attempt, whole
             self.streams = {}
 
     def delivered(self, key: StreamKey, time_ns: int) -> None:
@@ -76,8 +85,8 @@ class LogCursor:
     def encode(self) -> str:
         rows = [[r, i, s, p.count, p.time_ns, p.at_time]
                 for (r, i, s), p in sorted(self.streams.items())]
-        data = json.dumps({"v": _VERSION, "u": self.job_uid, "a": self.attempt, "s": rows},
-                          separators=(",", ":")).encode()
+        data = json.dumps({"v": _VERSION, "u": self.job_uid, "a": self.attempt, "s": rows,
+                           **({"w": 1} if self.whole else {})}, separators=(",", ":")).encode()
         return base64.urlsafe_b64encode(zlib.compress(data, 6)).decode().rstrip("=")
 
     @classmethod
@@ -95,8 +104,9 @@ class LogCursor:
             obj = json.loads(data)
             if not isinstance(obj, dict) or obj.get("v") != _VERSION:
                 raise ValueError("version")
-            uid, attempt, rows = obj["u"], obj["a"], obj["s"]
-            if not isinstance(uid, str) or not isinstance(attempt, str) or not isinstance(rows, list):
+            uid, attempt, rows, whole = obj["u"], obj["a"], obj["s"], obj.get("w", 0)
+            if not isinstance(uid, str) or not isinstance(attempt, str) or not isinstance(rows, list) \
+                    or whole not in (0, 1) or isinstance(whole, bool):
                 raise ValueError("shape")
             if len(rows) > MAX_CURSOR_STREAMS:
                 raise ValueError("too many streams")
@@ -112,22 +122,27 @@ class LogCursor:
                 streams[(role, idx, stream)] = StreamPos(count, t, k)
         except (binascii.Error, zlib.error, ValueError, KeyError, TypeError, RecursionError) as e:
             raise InvalidArgument.for_field(FIELD, "not a log cursor this server issued") from e
-        return cls(uid, attempt, streams)
+        return cls(uid, attempt, streams, whole == 1)
 
 
 class Skipper:
     """On resume: which lines of the cursor's attempt were delivered before."""
 
-    def __init__(self, cursor: LogCursor) -> None:
+    def __init__(self, cursor: LogCursor, by_count: bool = False) -> None:
+        """``by_count``: the backend's log streams only grow (no rotation drops their first
+        lines), so a ``whole`` cursor's counts are positions."""
         self._left = {k: StreamPos(p.count, p.time_ns, p.at_time) for k, p in cursor.streams.items()}
         self._done: set[StreamKey] = set()
+        self._count = by_count and cursor.whole
 
     def seen(self, key: StreamKey, time_ns: int) -> bool:
         """Whether this line (the next of its stream) was delivered before."""
         pos = self._left.get(key)
         if pos is None or key in self._done:
             return False
-        if pos.time_ns and time_ns:
+        if self._count:
+            skip = pos.count > 0
+        elif pos.time_ns and time_ns:
             if time_ns < pos.time_ns:
                 skip = True
             else:
