@@ -35,7 +35,7 @@ from dlsched.errors import (
 from dlsched.kit.envelope import Keyring
 
 from . import convert
-from .domain.errors import ClusterAlreadyExists, ClusterNotFound
+from .domain.errors import ClusterAlreadyExists, ClusterEtagMismatch, ClusterNotFound
 from .domain.models import Cluster, ClusterType, Credentials, cluster_name
 
 log = logging.getLogger("cluster_manager.store")
@@ -226,8 +226,7 @@ class ClusterStore:
             if kv is None:
                 raise ClusterNotFound(cluster_name(cluster_id))
             if etag and etag != str(kv.mod_revision):
-                raise Aborted(f"{cluster_name(cluster_id)} changed since etag {etag}; "
-                              "re-read and retry", metadata={"etag": str(kv.mod_revision)})
+                raise ClusterEtagMismatch(cluster_name(cluster_id), etag, str(kv.mod_revision))
             current = self._decode(kv.value, kv.mod_revision)
             updated = mutate(current)
             ops = [self._tx.put(ckey, convert.cluster_to_bytes(updated))]
@@ -263,8 +262,7 @@ class ClusterStore:
         if not ok:
             if not resp[0]:  # a get's answer: [(value, kv)], empty when missing
                 return None
-            raise Aborted(f"{cluster_name(cluster_id)} changed since etag {etag}; re-read and retry",
-                          metadata={"etag": str(resp[0][0][1].mod_revision)})
+            raise ClusterEtagMismatch(cluster_name(cluster_id), etag, str(resp[0][0][1].mod_revision))
         prev = resp[0].response_delete_range.prev_kvs
         if not prev:
             return None

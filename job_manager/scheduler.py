@@ -53,7 +53,7 @@ from dlsched.kit.locks import KeyedLocks
 from job_manager.cache import JobCache
 from job_manager.clients import ClusterManagerClient, DriverClient, DriverPool
 from job_manager.domain import states
-from job_manager.domain.errors import EtagMismatch, JobNotFound, NoMatchingCluster
+from job_manager.domain.errors import EtagMismatch, JobNotFound, NoMatchingCluster, RequestIdInUse
 from job_manager.domain.model import Candidate, Job, JobSpec, JobState, NativeSpec, Observation
 from job_manager.domain.validation import validate_submit
 from job_manager.history.store import HistoryStore
@@ -251,9 +251,7 @@ class Scheduler:
         """The first job of a retried request, only for the caller that made it:
         another principal's request id never hands its job over (nor launches it)."""
         if job.owner != owner:
-            raise errors.AlreadyExists(
-                "request_id already used by another caller",
-                reason="REQUEST_ID_IN_USE", metadata={"field": "request_id"})
+            raise RequestIdInUse()
         if job.state == JobState.PENDING and not job.launched:
             await self._queue_launch(job)
         return job

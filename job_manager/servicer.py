@@ -60,7 +60,6 @@ from prometheus_client import Counter
 from dlsched.auth.interceptor import caller
 from dlsched.auth.model import Principal
 from dlsched.errors import (
-    AlreadyExists,
     DlschedError,
     InvalidArgument,
     StoreUnavailable,
@@ -81,7 +80,13 @@ from dlsched.v1 import job_pb2
 from job_manager import convert
 from job_manager.cache import CachedJob, JobCache, SortKey
 from job_manager.domain import access
-from job_manager.domain.errors import EtagMismatch, JobAlreadyExists, JobNotFound, JobNotLaunched
+from job_manager.domain.errors import (
+    EtagMismatch,
+    JobAlreadyExists,
+    JobNotFound,
+    JobNotLaunched,
+    RequestIdInUse,
+)
 from job_manager.domain.filter import Filter, parse_filter
 from job_manager.domain.log_cursor import FIELD as CURSOR_FIELD
 from job_manager.domain.log_cursor import LogCursor, Skipper
@@ -138,8 +143,7 @@ def _check_same_job(request: pb.SubmitJobRequest, job: Job, p: Principal) -> Job
     what another caller's request id gets), and only for the same ``job_id``: a request id
     reused for another request is refused, as CreateCluster refuses it (AIP-155)."""
     if not access.may_read(p, job):
-        raise AlreadyExists("request_id already used by another caller",
-                            reason="REQUEST_ID_IN_USE", metadata={"field": "request_id"})
+        raise RequestIdInUse()
     if request.job_id and job.id != request.job_id:
         raise InvalidArgument.for_field("request_id", f"already used to submit jobs/{job.id}")
     return job

@@ -264,6 +264,8 @@ async def test_create_get_list_delete(stub: pb_grpc.ClusterManagerServiceStub) -
         update_mask=field_mask_pb2.FieldMask(paths=["labels"])))).cluster
     e = await rpc_error(stub.DeleteCluster(pb.DeleteClusterRequest(name="clusters/alpha", etag=made.etag)))
     assert e.code() == grpc.StatusCode.ABORTED
+    meta = dict(error_info(e).metadata)  # which cluster, and its etag now (as a job's mismatch says)
+    assert meta["name"] == "clusters/alpha" and int(meta["etag"]) > int(made.etag), meta
     e = await rpc_error(stub.DeleteCluster(pb.DeleteClusterRequest(name="clusters/alpha", etag="x1")))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and fields(e) == ["etag"]
     assert (await stub.GetCluster(pb.GetClusterRequest(name="clusters/alpha"))).cluster.uid == upd.uid

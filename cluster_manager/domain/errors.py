@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dlsched.errors import (
+    Aborted,
     AlreadyExists,
     FailedPrecondition,
     FieldViolation,
@@ -25,6 +26,14 @@ class ClusterAlreadyExists(AlreadyExists):
 
     def __init__(self, name: str) -> None:
         super().__init__(f"{name} already exists", metadata={"name": name, "cluster": name})
+
+
+class ClusterEtagMismatch(Aborted):
+    """A write's etag (AIP-154) is not the cluster's: nothing was changed."""
+
+    def __init__(self, name: str, etag: str, current: str) -> None:
+        super().__init__(f"{name} changed since etag {etag}; re-read and retry",
+                         metadata={"name": name, "etag": current})
 
 
 class NoMatchingCluster(FailedPrecondition):

@@ -13,6 +13,16 @@ class JobAlreadyExists(AlreadyExists):
     reason = "JOB_ALREADY_EXISTS"
 
 
+class RequestIdInUse(AlreadyExists):
+    """A SubmitJob ``request_id`` whose first job this caller may not have: it made none of
+    them, or may no longer read it (the job is not named)."""
+
+    reason = "REQUEST_ID_IN_USE"
+
+    def __init__(self) -> None:
+        super().__init__("request_id already used by another caller", metadata={"field": "request_id"})
+
+
 class EtagMismatch(Aborted):
     """A write's etag (AIP-154) is not the job's: nothing was changed."""
 
