@@ -201,6 +201,27 @@ async def test_time_limit_stops_the_job_and_fails_it(stub):
     assert 2 <= obs.end_time.seconds - obs.start_time.seconds < 30
 
 
+async def test_a_time_limit_counts_from_the_start_not_from_the_queue(stub):
+    """A job waiting for its entrypoint's CPUs (Ray's start_time is its submission) runs its
+    time limit from when it started: it SUCCEEDS once it got the CPUs, and reports that start."""
+    first, queued = new_id("hog"), new_id("queued")
+    hog = single("import time; time.sleep(10)")
+    hog.replica_groups[0].resources.cpu = 2  # the head's every CPU
+    await launch(stub, first, hog)
+    await wait_state(stub, first, (S.JOB_STATE_RUNNING,))
+    spec = single("import time; time.sleep(1); print('done')")
+    spec.replica_groups[0].resources.cpu = 2
+    spec.time_limit.FromSeconds(6)
+    await launch(stub, queued, spec)
+    waiting = await wait_state(stub, queued, (S.JOB_STATE_PENDING,), within=10)
+    assert not waiting.HasField("start_time"), waiting  # not started yet
+    ended = await wait_state(stub, first, within=60)
+    assert ended.state == S.JOB_STATE_SUCCEEDED, ended
+    obs = await wait_state(stub, queued, within=90)
+    assert obs.state == S.JOB_STATE_SUCCEEDED, obs  # not FAILED TimeLimitExceeded on starting
+    assert obs.start_time.ToNanoseconds() >= ended.end_time.ToNanoseconds() - 2_000_000_000, (obs, ended)
+
+
 async def test_cleanup_of_a_running_job_stops_and_removes_it(stub, head):
     job_id = new_id("clean")
     await launch(stub, job_id, single("import time; time.sleep(300)"))

@@ -29,7 +29,11 @@ UNAVAILABLE ``BACKEND_UNAVAILABLE`` rather than "not found").
 Time limit: Ray has none; the poller stops a RUNNING job that ran past its
 ``dlsched_time_limit_seconds`` (metadata, so it survives a driver restart),
 and a STOPPED job whose run reached its limit is reported FAILED, reason
-``TimeLimitExceeded``.
+``TimeLimitExceeded``. The run counts from when the poller saw the job start
+(``_Cluster.started``): Ray's ``start_time`` is the submission's, and a job
+queued for its entrypoint's resources would otherwise be stopped as it
+starts. A job first seen running (by a restarted driver) counts from Ray's
+``start_time``; a PENDING job has no start time.
 
 Stop: ``POST /api/jobs/{id}/stop`` (Ray sends SIGTERM, then SIGKILL after its
 own ``RAY_JOB_STOP_WAIT_TIME_S``, set on the cluster; a request's grace
@@ -172,6 +176,10 @@ class _Cluster:
         self.wake = asyncio.Event()
         self.stopping: set[str] = set()  # time-limit stops in flight
         self.stop_requested: set[str] = set()  # submissions a TerminateJob stopped: STOPPING until they end
+        #: submission id -> when it started running (unix seconds): seen to start by this driver
+        #: (Ray's start_time is the submission's, queue included), else Ray's start_time; None:
+        #: this driver saw it waiting and has not seen it run
+        self.started: dict[str, float | None] = {}
 
     async def request(self, method: str, path: str, body: Any = None) -> Any:
         return await self.api.request(method, path, body)
@@ -179,7 +187,7 @@ class _Cluster:
 
 class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
     name = "ray"
-    carry_over = ("jobs", "submissions", "nodes", "ends", "known", "stop_requested")
+    carry_over = ("jobs", "submissions", "nodes", "ends", "known", "stop_requested", "started")
     supports_logs = True
     supports_usage = True
 
@@ -272,7 +280,7 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
                 continue  # a launch the list does not show yet
             if prev is not None and not of_job(prev, meta):
                 continue  # a list from before a cleanup (an earlier job's submission of the id), or not ours
-            obs = observation(job_id, meta.attempt, it)
+            obs = observation(job_id, meta.attempt, it, self._started(c, prev, it))
             if prev is None and obs.state.is_terminal():
                 if (uid := render.uid_of(it)) and not render.carries_uid(obs.backend_job_id):  # made before
                     c.legacy[job_id] = (meta.attempt, uid, obs.backend_job_id)  # ids named uids (uid-less: no telling)
@@ -285,7 +293,7 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
                 if ended is None:
                     continue
                 obs = ended
-            if obs.state is JobState.RUNNING and over_time_limit(it, time.time()):
+            if obs.state is JobState.RUNNING and over_time_limit(it, obs.start_time, time.time()):
                 self._stop_later(c, obs.backend_job_id)
             if not obs.state.is_terminal() and obs.backend_job_id in c.stop_requested:
                 obs = replace(obs, state=JobState.STOPPING, reason=STOP_REQUESTED,
@@ -299,6 +307,28 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
                 self.hub.publish(name, gone)
         # every attempt of the tracked jobs only (cleanup lists Ray's jobs for an untracked one)
         c.submissions = {k: v for k, v in {**c.submissions, **seen}.items() if k in c.jobs}
+
+    @staticmethod
+    def _started(c: _Cluster, prev: JobObservation | None, it: dict[str, Any]) -> float | None:
+        """When submission ``it`` started running (``_Cluster.started``), noted when first seen
+        running or ended; ``prev``: the job's last observation (None: untracked, nothing noted)."""
+        sid, status, start = str(it.get("submission_id") or ""), it.get("status"), it.get("start_time")
+        ray_start = start / 1000 if isinstance(start, (int, float)) and start > 0 else None
+        if prev is None and status not in ("PENDING", "RUNNING"):
+            return ray_start  # ended before it was tracked: not kept
+        if c.started.get(sid) is not None:
+            return c.started[sid]
+        seen_waiting = sid in c.started or (prev is not None and prev.backend_job_id == sid
+                                            and prev.state is JobState.PENDING)
+        if status == "PENDING":
+            c.started[sid] = None
+        elif not seen_waiting:  # first seen running or ended: Ray's start (its queue included)
+            c.started[sid] = ray_start
+        elif status == "RUNNING":  # seen waiting: it started since the last look
+            c.started[sid] = time.time()
+        else:  # ended since it was seen waiting: stopped before it ran, or ran between two looks
+            c.started[sid] = None if status == "STOPPED" else ray_start
+        return c.started[sid]
 
     def _ended(self, name: str, c: _Cluster, obs: JobObservation) -> JobObservation | None:
         """An ended job with its replicas; ``None`` (the last state stays) while its manifest is read.
@@ -531,6 +561,7 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
             c.ends.pop(sid, None)
             c.held.pop(sid, None)
             c.stop_requested.discard(sid)
+            c.started.pop(sid, None)
 
     async def _delete(self, c: _Cluster, sid: str) -> None:
         await self._settled(c, sid)

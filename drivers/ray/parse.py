@@ -31,26 +31,37 @@ def _time_limit(it: Mapping[str, Any]) -> float | None:
         return None
 
 
-def over_time_limit(it: Mapping[str, Any], now: float, end_ms: float | None = None) -> bool:
-    """Whether the job ran (until ``end_ms``, or ``now``) past its ``dlsched_time_limit_seconds``."""
-    limit, start = _time_limit(it), it.get("start_time")
-    if limit is None or not start:
+def over_time_limit(it: Mapping[str, Any], started: float | None, now: float) -> bool:
+    """Whether the job, running since ``started`` (unix seconds), ran until ``now`` past its
+    ``dlsched_time_limit_seconds``."""
+    limit = _time_limit(it)
+    if limit is None or started is None:
         return False
-    end = end_ms / 1000 if end_ms else now
-    return end - float(start) / 1000 >= limit
+    return now - started >= limit
 
 
-def observation(job_id: str, attempt: int, it: Mapping[str, Any]) -> JobObservation:
+#: ``observation``'s ``started`` when the caller knows no better: Ray's ``start_time``, which is
+#: the submission's, so it includes the time the entrypoint waited for its resources.
+RAY_START = -1.0
+
+
+def observation(job_id: str, attempt: int, it: Mapping[str, Any], started: float | None = RAY_START) -> JobObservation:
     """One Ray job (``GET /api/jobs/`` entry) as an observation.
 
-    A job Ray reports STOPPED that had run past its time limit is FAILED,
-    reason ``TimeLimitExceeded``: the driver stopped it for that.
+    ``started``: when the job started running (unix seconds), as the driver saw it; None when
+    it never ran; ``RAY_START`` when unknown (Ray's ``start_time`` stands in). A PENDING job has
+    no start time. A job Ray reports STOPPED that had run past its time limit is FAILED, reason
+    ``TimeLimitExceeded``: the driver stopped it for that.
     """
-    state, reason = states.map_status(it.get("status"), it.get("error_type"))
-    if state is JobState.STOPPED and it.get("end_time") and over_time_limit(it, 0, it["end_time"]):
-        return replace(_observation(job_id, attempt, it), state=JobState.FAILED, reason="TimeLimitExceeded",
+    obs = _observation(job_id, attempt, it)
+    if started == RAY_START:
+        started = obs.start_time
+    obs = replace(obs, start_time=None if obs.state is JobState.PENDING else started)
+    end = it.get("end_time")
+    if obs.state is JobState.STOPPED and end and over_time_limit(it, started, end / 1000):
+        return replace(obs, state=JobState.FAILED, reason="TimeLimitExceeded",
                        message=f"stopped after its time limit of {_time_limit(it)} s")
-    return _observation(job_id, attempt, it)
+    return obs
 
 
 def _observation(job_id: str, attempt: int, it: Mapping[str, Any]) -> JobObservation:
