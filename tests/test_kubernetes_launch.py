@@ -100,6 +100,26 @@ async def test_a_failed_worker_fails_the_job_with_its_replica_and_reason(stub: A
     assert obs.state == job_pb2.JOB_STATE_FAILED and obs.reason == "OOMKilled"  # latched
     assert all(r.state == job_pb2.REPLICA_STATE_STOPPED for r in obs.replicas if (r.role, r.index) != ("worker", 1))
 
+async def test_a_failed_process_of_a_pod_that_runs_on_fails_the_job_and_deletes_the_pod(
+        stub: Any, emu: tuple[Emulator, str]) -> None:
+    """MULTI_PROCESS, a replica of two processes (one pod, two containers): one is OOMKilled while
+    the other blocks (in a collective, say), so the pod stays Running. The job FAILS with that
+    process's reason and code, and the pod is deleted rather than left running."""
+    e, url = emu
+    job = new_id("mp-oom")
+    await launch(stub, job, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MULTI_PROCESS,
+                                            replica_groups=[group("worker", 1, 2)]))
+    (pod,) = pods_of(e, job)
+    await kubelet(url, pod, "Running", containerStatuses=[
+        {"name": "proc-0", "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}}},
+        {"name": "proc-1", "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled",
+                                                    "finishedAt": "2026-01-01T00:01:00Z"}}}])
+    obs = await wait_for(stub, job, TERMINAL)
+    assert (obs.state, obs.reason, obs.exit_code) == (job_pb2.JOB_STATE_FAILED, "OOMKilled", 137), obs
+    assert "proc-1" in obs.message, obs.message
+    await eventually(lambda: not pods_of(e, job))  # proc-0 does not run on
+
+
 @pytest.mark.parametrize("job", ["odd--id", "trailing-"])
 async def test_job_ids_that_are_not_labels_are_tracked_by_their_label(stub: Any, emu: tuple[Emulator, str],
                                                                       job: str) -> None:

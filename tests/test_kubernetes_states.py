@@ -43,6 +43,18 @@ CASES = [
     (pod("Failed", reason="Evicted"), ReplicaState.FAILED, "Evicted", None),
     (pod("Failed", reason="DeadlineExceeded"), ReplicaState.FAILED, "DeadlineExceeded", None),
     (pod("Failed"), ReplicaState.FAILED, "Failed", None),
+    # A replica of several processes (one container each): its first failing process fails it,
+    # though the pod runs on (restartPolicy Never keeps it Running while one container runs).
+    (pod("Running", containers=[{"name": "proc-0", "state": {"running": {}}},
+                                {**terminated(137, "OOMKilled"), "name": "proc-1"}]),
+     ReplicaState.FAILED, "OOMKilled", 137),
+    (pod("Running", containers=[{"name": "proc-0", "state": {"running": {}}}, terminated(0, "Completed")]),
+     ReplicaState.RUNNING, "Running", None),
+    # MPI's launcher: its wait-for-workers init container failed, the main one never started.
+    ({"spec": {}, "status": {"phase": "Failed", "initContainerStatuses": [
+        {"name": "wait-for-workers", "state": {"terminated": {"exitCode": 255, "reason": "Error"}}}],
+        "containerStatuses": [{"name": "main", "state": {"waiting": {"reason": "PodInitializing"}}}]}},
+     ReplicaState.FAILED, "Error", 255),
     (pod("Unknown"), ReplicaState.UNSPECIFIED, "Unknown", None),
     (pod("Bogus"), ReplicaState.UNSPECIFIED, "Unknown", None),
     ({}, ReplicaState.PENDING, "Pending", None),
@@ -61,6 +73,20 @@ def test_times_and_node() -> None:
     v = states.replica_of(p)
     assert v.end_time is not None and v.start_time is not None and v.end_time - v.start_time == 5
     assert v.node == "n1"
+
+
+def test_a_failed_process_of_a_running_pod_leaves_the_pod_to_delete() -> None:
+    """The failed replica's pod still runs its other processes: the job's end deletes it."""
+    from drivers.common.planner import SuccessRule as Rule
+    from drivers.kubernetes.tracking import Replica, TrackedJob, live_pods
+
+    job = TrackedJob("c", "j", 1, "ns/j-1", "j-1", [Replica("worker", 0, "j-1-worker-0", ("proc-0", "proc-1"))],
+                     Rule(frozenset({"worker"})))
+    job.pods["j-1-worker-0"] = states.replica_of(pod("Running", containers=[
+        {"name": "proc-0", "state": {"running": {}}}, {**terminated(1, "Error"), "name": "proc-1"}]))
+    assert job.pods["j-1-worker-0"].alive and live_pods(job) == ["j-1-worker-0"]
+    job.pods["j-1-worker-0"] = states.replica_of(pod("Failed", containers=[terminated(1, "Error")]))
+    assert live_pods(job) == []
 
 
 def test_missing_pods() -> None:

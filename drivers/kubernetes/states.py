@@ -12,11 +12,16 @@ Pending, PodScheduled False            PENDING     the condition's (Unschedulabl
 Pending, a container waiting           PENDING     the waiting reason (ImagePullBackOff,
                                                    ErrImagePull, CreateContainerConfigError, ...)
 Pending otherwise                      PENDING     Scheduled / Pending
+Running, a container terminated != 0   FAILED      its reason (OOMKilled, Error), exit code: a
+                                                   replica of several processes (containers)
+                                                   fails with its first failing one; the pod,
+                                                   still running the rest, is ``alive``
 Running, a container waiting           RUNNING     its reason (CrashLoopBackOff)
 Running                                RUNNING     Running
 Succeeded                              SUCCEEDED   Completed, exit 0
 Failed, pod reason set                 FAILED      it (Evicted, DeadlineExceeded, ...)
 Failed, a container terminated != 0    FAILED      its reason (OOMKilled, Error), exit code
+                                                   (init containers first: MPI's wait-for-workers)
 Failed otherwise                       FAILED      Failed
 Unknown or anything else               UNSPECIFIED Unknown (the UNKNOWN fallback)
 =====================================  ==========  ==============================
@@ -34,6 +39,7 @@ is PENDING with the first waiting replica's reason.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -64,6 +70,7 @@ class PodView:
     node: str = ""
     start_time: float | None = None
     end_time: float | None = None
+    alive: bool = False  # FAILED while the pod still runs other containers: it must be deleted
 
 
 def parse_time(value: Any) -> float | None:
@@ -91,7 +98,7 @@ def _waiting(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
 
 def _terminated(status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     out: list[Mapping[str, Any]] = []
-    for c in status.get("containerStatuses") or ():
+    for c in _containers(status):
         t = (c.get("state") or {}).get("terminated")
         if t is not None:
             out.append({**t, "container": c.get("name", "")})
@@ -117,6 +124,8 @@ def replica_of(pod: Mapping[str, Any]) -> PodView:
                            f"{w['container']}: {w.get('message') or w['reason']}", node=node)
         return PodView(ReplicaState.PENDING, REASON_SCHEDULED if node else REASON_PENDING, node=node)
     if phase == "Running":
+        if failed := _failed(terms, status, node, start, end):
+            return dataclasses.replace(failed, alive=True)
         w = _waiting(status)
         if w is not None:
             return PodView(ReplicaState.RUNNING, w["reason"],
@@ -127,23 +136,36 @@ def replica_of(pod: Mapping[str, Any]) -> PodView:
         return PodView(ReplicaState.SUCCEEDED, REASON_COMPLETED, exit_code=0, node=node,
                        start_time=start, end_time=end)
     if phase == "Failed":
-        bad = [t for t in terms if t.get("exitCode", 0) != 0]
-        code = int(bad[0]["exitCode"]) if bad else None
         if status.get("reason"):
+            bad = [t for t in terms if _code(t) != 0]
             return PodView(ReplicaState.FAILED, status["reason"], status.get("message") or "",
-                           exit_code=code, node=node, start_time=start, end_time=end)
-        if bad:
-            t = bad[0]
-            reason = t.get("reason") or REASON_FAILED
-            msg = f"{t['container']}: exited with code {code}"
-            if t.get("message"):
-                msg += f": {t['message']}"
-            return PodView(ReplicaState.FAILED, reason, msg, exit_code=code, node=node,
-                           start_time=start, end_time=end)
-        return PodView(ReplicaState.FAILED, REASON_FAILED, status.get("message") or "", node=node,
-                       start_time=start, end_time=end)
+                           exit_code=_code(bad[0]) if bad else None, node=node, start_time=start, end_time=end)
+        return _failed(terms, status, node, start, end) or PodView(
+            ReplicaState.FAILED, REASON_FAILED, status.get("message") or "", node=node, start_time=start,
+            end_time=end)
     return PodView(ReplicaState.UNSPECIFIED, REASON_UNKNOWN,
                    status.get("message") or f"pod phase {phase!r}", node=node, start_time=start)
+
+
+def _code(t: Mapping[str, Any]) -> int:
+    try:
+        return int(t.get("exitCode", 0))
+    except (TypeError, ValueError):
+        return 1  # not a number: no success either
+
+
+def _failed(terms: list[Mapping[str, Any]], status: Mapping[str, Any], node: str, start: float | None,
+            end: float | None) -> PodView | None:
+    """The pod's first container that ended with a non-zero code, as a FAILED view; None if none did."""
+    bad = [t for t in terms if _code(t) != 0]
+    if not bad:
+        return None
+    t, code = bad[0], _code(bad[0])
+    msg = f"{t['container']}: exited with code {code}"
+    if t.get("message"):
+        msg += f": {t['message']}"
+    return PodView(ReplicaState.FAILED, str(t.get("reason") or REASON_FAILED), msg, exit_code=code, node=node,
+                   start_time=start, end_time=end)
 
 
 def missing(*, deleted_by_us: bool, seen: bool) -> PodView:

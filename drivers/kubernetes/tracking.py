@@ -178,8 +178,8 @@ def views(job: TrackedJob) -> list[tuple[Replica, states.PodView]]:
 
 
 def live_pods(job: TrackedJob) -> list[str]:
-    """The job's pods still there that have not ended."""
-    return [r.pod for r, v in views(job) if r.pod in job.pods and not v.state.is_terminal()]
+    """The job's pods still there that have not ended (or that run on after a container failed)."""
+    return [r.pod for r, v in views(job) if r.pod in job.pods and (not v.state.is_terminal() or v.alive)]
 
 
 def _replica_statuses(vs: list[tuple[Replica, states.PodView]]) -> tuple[ReplicaStatus, ...]:
