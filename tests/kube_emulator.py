@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
@@ -75,6 +75,10 @@ class Emulator(kmock.KubernetesEmulator):
         self.failed = 0
         self.forbidden: set[str] = set()  # paths answered 403 (RBAC)
         self.pod_metrics: dict[str, dict[str, Any]] | None = None  # pod -> PodMetrics' timestamp/window/containers
+        #: (method, path) -> seconds to hold that request before answering it (a slow API server);
+        #: ``held`` counts the requests held so far
+        self.hold: Callable[[str, str], float | None] | None = None
+        self.held = 0
         for r in ("v1/pods", "v1/services", "v1/nodes", "v1/secrets", "v1/configmaps"):
             self.resources[r] = {}
         return self
@@ -84,6 +88,9 @@ class Emulator(kmock.KubernetesEmulator):
         self.paths.append(f"{raw.method} {raw.rel_url}")
         self.auth.add(raw.headers.get("Authorization", ""))
         self.stamps.append((time.monotonic(), f"{raw.method} {raw.path}"))
+        if self.hold is not None and (wait := self.hold(raw.method, raw.path)):
+            self.held += 1
+            await asyncio.sleep(wait)
         if self.fail_with is not None:
             self.failed += 1
             return status_response(self.fail_with, "ServiceUnavailable", "etcdserver: request timed out")

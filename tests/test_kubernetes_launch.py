@@ -120,6 +120,34 @@ async def test_a_failed_process_of_a_pod_that_runs_on_fails_the_job_and_deletes_
     await eventually(lambda: not pods_of(e, job))  # proc-0 does not run on
 
 
+async def test_a_stop_while_the_launch_creates_pods_stops_every_pod(stub: Any, emu: tuple[Emulator, str]) -> None:
+    """TerminateJob while LaunchJob is still creating pods (a slow API server): the stop waits for
+    the launch, so no pod made after it runs on, and the job ends STOPPED."""
+    e, url = emu
+    job = new_id("stoprace")
+    posts: list[str] = []
+
+    def hold(method: str, path: str) -> float | None:
+        if method == "POST" and path.endswith("/pods"):
+            posts.append(path)
+            return 1.5 if len(posts) == 2 else None
+        return None
+
+    e.hold, e.held = hold, 0
+    try:
+        launching = asyncio.ensure_future(launch(stub, job, spec("master_worker")))
+        await eventually(lambda: e.held > 0)
+        stop = await stub.TerminateJob(dpb.TerminateJobRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job)),
+                                       timeout=30)
+        await launching
+    finally:
+        e.hold = None
+    assert stop.observation.state in (job_pb2.JOB_STATE_STOPPING, job_pb2.JOB_STATE_STOPPED), stop
+    await eventually(lambda: not pods_of(e, job))
+    obs = await wait_for(stub, job, TERMINAL)
+    assert obs.state == job_pb2.JOB_STATE_STOPPED, obs
+
+
 @pytest.mark.parametrize("job", ["odd--id", "trailing-"])
 async def test_job_ids_that_are_not_labels_are_tracked_by_their_label(stub: Any, emu: tuple[Emulator, str],
                                                                       job: str) -> None:

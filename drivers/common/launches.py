@@ -29,6 +29,10 @@ cross-cluster rule has no race either), and a concurrent launch of the same
 attempt waits and gets the first one's result. A lock lives only while a
 launch holds or waits for it, so the table never grows with the jobs seen.
 
+A stop or a clean-up of a job (``settled``) takes the same lock: it waits for
+a launch in flight, so it never stops what the backend had so far while the
+launch goes on to create the rest (Kubernetes pods made after their stop).
+
 A launch is owned by the driver, not by its caller: the checks and the
 submission run in a task of their own that the caller only waits for. A
 caller that goes away (its deadline, a cancelled RPC, a killed JobManager)
@@ -41,8 +45,9 @@ without having run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from dlsched.errors import FailedPrecondition
@@ -111,6 +116,14 @@ class LaunchRules:
         """Locks held or waited for now (0 when no launch is in flight)."""
         return len(self._locks)
 
+
+    @contextlib.asynccontextmanager
+    async def settled(self, job_id: str) -> AsyncIterator[None]:
+        """Hold ``job_id``'s launch lock: a stop or a clean-up waits for a launch of the job in
+        flight, so it finds (and stops or removes) everything that launch made, rather than what
+        the backend had so far while the launch goes on creating the rest."""
+        async with self._locks.hold(job_id):
+            yield
 
     async def launch(self, cluster: str, job_id: str, attempt: int, *,
                      known: Callable[[], Known | None],

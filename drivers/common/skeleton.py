@@ -252,19 +252,21 @@ class BackendDriver(Driver, Generic[C, R]):
     async def terminate(self, cluster: str, ref: JobRef, grace_seconds: float | None) -> JobObservation:
         c = self.clusters.require(cluster)
         await self._ready(c)
-        known = self._lookup(c, ref)
-        if not ref.names(known):  # another uid's job under the same backend id: not this one
-            return JobObservation.not_found(ref, ref.uid)
-        if known is not None and known.found and known.state.is_terminal():
-            return known
-        obs = await self._terminate(c, cluster, ref, grace_seconds)
+        async with self.launches.settled(ref.job_id):  # a launch in flight first makes all it makes
+            known = self._lookup(c, ref)
+            if not ref.names(known):  # another uid's job under the same backend id: not this one
+                return JobObservation.not_found(ref, ref.uid)
+            if known is not None and known.found and known.state.is_terminal():
+                return known
+            obs = await self._terminate(c, cluster, ref, grace_seconds)
         return obs if obs is not None else JobObservation.not_found(ref)
 
     async def cleanup(self, cluster: str, ref: JobRef) -> None:
         c = self.clusters.require(cluster)
         await self._ready(c)
-        if ref.names(self._lookup(c, ref)):  # (another uid's job under the same backend id is left alone)
-            await self._cleanup(c, cluster, ref)
+        async with self.launches.settled(ref.job_id):
+            if ref.names(self._lookup(c, ref)):  # (another uid's job under the same backend id is left alone)
+                await self._cleanup(c, cluster, ref)
 
     async def forget(self, cluster: str, refs: Sequence[JobRef]) -> int:
         c = self.clusters.require(cluster)
