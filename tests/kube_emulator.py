@@ -79,6 +79,8 @@ class Emulator(kmock.KubernetesEmulator):
         #: ``held`` counts the requests held so far
         self.hold: Callable[[str, str], float | None] | None = None
         self.held = 0
+        #: (method, path) -> an HTTP status to answer that request with instead (5xx: a flaky server)
+        self.refuse: Callable[[str, str], int | None] | None = None
         for r in ("v1/pods", "v1/services", "v1/nodes", "v1/secrets", "v1/configmaps"):
             self.resources[r] = {}
         return self
@@ -91,6 +93,9 @@ class Emulator(kmock.KubernetesEmulator):
         if self.hold is not None and (wait := self.hold(raw.method, raw.path)):
             self.held += 1
             await asyncio.sleep(wait)
+        if self.refuse is not None and (code := self.refuse(raw.method, raw.path)):
+            self.failed += 1
+            return status_response(code, "ServiceUnavailable", "etcdserver: request timed out")
         if self.fail_with is not None:
             self.failed += 1
             return status_response(self.fail_with, "ServiceUnavailable", "etcdserver: request timed out")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import grpc
@@ -146,6 +147,41 @@ async def test_a_stop_while_the_launch_creates_pods_stops_every_pod(stub: Any, e
     await eventually(lambda: not pods_of(e, job))
     obs = await wait_for(stub, job, TERMINAL)
     assert obs.state == job_pb2.JOB_STATE_STOPPED, obs
+
+
+async def test_a_launch_cut_short_by_an_api_error_is_completed_by_its_retry(
+        stub: Any, emu: tuple[Emulator, str]) -> None:
+    """The API server fails the second pod's creation (503): the launch of the same attempt
+    again (the channel's retry, or JobManager's) creates the pods still missing, and the job
+    runs with every replica, rather than waiting for ever on a pod never made."""
+    e, url = emu
+    job = new_id("flaky")
+    posts: list[str] = []
+
+    def refuse(method: str, path: str) -> int | None:
+        if method == "POST" and path.endswith("/pods"):
+            posts.append(path)
+            return 503 if len(posts) == 2 else None
+        return None
+
+    e.refuse = refuse
+    try:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            await launch(stub, job, spec("master_worker"))
+    finally:
+        e.refuse = None
+    await launch(stub, job, spec("master_worker"))  # JobManager's retry of the attempt
+    await eventually(lambda: len(pods_of(e, job)) == 3)
+    for name in pods_of(e, job):
+        await kubelet(url, name, "Running")
+    deadline = asyncio.get_running_loop().time() + 60
+    while True:
+        obs = await observe(stub, job)
+        if [r.state for r in obs.replicas] == [job_pb2.REPLICA_STATE_RUNNING] * 3:
+            break
+        assert asyncio.get_running_loop().time() < deadline, obs  # a replica never created stays Submitted
+        await asyncio.sleep(0.1)
+    assert obs.state == job_pb2.JOB_STATE_RUNNING, obs
 
 
 @pytest.mark.parametrize("job", ["odd--id", "trailing-"])

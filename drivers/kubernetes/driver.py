@@ -335,6 +335,8 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
             return None
         if job.job_id != job_id:
             raise NameCollision(f"job {job_id!r} and job {job.job_id!r} have the same Kubernetes label {key!r}")
+        if job.attempt == rendered.attempt and same_job(job.uid, rendered.uid) and job.incomplete():
+            return None  # its launch stopped part-way: this one creates the rest (409: made already)
         return Known(job.cluster, job.attempt, job.final is None, lambda: LaunchResult(
             job.backend_job_id, rendered.native_spec(), observation(job, c.stale)), job.uid)
 
@@ -360,8 +362,10 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
             elif done is not None and done.final is not None:
                 return LaunchResult(rendered.backend_job_id, native, done.final)  # a forgotten attempt
         uid = str((created.get("metadata") or {}).get("uid") or "")
-        job = TrackedJob.launched(name, rendered)
-        c.jobs[naming.job_label(job_id)] = job
+        job = c.jobs.get(naming.job_label(job_id))  # a launch that stopped part-way: its pods as seen
+        if job is None or job.attempt != rendered.attempt or not same_job(job.uid, rendered.uid):
+            job = TrackedJob.launched(name, rendered)
+            c.jobs[naming.job_label(job_id)] = job
         create = {"Pod": c.api.core.create_namespaced_pod, "Secret": c.api.core.create_namespaced_secret,
                   "ConfigMap": c.api.core.create_namespaced_config_map}
         read = {"Pod": c.api.core.read_namespaced_pod, "Secret": c.api.core.read_namespaced_secret,
@@ -384,6 +388,7 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
                     await c.api.delete(c.api.core.delete_namespaced_service, rendered.service, c.namespace,
                                        f"service {rendered.service}", propagation_policy="Background")
                     raise
+        job.submitted = True
         obs = observation(job, c.stale)
         self._publish(c, job, obs)
         return LaunchResult(rendered.backend_job_id, native, obs)

@@ -59,7 +59,7 @@ class TrackedJob:
 
     __slots__ = ("cluster", "others", "job_id", "attempt", "backend_job_id", "service", "replicas", "rule",
                  "pods", "seen", "deleted", "stop_requested", "final", "last", "start_time", "end_time",
-                 "_changed", "usage", "cleaned", "uid")
+                 "_changed", "usage", "cleaned", "uid", "submitted")
 
     def __init__(self, cluster: str, job_id: str, attempt: int, backend_job_id: str, service: str,
                  replicas: list[Replica], rule: SuccessRule,
@@ -85,6 +85,9 @@ class TrackedJob:
         self._changed: asyncio.Event | None = None  # made when a log follower first waits
         self.usage: dict[str, Sampled] = {}  # by pod: what metrics.k8s.io said so far
         self.cleaned = False  # CleanupJob deleted its objects (a pending record is not written)
+        #: every object of the launch was created (an adopted job: all its pods were seen); until
+        #: then a launch of the same attempt creates what is missing
+        self.submitted = False
 
     @classmethod
     def launched(cls, cluster: str, rendered: Rendered) -> TrackedJob:
@@ -99,6 +102,16 @@ class TrackedJob:
         return cls(cluster, meta.job_id, meta.attempt, naming.backend_job_id(namespace, meta.job_id, meta.attempt),
                    naming.service_name(meta.job_id, meta.attempt),
                    [Replica(role, i, pod, ()) for role, i, pod in meta.pods()], meta.success, meta.others, meta.uid)
+
+    def incomplete(self) -> bool:
+        """A launch of this attempt stopped part-way (an API error, a driver killed mid-launch):
+        a pod never created nor seen, the job neither ended nor stopped."""
+        if self.submitted or self.final is not None or self.stop_requested:
+            return False
+        if all(r.pod in self.seen for r in self.replicas):
+            self.submitted = True
+            return False
+        return True
 
     def by_pod(self, name: str) -> Replica | None:
         for r in self.replicas:
