@@ -159,6 +159,23 @@ async def test_multi_process_failure_stops_the_others_and_fails_the_job(stub):
     assert states[0] == states[2] == (job_pb2.REPLICA_STATE_STOPPED, 128 + 15)
 
 
+async def test_what_a_process_that_exits_at_once_leaves_in_its_session_is_killed(stub, tmp_path):
+    """A replica that starts a background child and exits at once (its exit may reach the
+    supervisor before its start is noted): the child is killed with the session, every time."""
+    jobs = [new_id("fast") for _ in range(10)]
+    for i, job in enumerate(jobs):
+        await launch(stub, job, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+            job_pb2.ReplicaGroup(role="main", replicas=1, command=["/bin/sh", "-c"],
+                                 args=[f"sleep 300 >/dev/null 2>&1 & echo $! > {tmp_path}/{i}; exit 0"])]))
+    for job in jobs:
+        assert (await wait_state(stub, job, within=60)).state == job_pb2.JOB_STATE_SUCCEEDED
+    children = [int((tmp_path / str(i)).read_text()) for i in range(len(jobs))]
+    deadline = time.monotonic() + 10
+    while alive := [p for p in children if pid_alive(p)]:
+        assert time.monotonic() < deadline, f"background children outlived their replicas: {alive}"
+        await asyncio.sleep(0.1)
+
+
 async def test_launch_is_idempotent_on_cluster_job_and_attempt(stub, tmp_path):
     job_id = new_id("dedup")
     marker = tmp_path / "runs.txt"

@@ -17,7 +17,7 @@ from dlsched.v1 import driver_service_pb2 as dpb
 from dlsched.v1 import driver_service_pb2_grpc, job_pb2
 from tests import security
 from tests.harness import ServiceProcess, pid_alive
-from tests.local_peer import CLUSTER, launch, logs, observe, single, texts, wait_state
+from tests.local_peer import CLUSTER, launch, logs, multi, observe, single, texts, wait_state
 
 #: how long the driver stays down (the lead's fault script uses 120 s)
 OUTAGE_SECONDS = 12.0
@@ -145,6 +145,37 @@ async def test_a_killed_supervisor_fails_its_job_supervisor_lost_and_leaves_no_p
         assert obs.state == job_pb2.JOB_STATE_FAILED and obs.reason == "SupervisorLost"
         await asyncio.sleep(0.2)  # killed before FAILED was reported; give the kernel a moment
         assert not pid_alive(pid)
+
+
+async def test_a_supervisor_killed_while_it_starts_a_large_job_leaves_no_started_process(local, tmp_path):
+    """SIGKILL of the supervisor part-way through starting 200 processes (the OOM killer during a
+    large launch): every process it had started is killed, though its status was never written."""
+    adir = tmp_path / "state" / "jobs" / "big" / "attempt-1"
+    async for s in local.stub():
+        launching = asyncio.ensure_future(launch(s, "big", multi("import time; time.sleep(120)", replicas=200)))
+        pids = adir / "pids"
+        deadline = time.monotonic() + 60
+        while not pids.exists() or len(pids.read_text().splitlines()) < 20:
+            assert time.monotonic() < deadline, "the supervisor never noted 20 processes"
+            await asyncio.sleep(0.002)
+        started = [int(line.split()[0]) for line in pids.read_text().splitlines()]
+        supervisor = next(int(p) for p in os.listdir("/proc") if p.isdigit() and _is_supervisor(int(p), adir))
+        os.kill(supervisor, signal.SIGKILL)
+        await launching
+        obs = await wait_state(s, "big", within=30)
+        assert obs.state == job_pb2.JOB_STATE_FAILED and obs.reason == "SupervisorLost", obs
+        deadline = time.monotonic() + 10
+        while alive := [p for p in started if pid_alive(p)]:
+            assert time.monotonic() < deadline, f"started processes outlived their supervisor: {alive}"
+            await asyncio.sleep(0.1)
+
+
+def _is_supervisor(pid: int, adir: pathlib.Path) -> bool:
+    try:
+        argv = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"drivers.local.supervisor" in argv and str(adir).encode() in argv
 
 
 @pytest.mark.parametrize("field,value", [("message", ["a", "list"]), ("exit_code", 10 ** 30),

@@ -7,6 +7,10 @@ Adapter only (files, locks, signals); the state lives in ``machine.py``.
 - ``status.json`` (the supervisor, on every change; the driver only for a
   job whose supervisor is gone): ``JobMachine.to_json()`` plus the
   supervisor's pid and start time;
+- ``pids`` (the supervisor, appended as it starts each process): ``<pid>
+  <start ticks>`` lines, so a supervisor killed while it starts a large job
+  leaves every process it started findable (``status.json`` is written once
+  the spawning is done);
 - ``stop.json`` (the driver): a TerminateJob's grace; the supervisor reads
   it when woken by SIGUSR1 and at least every ``STOP_POLL_SECONDS``;
 - ``supervisor.lock``: held (``flock``) for exactly the supervisor's life.
@@ -36,6 +40,7 @@ from drivers.local import procfs
 RECORD = "record.json"
 STATUS = "status.json"
 STOP = "stop.json"
+PIDS = "pids"
 LOCK = "supervisor.lock"
 SUPERVISOR_LOG = "supervisor.log"
 #: written when JobManager has recorded the attempt's end (ForgetJobs): the driver
@@ -171,6 +176,21 @@ def signal_sessions(leaders: Iterable[int], sig: int) -> None:
     for pid in procfs.session_members(*leaders):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
+
+
+def started_pids(adir: str, most: int) -> list[tuple[int | None, int]]:
+    """The (pid, start ticks) the supervisor noted in ``pids`` as it started them (at most
+    ``most``: the plan's processes; a line that is no such pair is skipped)."""
+    out: list[tuple[int | None, int]] = []
+    try:
+        with open(os.path.join(adir, PIDS), "rb") as f:
+            for line in f.read(most * 48).splitlines()[:most]:
+                parts = line.split()
+                if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+                    out.append((int(parts[0]), int(parts[1])))
+    except OSError:
+        pass
+    return out
 
 
 def kill_leftovers(procs: Iterable[tuple[int | None, int]]) -> None:

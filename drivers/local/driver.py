@@ -469,7 +469,8 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
         if m.state.is_terminal():
             m.logs_done = True  # no one writes its logs anymore
         else:
-            attempt.kill_leftovers((p.pid, p.start_ticks) for p in m.procs if not p.state.is_terminal())
+            attempt.kill_leftovers([*((p.pid, p.start_ticks) for p in m.procs if not p.state.is_terminal()),
+                                    *attempt.started_pids(job.dir, len(m.procs))])  # (killed mid-spawn)
             m.lost(states.REASON_SUPERVISOR_LOST,
                    "the job's supervisor ended before the job (killed, or the host restarted); "
                    "what was left of its processes was stopped", time.time())

@@ -35,6 +35,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from typing import TextIO
 
 from drivers.common.base import LogStream
 from drivers.local import attempt, procfs, render, states
@@ -88,7 +89,7 @@ class _Pipes(asyncio.SubprocessProtocol):
 
     def process_exited(self) -> None:
         rc = self._transport.get_returncode() if self._transport is not None else None
-        self._sup.exited(self._i, rc)
+        self._sup.exited(self._i, rc, self._transport.get_pid() if self._transport is not None else None)
 
 
 class Supervisor:
@@ -106,6 +107,7 @@ class Supervisor:
         self.stop_applied: float | None = None
         self.drained_by: float | None = None
         self.changed = asyncio.Event()
+        self._pids: TextIO | None = None  # ``pids``, open while processes are started
         st = procfs.read_stat(os.getpid())
         self.identity = {"pid": os.getpid(), "start_ticks": st.start_ticks if st is not None else 0}
 
@@ -191,15 +193,32 @@ class Supervisor:
             self.transports[i] = transport
             pid = transport.get_pid()
             st = procfs.read_stat(pid)
-            if self.machine.started(i, pid, st.start_ticks if st is not None else 0, time.time()):
+            ticks = st.start_ticks if st is not None else 0
+            self._note_pid(pid, ticks)
+            if self.machine.started(i, pid, ticks, time.time()):
                 attempt.signal_sessions([pid], signal.SIGTERM)
         self.machine.all_spawned()
+        if self._pids is not None:
+            with contextlib.suppress(OSError):
+                self._pids.close()
+            self._pids = None
         if self.plan.time_limit_seconds and not self.machine.state.is_terminal():
             loop.call_later(self.plan.time_limit_seconds, self.time_limit)
         self.pipe_closed()  # the launch's own hold (settles and writes)
 
-    def exited(self, i: int, returncode: int | None) -> None:
-        pid = self.machine.procs[i].pid
+    def _note_pid(self, pid: int, ticks: int) -> None:
+        """Append the process to ``pids`` before the next starts (read if this supervisor dies)."""
+        try:
+            if self._pids is None:
+                self._pids = open(os.path.join(self.adir, attempt.PIDS), "a", encoding="ascii")  # noqa: SIM115
+            self._pids.write(f"{pid} {ticks}\n")
+            self._pids.flush()
+        except OSError as e:
+            log.warning("cannot note pid %d: %s", pid, e)
+
+    def exited(self, i: int, returncode: int | None, pid: int | None = None) -> None:
+        # The pid from the transport: the exit may come before spawn_all noted it (started()).
+        pid = pid or self.machine.procs[i].pid
         if pid is not None:
             attempt.signal_sessions([pid], signal.SIGKILL)  # whatever it left behind in its session
         if self.machine.exited(i, returncode):
