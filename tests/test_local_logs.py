@@ -99,6 +99,23 @@ def _collect(files: list[local_logs.LogFile], query: LogQuery) -> list[LogEntry]
     return asyncio.run(go())
 
 
+@pytest.mark.parametrize("step", [999, 4096, 1 << 20])
+def test_a_long_line_is_cut_at_characters_into_the_same_pieces_however_it_arrives(tmp_path, step):
+    """A line of 300,000 two-byte characters after one ASCII one, written whole or in reads of any size: pieces of
+    at most MAX_LINE bytes, each whole UTF-8 (no character cut in two, none lost)."""
+    from drivers.local.logs import MAX_LINE, LineWriter
+
+    line = ("x" + "é" * 300_000).encode() + b"\n" + b"after\n"  # "x": every MAX_LINE-th byte mid-character
+    w = LineWriter(str(tmp_path / "out"))
+    for i in range(0, len(line), step):
+        w.feed(line[i:i + step], 1)
+    w.close(2)
+    texts = [raw.partition(b" ")[2] for raw in (tmp_path / "out").read_bytes().splitlines()]
+    assert texts[-1] == b"after"
+    assert all(len(t) <= MAX_LINE for t in texts), [len(t) for t in texts]
+    assert b"".join(texts[:-1]).decode() == "x" + "é" * 300_000
+
+
 def test_tail_lines_reads_only_the_end_of_a_big_file(tmp_path):
     """``tail_lines=1`` of a 100 MiB log: one chunk read, memory a few chunks (it used to read the whole file)."""
     path = tmp_path / "main-0.stdout"

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from drivers.common.base import LogEntry, LogQuery, LogStream
+from drivers.common.convert import pieces
 
 MAX_LINE = 64 * 1024
 BATCH_ENTRIES = 500
@@ -47,11 +48,14 @@ class LineWriter:
     def feed(self, chunk: bytes, now_ns: int) -> int:
         """Write the complete lines of ``chunk``; returns how many were written."""
         data = self._partial + chunk
-        lines = data.split(b"\n")
-        self._partial = lines.pop()
-        while len(self._partial) > MAX_LINE:
-            lines.append(self._partial[:MAX_LINE])
-            self._partial = self._partial[MAX_LINE:]
+        *whole, partial = data.split(b"\n")
+        lines: list[bytes] = []
+        for line in whole:  # a long line in pieces cut at UTF-8 characters (the same however it arrived)
+            cuts, rest = pieces(line, MAX_LINE)
+            lines.extend(cuts)
+            lines.append(rest)
+        cuts, self._partial = pieces(partial, MAX_LINE)
+        lines.extend(cuts)
         return self._write(lines, now_ns)
 
     def _write(self, lines: list[bytes], now_ns: int) -> int:
