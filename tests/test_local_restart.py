@@ -4,6 +4,7 @@ and the supervisor itself killed (the one way a local job is lost)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
@@ -12,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+from google.protobuf.duration_pb2 import Duration
 
 from dlsched.v1 import driver_service_pb2 as dpb
 from dlsched.v1 import driver_service_pb2_grpc, job_pb2
@@ -168,6 +170,32 @@ async def test_a_supervisor_killed_while_it_starts_a_large_job_leaves_no_started
         while alive := [p for p in started if pid_alive(p)]:
             assert time.monotonic() < deadline, f"started processes outlived their supervisor: {alive}"
             await asyncio.sleep(0.1)
+
+
+async def test_a_stop_reaches_the_processes_of_a_job_whose_supervisor_is_frozen(local, tmp_path):
+    """SIGSTOP of the job's supervisor, then TerminateJob: the supervisor cannot act on it, so
+    some seconds past the grace the driver kills the processes (and the supervisor) itself; the
+    job ends STOPPED, as asked, not STOPPING for ever."""
+    async for s in local.stub():
+        await launch(s, "frozen", single("import os, time; print(os.getpid(), flush=True); time.sleep(300)"))
+        await wait_state(s, "frozen", [job_pb2.JOB_STATE_RUNNING])
+        deadline = time.monotonic() + 30
+        while not (out := texts(await logs(s, "frozen"))):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.1)
+        pid = int(out[0])
+        status = json.loads((tmp_path / "state" / "jobs" / "frozen" / "attempt-1" / "status.json").read_text())
+        supervisor = status["supervisor"]["pid"]
+        os.kill(supervisor, signal.SIGSTOP)
+        try:
+            await s.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id="frozen"),
+                                                         grace_period=Duration(seconds=1)), timeout=10)
+            obs = await wait_state(s, "frozen", within=60)
+            assert obs.state == job_pb2.JOB_STATE_STOPPED, obs
+            assert not pid_alive(pid) and not pid_alive(supervisor)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(supervisor, signal.SIGKILL)
 
 
 def _is_supervisor(pid: int, adir: pathlib.Path) -> bool:

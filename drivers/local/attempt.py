@@ -161,6 +161,17 @@ def wake_supervisor(supervisor: tuple[int, int] | None) -> None:
             os.kill(pid, signal.SIGUSR1)
 
 
+def kill_supervisor(supervisor: tuple[int, int] | None) -> None:
+    """SIGKILL the supervisor (pid, start ticks), only when its start time still matches."""
+    if supervisor is None:
+        return
+    pid, ticks = supervisor
+    st = procfs.read_stat(pid)
+    if st is not None and st.start_ticks == ticks:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+
+
 def signal_sessions(leaders: Iterable[int], sig: int) -> None:
     """Signal replicas: each one's process group, and every other process of
     the session it leads. Each replica starts a session of its own, and a

@@ -48,7 +48,9 @@ and cleanup of a forgotten job are answered from its files, read when asked.
 
 Success rule, failures, stops, time limit: ``machine.py``. ``terminate``:
 STOPPING, SIGTERM to every process group, SIGKILL after the grace period,
-then STOPPED. Logs: ``logs.py`` (tails read the files the supervisor
+then STOPPED. The supervisor does that; one that has not ended the job
+``STOP_BACKSTOP_SECONDS`` after the grace (SIGSTOPped, hung) is killed by
+the driver with the job's processes, and the job is STOPPED. Logs: ``logs.py`` (tails read the files the supervisor
 writes). Capacity and usage: ``usage.py``. Files: ``attempt.py``.
 """
 
@@ -101,6 +103,9 @@ POLL_SECONDS = 0.1
 LIVENESS_SECONDS = 0.5
 #: how long a launch waits for its supervisor to start every process
 SPAWN_WAIT_SECONDS = 30.0
+#: how long after a stop's grace the supervisor has to end the job (it kills at the grace);
+#: past it (the supervisor stopped, hung), the driver kills the processes and the supervisor
+STOP_BACKSTOP_SECONDS = 10.0
 
 
 def job_path(path: str) -> str:
@@ -319,6 +324,8 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
             except OSError as e:
                 raise Internal(f"cannot ask the job to stop: {e.strerror or e}") from e
             job.pending_stop = grace
+            by = time.monotonic() + grace + STOP_BACKSTOP_SECONDS
+            job.stop_by = by if job.stop_by is None else min(job.stop_by, by)
             attempt.wake_supervisor(job.supervisor)
             self._publish(job)
         return self._observation(job)
@@ -418,6 +425,9 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
         if job.final:
             return
         self._read_status(job)
+        if job.stop_by is not None and time.monotonic() > job.stop_by and not job.machine.state.is_terminal():
+            job.stop_by = None
+            self._kill_unanswering(job)
         if not self._supervisor_gone(job):
             return
         self._read_status(job)  # its last words, written before it exited
@@ -462,6 +472,19 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
             return False
         job.next_liveness = now + LIVENESS_SECONDS
         return not attempt.supervisor_alive(job.dir)
+
+    def _kill_unanswering(self, job: TrackedJob) -> None:
+        """A stop's grace is long past and the job has not ended (its supervisor is stopped or
+        hung): kill its processes and the supervisor; the supervisor's end is then seen as lost."""
+        log.warning("job %s: its supervisor did not end the job %.0fs after the stop's grace; "
+                    "killing its processes", job.job_id, STOP_BACKSTOP_SECONDS)
+        attempt.kill_leftovers([*((p.pid, p.start_ticks) for p in job.machine.procs),
+                                *attempt.started_pids(job.dir, len(job.machine.procs))])
+        attempt.kill_supervisor(job.supervisor)
+        if job.proc is not None:
+            with contextlib.suppress(OSError):
+                job.proc.kill()
+        job.next_liveness = 0.0  # look at once
 
     def _lost(self, job: TrackedJob) -> None:
         """The supervisor died before the job ended: kill what is left, report it honestly."""

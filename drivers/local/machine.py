@@ -222,11 +222,17 @@ class JobMachine:
         return True
 
     def lost(self, reason: str, message: str, now: float) -> None:
-        """The supervisor is gone before the end: FAILED with ``reason``, whatever still ran."""
+        """The supervisor is gone before the end: FAILED with ``reason``, whatever still ran; a
+        job asked to stop (by a TerminateJob) is STOPPED, as it would have been."""
+        stopped = self.stop is not None and self.stop[0] is JobState.STOPPED
         for p in self.procs:
             if not p.state.is_terminal():
-                p.state, p.message = ReplicaState.FAILED, "lost with its supervisor"
-        self.state, self.reason, self.message, self.exit_code = JobState.FAILED, reason, message, None
+                p.state = ReplicaState.STOPPED if stopped else ReplicaState.FAILED
+                p.message = "stopped by the driver" if stopped else "lost with its supervisor"
+        if stopped:
+            reason, message = states.REASON_STOPPED, f"stopped ({message})"
+        self.state = JobState.STOPPED if stopped else JobState.FAILED
+        self.reason, self.message, self.exit_code = reason, message, None
         self.end_time = now
         self.logs_done = True
 

@@ -29,7 +29,7 @@ class TrackedJob:
     """
 
     __slots__ = ("cluster", "job_id", "attempt", "plan", "request", "dir", "machine", "supervisor",
-                 "signature", "proc", "next_liveness", "pending_stop", "final", "_finished", "published",
+                 "signature", "proc", "next_liveness", "pending_stop", "stop_by", "final", "_finished", "published",
                  "peaks", "forget_when_final", "uid")
 
     def __init__(self, state_dir: str, cluster: str, job_id: str, attempt_no: int, plan: render.LocalPlan,
@@ -47,6 +47,9 @@ class TrackedJob:
         self.proc: subprocess.Popen[bytes] | None = None  # the supervisor, while it is our child
         self.next_liveness = 0.0
         self.pending_stop: float | None = None  # a stop the supervisor has not shown yet
+        #: monotonic time by which a stopped job's supervisor must have ended it (its grace and a
+        #: margin); past it, the driver kills its processes and the supervisor itself
+        self.stop_by: float | None = None
         self.final = False  # ended and the supervisor gone: nothing more to read
         self._finished: asyncio.Event | None = None  # set with ``final``
         self.published: int | None = None  # hash of the last observation published
