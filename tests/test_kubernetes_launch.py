@@ -184,6 +184,40 @@ async def test_a_launch_cut_short_by_an_api_error_is_completed_by_its_retry(
     assert obs.state == job_pb2.JOB_STATE_RUNNING, obs
 
 
+async def test_a_driver_that_finds_a_job_whose_pods_are_being_deleted_reports_it_stopped(
+        stub: Any, emu: tuple[Emulator, str]) -> None:
+    """A stop's pods in their grace period (a finalizer holds them here) when a driver first sees
+    the job (after a restart; here a second configuration of the same API server): STOPPING, then
+    STOPPED once they are gone, not RUNNING and then FAILED PodDeleted."""
+    import aiohttp
+
+    e, url = emu
+
+    async def finalizers(pod: str, value: list[str] | None) -> None:
+        async with aiohttp.ClientSession() as s, s.patch(
+                f"{url}/api/v1/namespaces/{NS}/pods/{pod}", json={"metadata": {"finalizers": value}},
+                headers={"Content-Type": "application/merge-patch+json"}) as r:
+            assert r.status == 200, await r.text()
+
+    job = new_id("graceful")
+    await launch(stub, job, spec("master_worker"))
+    for name in pods_of(e, job):
+        await kubelet(url, name, "Running")
+        await finalizers(name, ["example.com/hold"])
+    await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
+    await stub.TerminateJob(dpb.TerminateJobRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job)), timeout=10)
+    await eventually(lambda: all(p["metadata"].get("deletionTimestamp") for p in pods_of(e, job).values()))
+    await configure(stub, "clusters/adopter", url)
+    try:
+        obs = await wait_for(stub, job, [job_pb2.JOB_STATE_STOPPING], cluster="clusters/adopter")
+        for name in pods_of(e, job):
+            await finalizers(name, None)
+        obs = await wait_for(stub, job, TERMINAL, cluster="clusters/adopter")
+        assert obs.state == job_pb2.JOB_STATE_STOPPED, obs
+    finally:
+        await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/adopter"), timeout=10)
+
+
 @pytest.mark.parametrize("job", ["odd--id", "trailing-"])
 async def test_job_ids_that_are_not_labels_are_tracked_by_their_label(stub: Any, emu: tuple[Emulator, str],
                                                                       job: str) -> None:

@@ -214,6 +214,11 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
                     fresh[n] = states.replica_of(p)
             job.pods = fresh
             job.seen.update(fresh)
+            if job.final is None and not job.stop_requested and fresh and all(v.terminating for v in fresh.values()):
+                # every pod left is being deleted: a stop in its grace period (a driver restarted
+                # since, or the watch lost): STOPPED once they are gone, not FAILED PodDeleted
+                job.stop_requested = True
+                job.deleted.update(r.pod for r in job.replicas)
             self._update(c, job)
         c.synced.set()
 

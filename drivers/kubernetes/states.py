@@ -71,6 +71,7 @@ class PodView:
     start_time: float | None = None
     end_time: float | None = None
     alive: bool = False  # FAILED while the pod still runs other containers: it must be deleted
+    terminating: bool = False  # being deleted (``metadata.deletionTimestamp``), in its grace period
 
 
 def parse_time(value: Any) -> float | None:
@@ -107,6 +108,11 @@ def _terminated(status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 
 def replica_of(pod: Mapping[str, Any]) -> PodView:
     """One pod's replica state (total: any input gives a view)."""
+    v = _replica_of(pod)
+    return dataclasses.replace(v, terminating=True) if (pod.get("metadata") or {}).get("deletionTimestamp") else v
+
+
+def _replica_of(pod: Mapping[str, Any]) -> PodView:
     status = pod.get("status") or {}
     phase = status.get("phase") or "Pending"
     node = (pod.get("spec") or {}).get("nodeName") or ""
