@@ -105,6 +105,24 @@ async def test_an_adopted_mpi_job_is_cleaned_up_whole(driver: ServiceProcess) ->
         for cluster in ("clusters/first", "clusters/second"):
             await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=cluster), timeout=10)
 
+async def test_a_retried_mpi_job_is_cleaned_up_with_every_attempt(stub: Any, emu: tuple[Emulator, str]) -> None:
+    """Attempt 1 fails, attempt 2 runs, the job is deleted (JobManager cleans up the newest attempt):
+    attempt 1's Service, pods, Secret (its SSH private key) and ConfigMap go too."""
+    e, url = emu
+    job = new_id("mpi-retry")
+    await launch(stub, job, spec("mpi"), attempt=1)
+    await kubelet(url, f"{job}-1-launcher-0", "Failed", **exited(1, "Error"))
+    await wait_for(stub, job, TERMINAL)
+    await launch(stub, job, spec("mpi"), attempt=2)
+    ref = dpb.JobRef(job_id=job)
+    await stub.TerminateJob(dpb.TerminateJobRequest(cluster="clusters/k8s", job=ref), timeout=10)
+    await stub.CleanupJob(dpb.CleanupJobRequest(cluster="clusters/k8s", job=ref), timeout=30)
+    for attempt in (1, 2):
+        assert not has(e, SECRETS, f"{job}-{attempt}-ssh") and not has(e, CONFIG_MAPS, f"{job}-{attempt}-mpi")
+        assert not has_service(e, f"{job}-{attempt}")
+    assert pods_of(e, job) == {}
+
+
 async def test_a_failed_mpi_launcher_fails_the_job(stub: Any, emu: tuple[Emulator, str]) -> None:
     e, url = emu
     job = new_id("mpi-fail")
