@@ -80,7 +80,7 @@ class Emulator(kmock.KubernetesEmulator):
         self.hold: Callable[[str, str], float | None] | None = None
         self.held = 0
         #: (method, path) -> an HTTP status to answer that request with instead (5xx: a flaky server)
-        self.refuse: Callable[[str, str], int | None] | None = None
+        self.refuse: Callable[[str, str], int | tuple[int, str, str] | None] | None = None
         for r in ("v1/pods", "v1/services", "v1/nodes", "v1/secrets", "v1/configmaps"):
             self.resources[r] = {}
         return self
@@ -93,9 +93,10 @@ class Emulator(kmock.KubernetesEmulator):
         if self.hold is not None and (wait := self.hold(raw.method, raw.path)):
             self.held += 1
             await asyncio.sleep(wait)
-        if self.refuse is not None and (code := self.refuse(raw.method, raw.path)):
+        if self.refuse is not None and (answer := self.refuse(raw.method, raw.path)):  # (status, reason, message)
             self.failed += 1
-            return status_response(code, "ServiceUnavailable", "etcdserver: request timed out")
+            return status_response(*(answer if isinstance(answer, tuple) else
+                                     (answer, "ServiceUnavailable", "etcdserver: request timed out")))
         if self.fail_with is not None:
             self.failed += 1
             return status_response(self.fail_with, "ServiceUnavailable", "etcdserver: request timed out")

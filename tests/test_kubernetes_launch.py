@@ -218,6 +218,35 @@ async def test_a_driver_that_finds_a_job_whose_pods_are_being_deleted_reports_it
         await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/adopter"), timeout=10)
 
 
+async def test_a_namespace_quota_is_resource_exhausted_with_its_message_and_a_later_launch_completes(
+        stub: Any, emu: tuple[Emulator, str]) -> None:
+    """A ResourceQuota refuses the second pod (HTTP 403 "exceeded quota"): the launch is
+    RESOURCE_EXHAUSTED with the API server's message (JobManager retries it), not an RBAC error;
+    once the quota frees, the launch of the same attempt creates the rest."""
+    e, url = emu
+    job = new_id("quota")
+    quota = ('pods "x" is forbidden: exceeded quota: compute, requested: requests.cpu=1, '
+             'used: requests.cpu=4, limited: requests.cpu=4')
+    posts: list[str] = []
+
+    def refuse(method: str, path: str) -> tuple[int, str, str] | None:
+        if method == "POST" and path.endswith("/pods"):
+            posts.append(path)
+            return (403, "Forbidden", quota) if len(posts) >= 2 else None
+        return None
+
+    e.refuse = refuse
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await launch(stub, job, spec("master_worker"))
+    finally:
+        e.refuse = None
+    assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, ei.value
+    assert "exceeded quota" in (ei.value.details() or "") and "RBAC" not in (ei.value.details() or "")
+    await launch(stub, job, spec("master_worker"))
+    await eventually(lambda: len(pods_of(e, job)) == 3)
+
+
 @pytest.mark.parametrize("job", ["odd--id", "trailing-"])
 async def test_job_ids_that_are_not_labels_are_tracked_by_their_label(stub: Any, emu: tuple[Emulator, str],
                                                                       job: str) -> None:

@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-from dlsched.errors import DlschedError, FailedPrecondition, InvalidArgument
+from dlsched.errors import DlschedError, FailedPrecondition, InvalidArgument, ResourceExhausted
 from dlsched.kit import metrics
 from drivers.common.base import ClusterConfig, KubernetesCredentials
 from drivers.common.registry import BackendUnavailable
@@ -69,6 +69,13 @@ def api_error(exc: BaseException, what: str) -> DlschedError:
     status = status_of(exc)
     if is_unreachable(exc):
         return BackendUnavailable(f"Kubernetes API server: {what} failed ({status_text(exc)})")
+    message = _message(exc) if status == 403 else ""
+    if status == 403 and "exceeded quota" in message:
+        # A ResourceQuota of the namespace: it frees up as other pods end (a launch retried later).
+        return ResourceExhausted(f"Kubernetes API server refused {what}: {message}", reason="BACKEND_QUOTA_EXCEEDED")
+    if status == 403 and "forbidden: " in message and ("maximum" in message or "minimum" in message):
+        # A LimitRange: the request itself is out of the namespace's bounds.
+        return FailedPrecondition(f"Kubernetes API server refused {what}: {message}", reason="BACKEND_REJECTED")
     if status in (401, 403):
         return FailedPrecondition(f"Kubernetes API server refused {what} (HTTP {status}); check the "
                                   "cluster's credentials and RBAC", reason="BACKEND_PERMISSION_DENIED")
