@@ -111,19 +111,45 @@ def _body_field(route: Route) -> str:
 # "SubmitJobRequest.spec", or: Failed to parse spec field: ...
 _NO_FIELD = re.compile(r'no field named "([^"]+)" at "([^"]+)"')
 _BAD_FIELD = re.compile(r"Failed to parse (\w+) field")
+# ... and, newer, where: "... at SubmitJobRequest.spec.replicaGroups[0].resources.cpu.."
+_AT_FIELD = re.compile(r" at \w+\.((?:\w+(?:\[\d{1,9}\])?\.)*\w+(?:\[\d{1,9}\])?)\.*\Z")
 
 
 def _parse_error_field(text: str, route: Route) -> str:
-    """The request field a json_format error is about, as a dotted path; else
-    the body field (or "" for a whole-request body)."""
+    """The request field a json_format error is about, as a path of proto field names with
+    indexes (``spec.replica_groups[0].resources.cpu``, as the services name fields); else the
+    body field (or "" for a whole-request body). The chain of fields json_format names starts
+    at the request: the body's own field included."""
+    inp = route.method.input_type
     m = _NO_FIELD.search(text)
     if m:
         at = m.group(2).split(".")[1:]  # drop the root message's name
-        return ".".join([*at, m.group(1)])
+        return ".".join([*_proto_names(inp, at), m.group(1)])
+    if (m := _AT_FIELD.search(text)) is not None:
+        return ".".join(_proto_names(inp, m.group(1).split(".")))
     chain = _BAD_FIELD.findall(text)  # outermost first: spec, then maxRetries
     if chain:
-        return ".".join(chain if route.body == "*" else [route.body, *chain])
+        return ".".join(_proto_names(inp, chain))
     return _body_field(route)
+
+
+def _proto_names(desc: descriptor.Descriptor, path: list[str]) -> list[str]:
+    """``path``'s JSON field names (each maybe with an ``[i]``) as proto names, from ``desc``;
+    what does not resolve stays as it is."""
+    out: list[str] = []
+    cur: descriptor.Descriptor | None = desc
+    for part in path:
+        name, bracket, index = part.partition("[")
+        by_json = {f.json_name: f for f in cur.fields} if cur is not None else {}
+        field = None if cur is None else cur.fields_by_name.get(name) or by_json.get(name)
+        if field is None:
+            out.append(part)
+            cur = None
+            continue
+        out.append(field.name + (bracket + index if bracket else ""))
+        sub = field.message_type if field.type == FD.TYPE_MESSAGE else None
+        cur = sub if sub is not None and not sub.GetOptions().map_entry else None
+    return out
 
 
 def _apply_query(route: Route, msg: message.Message, pairs: list[tuple[str, str]]) -> None:

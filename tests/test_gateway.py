@@ -31,6 +31,7 @@ import tempfile
 import textwrap
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -410,8 +411,13 @@ def test_gateway_side_errors_are_status_json(base: str) -> None:
     assert code == 400 and body["code"] == 3 and reason(body) == "INVALID_ARGUMENT"
     code, body = call(base, "POST", "/v1/jobs", {"spec": {"noSuchField": 1}})
     assert code == 400 and violations(body) == ["spec.noSuchField"]
+    # Fields named as the services name them: proto names, with indexes, the body's field once.
     code, body = call(base, "POST", "/v1/jobs", {"spec": {"maxRetries": "many"}})
-    assert code == 400 and violations(body) == ["spec.maxRetries"]
+    assert code == 400 and violations(body) == ["spec.max_retries"]
+    code, body = call(base, "POST", "/v1/jobs", {"spec": {"replicaGroups": [{"resources": {"cpu": "x"}}]}})
+    assert code == 400 and violations(body) == ["spec.replica_groups[0].resources.cpu"], body
+    code, body = call(base, "POST", "/v1/clusters?clusterId=c1", {"type": "CLUSTER_TYPE_FOO"})
+    assert code == 400 and violations(body) == ["cluster.type"], body
     code, body = call(base, "GET", "/v1/jobs?pageSize=abc")
     assert code == 400 and violations(body) == ["pageSize"]
     code, body = call(base, "GET", "/v1/jobs?bogus=1")
@@ -423,6 +429,18 @@ def test_gateway_side_errors_are_status_json(base: str) -> None:
     # A custom verb's path with the wrong method is that verb's 405, not a job named "x:stop".
     code, body = call(base, "GET", "/v1/jobs/x:stop")
     assert code == 405 and reason(body) == "METHOD_NOT_ALLOWED"
+
+
+def test_a_long_filter_and_a_large_token_reach_the_service(base: str) -> None:
+    """An 8,000-character filter of spaces and quotes (about 24 KB percent-encoded) and a
+    9,000-byte bearer token (a large OIDC token): answered by the service as JSON, not refused
+    by the HTTP parser (8,190 bytes a line) as plain text with the request's bytes in the log."""
+    clause = 'labels.team = "a b c d"'
+    text = " AND ".join([clause] * (8000 // (len(clause) + 5)))
+    code, body = call(base, "GET", "/v1/jobs?" + urllib.parse.urlencode({"filter": text, "pageSize": 1}))
+    assert code in (200, 400) and (code == 200 or reason(body) == "INVALID_ARGUMENT"), body
+    code, body = call(base, "GET", "/v1/jobs", token="x" * 9000)
+    assert code == 401 and reason(body) == "UNAUTHENTICATED", body
 
 
 def test_queries_as_grpc_gateway_clients_send_them(base: str, local_cluster: str) -> None:
