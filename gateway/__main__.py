@@ -73,6 +73,7 @@ class Config:
     rpc_timeout: float = 30.0
     grace_seconds: float = 5.0
     max_message_bytes: int = 8 * 1024 * 1024
+    max_request_bytes: int = 1024 * 1024
     log_level: str = "INFO"
     log_format: str = "text"
     tls: TlsOptions = TlsOptions(insecure=True)
@@ -91,6 +92,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     p.add_argument("--grace", type=float, default=5.0, help="shutdown grace, seconds")
     p.add_argument("--max-message-bytes", type=int, default=8 * 1024 * 1024,
                    help="largest request body and gRPC message")
+    p.add_argument("--max-request-bytes", type=int, default=1024 * 1024,
+                   help="largest request message the services take (their --max-request-bytes, "
+                        "default 1 MiB): a larger one is HTTP 413 here")
     p.add_argument("--log-level", default="INFO")
     p.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="json: one object per line (default text)")
@@ -104,7 +108,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         p.error("--tls-reload-seconds must be positive")
     tls = tls_options_from_args(a, p)
     return Config(a.listen, a.port_file, a.job_manager, a.cluster_manager, a.rpc_timeout,
-                  a.grace, a.max_message_bytes, a.log_level, a.log_format, tls,
+                  a.grace, a.max_message_bytes, a.max_request_bytes, a.log_level, a.log_format, tls,
                   a.tls_reload_seconds)
 
 
@@ -135,7 +139,7 @@ async def amain(cfg: Config) -> None:
                                ACCESS.full_name: cfg.job_manager,
                                CLUSTER_MANAGER.full_name: cfg.cluster_manager},
                       tls=cfg.tls, rpc_timeout=cfg.rpc_timeout,
-                      max_message_bytes=cfg.max_message_bytes)
+                      max_message_bytes=cfg.max_message_bytes, max_request_bytes=cfg.max_request_bytes)
     server_tls = None if cfg.tls.insecure else https.ServerTls(cfg.tls)
     # handler_cancellation: a client that disconnects cancels its handler,
     # and with it the upstream gRPC stream.

@@ -164,7 +164,8 @@ class Gateway:
 
     def __init__(self, routes: Sequence[Route], upstreams: Mapping[str, str], *,
                  tls: tls_kit.TlsOptions, rpc_timeout: float = 30.0,
-                 max_message_bytes: int = 8 * 1024 * 1024) -> None:
+                 max_message_bytes: int = 8 * 1024 * 1024,
+                 max_request_bytes: int = 1024 * 1024) -> None:
         missing = {r.service for r in routes} - set(upstreams)
         if missing:
             raise ValueError(f"no upstream address for {sorted(missing)}")
@@ -172,6 +173,9 @@ class Gateway:
         self.routes = sorted(routes, key=lambda r: not r.template.verb)
         self.rpc_timeout = rpc_timeout
         self.max_message_bytes = max_message_bytes
+        #: the largest request message the services take (their --max-request-bytes): a larger
+        #: one is this gateway's 413, not the services' RESOURCE_EXHAUSTED (HTTP 429: "retry")
+        self.max_request_bytes = max_request_bytes
         self.channels = Upstreams(list(upstreams.values()), tls, max_message_bytes)
         self._upstream = dict(upstreams)
         # grpc path -> (the channel it was made on, the multicallable)
@@ -269,6 +273,9 @@ class Gateway:
             request["rpc"] = route.grpc_path
             body = await self._body(request) if route.body else b""
             msg = transcode.build_request(route, values, _query(request), body)
+            if (size := msg.ByteSize()) > self.max_request_bytes:
+                raise RequestTooLarge(f"request of {size} bytes (as protobuf) over the services' "
+                                      f"{self.max_request_bytes}", metadata={"limit_bytes": str(self.max_request_bytes)})
             md = _forwarded_metadata(request)
             if route.server_streaming:
                 return await self._stream(request, route, msg, md)

@@ -496,6 +496,12 @@ def test_json_the_gateway_cannot_take_is_status_json_never_a_500_or_text(base: s
     big = json.dumps({"spec": {"labels": {"x": "y" * (8 * 1024 * 1024 + 1)}}}).encode()
     code, body = call(base, "POST", "/v1/jobs", raw=big)
     assert code == 413 and body["code"] == 8 and reason(body) == "REQUEST_TOO_LARGE", body
+    # Under the body limit but over the services' 1 MiB a request: the same 413 (the services'
+    # RESOURCE_EXHAUSTED read as HTTP 429, "too many requests: retry", with no reason).
+    mid = json.dumps({"jobId": "big", "spec": {"replicaGroups": [{"role": "main", "replicas": 1, "command": ["x"],
+                                                                  "args": ["a" * (2 * 1024 * 1024)]}]}}).encode()
+    code, body = call(base, "POST", "/v1/jobs", raw=mid)
+    assert code == 413 and body["code"] == 8 and reason(body) == "REQUEST_TOO_LARGE", body
     code, _ = call(base, "GET", "/v1/jobs?pageSize=1")  # the gateway still serves
     assert code == 200
 

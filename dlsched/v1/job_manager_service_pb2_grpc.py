@@ -37,8 +37,8 @@ class JobManagerServiceStub:
     Client conventions: load service_config.json (next to this file) as the
     channel's service config: unary calls get deadlines; reads retry on
     UNAVAILABLE; SubmitJob retries too, so always set its request_id; DeleteJob
-    never retries; streams retry only before their first message. Messages are
-    limited to 8 MiB each way. Servers ping idle connections every 30 s and
+    never retries; streams retry only before their first message. Requests are
+    limited to 1 MiB (RESOURCE_EXHAUSTED), responses to 8 MiB. Servers ping idle connections every 30 s and
     clients may ping every 10 s at most, but HTTP/2 PINGs end at the first L7
     proxy; so that a quiet WatchJobs or StreamJobLogs stream stays open behind
     proxies that close idle streams, both send a heartbeat message when they
@@ -106,8 +106,8 @@ class JobManagerServiceServicer:
     Client conventions: load service_config.json (next to this file) as the
     channel's service config: unary calls get deadlines; reads retry on
     UNAVAILABLE; SubmitJob retries too, so always set its request_id; DeleteJob
-    never retries; streams retry only before their first message. Messages are
-    limited to 8 MiB each way. Servers ping idle connections every 30 s and
+    never retries; streams retry only before their first message. Requests are
+    limited to 1 MiB (RESOURCE_EXHAUSTED), responses to 8 MiB. Servers ping idle connections every 30 s and
     clients may ping every 10 s at most, but HTTP/2 PINGs end at the first L7
     proxy; so that a quiet WatchJobs or StreamJobLogs stream stays open behind
     proxies that close idle streams, both send a heartbeat message when they
@@ -270,8 +270,8 @@ class JobManagerService:
     Client conventions: load service_config.json (next to this file) as the
     channel's service config: unary calls get deadlines; reads retry on
     UNAVAILABLE; SubmitJob retries too, so always set its request_id; DeleteJob
-    never retries; streams retry only before their first message. Messages are
-    limited to 8 MiB each way. Servers ping idle connections every 30 s and
+    never retries; streams retry only before their first message. Requests are
+    limited to 1 MiB (RESOURCE_EXHAUSTED), responses to 8 MiB. Servers ping idle connections every 30 s and
     clients may ping every 10 s at most, but HTTP/2 PINGs end at the first L7
     proxy; so that a quiet WatchJobs or StreamJobLogs stream stays open behind
     proxies that close idle streams, both send a heartbeat message when they
