@@ -139,6 +139,8 @@ class _Secrets:
                 return f.read()
         except OSError as e:
             raise CliError.for_field(flag, f"cannot read {path}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise CliError.for_field(flag, f"{path} is not UTF-8 text") from None
 
 
 def _credentials(args: argparse.Namespace, ctype: int) -> cluster_pb2.ClusterCredentials | None:
@@ -192,7 +194,24 @@ def resolve_profile(args: argparse.Namespace) -> profiles.Profile:
         if path and not (prof.tls.insecure and flag == "--ca-file") and not os.access(path, os.R_OK):
             reason = "does not exist" if not os.path.exists(path) else "is not readable"
             raise CliError.for_field(flag, f"{what} {path} {reason} (from {where})")
+    ca = prof.tls.ca_file
+    if ca and not prof.tls.insecure and not _has_pem_certificate(ca):
+        raise CliError.for_field("--ca-file", f"the CA file {ca} holds no PEM certificate "
+                                 "(-----BEGIN CERTIFICATE-----)")
     return prof
+
+
+def _has_pem_certificate(path: str) -> bool:
+    """Whether the file holds a PEM certificate that parses (gRPC's refusal of one that does
+    not is log lines from its C core and an UNAVAILABLE that blames the server)."""
+    from cryptography import x509
+
+    try:
+        with open(path, "rb") as f:
+            data = f.read(1 << 20)
+        return bool(x509.load_pem_x509_certificates(data))
+    except (OSError, ValueError):
+        return False
 
 
 def _jm(args: argparse.Namespace) -> JobManagerClient:

@@ -811,6 +811,26 @@ def parse_job_dict(data: object, *, base_dir: str | None = None) -> tuple[str, j
     return job_id, spec
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that names a key twice (PyYAML keeps the last:
+    ``runMode: SINGLE_PROCESS`` then ``runMode: MPI`` was silently an MPI job)."""
+
+
+def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if isinstance(key, str | int | float | bool) and key in seen:
+            raise yaml.constructor.ConstructorError(None, None, f"the key {str(key)[:80]!r} is given twice",
+                                                    key_node.start_mark)
+        if isinstance(key, str | int | float | bool):
+            seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def load_job_file(path: str | os.PathLike[str]) -> tuple[str, job_pb2.JobSpec]:
     """Reads a YAML (or JSON) job file -> (job_id or "", JobSpec).
 
@@ -840,8 +860,10 @@ def load_job_file(path: str | os.PathLike[str]) -> tuple[str, job_pb2.JobSpec]:
             base = os.path.dirname(os.path.abspath(p))
     except OSError as e:
         raise JobFileError(f"cannot read job file {p}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise JobFileError(f"job file {p} is not UTF-8 text (byte {e.start})") from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except yaml.YAMLError as e:
         raise JobFileError(f"{p} is not valid YAML: {e}") from None
     try:

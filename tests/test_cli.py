@@ -171,6 +171,24 @@ def test_job_file_errors_name_the_key(tmp_path: pathlib.Path, text: str, field: 
     assert info.value.reason == "INVALID_JOB_FILE"
 
 
+def test_a_job_file_that_is_not_utf8_or_names_a_key_twice_is_a_job_file_error(tmp_path: pathlib.Path) -> None:
+    """Bytes that are not UTF-8: INVALID_JOB_FILE (it was INTERNAL CLIENT_ERROR). A key given
+    twice: refused, naming it (YAML kept the last: SINGLE_PROCESS then MPI was an MPI job)."""
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"runMode: \xff\xfe\n")
+    with pytest.raises(JobFileError) as info:
+        load_job_file(binary)
+    assert info.value.reason == "INVALID_JOB_FILE" and "UTF-8" in info.value.message
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("runMode: SINGLE_PROCESS\nreplicaGroups: [{role: main, command: [x]}]\nrunMode: MPI\n")
+    with pytest.raises(JobFileError) as info:
+        load_job_file(twice)
+    assert "runMode" in info.value.message and "twice" in info.value.message
+    r = subprocess.run([sys.executable, "-m", "dlsched", "--server", "127.0.0.1:1", "submit", str(binary)],
+                       capture_output=True, text=True, timeout=30, cwd=ROOT, env=_env())
+    assert r.returncode == 1 and r.stderr.startswith("error: INVALID_ARGUMENT INVALID_JOB_FILE:"), r.stderr
+
+
 # --------------------------------------------------------------------------- jobs
 
 
@@ -795,6 +813,12 @@ def test_a_wrong_ca_file_is_a_clear_error(up: Up, tmp_path: pathlib.Path) -> Non
     assert r.returncode == 1
     assert r.stderr.startswith("error: UNAVAILABLE"), r.stderr
     assert "TLS handshake failed" in r.stderr and "--ca-file" in r.stderr
+
+    not_pem = tmp_path / "hostname"
+    not_pem.write_text("vm\n")
+    r = up.cli("--ca-file", str(not_pem), "whoami")
+    assert r.returncode == 1 and r.stderr.startswith("error: INVALID_ARGUMENT INVALID_COMMAND_LINE:"), r.stderr
+    assert "no PEM certificate" in r.stderr and "ssl_transport_security" not in r.stderr, r.stderr
 
     missing = up.cli("--ca-file", str(tmp_path / "nope.pem"), "whoami")
     assert missing.returncode == 1
