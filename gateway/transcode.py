@@ -83,11 +83,38 @@ def _apply_body(route: Route, msg: message.Message, body: bytes) -> None:
     elif not isinstance(data, dict):
         raise _invalid("", "the body must be a JSON object")
     try:
+        _one_name_per_field(route.method.input_type, data, [])
+    except RecursionError as e:
+        raise _invalid(_body_field(route), "nested too deeply") from e
+    try:
         json_format.ParseDict(data, msg)
     except json_format.ParseError as e:
         raise _invalid(_parse_error_field(str(e), route), str(e)) from e
     except RecursionError as e:  # a google.protobuf.Value/Struct nested too deeply
         raise _invalid(_body_field(route), "nested too deeply") from e
+
+
+def _one_name_per_field(desc: descriptor.Descriptor, data: dict[str, Any], path: list[str]) -> None:
+    """A field given under both its names (``jobId`` and ``job_id``) is given twice, as a key
+    given twice is (protobuf's ParseDict takes the last); checked in every nested message."""
+    seen: dict[str, str] = {}
+    by_json = {f.json_name: f for f in desc.fields}
+    for key, value in data.items():
+        field = desc.fields_by_name.get(key) or by_json.get(key)
+        if field is None:
+            continue  # ParseDict names it
+        if field.name in seen:
+            raise _invalid(".".join([*path, field.name]), f"given as {seen[field.name]!r} and as {key!r}: "
+                                                          "given more than once")
+        seen[field.name] = key
+        sub = field.message_type if field.type == FD.TYPE_MESSAGE else None
+        if sub is None or sub.GetOptions().map_entry or sub.full_name.startswith("google.protobuf."):
+            continue
+        items = value if is_repeated(field) and isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if isinstance(item, dict):
+                name = f"{field.name}[{i}]" if is_repeated(field) else field.name
+                _one_name_per_field(sub, item, [*path, name])
 
 
 class DuplicateKey(ValueError):

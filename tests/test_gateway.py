@@ -418,6 +418,12 @@ def test_gateway_side_errors_are_status_json(base: str) -> None:
     assert code == 400 and violations(body) == ["spec.replica_groups[0].resources.cpu"], body
     code, body = call(base, "POST", "/v1/clusters?clusterId=c1", {"type": "CLUSTER_TYPE_FOO"})
     assert code == 400 and violations(body) == ["cluster.type"], body
+    # A field under both its names is given twice (the last one won), at any depth.
+    code, body = call(base, "POST", "/v1/jobs", {"jobId": "first", "job_id": "second", "spec": {}})
+    assert code == 400 and violations(body) == ["job_id"], body
+    code, body = call(base, "POST", "/v1/jobs", {"spec": {"replicaGroups": [
+        {"role": "a"}, {"role": "b", "processes_per_replica": 1, "processesPerReplica": 2}]}})
+    assert code == 400 and violations(body) == ["spec.replica_groups[1].processes_per_replica"], body
     code, body = call(base, "GET", "/v1/jobs?pageSize=abc")
     assert code == 400 and violations(body) == ["pageSize"]
     code, body = call(base, "GET", "/v1/jobs?bogus=1")
