@@ -99,15 +99,14 @@ from drivers.common.base import (
 )
 from drivers.common.launches import Known
 from drivers.common.skeleton import BackendDriver, render_off_loop
-from drivers.kubernetes import logs, mpi, naming, records, render, states, usage
+from drivers.kubernetes import attempts, logs, mpi, naming, records, render, states, usage
 from drivers.kubernetes.api import KubeApi, api_error, status_of
 from drivers.kubernetes.informer import PodInformer
 from drivers.kubernetes.render import Rendered
 from drivers.kubernetes.tracking import KubeCluster, TrackedJob, live_pods, observation
 
 log = logging.getLogger("dlsched.driver.kubernetes")
-#: The kinds an attempt may own besides its Service and Pods, and the CoreV1Api call deleting one.
-_DELETE_OTHER = {"Secret": "delete_namespaced_secret", "ConfigMap": "delete_namespaced_config_map"}
+_DELETE_OTHER = attempts.DELETE_OTHER
 
 
 @dataclass(frozen=True)
@@ -449,39 +448,12 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
         await c.api.delete(c.api.core.delete_namespaced_service, job.service, c.namespace,
                            f"service {job.service}", propagation_policy="Background")
         if job.attempt > 1:
-            await self._cleanup_earlier(c, job)
+            await attempts.delete_earlier(c, job, self._delete_pods)
         key = naming.job_label(job.job_id)
         if c.jobs.get(key) is job:
             del c.jobs[key]
         if c.forgetting.get(key) is job:
             del c.forgetting[key]
-
-    async def _cleanup_earlier(self, c: KubeCluster, job: TrackedJob) -> None:
-        """Delete the objects of the job's earlier attempts (a retry's launch leaves them, so
-        their logs stay readable): each earlier Service of the job's label and uid, its pods,
-        and MPI's Secret (its SSH key) and ConfigMap."""
-        key = naming.job_label(job.job_id)
-        try:
-            doc = await c.api.call(c.api.core.list_namespaced_service, c.namespace,
-                                   label_selector=f"{naming.LABEL_JOB}={key}")
-        except Exception as e:  # noqa: BLE001
-            raise api_error(e, f"listing the services of job {job.job_id}") from None
-        for svc in doc.get("items") or ():
-            attempt, name = naming.attempt_of(svc), str((svc.get("metadata") or {}).get("name") or "")
-            if not name or not 0 < attempt < job.attempt or not same_job(naming.uid_of(svc), job.uid):
-                continue
-            try:
-                pods = await c.api.call(c.api.core.list_namespaced_pod, c.namespace,
-                                        label_selector=f"{naming.LABEL_JOB}={key},{naming.LABEL_ATTEMPT}={attempt}")
-            except Exception as e:  # noqa: BLE001
-                raise api_error(e, f"listing the pods of attempt {attempt} of job {job.job_id}") from None
-            names = [str(p["metadata"]["name"]) for p in pods.get("items") or () if (p.get("metadata") or {}).get("name")]
-            await self._delete_pods(c, names, 0)
-            for kind, obj in (("Secret", naming.secret_name(job.job_id, attempt)),
-                              ("ConfigMap", naming.config_map_name(job.job_id, attempt))):
-                await c.api.delete(getattr(c.api.core, _DELETE_OTHER[kind]), obj, c.namespace, f"{kind.lower()} {obj}")
-            await c.api.delete(c.api.core.delete_namespaced_service, name, c.namespace, f"service {name}",
-                               propagation_policy="Background")
 
     # ------------------------------------------------------------------ logs, usage
 

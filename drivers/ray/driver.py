@@ -30,7 +30,7 @@ Time limit: Ray has none; the poller stops a RUNNING job that ran past its
 ``dlsched_time_limit_seconds`` (metadata, so it survives a driver restart),
 and a STOPPED job whose run reached its limit is reported FAILED, reason
 ``TimeLimitExceeded``. The run counts from when the poller saw the job start
-(``_Cluster.started``): Ray's ``start_time`` is the submission's, and a job
+(``RayCluster.started``, ``tracking``): Ray's ``start_time`` is the submission's, and a job
 queued for its entrypoint's resources would otherwise be stopped as it
 starts. A job first seen running (by a restarted driver) counts from Ray's
 ``start_time``; a PENDING job has no start time.
@@ -123,7 +123,7 @@ from drivers.common.launches import Known
 from drivers.common.registry import STOP_REQUESTED, BackendUnavailable
 from drivers.common.skeleton import BackendDriver, render_off_loop
 from drivers.ray import layout, logs, render, states, usage
-from drivers.ray.api import RayApi, RayHttpError, last_line
+from drivers.ray.api import RayHttpError, last_line
 from drivers.ray.parse import (
     capacity,
     newest_submission,
@@ -132,6 +132,7 @@ from drivers.ray.parse import (
     over_time_limit,
     with_replicas,
 )
+from drivers.ray.tracking import RayCluster as _Cluster
 
 log = logging.getLogger("dlsched.driver.ray")
 
@@ -152,37 +153,6 @@ class RayConfig:
     poll_interval: float = field(default=1.0, metadata={"help": "seconds between job list polls"})
     log_poll_interval: float = field(default=0.1, metadata={"help": "seconds between Ray's checks of a followed log file"})
     request_timeout: float = field(default=10.0, metadata={"help": "HTTP timeout per request"})
-
-
-class _Cluster:
-    def __init__(self, config: ClusterConfig, timeout: float) -> None:
-        self.config = config
-        self.api = RayApi(config, timeout)
-        self.jobs: dict[str, JobObservation] = {}  # job id -> newest attempt
-        self.submissions: dict[str, set[str]] = {}  # job id -> every submission id seen
-        #: job id -> (attempt, uid, submission id) of an ended, untracked submission whose id
-        #: does not name its uid (made by an earlier driver): a launch of that attempt adopts it
-        self.legacy: dict[str, tuple[int, str, str]] = {}
-        self.nodes: dict[str, str] = {}  # job id -> the newest attempt's entrypoint node (Ray's driver_node_id)
-        self.ends: dict[str, layout.Manifest] = {}  # submission id -> its manifest, read once it ended
-        self.reading: set[str] = set()  # manifests being read
-        self.held: dict[str, tuple[float, JobObservation]] = {}  # ended, waiting for its manifest
-        self.background: set[asyncio.Task[None]] = set()
-        self.polled = asyncio.Event()
-        self.ok = False  # the last poll answered
-        self.known = False  # some poll answered: the cache is the cluster's, if maybe stale
-        self.error = ""
-        self.task: asyncio.Task[None] | None = None
-        self.wake = asyncio.Event()
-        self.stopping: set[str] = set()  # time-limit stops in flight
-        self.stop_requested: set[str] = set()  # submissions a TerminateJob stopped: STOPPING until they end
-        #: submission id -> when it started running (unix seconds): seen to start by this driver
-        #: (Ray's start_time is the submission's, queue included), else Ray's start_time; None:
-        #: this driver saw it waiting and has not seen it run
-        self.started: dict[str, float | None] = {}
-
-    async def request(self, method: str, path: str, body: Any = None) -> Any:
-        return await self.api.request(method, path, body)
 
 
 class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
@@ -280,7 +250,7 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
                 continue  # a launch the list does not show yet
             if prev is not None and not of_job(prev, meta):
                 continue  # a list from before a cleanup (an earlier job's submission of the id), or not ours
-            obs = observation(job_id, meta.attempt, it, self._started(c, prev, it))
+            obs = observation(job_id, meta.attempt, it, c.note_start(prev, it))
             if prev is None and obs.state.is_terminal():
                 if (uid := render.uid_of(it)) and not render.carries_uid(obs.backend_job_id):  # made before
                     c.legacy[job_id] = (meta.attempt, uid, obs.backend_job_id)  # ids named uids (uid-less: no telling)
@@ -307,28 +277,6 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
                 self.hub.publish(name, gone)
         # every attempt of the tracked jobs only (cleanup lists Ray's jobs for an untracked one)
         c.submissions = {k: v for k, v in {**c.submissions, **seen}.items() if k in c.jobs}
-
-    @staticmethod
-    def _started(c: _Cluster, prev: JobObservation | None, it: dict[str, Any]) -> float | None:
-        """When submission ``it`` started running (``_Cluster.started``), noted when first seen
-        running or ended; ``prev``: the job's last observation (None: untracked, nothing noted)."""
-        sid, status, start = str(it.get("submission_id") or ""), it.get("status"), it.get("start_time")
-        ray_start = start / 1000 if isinstance(start, (int, float)) and start > 0 else None
-        if prev is None and status not in ("PENDING", "RUNNING"):
-            return ray_start  # ended before it was tracked: not kept
-        if c.started.get(sid) is not None:
-            return c.started[sid]
-        seen_waiting = sid in c.started or (prev is not None and prev.backend_job_id == sid
-                                            and prev.state is JobState.PENDING)
-        if status == "PENDING":
-            c.started[sid] = None
-        elif not seen_waiting:  # first seen running or ended: Ray's start (its queue included)
-            c.started[sid] = ray_start
-        elif status == "RUNNING":  # seen waiting: it started since the last look
-            c.started[sid] = time.time()
-        else:  # ended since it was seen waiting: stopped before it ran, or ran between two looks
-            c.started[sid] = None if status == "STOPPED" else ray_start
-        return c.started[sid]
 
     def _ended(self, name: str, c: _Cluster, obs: JobObservation) -> JobObservation | None:
         """An ended job with its replicas; ``None`` (the last state stays) while its manifest is read.
