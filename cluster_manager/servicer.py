@@ -32,7 +32,7 @@ from dlsched.v1 import job_pb2
 from . import convert
 from .domain import filter as flt
 from .domain import matching, validation
-from .domain.errors import ClusterNotFound
+from .domain.errors import ClusterEtagMismatch, ClusterNotFound
 from .domain.models import Cluster, ClusterState, ClusterType, Credentials
 from .hub import ResumeToken, Subscription, WatchHub
 from .monitor import MonitorManager
@@ -183,7 +183,10 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
             return replace(updated, update_time=now)
 
         kw: dict[str, Any] = {"credentials": creds} if "credentials" in paths else {}
-        stored = await self._store.update(cid, mutate, etag=etag, **kw)
+        try:
+            stored = await self._store.update(cid, mutate, etag=etag, **kw)
+        except ClusterEtagMismatch as e:
+            raise e.as_never_issued("etag" if request.etag else "cluster.etag") or e from None
         log.info("updated %s (%s)", stored.name, ", ".join(sorted(paths)))
         return pb.UpdateClusterResponse(cluster=convert.cluster_to_proto(stored))
 
@@ -193,7 +196,10 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
         cid = validation.parse_cluster_name(request.name)
         if request.etag:
             tokens.parse_etag(request.etag, "etag")
-        last = await self._store.delete(cid, etag=request.etag)
+        try:
+            last = await self._store.delete(cid, etag=request.etag)
+        except ClusterEtagMismatch as e:
+            raise e.as_never_issued("etag") or e from None
         if last is None:
             if request.allow_missing:
                 return pb.DeleteClusterResponse()

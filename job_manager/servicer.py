@@ -327,6 +327,16 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             raise InvalidArgument.for_field("min_etag", "newer than every write: not an etag this service returned")
         return fresh
 
+    async def _refuse_never_issued(self, etag: str, mismatch: EtagMismatch) -> None:
+        """A write's etag past the job's (``mismatch``) and past every write etcd has made (a
+        consistent read first: this replica's cache may lag) was never returned: INVALID_ARGUMENT
+        naming ``etag``, not an ABORTED that no re-read and retry can get past."""
+        if not mismatch.current or int(etag) <= int(mismatch.current):
+            return
+        fresh = await self.hub.read_current(prove=True)
+        if fresh is Freshness.CURRENT and self.cache.current < int(etag):
+            raise InvalidArgument.for_field("etag", "newer than every write: not an etag this service returned")
+
     def _reached(self, min_etag: str) -> bool:
         """Whether this replica's cache shows the write ``min_etag`` names (validated); the
         cache's own view is never served older than that."""
@@ -431,7 +441,11 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             if not request.allow_missing:
                 raise
             return pb.DeleteJobResponse()
-        last = await self.scheduler.delete(job_id, request.allow_missing, etag=request.etag)
+        try:
+            last = await self.scheduler.delete(job_id, request.allow_missing, etag=request.etag)
+        except EtagMismatch as e:
+            await self._refuse_never_issued(request.etag, e)
+            raise
         if self.history is not None:
             # A copy the archiver wrote before the delete (etcd won until now) goes too, and
             # an archiver that picked the job before the delete never stores it again.
@@ -447,7 +461,9 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         assert self.history is not None
         job = access.check_write(caller(), archived.job())
         if etag and etag != job.etag:  # it keeps the etag it was archived with
-            raise EtagMismatch(job.id, etag, job.etag)
+            mismatch = EtagMismatch(job.id, etag, job.etag)
+            await self._refuse_never_issued(etag, mismatch)
+            raise mismatch
         if job.cluster:  # its backend objects (logs kept for it), as a live delete does
             try:
                 drv = await self.scheduler.driver_for(job.cluster)

@@ -268,6 +268,13 @@ async def test_create_get_list_delete(stub: pb_grpc.ClusterManagerServiceStub) -
     assert meta["name"] == "clusters/alpha" and int(meta["etag"]) > int(made.etag), meta
     e = await rpc_error(stub.DeleteCluster(pb.DeleteClusterRequest(name="clusters/alpha", etag="x1")))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and fields(e) == ["etag"]
+    # One past the cluster's every write was never returned: INVALID_ARGUMENT, not a retry.
+    e = await rpc_error(stub.DeleteCluster(pb.DeleteClusterRequest(name="clusters/alpha", etag="999999999999")))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and fields(e) == ["etag"]
+    e = await rpc_error(stub.UpdateCluster(pb.UpdateClusterRequest(
+        cluster=cluster_pb2.Cluster(name="clusters/alpha", labels={"team": "ml3"}, etag="999999999999"),
+        update_mask=field_mask_pb2.FieldMask(paths=["labels"]))))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and fields(e) == ["cluster.etag"]
     assert (await stub.GetCluster(pb.GetClusterRequest(name="clusters/alpha"))).cluster.uid == upd.uid
     for _ in range(20):  # the health checker writes the cluster's state too: re-read and retry
         current = (await stub.GetCluster(pb.GetClusterRequest(name="clusters/alpha"))).cluster

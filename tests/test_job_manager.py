@@ -558,6 +558,12 @@ async def test_delete_with_an_etag_changes_nothing_unless_it_matches(
     with pytest.raises(grpc.aio.AioRpcError) as ei:
         await jm.DeleteJob(pb.DeleteJobRequest(name=running.name, etag=stale))
     assert ei.value.code() == grpc.StatusCode.ABORTED
+    # One this service never returned (past every write): INVALID_ARGUMENT, no retry gets past it.
+    for never in ("999999999999", str(int(running.etag) + 10_000_000)):
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await jm.DeleteJob(pb.DeleteJobRequest(name=running.name, etag=never))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, never
+        assert [v.field for v in field_violations(ei.value)] == ["etag"], never
     still = (await jm.GetJob(pb.GetJobRequest(name=running.name))).job
     assert still.state == S.JOB_STATE_RUNNING and still.etag == running.etag  # not even stopped
     last = (await jm.DeleteJob(pb.DeleteJobRequest(name=running.name, etag=running.etag))).job

@@ -34,6 +34,15 @@ class ClusterEtagMismatch(Aborted):
     def __init__(self, name: str, etag: str, current: str) -> None:
         super().__init__(f"{name} changed since etag {etag}; re-read and retry",
                          metadata={"name": name, "etag": current})
+        self.given, self.current = etag, current
+
+    def as_never_issued(self, field: str) -> InvalidArgument | None:
+        """An etag past the cluster's current one (as etcd has it) was never returned for it:
+        INVALID_ARGUMENT naming ``field``, not a retry that cannot succeed."""
+        if int(self.given) > int(self.current):
+            return InvalidArgument.for_field(field, "newer than the cluster's every write: not an etag this "
+                                                    "service returned")
+        return None
 
 
 class NoMatchingCluster(FailedPrecondition):

@@ -29,6 +29,7 @@ class EtagMismatch(Aborted):
     def __init__(self, job_id: str, etag: str, current: str) -> None:
         super().__init__(f"jobs/{job_id} changed since etag {etag}; re-read and retry",
                          metadata={"name": f"jobs/{job_id}", "etag": current})
+        self.given, self.current = etag, current
 
 
 class NoMatchingCluster(FailedPrecondition):
