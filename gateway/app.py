@@ -404,9 +404,12 @@ class MalformedAuthorization(errors.Unauthenticated):
 def _forwarded_metadata(request: web.Request) -> tuple[tuple[str, str], ...]:
     """This request's ``Authorization`` header as the call's ``authorization``
     metadata, as sent (the service parses it); none when the request has none."""
-    value = request.headers.get("Authorization")
-    if value is None:
+    values = request.headers.getall("Authorization", [])
+    if not values:
         return ()
+    if len(values) > 1:  # which one counts is ambiguous: the service refuses several too
+        raise MalformedAuthorization("more than one Authorization header: send one bearer token")
+    value = values[0]
     # gRPC metadata values are printable ASCII; anything else could not be a
     # valid credential, and would fail inside grpc as an internal error.
     if not value or not all(" " <= c <= "~" for c in value):

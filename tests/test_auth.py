@@ -49,6 +49,7 @@ from dlsched.v1 import (
     cluster_pb2,
     driver_service_pb2,
     job_manager_service_pb2,
+    job_manager_service_pb2_grpc,
     job_pb2,
 )
 from dlsched.v1 import access_service_pb2 as acs
@@ -791,6 +792,19 @@ def _audit_lines(path: str) -> list[dict[str, Any]]:
             return [json.loads(line) for line in f if line.strip()]
     except FileNotFoundError:
         return []
+
+
+async def test_a_call_with_two_authorization_values_is_unauthenticated(env: Env) -> None:
+    """Two bearer tokens on one call (an admin's and another): which counts is ambiguous (gRPC
+    read the first, a proxy may keep the last), so neither does."""
+    viewer = env.jwt("nobody-in-particular")
+    async with security.user_channel(env.jm) as ch:
+        stub = job_manager_service_pb2_grpc.JobManagerServiceStub(ch)
+        for pair in ((admin_token(), viewer), (viewer, admin_token())):
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.ListJobs(jms.ListJobsRequest(), timeout=30,
+                                    metadata=[("authorization", f"Bearer {t}") for t in pair])
+            assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED, ei.value
 
 
 async def test_audit_log_records_mutations_and_never_a_token(env: Env) -> None:

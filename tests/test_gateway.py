@@ -449,6 +449,22 @@ def test_a_long_filter_and_a_large_token_reach_the_service(base: str) -> None:
     assert code == 401 and reason(body) == "UNAUTHENTICATED", body
 
 
+def test_two_authorization_headers_are_unauthenticated(gateway: ServiceProcess) -> None:
+    """An admin's token and another: which one counts is ambiguous, so neither does (the first
+    was forwarded)."""
+    conn = https_connection(gateway.address)
+    try:
+        conn.putrequest("GET", "/v1/jobs")
+        conn.putheader("Authorization", auth_headers(ADMIN)["Authorization"])
+        conn.putheader("Authorization", "Bearer someone-else")
+        conn.endheaders()
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+    finally:
+        conn.close()
+    assert resp.status == 401 and reason(body) == "UNAUTHENTICATED", body
+
+
 def test_queries_as_grpc_gateway_clients_send_them(base: str, local_cluster: str) -> None:
     """What strangers' REST clients send: a bad value is blamed on its own parameter (the first
     one was named); a field under both its names is given twice (last won); FieldMask paths by

@@ -43,10 +43,12 @@ def caller() -> Principal:
 
 
 def _authorization(context: grpc.aio.ServicerContext) -> str | None:
-    for k, v in context.invocation_metadata() or ():
-        if k == "authorization":
-            return v if isinstance(v, str) else None
-    return None
+    """The call's one ``authorization`` value. Several are UNAUTHENTICATED: which one counts
+    is ambiguous (the first here, maybe the last behind a proxy that keeps one)."""
+    values = [v for k, v in context.invocation_metadata() or () if k == "authorization"]
+    if len(values) > 1:
+        raise Unauthenticated("more than one authorization value: send one bearer token")
+    return values[0] if values and isinstance(values[0], str) else None
 
 
 class AuthInterceptor(WrappingInterceptor):
