@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import subprocess
 import sys
@@ -175,6 +176,17 @@ def _out(args: argparse.Namespace) -> str:
 
 
 # --------------------------------------------------------------------------- connection
+
+
+def _positive_seconds(text: str) -> float:
+    """A number of seconds above 0 and finite (``nan`` and ``-5`` were taken, then timed out at once)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds above 0: {text!r}")
+    return value
 
 
 def resolve_profile(args: argparse.Namespace) -> profiles.Profile:
@@ -783,7 +795,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job", metavar="JOB")
     p.add_argument("--request-id", metavar="ID")
     p.add_argument("--wait", action="store_true", help="wait until the job has stopped")
-    p.add_argument("--timeout", type=float, default=60.0, help="with --wait, seconds (default 60)")
+    p.add_argument("--timeout", type=_positive_seconds, default=60.0, help="with --wait, seconds (default 60)")
 
     p = add("delete", cmd_delete, "delete a job (stops it first if it runs)")
     p.add_argument("job", metavar="JOB")
@@ -813,7 +825,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="backend option, e.g. partition=gpu, namespace=ml")
     p.add_argument("--request-id", metavar="ID")
     p.add_argument("--wait", action="store_true", help="wait until the cluster is READY")
-    p.add_argument("--timeout", type=float, default=60.0, help="with --wait, seconds (default 60)")
+    p.add_argument("--timeout", type=_positive_seconds, default=60.0, help="with --wait, seconds (default 60)")
     _cred_flags(p)
 
     p = add("update", cmd_cluster_update, "change a cluster's address, driver, labels, options "

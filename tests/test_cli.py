@@ -394,6 +394,14 @@ def test_a_malformed_job_file_is_rejected_before_any_call(tmp_path: pathlib.Path
     assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("value", ["nan", "-5", "0", "inf", "soon"])
+def test_a_wait_timeout_that_is_no_positive_number_is_a_usage_error(value: str) -> None:
+    """``stop --wait --timeout nan`` sent the stop, then failed at once: refused before any call."""
+    r = subprocess.run([sys.executable, "-m", "dlsched", "--server", "127.0.0.1:1", "stop", "x", "--wait",
+                        "--timeout", value], capture_output=True, text=True, timeout=30, cwd=ROOT, env=_env())
+    assert r.returncode == 2 and "--timeout" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_unreachable_server_is_an_error_not_a_traceback() -> None:
     r = subprocess.run([sys.executable, "-m", "dlsched", "--server", "127.0.0.1:1", "list"],
                        capture_output=True, text=True, timeout=30, cwd=ROOT, env=_env())
