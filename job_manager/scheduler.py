@@ -505,7 +505,15 @@ class Scheduler:
                 drv = await self.driver_for(job.cluster)
                 await drv.cleanup(job.cluster, job.id, job.backend_job_id, job.uid)
             except errors.DlschedError as e:
-                log.warning("cleanup of %s on %s failed (ignored): %s", job_id, job.cluster, e)
+                if _retryable(e) and job.backend_job_id:
+                    # Its driver is unreachable now: the delete goes on (the job has ended or
+                    # stopped) and the clean-up is retried in the background, so its backend
+                    # objects (files, pods, an MPI job's SSH key) do not stay behind for ever.
+                    log.warning("cleanup of %s on %s failed (retried): %s", job_id, job.cluster, e)
+                    self._reap(job.cluster, job_id, job.backend_job_id, job.uid,
+                               why="is deleted, its clean-up failed,")
+                else:
+                    log.warning("cleanup of %s on %s failed (ignored): %s", job_id, job.cluster, e)
         self._retry_cluster.pop((job_id, "terminate"), None)
         t = self._retries.pop((job_id, "terminate"), None)
         if t is not None:

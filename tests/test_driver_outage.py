@@ -210,6 +210,28 @@ async def test_a_job_id_submitted_again_after_a_delete_its_driver_missed_runs_ag
     assert marker.read_text().splitlines() == ["ran", "ran"]
 
 
+async def test_an_ended_job_deleted_while_its_driver_is_down_is_cleaned_up_once_it_is_back(
+        stack: Stack) -> None:
+    """DeleteJob of an ended job while its driver is down: the delete goes through, and its
+    clean-up (the attempt's files here; pods, an MPI job's SSH key elsewhere) is retried until
+    the driver is back, not given up."""
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[job_pb2.ReplicaGroup(
+        role="main", replicas=1, command=["/bin/echo", "done"])])
+    job_id = f"leftover-{uuid.uuid4().hex[:8]}"
+    state_dir = pathlib.Path(stack.driver.args[stack.driver.args.index("--state-dir") + 1])
+    assert stack.jm is not None
+    async with JobManagerClient(stack.jm.address) as jm:
+        first = (await jm.submit_job(spec, job_id=job_id)).job
+        await _until(jm, first.name, lambda j: j.state == job_pb2.JOB_STATE_SUCCEEDED)
+        files = state_dir / "jobs" / job_id
+        assert files.is_dir()
+        stack.driver.kill()
+        await jm.delete_job(first.name)  # its cleanup fails now: the driver is down
+        assert files.is_dir()
+        await asyncio.to_thread(stack.driver.start)
+        await _wait_for(lambda: not files.exists(), "the deleted job's files are removed", within=120)
+
+
 async def test_a_running_job_deleted_while_its_driver_is_down_is_stopped_before_it_goes(
         stack: Stack, tmp_path: pathlib.Path) -> None:
     """DeleteJob of a running job whose driver cannot be reached: JobManager cannot stop it, so
