@@ -172,6 +172,17 @@ async def test_failing_entrypoint_is_failed_naming_the_replica_with_rays_message
     assert [(r.role, r.index, r.state, r.exit_code) for r in obs.replicas] == [("main", 0, S.REPLICA_STATE_FAILED, 3)]
 
 
+async def test_a_replica_whose_program_does_not_exist_fails_with_127(stub):
+    """A command not found is the replica's failure (exit 127, as a shell says), not a replica
+    STOPPED with exit 0."""
+    job_id = new_id("nocmd")
+    await launch(stub, job_id, S.JobSpec(run_mode=S.RUN_MODE_SINGLE_PROCESS, replica_groups=[S.ReplicaGroup(
+        role="main", replicas=1, command=["/nonexistent/program"])]))
+    obs = await wait_replicas(stub, job_id)
+    assert obs.state == S.JOB_STATE_FAILED and obs.exit_code == 127, obs
+    assert [(r.role, r.index, r.state, r.exit_code) for r in obs.replicas] == [("main", 0, S.REPLICA_STATE_FAILED, 127)]
+
+
 async def test_stop_ends_a_running_job_stopped_and_cleanup_is_idempotent(stub, head):
     job_id = new_id("stop")
     await launch(stub, job_id, single("import time; print('up', flush=True); time.sleep(300)"))

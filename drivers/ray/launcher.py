@@ -196,7 +196,10 @@ def run_processes(procs: Sequence[planner.ProcessLaunch], decisive: Callable[[st
                         layout.format_line(time.time_ns(), f"dlsched: cannot start {p.argv[0]!r}: {e}")
                         + layout.EOF + "\n")
                 print(f"dlsched: {p.role}-{p.slot_index} could not start: {e}", flush=True)
-                return 127, p
+                code = 127 if isinstance(e, FileNotFoundError) else 126  # as a shell says
+                if on_exit is not None:  # its end, as for a process that ran (not "stopped", exit 0)
+                    on_exit(p, code, False)
+                return code, p
             os.close(out_w)
             os.close(err_w)
             running.append((p, child))
