@@ -90,6 +90,11 @@ class SchedulerConfig:
     retry_initial_seconds: float = 0.5
     retry_max_seconds: float = 10.0
     call_timeout_seconds: float = 15.0
+    #: how long a StopJob/DeleteJob waits for the driver's TerminateJob (CleanupJob: the stop's
+    #: grace more, it waits for the processes to end) before it answers with the job as stored
+    #: (STOPPING; the call retried in the background): a frozen driver, or one finishing a
+    #: launch of the job first, does not hold the caller to its deadline
+    inline_driver_seconds: float = 8.0
     #: a cluster's observation stream down this long marks its running jobs DriverUnreachable
     driver_unreachable_after_seconds: float = 10.0
     #: LaunchJob calls in flight at once per cluster (the rest wait, PENDING ``LaunchQueued``)
@@ -440,7 +445,11 @@ class Scheduler:
         if job.state == JobState.STOPPING:
             log.info("stopping job %s", job_id)
             try:
-                done = await self._try_terminate(job_id)
+                done = await asyncio.wait_for(self._try_terminate(job_id), self.config.inline_driver_seconds)
+            except TimeoutError:
+                log.warning("terminate of %s: its driver did not answer within %.0fs; retried in the background",
+                            job_id, self.config.inline_driver_seconds)
+                done = False
             except errors.DlschedError as e:
                 log.warning("terminate of %s: %s", job_id, e)
                 done = False
@@ -503,9 +512,10 @@ class Scheduler:
         if job.cluster:
             try:
                 drv = await self.driver_for(job.cluster)
-                await drv.cleanup(job.cluster, job.id, job.backend_job_id, job.uid)
-            except errors.DlschedError as e:
-                if _retryable(e) and job.backend_job_id:
+                await asyncio.wait_for(drv.cleanup(job.cluster, job.id, job.backend_job_id, job.uid),
+                                       self.config.stop_grace_seconds + self.config.inline_driver_seconds)
+            except (errors.DlschedError, TimeoutError) as e:
+                if (isinstance(e, TimeoutError) or _retryable(e)) and job.backend_job_id:
                     # Its driver is unreachable now: the delete goes on (the job has ended or
                     # stopped) and the clean-up is retried in the background, so its backend
                     # objects (files, pods, an MPI job's SSH key) do not stay behind for ever.

@@ -11,7 +11,9 @@ goes away, and the job ends SUCCEEDED, having run once.
 from __future__ import annotations
 
 import asyncio
+import os
 import pathlib
+import signal
 import sys
 import time
 import uuid
@@ -20,7 +22,14 @@ from collections.abc import AsyncIterator
 import pytest
 
 from dlsched.client import ClusterManagerClient, DlschedRpcError, JobManagerClient
-from dlsched.v1 import cluster_pb2, driver_service_pb2, driver_service_pb2_grpc, job_pb2
+from dlsched.v1 import (
+    cluster_pb2,
+    driver_service_pb2,
+    driver_service_pb2_grpc,
+    job_manager_service_pb2,
+    job_manager_service_pb2_grpc,
+    job_pb2,
+)
 from tests import security
 from tests.harness import EtcdServer, ServiceProcess, Stack, free_port, pid_alive
 
@@ -230,6 +239,27 @@ async def test_an_ended_job_deleted_while_its_driver_is_down_is_cleaned_up_once_
         assert files.is_dir()
         await asyncio.to_thread(stack.driver.start)
         await _wait_for(lambda: not files.exists(), "the deleted job's files are removed", within=120)
+
+
+async def test_a_stop_answers_stopping_while_the_driver_is_frozen(stack: Stack, tmp_path: pathlib.Path) -> None:
+    """StopJob while the job's driver is frozen (SIGSTOP): the stop is stored, the call answers
+    STOPPING within its deadline (the terminate retried in the background) rather than wait
+    for the driver and fail DEADLINE_EXCEEDED; once the driver runs again the job is STOPPED."""
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[job_pb2.ReplicaGroup(
+        role="main", replicas=1, command=["/bin/sh", "-c", "while :; do sleep 0.2; done"])])
+    assert stack.jm is not None and stack.driver.proc is not None
+    async with JobManagerClient(stack.jm.address) as jm:
+        name = (await jm.submit_job(spec)).job.name
+        await _until(jm, name, lambda j: j.state == job_pb2.JOB_STATE_RUNNING)
+        os.kill(stack.driver.proc.pid, signal.SIGSTOP)
+        try:
+            async with security.channel(stack.jm.address) as ch:
+                stub = job_manager_service_pb2_grpc.JobManagerServiceStub(ch)
+                resp = await stub.StopJob(job_manager_service_pb2.StopJobRequest(name=name), timeout=20)
+            assert resp.job.state == job_pb2.JOB_STATE_STOPPING, resp.job
+        finally:
+            os.kill(stack.driver.proc.pid, signal.SIGCONT)
+        await _until(jm, name, lambda j: j.state == job_pb2.JOB_STATE_STOPPED, within=120)
 
 
 async def test_a_running_job_deleted_while_its_driver_is_down_is_stopped_before_it_goes(
