@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import ssl
 import sys
@@ -805,6 +806,36 @@ async def test_a_call_with_two_authorization_values_is_unauthenticated(env: Env)
                 await stub.ListJobs(jms.ListJobsRequest(), timeout=30,
                                     metadata=[("authorization", f"Bearer {t}") for t in pair])
             assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED, ei.value
+
+
+async def test_a_call_that_outlasts_its_deadline_is_audited_deadline_exceeded_not_internal(env: Env) -> None:
+    """StopJob while the job's driver is frozen, with a 3 s deadline: answered at its deadline,
+    and the audit log says DEADLINE_EXCEEDED (it said INTERNAL: a server fault that never was)."""
+    st = env.stack
+    async with as_caller(st, admin_token()) as admin:
+        job = (await admin.jobs.submit_job(sleeper(120), job_id=f"frozen-{uuid.uuid4().hex[:6]}")).job
+        await eventually(lambda: _is_running(admin, job.name), "the job runs")
+        assert st.driver.proc is not None
+        os.kill(st.driver.proc.pid, signal.SIGSTOP)
+        try:
+            async with security.user_channel(env.jm, admin_token()) as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as ei:
+                    await job_manager_service_pb2_grpc.JobManagerServiceStub(ch).StopJob(
+                        jms.StopJobRequest(name=job.name), timeout=3)
+            assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, ei.value
+        finally:
+            os.kill(st.driver.proc.pid, signal.SIGCONT)
+        await admin.jobs.delete_job(job.name)
+
+    async def audited() -> bool:
+        return any(x["method"].endswith("/StopJob") and x["object"] == job.name for x in _audit_lines(env.audit_log))
+    await eventually(audited, "the StopJob audit line")
+    (line,) = [x for x in _audit_lines(env.audit_log) if x["method"].endswith("/StopJob") and x["object"] == job.name]
+    assert line["result"] == "DEADLINE_EXCEEDED", line
+
+
+async def _is_running(c: Any, name: str) -> bool:
+    return bool((await c.jobs.get_job(name)).state == job_pb2.JOB_STATE_RUNNING)
 
 
 async def test_audit_log_records_mutations_and_never_a_token(env: Env) -> None:

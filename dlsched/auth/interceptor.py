@@ -11,6 +11,7 @@ send no tokens, and the schema is public in protos/ anyway.
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -20,6 +21,7 @@ import grpc
 from dlsched.auth.audit import AuditLog, is_mutating, object_of
 from dlsched.auth.model import Principal
 from dlsched.errors import DlschedError, Internal, PermissionDenied, Unauthenticated
+from dlsched.kit import rpc_errors
 from dlsched.kit.handlers import WrappingInterceptor, responses, rewrap, streaming
 from dlsched.kit.tls import peer_identities
 
@@ -103,6 +105,12 @@ class AuthInterceptor(WrappingInterceptor):
                     return response
                 except DlschedError as e:
                     result = e.code
+                    raise
+                except asyncio.CancelledError:  # the caller left, or its deadline came: no fault here
+                    remaining = context.time_remaining()
+                    # (rpc_errors answers a call DEADLINE_MARGIN_SECONDS before its deadline)
+                    near = remaining is not None and remaining <= rpc_errors.DEADLINE_MARGIN_SECONDS + 0.5
+                    result = "DEADLINE_EXCEEDED" if near else "CANCELLED"
                     raise
                 except BaseException:
                     result = "INTERNAL"
