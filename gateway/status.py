@@ -63,7 +63,19 @@ def from_rpc_error(exc: grpc.aio.AioRpcError) -> status_pb2.Status:
         return st
     code = exc.code()
     number = code.value[0] if code is not None else code_pb2.UNKNOWN
-    return status_pb2.Status(code=number, message=exc.details() or code_pb2.Code.Name(number))
+    # gRPC's own end of the call (a deadline, a lost connection), not the service's: an
+    # ErrorInfo all the same, so REST clients branch on a reason as they do for the rest.
+    reason = _UPSTREAM_REASONS.get(number, code_pb2.Code.Name(number))
+    info = error_details_pb2.ErrorInfo(reason=reason, domain=errors.DOMAIN, metadata={"source": "grpc"})
+    st = status_pb2.Status(code=number, message=rpc_errors.clip(exc.details() or code_pb2.Code.Name(number),
+                                                                       rpc_errors.MAX_MESSAGE_BYTES))
+    st.details.add().Pack(info)
+    return st
+
+
+#: reasons of the statuses gRPC makes itself, by code
+_UPSTREAM_REASONS = {code_pb2.DEADLINE_EXCEEDED: "TIMED_OUT", code_pb2.UNAVAILABLE: "UPSTREAM_UNAVAILABLE",
+                     code_pb2.CANCELLED: "CANCELLED", code_pb2.RESOURCE_EXHAUSTED: "RESOURCE_EXHAUSTED"}
 
 
 def from_error(err: errors.DlschedError) -> status_pb2.Status:

@@ -1178,3 +1178,15 @@ def test_an_annotation_naming_a_missing_field_stops_start_up() -> None:
                 http_pb2.HttpRule(get="/v1/things", response_body="nope")):
         with pytest.raises(rules.RuleError):
             rules.routes_for([_service_with_rule(bad)])
+
+
+@pytest.mark.parametrize(("code", "reason_"), [(grpc.StatusCode.DEADLINE_EXCEEDED, "TIMED_OUT"),
+                                               (grpc.StatusCode.UNAVAILABLE, "UPSTREAM_UNAVAILABLE")])
+def test_a_status_grpc_made_itself_carries_an_error_info(code: grpc.StatusCode, reason_: str) -> None:
+    """A deadline or a lost connection (no rich status from the service): the REST body still
+    has an ErrorInfo reason to branch on, as every other error does."""
+    from gateway import status
+
+    err = grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="Deadline Exceeded")
+    body = status.to_json(status.from_rpc_error(err))
+    assert body["code"] == code.value[0] and reason(body) == reason_, body
