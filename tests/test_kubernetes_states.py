@@ -41,7 +41,7 @@ CASES = [
     (pod("Failed", containers=[terminated(137, "OOMKilled")]), ReplicaState.FAILED, "OOMKilled", 137),
     (pod("Failed", containers=[terminated(3, "Error")]), ReplicaState.FAILED, "Error", 3),
     (pod("Failed", reason="Evicted"), ReplicaState.FAILED, "Evicted", None),
-    (pod("Failed", reason="DeadlineExceeded"), ReplicaState.FAILED, "DeadlineExceeded", None),
+    (pod("Failed", reason="DeadlineExceeded"), ReplicaState.FAILED, "TimeLimitExceeded", None),  # as elsewhere
     (pod("Failed"), ReplicaState.FAILED, "Failed", None),
     # A replica of several processes (one container each): its first failing process fails it,
     # though the pod runs on (restartPolicy Never keeps it Running while one container runs).

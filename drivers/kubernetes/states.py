@@ -19,7 +19,9 @@ Running, a container terminated != 0   FAILED      its reason (OOMKilled, Error)
 Running, a container waiting           RUNNING     its reason (CrashLoopBackOff)
 Running                                RUNNING     Running
 Succeeded                              SUCCEEDED   Completed, exit 0
-Failed, pod reason set                 FAILED      it (Evicted, DeadlineExceeded, ...)
+Failed, pod reason set                 FAILED      it (Evicted, ...); DeadlineExceeded (the
+                                                   time limit, activeDeadlineSeconds) as
+                                                   TimeLimitExceeded, as every backend says
 Failed, a container terminated != 0    FAILED      its reason (OOMKilled, Error), exit code
                                                    (init containers first: MPI's wait-for-workers)
 Failed otherwise                       FAILED      Failed
@@ -59,6 +61,7 @@ REASON_POD_DELETED = "PodDeleted"
 REASON_STOPPING = "StopRequested"
 REASON_STOPPED = "Stopped"
 REASON_STALE = "BackendStale"
+REASON_TIME_LIMIT = "TimeLimitExceeded"
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +147,9 @@ def _replica_of(pod: Mapping[str, Any]) -> PodView:
     if phase == "Failed":
         if status.get("reason"):
             bad = [t for t in terms if _code(t) != 0]
-            return PodView(ReplicaState.FAILED, status["reason"], status.get("message") or "",
+            # activeDeadlineSeconds passed: the time limit, named as every backend names it
+            reason = REASON_TIME_LIMIT if status["reason"] == "DeadlineExceeded" else str(status["reason"])
+            return PodView(ReplicaState.FAILED, reason, status.get("message") or "",
                            exit_code=_code(bad[0]) if bad else None, node=node, start_time=start, end_time=end)
         return _failed(terms, status, node, start, end) or PodView(
             ReplicaState.FAILED, REASON_FAILED, status.get("message") or "", node=node, start_time=start,
