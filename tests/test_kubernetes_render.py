@@ -109,6 +109,13 @@ def test_gpus_split_over_the_containers_of_a_replica() -> None:
     assert pod["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-A100-SXM4-80GB"}
 
 
+def test_a_memory_share_is_rounded_up_never_to_no_limit() -> None:
+    """3 bytes over 4 processes: each container is limited to 1 byte, not given no limit (0)."""
+    spec = JobSpec(RunMode.MULTI_PROCESS, (g("worker", 1, 4, cpu=1, memory_bytes=3),))
+    pod = render.render_job("tiny", spec, 1, OPTS).manifests[1]
+    assert [c["resources"]["limits"]["memory"] for c in pod["spec"]["containers"]] == ["1"] * 4
+
+
 @pytest.mark.parametrize("text", [
     "My.Job.NAME-" + "é" * 30 + "x" * 200, "UPPER", "a..b", "-lead", "9starts-digit", "日本語", "",
     "a" * 63, "a" * 64,

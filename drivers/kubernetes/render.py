@@ -348,7 +348,8 @@ def _containers(c: _Common, g: ReplicaGroup, procs: Sequence[planner.ProcessLaun
         return [], [_container("sshd", image, sshd, sshd, procs[0].env, "",
                                _resources(res.cpu, res.memory_bytes, res.gpus))]
     n = len(procs)
-    share = _resources(_split(res.cpu, n), int(_split(res.memory_bytes, n)), res.gpus // n)
+    # memory rounded up: a share truncated to 0 would be no limit at all
+    share = _resources(_split(res.cpu, n), -(-res.memory_bytes // n), res.gpus // n)
     extra_env = mpi.MPI_LAUNCHER_ENV if c.mpi else {}
     containers = [_container("main" if n == 1 else f"proc-{p.process_index}", image, p.argv,
                              g.command, {**extra_env, **p.env}, p.working_dir, share)
