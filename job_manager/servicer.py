@@ -350,7 +350,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
     async def ListJobs(self, request: pb.ListJobsRequest,  # noqa: N802
                        context: grpc.aio.ServicerContext) -> pb.ListJobsResponse:
         if request.page_size < 0:
-            raise InvalidArgument.for_field("page_size", "0 to 1000")
+            raise InvalidArgument.for_field("page_size", "must not be negative (0 means 100; more than 1000 means 1000)")
         size = min(request.page_size or DEFAULT_PAGE, MAX_PAGE)
         flt = parse_filter(request.filter)
         after = _decode_page(request.page_token, request.filter) if request.page_token else None

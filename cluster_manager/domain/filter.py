@@ -123,7 +123,7 @@ MAX_PAGE_SIZE = 1000
 
 def page_size(requested: int) -> int:
     if requested < 0:
-        raise InvalidArgument.for_field("page_size", "must not be negative")
+        raise InvalidArgument.for_field("page_size", "must not be negative (0 means 100; more than 1000 means 1000)")
     if requested == 0:
         return DEFAULT_PAGE_SIZE
     return min(requested, MAX_PAGE_SIZE)

@@ -66,7 +66,7 @@ def _page(items: Iterable[T], key: Callable[[T], tuple[str, ...]], page_size: in
     """One page of ``items`` in ``key`` order (keyset: after the key the token names) and the
     next page's token. A token is only good for the same filters (``scope``) it was issued for."""
     if page_size < 0:
-        raise InvalidArgument.for_field("page_size", "must not be negative")
+        raise InvalidArgument.for_field("page_size", "must not be negative (0 means 100; more than 1000 means 1000)")
     size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
     after: tuple[str, ...] | None = None
     if page_token:
