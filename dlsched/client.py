@@ -734,6 +734,10 @@ def _scalar(f: descriptor.FieldDescriptor, value: object, path: str) -> object:
     return value
 
 
+#: what an unknown key must look like to be named in the error (else the file's text is not echoed)
+_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
 def _normalize(desc: descriptor.Descriptor, data: object, path: str) -> dict[str, object]:
     """The YAML mapping ``data`` turned into the JSON form of ``desc`` (json_names)."""
     if data is None:
@@ -751,6 +755,8 @@ def _normalize(desc: descriptor.Descriptor, data: object, path: str) -> dict[str
         sub = f"{path}.{key_s}" if path else key_s
         found = by_key.get(aliases.get(key_s, key_s))
         if found is None:
+            if not _KEY_RE.fullmatch(key_s):  # not a name: the file is no job file (a secret, say): not echoed
+                sub = f"{path}.<key>" if path else "<key>"
             raise JobFileError(
                 f"unknown field for {desc.name} (known: "
                 f"{', '.join(sorted(fd.json_name for fd in desc.fields))})", sub)

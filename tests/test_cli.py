@@ -184,6 +184,12 @@ def test_a_job_file_that_is_not_utf8_or_names_a_key_twice_is_a_job_file_error(tm
     with pytest.raises(JobFileError) as info:
         load_job_file(twice)
     assert "runMode" in info.value.message and "twice" in info.value.message
+    # A file that is no job file (a secret given by mistake): its text is not echoed as a key.
+    secret = tmp_path / "shadow"
+    secret.write_text("root:$y$j9T$hunter2hash: 19000\n")
+    with pytest.raises(JobFileError) as info:
+        load_job_file(secret)
+    assert "hunter2" not in str(info.value) and info.value.field == "<key>", info.value
     r = subprocess.run([sys.executable, "-m", "dlsched", "--server", "127.0.0.1:1", "submit", str(binary)],
                        capture_output=True, text=True, timeout=30, cwd=ROOT, env=_env())
     assert r.returncode == 1 and r.stderr.startswith("error: INVALID_ARGUMENT INVALID_JOB_FILE:"), r.stderr
