@@ -495,8 +495,8 @@ class Scheduler:
             if allow_missing:
                 return None
             raise
-        if etag and job.etag != etag and int(etag) < int(job.etag or 0):
-            raise EtagMismatch(job_id, etag, job.etag)  # (a later one: etcd's compare decides)
+        if etag and job.etag != etag:  # (an etcd read: the job's current revision)
+            raise EtagMismatch(job_id, etag, job.etag)
         expect = etag
         if not job.state.is_terminal():
             job, stopped = await self._stop(job_id, expect=etag)

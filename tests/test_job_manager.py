@@ -572,11 +572,17 @@ async def test_delete_with_an_etag_changes_nothing_unless_it_matches(
         await jm.GetJob(pb.GetJobRequest(name=running.name))
     assert ei.value.code() == grpc.StatusCode.NOT_FOUND
 
-    ended = (await jm.SubmitJob(pb.SubmitJobRequest(job_id=uniq(), spec=single("pass")))).job
+    ended = (await jm.SubmitJob(pb.SubmitJobRequest(job_id=uniq(), spec=single("print('hi')")))).job
     ended = await wait_state(jm, ended.name, TERMINAL)
     with pytest.raises(grpc.aio.AioRpcError) as ei:
         await jm.DeleteJob(pb.DeleteJobRequest(name=ended.name, etag=str(int(ended.etag) - 1)))
     assert ei.value.code() == grpc.StatusCode.ABORTED
+    # A never-returned one on an ended job: refused before anything is cleaned up (its logs stay).
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await jm.DeleteJob(pb.DeleteJobRequest(name=ended.name, etag="999999999999"))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    logs = [e.text async for r in jm.StreamJobLogs(pb.StreamJobLogsRequest(name=ended.name)) for e in r.entries]
+    assert logs == ["hi"], logs
     assert (await jm.GetJob(pb.GetJobRequest(name=ended.name))).job.etag == ended.etag
     last = (await jm.DeleteJob(pb.DeleteJobRequest(name=ended.name, etag=ended.etag))).job
     assert last.etag == ended.etag
