@@ -825,6 +825,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def _unique_mapping(loader: yaml.SafeLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
     seen: set[Any] = set()
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue  # ``<<: *defaults``: merged keys a mapping's own ones override, as YAML says
         key = loader.construct_object(key_node, deep=deep)
         if isinstance(key, str | int | float | bool) and key in seen:
             raise yaml.constructor.ConstructorError(None, None, f"the key {str(key)[:80]!r} is given twice",

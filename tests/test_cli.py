@@ -184,6 +184,12 @@ def test_a_job_file_that_is_not_utf8_or_names_a_key_twice_is_a_job_file_error(tm
     with pytest.raises(JobFileError) as info:
         load_job_file(twice)
     assert "runMode" in info.value.message and "twice" in info.value.message
+    # YAML merge keys still load (a key the mapping gives again overrides the merged one).
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("runMode: SINGLE_PROCESS\nreplicaGroups:\n  - &base {role: main, command: [x], replicas: 2}\n"
+                      "labels:\n  <<: {team: a, tier: b}\n  tier: c\n")
+    _, spec = load_job_file(merged)
+    assert dict(spec.labels) == {"team": "a", "tier": "c"}, spec.labels
     # A file that is no job file (a secret given by mistake): its text is not echoed as a key.
     secret = tmp_path / "shadow"
     secret.write_text("root:$y$j9T$hunter2hash: 19000\n")
