@@ -309,9 +309,9 @@ def spec(mode: str) -> job_pb2.JobSpec:
 
 
 async def launch(stub: Any, job_id: str, sp: job_pb2.JobSpec, attempt: int = 1,
-                 cluster: str = "clusters/k8s") -> dpb.LaunchJobResponse:
+                 cluster: str = "clusters/k8s", uid: str = "") -> dpb.LaunchJobResponse:
     return await stub.LaunchJob(dpb.LaunchJobRequest(cluster=cluster, job_id=job_id, spec=sp,
-                                                     attempt=attempt), timeout=15)
+                                                     attempt=attempt, job_uid=uid), timeout=15)
 
 
 async def observe(stub: Any, job_id: str, cluster: str = "clusters/k8s") -> dpb.JobObservation:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+import uuid
 from typing import Any
 
 import pytest
@@ -109,12 +110,12 @@ async def test_a_retried_mpi_job_is_cleaned_up_with_every_attempt(stub: Any, emu
     """Attempt 1 fails, attempt 2 runs, the job is deleted (JobManager cleans up the newest attempt):
     attempt 1's Service, pods, Secret (its SSH private key) and ConfigMap go too."""
     e, url = emu
-    job = new_id("mpi-retry")
-    await launch(stub, job, spec("mpi"), attempt=1)
+    job, uid = new_id("mpi-retry"), str(uuid.uuid4())  # JobManager gives every launch the job's uid
+    await launch(stub, job, spec("mpi"), attempt=1, uid=uid)
     await kubelet(url, f"{job}-1-launcher-0", "Failed", **exited(1, "Error"))
     await wait_for(stub, job, TERMINAL)
-    await launch(stub, job, spec("mpi"), attempt=2)
-    ref = dpb.JobRef(job_id=job)
+    await launch(stub, job, spec("mpi"), attempt=2, uid=uid)
+    ref = dpb.JobRef(job_id=job, job_uid=uid)
     await stub.TerminateJob(dpb.TerminateJobRequest(cluster="clusters/k8s", job=ref), timeout=10)
     await stub.CleanupJob(dpb.CleanupJobRequest(cluster="clusters/k8s", job=ref), timeout=30)
     for attempt in (1, 2):

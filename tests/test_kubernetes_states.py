@@ -89,6 +89,19 @@ def test_a_failed_process_of_a_running_pod_leaves_the_pod_to_delete() -> None:
     assert live_pods(job) == []
 
 
+def test_a_pod_being_deleted_is_terminating_unless_a_disruption_deletes_it() -> None:
+    """A stop's pod in its grace period is ``terminating``; one an eviction, a preemption or a
+    taint deletes (DisruptionTarget) is not: that is the replica's failure, retried as one."""
+    stopped = pod("Running")
+    stopped["metadata"] = {"deletionTimestamp": "2026-01-01T00:00:00Z"}
+    assert states.replica_of(stopped).terminating
+    evicted = pod("Running", conditions=[{"type": "DisruptionTarget", "status": "True",
+                                          "reason": "EvictionByEvictionAPI"}])
+    evicted["metadata"] = {"deletionTimestamp": "2026-01-01T00:00:00Z"}
+    assert not states.replica_of(evicted).terminating
+    assert not states.replica_of(pod("Running")).terminating
+
+
 def test_missing_pods() -> None:
     assert states.missing(deleted_by_us=True, seen=True).state is ReplicaState.STOPPED
     assert states.missing(deleted_by_us=False, seen=True).reason == "PodDeleted"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 
-from drivers.common.base import same_job
 from drivers.kubernetes import naming
 from drivers.kubernetes.api import api_error
 from drivers.kubernetes.tracking import KubeCluster, TrackedJob
@@ -27,8 +26,8 @@ async def delete_earlier(c: KubeCluster, job: TrackedJob,
         raise api_error(e, f"listing the services of job {job.job_id}") from None
     for svc in doc.get("items") or ():
         attempt, name = naming.attempt_of(svc), str((svc.get("metadata") or {}).get("name") or "")
-        if not name or not 0 < attempt < job.attempt or not same_job(naming.uid_of(svc), job.uid):
-            continue
+        if not name or not 0 < attempt < job.attempt or not job.uid or naming.uid_of(svc) != job.uid:
+            continue  # (an earlier attempt of this very job: both uids known and the same)
         try:
             pods = await c.api.call(c.api.core.list_namespaced_pod, c.namespace,
                                     label_selector=f"{naming.LABEL_JOB}={key},{naming.LABEL_ATTEMPT}={attempt}")

@@ -112,7 +112,14 @@ def _terminated(status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 def replica_of(pod: Mapping[str, Any]) -> PodView:
     """One pod's replica state (total: any input gives a view)."""
     v = _replica_of(pod)
-    return dataclasses.replace(v, terminating=True) if (pod.get("metadata") or {}).get("deletionTimestamp") else v
+    if not (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return v
+    # Being deleted: by a stop, or by a disruption (an eviction, a preemption, a taint), which
+    # Kubernetes marks with the DisruptionTarget condition: only the first is ``terminating``
+    # (a stop in its grace period; the second is the replica's failure, retried as one).
+    disrupted = any(c.get("type") == "DisruptionTarget" and c.get("status") == "True"
+                    for c in (pod.get("status") or {}).get("conditions") or ())
+    return v if disrupted else dataclasses.replace(v, terminating=True)
 
 
 def _replica_of(pod: Mapping[str, Any]) -> PodView:
