@@ -78,6 +78,12 @@ def _utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def _retrieved(task: asyncio.Task[Any]) -> None:
+    """A background task's outcome taken (logged where it was awaited), so none is reported lost."""
+    if not task.cancelled():
+        task.exception()
+
+
 def _retryable(e: errors.DlschedError) -> bool:
     if e.reason == "CLUSTER_NOT_CONFIGURED":
         return True
@@ -444,15 +450,20 @@ class Scheduler:
         done = True
         if job.state == JobState.STOPPING:
             log.info("stopping job %s", job_id)
-            try:
-                done = await asyncio.wait_for(self._try_terminate(job_id), self.config.inline_driver_seconds)
-            except TimeoutError:
+            # The driver's stop runs as a task of its own: past the wait it goes on (a stop left
+            # half-way, pods half deleted, would wait for the retry), only this call answers.
+            call = self._spawn(self._try_terminate(job_id), name=f"terminate-{job_id}", cluster=job.cluster)
+            call.add_done_callback(_retrieved)
+            await asyncio.wait([call], timeout=self.config.inline_driver_seconds)
+            if not call.done():
                 log.warning("terminate of %s: its driver did not answer within %.0fs; retried in the background",
                             job_id, self.config.inline_driver_seconds)
                 done = False
-            except errors.DlschedError as e:
+            elif (e := call.exception()) is not None:
                 log.warning("terminate of %s: %s", job_id, e)
                 done = False
+            else:
+                done = call.result()
             if not done:
                 self._retry_in_background(job_id, "terminate", job.cluster)
             job = await self.store.get(job_id)
