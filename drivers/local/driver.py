@@ -484,6 +484,8 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
         if job.proc is not None:
             with contextlib.suppress(OSError):
                 job.proc.kill()
+        elif job.supervisor is None:  # not known yet (no status written): look again in a while
+            job.stop_by = time.monotonic() + STOP_BACKSTOP_SECONDS
         job.next_liveness = 0.0  # look at once
 
     def _lost(self, job: TrackedJob) -> None:
