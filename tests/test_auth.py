@@ -795,6 +795,19 @@ def _audit_lines(path: str) -> list[dict[str, Any]]:
         return []
 
 
+async def test_a_token_of_the_largest_size_is_read_every_time(env: Env) -> None:
+    """A bearer token of 8,192 characters (the most a token may have: a large OIDC token) is
+    read and judged on every call; gRPC's 8 KiB metadata soft limit refused such calls at random
+    (RESOURCE_EXHAUSTED, HTTP 429 at the gateway)."""
+    async with security.user_channel(env.jm) as ch:
+        stub = job_manager_service_pb2_grpc.JobManagerServiceStub(ch)
+        for _ in range(20):
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await stub.ListJobs(jms.ListJobsRequest(), timeout=30,
+                                    metadata=[("authorization", "Bearer " + "x" * 8192)])
+            assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED, ei.value
+
+
 async def test_a_call_with_two_authorization_values_is_unauthenticated(env: Env) -> None:
     """Two bearer tokens on one call (an admin's and another): which counts is ambiguous (gRPC
     read the first, a proxy may keep the last), so neither does."""

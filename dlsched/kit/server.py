@@ -402,6 +402,11 @@ async def start_server(opts: ServerOptions, registrations: Sequence[Registration
         *opts.extra_options,
         ("grpc.max_receive_message_length", opts.max_request_bytes),
         ("grpc.max_send_message_length", opts.max_message_bytes),
+        # Request metadata: gRPC refuses metadata over its 8 KiB soft limit at random (more
+        # often the nearer it is to the 16 KiB hard one), and a bearer token alone may be up to
+        # 8 KiB (tokens.MAX_TOKEN_CHARS: a large OIDC token): 32 KiB, refused above 64 KiB.
+        ("grpc.max_metadata_size", 32 * 1024),
+        ("grpc.absolute_max_metadata_size", 64 * 1024),
         ("grpc.so_reuseport", 0),
         # Ping idle connections every 30 s, so a watch or log stream that is
         # quiet for minutes is not cut by a load balancer's idle timeout, and
