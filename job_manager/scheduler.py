@@ -452,12 +452,15 @@ class Scheduler:
             log.info("stopping job %s", job_id)
             # The driver's stop runs as a task of its own: past the wait it goes on (a stop left
             # half-way, pods half deleted, would wait for the retry), only this call answers.
-            call = self._spawn(self._try_terminate(job_id), name=f"terminate-{job_id}", cluster=job.cluster)
+            # (not cluster work: a replica that does not track the cluster stops the job too)
+            call = self._spawn(self._try_terminate(job_id), name=f"terminate-{job_id}")
             call.add_done_callback(_retrieved)
             await asyncio.wait([call], timeout=self.config.inline_driver_seconds)
             if not call.done():
                 log.warning("terminate of %s: its driver did not answer within %.0fs; retried in the background",
                             job_id, self.config.inline_driver_seconds)
+                done = False
+            elif call.cancelled():  # (this replica closing)
                 done = False
             elif (e := call.exception()) is not None:
                 log.warning("terminate of %s: %s", job_id, e)
