@@ -2,9 +2,12 @@
 """What idle WatchJobs streams cost a real JobManager (issue 18 item 3).
 
 Opens 1,000 idle streams, checks JobManager's RSS growth per stream, closes
-them (every handler ends: the streams gauge returns to 0), opens and closes
-1,000 more: the second round must reuse what the first freed, so a per-stream
-leak (a subscription, a task, a queue kept after close) shows as growth.
+them (every handler ends: the streams gauge returns to 0), then opens and
+closes 1,000 more, ROUNDS times: each round must reuse what the one before
+freed, so a per-stream leak (a subscription, a task, a queue kept after close)
+shows as growth in every round. One round's RSS moves by +-10 KiB per stream
+on a loaded machine (allocator arenas, the C core's pools), so the growth is
+averaged over the rounds: a leak grows with each, noise does not.
 Bounds are generous (RSS is coarse, the machine is shared); the benchmark
 (``bench/bench_scale.py --streams``) prints the figures next to bare grpc.aio.
 """
@@ -27,7 +30,8 @@ from tests.harness import EtcdServer, Stack, metrics_samples
 
 N = 1000
 PER_STREAM_KIB = 64  # target 30 (benchmark); bare grpc.aio ~24
-LEAK_KIB = 8  # growth per stream allowed for a second round after the first closed
+LEAK_KIB = 5  # growth per stream allowed, averaged over ROUNDS rounds after the first closed
+ROUNDS = 8
 
 
 def rss_kib(pid: int) -> int:
@@ -94,9 +98,10 @@ async def test_idle_watch_streams_cost_little_and_are_given_back(stack: Stack) -
         await asyncio.sleep(1)
 
         freed = rss_kib(pid)
-        for c in await _open(stub, N):
-            c.cancel()
-        await _closed(stack)
-        await asyncio.sleep(1)
-        again = rss_kib(pid) - freed
-        assert again / N <= LEAK_KIB, f"{again / N:.1f} KiB per stream kept after close"
+        for _ in range(ROUNDS):
+            for c in await _open(stub, N):
+                c.cancel()
+            await _closed(stack)
+            await asyncio.sleep(1)
+        again = (rss_kib(pid) - freed) / (ROUNDS * N)
+        assert again <= LEAK_KIB, f"{again:.1f} KiB per stream kept after close"
