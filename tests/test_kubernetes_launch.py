@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import grpc
@@ -326,6 +327,26 @@ async def test_pending_reasons_and_idempotent_launch(stub: Any, emu: tuple[Emula
                                     timeout=10):
         out.extend(r.entries)
     assert len(out) == 1 and "has not started" in out[0].text
+
+async def test_an_image_the_kubelet_can_never_run_fails_the_job_and_its_pods_go(
+        stub: Any, emu: tuple[Emulator, str]) -> None:
+    """InvalidImageName (or ErrImageNeverPull) is no wait that passes: the job fails, naming it,
+    and the pods are deleted (they left the job PENDING until its time limit)."""
+    e, url = emu
+    job = new_id("badimg")
+    await launch(stub, job, spec("master_worker"))
+    pods = sorted(pods_of(e, job))
+    assert len(pods) > 1
+    await kubelet(url, pods[0], "Pending", containerStatuses=[
+        {"name": "main", "state": {"waiting": {"reason": "InvalidImageName",
+                                               "message": "could not parse image name x@@"}}}])
+    obs = await wait_for(stub, job, TERMINAL)
+    assert obs.state == job_pb2.JOB_STATE_FAILED and obs.reason == "InvalidImageName", obs
+    assert "parse image name" in obs.message
+    deadline = time.monotonic() + 15
+    while pods_of(e, job):
+        assert time.monotonic() < deadline, f"pods left: {sorted(pods_of(e, job))}"
+        await asyncio.sleep(0.1)
 
 async def test_stop_and_delete_remove_the_right_objects(stub: Any, emu: tuple[Emulator, str]) -> None:
     e, url = emu

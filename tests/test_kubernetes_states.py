@@ -34,6 +34,14 @@ CASES = [
     (pod("Pending", containers=[waiting("ImagePullBackOff")]), ReplicaState.PENDING, "ImagePullBackOff", None),
     (pod("Pending", containers=[waiting("ErrImagePull")]), ReplicaState.PENDING, "ErrImagePull", None),
     (pod("Pending", containers=[waiting("ContainerCreating")]), ReplicaState.PENDING, "Scheduled", None),
+    (pod("Pending", containers=[waiting("CreateContainerConfigError")]), ReplicaState.PENDING,
+     "CreateContainerConfigError", None),  # a Secret or ConfigMap may still come
+    # Waits the kubelet never gets past: the replica fails (its pod is deleted: ``alive``)
+    (pod("Pending", containers=[waiting("InvalidImageName")]), ReplicaState.FAILED, "InvalidImageName", None),
+    (pod("Pending", containers=[waiting("ErrImageNeverPull")]), ReplicaState.FAILED, "ErrImageNeverPull", None),
+    (pod("Running", containers=[{"name": "proc-0", "state": {"running": {}}}, {**waiting("InvalidImageName"),
+                                                                             "name": "proc-1"}]),
+     ReplicaState.FAILED, "InvalidImageName", None),
     (pod("Pending", node=""), ReplicaState.PENDING, "Pending", None),
     (pod("Running"), ReplicaState.RUNNING, "Running", None),
     (pod("Running", containers=[waiting("CrashLoopBackOff")]), ReplicaState.RUNNING, "CrashLoopBackOff", None),

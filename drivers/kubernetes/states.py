@@ -11,6 +11,8 @@ pod                                    replica     reason
 Pending, PodScheduled False            PENDING     the condition's (Unschedulable)
 Pending, a container waiting           PENDING     the waiting reason (ImagePullBackOff,
                                                    ErrImagePull, CreateContainerConfigError, ...)
+Pending/Running, a container waiting   FAILED      it (InvalidImageName, ErrImageNeverPull: the
+for good                                           kubelet never starts it); the pod is ``alive``
 Pending otherwise                      PENDING     Scheduled / Pending
 Running, a container terminated != 0   FAILED      its reason (OOMKilled, Error), exit code: a
                                                    replica of several processes (containers)
@@ -92,6 +94,12 @@ def _containers(status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [*(status.get("initContainerStatuses") or ()), *(status.get("containerStatuses") or ())]
 
 
+#: Waiting reasons the kubelet never gets past: the image reference does not parse, or the
+#: pull policy is Never and the node lacks it. Every other reason may pass (a registry back,
+#: a Secret created), so it leaves the replica PENDING, as Kubernetes leaves the pod.
+PERMANENT_WAITING = frozenset({"InvalidImageName", "ErrImageNeverPull"})
+
+
 def _waiting(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
     for c in _containers(status):
         w = (c.get("state") or {}).get("waiting")
@@ -136,13 +144,15 @@ def _replica_of(pod: Mapping[str, Any]) -> PodView:
                                cond.get("message") or "", node=node)
         w = _waiting(status)
         if w is not None:
-            return PodView(ReplicaState.PENDING, w["reason"],
-                           f"{w['container']}: {w.get('message') or w['reason']}", node=node)
+            return _stuck(w, node) or PodView(ReplicaState.PENDING, w["reason"],
+                                              f"{w['container']}: {w.get('message') or w['reason']}", node=node)
         return PodView(ReplicaState.PENDING, REASON_SCHEDULED if node else REASON_PENDING, node=node)
     if phase == "Running":
         if failed := _failed(terms, status, node, start, end):
             return dataclasses.replace(failed, alive=True)
         w = _waiting(status)
+        if w is not None and (stuck := _stuck(w, node, start)) is not None:
+            return stuck
         if w is not None:
             return PodView(ReplicaState.RUNNING, w["reason"],
                            f"{w['container']}: {w.get('message') or w['reason']}", node=node,
@@ -163,6 +173,15 @@ def _replica_of(pod: Mapping[str, Any]) -> PodView:
             end_time=end)
     return PodView(ReplicaState.UNSPECIFIED, REASON_UNKNOWN,
                    status.get("message") or f"pod phase {phase!r}", node=node, start_time=start)
+
+
+def _stuck(w: Mapping[str, Any], node: str, start: float | None = None) -> PodView | None:
+    """A container waiting for good (``PERMANENT_WAITING``) fails its replica; the pod, which
+    would wait on for ever, is ``alive`` (deleted); None for a wait that may pass."""
+    if w["reason"] not in PERMANENT_WAITING:
+        return None
+    return PodView(ReplicaState.FAILED, w["reason"], f"{w['container']}: {w.get('message') or w['reason']}",
+                   node=node, start_time=start, alive=True)
 
 
 def _code(t: Mapping[str, Any]) -> int:
