@@ -119,6 +119,10 @@ _EVENT_TYPES = {
     EventType.DELETED: job_pb2.WATCH_EVENT_TYPE_DELETED,
 }
 MAX_PAGE = 1000
+#: The most bytes of jobs one ListJobs page carries: a page stops before the job that would pass
+#: it (one job at least), with a next_page_token, as AIP-158 allows. Jobs reach ~256 KiB (their
+#: spec), so a full page could pass the 8 MiB a response may be.
+MAX_PAGE_BYTES = 4 << 20
 # How long a followed log stream waits for the job's state after its attempt's logs end.
 _ATTEMPT_SETTLE_SECONDS = 30.0
 DEFAULT_PAGE = 100
@@ -363,8 +367,16 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             itertools.islice(self.cache.select(flt, caller(), after), size + 1))
         if self.history is not None:
             page = await self._with_archived(page, flt, after, size + 1)
-        token = _encode_page(page[size - 1].key, request.filter) if len(page) > size else ""
-        return pb.ListJobsResponse(jobs=[j.proto() for j in page[:size]], next_page_token=token)
+        jobs: list[job_pb2.Job] = []
+        budget = MAX_PAGE_BYTES
+        for entry in page[:size]:
+            proto = entry.proto()
+            budget -= proto.ByteSize() + 8  # (its field tag and length)
+            if jobs and budget < 0:
+                break
+            jobs.append(proto)
+        token = _encode_page(page[len(jobs) - 1].key, request.filter) if len(page) > len(jobs) else ""
+        return pb.ListJobsResponse(jobs=jobs, next_page_token=token)
 
     async def _archived_or_missing(self, job_id: str) -> job_pb2.Job:
         """The archived job ``job_id`` the caller may read, else NOT_FOUND."""

@@ -542,6 +542,33 @@ async def test_list_paging_and_delete(jm: pb_grpc.JobManagerServiceStub) -> None
     assert not (await jm.DeleteJob(pb.DeleteJobRequest(name=names[0], allow_missing=True))).HasField("job")
 
 
+async def test_a_page_of_large_jobs_stays_under_the_response_limit(jm: pb_grpc.JobManagerServiceStub) -> None:
+    """Jobs of ~190 KB (specs may be 256 KiB): the default page of 100 would be over the 8 MiB a
+    response may carry (RESOURCE_EXHAUSTED for every page); pages stop at 4 MiB instead, each
+    with a token, and every job comes once."""
+    tag = uniq()
+    big = ["x" * (63 * 1024)] * 3
+    names = set()
+    for i in range(45):
+        spec = job_pb2.JobSpec(run_mode=S.RUN_MODE_SINGLE_PROCESS, labels={"big": tag}, replica_groups=[
+            job_pb2.ReplicaGroup(role="main", replicas=1, command=[*program("pass"), *big])])
+        names.add((await jm.SubmitJob(pb.SubmitJobRequest(job_id=f"{tag}-{i}", spec=spec))).job.name)
+    seen: list[str] = []
+    token, pages = "", 0
+    while True:
+        r = await jm.ListJobs(pb.ListJobsRequest(page_token=token, filter=f"labels.big={tag}"))
+        assert r.ByteSize() <= 4 << 20 + 1024
+        seen += [j.name for j in r.jobs]
+        pages += 1
+        token = r.next_page_token
+        if not token:
+            break
+    assert sorted(seen) == sorted(names) and pages >= 3
+    for n in names:
+        await wait_state(jm, n, TERMINAL)
+        await jm.DeleteJob(pb.DeleteJobRequest(name=n))
+
+
 async def test_delete_with_an_etag_changes_nothing_unless_it_matches(
         jm: pb_grpc.JobManagerServiceStub) -> None:
     """DeleteJob's etag (AIP-154): a stale one is ABORTED and the job neither stopped nor
