@@ -687,6 +687,8 @@ class Scheduler:
                         if not obs.found:
                             continue  # decided after the snapshot, via _check_lost
                         seen.add(obs.job_id)
+                        self._stop_again(cluster, obs, await self.apply(cluster, obs))
+                        continue
                     await self.apply(cluster, obs)
                 log.info("observation stream of %s ended; reconnecting", cluster)
             except asyncio.CancelledError:
@@ -735,7 +737,17 @@ class Scheduler:
         for obs in await drv.batch_get(cluster, [(j.id, j.backend_job_id) for j in missing]):
             if not obs.found:
                 log.warning("job %s lost by %s", obs.job_id, cluster)
-            await self.apply(cluster, obs)
+            self._stop_again(cluster, obs, await self.apply(cluster, obs))
+
+    def _stop_again(self, cluster: str, obs: Observation, job: Job | None) -> None:
+        """A stopping job its driver reports as running, in a snapshot or a look-up: the driver
+        does not know of the stop (it restarted, e.g. in a stop's grace, before it killed the
+        processes that ignored SIGTERM), so it is asked again (TerminateJob is idempotent)."""
+        if (job is not None and job.state == JobState.STOPPING and job.launched and obs.found
+                and obs.state in (JobState.PENDING, JobState.QUEUED, JobState.RUNNING)):
+            log.info("job %s: %s reports it %s although it is stopping; stopping it again",
+                     job.id, cluster, obs.state.name)
+            self._retry_in_background(job.id, "terminate", cluster, first_delay=0)
 
     # ------------------------------------------------------------ ownership
 

@@ -14,6 +14,7 @@ import time
 
 import grpc
 import pytest
+from google.protobuf import duration_pb2
 
 from dlsched.kit.rpc_errors import error_info
 from dlsched.v1 import cluster_pb2, driver_service_pb2_grpc, job_pb2
@@ -98,6 +99,58 @@ async def test_stop_ends_a_running_job_as_stopped(stub):
     assert obs.state == job_pb2.JOB_STATE_STOPPED, obs
     again = await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=ref), timeout=30)
     assert again.observation.state == job_pb2.JOB_STATE_STOPPED  # idempotent
+
+
+#: A program that saves its work on SIGTERM, for longer than the test cluster's KillWait (5 s).
+SAVES_ON_TERM = """
+import signal, sys, time
+def term(*_):
+    print('term', flush=True)
+    time.sleep(8)
+    print('saved', flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+print('up', flush=True)
+time.sleep(300)
+"""
+
+
+async def test_a_stop_gives_the_processes_its_grace_after_sigterm(stub):
+    """SIGTERM reaches the processes and they get the stop's grace to end (not Slurm's KillWait,
+    5 s here): a handler that saves its work for 8 s finishes. The job, ended after the stop
+    reached it, is STOPPED although its process exited 0."""
+    jid = new_id("grace")
+    await launch(stub, jid, single(SAVES_ON_TERM))
+    await wait_state(stub, jid, [job_pb2.JOB_STATE_RUNNING])
+    deadline = time.monotonic() + 60  # Slurm says RUNNING once the script starts; the handler is set after
+    while "up" not in [e.text for e in await logs(stub, jid)]:
+        assert time.monotonic() < deadline, "the program never started"
+        await asyncio.sleep(0.5)
+    grace = duration_pb2.Duration(seconds=120)
+    resp = await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=jid),
+                                                           grace_period=grace), timeout=30)
+    assert resp.observation.state == job_pb2.JOB_STATE_STOPPING
+    obs = await wait_state(stub, jid, within=120)
+    assert obs.state == job_pb2.JOB_STATE_STOPPED, obs
+    assert [e.text for e in await logs(stub, jid) if e.stream == job_pb2.LOG_STREAM_STDOUT] == ["up", "term", "saved"]
+
+
+async def test_a_process_that_ignores_sigterm_is_killed_after_the_grace(stub):
+    jid = new_id("ignores")
+    await launch(stub, jid, single("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                   "print('up', flush=True); time.sleep(300)"))
+    await wait_state(stub, jid, [job_pb2.JOB_STATE_RUNNING])
+    deadline = time.monotonic() + 60
+    while "up" not in [e.text for e in await logs(stub, jid)]:
+        assert time.monotonic() < deadline, "the program never started"
+        await asyncio.sleep(0.5)
+    ref = dpb.JobRef(job_id=jid)
+    grace = duration_pb2.Duration(seconds=1)
+    await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=ref, grace_period=grace), timeout=30)
+    obs = await wait_state(stub, jid, within=120)  # the grace, then scancel: SIGKILL after KillWait
+    assert obs.state == job_pb2.JOB_STATE_STOPPED, obs
+    again = await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=ref), timeout=30)
+    assert again.observation.state == job_pb2.JOB_STATE_STOPPED
 
 
 async def test_cleanup_cancels_a_running_job_and_removes_its_files(stub, cluster):

@@ -95,7 +95,7 @@ def get_cluster(cm: cm_grpc.ClusterManagerServiceStub) -> C.Cluster:
 @pytest.fixture(scope="module")
 def stack(etcd: EtcdServer, slurm: slurm_cluster.SlurmCluster, slurm_driver: ServiceProcess) -> Iterator[Stack]:
     """ClusterManager + JobManager (and the local driver Stack brings) with ``clusters/slurm`` READY."""
-    st = Stack(etcd, f"/dlsched-slurm-services-{uuid.uuid4().hex[:8]}/", jm_args=["--stop-grace-seconds", "2"])
+    st = Stack(etcd, f"/dlsched-slurm-services-{uuid.uuid4().hex[:8]}/", jm_args=["--stop-grace-seconds", "15"])
     try:
         st.start()
         with security.sync_channel(st.cm.address) as ch:
@@ -380,6 +380,37 @@ async def test_stop_job_ends_a_running_job_stopped(jm, runs, tmp_path):
     await wait_dead([p["pid"] for p in got])
     again = (await jm.StopJob(jpb.StopJobRequest(name=r.name), timeout=20)).job  # ended: unchanged
     assert again.state == S.JOB_STATE_STOPPED
+
+
+async def test_a_stop_outlives_a_driver_killed_in_its_grace(jm, runs, slurm_driver, tmp_path):
+    """The driver is SIGKILLed after a stop's SIGTERM, within its grace, so the scancel that would
+    end processes that ignore SIGTERM is never sent. JobManager asks the restarted driver again
+    (it reports the job running): the job ends STOPPED and its process is gone."""
+    pid_file = tmp_path / "pid"
+    r = run_of(jm, single("""
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with open(sys.argv[1] + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+        time.sleep(600)""", str(pid_file)))
+    runs.append(r)
+    await r.submit()
+    await r.until((S.JOB_STATE_RUNNING,))
+    await wait_file(pid_file)
+    pid = int(pid_file.read_text())
+    stopped = (await jm.StopJob(jpb.StopJobRequest(name=r.name), timeout=20)).job
+    assert stopped.state == S.JOB_STATE_STOPPING, stopped  # SIGTERM sent (ignored), the grace (15 s) runs
+    args, address = list(slurm_driver.args), slurm_driver.address
+    slurm_driver.kill()
+    try:
+        slurm_driver.args = [*args, "--listen", address]  # where ClusterManager knows it
+        await asyncio.to_thread(slurm_driver.start)
+    finally:
+        slurm_driver.args = args
+    job = await r.until()
+    assert job.state == S.JOB_STATE_STOPPED, job
+    await wait_dead([pid], within=60)
 
 
 # --------------------------------------------------------------------------- jobs that cannot start

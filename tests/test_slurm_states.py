@@ -3,6 +3,8 @@ recorded squeue / scontrol output."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from drivers.common.base import JobState, ReplicaState
@@ -294,3 +296,32 @@ def test_mpi_workers_are_reported_with_the_jobs_state_and_survive_the_record():
                                            ("worker", 1, R.STOPPED)]
     again = TrackedJob.from_record("clusters/s", "/tmp/m", done.record())
     assert states_of(again) == states_of(done)
+
+
+def test_a_job_that_ends_after_a_stop_reached_it_is_stopped_and_killed_after_the_grace():
+    """SIGTERM to the steps, then the grace: whatever the processes' statuses (a SIGTERM's, or 0
+    from a handler that saved its work), an end after the stop is STOPPED; a job that ends on
+    its own is what Slurm says. ``kill_due`` once the grace is over, and only once sent."""
+    from drivers.slurm import exits
+    from drivers.slurm.jobs import TrackedJob
+
+    for state, code in (("FAILED", 143), ("COMPLETED", 0), ("CANCELLED", 0)):
+        job = TrackedJob("clusters/s", "j", 1, "42", "/tmp/j", None, (("main", 0),))
+        job.apply(poller.SlurmJob("42", "RUNNING", nodes="n1"))
+        job.stop_sent(30)
+        assert job.state is JobState.STOPPING and not job.kill_due(time.monotonic())
+        assert job.kill_due(time.monotonic() + 31)
+        job.apply(poller.SlurmJob("42", state, exit_status=code, nodes="n1"))
+        assert job.exits_read(exits.parse(f"labels main-0\nend main-0 {code} exit\n"))
+        obs = job.observation(None)
+        assert obs.state is JobState.STOPPED, (state, obs)
+        assert [r.state for r in obs.replicas] == [ReplicaState.STOPPED if code else ReplicaState.SUCCEEDED]
+        assert not job.kill_due(time.monotonic() + 31)  # ended: nothing to kill
+    alone = TrackedJob("clusters/s", "k", 1, "43", "/tmp/k", None, (("main", 0),))
+    alone.apply(poller.SlurmJob("43", "RUNNING", nodes="n1"))
+    alone.apply(poller.SlurmJob("43", "FAILED", exit_status=3, nodes="n1"))
+    assert alone.exits_read(exits.parse("labels main-0\nend main-0 3 exit\n"))
+    assert alone.observation(None).state is JobState.FAILED
+    cancelled = TrackedJob("clusters/s", "m", 1, "44", "/tmp/m", None)
+    cancelled.stop_sent()  # scancel at once: nothing left to kill
+    assert cancelled.state is JobState.STOPPING and not cancelled.kill_due(time.monotonic() + 1e6)

@@ -230,11 +230,22 @@ class SlurmClient:
             return " ".join(r.stdout.split("*", 1)[0].split())[:300]
         return ""
 
-    async def cancel(self, backend_job_id: str) -> None:
-        """``scancel`` (Slurm sends SIGTERM, then SIGKILL after KillWait); an ended job is fine."""
+    async def cancel(self, backend_job_id: str) -> bool:
+        """``scancel`` (Slurm sends SIGTERM, then SIGKILL after KillWait); an ended job is fine
+        (False: Slurm said it had ended already)."""
         rc, _, err = await self.run(f"scancel {shlex.quote(backend_job_id)}")
         if e := exit_error("scancel", rc, err):
             raise e
+        return rc == 0
+
+    async def signal_steps(self, backend_job_id: str, signal: str) -> bool:
+        """``scancel --signal`` to a running job's steps (the processes; the batch script, which
+        records their ends, is left to finish); False: Slurm said the job had ended already.
+        Never for a pending job: scancel waits for it to start."""
+        rc, _, err = await self.run(f"scancel --signal={signal} {shlex.quote(backend_job_id)}")
+        if e := exit_error("scancel", rc, err):
+            raise e
+        return rc == 0
 
     async def release(self, backend_job_id: str) -> None:
         """``scontrol release``: a held job may start; one not held, running or ended is fine."""

@@ -28,6 +28,9 @@ class SlurmConfig:
                 "health then comes from the poll rounds, and each look-up takes one round's slot"})
     idle_check_interval: float = field(default=10.0, metadata={
         "help": "seconds between health and capacity look-ups of a cluster with no polled job"})
+    grace_seconds: float = field(default=10.0, metadata={"min": 0,
+        "help": "seconds between a stop's SIGTERM to a running job's processes and its scancel when "
+                "the stop names no grace (then Slurm's KillWait before SIGKILL)"})
     held_grace: float = field(default=600.0, metadata={
         "help": "seconds a held dlsched job that no driver adopted stays queued before a poll round "
                 "cancels it (a launch whose answer JobManager never got, then gave up on); the oldest "

@@ -16,25 +16,18 @@ exactly-once submission), ``poller`` the shared squeue rounds, ``cluster`` what 
 kept per cluster, ``jobs`` what those rounds make of a tracked job, ``states`` the state table, ``logs`` the
 log files and followers, ``usage`` sstat/sacct and the node capacity.
 
-Launch: ``adapter.SlurmClient.submit`` (an ``sbatch --parsable --hold`` started ahead of the launch
-takes the script on stdin; an ambiguous one is resolved by looking the attempt up before any retry;
-only the one Slurm job adopted for the attempt, the oldest with its comment, is released with
-``scontrol release``, after the launch answered: the driver tracks the job, then releases it in the
-background and asks again each poll round while Slurm still holds it). Exactly once: every poll
-round groups the user's jobs by ``dlsched-`` comment and cancels the ones no driver will ever
-release (``strays``: every unfinished job of a tracked attempt but the adopted one, on sight; held
-jobs that no configuration of this process wants, after a grace, the oldest of an attempt only once
-JobManager's watch of the cluster has been open a minute without claiming it: JobManager may hold
-its id); they were submitted held and never released, so they never ran. After an ``sbatch`` that
-timed out the attempt is polled for ``adapter.LATE_WINDOW``, 10 minutes, even once its job has
-ended. A job cancelled while held is ``voided``: a later launch of its attempt passes over it and
-submits anew, so a retry after the grace never adopts a cancelled job. A job id used again after a
-delete is a new job: its uid in the comment differs (without a uid, the deleted job's Slurm id is
-``retired`` while squeue lists it, in memory). An adopted job still held (its driver died between ``sbatch`` and the release) is released on adoption,
-by a launch or by an observation. An ``sbatch`` that fails with no job behind it is
-FAILED_PRECONDITION reason ``SBATCH_REJECTED`` with Slurm's message (an unknown partition), unless
-the message says the controller was unreachable or slow: that is retried, and after the last try
-UNAVAILABLE reason ``BACKEND_UNAVAILABLE``.
+Launch: ``adapter.SlurmClient.submit``, exactly once (its docstring): every job is submitted held
+(``sbatch --parsable --hold``) and only the one adopted for the attempt, the oldest with its comment,
+is released (``scontrol release``, in the background after the launch answered, and again each poll
+round while Slurm still holds it). Every poll round cancels what no driver will ever release
+(``strays``: a tracked attempt's other unfinished jobs on sight; held jobs no configuration of this
+process wants after a grace, the oldest of an attempt only once JobManager's watch has been open a
+minute without claiming it). A job cancelled while held is ``voided``: a later launch of its attempt
+submits anew. A job id used again after a delete is a new job: its uid in the comment differs
+(without one, the deleted job's Slurm id is ``retired`` while squeue lists it). An ``sbatch`` that
+fails with no job behind it is FAILED_PRECONDITION ``SBATCH_REJECTED`` with Slurm's message, unless
+the message says the controller was unreachable or slow: retried, then UNAVAILABLE
+``BACKEND_UNAVAILABLE``.
 
 State: one ``Poller`` per cluster (one ``squeue`` per interval for all tracked jobs, one
 ``sacct``/``scontrol`` follow-up only for jobs missing from it; a launch or stop never adds a
@@ -46,7 +39,11 @@ same dlsched attempt (``jobs``): QUEUED again, then RUNNING, ``backend_restarts`
 driver does not know (after a restart) are adopted on the first observation that names them,
 answered by the next poll round.
 
-Stop: ``scancel`` (Slurm sends SIGTERM, then SIGKILL after KillWait); stopping an ended or unknown job is fine. CANCELLED maps to STOPPED.
+Stop: a running job's processes (its steps) get SIGTERM (``scancel --signal=TERM``) and the stop's
+grace (``--grace-seconds`` when it names none); a poll round then ``scancel``s it (SIGTERM, SIGKILL
+after KillWait). A job not running yet, a stop with no grace and a cleanup are ``scancel``ed at once.
+A job that ends after a stop reached it is STOPPED, whatever its processes' statuses; stopping an
+ended or unknown job is fine.
 A stop or cleanup by a ref the driver does not track (it restarted) adopts the job first. A cleanup by
 job id alone (a new job of that id, refused NAME_COLLISION) cancels every job of the id Slurm still
 runs; until they have ended, a launch of the id is UNAVAILABLE (they may still run in its directory),
@@ -76,6 +73,7 @@ from drivers.common.base import (
     JobObservation,
     JobRef,
     JobSpec,
+    JobState,
     JobUsage,
     LaunchResult,
     LogEntry,
@@ -299,6 +297,8 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
                     self._later(c, "release", job.backend_job_id, job.job_id)
                 else:
                     c.to_release.discard(job.backend_job_id)
+            if error is None and job.kill_due(time.monotonic()):
+                self._later(c, "kill", job.backend_job_id, job.job_id)
             released = job.backend_job_id not in c.to_release and job.note_release(None)  # held no more
             if not job.state.is_terminal() and (job.round(sj, error, complete) or released):
                 self._publish(c, job)
@@ -331,8 +331,8 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
             self._later(c, "cancel", jid)
 
     def _later(self, c: SlurmCluster, action: str, backend_job_id: str, job_id: str = "") -> None:
-        """``scancel`` ("cancel") or ``scontrol release`` ("release") in the background; a failure is
-        logged (the next round asks again), a release's also in the message of ``job_id``'s job."""
+        """``scancel`` ("cancel"; "kill": ``job_id``'s stop grace is over) or ``scontrol release`` ("release") in
+        the background; a failure is logged (the next round asks again), a release's also in ``job_id``'s job."""
         async def call() -> None:
             try:
                 if action == "release":
@@ -341,6 +341,9 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
                     self._release_failed(c, job_id, backend_job_id, None)
                 else:
                     await c.client.cancel(backend_job_id)
+                    if action == "kill" and (job := c.jobs.get(job_id)) is not None \
+                            and job.backend_job_id == backend_job_id:
+                        job.killed = True  # (a failed one is asked again the next round)
             except DlschedError as e:
                 log.warning("%s of Slurm job %s: %s", action, backend_job_id, e.message)
                 if action == "release" and backend_job_id in c.to_release:  # else: held no more
@@ -450,8 +453,14 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
             job = c.find(ref)
         if job is None or not ref.names_uid(job.uid):  # unknown (or another uid's): nothing to stop
             return None
-        await c.client.cancel(job.backend_job_id)
-        job.stop_sent()
+        if job.stop_requested:  # a stop reached it: its grace runs (a round cancels it after), or it was cancelled
+            return c.observation(job)
+        grace = self.config.grace_seconds if grace_seconds is None else grace_seconds
+        if job.state is JobState.RUNNING and grace > 0:  # (scancel --signal waits for a pending job)
+            if await c.client.signal_steps(job.backend_job_id, "TERM"):
+                job.stop_sent(grace)
+        elif await c.client.cancel(job.backend_job_id):  # (else it ended already: a round reports it)
+            job.stop_sent()
         self._publish(c, job)
         c.poller.wake()
         return c.observation(job)
@@ -470,10 +479,8 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
                 if (writer := c.record_writer) is not None and not writer.done():  # it may hold its record:
                     await asyncio.wait([writer], timeout=self.config.command_timeout)  # removed after it
             return await self._remove_files(c, job.job_id)
-        if not job.state.is_terminal():
-            await self._terminate(c, name, ref, None)
-        elif job.unschedulable:  # FAILED here, maybe still queued there
-            await c.client.cancel(job.backend_job_id)
+        if not job.state.is_terminal() or job.unschedulable:  # (unschedulable: FAILED here, maybe queued there)
+            await c.client.cancel(job.backend_job_id)  # at once, whatever grace a stop gave it
         await c.client.remove_files(job.job_id, job.dir.rsplit("/", 1)[0])
         c.jobs.pop(job.job_id, None)
         c.to_release.discard(job.backend_job_id)  # cancelled: nothing to release

@@ -64,7 +64,7 @@ class TrackedJob:
     __slots__ = ("cluster", "job_id", "attempt", "backend_job_id", "dir", "native", "state", "reason",
                  "message", "exit_code", "start_time", "end_time", "nodes", "stale", "stop_requested", "seen",
                  "restarts", "roles", "usage", "accounted", "unschedulable", "held", "exits", "exit_reads",
-                 "release_error", "uid", "hosts")
+                 "release_error", "uid", "hosts", "kill_at", "killed")
 
     def __init__(self, cluster: str, job_id: str, attempt: int, backend_job_id: str, adir: str,
                  native: NativeSpec | None, roles: tuple[tuple[str, int], ...] = (), uid: str = "",
@@ -86,6 +86,8 @@ class TrackedJob:
         self.nodes = ""
         self.stale = False
         self.stop_requested = False
+        self.kill_at: float | None = None  # (monotonic) a stop's grace ends: scancel then
+        self.killed = False  # that scancel was sent
         self.seen = False  # Slurm has answered about it at least once
         self.restarts = 0  # Slurm requeues seen (RestartCnt)
         self.roles = roles  # (role, index) of every replica the script runs a step for
@@ -161,13 +163,18 @@ class TrackedJob:
             self.message = f"{self.message} (Slurm restart {self.restarts})"
         if self.stop_requested and not m.state.is_terminal():
             self.state, self.reason = JobState.STOPPING, STOP_REQUESTED
+        elif self.stop_requested and m.state is not JobState.STOPPED:
+            # It ended after a stop reached it: its processes' ends (a SIGTERM's status, or 0
+            # from a handler that saved its work) and the batch script's are the stop's.
+            self.state, self.reason = JobState.STOPPED, states.REASON_STOPPED
+            self.message = f"stopped by dlsched (Slurm reported {states.normalise(sj.state)})"
         if m.state in (JobState.RUNNING, JobState.STOPPING) or m.state.is_terminal():
             self.start_time = sj.start_time or self.start_time
         self.nodes = sj.nodes if sj.nodes not in ("", "(null)") else self.nodes
         if m.state.is_terminal():
             self.exit_code = sj.exit_status
             self.end_time = sj.end_time or time.time()
-            if m.state is JobState.FAILED and sj.exit_status:
+            if self.state is JobState.FAILED and sj.exit_status:
                 self.message = f"{m.message}; exit code {sj.exit_status}"
 
     @property
@@ -218,10 +225,22 @@ class TrackedJob:
         self.message = "Slurm no longer knows the job and its end was never seen"
         self.end_time = time.time()
 
-    def stop_sent(self) -> None:
-        """``scancel`` accepted: STOPPING until Slurm reports the end."""
+    def stop_sent(self, grace: float | None = None) -> None:
+        """A stop reached the job: ``scancel`` (``grace`` None), or SIGTERM to its steps and
+        ``scancel`` once ``grace`` seconds have passed (``kill_due``); STOPPING until Slurm
+        reports the end."""
         self.stop_requested = True
-        self.state, self.reason, self.message = JobState.STOPPING, STOP_REQUESTED, "scancel sent"
+        self.state, self.reason = JobState.STOPPING, STOP_REQUESTED
+        if grace is None:
+            self.kill_at, self.killed, self.message = None, True, "scancel sent"
+        else:
+            self.kill_at = time.monotonic() + grace
+            self.message = f"SIGTERM sent; scancel after {grace:g}s"
+
+    def kill_due(self, now: float) -> bool:
+        """A stop's grace is over and the job has not ended: ``scancel`` it."""
+        return (self.stop_requested and not self.killed and self.kill_at is not None
+                and now >= self.kill_at and not self.state.is_terminal())
 
     def observation(self, last_error: str | None) -> JobObservation:
         """What the driver reports; a stale job keeps its state, the error in the message."""

@@ -31,6 +31,7 @@ REASON_STALE = "BackendStale"
 REASON_UNKNOWN = "UnknownSlurmState"
 REASON_LOST = "LeftSlurm"
 REASON_SUBMITTED = "Submitted"
+REASON_STOPPED = "Cancelled"  # as CANCELLED: a job that ended after a stop reached it
 
 
 @dataclass(frozen=True)
