@@ -13,6 +13,7 @@ import contextlib
 import glob
 import os
 import pwd
+import re
 import shutil
 import subprocess
 import tempfile
@@ -111,14 +112,21 @@ class PostgresServer:
         except OSError:
             return ""
 
-    async def database(self) -> str:
-        """A new, empty database; its DSN."""
+    async def database(self, icu_locale: str = "") -> str:
+        """A new, empty database; its DSN. ``icu_locale``: its default collation is that ICU
+        locale's (e.g. ``und-u-ka-shifted``, where punctuation is ignored at the first level,
+        as en_US.UTF-8 does), not the server's C.UTF-8."""
         import asyncpg  # type: ignore[import-untyped]
 
         name = f"t_{uuid.uuid4().hex[:12]}"
         conn = await asyncpg.connect(self.dsn)
         try:
-            await conn.execute(f'CREATE DATABASE "{name}"')
+            if icu_locale:
+                assert re.fullmatch(r"[A-Za-z0-9-]+", icu_locale), icu_locale
+                await conn.execute(f"CREATE DATABASE \"{name}\" TEMPLATE template0 LOCALE_PROVIDER icu "
+                                   f"ICU_LOCALE '{icu_locale}'")
+            else:
+                await conn.execute(f'CREATE DATABASE "{name}"')
         finally:
             await conn.close()
         return self.dsn_for(name)

@@ -703,6 +703,18 @@ async def test_oidc_email_as_the_user_needs_email_verified() -> None:
         assert (await plain.verify(iss.token("someone", AUD))).name == "user:someone"
 
 
+async def test_an_oidc_subject_over_255_characters_is_refused() -> None:
+    """OpenID Connect caps ``sub`` at 255 characters; a longer one is no user (it would become a
+    job owner longer than the history's column: every archive batch it was in failed)."""
+    from dlsched.auth.oidc import OidcOptions, OidcVerifier
+    from dlsched.errors import Unauthenticated
+    with OidcIssuer().running() as iss:
+        v = OidcVerifier(OidcOptions(issuer=iss.url, audience=AUD))
+        assert (await v.verify(iss.token("s" * 255, AUD))).name == "user:" + "s" * 255
+        with pytest.raises(Unauthenticated, match="over 255"):
+            await v.verify(iss.token("s" * 256, AUD))
+
+
 # ---------------------------------------------------------------- (d) TLS
 
 def _served_certificate(port: int, opts: tls_kit.TlsOptions) -> x509.Certificate:

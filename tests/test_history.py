@@ -165,6 +165,43 @@ async def test_keyset_pages_and_filters_answer_like_a_full_read(history: History
     assert await history.get("nope") is None
 
 
+async def test_ids_page_in_byte_order_whatever_the_databases_collation(pg: PostgresServer) -> None:
+    """ListJobs merges the history's pages with the watch cache's, which orders ids as Python
+    does: a PostgreSQL database whose collation ignores punctuation (as en_US.UTF-8 does) must
+    not order ``a-c`` after ``ab``, or pages skip and repeat jobs that share a create time."""
+    ids = ["aa", "a-c", "ab", "a-b", "job1", "job-10", "job10", "job-2", "b"]
+    h = await HistoryStore.open(await pg.database(icu_locale="und-u-ka-shifted"))
+    try:
+        jobs = []
+        for i, job_id in enumerate(ids):
+            j = make(i, created=T0)  # one create time: the id alone orders them
+            j.id = job_id
+            jobs.append(j)
+        await h.put(entries(jobs))
+        for size in (1, 2, 3, 100):
+            got: list[str] = []
+            after = None
+            while True:
+                page = await h.select(parse_filter(""), None, after, size)
+                got += [a.id for a in page]
+                if len(page) < size:
+                    break
+                after = page[-1].key
+            assert got == sorted(ids), size
+    finally:
+        await h.close()
+
+
+async def test_an_owner_or_cluster_of_any_length_is_archived(history: HistoryStore) -> None:
+    """Owner and cluster columns take any length (an owner of 400 characters failed every
+    PostgreSQL batch it was in, and the archiver retried that batch for ever)."""
+    long = make(1, owner="user:" + "s" * 400, cluster="clusters/" + "c" * 300)
+    await history.put(entries([long, make(2)]))
+    assert await history.count() == 2
+    got = await history.get("h00001")
+    assert got is not None and got.job().owner == "user:" + "s" * 400
+
+
 async def test_upserts_are_idempotent_and_a_newer_revision_wins(history: HistoryStore) -> None:
     j = make(1, state=JobState.FAILED)
     await history.put(entries([j], revision=10))

@@ -29,6 +29,10 @@ from dlsched.auth.model import PROJECT_RE, Role
 from dlsched.auth.tokens import sha256_hex
 from dlsched.errors import Unauthenticated
 
+#: The longest user name a token may give (an OIDC ``sub`` is at most 255 characters; an
+#: e-mail address at most 254): it becomes job owners, audit records and history rows.
+MAX_SUBJECT = 255
+
 log = logging.getLogger("dlsched.auth.oidc")
 
 ALGORITHMS = ["RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "ES512", "EdDSA"]
@@ -114,6 +118,8 @@ class OidcVerifier:
         subject = claims.get(self.opts.user_claim)
         if not isinstance(subject, str) or not subject or not subject.isprintable() or " " in subject:
             raise Unauthenticated(f"token has no usable '{self.opts.user_claim}' claim")
+        if len(subject) > MAX_SUBJECT:  # OpenID Connect Core 2: sub "MUST NOT exceed 255 ASCII characters"
+            raise Unauthenticated(f"token's '{self.opts.user_claim}' claim is over {MAX_SUBJECT} characters")
         if self.opts.user_claim == "email" and claims.get("email_verified") is not True:
             # Many issuers let a user set an address nobody verified: naming the user by it
             # would let anyone claim another's ("nOAuth"). OpenID Connect Core 5.1.

@@ -13,7 +13,8 @@ label's index in listing order. ``job_requests`` and ``job_history_deleted``:
 see below.
 
 Every listing index is ``(column, create_us DESC, id)``: a keyset page is one
-index range, never an OFFSET.
+index range, never an OFFSET. Ids compare in byte order, as the watch cache
+compares them (PostgreSQL: ``COLLATE "C"``, migration 0004; SQLite's BINARY).
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ jobs = sa.Table(
     sa.Column("archived_us", sa.BigInteger, nullable=False),
     sa.Column("state", sa.SmallInteger, nullable=False),
     sa.Column("run_mode", sa.SmallInteger, nullable=False),
-    sa.Column("cluster", sa.String(256), nullable=False),
+    sa.Column("cluster", sa.Text, nullable=False),
     sa.Column("project", sa.String(64), nullable=False),
-    sa.Column("owner", sa.String(300), nullable=False),
+    sa.Column("owner", sa.Text, nullable=False),
     sa.Column("revision", sa.BigInteger, nullable=False),
     sa.Column("data", sa.LargeBinary, nullable=False),
 )
