@@ -192,7 +192,7 @@ class Gateway:
         app.router.add_get("/openapi.json", self._openapi)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/metrics", self._metrics)
-        app.router.add_route("*", "/{tail:.*}", self.handle)
+        app.router.add_route("*", "/{tail:[\\s\\S]*}", self.handle)  # (any path: a decoded newline too)
         return app
 
     @web.middleware
@@ -203,6 +203,15 @@ class Gateway:
         code = 500
         try:
             resp = await handler(request)
+            code = resp.status
+            return resp
+        except web.HTTPException as e:  # aiohttp's own answers (a request no route takes: OPTIONS *)
+            if e.status < 400:
+                code = e.status
+                raise
+            err = RouteNotFound(f"no route for {request.path!r}") if e.status == 404 else \
+                errors.InvalidArgument(f"{e.status} {e.reason}")
+            resp = _error(status.from_error(err), request)
             code = resp.status
             return resp
         except asyncio.CancelledError:

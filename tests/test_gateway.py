@@ -437,6 +437,33 @@ def test_gateway_side_errors_are_status_json(base: str) -> None:
     assert code == 405 and reason(body) == "METHOD_NOT_ALLOWED"
 
 
+def test_a_decoded_newline_or_nul_in_a_path_is_status_json_and_forges_no_log_line(
+        base: str, gateway: ServiceProcess) -> None:
+    """A percent-encoded newline in the path got aiohttp's text/plain 404 (no route took it), was
+    counted as a 500, and the access log line it was written into became two: a forged record."""
+    forged = "2026-12-06 14:50:00,000 INFO gateway gateway: DELETE /v1/clusters/prod -> 200"
+    path = "/v1/jobs/x%0a" + urllib.parse.quote(forged) + "%00"
+    code, body = call(base, "GET", path, token=None)
+    assert code in (400, 401, 404) and body["code"] in (3, 5, 16), body
+    code, body = call(base, "GET", "/v1/nothing%0ahere")
+    assert code == 404 and reason(body) == "ROUTE_NOT_FOUND"
+    host, port = base.removeprefix("https://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as raw, \
+            client_ssl().wrap_socket(raw, server_hostname="localhost") as tls:
+        tls.sendall(b"OPTIONS * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        answer = b""
+        while chunk := tls.recv(65536):
+            answer += chunk
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert b"application/json" in head and json.loads(payload)["code"] == 5, answer
+    deadline = time.monotonic() + 10
+    while "nothing\\nhere" not in gateway.log():
+        assert time.monotonic() < deadline, gateway.log()[-2000:]
+        time.sleep(0.1)
+    assert not [line for line in gateway.log().splitlines() if line.startswith(forged[:23])]
+    assert "\x00" not in gateway.log()
+
+
 def test_a_long_filter_and_a_large_token_reach_the_service(base: str) -> None:
     """An 8,000-character filter of spaces and quotes (about 24 KB percent-encoded) and a
     9,000-byte bearer token (a large OIDC token): answered by the service as JSON, not refused

@@ -47,3 +47,16 @@ def test_what_a_job_or_client_chose_is_cut_and_scanned_once() -> None:
     assert "b3BlbnNz" not in secret_after_cut
     long_key = KEY.replace("b3BlbnNzaC1rZXktdjEAAAAA", "QUJD" * logs.MAX_LOG_CHARS)
     assert "QUJD" not in _logged("%s", "z" * logs.MAX_LOG_CHARS + long_key)  # its BEGIN line in the cut
+
+
+def test_a_record_is_one_line_whatever_its_arguments_hold() -> None:
+    """Control characters in a logged value (a percent-decoded path, a job's message) are
+    escaped: a newline would start a forged record, a NUL makes the file binary to grep."""
+    import logging
+
+    from dlsched.kit.logs import RedactingFilter
+
+    rec = logging.LogRecord("gateway", logging.INFO, __file__, 1, "GET %s -> %d",
+                            ("/v1/jobs/x\n2026-12-06 INFO forged\r\x00\x1b[31m\u2028tab\tok é", 404), None)
+    assert RedactingFilter().filter(rec)
+    assert rec.getMessage() == "GET /v1/jobs/x\\n2026-12-06 INFO forged\\r\\x00\\x1b[31m\\u2028tab\tok é -> 404"

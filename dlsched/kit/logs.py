@@ -44,12 +44,23 @@ _SECRET_PATTERNS = [
 ]
 
 
+#: Characters that would end or rewrite a log line (newlines, CR, NUL, escapes): a message
+#: quoting a client's value (a percent-decoded path) could forge whole records with them.
+_CONTROL = re.compile("[\x00-\x08\x0a-\x1f\x7f\x85\u2028\u2029]")
+
+
+def _escaped(m: re.Match[str]) -> str:
+    c = m.group()
+    return {"\n": "\\n", "\r": "\\r"}.get(c) or (f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+
+
 class RedactingFilter(logging.Filter):
-    """Masks private keys and tokens in formatted log messages."""
+    """Masks private keys and tokens in formatted log messages, and escapes control characters
+    (one record, one line; a traceback, added by the formatter, keeps its lines)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
-        red = redact(msg)
+        red = _CONTROL.sub(_escaped, redact(msg))
         if red != msg:
             record.msg = red
             record.args = None
