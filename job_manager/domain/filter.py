@@ -196,6 +196,8 @@ def _intersect(a: TimeRange, b: TimeRange) -> TimeRange:
 def parse_filter(text: str) -> Filter:
     if len(text) > MAX_FILTER_CHARS:
         raise InvalidArgument.for_field("filter", f"{len(text)} characters; at most {MAX_FILTER_CHARS}")
+    if "\x00" in text:  # (no stored value holds one; PostgreSQL's text cannot even take it)
+        raise InvalidArgument.for_field("filter", "must not contain NUL")
     text = text.strip()
     if not text:
         return Filter()
