@@ -178,6 +178,32 @@ def test_multi_process_gets_rendezvous_from_the_node_list(sandbox):
     assert {s["master"] for s in seen} == {"node-a"}  # the allocation's first node
 
 
+ENV_PROBE = ("import json, os; print(json.dumps({k: os.environ.get(k) for k in "
+             "('PATH', 'SLURM_JOB_ID', 'SRUN_CPUS_PER_TASK', 'LD_PRELOAD')}))")
+#: Variables a user may well set that the script's own commands (srun, mv, the MPI mergers' tools)
+#: must not run with: they reach the program only.
+USER_ENV = {"PATH": "/opt/myapp/bin", "SLURM_JOB_ID": "999999", "SRUN_CPUS_PER_TASK": "64",
+            "LD_PRELOAD": "/nonexistent/libhook.so"}
+
+
+@pytest.mark.parametrize("mode", [RunMode.SINGLE_PROCESS, RunMode.MASTER_WORKER, RunMode.PS_WORKER])
+def test_the_users_path_and_slurm_variables_reach_the_program_only(sandbox, mode):
+    """A user's PATH made srun "not found" (127), a SLURM_*/SRUN_* variable became srun's own
+    option (SLURM_JOB_ID: another job's allocation), and in PS-Worker's wrapper a PATH without
+    coreutils left the task's exit file unwritten (the job ran on for ever)."""
+    groups = {RunMode.SINGLE_PROCESS: ("main",), RunMode.MASTER_WORKER: ("master", "worker"),
+              RunMode.PS_WORKER: ("ps", "worker")}[mode]
+    spec = JobSpec(mode, tuple(g(role, command=(PY, "-c", ENV_PROBE), env=dict(USER_ENV)) for role in groups))
+    out = render.render_job("env-1", spec, 1, {"max_nodes": "1"})
+    (sandbox / "bin" / "srun").write_text(FAKE_SRUN.replace(
+        "#!/bin/bash\n", '#!/bin/bash\n[ -z "${SLURM_JOB_ID:-}${SRUN_CPUS_PER_TASK:-}" ] || exit 99\n', 1))
+    res = run_script(sandbox, out)
+    assert res.returncode == 0, res.stderr
+    for role in groups:
+        assert json.loads((sandbox / out.dir / f"{role}-0.stdout").read_text()) == USER_ENV, role
+        assert (sandbox / out.dir / f"{role}-0.exit").read_text() == "0\n", role
+
+
 def test_first_failure_ends_the_job_with_its_code_and_stops_the_rest(sandbox):
     spec = JobSpec(RunMode.MASTER_WORKER, (
         g("master", command=(PY, "-c", "import time; time.sleep(60)")),

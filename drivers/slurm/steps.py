@@ -86,10 +86,10 @@ def srun_steps(lay: Layout, steps: list[StepFiles]) -> list[str]:
         steps.append(files)
         h.append(f"# {label}: rank {p.rank}")
         h.append("(")
-        h += exports(spec, p, "  ")
+        h += exports(spec, p, "  ", user=False)
         argv = " ".join(sh_quote(a) for a in p.argv)
         if spec.run_mode is RunMode.MPI and p.role == "launcher":
-            h += mpi_launcher(p)
+            h += mpi_launcher(p, exports(spec, p, "  ", user=True))
         else:
             node = lay.node_of[(p.role, p.replica_index)]
             opts = [f"--job-name={label}", "--nodes=1", "--ntasks=1", f"--relative={node}",
@@ -99,13 +99,18 @@ def srun_steps(lay: Layout, steps: list[StepFiles]) -> list[str]:
                 # srun runs the step in /tmp when --chdir fails (slurmstepd's fallback): the
                 # directory is checked first, as the launcher and wrapper paths' `cd` does.
                 h.append(f"  cd -- {sh_quote(p.working_dir)} || exit 126")
-            if ":" in p.argv:
+            assign = " ".join(user_assignments(spec, p))
+            if ":" in p.argv or (assign and "=" in p.argv[0]):
                 # srun splits its command line at a lone ":" into heterogeneous components,
                 # after "--" too: the rest would be read as srun's options and a second
-                # program. Such an argv reaches the step in the environment instead.
+                # program (and env would take a program named a=b for a variable). Such an
+                # argv reaches the step in the environment instead.
                 h += argv_by_env(p.argv, "  ")
                 argv = " ".join(sh_quote(a) for a in ARGV_PROGRAM)
-            h.append(f"  exec srun {' '.join(opts)} -- {argv}")
+            # The user's variables reach the program only (``env NAME=VALUE ... argv`` in the
+            # step): srun read SLURM_*/SRUN_* ones as its own options (SLURM_JOB_ID: another
+            # job's allocation) and was looked up on the user's PATH.
+            h.append(f"  exec srun {' '.join(opts)} -- {f'{ENV_PROGRAM} {assign} ' if assign else ''}{argv}")
         h.append(f') >"$DLSCHED_DIR/{label}.stdout" 2>"$DLSCHED_DIR/{label}.stderr" </dev/null &')
         h.append(f"DLSCHED_NAME[$!]={label}")
         if p.role in decisive:
@@ -129,16 +134,23 @@ def argv_by_env(argv: Sequence[str], indent: str) -> list[str]:
     return [f"{indent}export {ARGV_ENV}={sh_quote(joined)}"]
 
 
-def mpi_launcher(p: planner.ProcessLaunch) -> list[str]:
-    """The launcher's subshell body: the mergers, then ``mpirun`` writing each rank's output
-    to its own files (``MPI_ARGS``: ``--output-filename DIR:nocopy``, an absolute path: mpirun
-    runs in the working directory), SIGTERM passed on to it; its status once the mergers are done."""
+#: What runs a step's program with the user's variables (coreutils' env, on every node).
+ENV_PROGRAM = "/usr/bin/env"
+
+
+def mpi_launcher(p: planner.ProcessLaunch, user_exports: list[str]) -> list[str]:
+    """The launcher's subshell body: the mergers (started before the user's variables are
+    exported: a PATH of the user's must not change the commands they run), then ``mpirun``
+    writing each rank's output to its own files (``MPI_ARGS``: ``--output-filename DIR:nocopy``,
+    an absolute path: mpirun runs in the working directory), SIGTERM passed on to it; its
+    status once the mergers are done."""
     cd = f"cd -- {sh_quote(p.working_dir)} || exit 126; " if p.working_dir else ""
     argv = " ".join(f'"$DLSCHED_DIR/{MPI_OUTPUT_DIR}:nocopy"' if a == MPI_OUTPUT_TOKEN
                     else shell.dq_with_tokens(a) if shell.DIR_TOKEN in a else sh_quote(a) for a in p.argv)
     return [
         "  dlsched_merge stdout &",
         "  dlsched_merge stderr >&2 &",
+        *user_exports,
         f"  ( {cd}exec {argv} ) &",
         "  dlsched_mpirun=$!",
         "  trap 'kill -TERM \"$dlsched_mpirun\" 2>/dev/null' TERM",
@@ -149,15 +161,30 @@ def mpi_launcher(p: planner.ProcessLaunch) -> list[str]:
     ]
 
 
-def exports(spec: JobSpec, p: planner.ProcessLaunch, indent: str) -> list[str]:
-    """``export`` lines of one process: the user's values quoted, the planner's with node names."""
+def exports(spec: JobSpec, p: planner.ProcessLaunch, indent: str, user: bool | None = None) -> list[str]:
+    """``export`` lines of one process: the user's values quoted, the planner's with node names
+    (``user``: only the user's, or only the planner's)."""
     user_env = _group_env(spec, p.role)
     out = []
     for k, v in p.env.items():
         if not ENV_NAME_RE.match(k):
             raise InvalidArgument.for_field("spec.replica_groups.env", f"bad variable name {k!r}")
+        if user is not None and (k in user_env) != user:
+            continue
         val = sh_quote(v) if k in user_env or k == planner.MPI_ARGV_ENV else shell.dq_with_tokens(v)  # user data
         out.append(f"{indent}export {k}={val}")
+    return out
+
+
+def user_assignments(spec: JobSpec, p: planner.ProcessLaunch) -> list[str]:
+    """The user's variables of one process as ``NAME=VALUE`` words (quoted) for ``env``."""
+    user_env = _group_env(spec, p.role)
+    out = []
+    for k, v in p.env.items():
+        if k in user_env:
+            if not ENV_NAME_RE.match(k):
+                raise InvalidArgument.for_field("spec.replica_groups.env", f"bad variable name {k!r}")
+            out.append(sh_quote(f"{k}={v}"))
     return out
 
 
@@ -193,10 +220,12 @@ def multi_prog(lay: Layout, steps: list[StepFiles]) -> list[str]:
         steps.append(StepFiles(p.role, p.slot_index, f"{adir}/{label}.stdout", f"{adir}/{label}.stderr"))
         body = [f"# {label}: rank {p.rank}", 'read -r -a DLSCHED_NODES <<<"$DLSCHED_NODE_LIST"',
                 'read -r -a DLSCHED_PORTS <<<"$DLSCHED_PORT_LIST"']
-        body += exports(spec, p, "")
         argv = " ".join(sh_quote(a) for a in p.argv)
         cd = f"cd -- {sh_quote(p.working_dir)} || exit 126; " if p.working_dir else ""
-        body += [f'( {cd}exec {argv} ) >"$DLSCHED_DIR/{label}.stdout" 2>"$DLSCHED_DIR/{label}.stderr" </dev/null',
+        # The variables in the program's subshell only: the wrapper's own commands (mv) keep
+        # the step's PATH (a user's PATH without coreutils left the task's end unheard of).
+        body += ["(", *exports(spec, p, "  "), f"  {cd}exec {argv}",
+                 f') >"$DLSCHED_DIR/{label}.stdout" 2>"$DLSCHED_DIR/{label}.stderr" </dev/null',
                  "dlsched_status=$?",
                  f'printf \'%s\\n\' "$dlsched_status" >"$DLSCHED_DIR/{label}.exit.new"',
                  f'mv -f -- "$DLSCHED_DIR/{label}.exit.new" "$DLSCHED_DIR/{label}.exit"',
