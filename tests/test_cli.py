@@ -414,6 +414,19 @@ def test_a_wait_timeout_that_is_no_positive_number_is_a_usage_error(value: str) 
     assert r.returncode == 2 and "--timeout" in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def test_a_token_no_server_could_take_is_named_not_a_grpc_internal(tmp_path: pathlib.Path) -> None:
+    """A non-ASCII token (a file or DLSCHED_TOKEN): gRPC's C core logged "Illegal header
+    value" and the CLI printed INTERNAL CLIENT_ERROR with its objects' reprs."""
+    tok = tmp_path / "tok"
+    tok.write_text("dls_abc\u00e9def\n")
+    for extra, env in ((["--token-file", str(tok)], {}), ([], {"DLSCHED_TOKEN": "abc\u00e9 d"})):
+        r = subprocess.run([sys.executable, "-m", "dlsched", "--server", "127.0.0.1:1", *extra, "list"],
+                           capture_output=True, text=True, timeout=30, cwd=ROOT, env={**_env(), **env})
+        assert r.returncode == 1, r.stderr
+        assert r.stderr.startswith("error: UNAUTHENTICATED MALFORMED_TOKEN:"), r.stderr
+        assert "Illegal header" not in r.stderr and "cygrpc" not in r.stderr, r.stderr
+
+
 def test_unreachable_server_is_an_error_not_a_traceback() -> None:
     r = subprocess.run([sys.executable, "-m", "dlsched", "--server", "127.0.0.1:1", "list"],
                        capture_output=True, text=True, timeout=30, cwd=ROOT, env=_env())

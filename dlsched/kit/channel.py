@@ -17,10 +17,13 @@ JobManager, ClusterManager and the gateway).
 from __future__ import annotations
 
 import json
+import re
 from importlib import resources
 from typing import Any
 
 import grpc
+
+from dlsched import errors
 
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 
@@ -79,7 +82,7 @@ class TokenSource:
 
     def get(self) -> str | None:
         if self._token is not None and not (self._file or self._command):
-            return self._token
+            return self._checked_token()
         now = self._clock()
         if now - self._checked < self._ttl and self._token is not None:
             return self._token
@@ -100,7 +103,25 @@ class TokenSource:
             out = subprocess.run(shlex.split(self._command), capture_output=True, text=True,
                                  timeout=30, check=True).stdout
             self._token = out.strip().splitlines()[0] if out.strip() else None
+        return self._checked_token()
+
+    def _checked_token(self) -> str | None:
+        if self._token and not _TOKEN_RE.fullmatch(self._token):
+            where = "--token-file" if self._file else "--token-command" if self._command else "--token/DLSCHED_TOKEN"
+            raise MalformedToken(f"the bearer token ({where}) holds characters no token has "
+                                 "(tokens are A-Z a-z 0-9 . _ ~ + / = -, at most 8192)")
         return self._token
+
+
+#: What a bearer token is made of (RFC 6750's b64token, as the services read it): anything else
+#: could not be sent as gRPC metadata (gRPC's C core refuses it with a log line of its own).
+_TOKEN_RE = re.compile(r"[A-Za-z0-9._~+/=-]{1,8192}")
+
+
+class MalformedToken(errors.Unauthenticated):
+    """The client's own token cannot be sent."""
+
+    reason = "MALFORMED_TOKEN"
 
 
 class _Bearer:
