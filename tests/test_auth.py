@@ -1319,3 +1319,21 @@ def test_audit_caps_unauthenticated_refusals_and_says_how_many_it_left_out(tmp_p
     assert len(anon) == 6  # the bucket's 5, then one after it refilled
     alice = next(x for x in lines if x["principal"] == "user:alice")
     assert alice["suppressed"] == 95 and alice["result"] == "OK"
+
+
+def test_a_refused_create_is_audited_under_the_id_it_asked_for_not_a_name_it_chose() -> None:
+    """A viewer's CreateCluster(cluster_id="evil", cluster.name="clusters/local") was audited as
+    acting on clusters/local; a create's own name field is ignored by the service."""
+    from dlsched.auth.audit import object_of
+    from dlsched.v1 import access_pb2
+    from dlsched.v1 import access_service_pb2 as apb
+    from dlsched.v1 import cluster_manager_service_pb2 as cpb
+    from dlsched.v1 import cluster_pb2
+
+    forged = cpb.CreateClusterRequest(cluster_id="evil", cluster=cluster_pb2.Cluster(name="clusters/local"))
+    assert object_of(forged) == "clusters/evil"
+    assert object_of(forged, cpb.CreateClusterResponse(cluster=cluster_pb2.Cluster(name="clusters/evil"))) \
+        == "clusters/evil"
+    assert object_of(apb.CreateRoleBindingRequest(role_binding=access_pb2.RoleBinding(name="roleBindings/admin"))) == ""
+    assert object_of(cpb.UpdateClusterRequest(cluster=cluster_pb2.Cluster(name="clusters/a"))) == "clusters/a"
+    assert object_of(cpb.DeleteClusterRequest(name="clusters/b")) == "clusters/b"

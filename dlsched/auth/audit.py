@@ -35,20 +35,23 @@ def object_of(request: Any, response: Any = None) -> str:
     ``clusters/y``, ``apiTokens/z``): from the response's object, else the
     request's object or ``name``, else its bare id made a name — so every line
     about one object names it the same way, whether the call ended OK or not."""
-    for msg in (response, request):
-        for f in _RESPONSE_OBJECTS:
-            obj = getattr(msg, f, None) if msg is not None else None
-            name = getattr(obj, "name", "") if obj is not None else ""
-            if isinstance(name, str) and name:
-                return name[:300]
-    name = getattr(request, "name", "")
-    if isinstance(name, str) and name:
-        return name[:300]
+    for f in _RESPONSE_OBJECTS:
+        obj = getattr(response, f, None) if response is not None else None
+        name = getattr(obj, "name", "") if obj is not None else ""
+        if isinstance(name, str) and name:
+            return name[:300]
+    # A refused call has no response: the request's id (a create's cluster_id, which names
+    # what it makes) comes before an object's own name, which a create ignores (a caller's
+    # choice: a refused CreateCluster named clusters/prod while it asked for clusters/evil).
     for f, collection in _ID_FIELDS:
         v = getattr(request, f, "")
         if isinstance(v, str) and v:
             return f"{collection}/{v}"[:300]
-    return ""
+    obj = getattr(request, "cluster", None)  # UpdateCluster: the cluster it names
+    name = getattr(obj, "name", "") if obj is not None else ""
+    if not (isinstance(name, str) and name):
+        name = getattr(request, "name", "")
+    return name[:300] if isinstance(name, str) else ""
 
 
 class AuditLog:
