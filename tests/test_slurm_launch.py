@@ -378,6 +378,32 @@ async def test_a_new_driver_process_adopts_earlier_jobs_and_never_submits_them_a
         assert out.split() == [backend]
 
 
+async def test_a_new_driver_process_keeps_the_attempt_rules(stub, cluster):
+    """Attempt 2 runs; a restarted driver (nothing in memory) refuses attempt 3 while it does
+    (PREVIOUS_ATTEMPT_ACTIVE) and attempt 1 for good (STALE_ATTEMPT), before its first poll round
+    (the look-up) and after (the round's listing): each was submitted as a new Slurm job."""
+    jid = new_id("attempts")
+    spec = single("import time; print('up', flush=True); time.sleep(300)")
+    await launch(stub, jid, spec, attempt=2)
+    await wait_state(stub, jid, [job_pb2.JOB_STATE_RUNNING])
+    other = ServiceProcess("drivers.slurm", ["--poll-interval", "0.3"], name="slurm-driver-2").start()
+    try:
+        async with security.channel(other.address) as ch:
+            fresh = driver_service_pb2_grpc.DriverServiceStub(ch)
+            await fresh.ConfigureCluster(configure_request(cluster), timeout=30)
+            for pause in (0, 2):  # before the first round, then from a round's listing
+                await asyncio.sleep(pause)
+                for attempt, reason in ((3, "PREVIOUS_ATTEMPT_ACTIVE"), (1, "STALE_ATTEMPT")):
+                    with pytest.raises(grpc.aio.AioRpcError) as ei:
+                        await launch(fresh, jid, spec, attempt=attempt)
+                    assert error_info(ei.value).reason == reason, (pause, attempt, ei.value)  # type: ignore[union-attr]
+    finally:
+        other.stop()
+    out = cluster.run("squeue", "--noheader", "--states=all", f"--name=dlsched-{jid}", "-o", "%k").stdout
+    assert [render.parse_comment(c)[1] for c in out.split()] == [2]  # type: ignore[index]
+    await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=jid)), timeout=30)
+
+
 async def test_a_requeued_job_runs_again_as_the_same_attempt_and_never_fails(stub, cluster):
     jid = new_id("requeue")
     backend = (await launch(stub, jid, single("import time; time.sleep(10); print('done')"))).backend_job_id

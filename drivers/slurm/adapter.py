@@ -72,6 +72,7 @@ from collections.abc import (
 from dlsched.errors import DlschedError, FailedPrecondition, Unavailable
 from dlsched.kit.parse import decimal
 from drivers.common.base import NameCollision, SshCredentials
+from drivers.common.launches import PreviousAttemptActive, StaleAttempt
 from drivers.common.registry import BackendUnavailable
 from drivers.slurm import poller as poll
 from drivers.slurm import render, states
@@ -340,6 +341,12 @@ class SlurmClient:
             raise NameCollision(f"Slurm job {running[0].job_id} of an earlier job {script.job_id!r} (uid "
                                 f"{theirs}), deleted without its cleanup, still runs in its directory; "
                                 "scancel it, then submit this job again", metadata={"job_uid": theirs})
+        if existing is None:  # the attempt rules, from Slurm's word (this driver may have restarted)
+            others = [(a, j) for a, j in script.other_attempts(listed) if j.job_id not in retired]
+            if others and (newest := max(a for a, _ in others)) > script.attempt:
+                raise StaleAttempt(script.job_id, newest)
+            if active := [a for a, j in others if not ended(j)]:
+                raise PreviousAttemptActive(script.job_id, max(active))
         if existing is not None:
             log.info("adopting Slurm job %s for %s", existing.job_id, script.comment)
             unsure.discard(script.comment)

@@ -211,6 +211,18 @@ class SlurmScript:
         """This attempt's job in ``listed`` (attempt key -> comment -> job), by ``marks``; None when none."""
         return (listed.get(self.attempt_key) or {}).get(self.comment)
 
+    def other_attempts(self, listed: Mapping[str, Mapping[str, T]]) -> list[tuple[int, T]]:
+        """(attempt, job) of this job's other attempts in ``listed``, under this launch's own
+        comment for them (``marks``'s rule: this uid's, or the uid-less one for a launch without)."""
+        prefix = job_comment(self.job_id, 0)[:-1]  # "dlsched-<job_id>."
+        out = []
+        for key, entry in listed.items():
+            if key.startswith(prefix) and decimal(rest := key[len(prefix):]) and int(rest) != self.attempt:
+                job = entry.get(job_comment(self.job_id, int(rest), self.uid))
+                if job is not None:
+                    out.append((int(rest), job))
+        return out
+
     def rivals(self, listed: Mapping[str, Mapping[str, T]]) -> list[T]:
         """The jobs ``listed`` has of this job id and attempt for another job uid (an earlier job
         of the same id, deleted without its cleanup); none when this launch has no uid. A
