@@ -572,14 +572,11 @@ class JobStore:
         return bool(resp.succeeded)
 
     async def delete_request_keys(self, job_id: str) -> int:
-        """Delete the request keys that name ``job_id`` (each in its own transaction)."""
-        res = await self._call(self.client.get_prefix, self.requests_prefix)
+        """Delete the request keys that name ``job_id`` (each in its own transaction), reading
+        them a page at a time (one range of every key passed gRPC's 4 MiB past ~40k keys)."""
         n = 0
-        for kv in res:  # type: ignore[attr-defined]
-            if kv.value == job_id.encode():
-                resp = await self._txn(
-                    [self._cmp(kv.key, "mod", kv.mod_revision)],
-                    [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=kv.key))], [],
-                    jobs=False)
-                n += int(resp.succeeded)
+        async for page in self.request_keys(await self.revision()):
+            for key, named, mod in page:
+                if named == job_id:
+                    n += await self.delete_request_key(key, mod)
         return n

@@ -77,6 +77,19 @@ async def test_delete_returns_last_state_and_request_keys_go(store: JobStore) ->
     assert await store.job_for_request("rq") is None
 
 
+async def test_a_deleted_jobs_request_keys_go_however_many_other_keys_there_are(store: JobStore) -> None:
+    """40,000 request keys of 128-character ids (~7 MB): one range of them all passed gRPC's
+    4 MiB, and DeleteJob failed after the job was deleted (its key left behind)."""
+    await store.create(new_job("victim"), "victim-request")
+    await store.delete("victim")
+    for start in range(0, 40_000, 100):
+        await store._txn([], [store._put(store.request_key(f"{i:0128d}"), b"someone-else")
+                              for i in range(start, start + 100)], [], jobs=False)
+    assert await store.delete_request_keys("victim") == 1
+    assert await store.request_job_id("victim-request") is None
+    assert await store.request_job_id(f"{7:0128d}") == "someone-else"
+
+
 def test_token_roundtrip() -> None:
     assert decode_token(encode_token(42)) == 42
     with pytest.raises(InvalidArgument):
