@@ -553,6 +553,13 @@ def test_json_the_gateway_cannot_take_is_status_json_never_a_500_or_text(base: s
     assert code == 413 and body["code"] == 8 and reason(body) == "REQUEST_TOO_LARGE", body
     code, _ = call(base, "GET", "/v1/jobs?pageSize=1")  # the gateway still serves
     assert code == 200
+    # Past 4x the services' 1 MiB, anonymous or not: refused by its declared length, unread and
+    # unparsed (an 8 MiB body was read and parsed first, seconds of the event loop each).
+    five = json.dumps({"spec": {"labels": {"x": "y" * (5 * 1024 * 1024)}}}).encode()
+    code, body = call(base, "POST", "/v1/jobs", raw=five, token=None)
+    assert code == 413 and reason(body) == "REQUEST_TOO_LARGE", body
+    info = next(d for d in body["details"] if d["@type"].endswith("/google.rpc.ErrorInfo"))
+    assert info["metadata"]["limit_bytes"] == str(4 * 1024 * 1024), info
 
 
 async def _rejected(aw: Any) -> tuple[grpc.StatusCode, str | None, list[str]]:
