@@ -307,6 +307,33 @@ async def test_sbatch_that_submits_then_fails_yields_one_job(stub, cluster, tmp_
     await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/slurm-flaky"), timeout=30)
 
 
+async def test_a_submit_limit_is_retried_as_a_quota_not_a_failure(stub, cluster, tmp_path):
+    """sbatch refusing the job for the user's submitted-job limit (accounting's words, as Slurm
+    prints them; this cluster runs no slurmdbd to enforce one) is RESOURCE_EXHAUSTED
+    BACKEND_QUOTA_EXCEEDED, retried by JobManager: it was SBATCH_REJECTED, the job FAILED."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "sbatch").write_text(
+        "#!/bin/bash\ncat >/dev/null\n"
+        "echo 'sbatch: error: QOSMaxSubmitJobPerUserLimit' >&2\n"
+        "echo 'sbatch: error: Batch job submission failed: Job violates accounting/QOS policy "
+        "(job submit limit, user size and/or time limits)' >&2\nexit 1\n")
+    (bindir / "sbatch").chmod(0o755)
+    req = configure_request(cluster, "clusters/slurm-full")
+    req.options["PATH"] = f"{bindir}:/usr/bin:/bin"
+    await stub.ConfigureCluster(req, timeout=30)
+    jid = new_id("full")
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await stub.LaunchJob(dpb.LaunchJobRequest(cluster="clusters/slurm-full", job_id=jid,
+                                                  spec=single("print(1)"), attempt=1), timeout=60)
+    assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, ei.value
+    assert error_info(ei.value).reason == "BACKEND_QUOTA_EXCEEDED"  # type: ignore[union-attr]
+    assert "QOSMaxSubmitJobPerUserLimit" in (ei.value.details() or "")
+    out = cluster.run("squeue", "--noheader", "--states=all", f"--name=dlsched-{jid}", "-o", "%i").stdout
+    assert out.split() == []
+    await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/slurm-full"), timeout=30)
+
+
 async def test_a_launch_hands_its_script_to_an_sbatch_started_before_it(stub, cluster, tmp_path):
     """The warm submitter: the sbatch that takes a launch's script was exec'd before the launch,
     the next one waits (never more than one idle per cluster), concurrent launches still make

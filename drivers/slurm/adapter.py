@@ -11,6 +11,8 @@ attempt by name, ``scancel``, the cluster's nodes and accounting type
 mapped once, here, by ``exit_error``:
 
 - 0, or ``scancel`` of a job that has already ended or left Slurm: no error;
+- ``sbatch`` refused for the submitted-job limit (``SUBMIT_LIMIT_RE``) is
+  RESOURCE_EXHAUSTED ``BACKEND_QUOTA_EXCEEDED`` (JobManager retries);
 - ``sbatch`` with a message that says nothing about the controller
   (``TRANSIENT_RE``) is FAILED_PRECONDITION ``SBATCH_REJECTED`` (an unknown
   partition), carrying Slurm's message;
@@ -69,7 +71,7 @@ from collections.abc import (
     MutableSet,
 )
 
-from dlsched.errors import DlschedError, FailedPrecondition, Unavailable
+from dlsched.errors import DlschedError, FailedPrecondition, ResourceExhausted, Unavailable
 from dlsched.kit.parse import decimal
 from drivers.common.base import NameCollision, SshCredentials
 from drivers.common.launches import PreviousAttemptActive, StaleAttempt
@@ -111,11 +113,26 @@ class SbatchRejected(FailedPrecondition):
     reason = "SBATCH_REJECTED"
 
 
+#: sbatch's words when the user's (or account's) submitted-job limit is reached: the job is
+#: refused now and would be taken once some end (AssocMaxSubmitJobLimit,
+#: QOSMaxSubmitJobPerUserLimit, ...), like a Kubernetes quota: retried, never a failure.
+SUBMIT_LIMIT_RE = re.compile(r"MaxSubmitJob")
+
+
+class SubmitLimit(ResourceExhausted):
+    """sbatch refused the job for the user's submitted-job limit; nothing was submitted."""
+
+    reason = "BACKEND_QUOTA_EXCEEDED"
+
+
 def exit_error(call: str, rc: int, err: str, *, job_id: str = "") -> DlschedError | None:
     """The error a Slurm command's exit means (None: none); see the module docstring."""
     text = err.strip()
     if rc == 0 or (call in ("scancel", "scontrol release") and _GONE_RE.search(err)):
         return None
+    if call == "sbatch" and rc != 255 and SUBMIT_LIMIT_RE.search(err):
+        return SubmitLimit(f"Slurm refused the job for now, the submitted-job limit is reached: {text[:500]}",
+                           metadata={"job_id": job_id})
     if call == "sbatch" and rc != 255 and text and not TRANSIENT_RE.search(err):
         return SbatchRejected(f"sbatch refused the job: {text[:500]}", metadata={"job_id": job_id})
     return BackendUnavailable(f"{call} exited {rc}: {text[:300]}")
@@ -354,7 +371,7 @@ class SlurmClient:
         unsure.add(script.comment)  # until a job is adopted (a cancelled launch leaves it here)
         try:
             jid = await self._sbatch(script, looked, late)
-        except SbatchRejected:
+        except (SbatchRejected, SubmitLimit):
             unsure.discard(script.comment)  # refused, and the look-up found nothing
             raise
         unsure.discard(script.comment)
@@ -383,7 +400,7 @@ class SlurmClient:
                 self._state_dir_made = True
                 return jid if not (attempt or looked) else await self._converge(script, jid)
             last = f"{error.reason}: {error.message}" if error is not None else f"sbatch printed {out.strip()[:300]!r}"
-            if not isinstance(error, SbatchRejected):
+            if not isinstance(error, SbatchRejected | SubmitLimit):
                 late[script.comment] = time.monotonic()  # its job may land any time from now
             # Failed or ambiguous: Slurm may hold the job anyway. Look before any retry.
             try:
@@ -395,7 +412,7 @@ class SlurmClient:
                 log.warning("sbatch for %s reported failure but submitted job %s; adopting it",
                             script.comment, found[0].job_id)
                 return await self._converge(script, found[0].job_id, found)
-            if isinstance(error, SbatchRejected):
+            if isinstance(error, SbatchRejected | SubmitLimit):
                 raise error  # refused, and the look-up found nothing
         raise BackendUnavailable(f"could not submit to Slurm: {last}")
 
