@@ -7,6 +7,7 @@ import contextlib
 import time
 from typing import Any
 
+import aiohttp
 import grpc
 import pytest
 
@@ -120,6 +121,62 @@ async def test_a_failed_process_of_a_pod_that_runs_on_fails_the_job_and_deletes_
     assert (obs.state, obs.reason, obs.exit_code) == (job_pb2.JOB_STATE_FAILED, "OOMKilled", 137), obs
     assert "proc-1" in obs.message, obs.message
     await eventually(lambda: not pods_of(e, job))  # proc-0 does not run on
+
+
+async def test_pods_the_end_of_a_job_could_not_delete_are_deleted_once_the_api_answers(
+        stub: Any, emu: tuple[Emulator, str]) -> None:
+    """A worker fails; the other worker's pod is to be deleted, but the API server answers 503
+    to pod DELETEs for a while: the deletion is asked again until it goes through (it was
+    logged and dropped, and the pod ran on while its replica read STOPPED)."""
+    e, url = emu
+    job = new_id("bgdel")
+    await launch(stub, job, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MULTI_PROCESS,
+                                            replica_groups=[group("worker", 2)]))
+    p0, p1 = f"{job}-1-worker-0", f"{job}-1-worker-1"
+    for p in (p0, p1):
+        await kubelet(url, p, "Running")
+    await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
+    refused: list[str] = []
+
+    def refuse(method: str, path: str) -> int | None:
+        if method == "DELETE" and "/pods/" in path:
+            refused.append(path)
+            return 503
+        return None
+
+    e.refuse = refuse
+    try:
+        await kubelet(url, p0, "Failed", **exited(1, "Error"))
+        assert (await wait_for(stub, job, TERMINAL)).state == job_pb2.JOB_STATE_FAILED
+        await eventually(lambda: len(refused) >= 2)  # asked, refused, asked again
+    finally:
+        e.refuse = None
+    await eventually(lambda: p1 not in pods_of(e, job), within=60)
+
+
+async def test_a_pod_deleted_after_it_ended_keeps_its_end(stub: Any, emu: tuple[Emulator, str]) -> None:
+    """A worker's pod that Succeeded is deleted (terminated-pod GC, a TTL controller) while the
+    other runs on: the replica stays SUCCEEDED (it read FAILED PodDeleted, failing the job and
+    killing the other worker), and the job succeeds when the other does."""
+    e, url = emu
+    job = new_id("gcd")
+    await launch(stub, job, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MULTI_PROCESS,
+                                            replica_groups=[group("worker", 2)]))
+    p0, p1 = f"{job}-1-worker-0", f"{job}-1-worker-1"
+    for p in (p0, p1):
+        await kubelet(url, p, "Running")
+    await kubelet(url, p0, "Succeeded", **exited(0, "Completed"))
+    await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
+    async with aiohttp.ClientSession() as session, \
+            session.delete(f"{url}/api/v1/namespaces/{NS}/pods/{p0}") as r:
+        assert r.status in (200, 202), await r.text()
+    await eventually(lambda: p0 not in pods_of(e, job))
+    obs = await observe(stub, job)
+    assert obs.state == job_pb2.JOB_STATE_RUNNING, obs
+    assert [(r.index, r.state) for r in obs.replicas] == [(0, job_pb2.REPLICA_STATE_SUCCEEDED),
+                                                          (1, job_pb2.REPLICA_STATE_RUNNING)], obs
+    await kubelet(url, p1, "Succeeded", **exited(0, "Completed"))
+    assert (await wait_for(stub, job, TERMINAL)).state == job_pb2.JOB_STATE_SUCCEEDED
 
 
 async def test_a_stop_while_the_launch_creates_pods_stops_every_pod(stub: Any, emu: tuple[Emulator, str]) -> None:

@@ -78,7 +78,7 @@ import importlib.util
 import logging
 import math
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dlsched import __version__
@@ -206,7 +206,8 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
                 self._adopt(c, pod)
                 by_job.setdefault(labels[naming.LABEL_JOB], {})[pod["metadata"].get("name", "")] = pod
         for key, job in list(c.jobs.items()):
-            fresh = {}
+            fresh = {n: replace(v, alive=False, terminating=False)  # ended: kept when gone
+                     for n, v in job.pods.items() if v.state.is_terminal()}
             for n, p in by_job.get(key, {}).items():
                 if (r := job.by_pod(n)) is not None and naming.attempt_of(p) == job.attempt and ours(job, p):
                     job.learn_containers(r, p)
@@ -236,7 +237,11 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
             return
         job.learn_containers(r, pod)
         if kind == "DELETED":
-            job.pods.pop(meta["name"], None)
+            ended = job.pods.pop(meta["name"], None)
+            if ended is not None and ended.state.is_terminal():
+                # A pod deleted after it ended (terminated-pod GC, a script, the driver deleting a
+                # failed replica's pod) keeps its end: it was no PodDeleted failure.
+                job.pods[meta["name"]] = replace(ended, alive=False, terminating=False)
         else:
             job.pods[meta["name"]] = states.replica_of(pod)
             job.seen.add(meta["name"])
@@ -289,7 +294,7 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
         live = live_pods(job)
         if live:
             job.deleted.update(live)
-            self._spawn(self._delete_pods(c, live, self._cfg.grace_seconds))
+            self._spawn(self._delete_until_gone(c, job, live, self._cfg.grace_seconds))
 
     def _spawn(self, coro: Any) -> None:
         t = asyncio.ensure_future(coro)
@@ -300,6 +305,25 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
         self._tasks.discard(t)
         if not t.cancelled() and (exc := t.exception()) is not None:
             log.warning("background pod deletion failed: %s", exc)
+
+    async def _delete_until_gone(self, c: KubeCluster, job: TrackedJob, names: Sequence[str], grace: float) -> None:
+        """``_delete_pods`` in the background, each pod it could not delete (an API 503, 429)
+        asked again with backoff: a pod left running after its job ended held its GPUs for good
+        while the job read its replica STOPPED. Ends when the cluster is reconfigured or the
+        job cleaned up (its cleanup deletes every pod)."""
+        left, delay = list(names), 1.0
+        while True:
+            failed = []
+            for name in left:
+                try:
+                    await self._delete_pods(c, [name], grace)
+                except Exception:  # noqa: BLE001 - logged by _delete_pods; asked again
+                    failed.append(name)
+            if not failed or job.cleaned or self.clusters.get(c.config.name) is not c:
+                return
+            left = failed
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 30.0)
 
     async def _delete_pods(self, c: KubeCluster, names: Sequence[str], grace: float) -> None:
         for name in names:
