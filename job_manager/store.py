@@ -2,7 +2,9 @@
 
 Layout under the prefix: ``jobs/{id}`` holds the Job proto bytes (without its
 etag: the etag is the key's mod revision); ``job-requests/{request_id}`` holds
-the id of the job that SubmitJob request made.
+the id of the job that SubmitJob request made, and ``job-request-of/{id}`` that
+request id (written and deleted with the job, so a delete finds its request
+key without reading every one).
 
 Every write touches exactly one ``jobs/`` key per transaction, so a revision
 names one job event (the watch hub relies on that). Submission is one
@@ -166,6 +168,7 @@ class JobStore:
         self.prefix = prefix
         self.jobs_prefix = f"{prefix}jobs/".encode()
         self.requests_prefix = f"{prefix}job-requests/".encode()
+        self.request_of_prefix = f"{prefix}job-request-of/".encode()
         self.archived_mark_key = archived_mark_key(prefix)
         self.purged_mark_key = purged_mark_key(prefix)
         self._timeout = timeout
@@ -182,6 +185,11 @@ class JobStore:
 
     def request_key(self, request_id: str) -> bytes:
         return self.requests_prefix + request_id.encode()
+
+    def request_of_key(self, job_id: str) -> bytes:
+        """The request id a job was made with (written with it): its delete finds its request
+        key without reading every one."""
+        return self.request_of_prefix + job_id.encode()
 
     # -- raw etcd calls, errors translated
 
@@ -434,6 +442,7 @@ class JobStore:
             rkey = self.request_key(request_id)
             compare.insert(0, self._cmp(rkey, "create", 0))
             success.append(self._put(rkey, job.id.encode()))
+            success.append(self._put(self.request_of_key(job.id), request_id.encode()))
             failure.insert(0, self._range(rkey))
         resp = await self._txn(compare, success, failure)
         if resp.succeeded:
@@ -511,13 +520,22 @@ class JobStore:
         ``expect`` (an etag) only while the job is at that revision, else ``Aborted``."""
         key = self.job_key(job_id)
         op = rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key, prev_kv=True))
+        of = rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=self.request_of_key(job_id),
+                                                                       prev_kv=True))
         compare = [self._cmp(key, "mod", int(expect))] if expect else []
-        resp = await self._txn(compare, [op], [self._range(key)] if expect else [])
+        resp = await self._txn(compare, [op, of], [self._range(key)] if expect else [])
         if not resp.succeeded:
             kvs = resp.responses[0].response_range.kvs
             if not kvs:
                 return None
             raise EtagMismatch(job_id, expect, str(kvs[0].mod_revision))
+        made_by = resp.responses[1].response_delete_range.prev_kvs
+        if made_by:  # its request key goes now, if it still names this job (a crash here leaves it to the sweep)
+            rkey = self.request_key(made_by[0].value.decode())
+            named = rpc.Compare(key=rkey, result=rpc.Compare.EQUAL, target=rpc.Compare.VALUE,
+                                value=job_id.encode())
+            await self._txn([named], [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=rkey))],
+                            [], jobs=False)
         prev = resp.responses[0].response_delete_range.prev_kvs
         if not prev:
             return None
@@ -544,7 +562,9 @@ class JobStore:
         # The mark first: a watch sees it, then the delete it explains, at one revision.
         mark = self._put(self.archived_mark_key, job_id.encode())
         op = rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))
-        resp = await self._txn([self._cmp(key, "mod", revision), value_cmp], [mark, op],
+        # (its request key stays until the sweep has moved the pair into the history)
+        of = rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=self.request_of_key(job_id)))
+        resp = await self._txn([self._cmp(key, "mod", revision), value_cmp], [mark, op, of],
                                [self._range(holder_key), self._range(key)])
         if resp.succeeded:
             return "deleted"

@@ -73,14 +73,21 @@ async def test_delete_returns_last_state_and_request_keys_go(store: JobStore) ->
     last = await store.delete("del")
     assert last is not None and last.id == "del"
     assert await store.delete("del") is None
-    assert await store.delete_request_keys("del") == 1
+    assert await store.request_job_id("rq") is None  # deleted with the job (``request_of_key``)
     assert await store.job_for_request("rq") is None
+    assert (await store.create(new_job("del2"), "rq"))[1]  # the request id makes a new job at once
+    await store.delete("del2")
+    await store.create(new_job("old"), "rq-old")
+    await store.client.delete(store.request_of_key("old"))  # as stored before that key was written
+    await store.delete("old")
+    assert await store.delete_request_keys("old") == 1  # found by reading the keys, a page at a time
 
 
 async def test_a_deleted_jobs_request_keys_go_however_many_other_keys_there_are(store: JobStore) -> None:
     """40,000 request keys of 128-character ids (~7 MB): one range of them all passed gRPC's
     4 MiB, and DeleteJob failed after the job was deleted (its key left behind)."""
     await store.create(new_job("victim"), "victim-request")
+    await store.client.delete(store.request_of_key("victim"))  # stored before that key was written
     await store.delete("victim")
     for start in range(0, 40_000, 100):
         await store._txn([], [store._put(store.request_key(f"{i:0128d}"), b"someone-else")
