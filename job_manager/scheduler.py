@@ -85,7 +85,7 @@ def _retrieved(task: asyncio.Task[Any]) -> None:
 
 
 def _retryable(e: errors.DlschedError) -> bool:
-    if e.reason == "CLUSTER_NOT_CONFIGURED":
+    if e.reason in ("CLUSTER_NOT_CONFIGURED", "PREVIOUS_ATTEMPT_ACTIVE"):  # (the last: until it has ended)
         return True
     return not isinstance(e, _PERMANENT)
 
@@ -542,13 +542,10 @@ class Scheduler:
         t = self._retries.pop((job_id, "terminate"), None)
         if t is not None:
             t.cancel()
+        # (its request key goes with it, found through ``request_of_key``; that of a job stored
+        # before that key was written is left to the archiver's sweep)
         last = await self.store.delete(job_id, expect=expect)
         log.info("job %s deleted", job_id)
-        if self.history is None:  # (with a history, its archiver's sweep removes the key, a page at a time)
-            try:
-                await self.store.delete_request_keys(job_id)
-            except errors.DlschedError as e:  # the job is deleted: its answer stands
-                log.warning("request keys of deleted job %s left behind: %s", job_id, e)
         if last is None and not allow_missing:
             raise JobNotFound(f"job jobs/{job_id} not found", metadata={"name": f"jobs/{job_id}"})
         return last

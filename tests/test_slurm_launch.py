@@ -272,6 +272,28 @@ async def test_mpi_runs_mpirun_inside_the_allocation(stub):
         ("launcher", 0, job_pb2.REPLICA_STATE_SUCCEEDED), ("worker", 0, job_pb2.REPLICA_STATE_SUCCEEDED)], obs
 
 
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (bash scripts/install-system-deps.sh)")
+async def test_an_mpi_job_is_cancelled_at_once_whatever_the_grace(stub):
+    """MPI's ranks are mpirun's children in the batch step, which a signal to the steps misses:
+    the stop is Slurm's own cancel (SIGTERM to every process, SIGKILL after KillWait), not a
+    SIGTERM that reaches nothing and a wait of the whole grace before it."""
+    jid = new_id("mpistop")
+    code = "import os, time; print('up', os.environ['OMPI_COMM_WORLD_RANK'], flush=True); time.sleep(600)"
+    root_ok = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MPI, replica_groups=[
+        job_pb2.ReplicaGroup(role="launcher", replicas=1, command=[PY, "-u", "-c", code], env=root_ok),
+        job_pb2.ReplicaGroup(role="worker", replicas=1, processes_per_replica=2, command=["unused"])])
+    await launch(stub, jid, spec)
+    deadline = time.monotonic() + 90
+    while len([e for e in await logs(stub, jid) if e.text.startswith("up ")]) < 2:
+        assert time.monotonic() < deadline, "the ranks never started"
+        await asyncio.sleep(0.5)
+    await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=jid),
+                                                    grace_period=duration_pb2.Duration(seconds=600)), timeout=30)
+    obs = await wait_state(stub, jid, within=120)  # KillWait is 5 s here; the grace, 600
+    assert obs.state == job_pb2.JOB_STATE_STOPPED, obs
+
+
 async def test_more_cpus_than_any_node_has_fails_unschedulable_and_leaves_the_queue(stub, cluster):
     """Slurm queues it with reason PartitionConfig, which no wait resolves: the job is FAILED
     Unschedulable, naming Slurm's reason, and cancelled (not QUEUED forever)."""
@@ -282,6 +304,11 @@ async def test_more_cpus_than_any_node_has_fails_unschedulable_and_leaves_the_qu
     obs = await wait_state(stub, jid)
     assert (obs.state, obs.reason) == (job_pb2.JOB_STATE_FAILED, "Unschedulable"), obs
     assert "PartitionConfig" in obs.message  # never silent: Slurm's own "why"
+    # Its retry at once (JobManager's max_retries), while Slurm still lists it pending: the driver
+    # ended it, so the next attempt launches (it was PREVIOUS_ATTEMPT_ACTIVE, a permanent refusal).
+    retry = await launch(stub, jid, spec, attempt=2)
+    assert retry.backend_job_id != backend_id
+    assert (await wait_state(stub, jid)).reason == "Unschedulable"
     deadline = time.monotonic() + 30
     while cluster.run("squeue", "--noheader", "--jobs", backend_id, "-o", "%i").stdout.strip():
         assert time.monotonic() < deadline, "the unschedulable job is still in Slurm's queue"
@@ -332,6 +359,14 @@ async def test_a_submit_limit_is_retried_as_a_quota_not_a_failure(stub, cluster,
     out = cluster.run("squeue", "--noheader", "--states=all", f"--name=dlsched-{jid}", "-o", "%i").stdout
     assert out.split() == []
     await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/slurm-full"), timeout=30)
+    from drivers.slurm import adapter
+
+    # every limit of accounting's on submitted jobs, as Slurm words them
+    for word in ("AssocMaxSubmitJobLimit", "AssocGrpSubmitJobsLimit", "QOSMaxSubmitJobPerUserLimit",
+                 "QOSMaxSubmitJobPerAccountLimit", "QOSGrpSubmitJobsLimit"):
+        err = adapter.exit_error("sbatch", 1, f"sbatch: error: {word}\nsbatch: error: Batch job submission failed")
+        assert err is not None and err.reason == "BACKEND_QUOTA_EXCEEDED", word
+    assert adapter.exit_error("sbatch", 1, "sbatch: error: invalid partition specified").reason == "SBATCH_REJECTED"  # type: ignore[union-attr]
 
 
 async def test_a_launch_hands_its_script_to_an_sbatch_started_before_it(stub, cluster, tmp_path):

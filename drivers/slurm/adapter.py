@@ -114,9 +114,9 @@ class SbatchRejected(FailedPrecondition):
 
 
 #: sbatch's words when the user's (or account's) submitted-job limit is reached: the job is
-#: refused now and would be taken once some end (AssocMaxSubmitJobLimit,
-#: QOSMaxSubmitJobPerUserLimit, ...), like a Kubernetes quota: retried, never a failure.
-SUBMIT_LIMIT_RE = re.compile(r"MaxSubmitJob")
+#: refused now and would be taken once some end (AssocMaxSubmitJobLimit, AssocGrpSubmitJobsLimit,
+#: QOSMaxSubmitJobPerUserLimit, QOSGrpSubmitJobsLimit, ...), like a Kubernetes quota: retried.
+SUBMIT_LIMIT_RE = re.compile(r"(?:Max|Grp)SubmitJobs?(?:PerUser|PerAccount)?Limit")
 
 
 class SubmitLimit(ResourceExhausted):
@@ -314,8 +314,8 @@ class SlurmClient:
 
     async def submit(self, script: SlurmScript, listed: Mapping[str, Mapping[str, poll.SlurmJob]] | None,
                      unsure: MutableSet[str], late: MutableMapping[str, float],
-                     retired: Container[str] = frozenset(), ending: Mapping[str, bool] = _NONE
-                     ) -> tuple[str, bool]:
+                     retired: Container[str] = frozenset(), ending: Mapping[str, bool] = _NONE,
+                     attempt_rules: bool = True) -> tuple[str, bool]:
         """Submit the attempt once, held, and adopt one job for it (see the module
         docstring): that job's Slurm id, and whether it is still held. The caller
         releases a held one (``release``), after it tracks the id: the release is
@@ -327,6 +327,9 @@ class SlurmClient:
         may have landed unseen (kept by the caller across reconfigurations). A comment
         leaves ``unsure`` once a job is adopted for it. ``late``: comment -> when
         (monotonic) an sbatch of it last failed or timed out, so that a job may still land.
+        ``attempt_rules``: the driver does not track the job (it restarted), so the listing's other
+        attempts decide (STALE_ATTEMPT, PREVIOUS_ATTEMPT_ACTIVE); a tracked job's were decided from
+        memory (the listing may still show an attempt the driver has ended: an unschedulable one).
         ``retired``: Slurm ids of deleted jobs (``listed`` leaves them out): never adopted,
         their attempt's comment may be a new job's that reuses the id. ``ending``: those of this
         job id, each with whether it was retired lately: while Slurm runs one (a cancelled job
@@ -358,7 +361,7 @@ class SlurmClient:
             raise NameCollision(f"Slurm job {running[0].job_id} of an earlier job {script.job_id!r} (uid "
                                 f"{theirs}), deleted without its cleanup, still runs in its directory; "
                                 "scancel it, then submit this job again", metadata={"job_uid": theirs})
-        if existing is None:  # the attempt rules, from Slurm's word (this driver may have restarted)
+        if existing is None and attempt_rules:  # from Slurm's word: the driver knows nothing of the job
             others = [(a, j) for a, j in script.other_attempts(listed) if j.job_id not in retired]
             if others and (newest := max(a for a, _ in others)) > script.attempt:
                 raise StaleAttempt(script.job_id, newest)

@@ -16,18 +16,10 @@ exactly-once submission), ``poller`` the shared squeue rounds, ``cluster`` what 
 kept per cluster, ``jobs`` what those rounds make of a tracked job, ``states`` the state table, ``logs`` the
 log files and followers, ``usage`` sstat/sacct and the node capacity.
 
-Launch: ``adapter.SlurmClient.submit``, exactly once (its docstring): every job is submitted held
-(``sbatch --parsable --hold``) and only the one adopted for the attempt, the oldest with its comment,
-is released (``scontrol release``, in the background after the launch answered, and again each poll
-round while Slurm still holds it). Every poll round cancels what no driver will ever release
-(``strays``: a tracked attempt's other unfinished jobs on sight; held jobs no configuration of this
-process wants after a grace, the oldest of an attempt only once JobManager's watch has been open a
-minute without claiming it). A job cancelled while held is ``voided``: a later launch of its attempt
-submits anew. A job id used again after a delete is a new job: its uid in the comment differs
-(without one, the deleted job's Slurm id is ``retired`` while squeue lists it). An ``sbatch`` that
-fails with no job behind it is FAILED_PRECONDITION ``SBATCH_REJECTED`` with Slurm's message, unless
-the message says the controller was unreachable or slow: retried, then UNAVAILABLE
-``BACKEND_UNAVAILABLE``.
+Launch: ``adapter.SlurmClient.submit``, exactly once (its docstring: every job submitted held, only
+the one adopted for the attempt released, in the background, again each round while held); each
+poll round cancels what no driver will ever release (``strays``); a job cancelled while held is
+``voided``; a job id used again after a delete is a new job (its uid in the comment differs).
 
 State: one ``Poller`` per cluster (one ``squeue`` per interval for all tracked jobs, one
 ``sacct``/``scontrol`` follow-up only for jobs missing from it; a launch or stop never adds a
@@ -41,7 +33,8 @@ answered by the next poll round.
 
 Stop: a running job's processes (its steps) get SIGTERM (``scancel --signal=TERM``) and the stop's
 grace (``--grace-seconds`` when it names none); a poll round then ``scancel``s it (SIGTERM, SIGKILL
-after KillWait). A job not running yet, a stop with no grace and a cleanup are ``scancel``ed at once.
+after KillWait). A job not running yet, an MPI job (its ranks are mpirun's children in the batch
+step, which the step signal misses), a stop with no grace and a cleanup are ``scancel``ed at once.
 A job that ends after a stop reached it is STOPPED, whatever its processes' statuses; stopping an
 ended or unknown job is fine.
 A stop or cleanup by a ref the driver does not track (it restarted) adopts the job first. A cleanup by
@@ -261,7 +254,8 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
         c.launching.update(marks)  # its job may sit held a while: not a stray
         try:
             ending = {k: time.monotonic() - t < ENDING_WINDOW for k, (t, j) in c.retired.items() if j == job_id}
-            backend_id, held = await c.client.submit(rendered, c.listed, c.unsure, c.late, c.retired, ending)
+            backend_id, held = await c.client.submit(rendered, c.listed, c.unsure, c.late, c.retired, ending,
+                                                     attempt_rules=self._known(c, job_id, rendered) is None)
         finally:
             c.launching.difference_update(marks)
         # no native spec kept (a few KiB): a repeated launch renders it again (``_known``)
@@ -456,7 +450,8 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
         if job.stop_requested:  # a stop reached it: its grace runs (a round cancels it after), or it was cancelled
             return c.observation(job)
         grace = self.config.grace_seconds if grace_seconds is None else grace_seconds
-        if job.state is JobState.RUNNING and grace > 0:  # (scancel --signal waits for a pending job)
+        # (scancel --signal waits for a pending job; MPI's ranks are mpirun's, in the batch step)
+        if job.state is JobState.RUNNING and grace > 0 and not job.hosts:
             if await c.client.signal_steps(job.backend_job_id, "TERM"):
                 job.stop_sent(grace)
         elif await c.client.cancel(job.backend_job_id):  # (else it ended already: a round reports it)
