@@ -316,3 +316,20 @@ async def test_a_peer_that_does_not_answer_in_time_is_unavailable_not_deadline_e
         await cm.close()
         await drv.close()
         await server.stop(None)
+
+
+def test_a_previous_attempt_still_running_is_waited_for_not_a_refusal() -> None:
+    """A driver's PREVIOUS_ATTEMPT_ACTIVE (the last attempt has not ended there yet) is retried:
+    it failed the job as LaunchRejected. A stale attempt or a spec the backend refuses is not."""
+    from job_manager.scheduler import _retryable
+
+    class Active(errors.FailedPrecondition):
+        reason = "PREVIOUS_ATTEMPT_ACTIVE"
+
+    class Stale(errors.FailedPrecondition):
+        reason = "STALE_ATTEMPT"
+
+    assert _retryable(Active("attempt 1 of job 'j' has not ended"))
+    assert not _retryable(Stale("job 'j' is already at attempt 3"))
+    assert not _retryable(errors.InvalidArgument("bad"))
+    assert _retryable(errors.Unavailable("down"))
