@@ -387,7 +387,7 @@ async def test_pending_reasons_and_idempotent_launch(stub: Any, emu: tuple[Emula
 
 async def test_an_image_the_kubelet_can_never_run_fails_the_job_and_its_pods_go(
         stub: Any, emu: tuple[Emulator, str]) -> None:
-    """InvalidImageName (or ErrImageNeverPull) is no wait that passes: the job fails, naming it,
+    """InvalidImageName (the reference does not parse) is no wait that passes: the job fails, naming it,
     and the pods are deleted (they left the job PENDING until its time limit)."""
     e, url = emu
     job = new_id("badimg")

@@ -36,9 +36,10 @@ CASES = [
     (pod("Pending", containers=[waiting("ContainerCreating")]), ReplicaState.PENDING, "Scheduled", None),
     (pod("Pending", containers=[waiting("CreateContainerConfigError")]), ReplicaState.PENDING,
      "CreateContainerConfigError", None),  # a Secret or ConfigMap may still come
-    # Waits the kubelet never gets past: the replica fails (its pod is deleted: ``alive``)
+    # A wait the kubelet never gets past: the replica fails (its pod is deleted: ``alive``)
     (pod("Pending", containers=[waiting("InvalidImageName")]), ReplicaState.FAILED, "InvalidImageName", None),
-    (pod("Pending", containers=[waiting("ErrImageNeverPull")]), ReplicaState.FAILED, "ErrImageNeverPull", None),
+    (pod("Pending", containers=[waiting("ErrImageNeverPull")]), ReplicaState.PENDING, "ErrImageNeverPull",
+     None),  # the image may yet be loaded onto the node
     (pod("Running", containers=[{"name": "proc-0", "state": {"running": {}}}, {**waiting("InvalidImageName"),
                                                                              "name": "proc-1"}]),
      ReplicaState.FAILED, "InvalidImageName", None),

@@ -11,8 +11,8 @@ pod                                    replica     reason
 Pending, PodScheduled False            PENDING     the condition's (Unschedulable)
 Pending, a container waiting           PENDING     the waiting reason (ImagePullBackOff,
                                                    ErrImagePull, CreateContainerConfigError, ...)
-Pending/Running, a container waiting   FAILED      it (InvalidImageName, ErrImageNeverPull: the
-for good                                           kubelet never starts it); the pod is ``alive``
+Pending/Running, a container waiting   FAILED      it (InvalidImageName: the reference does not
+for good                                           parse, never started); the pod is ``alive``
 Pending otherwise                      PENDING     Scheduled / Pending
 Running, a container terminated != 0   FAILED      its reason (OOMKilled, Error), exit code: a
                                                    replica of several processes (containers)
@@ -94,10 +94,10 @@ def _containers(status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     return [*(status.get("initContainerStatuses") or ()), *(status.get("containerStatuses") or ())]
 
 
-#: Waiting reasons the kubelet never gets past: the image reference does not parse, or the
-#: pull policy is Never and the node lacks it. Every other reason may pass (a registry back,
-#: a Secret created), so it leaves the replica PENDING, as Kubernetes leaves the pod.
-PERMANENT_WAITING = frozenset({"InvalidImageName", "ErrImageNeverPull"})
+#: Waiting reasons the kubelet never gets past: the image reference does not parse. Every other
+#: reason may pass (a registry back, a Secret created, an image loaded onto the node for
+#: ErrImageNeverPull), so it leaves the replica PENDING, as Kubernetes leaves the pod.
+PERMANENT_WAITING = frozenset({"InvalidImageName"})
 
 
 def _waiting(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
