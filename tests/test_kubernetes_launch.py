@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from typing import Any
 
 import aiohttp
@@ -21,8 +22,11 @@ from drivers.kubernetes import naming  # noqa: E402
 from tests import security  # noqa: E402
 from tests.harness import ServiceProcess  # noqa: E402
 from tests.kube_emulator import (  # noqa: E402, F401 - the fixtures driver, emu, stub, by their names
+    CONFIG_MAPS,
     MODES,
     NS,
+    SECRETS,
+    SERVICES,
     STOPPED_AFTER,
     TERMINAL,
     Emulator,
@@ -177,6 +181,29 @@ async def test_a_pod_deleted_after_it_ended_keeps_its_end(stub: Any, emu: tuple[
                                                           (1, job_pb2.REPLICA_STATE_RUNNING)], obs
     await kubelet(url, p1, "Succeeded", **exited(0, "Completed"))
     assert (await wait_for(stub, job, TERMINAL)).state == job_pb2.JOB_STATE_SUCCEEDED
+
+
+async def test_a_restarted_driver_cleans_up_a_stopped_job_it_never_saw(stub: Any, emu: tuple[Emulator, str]) -> None:
+    """An MPI job stopped (every pod gone, no record written yet), then the driver restarts: it
+    has no pod to adopt the job from, and CleanupJob deleted nothing, leaving the Service, the
+    ConfigMap and the Secret holding the job's SSH private key for good."""
+    e, url = emu
+    job, uid = new_id("stopres"), str(uuid.uuid4())
+    await launch(stub, job, spec("mpi"), uid=uid)
+    for p in pods_of(e, job):
+        await kubelet(url, p, "Running")
+    await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
+    await stub.TerminateJob(dpb.TerminateJobRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job)), timeout=10)
+    await wait_for(stub, job, [job_pb2.JOB_STATE_STOPPED], within=30)
+    objects = [(SERVICES, f"{job}-1"), (SECRETS, naming.secret_name(job, 1)), (CONFIG_MAPS, naming.config_map_name(job, 1))]
+    assert all(has(e, kind, name) for kind, name in objects)
+    await configure(stub, "clusters/restarted", url)  # a driver that never saw the job, same API server
+    try:
+        ref = dpb.JobRef(job_id=job, backend_job_id=f"{NS}/{job}-1", job_uid=uid)
+        await stub.CleanupJob(dpb.CleanupJobRequest(cluster="clusters/restarted", job=ref), timeout=10)
+        assert not [name for kind, name in objects if has(e, kind, name)]
+    finally:
+        await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/restarted"), timeout=10)
 
 
 async def test_a_stop_while_the_launch_creates_pods_stops_every_pod(stub: Any, emu: tuple[Emulator, str]) -> None:

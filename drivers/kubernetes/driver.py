@@ -460,8 +460,8 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
 
     async def _cleanup(self, c: KubeCluster, name: str, ref: JobRef) -> None:
         job = c.find(ref) or await self._recall(c, ref)
-        if job is None:
-            return
+        if job is None:  # (ended, no pod left to adopt it from, no record: its objects by label and uid)
+            return await attempts.delete_attempts(c, ref.job_id, ref.uid, self._delete_pods)
         job.cleaned = True
         if job.final is None:
             job.stop_requested = True
