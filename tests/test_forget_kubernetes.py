@@ -26,10 +26,14 @@ from dlsched.v1 import driver_service_pb2 as dpb  # noqa: E402
 from dlsched.v1 import driver_service_pb2_grpc, job_pb2  # noqa: E402
 from drivers.common.base import (  # noqa: E402
     ClusterConfig,
+    JobObservation,
     JobRef,
     JobSpec,
+    JobState,
     KubernetesCredentials,
     ReplicaGroup,
+    ReplicaState,
+    ReplicaStatus,
     RunMode,
 )
 from drivers.kubernetes import naming  # noqa: E402
@@ -264,3 +268,36 @@ async def test_memory_per_job_before_and_after_forget(emu: tuple[Emulator, str])
         for j in ids:
             await drv.cleanup(name, JobRef(j))
         await drv.close()
+
+
+def test_a_record_of_a_large_job_fits_the_annotations_and_reads_back() -> None:
+    """5,000 replicas with long termination messages made a record of ~1 MB: the API server
+    refused it (annotations are 256 KiB in all) and the driver retried it for ever, the job never
+    leaving memory. It is compressed (then cut) to fit, and reads back the same job."""
+    import base64
+    import zlib
+
+    from drivers.common.planner import SuccessRule
+    from drivers.kubernetes import records
+    from drivers.kubernetes.tracking import Replica, TrackedJob
+
+    n = 5000
+    job = TrackedJob("clusters/k", "big", 1, "ns/big-1", "big-1",
+                     [Replica("worker", i, naming.pod_name("big", 1, "worker", i), ("main",)) for i in range(n)],
+                     SuccessRule(frozenset({"worker"})))
+    final = JobObservation(job_id="big", backend_job_id="ns/big-1", found=True, state=JobState.FAILED,
+                           reason="Error", message="worker-7 exited with code 1",
+                           replicas=tuple(ReplicaStatus(role="worker", index=i, state=ReplicaState.FAILED,
+                                                        exit_code=1, host=f"node-{i % 50}",
+                                                        message=f"Error: exited with code 1: {'trace ' * 80}{i}")
+                                          for i in range(n)), attempt=1)
+    assert len(json.dumps(records.record(job, final))) > 1 << 20
+    text = records.annotation(job, final)
+    assert len(text.encode()) <= records.MAX_RECORD_BYTES
+    back = records.from_service("clusters/k", {"metadata": {"annotations": {naming.ANN_FINAL: text}}})
+    assert back is not None and back.final is not None
+    assert back.final.state is JobState.FAILED and [r.pod for r in back.replicas] == [r.pod for r in job.replicas]
+    assert [s.exit_code for s in back.final.replicas] == [1] * n
+    # A compressed record is read only up to a bound (anyone who may edit the Service may write one).
+    bomb = records.COMPRESSED + base64.b64encode(zlib.compress(b" " * (64 << 20))).decode()
+    assert records.from_service("clusters/k", {"metadata": {"annotations": {naming.ANN_FINAL: bomb}}}) is None

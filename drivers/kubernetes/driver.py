@@ -100,7 +100,7 @@ from drivers.common.base import (
 from drivers.common.launches import Known
 from drivers.common.skeleton import BackendDriver, render_off_loop
 from drivers.kubernetes import attempts, logs, mpi, naming, records, render, states, usage
-from drivers.kubernetes.api import KubeApi, api_error, status_of
+from drivers.kubernetes.api import KubeApi, api_error, status_of, status_text
 from drivers.kubernetes.informer import PodInformer
 from drivers.kubernetes.render import Rendered
 from drivers.kubernetes.tracking import KubeCluster, TrackedJob, live_pods, observation
@@ -526,7 +526,8 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
             try:
                 await self._mark(c, job, final)
             except Exception as e:  # noqa: BLE001 - retried: the job answers from memory meanwhile
-                log.warning("recording forgotten job %s failed (retrying in %.1fs): %s", job.job_id, backoff, e)
+                log.warning("recording forgotten job %s failed (retrying in %.1fs): %s", job.job_id, backoff,
+                            status_text(e))
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 30.0)
                 continue

@@ -14,8 +14,10 @@ a ``TrackedJob`` built for one request and not kept.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import json
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,8 +44,43 @@ def record(job: TrackedJob, final: JobObservation) -> dict[str, Any]:
     }
 
 
+#: The most a record may take of the Service's annotations (the API server refuses more than
+#: 256 KiB in all, 422, and the record was retried for ever): past it the JSON is compressed
+#: (``COMPRESSED``: zlib, base64), then the replicas' messages are cut, then usage is dropped.
+MAX_RECORD_BYTES = 200 * 1024
+COMPRESSED = "z:"
+_CUT_MESSAGE = 200
+
+
 def annotation(job: TrackedJob, final: JobObservation) -> str:
-    return json.dumps(record(job, final), separators=(",", ":"), ensure_ascii=False)
+    doc = record(job, final)
+    for step in range(3):
+        text = json.dumps(doc, separators=(",", ":"), ensure_ascii=False)
+        if len(text.encode()) <= MAX_RECORD_BYTES:
+            return text
+        packed = COMPRESSED + base64.b64encode(zlib.compress(text.encode(), 9)).decode()
+        if len(packed) <= MAX_RECORD_BYTES:
+            return packed
+        if step == 0:  # a thousand replicas' termination messages: their heads say enough
+            doc["message"] = str(doc["message"])[:4096]
+            doc["statuses"] = [[*st[:5], str(st[5])[:_CUT_MESSAGE]] for st in doc["statuses"]]
+        else:
+            doc["usage"], doc["statuses"] = {}, [[*st[:5], ""] for st in doc["statuses"]]
+    return packed  # (the last resort; a refusal is logged and retried)
+
+
+#: The most a compressed record may expand to (anyone who may edit the Service may write it).
+MAX_DECODED_BYTES = 16 << 20
+
+
+def _decoded(raw: str) -> Any:
+    if raw.startswith(COMPRESSED):
+        z = zlib.decompressobj()
+        text = z.decompress(base64.b64decode(raw[len(COMPRESSED):], validate=True), MAX_DECODED_BYTES)
+        if z.unconsumed_tail or not z.eof:
+            raise ValueError("a compressed record past its bound, or cut")
+        return json.loads(text)
+    return json.loads(raw)
 
 
 def from_service(cluster: str, service: Mapping[str, Any]) -> TrackedJob | None:
@@ -53,8 +90,8 @@ def from_service(cluster: str, service: Mapping[str, Any]) -> TrackedJob | None:
     if not raw:
         return None
     try:
-        job = from_record(cluster, json.loads(raw))
-    except (KeyError, TypeError, ValueError):
+        job = from_record(cluster, _decoded(raw))
+    except (KeyError, TypeError, ValueError, zlib.error):
         return None
     job.uid = naming.uid_of(service)  # the job's uid: the Service's label
     if job.final is not None:
