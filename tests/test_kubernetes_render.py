@@ -197,6 +197,14 @@ def test_missing_image_and_bad_options_are_invalid_argument() -> None:
     assert fields == {"spec.replica_groups[0].image", "cluster.options[image_pull_secrets]"}
     with pytest.raises(InvalidArgument):
         render.render_job("j", SPECS["single_process"], 1, {**OPTS, "namespace": "Not_OK"})
+    # What the API server refuses at the first pod (after the Service and MPI's Secret were made):
+    # refused before any object, naming the field.
+    for image in ("python:3.11 \n", " python:3.11", "python\t3.11", "py\x1bthon"):
+        group = dataclasses.replace(SPECS["single_process"].replica_groups[0], image=image)
+        bad = dataclasses.replace(SPECS["single_process"], replica_groups=(group,))
+        with pytest.raises(InvalidArgument) as e:
+            render.render_job("j", bad, 1, OPTS)
+        assert [v.field for v in e.value.violations] == ["spec.replica_groups[0].image"], image
 
 
 def test_mpi_launcher_reaches_worker_sshd_with_the_attempt_key() -> None:

@@ -174,6 +174,10 @@ def _group_violations(i: int, g: ReplicaGroup, spec: JobSpec, default_image: str
     gf = f"spec.replica_groups[{i}]"
     if not (g.image or default_image):
         vs.append(FieldViolation(f"{gf}.image", "required: the cluster has no default_image option"))
+    elif g.image and (g.image != g.image.strip() or not g.image.isprintable()):
+        # the API server's own rule, refused here before any object of the launch is made
+        vs.append(FieldViolation(f"{gf}.image", "an image reference has no leading or trailing "
+                                 "whitespace and no control characters"))
     one_container = spec.run_mode is RunMode.MPI  # an MPI worker is one sshd container
     if g.resources.gpus and g.resources.gpus % g.processes and not one_container:
         vs.append(FieldViolation(f"{gf}.resources.gpus",
