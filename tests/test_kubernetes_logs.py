@@ -419,3 +419,52 @@ async def test_log_reads_bypass_the_proxy_where_the_client_does(stub: Any, emu: 
             resp.release()
     finally:
         await api.close()
+
+
+async def test_a_follow_cut_mid_line_sends_that_line_whole(stub: Any, emu: tuple[Emulator, str]) -> None:
+    """The API server's stream ends mid-line (its connection to the kubelet dropped) while the
+    pod runs on: the follow reads on from its last line and sends the cut line whole, once (it
+    sent the head as a line and skipped the rest as sent)."""
+    import aiohttp.web
+
+    e, url = emu
+    job = new_id("midcut")
+    await launch(stub, job, spec("single_process"))
+    pod = f"{job}-1-main-0"
+    await kubelet(url, pod, "Running")
+    e.write_log(pod, "first")
+    e.write_log(pod, "hello world, the whole line")
+    serve = e._serve_log
+    calls = 0
+
+    async def cut_once(request: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            return await serve(request)
+        resp = aiohttp.web.StreamResponse()
+        resp.content_type = "text/plain"
+        await resp.prepare(request._raw_request)
+        lines = e.logs[(pod, "main")]
+        await resp.write((lines[0] + "\n").encode())
+        await resp.write(lines[1].encode()[: len(lines[1]) - 15])
+        await resp.write_eof()
+        return resp
+
+    e._serve_log = cut_once
+    try:
+        got: list[str] = []
+
+        async def read() -> None:
+            req = dpb.TailJobLogsRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job), follow=True)
+            async for r in stub.TailJobLogs(req, timeout=60):
+                got.extend(x.text for x in r.entries)
+
+        reader = asyncio.ensure_future(read())
+        await eventually(lambda: calls >= 2)  # cut, then read on
+        e.write_log(pod, "last")
+        await kubelet(url, pod, "Succeeded", **exited(0, "Completed"))
+        await asyncio.wait_for(reader, 60)
+    finally:
+        e._serve_log = serve
+    assert got == ["first", "hello world, the whole line", "last"], got

@@ -357,7 +357,10 @@ async def _tail_one(c: KubeCluster, job: TrackedJob, r: Replica, index: int, con
                     pieces = _Pieces()
                     async for chunk in resp.content.iter_any():
                         await put(pieces.feed(chunk))
-                    await put(pieces.end())
+                    if not (query.follow and _may_write(job, r)):
+                        await put(pieces.end())
+                    # (else the stream ended while the pod writes on: a line it cut is read again,
+                    # whole, by the resumed request; sent now, the rest of it was skipped as sent)
                 except (aiohttp.ClientError, TimeoutError) as e:
                     raise api_error(e, f"reading the log of {r.pod}") from None
                 finally:  # read to its end: the connection may serve another; else (a cancel) closed
