@@ -206,6 +206,33 @@ async def test_a_restarted_driver_cleans_up_a_stopped_job_it_never_saw(stub: Any
         await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/restarted"), timeout=10)
 
 
+async def test_a_pod_deleted_while_no_driver_watched_fails_the_job(stub: Any, emu: tuple[Emulator, str]) -> None:
+    """Two workers run; the driver goes away, one pod is deleted (a node lost, a kubectl delete),
+    the driver comes back: the launch had completed (its Service says so), so the missing pod
+    was deleted, and the job FAILS PodDeleted. It read PENDING "created; not observed yet" for
+    ever (a launch cut short looks the same, and that one is finished by the next launch)."""
+    e, url = emu
+    job = new_id("down")
+    await launch(stub, job, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MULTI_PROCESS,
+                                            replica_groups=[group("worker", 2)]))
+    p0, p1 = f"{job}-1-worker-0", f"{job}-1-worker-1"
+    for p in (p0, p1):
+        await kubelet(url, p, "Running")
+    await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
+    await eventually(lambda: (e.objects[SERVICES, NS, f"{job}-1"].raw["metadata"].get("annotations") or {})
+                     .get("dlsched.io/launched") == "true")
+    await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster="clusters/k8s"), timeout=10)  # no driver watches
+    try:
+        async with aiohttp.ClientSession() as session, \
+                session.delete(f"{url}/api/v1/namespaces/{NS}/pods/{p1}") as r:
+            assert r.status in (200, 202), await r.text()
+    finally:
+        await configure(stub, "clusters/k8s", url)  # a driver that knows nothing of the job
+    obs = await wait_for(stub, job, TERMINAL, within=30)
+    assert (obs.state, obs.reason) == (job_pb2.JOB_STATE_FAILED, "PodDeleted"), obs
+    await eventually(lambda: not pods_of(e, job))  # the other worker does not run on
+
+
 async def test_a_stop_while_the_launch_creates_pods_stops_every_pod(stub: Any, emu: tuple[Emulator, str]) -> None:
     """TerminateJob while LaunchJob is still creating pods (a slow API server): the stop waits for
     the launch, so no pod made after it runs on, and the job ends STOPPED."""

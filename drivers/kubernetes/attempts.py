@@ -1,29 +1,65 @@
-"""A job's earlier attempts on the API server: a retry's launch leaves them (their logs stay
-readable); cleaning the job up deletes them with the newest (``delete_earlier``)."""
+"""Deleting a job's objects on the API server: its pods (``delete_pods``; in the background,
+until gone: ``delete_until_gone``), and its earlier attempts, which a retry's launch leaves
+(their logs stay readable) and cleaning the job up deletes with the newest (``delete_earlier``,
+``delete_attempts``)."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+import asyncio
+import logging
+import math
+from collections.abc import Callable, Sequence
 
 from drivers.kubernetes import naming
 from drivers.kubernetes.api import api_error
 from drivers.kubernetes.tracking import KubeCluster, TrackedJob
 
+log = logging.getLogger("dlsched.driver.kubernetes")
+
 #: The kinds an attempt may own besides its Service and Pods, and the CoreV1Api call deleting one.
 DELETE_OTHER = {"Secret": "delete_namespaced_secret", "ConfigMap": "delete_namespaced_config_map"}
 
 
-DeletePods = Callable[[KubeCluster, Sequence[str], float], Awaitable[None]]
+async def delete_pods(c: KubeCluster, names: Sequence[str], grace: float) -> None:
+    """Delete pods (gone already is fine), each with ``grace`` seconds to end; raises on the
+    first that fails."""
+    for name in names:
+        try:
+            await c.api.delete(c.api.core.delete_namespaced_pod, name, c.namespace, f"pod {name}",
+                               grace_period_seconds=max(0, math.ceil(grace)))
+        except Exception as e:
+            log.warning("deleting pod %s/%s failed: %s", c.namespace, name, e)
+            raise
 
 
-async def delete_earlier(c: KubeCluster, job: TrackedJob, delete_pods: DeletePods) -> None:
+async def delete_until_gone(c: KubeCluster, job: TrackedJob, names: Sequence[str], grace: float,
+                            current: Callable[[], bool]) -> None:
+    """``delete_pods`` in the background, each pod it could not delete (an API 503, 429) asked
+    again with backoff: a pod left running after its job ended held its GPUs for good while the
+    job read its replica STOPPED. Ends once ``current`` says the cluster was reconfigured, or
+    the job was cleaned up (its clean-up deletes every pod)."""
+    left, delay = list(names), 1.0
+    while True:
+        failed = []
+        for name in left:
+            try:
+                await delete_pods(c, [name], grace)
+            except Exception:  # noqa: BLE001 - logged by delete_pods; asked again
+                failed.append(name)
+        if not failed or job.cleaned or not current():
+            return
+        left = failed
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 30.0)
+
+
+async def delete_earlier(c: KubeCluster, job: TrackedJob) -> None:
     """Delete the objects of the job's earlier attempts (a retry's launch leaves them, so
     their logs stay readable)."""
-    await delete_attempts(c, job.job_id, job.uid, delete_pods, below=job.attempt)
+    await delete_attempts(c, job.job_id, job.uid, below=job.attempt)
 
 
-async def delete_attempts(c: KubeCluster, job_id: str, uid: str, delete_pods: DeletePods,
-                          below: int | None = None) -> None:
+async def delete_attempts(c: KubeCluster, job_id: str, uid: str, below: int | None = None) -> None:
     """Delete every attempt's objects of job ``job_id`` with ``uid`` (those below attempt
     ``below`` when given): each Service of the job's label and uid, its pods, and MPI's Secret
     (its SSH key) and ConfigMap. Also the clean-up of a job the driver neither tracks nor has a

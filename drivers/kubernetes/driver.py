@@ -76,7 +76,6 @@ import asyncio
 import contextlib
 import importlib.util
 import logging
-import math
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -99,7 +98,7 @@ from drivers.common.base import (
 )
 from drivers.common.launches import Known
 from drivers.common.skeleton import BackendDriver, render_off_loop
-from drivers.kubernetes import attempts, logs, mpi, naming, records, render, states, usage
+from drivers.kubernetes import attempts, launched, logs, mpi, naming, records, render, states, usage
 from drivers.kubernetes.api import KubeApi, api_error, status_of, status_text
 from drivers.kubernetes.informer import PodInformer
 from drivers.kubernetes.render import Rendered
@@ -214,6 +213,8 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
                     fresh[n] = states.replica_of(p)
             job.pods = fresh
             job.seen.update(fresh)
+            if job.incomplete():  # adopted with a pod missing: a launch cut short, or a pod lost since?
+                self._spawn(self._lost_pods(c, job))
             if job.final is None and not job.stop_requested and fresh and all(v.terminating for v in fresh.values()):
                 # every pod left is being deleted: a stop in its grace period (a driver restarted
                 # since, or the watch lost): STOPPED once they are gone, not FAILED PodDeleted
@@ -221,6 +222,14 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
                 job.deleted.update(r.pod for r in job.replicas)
             self._update(c, job)
         c.synced.set()
+
+    async def _lost_pods(self, c: KubeCluster, job: TrackedJob) -> None:
+        """An adopted job with a pod missing whose launch completed (``launched``): the pod was
+        made, then deleted while no driver watched; its replica fails ``PodDeleted``."""
+        if await launched.was_launched(c, job) and job.incomplete() and self._current(c):
+            job.submitted = True
+            job.seen.update(r.pod for r in job.replicas)
+            self._update(c, job)
 
     def _on_event(self, c: KubeCluster, kind: str, pod: dict[str, Any]) -> None:
         if not self._current(c) or c.stale is not None:
@@ -294,7 +303,8 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
         live = live_pods(job)
         if live:
             job.deleted.update(live)
-            self._spawn(self._delete_until_gone(c, job, live, self._cfg.grace_seconds))
+            self._spawn(attempts.delete_until_gone(c, job, live, self._cfg.grace_seconds,
+                                                 lambda: self.clusters.get(c.config.name) is c))
 
     def _spawn(self, coro: Any) -> None:
         t = asyncio.ensure_future(coro)
@@ -305,34 +315,6 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
         self._tasks.discard(t)
         if not t.cancelled() and (exc := t.exception()) is not None:
             log.warning("background pod deletion failed: %s", exc)
-
-    async def _delete_until_gone(self, c: KubeCluster, job: TrackedJob, names: Sequence[str], grace: float) -> None:
-        """``_delete_pods`` in the background, each pod it could not delete (an API 503, 429)
-        asked again with backoff: a pod left running after its job ended held its GPUs for good
-        while the job read its replica STOPPED. Ends when the cluster is reconfigured or the
-        job cleaned up (its cleanup deletes every pod)."""
-        left, delay = list(names), 1.0
-        while True:
-            failed = []
-            for name in left:
-                try:
-                    await self._delete_pods(c, [name], grace)
-                except Exception:  # noqa: BLE001 - logged by _delete_pods; asked again
-                    failed.append(name)
-            if not failed or job.cleaned or self.clusters.get(c.config.name) is not c:
-                return
-            left = failed
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 30.0)
-
-    async def _delete_pods(self, c: KubeCluster, names: Sequence[str], grace: float) -> None:
-        for name in names:
-            try:
-                await c.api.delete(c.api.core.delete_namespaced_pod, name, c.namespace, f"pod {name}",
-                                   grace_period_seconds=max(0, math.ceil(grace)))
-            except Exception as e:
-                log.warning("deleting pod %s/%s failed: %s", c.namespace, name, e)
-                raise
 
     def _snapshot(self, c: KubeCluster) -> Iterable[JobObservation]:
         return [observation(j, c.stale) for j in c.jobs.values()]
@@ -417,6 +399,7 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
                                        f"service {rendered.service}", propagation_policy="Background")
                     raise
         job.submitted = True
+        self._spawn(launched.mark(c, job))
         obs = observation(job, c.stale)
         self._publish(c, job, obs)
         return LaunchResult(rendered.backend_job_id, native, obs)
@@ -455,24 +438,24 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
         names = [r.pod for r in job.replicas]
         job.deleted.update(names)
         self._update(c, job)
-        await self._delete_pods(c, names, grace)
+        await attempts.delete_pods(c, names, grace)
         return observation(job, c.stale)
 
     async def _cleanup(self, c: KubeCluster, name: str, ref: JobRef) -> None:
         job = c.find(ref) or await self._recall(c, ref)
         if job is None:  # (ended, no pod left to adopt it from, no record: its objects by label and uid)
-            return await attempts.delete_attempts(c, ref.job_id, ref.uid, self._delete_pods)
+            return await attempts.delete_attempts(c, ref.job_id, ref.uid)
         job.cleaned = True
         if job.final is None:
             job.stop_requested = True
         job.deleted.update(r.pod for r in job.replicas)
-        await self._delete_pods(c, [r.pod for r in job.replicas], 0)
+        await attempts.delete_pods(c, [r.pod for r in job.replicas], 0)
         for kind, obj in job.others:
             await c.api.delete(getattr(c.api.core, _DELETE_OTHER[kind]), obj, c.namespace, f"{kind.lower()} {obj}")
         await c.api.delete(c.api.core.delete_namespaced_service, job.service, c.namespace,
                            f"service {job.service}", propagation_policy="Background")
         if job.attempt > 1:
-            await attempts.delete_earlier(c, job, self._delete_pods)
+            await attempts.delete_earlier(c, job)
         key = naming.job_label(job.job_id)
         if c.jobs.get(key) is job:
             del c.jobs[key]
