@@ -1325,10 +1325,9 @@ def test_a_refused_create_is_audited_under_the_id_it_asked_for_not_a_name_it_cho
     """A viewer's CreateCluster(cluster_id="evil", cluster.name="clusters/local") was audited as
     acting on clusters/local; a create's own name field is ignored by the service."""
     from dlsched.auth.audit import object_of
-    from dlsched.v1 import access_pb2
+    from dlsched.v1 import access_pb2, cluster_pb2
     from dlsched.v1 import access_service_pb2 as apb
     from dlsched.v1 import cluster_manager_service_pb2 as cpb
-    from dlsched.v1 import cluster_pb2
 
     forged = cpb.CreateClusterRequest(cluster_id="evil", cluster=cluster_pb2.Cluster(name="clusters/local"))
     assert object_of(forged) == "clusters/evil"
