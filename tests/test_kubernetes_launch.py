@@ -127,6 +127,16 @@ async def test_a_failed_process_of_a_pod_that_runs_on_fails_the_job_and_deletes_
     await eventually(lambda: not pods_of(e, job))  # proc-0 does not run on
 
 
+async def two_workers_running(stub: Any, url: str, job: str) -> tuple[str, str]:
+    """A MULTI_PROCESS job of two workers launched, each pod Running; their pod names."""
+    await launch(stub, job, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MULTI_PROCESS,
+                                            replica_groups=[group("worker", 2)]))
+    pods = f"{job}-1-worker-0", f"{job}-1-worker-1"
+    for p in pods:
+        await kubelet(url, p, "Running")
+    return pods
+
+
 async def test_pods_the_end_of_a_job_could_not_delete_are_deleted_once_the_api_answers(
         stub: Any, emu: tuple[Emulator, str]) -> None:
     """A worker fails; the other worker's pod is to be deleted, but the API server answers 503
@@ -134,11 +144,7 @@ async def test_pods_the_end_of_a_job_could_not_delete_are_deleted_once_the_api_a
     logged and dropped, and the pod ran on while its replica read STOPPED)."""
     e, url = emu
     job = new_id("bgdel")
-    await launch(stub, job, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MULTI_PROCESS,
-                                            replica_groups=[group("worker", 2)]))
-    p0, p1 = f"{job}-1-worker-0", f"{job}-1-worker-1"
-    for p in (p0, p1):
-        await kubelet(url, p, "Running")
+    p0, p1 = await two_workers_running(stub, url, job)
     await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
     refused: list[str] = []
 
@@ -164,11 +170,7 @@ async def test_a_pod_deleted_after_it_ended_keeps_its_end(stub: Any, emu: tuple[
     killing the other worker), and the job succeeds when the other does."""
     e, url = emu
     job = new_id("gcd")
-    await launch(stub, job, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MULTI_PROCESS,
-                                            replica_groups=[group("worker", 2)]))
-    p0, p1 = f"{job}-1-worker-0", f"{job}-1-worker-1"
-    for p in (p0, p1):
-        await kubelet(url, p, "Running")
+    p0, p1 = await two_workers_running(stub, url, job)
     await kubelet(url, p0, "Succeeded", **exited(0, "Completed"))
     await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
     async with aiohttp.ClientSession() as session, \
@@ -213,11 +215,7 @@ async def test_a_pod_deleted_while_no_driver_watched_fails_the_job(stub: Any, em
     ever (a launch cut short looks the same, and that one is finished by the next launch)."""
     e, url = emu
     job = new_id("down")
-    await launch(stub, job, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MULTI_PROCESS,
-                                            replica_groups=[group("worker", 2)]))
-    p0, p1 = f"{job}-1-worker-0", f"{job}-1-worker-1"
-    for p in (p0, p1):
-        await kubelet(url, p, "Running")
+    p0, p1 = await two_workers_running(stub, url, job)
     await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
     await eventually(lambda: (e.objects[SERVICES, NS, f"{job}-1"].raw["metadata"].get("annotations") or {})
                      .get("dlsched.io/launched") == "true")
