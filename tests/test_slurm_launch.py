@@ -254,15 +254,19 @@ async def test_hostile_env_arrives_byte_for_byte_and_runs_nothing(stub, cluster)
     assert not await asyncio.to_thread(os.path.exists, canary)
 
 
+def mpi_spec(code: str) -> job_pb2.JobSpec:
+    """An MPI job: a launcher running ``code`` on two ranks (one worker of two slots), as root."""
+    root_ok = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    return job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MPI, replica_groups=[
+        job_pb2.ReplicaGroup(role="launcher", replicas=1, command=[PY, "-u", "-c", code], env=root_ok),
+        job_pb2.ReplicaGroup(role="worker", replicas=1, processes_per_replica=2, command=["unused"])])
+
+
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (bash scripts/install-system-deps.sh)")
 async def test_mpi_runs_mpirun_inside_the_allocation(stub):
     jid = new_id("mpi")
     code = "import os; print('rank', os.environ['OMPI_COMM_WORLD_RANK'], 'of', os.environ['OMPI_COMM_WORLD_SIZE'])"
-    root_ok = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MPI, replica_groups=[
-        job_pb2.ReplicaGroup(role="launcher", replicas=1, command=[PY, "-u", "-c", code], env=root_ok),
-        job_pb2.ReplicaGroup(role="worker", replicas=1, processes_per_replica=2, command=["unused"])])
-    await launch(stub, jid, spec)
+    await launch(stub, jid, mpi_spec(code))
     obs = await wait_state(stub, jid)
     assert obs.state == job_pb2.JOB_STATE_SUCCEEDED, obs
     lines = sorted(e.text for e in await logs(stub, jid) if e.stream == job_pb2.LOG_STREAM_STDOUT)
@@ -279,11 +283,7 @@ async def test_an_mpi_job_is_cancelled_at_once_whatever_the_grace(stub):
     SIGTERM that reaches nothing and a wait of the whole grace before it."""
     jid = new_id("mpistop")
     code = "import os, time; print('up', os.environ['OMPI_COMM_WORLD_RANK'], flush=True); time.sleep(600)"
-    root_ok = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MPI, replica_groups=[
-        job_pb2.ReplicaGroup(role="launcher", replicas=1, command=[PY, "-u", "-c", code], env=root_ok),
-        job_pb2.ReplicaGroup(role="worker", replicas=1, processes_per_replica=2, command=["unused"])])
-    await launch(stub, jid, spec)
+    await launch(stub, jid, mpi_spec(code))
     deadline = time.monotonic() + 90
     while len([e for e in await logs(stub, jid) if e.text.startswith("up ")]) < 2:
         assert time.monotonic() < deadline, "the ranks never started"
