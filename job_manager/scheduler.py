@@ -625,6 +625,10 @@ class Scheduler:
                         name=f"reap-{job_id}", cluster=cluster)
         t.add_done_callback(lambda _: self._reaping.discard(key))
 
+    def clean_up_later(self, cluster: str, job_id: str, backend_job_id: str, uid: str) -> None:
+        """A deleted job's clean-up that failed (its driver unreachable), retried in the background."""
+        self._reap(cluster, job_id, backend_job_id, uid, why="is deleted, its clean-up failed,")
+
     def _forget_later(self, cluster: str, job_id: str, backend_job_id: str) -> None:
         """Tell the driver, in a batch, that this ended job's final state is stored:
         it drops the job from memory (``ForgetJobs``). A call that fails is not

@@ -480,8 +480,9 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             try:
                 drv = await self.scheduler.driver_for(job.cluster)
                 await drv.cleanup(job.cluster, job.id, job.backend_job_id, job.uid)
-            except DlschedError as e:
-                log.warning("cleanup of archived %s on %s failed (ignored): %s", job.id, job.cluster, e)
+            except DlschedError as e:  # (its files and objects would stay for good)
+                log.warning("cleanup of archived %s on %s failed (retried): %s", job.id, job.cluster, e)
+                self.scheduler.clean_up_later(job.cluster, job.id, job.backend_job_id, job.uid)
         # Watches learn of it first (its key left etcd with no event when it was
         # archived): a delete that fails after is retried, and a watch sees a
         # second DELETED, never none.

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -1003,6 +1004,50 @@ async def test_an_archived_job_answers_stop_logs_and_usage(etcd: EtcdServer, dsn
 async def lines_of(jm: pb_grpc.JobManagerServiceStub, name: str) -> list[str]:
     return [e.text async for r in jm.StreamJobLogs(pb.StreamJobLogsRequest(name=name), timeout=60)
             for e in r.entries]
+
+
+async def test_deleting_an_archived_job_while_its_driver_is_down_cleans_it_up_later(
+        etcd: EtcdServer, tmp_path: pathlib.Path) -> None:
+    """DeleteJob of an archived job while its driver is down (SIGKILLed): the clean-up that
+    failed is retried, and once the driver is back the job's files go (the failure was logged
+    "ignored": its directory, logs and all, stayed for good)."""
+    st = Stack(etcd, f"/dlsched-hist-{uuid.uuid4().hex[:8]}/", jm_args=[
+        "--history-dsn", str(tmp_path / "history.db"), "--history-retention", "0", "--archive-interval", "0.3"])
+    client = await connect(etcd.endpoint)
+    store = JobStore(client, st.prefix)
+    try:
+        st.start()
+        assert st.jm is not None
+        cluster = await st.register_local()
+        spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+            job_pb2.ReplicaGroup(role="main", replicas=1, command=["python3", "-c", "print('done')"])])
+        spec.cluster_selector.cluster = cluster
+        async with security.channel(st.jm.address) as ch:
+            jm = pb_grpc.JobManagerServiceStub(ch)
+            job = (await jm.SubmitJob(pb.SubmitJobRequest(job_id=f"d{uuid.uuid4().hex[:8]}", spec=spec),
+                                      timeout=60)).job
+            job_id = job.name.removeprefix("jobs/")
+
+            async def archived() -> bool:
+                return job_id not in await etcd_ids(store)
+            await until(archived, what="the job ending and leaving etcd")
+            files = pathlib.Path(st.driver.args[1]) / "jobs" / job_id
+            assert files.is_dir()
+            args, address = list(st.driver.args), st.driver.address
+            st.driver.kill()
+            await jm.DeleteJob(pb.DeleteJobRequest(name=job.name), timeout=60)
+            st.driver.args = [*args, "--listen", address]  # where ClusterManager knows it
+            try:
+                await asyncio.to_thread(st.driver.start)
+            finally:
+                st.driver.args = args
+
+            async def gone() -> bool:
+                return not files.exists()
+            await until(gone, what="the deleted job's files going once its driver is back")
+    finally:
+        await client.close()
+        st.stop()
 
 
 async def test_a_postgresql_that_is_down_is_unavailable_not_an_internal_error() -> None:
