@@ -111,7 +111,7 @@ async def test_hub_resume_without_gap_or_duplicate(store: JobStore, etcd_prefix:
     hub = WatchHub(store.client, etcd_prefix, buffer_size=100)
     await hub.start()
     try:
-        live = hub.subscribe(0)
+        live = hub.subscribe(hub.horizon)
         await store.create(new_job("w1"))
         await store.update("w1", lambda j: dataclasses.replace(j, state=JobState.RUNNING))
         first = await _collect(live, 2)
@@ -141,7 +141,7 @@ async def test_hub_token_older_than_buffer_expires(store: JobStore, etcd_prefix:
     hub = WatchHub(store.client, etcd_prefix, buffer_size=3)
     await hub.start()
     try:
-        live = hub.subscribe(0)
+        live = hub.subscribe(hub.horizon)
         await store.create(new_job("x"))
         old = (await _collect(live, 1))[0].revision
         for i in range(5):
@@ -159,7 +159,7 @@ async def test_slow_subscriber_is_ended_unavailable(store: JobStore, etcd_prefix
     hub = WatchHub(store.client, etcd_prefix, buffer_size=2, subscriber_limit=2)
     await hub.start()
     try:
-        slow = hub.subscribe(0)
+        slow = hub.subscribe(hub.horizon)
         await store.create(new_job("s"))
         for i in range(6):
             await store.update("s", lambda j, i=i: dataclasses.replace(j, attempt=20 + i))
@@ -181,7 +181,7 @@ async def test_purge_marks_reach_watchers_as_deleted_and_bad_events_are_skipped(
     hub = WatchHub(store.client, etcd_prefix, buffer_size=100)
     await hub.start()
     try:
-        sub = hub.subscribe(0)
+        sub = hub.subscribe(hub.horizon)
         gone = dataclasses.replace(new_job("gone"), state=JobState.SUCCEEDED)
         await store.create(new_job("live1"))
         assert not await store.mark_purged("live1", 5, job_to_bytes(new_job("live1")))
