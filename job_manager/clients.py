@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
 
 import grpc
@@ -223,23 +223,54 @@ class ClusterManagerClient:
         await self._channel.close()
 
 
+#: A client's read through a driver (usage, a dry run's render) waits this long for the
+#: driver: well inside the 30 s the shipped service config gives reads, so a frozen driver
+#: is the client's UNAVAILABLE ``DRIVER_UNAVAILABLE`` naming the cluster, not its own bare
+#: DEADLINE_EXCEEDED (the config's deadline is the client's alone: no server sees it).
+CLIENT_READ_TIMEOUT = 10.0
+#: Once a client read found the driver silent, client reads fail at once for this long
+#: (unless the driver answers a call meanwhile): the service config retries UNAVAILABLE, and
+#: each retry waiting CLIENT_READ_TIMEOUT again would outlast the client's deadline.
+SILENT_HOLD = 15.0
+
+
 class DriverClient:
     """One driver service (one channel, shared by every cluster it serves)."""
 
     def __init__(self, address: str, *, timeout: float = 30.0,
-                 tls: tls_kit.TlsOptions | None = None) -> None:
+                 tls: tls_kit.TlsOptions | None = None,
+                 read_timeout: float = CLIENT_READ_TIMEOUT) -> None:
         self.address = address
         self._channel = _channel(address, tls)
         self._stub = drv_grpc.DriverServiceStub(self._channel)
         self._timeout = timeout
+        self._read_timeout = read_timeout
+        self._silent_at: float | None = None  # when a client read last found it silent
         self._logs = LogMux(self._stub)
 
-    async def render(self, cluster: str, job_id: str, spec: JobSpec) -> NativeSpec:
+    async def _client_read(self, cluster: str, call: Callable[[], Awaitable[T]]) -> T:
+        """A call a client's request waits on (made with ``self._read_timeout``)."""
+        silent = self._silent_at
+        if silent is not None and time.monotonic() - silent < SILENT_HOLD:
+            raise errors.Unavailable(
+                f"the driver of {cluster} did not answer within {self._read_timeout:g} s; retry",
+                reason="DRIVER_UNAVAILABLE", metadata={"cluster": cluster})
         try:
-            resp = await _unary(self._stub.RenderJob(drv_pb2.RenderJobRequest(
-                cluster=cluster, job_id=job_id, spec=spec_to_proto(spec)), timeout=self._timeout))
-        except errors.DlschedError as e:
-            raise_for_client(e, cluster)
+            resp = await call()
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and from_rpc_error(e).reason in (
+                    "DEADLINE_EXCEEDED", "TIMED_OUT"):
+                self._silent_at = time.monotonic()
+            raise_for_client(translate(e), cluster)
+        self._answered()
+        return resp
+
+    def _answered(self) -> None:
+        self._silent_at = None
+
+    async def render(self, cluster: str, job_id: str, spec: JobSpec) -> NativeSpec:
+        resp = await self._client_read(cluster, lambda: self._stub.RenderJob(drv_pb2.RenderJobRequest(
+            cluster=cluster, job_id=job_id, spec=spec_to_proto(spec)), timeout=self._read_timeout))
         return native_from_proto(resp.native_spec)
 
     async def launch(self, cluster: str, job_id: str, spec: JobSpec, attempt: int,
@@ -260,6 +291,7 @@ class DriverClient:
                     jobs=[drv_pb2.JobRef(job_id=j, backend_job_id=b) for j, b in chunk]),
                 timeout=self._timeout))
             out.extend(observation_from_proto(o) for o in resp.observations)
+            self._answered()
         return out
 
     async def watch(self, cluster: str) -> AsyncIterator[Observation | None]:
@@ -267,6 +299,7 @@ class DriverClient:
         call = self._stub.WatchJobObservations(drv_pb2.WatchJobObservationsRequest(cluster=cluster))
         try:
             async for resp in call:
+                self._answered()
                 if resp.snapshot_complete:
                     yield None
                 if resp.HasField("observation"):
@@ -356,12 +389,10 @@ class DriverClient:
             call.cancel()
 
     async def usage(self, cluster: str, job_id: str, backend_job_id: str) -> job_pb2.JobUsage:
-        try:
-            resp = await _unary(self._stub.MeasureJobUsage(drv_pb2.MeasureJobUsageRequest(
+        resp = await self._client_read(cluster, lambda: self._stub.MeasureJobUsage(
+            drv_pb2.MeasureJobUsageRequest(
                 cluster=cluster, job=drv_pb2.JobRef(job_id=job_id, backend_job_id=backend_job_id)),
-                timeout=self._timeout))
-        except errors.DlschedError as e:
-            raise_for_client(e, cluster)
+            timeout=self._read_timeout))
         usage: job_pb2.JobUsage = resp.usage
         return usage
 

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import grpc
 import pytest
 
 from dlsched.client import ClusterManagerClient, DlschedRpcError, JobManagerClient
@@ -335,3 +336,45 @@ def restart_on_same_data(etcd: EtcdServer) -> None:
     data = etcd.dir
     etcd.start()
     assert etcd.dir == data
+
+
+async def test_usage_of_a_job_whose_driver_is_frozen_is_unavailable_naming_the_cluster(stack: Stack) -> None:
+    """GetJobUsage while the job's driver is frozen (SIGSTOP), by clients on the shipped service
+    config (a 30 s deadline of the client's own that no server sees, UNAVAILABLE retried): the
+    answer is UNAVAILABLE DRIVER_UNAVAILABLE naming the cluster, within that deadline. JobManager
+    waited 30 s for the driver, so the client's own bare DEADLINE_EXCEEDED came first."""
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[job_pb2.ReplicaGroup(
+        role="main", replicas=1, command=["/bin/sh", "-c", "while :; do sleep 0.2; done"])])
+    assert stack.jm is not None and stack.driver.proc is not None
+    async with JobManagerClient(stack.jm.address) as jm:
+        name = (await jm.submit_job(spec)).job.name
+        await _until(jm, name, lambda j: j.state == job_pb2.JOB_STATE_RUNNING)
+        assert (await jm.get_job_usage(name)).HasField("sample_time")
+        os.kill(stack.driver.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(DlschedRpcError) as sdk:  # the SDK: the config's deadline and its own
+                await jm.get_job_usage(name)
+            async with security.channel(stack.jm.address) as ch:  # a bare stub: the config's alone
+                stub = job_manager_service_pb2_grpc.JobManagerServiceStub(ch)
+                with pytest.raises(grpc.aio.AioRpcError) as bare:
+                    await stub.GetJobUsage(job_manager_service_pb2.GetJobUsageRequest(name=name))
+        finally:
+            os.kill(stack.driver.proc.pid, signal.SIGCONT)
+        assert (sdk.value.code, sdk.value.reason) == ("UNAVAILABLE", "DRIVER_UNAVAILABLE"), sdk.value
+        assert sdk.value.metadata.get("cluster") == "clusters/local", sdk.value.metadata
+        err = DlschedRpcError.from_rpc_error(bare.value)
+        assert (err.code, err.reason, err.metadata.get("cluster")) == (
+            "UNAVAILABLE", "DRIVER_UNAVAILABLE", "clusters/local"), err
+        # The driver back: its usage again (the silence is forgotten once it answers).
+        await _wait_for_usage(jm, name)
+
+
+async def _wait_for_usage(jm: JobManagerClient, name: str, within: float = 90.0) -> None:
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            assert (await jm.get_job_usage(name)).HasField("sample_time")
+            return
+        except DlschedRpcError as e:
+            assert e.code == "UNAVAILABLE" and time.monotonic() < deadline, e
+        await asyncio.sleep(0.5)
