@@ -248,13 +248,19 @@ class DriverClient:
         self._silent_at: float | None = None  # when a client read last found it silent
         self._logs = LogMux(self._stub)
 
-    async def _client_read(self, cluster: str, call: Callable[[], Awaitable[T]]) -> T:
-        """A call a client's request waits on (made with ``self._read_timeout``)."""
+    def _silence(self, cluster: str) -> errors.Unavailable:
+        return errors.Unavailable(
+            f"the driver of {cluster} did not answer within {self._read_timeout:g} s; retry",
+            reason="DRIVER_UNAVAILABLE", metadata={"cluster": cluster})
+
+    def _refuse_if_silent(self, cluster: str) -> None:
         silent = self._silent_at
         if silent is not None and time.monotonic() - silent < SILENT_HOLD:
-            raise errors.Unavailable(
-                f"the driver of {cluster} did not answer within {self._read_timeout:g} s; retry",
-                reason="DRIVER_UNAVAILABLE", metadata={"cluster": cluster})
+            raise self._silence(cluster)
+
+    async def _client_read(self, cluster: str, call: Callable[[], Awaitable[T]]) -> T:
+        """A call a client's request waits on (made with ``self._read_timeout``)."""
+        self._refuse_if_silent(cluster)
         try:
             resp = await call()
         except grpc.RpcError as e:
@@ -346,16 +352,29 @@ class DriverClient:
             treq.since_time.CopyFrom(req.since_time)
         if req.HasField("replica_index"):
             treq.replica_index = req.replica_index
+        # Without follow the driver reads what is there and ends: silence past
+        # ``self._read_timeout`` is a driver that does not answer (a client read).
+        limit = 0.0 if req.follow else self._read_timeout
+        wait = min(idle, limit) if idle > 0 and limit else (idle or limit)
         retries = 0
         while not self._logs.unsupported:
+            self._refuse_if_silent(cluster)
             tail = self._logs.open(treq)
             got = False
+            quiet = 0.0
             try:
                 while True:  # no batch held while the follower waits
-                    batch = await tail.next(idle)
+                    batch = await tail.next(wait)
                     if batch is None:
                         return
-                    got = got or batch is not IDLE
+                    if batch is IDLE:
+                        quiet += wait
+                        if limit and quiet >= limit:
+                            self._silent_at = time.monotonic()
+                            raise self._silence(cluster)
+                    else:
+                        got, quiet = True, 0.0
+                        self._answered()
                     entries = list(batch.entries)
                     del batch
                     yield entries

@@ -338,35 +338,47 @@ def restart_on_same_data(etcd: EtcdServer) -> None:
     assert etcd.dir == data
 
 
-async def test_usage_of_a_job_whose_driver_is_frozen_is_unavailable_naming_the_cluster(stack: Stack) -> None:
+async def test_reads_of_a_job_whose_driver_is_frozen_are_unavailable_naming_the_cluster(stack: Stack) -> None:
     """GetJobUsage while the job's driver is frozen (SIGSTOP), by clients on the shipped service
     config (a 30 s deadline of the client's own that no server sees, UNAVAILABLE retried): the
     answer is UNAVAILABLE DRIVER_UNAVAILABLE naming the cluster, within that deadline. JobManager
-    waited 30 s for the driver, so the client's own bare DEADLINE_EXCEEDED came first."""
+    waited 30 s for the driver, so the client's own bare DEADLINE_EXCEEDED came first. A log
+    read without follow ends the same way (it waited for the driver for ever)."""
     spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[job_pb2.ReplicaGroup(
-        role="main", replicas=1, command=["/bin/sh", "-c", "while :; do sleep 0.2; done"])])
+        role="main", replicas=1, command=["/bin/sh", "-c", "echo hi; while :; do sleep 0.2; done"])])
     assert stack.jm is not None and stack.driver.proc is not None
-    async with JobManagerClient(stack.jm.address) as jm:
+    driver = stack.driver.proc.pid
+    async with JobManagerClient(stack.jm.address) as jm, security.channel(stack.jm.address) as ch:
+        stub = job_manager_service_pb2_grpc.JobManagerServiceStub(ch)  # a bare stub: the config alone
         name = (await jm.submit_job(spec)).job.name
         await _until(jm, name, lambda j: j.state == job_pb2.JOB_STATE_RUNNING)
-        assert (await jm.get_job_usage(name)).HasField("sample_time")
-        os.kill(stack.driver.proc.pid, signal.SIGSTOP)
+        await _wait_for_usage(jm, name)
+        os.kill(driver, signal.SIGSTOP)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as logs:  # what is there, no follow
+                async for _ in stub.StreamJobLogs(job_manager_service_pb2.StreamJobLogsRequest(name=name),
+                                                  timeout=60):
+                    pass
+        finally:
+            os.kill(driver, signal.SIGCONT)
+        await _wait_for_usage(jm, name)  # the driver answers again: the silence is forgotten
+        os.kill(driver, signal.SIGSTOP)
         try:
             with pytest.raises(DlschedRpcError) as sdk:  # the SDK: the config's deadline and its own
                 await jm.get_job_usage(name)
-            async with security.channel(stack.jm.address) as ch:  # a bare stub: the config's alone
-                stub = job_manager_service_pb2_grpc.JobManagerServiceStub(ch)
-                with pytest.raises(grpc.aio.AioRpcError) as bare:
-                    await stub.GetJobUsage(job_manager_service_pb2.GetJobUsageRequest(name=name))
+            with pytest.raises(grpc.aio.AioRpcError) as bare:
+                await stub.GetJobUsage(job_manager_service_pb2.GetJobUsageRequest(name=name))
         finally:
-            os.kill(stack.driver.proc.pid, signal.SIGCONT)
+            os.kill(driver, signal.SIGCONT)
         assert (sdk.value.code, sdk.value.reason) == ("UNAVAILABLE", "DRIVER_UNAVAILABLE"), sdk.value
         assert sdk.value.metadata.get("cluster") == "clusters/local", sdk.value.metadata
-        err = DlschedRpcError.from_rpc_error(bare.value)
-        assert (err.code, err.reason, err.metadata.get("cluster")) == (
-            "UNAVAILABLE", "DRIVER_UNAVAILABLE", "clusters/local"), err
-        # The driver back: its usage again (the silence is forgotten once it answers).
+        for e in (logs.value, bare.value):
+            err = DlschedRpcError.from_rpc_error(e)
+            assert (err.code, err.reason, err.metadata.get("cluster")) == (
+                "UNAVAILABLE", "DRIVER_UNAVAILABLE", "clusters/local"), err
         await _wait_for_usage(jm, name)
+        texts = [e.text async for e in jm.stream_job_logs(name)]
+        assert texts == ["hi"], texts
 
 
 async def _wait_for_usage(jm: JobManagerClient, name: str, within: float = 90.0) -> None:
