@@ -185,6 +185,7 @@ async def amain(cfg: Config) -> None:
                           SchedulerConfig(stop_grace_seconds=cfg.stop_grace_seconds),
                           ownership=ownership, cache=cache, history=history)
     ownership.start(scheduler)
+    scheduler.start()
     gauge = JobStateGauge(cache, hub)
     if cfg.metrics_listen:
         gauge.start()

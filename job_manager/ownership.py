@@ -92,6 +92,7 @@ class Ownership(Protocol):
     def fence(self, cluster: str) -> Fence | None: ...
     async def claim(self, cluster: str) -> bool: ...
     def lost(self, cluster: str) -> None: ...
+    def would_own(self, cluster: str) -> bool: ...
 
 
 class SoleOwner:
@@ -108,6 +109,9 @@ class SoleOwner:
 
     def lost(self, cluster: str) -> None:
         pass
+
+    def would_own(self, cluster: str) -> bool:
+        return True
 
 
 def _count_write(cluster: str, result: str) -> None:
@@ -179,6 +183,12 @@ class ClusterOwnership:
     def lost(self, cluster: str) -> None:
         """A fenced write was refused: look at the keys now."""
         self._nudge.set()
+
+    def would_own(self, cluster: str) -> bool:
+        """Whether this replica owns ``cluster`` or would, were it claimed (its work that
+        needs no fence: a deleted job's clean-up on a cluster with no unfinished job)."""
+        return cluster in self._held or (
+            bool(self._lease_id) and rendezvous(cluster, self._members) == self.identity)
 
     async def claim(self, cluster: str) -> bool:
         """Own ``cluster`` now if this replica is its owner-to-be and it is free

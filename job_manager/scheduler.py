@@ -59,7 +59,7 @@ from job_manager.domain.validation import validate_submit
 from job_manager.history.store import HistoryStore
 from job_manager.job_metrics import LAUNCH_LATENCY
 from job_manager.ownership import Ownership, SoleOwner
-from job_manager.store import JobStore, OwnershipLost, RequestJobGone
+from job_manager.store import JobStore, OwnershipLost, PendingCleanup, RequestJobGone
 
 log = logging.getLogger("job_manager.scheduler")
 
@@ -70,6 +70,9 @@ _PERMANENT = (errors.InvalidArgument, errors.FailedPrecondition, errors.Unimplem
 
 #: how long ended jobs are gathered before one ForgetJobs call tells their driver
 FORGET_BATCH_SECONDS = 0.2
+#: how often a replica looks for deleted jobs' pending clean-ups it should run (etcd
+#: ``job-cleanups/``: recorded by a replica that died before they were done)
+CLEANUP_SWEEP_SECONDS = 30.0
 #: how long SubmitJob looks for a retried request's job after an UNAVAILABLE match
 SEEN_LOOKUP_SECONDS = 2.0
 
@@ -384,20 +387,28 @@ class Scheduler:
             return job, True
 
     async def _terminate_backend(self, cluster: str, job_id: str, backend_id: str, uid: str, *,
-                                 cleanup: bool = False) -> None:
+                                 cleanup: bool = False, record: PendingCleanup | None = None) -> None:
         """Stop a backend job no stored job records (and, with ``cleanup``, remove its files);
-        ``uid``: its job's (the driver leaves a job of the same id and another uid alone)."""
+        ``uid``: its job's (the driver leaves a job of the same id and another uid alone).
+        ``record``: the clean-up's etcd record, deleted once it is done (or refused)."""
         delay = self.config.retry_initial_seconds
+        done = False
         while True:
             try:
-                drv = await self.driver_for(cluster)
-                await drv.terminate(cluster, job_id, backend_id, self.config.stop_grace_seconds, uid)
-                if cleanup:
-                    await drv.cleanup(cluster, job_id, backend_id, uid)
+                if not done:
+                    drv = await self.driver_for(cluster)
+                    await drv.terminate(cluster, job_id, backend_id, self.config.stop_grace_seconds, uid)
+                    if cleanup:
+                        await drv.cleanup(cluster, job_id, backend_id, uid)
+                    done = True
+                if record is not None:
+                    await self.store.delete_cleanup(record)
                 return
             except errors.DlschedError as e:
-                if not _retryable(e):
-                    return
+                if not _retryable(e) and not done:
+                    log.warning("clean-up of %s on %s refused: %s", job_id, cluster, e.reason)
+                    done = True
+                    continue
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.config.retry_max_seconds)
 
@@ -523,6 +534,7 @@ class Scheduler:
                     f"jobs/{job_id} is stopping, but its cluster's driver could not be reached to "
                     "stop it; it is deleted once it has stopped: retry", reason="JOB_STOP_PENDING",
                     metadata={"name": f"jobs/{job_id}"})
+        pending: PendingCleanup | None = None
         if job.cluster:
             try:
                 drv = await self.driver_for(job.cluster)
@@ -532,10 +544,10 @@ class Scheduler:
                 if (isinstance(e, TimeoutError) or _retryable(e)) and job.backend_job_id:
                     # Its driver is unreachable now: the delete goes on (the job has ended or
                     # stopped) and the clean-up is retried in the background, so its backend
-                    # objects (files, pods, an MPI job's SSH key) do not stay behind for ever.
+                    # objects (files, pods, an MPI job's SSH key) do not stay behind for ever;
+                    # its record, written with the delete, outlives this process.
                     log.warning("cleanup of %s on %s failed (retried): %s", job_id, job.cluster, e)
-                    self._reap(job.cluster, job_id, job.backend_job_id, job.uid,
-                               why="is deleted, its clean-up failed,")
+                    pending = PendingCleanup(job.cluster, job_id, job.backend_job_id, job.uid)
                 else:
                     log.warning("cleanup of %s on %s failed (ignored): %s", job_id, job.cluster, e)
         self._retry_cluster.pop((job_id, "terminate"), None)
@@ -544,7 +556,9 @@ class Scheduler:
             t.cancel()
         # (its request key goes with it, found through ``request_of_key``; that of a job stored
         # before that key was written is left to the archiver's sweep)
-        last = await self.store.delete(job_id, expect=expect)
+        last = await self.store.delete(job_id, expect=expect, cleanup=pending)
+        if pending is not None:
+            self._clean_up(pending)
         log.info("job %s deleted", job_id)
         if last is None and not allow_missing:
             raise JobNotFound(f"job jobs/{job_id} not found", metadata={"name": f"jobs/{job_id}"})
@@ -610,7 +624,7 @@ class Scheduler:
             return job
 
     def _reap(self, cluster: str, job_id: str, backend_job_id: str, uid: str, *,
-              cleanup: bool = True, why: str = "is deleted") -> None:
+              cleanup: bool = True, why: str = "is deleted", record: PendingCleanup | None = None) -> None:
         """A backend job still running for a job the store no longer has (deleted while its
         launch or stop was in flight, or while the driver was down): stop it and, with
         ``cleanup``, remove its files, once (later observations of it while that runs change
@@ -621,13 +635,49 @@ class Scheduler:
         log.warning("job %s %s but %s still runs on %s: terminating it", job_id, why,
                     backend_job_id, cluster)
         self._reaping.add(key)
-        t = self._spawn(self._terminate_backend(cluster, job_id, backend_job_id, uid, cleanup=cleanup),
+        t = self._spawn(self._terminate_backend(cluster, job_id, backend_job_id, uid, cleanup=cleanup,
+                                                record=record),
                         name=f"reap-{job_id}", cluster=cluster)
         t.add_done_callback(lambda _: self._reaping.discard(key))
 
-    def clean_up_later(self, cluster: str, job_id: str, backend_job_id: str, uid: str) -> None:
-        """A deleted job's clean-up that failed (its driver unreachable), retried in the background."""
-        self._reap(cluster, job_id, backend_job_id, uid, why="is deleted, its clean-up failed,")
+    def _clean_up(self, c: PendingCleanup) -> None:
+        self._reap(c.cluster, c.job_id, c.backend_job_id, c.uid, why="is deleted, its clean-up pending,",
+                   record=c)
+
+    async def clean_up_later(self, cluster: str, job_id: str, backend_job_id: str, uid: str) -> None:
+        """A deleted job's clean-up that failed (its driver unreachable): recorded in etcd (raises
+        ``StoreUnavailable`` when it cannot be), retried in the background until done."""
+        c = PendingCleanup(cluster, job_id, backend_job_id, uid)
+        await self.store.put_cleanup(c)
+        self._clean_up(c)
+
+    async def sweep_cleanups(self) -> int:
+        """Start the pending clean-ups of the clusters this replica owns or would own that
+        nothing here runs yet (recorded by a replica that died, or released): how many."""
+        n = 0
+        async for page in self.store.cleanups():
+            for c in page:
+                if self._closed:
+                    return n
+                if self.ownership.would_own(c.cluster) and \
+                        (c.job_id, c.backend_job_id, c.uid) not in self._reaping:
+                    self._clean_up(c)
+                    n += 1
+        return n
+
+    async def run_cleanup_sweeps(self, every: float = CLEANUP_SWEEP_SECONDS) -> None:
+        """``sweep_cleanups`` now and every ``every`` seconds, for good."""
+        while not self._closed:
+            try:
+                if n := await self.sweep_cleanups():
+                    log.info("%d pending clean-ups of deleted jobs resumed", n)
+            except errors.DlschedError as e:
+                log.info("pending clean-ups not read (%s); again in %g s", e.reason, every)
+            await asyncio.sleep(every)
+
+    def start(self) -> None:
+        """The scheduler's own background work (pending clean-ups)."""
+        self._spawn(self.run_cleanup_sweeps(), name="cleanup-sweeps")
 
     def _forget_later(self, cluster: str, job_id: str, backend_job_id: str) -> None:
         """Tell the driver, in a batch, that this ended job's final state is stored:

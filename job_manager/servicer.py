@@ -482,7 +482,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                 await drv.cleanup(job.cluster, job.id, job.backend_job_id, job.uid)
             except DlschedError as e:  # (its files and objects would stay for good)
                 log.warning("cleanup of archived %s on %s failed (retried): %s", job.id, job.cluster, e)
-                self.scheduler.clean_up_later(job.cluster, job.id, job.backend_job_id, job.uid)
+                await self.scheduler.clean_up_later(job.cluster, job.id, job.backend_job_id, job.uid)
         # Watches learn of it first (its key left etcd with no event when it was
         # archived): a delete that fails after is retried, and a watch sees a
         # second DELETED, never none.

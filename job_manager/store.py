@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -158,6 +159,30 @@ def _prefix_end(prefix: bytes) -> bytes:
     return b"\0"
 
 
+@dataclass(frozen=True)
+class PendingCleanup:
+    """A deleted job's backend clean-up its driver could not do yet, kept in etcd
+    (``job-cleanups/{job}/{uid}``) until done: retried by whichever replica would own
+    the cluster, whatever restarts in between."""
+    cluster: str
+    job_id: str
+    backend_job_id: str
+    uid: str
+
+    def encode(self) -> bytes:
+        return json.dumps({"cluster": self.cluster, "job_id": self.job_id,
+                           "backend_job_id": self.backend_job_id, "uid": self.uid}).encode()
+
+    @staticmethod
+    def decode(data: bytes) -> PendingCleanup | None:
+        try:
+            d = json.loads(data)
+            return PendingCleanup(str(d["cluster"]), str(d["job_id"]), str(d["backend_job_id"]),
+                                  str(d["uid"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
 class JobStore:
     def __init__(self, client: aetcd.Client, prefix: str = "/dlsched/", *,
                  timeout: float = 10.0, clock: Callable[[], datetime] = _utcnow,
@@ -169,6 +194,7 @@ class JobStore:
         self.jobs_prefix = f"{prefix}jobs/".encode()
         self.requests_prefix = f"{prefix}job-requests/".encode()
         self.request_of_prefix = f"{prefix}job-request-of/".encode()
+        self.cleanups_prefix = f"{prefix}job-cleanups/".encode()
         self.archived_mark_key = archived_mark_key(prefix)
         self.purged_mark_key = purged_mark_key(prefix)
         self._timeout = timeout
@@ -190,6 +216,9 @@ class JobStore:
         """The request id a job was made with (written with it): its delete finds its request
         key without reading every one."""
         return self.request_of_prefix + job_id.encode()
+
+    def cleanup_key(self, job_id: str, uid: str) -> bytes:
+        return self.cleanups_prefix + f"{job_id}/{uid}".encode()
 
     # -- raw etcd calls, errors translated
 
@@ -515,15 +544,18 @@ class JobStore:
                 fence.note("conflict")
         raise Aborted(f"too many concurrent updates of jobs/{job_id}")
 
-    async def delete(self, job_id: str, *, expect: str = "") -> Job | None:
+    async def delete(self, job_id: str, *, expect: str = "",
+                     cleanup: PendingCleanup | None = None) -> Job | None:
         """Delete the job key; its last state, or None when it was missing. With
-        ``expect`` (an etag) only while the job is at that revision, else ``Aborted``."""
+        ``expect`` (an etag) only while the job is at that revision, else ``Aborted``.
+        With ``cleanup``, its record is written in the same transaction."""
         key = self.job_key(job_id)
         op = rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key, prev_kv=True))
         of = rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=self.request_of_key(job_id),
                                                                        prev_kv=True))
+        extra = [self._put(self.cleanup_key(cleanup.job_id, cleanup.uid), cleanup.encode())] if cleanup else []
         compare = [self._cmp(key, "mod", int(expect))] if expect else []
-        resp = await self._txn(compare, [op, of], [self._range(key)] if expect else [])
+        resp = await self._txn(compare, [op, of, *extra], [self._range(key)] if expect else [])
         if not resp.succeeded:
             kvs = resp.responses[0].response_range.kvs
             if not kvs:
@@ -590,6 +622,28 @@ class JobStore:
             [self._cmp(key, "mod", mod_revision)],
             [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))], [], jobs=False)
         return bool(resp.succeeded)
+
+    # -- pending clean-ups
+
+    async def put_cleanup(self, cleanup: PendingCleanup) -> None:
+        await self._txn([], [self._put(self.cleanup_key(cleanup.job_id, cleanup.uid), cleanup.encode())],
+                        [], jobs=False)
+
+    async def delete_cleanup(self, cleanup: PendingCleanup) -> None:
+        key = self.cleanup_key(cleanup.job_id, cleanup.uid)
+        await self._txn([], [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))], [],
+                        jobs=False)
+
+    async def cleanups(self, limit: int = 1000) -> AsyncIterator[list[PendingCleanup]]:
+        """Every pending clean-up, a page at a time (unreadable records are dropped)."""
+        start, end = self.cleanups_prefix, _prefix_end(self.cleanups_prefix)
+        while True:
+            res = await self._read_range(start, end, limit=limit)
+            page = [c for kv in res.kvs if (c := PendingCleanup.decode(kv.value)) is not None]
+            yield page
+            if not res.more or not res.kvs:
+                return
+            start = res.kvs[-1].key + b"\0"
 
     async def delete_request_keys(self, job_id: str) -> int:
         """Delete the request keys that name ``job_id`` (each in its own transaction), reading

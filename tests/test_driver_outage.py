@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+import aetcd
 import grpc
 import pytest
 
@@ -240,6 +241,36 @@ async def test_an_ended_job_deleted_while_its_driver_is_down_is_cleaned_up_once_
         assert files.is_dir()
         await asyncio.to_thread(stack.driver.start)
         await _wait_for(lambda: not files.exists(), "the deleted job's files are removed", within=120)
+
+
+async def test_a_pending_clean_up_outlives_the_job_manager_that_deleted_the_job(stack: Stack) -> None:
+    """As above, but the JobManager that took the delete is SIGKILLed before the driver is
+    back: the clean-up was recorded in etcd with the delete, and the next JobManager runs it
+    (it was retried in the killed process's memory only: the files stayed for good)."""
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[job_pb2.ReplicaGroup(
+        role="main", replicas=1, command=["/bin/echo", "done"])])
+    job_id = f"leftover-{uuid.uuid4().hex[:8]}"
+    state_dir = pathlib.Path(stack.driver.args[stack.driver.args.index("--state-dir") + 1])
+    assert stack.jm is not None
+    async with JobManagerClient(stack.jm.address) as jm:
+        first = (await jm.submit_job(spec, job_id=job_id)).job
+        await _until(jm, first.name, lambda j: j.state == job_pb2.JOB_STATE_SUCCEEDED)
+        files = state_dir / "jobs" / job_id
+        assert files.is_dir()
+        stack.driver.kill()
+        await jm.delete_job(first.name)  # its cleanup fails now: the driver is down
+    await asyncio.to_thread(stack.restart_jm)  # SIGKILL, then a new JobManager
+    await asyncio.to_thread(stack.driver.start)
+    await _wait_for(lambda: not files.exists(), "the deleted job's files are removed", within=120)
+    async with aetcd.Client(host="127.0.0.1", port=stack.etcd.client_port) as etcd:  # its record goes
+        deadline = time.monotonic() + 60
+        while await etcd.get_prefix(f"{stack.prefix}job-cleanups/".encode(), keys_only=True):
+            assert time.monotonic() < deadline, "the clean-up's record stays in etcd"
+            await asyncio.sleep(0.2)
+    async with JobManagerClient(stack.jm.address) as jm:  # its id is free; nothing else came back
+        with pytest.raises(DlschedRpcError) as gone:
+            await jm.get_job(first.name)
+        assert gone.value.code == "NOT_FOUND"
 
 
 async def test_a_stop_answers_stopping_while_the_driver_is_frozen(stack: Stack, tmp_path: pathlib.Path) -> None:
