@@ -164,8 +164,8 @@ def cluster_from_proto(cluster_id: str, p: cluster_pb2.Cluster) -> m.Cluster:
     return m.Cluster(
         cluster_id=cluster_id,
         type=cluster_type_from_proto(p.type, "cluster.type"),
-        driver_address=p.driver_address.strip(),
-        address=p.address.strip(),
+        driver_address=p.driver_address,
+        address=p.address,
         labels=dict(p.labels),
         options=dict(p.options),
         allowed_projects=tuple(p.allowed_projects),
@@ -245,7 +245,7 @@ def job_requirements_from_proto(spec: job_pb2.JobSpec) -> m.JobRequirements:
         run_mode=run_mode_from_proto(spec.run_mode, "spec.run_mode"),
         replica_groups=groups,
         image=any(g.image for g in spec.replica_groups),
-        selector=m.Selector(cluster=sel.cluster.strip(),
+        selector=m.Selector(cluster=sel.cluster,
                             cluster_type=cluster_type_from_proto(
                                 sel.cluster_type, "spec.cluster_selector.cluster_type"),
                             labels=dict(sel.labels)),

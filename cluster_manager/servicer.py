@@ -282,6 +282,7 @@ def _check_spec(spec: job_pb2.JobSpec) -> list[FieldViolation]:
         out += spec_rules.check_run_mode(spec.run_mode, (), "spec")
     out += spec_rules.check_cluster_type(spec.cluster_selector.cluster_type,
                                          "spec.cluster_selector.cluster_type", allow_unspecified=True)
+    out += spec_rules.check_selected_cluster(spec.cluster_selector.cluster, "spec.cluster_selector.cluster")
     if spec.HasField("time_limit"):
         try:
             check_duration(spec.time_limit, "spec.time_limit")

@@ -345,6 +345,18 @@ def check_cluster_type(value: int, field: str, *, allow_unspecified: bool) -> li
                            + (" (or unset for any)" if allow_unspecified else ""))]
 
 
+#: a selector's cluster: its name (``clusters/{id}``) or its id, nothing around it
+SELECTED_CLUSTER_RE = re.compile(r"(?:clusters/)?[a-z][a-z0-9-]{0,62}\Z")
+
+
+def check_selected_cluster(value: str, field: str) -> list[FieldViolation]:
+    """``cluster_selector.cluster``: empty (any cluster), or a cluster's name or id, whole."""
+    if not value or SELECTED_CLUSTER_RE.match(value):
+        return []
+    return [FieldViolation(field, "a cluster's name (clusters/{id}) or id: 1 to 63 lower case letters, "
+                                  "digits and '-', starting with a letter")]
+
+
 def check_labels(labels: Mapping[str, str], field: str) -> list[FieldViolation]:
     out: list[FieldViolation] = []
     _labels(out, field, labels)

@@ -513,6 +513,10 @@ BAD_CREATES = [
     ("1abc", local_cluster("127.0.0.1:1"), "cluster_id"),
     ("ok", cluster_pb2.Cluster(driver_address="127.0.0.1:1"), "cluster.type"),
     ("ok", cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_LOCAL), "cluster.driver_address"),
+    # whole values: whitespace around them was stripped, and the cluster made
+    ("ok", local_cluster("127.0.0.1:1\n"), "cluster.driver_address"),
+    ("ok", cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_SLURM, driver_address="127.0.0.1:1",
+                               address=" login:22 "), "cluster.address"),
     ("ok", local_cluster("no-port"), "cluster.driver_address"),
     ("ok", local_cluster("host:99999"), "cluster.driver_address"),
     ("ok", cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_SLURM, driver_address="127.0.0.1:1"),
@@ -870,6 +874,11 @@ async def test_local_cluster_becomes_ready_and_is_matched(
     e = await rpc_error(stub.MatchClusters(pb.MatchClustersRequest(spec=spec(cluster="nope"))))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and reason(e) == "UNKNOWN_CLUSTER"
     assert fields(e) == ["spec.cluster_selector.cluster"]
+    # A cluster's name or id, whole: whitespace around it was stripped, and the job matched.
+    for sel in ("m-local\n", " clusters/m-local", "clusters/m-local\t"):
+        e = await rpc_error(stub.MatchClusters(pb.MatchClustersRequest(spec=spec(cluster=sel))))
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, sel
+        assert fields(e) == ["spec.cluster_selector.cluster"], sel
     e = await rpc_error(stub.MatchClusters(pb.MatchClustersRequest()))
     assert fields(e) == ["spec"]
     e = await rpc_error(stub.MatchClusters(pb.MatchClustersRequest(spec=spec(replicas=0))))

@@ -15,7 +15,7 @@ import pathlib
 import pytest
 
 from dlsched.errors import InvalidArgument
-from job_manager.domain.model import JobSpec, ReplicaGroup
+from job_manager.domain.model import ClusterSelector, JobSpec, ReplicaGroup
 from job_manager.domain.validation import validate_submit
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -65,3 +65,19 @@ def test_a_job_id_with_a_trailing_newline_is_refused() -> None:
     with pytest.raises(InvalidArgument) as ei:
         validate_submit("job\n", spec, "", 100)
     assert any("job_id" in v.field for v in ei.value.violations)
+
+
+@pytest.mark.parametrize("value", ["local\n", "  local\t", "clusters/local ", " clusters/local", "clusters/",
+                                   "Local", "clusters/clusters/local", "local/x"])
+def test_a_selected_cluster_is_a_whole_name_or_id(value: str) -> None:
+    spec = JobSpec(run_mode=1, replica_groups=[ReplicaGroup(role="main", replicas=1, command=["true"])],
+                   cluster_selector=ClusterSelector(cluster=value))
+    with pytest.raises(InvalidArgument) as ei:
+        validate_submit("", spec, "", 100)
+    assert [v.field for v in ei.value.violations] == ["spec.cluster_selector.cluster"], ei.value.violations
+
+
+@pytest.mark.parametrize("value", ["", "local", "clusters/local", "gpu-a100-2"])
+def test_a_cluster_name_or_id_is_selected(value: str) -> None:
+    validate_submit("", JobSpec(run_mode=1, replica_groups=[ReplicaGroup(role="main", replicas=1, command=["true"])],
+                                cluster_selector=ClusterSelector(cluster=value)), "", 100)

@@ -50,14 +50,17 @@ def validate_request_id(request_id: str, v: _Violations | None = None,
         vv.raise_if_any("request")
 
 
-def _selector_bounds(spec: JobSpec) -> str | None:
+def _selector_bounds(spec: JobSpec) -> list[FieldViolation]:
     labels = spec.cluster_selector.labels
+    at = "spec.cluster_selector"
     if len(labels) > spec_rules.MAX_LIST_ENTRIES:
-        return f"at most {spec_rules.MAX_LIST_ENTRIES} labels"
-    for s in (spec.cluster_selector.cluster, *labels.keys(), *labels.values()):
+        return [FieldViolation(f"{at}.labels", f"at most {spec_rules.MAX_LIST_ENTRIES} labels")]
+    if len(spec.cluster_selector.cluster.encode("utf-8", "surrogatepass")) > spec_rules.MAX_STRING_BYTES:
+        return [FieldViolation(f"{at}.cluster", f"at most {spec_rules.MAX_STRING_BYTES} bytes")]
+    for s in (*labels.keys(), *labels.values()):
         if len(s.encode("utf-8", "surrogatepass")) > spec_rules.MAX_STRING_BYTES:
-            return f"at most {spec_rules.MAX_STRING_BYTES} bytes per string"
-    return None
+            return [FieldViolation(f"{at}.labels", f"at most {spec_rules.MAX_STRING_BYTES} bytes per string")]
+    return []
 
 
 def validate_submit(job_id: str, spec: JobSpec | None, request_id: str,
@@ -78,8 +81,7 @@ def validate_submit(job_id: str, spec: JobSpec | None, request_id: str,
         v.raise_if_any("job")
         return
     bounds = spec_rules.check_bounds(spec, spec_bytes)
-    if (selector := _selector_bounds(spec)) is not None:
-        bounds.append(FieldViolation("spec.cluster_selector", selector))
+    bounds += _selector_bounds(spec)
     if bounds:
         v.items += bounds
         v.raise_if_any("job")  # do not walk a huge spec further
@@ -90,3 +92,4 @@ def validate_submit(job_id: str, spec: JobSpec | None, request_id: str,
 def validate_spec(spec: JobSpec, v: _Violations) -> None:
     v.items += spec_rules.check_spec(spec, time_limit_seconds=spec.time_limit)
     v.items += spec_rules.check_labels(spec.cluster_selector.labels, "spec.cluster_selector.labels")
+    v.items += spec_rules.check_selected_cluster(spec.cluster_selector.cluster, "spec.cluster_selector.cluster")
