@@ -43,7 +43,10 @@ def message_class(desc: descriptor.Descriptor) -> type[message.Message]:
 
 
 def _invalid(field: str, description: str) -> errors.InvalidArgument:
-    return errors.InvalidArgument(f"invalid request: {field or 'body'}: {description}",
+    """INVALID_ARGUMENT naming ``field``; "body" for the whole body (a route whose body is the
+    request), so that every violation names what to fix."""
+    field = field or "body"
+    return errors.InvalidArgument(f"invalid request: {field}: {description}",
                                   [errors.FieldViolation(field, description)])
 
 
@@ -191,6 +194,8 @@ def _apply_query(route: Route, msg: message.Message, pairs: list[tuple[str, str]
         try:
             fields = resolve_field_path(inp, key.split("."))
         except RuleError as e:
+            if not key:
+                raise _invalid("query", "a query parameter with no name") from e
             raise _invalid(key, f"unknown query parameter ({e})") from e
         proto_path = ".".join(f.name for f in fields)
         first = grouped.setdefault(proto_path, (key, fields, []))

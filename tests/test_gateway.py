@@ -428,6 +428,12 @@ def test_gateway_side_errors_are_status_json(base: str) -> None:
     assert code == 400 and violations(body) == ["pageSize"]
     code, body = call(base, "GET", "/v1/jobs?bogus=1")
     assert code == 400 and violations(body) == ["bogus"]
+    # What is wrong with the body as a whole, or a nameless parameter, is named too.
+    for raw in (b"[]", b"null", b'{"jobId": "x", "jobId": "y"}', b"{not json"):
+        code, body = call(base, "POST", "/v1/jobs", raw=raw)
+        assert code == 400 and violations(body) == ["body"], (raw, body)
+    code, body = call(base, "GET", "/v1/jobs?=1")
+    assert code == 400 and violations(body) == ["query"], body
     code, body = call(base, "GET", "/v1/nothing-here")
     assert code == 404 and reason(body) == "ROUTE_NOT_FOUND"
     code, body = call(base, "PUT", "/v1/jobs")
