@@ -20,7 +20,7 @@ from dlsched.v1 import driver_service_pb2 as pb
 from dlsched.v1 import driver_service_pb2_grpc as pb_grpc
 
 from . import convert
-from .domain.models import Credentials, Observation
+from .domain.models import ClusterType, Credentials, Observation
 
 log = logging.getLogger("cluster_manager.drivers")
 
@@ -80,8 +80,9 @@ class DriverClients:
 
     async def configure(self, driver_address: str, cluster: str, address: str,
                         credentials: Credentials | None,
-                        options: Mapping[str, str]) -> Observation:
-        req = pb.ConfigureClusterRequest(cluster=cluster, address=address, options=dict(options))
+                        options: Mapping[str, str], cluster_type: ClusterType) -> Observation:
+        req = pb.ConfigureClusterRequest(cluster=cluster, address=address, options=dict(options),
+                                         cluster_type=f"CLUSTER_TYPE_{cluster_type.value}")
         if credentials is not None:
             req.credentials.CopyFrom(convert.credentials_to_proto(credentials))
         try:

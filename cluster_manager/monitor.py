@@ -108,7 +108,7 @@ class ClusterMonitor:
                             cluster.driver_address)
                     obs = await self._drivers.configure(
                         cluster.driver_address, cluster.name, cluster.address, creds,
-                        cluster.options)
+                        cluster.options, cluster.type)
                     self._configured = fingerprint
                 else:
                     obs = await self._drivers.get_info(cluster.driver_address, cluster.name)

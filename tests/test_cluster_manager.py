@@ -931,3 +931,19 @@ async def test_monitor_reconfigures_and_delete_removes_from_driver(
     await asyncio.sleep(1.0)  # several monitor intervals: nothing configures it again
     e = await rpc_error(driver_info(local_driver, "clusters/moving"))
     assert reason(e) == "CLUSTER_NOT_CONFIGURED"
+
+
+@needs_driver
+async def test_a_cluster_registered_with_a_driver_of_another_type_is_not_used(
+        stub: pb_grpc.ClusterManagerServiceStub, local_driver: ServiceProcess) -> None:
+    """A Slurm cluster whose driver_address is a local driver's: the driver refuses it
+    (CLUSTER_TYPE_MISMATCH), so the cluster is UNREACHABLE saying why and no job is matched to
+    it. It was READY and Slurm-selected jobs ran as local processes on the driver's host."""
+    await create(stub, "typo", slurm_cluster(local_driver.address))
+    c = await wait_state(stub, "clusters/typo", cluster_pb2.CLUSTER_STATE_UNREACHABLE)
+    assert "CLUSTER_TYPE_MISMATCH" in c.state_message and "local" in c.state_message, c.state_message
+    e = await rpc_error(stub.MatchClusters(pb.MatchClustersRequest(spec=spec(cluster="typo"))))
+    assert e.code() == grpc.StatusCode.FAILED_PRECONDITION and reason(e) == "NO_MATCHING_CLUSTER"
+    # The same driver takes a local cluster.
+    await create(stub, "typo-local", local_cluster(local_driver.address))
+    await wait_state(stub, "clusters/typo-local", cluster_pb2.CLUSTER_STATE_READY)

@@ -14,7 +14,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ConfigureClusterRequest(_message.Message):
-    __slots__ = ("cluster", "address", "credentials", "options")
+    __slots__ = ("cluster", "address", "credentials", "options", "cluster_type")
     class OptionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -26,11 +26,13 @@ class ConfigureClusterRequest(_message.Message):
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CREDENTIALS_FIELD_NUMBER: _ClassVar[int]
     OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    CLUSTER_TYPE_FIELD_NUMBER: _ClassVar[int]
     cluster: str
     address: str
     credentials: _cluster_pb2.ClusterCredentials
     options: _containers.ScalarMap[str, str]
-    def __init__(self, cluster: _Optional[str] = ..., address: _Optional[str] = ..., credentials: _Optional[_Union[_cluster_pb2.ClusterCredentials, _Mapping]] = ..., options: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    cluster_type: _job_pb2.ClusterType
+    def __init__(self, cluster: _Optional[str] = ..., address: _Optional[str] = ..., credentials: _Optional[_Union[_cluster_pb2.ClusterCredentials, _Mapping]] = ..., options: _Optional[_Mapping[str, str]] = ..., cluster_type: _Optional[_Union[_job_pb2.ClusterType, str]] = ...) -> None: ...
 
 class ConfigureClusterResponse(_message.Message):
     __slots__ = ("info",)

@@ -15,12 +15,16 @@ from typing import Any
 
 import grpc
 
+from dlsched import errors, spec_rules
 from dlsched.kit import logs
 from dlsched.v1 import driver_service_pb2 as pb
 from dlsched.v1 import driver_service_pb2_grpc
 from drivers.common import convert
 from drivers.common.base import Driver
 from drivers.common.logmux import LogMux
+
+#: the backends whose drivers check a cluster's type (``Driver.name``)
+_BACKENDS = frozenset(n.lower() for n in spec_rules.CLUSTER_TYPE_NAMES.values())
 
 
 async def _aclose(it: Any) -> None:
@@ -39,8 +43,20 @@ class DriverServicer(driver_service_pb2_grpc.DriverServiceServicer):
 
     async def ConfigureCluster(self, request: pb.ConfigureClusterRequest,
                                context: grpc.aio.ServicerContext) -> pb.ConfigureClusterResponse:
+        self._check_type(request)
         info = await self._driver.configure_cluster(convert.cluster_config(request))
         return pb.ConfigureClusterResponse(info=convert.cluster_info_pb(info))
+
+    def _check_type(self, request: pb.ConfigureClusterRequest) -> None:
+        """A cluster of another backend type is refused before anything of it is kept (a Slurm
+        cluster registered with a local driver's address ran its jobs as local processes)."""
+        ours = self._driver.name
+        theirs = spec_rules.CLUSTER_TYPE_NAMES.get(request.cluster_type, "").lower()
+        if theirs and ours in _BACKENDS and theirs != ours:
+            raise errors.FailedPrecondition(
+                f"this driver serves {ours} clusters; {request.cluster[:300]} is a {theirs} cluster: "
+                f"register it with a {theirs} driver's address", reason="CLUSTER_TYPE_MISMATCH",
+                metadata={"driver": ours, "cluster_type": theirs.upper()})
 
     async def RemoveCluster(self, request: pb.RemoveClusterRequest,
                             context: grpc.aio.ServicerContext) -> pb.RemoveClusterResponse:
