@@ -59,7 +59,7 @@ from job_manager.domain.validation import validate_submit
 from job_manager.history.store import HistoryStore
 from job_manager.job_metrics import LAUNCH_LATENCY
 from job_manager.ownership import Ownership, SoleOwner
-from job_manager.store import JobStore, OwnershipLost, PendingCleanup, RequestJobGone
+from job_manager.store import JobStore, OwnershipLost, PendingCleanup, PendingDelete, RequestJobGone
 
 log = logging.getLogger("job_manager.scheduler")
 
@@ -142,6 +142,9 @@ class Scheduler:
         self._to_forget: dict[str, dict[str, str]] = {}
         self._forgetters: dict[str, asyncio.Task[Any]] = {}
         self._reaping: set[tuple[str, str, str]] = set()  # (job, backend id, uid) of orphans being stopped
+        # DeleteJob calls that wait for their job's stop (recorded in etcd), by job id
+        self._deletes: dict[str, PendingDelete] = {}
+        self._finishing: set[str] = set()  # job ids whose pending delete runs now
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
 
@@ -529,12 +532,16 @@ class Scheduler:
             if not stopped:
                 # Its driver could not be asked to stop it (unreachable, or ClusterManager to
                 # find it): without the record nothing would stop it, ever. It stays STOPPING,
-                # its terminate retried in the background; a later delete goes through.
+                # its terminate retried in the background; the delete is recorded and done
+                # once the job has stopped (by the cluster's owner, whatever restarts).
+                pending = PendingDelete(job.cluster, job_id, job.uid)
+                await self.store.put_pending_delete(pending)
+                self._deletes[job_id] = pending
                 raise errors.Unavailable(
                     f"jobs/{job_id} is stopping, but its cluster's driver could not be reached to "
-                    "stop it; it is deleted once it has stopped: retry", reason="JOB_STOP_PENDING",
-                    metadata={"name": f"jobs/{job_id}"})
-        pending: PendingCleanup | None = None
+                    "stop it; it is deleted once it has stopped (no need to ask again)",
+                    reason="JOB_STOP_PENDING", metadata={"name": f"jobs/{job_id}"})
+        cleanup: PendingCleanup | None = None
         if job.cluster:
             try:
                 drv = await self.driver_for(job.cluster)
@@ -547,7 +554,7 @@ class Scheduler:
                     # objects (files, pods, an MPI job's SSH key) do not stay behind for ever;
                     # its record, written with the delete, outlives this process.
                     log.warning("cleanup of %s on %s failed (retried): %s", job_id, job.cluster, e)
-                    pending = PendingCleanup(job.cluster, job_id, job.backend_job_id, job.uid)
+                    cleanup = PendingCleanup(job.cluster, job_id, job.backend_job_id, job.uid)
                 else:
                     log.warning("cleanup of %s on %s failed (ignored): %s", job_id, job.cluster, e)
         self._retry_cluster.pop((job_id, "terminate"), None)
@@ -556,9 +563,10 @@ class Scheduler:
             t.cancel()
         # (its request key goes with it, found through ``request_of_key``; that of a job stored
         # before that key was written is left to the archiver's sweep)
-        last = await self.store.delete(job_id, expect=expect, cleanup=pending)
-        if pending is not None:
-            self._clean_up(pending)
+        last = await self.store.delete(job_id, expect=expect, cleanup=cleanup)
+        self._deletes.pop(job_id, None)  # (its record went with it)
+        if cleanup is not None:
+            self._clean_up(cleanup)
         log.info("job %s deleted", job_id)
         if last is None and not allow_missing:
             raise JobNotFound(f"job jobs/{job_id} not found", metadata={"name": f"jobs/{job_id}"})
@@ -605,6 +613,8 @@ class Scheduler:
             except OwnershipLost:
                 self.ownership.lost(cluster)
                 raise
+            if job.state.is_terminal() and (d := self._deletes.get(job.id)) is not None and d.uid == job.uid:
+                self._finish_delete(d)  # asked while it could not be stopped: it has stopped now
             if (obs.found and obs.state.is_terminal() and job.state.is_terminal()
                     and obs.backend_job_id == job.backend_job_id):
                 self._forget_later(cluster, job.id, job.backend_job_id)
@@ -651,9 +661,38 @@ class Scheduler:
         await self.store.put_cleanup(c)
         self._clean_up(c)
 
+    def _finish_delete(self, d: PendingDelete) -> None:
+        if d.job_id in self._finishing or self._closed:
+            return
+        self._finishing.add(d.job_id)
+        t = self._spawn(self._delete_stopped(d), name=f"delete-{d.job_id}")
+        t.add_done_callback(lambda _: self._finishing.discard(d.job_id))
+
+    async def _delete_stopped(self, d: PendingDelete) -> None:
+        """Finish a DeleteJob that waited for its job's stop, once the job has ended."""
+        try:
+            try:
+                job = await self.store.get(d.job_id)
+            except JobNotFound:
+                job = None
+            if job is None or job.uid != d.uid:  # deleted since, maybe its id reused
+                self._deletes.pop(d.job_id, None)
+                await self.store.drop_pending_delete(d)
+                return
+            if not job.state.is_terminal():
+                return  # its stop is still retried; an observation of its end brings it back
+            last = await self.delete(d.job_id, True)
+            if self.history is not None and last is not None and last.etag:
+                await self.history.delete(d.job_id, upto=int(last.etag))
+            log.info("job %s deleted: it has stopped, as a DeleteJob asked while its driver was "
+                     "unreachable", d.job_id)
+        except errors.DlschedError as e:
+            log.info("pending delete of %s not done yet (%s); retried", d.job_id, e.reason)
+
     async def sweep_cleanups(self) -> int:
         """Start the pending clean-ups of the clusters this replica owns or would own that
-        nothing here runs yet (recorded by a replica that died, or released): how many."""
+        nothing here runs yet (recorded by a replica that died, or released): how many. And
+        finish the pending deletes of their jobs that have stopped."""
         n = 0
         async for page in self.store.cleanups():
             for c in page:
@@ -663,6 +702,11 @@ class Scheduler:
                         (c.job_id, c.backend_job_id, c.uid) not in self._reaping:
                     self._clean_up(c)
                     n += 1
+        async for deletes in self.store.pending_deletes():
+            for d in deletes:
+                if not self._closed and self.ownership.would_own(d.cluster):
+                    self._deletes[d.job_id] = d
+                    self._finish_delete(d)
         return n
 
     async def run_cleanup_sweeps(self, every: float = CLEANUP_SWEEP_SECONDS) -> None:

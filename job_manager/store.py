@@ -183,6 +183,27 @@ class PendingCleanup:
             return None
 
 
+@dataclass(frozen=True)
+class PendingDelete:
+    """A DeleteJob of a job that could not be stopped yet (its driver unreachable), kept in
+    etcd (``job-deletes/{job}``, deleted with the job) until the job has stopped and is
+    deleted: whichever replica would own the cluster finishes it, whatever restarts."""
+    cluster: str
+    job_id: str
+    uid: str
+
+    def encode(self) -> bytes:
+        return json.dumps({"cluster": self.cluster, "job_id": self.job_id, "uid": self.uid}).encode()
+
+    @staticmethod
+    def decode(data: bytes) -> PendingDelete | None:
+        try:
+            d = json.loads(data)
+            return PendingDelete(str(d["cluster"]), str(d["job_id"]), str(d["uid"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
 class JobStore:
     def __init__(self, client: aetcd.Client, prefix: str = "/dlsched/", *,
                  timeout: float = 10.0, clock: Callable[[], datetime] = _utcnow,
@@ -195,6 +216,7 @@ class JobStore:
         self.requests_prefix = f"{prefix}job-requests/".encode()
         self.request_of_prefix = f"{prefix}job-request-of/".encode()
         self.cleanups_prefix = f"{prefix}job-cleanups/".encode()
+        self.deletes_prefix = f"{prefix}job-deletes/".encode()
         self.archived_mark_key = archived_mark_key(prefix)
         self.purged_mark_key = purged_mark_key(prefix)
         self._timeout = timeout
@@ -219,6 +241,10 @@ class JobStore:
 
     def cleanup_key(self, job_id: str, uid: str) -> bytes:
         return self.cleanups_prefix + f"{job_id}/{uid}".encode()
+
+    def delete_key(self, job_id: str) -> bytes:
+        """A DeleteJob of this job that waits for its stop (``PendingDelete``)."""
+        return self.deletes_prefix + job_id.encode()
 
     # -- raw etcd calls, errors translated
 
@@ -554,6 +580,7 @@ class JobStore:
         of = rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=self.request_of_key(job_id),
                                                                        prev_kv=True))
         extra = [self._put(self.cleanup_key(cleanup.job_id, cleanup.uid), cleanup.encode())] if cleanup else []
+        extra.append(rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=self.delete_key(job_id))))
         compare = [self._cmp(key, "mod", int(expect))] if expect else []
         resp = await self._txn(compare, [op, of, *extra], [self._range(key)] if expect else [])
         if not resp.succeeded:
@@ -641,6 +668,26 @@ class JobStore:
             res = await self._read_range(start, end, limit=limit)
             page = [c for kv in res.kvs if (c := PendingCleanup.decode(kv.value)) is not None]
             yield page
+            if not res.more or not res.kvs:
+                return
+            start = res.kvs[-1].key + b"\0"
+
+    async def put_pending_delete(self, d: PendingDelete) -> None:
+        await self._txn([], [self._put(self.delete_key(d.job_id), d.encode())], [], jobs=False)
+
+    async def drop_pending_delete(self, d: PendingDelete) -> None:
+        """Delete ``d``'s record while it is ``d`` (not a later delete's of a job of that id)."""
+        key = self.delete_key(d.job_id)
+        same = rpc.Compare(key=key, result=rpc.Compare.EQUAL, target=rpc.Compare.VALUE, value=d.encode())
+        await self._txn([same], [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))], [],
+                        jobs=False)
+
+    async def pending_deletes(self, limit: int = 1000) -> AsyncIterator[list[PendingDelete]]:
+        """Every DeleteJob that waits for its job's stop, a page at a time."""
+        start, end = self.deletes_prefix, _prefix_end(self.deletes_prefix)
+        while True:
+            res = await self._read_range(start, end, limit=limit)
+            yield [d for kv in res.kvs if (d := PendingDelete.decode(kv.value)) is not None]
             if not res.more or not res.kvs:
                 return
             start = res.kvs[-1].key + b"\0"

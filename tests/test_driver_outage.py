@@ -221,11 +221,9 @@ async def test_a_job_id_submitted_again_after_a_delete_its_driver_missed_runs_ag
     assert marker.read_text().splitlines() == ["ran", "ran"]
 
 
-async def test_an_ended_job_deleted_while_its_driver_is_down_is_cleaned_up_once_it_is_back(
-        stack: Stack) -> None:
-    """DeleteJob of an ended job while its driver is down: the delete goes through, and its
-    clean-up (the attempt's files here; pods, an MPI job's SSH key elsewhere) is retried until
-    the driver is back, not given up."""
+async def _delete_an_ended_job_while_its_driver_is_down(stack: Stack) -> tuple[str, pathlib.Path]:
+    """A job run to its end, its driver killed, then DeleteJob (whose clean-up fails): the
+    job's name and its files on the driver's host, still there."""
     spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[job_pb2.ReplicaGroup(
         role="main", replicas=1, command=["/bin/echo", "done"])])
     job_id = f"leftover-{uuid.uuid4().hex[:8]}"
@@ -239,27 +237,26 @@ async def test_an_ended_job_deleted_while_its_driver_is_down_is_cleaned_up_once_
         stack.driver.kill()
         await jm.delete_job(first.name)  # its cleanup fails now: the driver is down
         assert files.is_dir()
-        await asyncio.to_thread(stack.driver.start)
-        await _wait_for(lambda: not files.exists(), "the deleted job's files are removed", within=120)
+    return first.name, files
+
+
+async def test_an_ended_job_deleted_while_its_driver_is_down_is_cleaned_up_once_it_is_back(
+        stack: Stack) -> None:
+    """DeleteJob of an ended job while its driver is down: the delete goes through, and its
+    clean-up (the attempt's files here; pods, an MPI job's SSH key elsewhere) is retried until
+    the driver is back, not given up."""
+    _, files = await _delete_an_ended_job_while_its_driver_is_down(stack)
+    await asyncio.to_thread(stack.driver.start)
+    await _wait_for(lambda: not files.exists(), "the deleted job's files are removed", within=120)
 
 
 async def test_a_pending_clean_up_outlives_the_job_manager_that_deleted_the_job(stack: Stack) -> None:
     """As above, but the JobManager that took the delete is SIGKILLed before the driver is
     back: the clean-up was recorded in etcd with the delete, and the next JobManager runs it
     (it was retried in the killed process's memory only: the files stayed for good)."""
-    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[job_pb2.ReplicaGroup(
-        role="main", replicas=1, command=["/bin/echo", "done"])])
-    job_id = f"leftover-{uuid.uuid4().hex[:8]}"
-    state_dir = pathlib.Path(stack.driver.args[stack.driver.args.index("--state-dir") + 1])
-    assert stack.jm is not None
-    async with JobManagerClient(stack.jm.address) as jm:
-        first = (await jm.submit_job(spec, job_id=job_id)).job
-        await _until(jm, first.name, lambda j: j.state == job_pb2.JOB_STATE_SUCCEEDED)
-        files = state_dir / "jobs" / job_id
-        assert files.is_dir()
-        stack.driver.kill()
-        await jm.delete_job(first.name)  # its cleanup fails now: the driver is down
+    name, files = await _delete_an_ended_job_while_its_driver_is_down(stack)
     await asyncio.to_thread(stack.restart_jm)  # SIGKILL, then a new JobManager
+    assert stack.jm is not None
     await asyncio.to_thread(stack.driver.start)
     await _wait_for(lambda: not files.exists(), "the deleted job's files are removed", within=120)
     async with aetcd.Client(host="127.0.0.1", port=stack.etcd.client_port) as etcd:  # its record goes
@@ -269,7 +266,7 @@ async def test_a_pending_clean_up_outlives_the_job_manager_that_deleted_the_job(
             await asyncio.sleep(0.2)
     async with JobManagerClient(stack.jm.address) as jm:  # its id is free; nothing else came back
         with pytest.raises(DlschedRpcError) as gone:
-            await jm.get_job(first.name)
+            await jm.get_job(name)
         assert gone.value.code == "NOT_FOUND"
 
 
@@ -299,7 +296,9 @@ async def test_a_running_job_deleted_while_its_driver_is_down_is_stopped_before_
     """DeleteJob of a running job whose driver cannot be reached: JobManager cannot stop it, so
     it keeps the record (STOPPING, UNAVAILABLE JOB_STOP_PENDING to the caller) rather than
     delete it and leave the process running with nothing left to ever stop it. Once the
-    driver is back the stop goes through, the process ends, and the delete succeeds."""
+    driver is back the stop goes through, the process ends, and the job is deleted as asked,
+    with no second DeleteJob, though the JobManager that took the call was SIGKILLed
+    meanwhile (the delete is recorded in etcd; the record stayed STOPPED for good)."""
     pid_file = tmp_path / "pid"
     script = 'echo $$ > "$0"; while :; do sleep 0.2; done'
     spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[job_pb2.ReplicaGroup(
@@ -317,13 +316,19 @@ async def test_a_running_job_deleted_while_its_driver_is_down_is_stopped_before_
         kept = await jm.get_job(name)
         assert kept.state == job_pb2.JOB_STATE_STOPPING
         assert pid_alive(pid)  # nothing has stopped it yet: the record must stay
-        await asyncio.to_thread(stack.driver.start)
-        await _until(jm, name, lambda j: j.state == job_pb2.JOB_STATE_STOPPED, within=120)
-        await _wait_for(lambda: not pid_alive(pid), "the job's process ends", within=60)
-        await jm.delete_job(name)
-        with pytest.raises(DlschedRpcError) as ei:
-            await jm.get_job(name)
-        assert ei.value.code == "NOT_FOUND"
+    await asyncio.to_thread(stack.restart_jm)  # SIGKILL, then a new JobManager
+    await asyncio.to_thread(stack.driver.start)
+    await _wait_for(lambda: not pid_alive(pid), "the job's process ends", within=120)
+    async with JobManagerClient(stack.jm.address) as jm:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                job = await jm.get_job(name)
+            except DlschedRpcError as e:
+                assert e.code == "NOT_FOUND", e
+                break
+            assert time.monotonic() < deadline, f"still there: {job_pb2.JobState.Name(job.state)}"
+            await asyncio.sleep(0.3)
 
 
 async def test_services_started_before_etcd_wait_for_it() -> None:

@@ -152,7 +152,9 @@ class JobManagerServiceServicer:
     def DeleteJob(self, request, context):
         """Deletes a job: stops it if it runs, removes its backend objects and its
         record. Deleting a job that does not exist returns JOB_NOT_FOUND unless
-        allow_missing is set.
+        allow_missing is set. A running job whose driver cannot be reached is
+        kept (STOPPING) and the call answers UNAVAILABLE JOB_STOP_PENDING: the
+        delete is remembered and done once the job has stopped.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
