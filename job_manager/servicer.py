@@ -554,7 +554,11 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                 # The caller as of now: a revoked or expired token ends the
                 # stream (UNAUTHENTICATED), a lost role hides what follows.
                 p = p.current()
-                if access.may_read(p, ev.job) and flt.matches(ev.job):
+                if access.may_read(p, ev.job) and (
+                        flt.matches(ev.job)
+                        # one that stops matching: its new state, once (as a job that starts
+                        # matching comes as UPDATED), so a view kept from the stream stays true
+                        or ((prev := ev.prev_job) is not None and flt.matches(prev))):
                     yield resp
                     sent = loop.time()
         finally:

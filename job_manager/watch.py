@@ -68,6 +68,7 @@ from dlsched.errors import DlschedError, InvalidArgument, Unavailable, WatchToke
 from dlsched.kit import tokens
 from dlsched.kit.etcd import EtcdClient, WatchProgress, progress_exact
 from dlsched.kit.parse import decimal
+from dlsched.v1 import job_pb2
 from job_manager.convert import job_from_bytes
 from job_manager.domain.model import Job
 from job_manager.sole_writer import sole_clock
@@ -218,15 +219,20 @@ def _retrieve(fut: asyncio.Future[int]) -> None:
 class JobEvent:
     """One job event; the job is decoded from ``data`` once, when first asked for."""
 
-    __slots__ = ("_job", "archived", "data", "job_id", "job_revision", "memo", "revision", "type")
+    __slots__ = ("_job", "_prev", "archived", "data", "job_id", "job_revision", "memo", "prev", "revision",
+                 "type")
 
     def __init__(self, revision: int, type: EventType, job_id: str, data: bytes,
-                 job_revision: int, archived: bool = False) -> None:
+                 job_revision: int, archived: bool = False, prev: bytes = b"") -> None:
         self.revision = revision
         self.type = type
         self.job_id = job_id
         self.data = data  # the job as stored (DELETED: as it was last)
         self.job_revision = job_revision  # its etag's revision
+        # UPDATED: what filters read of the job before the change (``filter_view``), so a
+        # filtered watch tells a job that stops matching it (empty: not known)
+        self.prev = prev
+        self._prev: Job | None = None
         # DELETED because the archiver moved the job to the history (it still
         # exists): the cache drops it, WatchJobs sends nothing for it.
         self.archived = archived
@@ -245,12 +251,34 @@ class JobEvent:
         return self._job
 
     @property
+    def prev_job(self) -> Job | None:
+        """The job before this change as filters read it (no spec); None when not known."""
+        if self._prev is None and self.prev:
+            self._prev = job_from_bytes(self.prev, 0)
+        return self._prev
+
+    @property
     def size(self) -> int:
-        return len(self.data) + len(self.job_id) + EVENT_OVERHEAD
+        return len(self.data) + len(self.prev) + len(self.job_id) + EVENT_OVERHEAD
 
     def compact(self) -> JobEvent:
         """This event without its decoded job (what the buffer keeps)."""
-        return JobEvent(self.revision, self.type, self.job_id, self.data, self.job_revision, self.archived)
+        return JobEvent(self.revision, self.type, self.job_id, self.data, self.job_revision, self.archived,
+                        self.prev)
+
+
+def filter_view(data: bytes) -> bytes:
+    """A stored job with what no filter reads left out (its spec, message and replicas): the
+    ``prev`` of an UPDATED event. Empty when ``data`` does not decode."""
+    p = job_pb2.Job()
+    try:
+        p.ParseFromString(data)
+    except DecodeError:
+        return b""
+    for f in ("spec", "message", "replicas"):
+        p.ClearField(f)
+    out: bytes = p.SerializeToString(deterministic=True)
+    return out
 
 
 class Subscription:
@@ -668,7 +696,9 @@ class WatchHub:
                           archived=self._archiving == (rev, raw_id))
         else:
             etype = EventType.CREATED if ev.kv.version == 1 else EventType.UPDATED
-            je = JobEvent(rev, etype, job_id, ev.kv.value, rev)
+            prev = ev.prev_kv
+            je = JobEvent(rev, etype, job_id, ev.kv.value, rev,
+                          prev=filter_view(prev.value) if etype is EventType.UPDATED and prev is not None else b"")
         self._publish(je)
 
     def _publish(self, je: JobEvent) -> None:

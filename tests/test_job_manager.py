@@ -383,6 +383,34 @@ async def test_watch_resume_has_no_gap_and_no_duplicate(
     assert {n for n, _, _ in resumed} == {f"jobs/{i}" for i in ids}
 
 
+async def test_a_job_that_stops_matching_a_watch_filter_is_sent_once_with_its_new_state(
+        jm: pb_grpc.JobManagerServiceStub) -> None:
+    """A watch filtered on state=RUNNING gets the job's end (UPDATED, SUCCEEDED): a view kept
+    from the stream showed the job RUNNING for ever, while ListJobs with the filter did not list
+    it. A stream resumed from before the end gets the same event."""
+    tag = uniq()
+    flt = f"state=RUNNING AND labels.leave={tag}"
+    events: list[pb.WatchJobsResponse] = []
+    call = jm.WatchJobs(pb.WatchJobsRequest(filter=flt), timeout=120)
+    await asyncio.wait_for(_events(call, events, lambda evs: any(
+        e.type == S.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE for e in evs)), 60)
+    name = (await jm.SubmitJob(pb.SubmitJobRequest(spec=single(
+        "import time; time.sleep(1.5)", labels={"leave": tag})))).job.name
+    await asyncio.wait_for(_events(call, events, lambda evs: any(
+        e.job.name == name and e.job.state == S.JOB_STATE_SUCCEEDED for e in evs)), 90)
+    call.cancel()
+    mine = [(e.type, e.job.state) for e in events if e.job.name == name]
+    assert mine[-1] == (S.WATCH_EVENT_TYPE_UPDATED, S.JOB_STATE_SUCCEEDED), mine
+    assert [st for _, st in mine[:-1]] and all(st == S.JOB_STATE_RUNNING for _, st in mine[:-1]), mine
+    before_end = next(e for e in reversed(events) if e.job.name == name and e.job.state == S.JOB_STATE_RUNNING)
+    again = jm.WatchJobs(pb.WatchJobsRequest(filter=flt, resume_token=before_end.resume_token), timeout=60)
+    resumed: list[pb.WatchJobsResponse] = []
+    await asyncio.wait_for(_events(again, resumed, lambda evs: any(e.job.name == name for e in evs)), 60)
+    again.cancel()
+    got = [e for e in resumed if e.job.name == name]
+    assert (got[0].type, got[0].job.state) == (S.WATCH_EVENT_TYPE_UPDATED, S.JOB_STATE_SUCCEEDED), got[0]
+
+
 async def test_a_watch_cut_mid_snapshot_resumes_with_the_whole_snapshot(
         jm: pb_grpc.JobManagerServiceStub) -> None:
     """Resumed with the token of an EXISTING event (cut after the first of three), the stream

@@ -163,7 +163,10 @@ class JobManagerServiceServicer:
     def WatchJobs(self, request, context):
         """Streams job changes. Without a resume_token the stream first sends every
         matching job as an EXISTING event, then one SNAPSHOT_COMPLETE event, then
-        CREATED, UPDATED and DELETED events as they happen. Every event carries
+        CREATED, UPDATED and DELETED events as they happen. With a filter, the
+        events are those of jobs that match it after the change, and one UPDATED
+        event for a job that stops matching it (carrying its new state, which no
+        longer matches; a state filter sees its jobs end). Every event carries
         an opaque resume_token; a new call with the last token received resumes
         after that event, with no snapshot, no duplicate and no gap (an EXISTING
         event's token starts over with the whole snapshot). A token the
