@@ -249,7 +249,10 @@ def test_filter() -> None:
 @pytest.mark.parametrize("text", ["state=BOGUS", "color=red", "state", "state=RUNNING OR x=y",
                                   "run_mode=UNSPECIFIED",
                                   # NUL: PostgreSQL's history answered UNAVAILABLE ("retry") for it
-                                  "owner=a\x00b", "labels.group=g\x001"])
+                                  "owner=a\x00b", "labels.group=g\x001",
+                                  # values no job can hold (answered with nothing, as if well formed)
+                                  "project=;x", "project=Team", "cluster=;x", "cluster=", "labels.a;b=1",
+                                  "labels." + "k" * 300 + "=1", "labels.team=a b", "labels.team=-x"])
 def test_bad_filter(text: str) -> None:
     with pytest.raises(InvalidArgument) as ei:
         parse_filter(text)

@@ -22,6 +22,8 @@ import re
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta, timezone
 
+from dlsched import spec_rules
+from dlsched.auth.model import PROJECT_RE
 from dlsched.errors import InvalidArgument
 from job_manager.domain.model import Job, JobState, RunMode
 
@@ -225,9 +227,19 @@ def parse_filter(text: str) -> Filter:
         elif field == "run_mode":
             value = _enum_value(RunMode, "RUN_MODE_", raw)
         elif field == "cluster":
+            if spec_rules.check_selected_cluster(raw, "filter") or not raw:
+                raise InvalidArgument.for_field("filter", f"cluster: {raw[:80]!r} is not a cluster's name or id")
             value = raw if raw.startswith("clusters/") else f"clusters/{raw}"
-        elif field in ("project", "owner") or (
-                field.startswith("labels.") and len(field) > len("labels.")):
+        elif field == "project":
+            if not PROJECT_RE.fullmatch(raw):
+                raise InvalidArgument.for_field("filter", f"project: {raw[:80]!r} is not a project name")
+            value = raw
+        elif field.startswith("labels.") and len(field) > len("labels."):
+            if spec_rules.check_labels({field[len("labels."):]: raw}, "filter"):
+                raise InvalidArgument.for_field(
+                    "filter", f"{field[:80]}: not a label key and value (keys and values as in job labels)")
+            value = raw
+        elif field == "owner":
             value = raw
         else:
             raise InvalidArgument.for_field(
