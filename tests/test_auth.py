@@ -973,6 +973,10 @@ async def test_role_bindings_and_api_tokens_are_listed_in_pages(env: Env) -> Non
                 (a.access.stub.ListApiTokens(acs.ListApiTokensRequest(page_token="bmFu")), "page_token"),
                 (a.access.stub.ListApiTokens(acs.ListApiTokensRequest(page_token="x" * 100_000)), "page_token"),
                 (a.access.stub.ListRoleBindings(acs.ListRoleBindingsRequest(page_size=-1)), "page_size"),
+                # filters no binding or token can match (they were answered empty)
+                (a.access.stub.ListRoleBindings(acs.ListRoleBindingsRequest(principal="garbage\n")), "principal"),
+                (a.access.stub.ListRoleBindings(acs.ListRoleBindingsRequest(project=";x")), "project"),
+                (a.access.stub.ListApiTokens(acs.ListApiTokensRequest(service_account="Bad\n")), "service_account"),
             ]
             for call, field in bad_calls:
                 with pytest.raises(grpc.aio.AioRpcError) as ei:

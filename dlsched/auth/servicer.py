@@ -133,6 +133,10 @@ class AccessServicer(access_service_pb2_grpc.AccessServiceServicer):
     async def ListRoleBindings(self, request: pb.ListRoleBindingsRequest,  # noqa: N802
                                context: grpc.aio.ServicerContext) -> pb.ListRoleBindingsResponse:
         caller().require_admin("listing role bindings")
+        if request.principal:  # filters of values no binding can hold are refused, not answered empty
+            check_principal(request.principal, "principal")
+        if request.project:
+            check_project(request.project, "project", allow_all=True)
         matching = (b for b in self.store.bindings.values()
                     if (not request.principal or b.principal == request.principal)
                     and (not request.project or b.project == request.project))
@@ -174,6 +178,8 @@ class AccessServicer(access_service_pb2_grpc.AccessServiceServicer):
     async def ListApiTokens(self, request: pb.ListApiTokensRequest,  # noqa: N802
                             context: grpc.aio.ServicerContext) -> pb.ListApiTokensResponse:
         caller().require_admin("listing API tokens")
+        if request.service_account and not PROJECT_RE.fullmatch(request.service_account):
+            raise InvalidArgument.for_field("service_account", "a service account's name: a DNS label")
         matching = (t for t in self.store.tokens.values()
                     if not request.service_account or t.service_account == request.service_account)
         page, token = _page(matching, lambda t: (t.service_account, t.id), request.page_size,
