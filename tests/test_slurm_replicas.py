@@ -335,7 +335,7 @@ def test_port_range_option_is_validated_and_rendered():
         assert [v.field for v in e.value.violations] == ["cluster.options[port_range]"], bad
 
 
-def test_a_cluster_with_a_bad_port_range_is_refused_at_configure():
+def test_a_cluster_with_bad_options_is_refused_at_configure():
     from drivers.common.base import ClusterConfig, SshCredentials
     from drivers.slurm.driver import SlurmDriver
 
@@ -346,6 +346,15 @@ def test_a_cluster_with_a_bad_port_range_is_refused_at_configure():
     with pytest.raises(render.InvalidArgument) as e:
         SlurmDriver()._validate_config(config("20000-99999"))
     assert [v.field for v in e.value.violations] == ["cluster.options[port_range]"]
+    # Every option a launch reads (the cluster was READY and every launch refused).
+    for key, value in (("partition", "a\n#SBATCH --wrap=id"), ("partition", "gpu;x"), ("max_nodes", "0"),
+                       ("max_nodes", "²"), ("state_dir", "../../etc")):
+        cfg = ClusterConfig("clusters/s", "login:22", {key: value}, SshCredentials("u", "k"))
+        with pytest.raises(render.InvalidArgument) as e:
+            SlurmDriver()._validate_config(cfg)
+        assert [v.field for v in e.value.violations] == [f"cluster.options[{key}]"], (key, value)
+    SlurmDriver()._validate_config(ClusterConfig("clusters/s", "login:22", {"partition": "gpu,cpu", "max_nodes": "4"},
+                                                 SshCredentials("u", "k")))
 
 
 # --------------------------------------------------------------------------- through the services

@@ -132,8 +132,7 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
             raise InvalidArgument.for_field("credentials", "a Slurm cluster needs ssh credentials")
         if not config.address:
             raise InvalidArgument.for_field("address", "the login node, host[:port]")
-        render.state_dir_of(config.options)
-        render.port_range_of(config.options)
+        render.check_options(config.options)
 
     def _unchanged(self, old: SlurmCluster, config: ClusterConfig) -> bool:
         a = old.config

@@ -167,7 +167,7 @@ STATE_DIR_RE = re.compile(r"^(?!-)[A-Za-z0-9_./-]{1,255}\Z")
 
 __all__ = ["MEDIA_TYPE", "TASKS_STEP", "Checked", "Layout", "SlurmScript", "StepFiles", "attempt_dir", "batch_output",
            "check", "emit", "job_comment", "job_name", "parse_comment", "place", "port_range_of", "render_job",
-           "sh_quote", "state_dir_of"]
+           "sh_quote", "state_dir_of", "check_options"]
 
 
 @dataclass(frozen=True)
@@ -272,6 +272,20 @@ def state_dir_of(options: Mapping[str, str]) -> str:
         raise InvalidArgument.for_field("cluster.options[state_dir]",
                                         "must match [A-Za-z0-9_./-]+ without '..' or a leading '-'")
     return d.rstrip("/") or "/"
+
+
+def check_options(options: Mapping[str, str]) -> None:
+    """A cluster's options as every launch reads them (ConfigureCluster refuses the cluster,
+    which is then UNREACHABLE saying why, rather than READY with every launch refused)."""
+    state_dir_of(options)
+    port_range_of(options)
+    partition = options.get("partition", "")
+    if partition and not PARTITION_RE.match(partition):
+        raise InvalidArgument.for_field("cluster.options[partition]",
+                                        "must be a Slurm partition name [A-Za-z0-9_.-] (comma-separated)")
+    max_nodes = options.get("max_nodes", "")
+    if max_nodes and not (decimal(max_nodes) and int(max_nodes) >= 1):
+        raise InvalidArgument.for_field("cluster.options[max_nodes]", "must be a positive integer")
 
 
 def port_range_of(options: Mapping[str, str]) -> tuple[int, int]:
