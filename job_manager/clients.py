@@ -227,10 +227,12 @@ class ClusterManagerClient:
 #: driver: well inside the 30 s the shipped service config gives reads, so a frozen driver
 #: is the client's UNAVAILABLE ``DRIVER_UNAVAILABLE`` naming the cluster, not its own bare
 #: DEADLINE_EXCEEDED (the config's deadline is the client's alone: no server sees it).
-CLIENT_READ_TIMEOUT = 10.0
-#: Once a client read found the driver silent, client reads fail at once for this long
-#: (unless the driver answers a call meanwhile): the service config retries UNAVAILABLE, and
-#: each retry waiting CLIENT_READ_TIMEOUT again would outlast the client's deadline.
+CLIENT_READ_TIMEOUT = 20.0
+#: Once a client read of a cluster found its driver silent (no answer at all; a driver that
+#: answers, even TIMED_OUT for a slow backend, is not silent), client reads of that cluster fail
+#: at once for this long (unless the driver answers for it meanwhile): the service config
+#: retries UNAVAILABLE, and each retry waiting CLIENT_READ_TIMEOUT again would outlast the
+#: client's deadline. Follow tails are never refused (a follower waits for lines anyway).
 SILENT_HOLD = 15.0
 
 
@@ -245,7 +247,7 @@ class DriverClient:
         self._stub = drv_grpc.DriverServiceStub(self._channel)
         self._timeout = timeout
         self._read_timeout = read_timeout
-        self._silent_at: float | None = None  # when a client read last found it silent
+        self._silent: dict[str, float] = {}  # cluster -> when a client read found its driver silent
         self._logs = LogMux(self._stub)
 
     def _silence(self, cluster: str) -> errors.Unavailable:
@@ -254,9 +256,11 @@ class DriverClient:
             reason="DRIVER_UNAVAILABLE", metadata={"cluster": cluster})
 
     def _refuse_if_silent(self, cluster: str) -> None:
-        silent = self._silent_at
-        if silent is not None and time.monotonic() - silent < SILENT_HOLD:
-            raise self._silence(cluster)
+        silent = self._silent.get(cluster)
+        if silent is not None:
+            if time.monotonic() - silent < SILENT_HOLD:
+                raise self._silence(cluster)
+            del self._silent[cluster]
 
     async def _client_read(self, cluster: str, call: Callable[[], Awaitable[T]]) -> T:
         """A call a client's request waits on (made with ``self._read_timeout``)."""
@@ -264,15 +268,14 @@ class DriverClient:
         try:
             resp = await call()
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and from_rpc_error(e).reason in (
-                    "DEADLINE_EXCEEDED", "TIMED_OUT"):
-                self._silent_at = time.monotonic()
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and from_rpc_error(e).reason == "DEADLINE_EXCEEDED":
+                self._silent[cluster] = time.monotonic()  # our own deadline: no answer at all
             raise_for_client(translate(e), cluster)
-        self._answered()
+        self._answered(cluster)
         return resp
 
-    def _answered(self) -> None:
-        self._silent_at = None
+    def _answered(self, cluster: str) -> None:
+        self._silent.pop(cluster, None)
 
     async def render(self, cluster: str, job_id: str, spec: JobSpec) -> NativeSpec:
         resp = await self._client_read(cluster, lambda: self._stub.RenderJob(drv_pb2.RenderJobRequest(
@@ -297,7 +300,7 @@ class DriverClient:
                     jobs=[drv_pb2.JobRef(job_id=j, backend_job_id=b) for j, b in chunk]),
                 timeout=self._timeout))
             out.extend(observation_from_proto(o) for o in resp.observations)
-            self._answered()
+            self._answered(cluster)
         return out
 
     async def watch(self, cluster: str) -> AsyncIterator[Observation | None]:
@@ -305,7 +308,7 @@ class DriverClient:
         call = self._stub.WatchJobObservations(drv_pb2.WatchJobObservationsRequest(cluster=cluster))
         try:
             async for resp in call:
-                self._answered()
+                self._answered(cluster)
                 if resp.snapshot_complete:
                     yield None
                 if resp.HasField("observation"):
@@ -358,7 +361,8 @@ class DriverClient:
         wait = min(idle, limit) if idle > 0 and limit else (idle or limit)
         retries = 0
         while not self._logs.unsupported:
-            self._refuse_if_silent(cluster)
+            if limit:
+                self._refuse_if_silent(cluster)
             tail = self._logs.open(treq)
             got = False
             quiet = 0.0
@@ -370,11 +374,11 @@ class DriverClient:
                     if batch is IDLE:
                         quiet += wait
                         if limit and quiet >= limit:
-                            self._silent_at = time.monotonic()
+                            self._silent[cluster] = time.monotonic()
                             raise self._silence(cluster)
                     else:
                         got, quiet = True, 0.0
-                        self._answered()
+                        self._answered(cluster)
                     entries = list(batch.entries)
                     del batch
                     yield entries

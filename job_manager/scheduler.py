@@ -73,6 +73,9 @@ FORGET_BATCH_SECONDS = 0.2
 #: how often a replica looks for deleted jobs' pending clean-ups it should run (etcd
 #: ``job-cleanups/``: recorded by a replica that died before they were done)
 CLEANUP_SWEEP_SECONDS = 30.0
+#: at most this many of them started by the sweep run at once (each retries its driver with
+#: backoff): a mass delete on a down cluster does not become thousands of retry loops
+SWEEP_IN_FLIGHT = 200
 #: how long SubmitJob looks for a retried request's job after an UNAVAILABLE match
 SEEN_LOOKUP_SECONDS = 2.0
 
@@ -536,7 +539,8 @@ class Scheduler:
                 # once the job has stopped (by the cluster's owner, whatever restarts).
                 pending = PendingDelete(job.cluster, job_id, job.uid)
                 await self.store.put_pending_delete(pending)
-                self._deletes[job_id] = pending
+                if self.ownership.would_own(job.cluster):  # (else the owner's sweep finds it)
+                    self._deletes[job_id] = pending
                 raise errors.Unavailable(
                     f"jobs/{job_id} is stopping, but its cluster's driver could not be reached to "
                     "stop it; it is deleted once it has stopped (no need to ask again)",
@@ -681,7 +685,10 @@ class Scheduler:
                 return
             if not job.state.is_terminal():
                 return  # its stop is still retried; an observation of its end brings it back
-            last = await self.delete(d.job_id, True)
+            if self.history is not None and job.etag:  # a copy archived already (retried with the record)
+                await self.history.delete(d.job_id, upto=int(job.etag))
+            # At the revision read: a job of that id made since (another uid) is never deleted.
+            last = await self.delete(d.job_id, True, etag=job.etag)
             if self.history is not None and last is not None and last.etag:
                 await self.history.delete(d.job_id, upto=int(last.etag))
             log.info("job %s deleted: it has stopped, as a DeleteJob asked while its driver was "
@@ -695,15 +702,21 @@ class Scheduler:
         finish the pending deletes of their jobs that have stopped."""
         n = 0
         async for page in self.store.cleanups():
+            if len(self._reaping) >= SWEEP_IN_FLIGHT:
+                break  # the rest at a later sweep
             for c in page:
-                if self._closed:
-                    return n
+                if self._closed or len(self._reaping) >= SWEEP_IN_FLIGHT:
+                    break
                 if self.ownership.would_own(c.cluster) and \
                         (c.job_id, c.backend_job_id, c.uid) not in self._reaping:
                     self._clean_up(c)
                     n += 1
         async for deletes in self.store.pending_deletes():
+            if len(self._finishing) >= SWEEP_IN_FLIGHT:
+                break
             for d in deletes:
+                if len(self._finishing) >= SWEEP_IN_FLIGHT:
+                    break
                 if not self._closed and self.ownership.would_own(d.cluster):
                     self._deletes[d.job_id] = d
                     self._finish_delete(d)
@@ -879,6 +892,8 @@ class Scheduler:
 
     async def release(self, cluster: str) -> None:
         """Stop every piece of ``cluster``'s work (its ownership is ending)."""
+        for job_id in [j for j, d in self._deletes.items() if d.cluster == cluster]:
+            del self._deletes[job_id]  # (the next owner's sweep finds them)
         tasks = [t for key, t in self._retries.items() if self._retry_cluster.get(key) == cluster]
         tasks += self._cluster_tasks.pop(cluster, set())
         tracker = self._trackers.pop(cluster, None)

@@ -268,15 +268,17 @@ class JobEvent:
 
 
 def filter_view(data: bytes) -> bytes:
-    """A stored job with what no filter reads left out (its spec, message and replicas): the
-    ``prev`` of an UPDATED event. Empty when ``data`` does not decode."""
+    """A stored job with what no filter reads left out (its spec but its run mode, its message
+    and replicas): the ``prev`` of an UPDATED event. Empty when ``data`` does not decode."""
     p = job_pb2.Job()
     try:
         p.ParseFromString(data)
     except DecodeError:
         return b""
+    run_mode = p.spec.run_mode  # (run_mode!=X read a cleared spec's 0 as "not X")
     for f in ("spec", "message", "replicas"):
         p.ClearField(f)
+    p.spec.run_mode = run_mode
     out: bytes = p.SerializeToString(deterministic=True)
     return out
 

@@ -396,3 +396,22 @@ async def test_twenty_thousand_jobs_list_watch_count_and_reconcile_across_restar
     finally:
         await delete_prefix(client, stack.prefix)
         await client.close()
+
+
+@pytest.mark.parametrize("text", ["state=RUNNING", "labels.team=ml", "run_mode!=MPI", "run_mode=MPI",
+                                  "cluster=local AND project=p1", 'create_time >= "2026-01-01T00:00:00Z"'])
+def test_an_updated_events_prev_is_read_by_filters_as_the_job(text: str) -> None:
+    """An UPDATED event keeps the job before the change as filters read it (a filtered watch
+    tells a job that stops matching): every filter term reads it as it reads the whole job
+    (``run_mode!=MPI`` took the cleared spec's run mode 0 for 'not MPI', and every update of
+    an MPI job reached a watch that excluded them)."""
+    from job_manager.watch import EventType, JobEvent, filter_view
+
+    for mode in (1, 5):  # SINGLE_PROCESS, MPI
+        job = dataclasses.replace(synthetic(7, state=JobState.RUNNING, project="p1"), labels={"team": "ml"})
+        job.spec.run_mode = mode
+        data = job_to_bytes(job)
+        ev = JobEvent(2, EventType.UPDATED, job.id, data, 2, prev=filter_view(data))
+        assert ev.prev_job is not None and len(ev.prev) < len(data)
+        flt = parse_filter(text)
+        assert flt.matches(ev.prev_job) == flt.matches(ev.job), (text, mode)
