@@ -346,7 +346,7 @@ def check_cluster_type(value: int, field: str, *, allow_unspecified: bool) -> li
 
 
 #: a selector's cluster: its name (``clusters/{id}``) or its id, nothing around it
-SELECTED_CLUSTER_RE = re.compile(r"(?:clusters/)?[a-z][a-z0-9-]{0,62}\Z")
+SELECTED_CLUSTER_RE = re.compile(r"(?:clusters/)?" + ID_RE.pattern)
 
 
 def check_selected_cluster(value: str, field: str) -> list[FieldViolation]:

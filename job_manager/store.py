@@ -35,11 +35,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from typing import TypeVar
 
 import aetcd
 import aetcd.exceptions
@@ -159,8 +161,27 @@ def _prefix_end(prefix: bytes) -> bytes:
     return b"\0"
 
 
+_R = TypeVar("_R", bound="_Record")
+
+
 @dataclass(frozen=True)
-class PendingCleanup:
+class _Record:
+    """A small record JobManager keeps in etcd as JSON (its fields are strings)."""
+
+    def encode(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self)).encode()
+
+    @classmethod
+    def decode(cls: type[_R], data: bytes) -> _R | None:
+        try:
+            d = json.loads(data)
+            return cls(**{f.name: str(d[f.name]) for f in dataclasses.fields(cls)})
+        except (ValueError, KeyError, TypeError):
+            return None
+
+
+@dataclass(frozen=True)
+class PendingCleanup(_Record):
     """A deleted job's backend clean-up its driver could not do yet, kept in etcd
     (``job-cleanups/{job}/{uid}``) until done: retried by whichever replica would own
     the cluster, whatever restarts in between."""
@@ -169,39 +190,15 @@ class PendingCleanup:
     backend_job_id: str
     uid: str
 
-    def encode(self) -> bytes:
-        return json.dumps({"cluster": self.cluster, "job_id": self.job_id,
-                           "backend_job_id": self.backend_job_id, "uid": self.uid}).encode()
-
-    @staticmethod
-    def decode(data: bytes) -> PendingCleanup | None:
-        try:
-            d = json.loads(data)
-            return PendingCleanup(str(d["cluster"]), str(d["job_id"]), str(d["backend_job_id"]),
-                                  str(d["uid"]))
-        except (ValueError, KeyError, TypeError):
-            return None
-
 
 @dataclass(frozen=True)
-class PendingDelete:
+class PendingDelete(_Record):
     """A DeleteJob of a job that could not be stopped yet (its driver unreachable), kept in
     etcd (``job-deletes/{job}``, deleted with the job) until the job has stopped and is
     deleted: whichever replica would own the cluster finishes it, whatever restarts."""
     cluster: str
     job_id: str
     uid: str
-
-    def encode(self) -> bytes:
-        return json.dumps({"cluster": self.cluster, "job_id": self.job_id, "uid": self.uid}).encode()
-
-    @staticmethod
-    def decode(data: bytes) -> PendingDelete | None:
-        try:
-            d = json.loads(data)
-            return PendingDelete(str(d["cluster"]), str(d["job_id"]), str(d["uid"]))
-        except (ValueError, KeyError, TypeError):
-            return None
 
 
 class JobStore:
@@ -661,16 +658,19 @@ class JobStore:
         await self._txn([], [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))], [],
                         jobs=False)
 
-    async def cleanups(self, limit: int = 1000) -> AsyncIterator[list[PendingCleanup]]:
-        """Every pending clean-up, a page at a time (unreadable records are dropped)."""
-        start, end = self.cleanups_prefix, _prefix_end(self.cleanups_prefix)
+    async def _records(self, prefix: bytes, kind: type[_R], limit: int) -> AsyncIterator[list[_R]]:
+        """The records under ``prefix``, a page at a time (unreadable ones are dropped)."""
+        start, end = prefix, _prefix_end(prefix)
         while True:
             res = await self._read_range(start, end, limit=limit)
-            page = [c for kv in res.kvs if (c := PendingCleanup.decode(kv.value)) is not None]
-            yield page
+            yield [r for kv in res.kvs if (r := kind.decode(kv.value)) is not None]
             if not res.more or not res.kvs:
                 return
             start = res.kvs[-1].key + b"\0"
+
+    def cleanups(self, limit: int = 1000) -> AsyncIterator[list[PendingCleanup]]:
+        """Every pending clean-up, a page at a time."""
+        return self._records(self.cleanups_prefix, PendingCleanup, limit)
 
     async def put_pending_delete(self, d: PendingDelete) -> None:
         await self._txn([], [self._put(self.delete_key(d.job_id), d.encode())], [], jobs=False)
@@ -682,15 +682,9 @@ class JobStore:
         await self._txn([same], [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key))], [],
                         jobs=False)
 
-    async def pending_deletes(self, limit: int = 1000) -> AsyncIterator[list[PendingDelete]]:
+    def pending_deletes(self, limit: int = 1000) -> AsyncIterator[list[PendingDelete]]:
         """Every DeleteJob that waits for its job's stop, a page at a time."""
-        start, end = self.deletes_prefix, _prefix_end(self.deletes_prefix)
-        while True:
-            res = await self._read_range(start, end, limit=limit)
-            yield [d for kv in res.kvs if (d := PendingDelete.decode(kv.value)) is not None]
-            if not res.more or not res.kvs:
-                return
-            start = res.kvs[-1].key + b"\0"
+        return self._records(self.deletes_prefix, PendingDelete, limit)
 
     async def delete_request_keys(self, job_id: str) -> int:
         """Delete the request keys that name ``job_id`` (each in its own transaction), reading
