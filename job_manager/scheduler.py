@@ -235,9 +235,13 @@ class Scheduler:
             stored, created = await self.store.create(job, request_id)
         except RequestJobGone as e:  # its request key names a job gone from etcd: archived?
             archived = await self._archived(request_id, owner, e.job_id)
-            if archived is None:
-                raise
-            return archived, None
+            if archived is not None:
+                return archived, None
+            # Deleted from etcd and the history (an archived job's DeleteJob leaves its request
+            # key to the sweep; a crash between a delete's two writes leaves it for good): the
+            # request id is free, as after any DeleteJob. Once: a racing submit may win it.
+            await self.store.release_request(request_id, e.job_id)
+            stored, created = await self.store.create(job, request_id)
         if not created:  # a retried request, or a concurrent one with its request id, came first
             return await self._after_duplicate(stored, owner), None
         log.info("job %s stored for %s (request %s)", stored.id, stored.cluster,

@@ -62,6 +62,7 @@ from dlsched.auth.model import Principal
 from dlsched.errors import (
     DlschedError,
     InvalidArgument,
+    NotFound,
     StoreUnavailable,
     WatchTokenExpired,
 )
@@ -165,15 +166,13 @@ _PAGE_TIME_RE = re.compile(r"-?[0-9]{1,12}(?:\.[0-9]{1,17})?(?:e[-+]?[0-9]{1,3})
 
 def _decode_page(token: str, filter_text: str) -> SortKey:
     try:
-        raw = tokens.decode(token) or ""
-        if raw.startswith("p2:"):  # p1 (an older server's) names no filter
-            _, issued_for, raw = raw.split(":", 2)
-            if issued_for != tokens.filter_hash(filter_text):
-                raise InvalidArgument.for_field("page_token", "issued for a ListJobs call with another filter")
-            raw = "p1:" + raw
-        tag, ct, job_id = raw.split(":", 2)
-        if tag != "p1" or not _PAGE_TIME_RE.fullmatch(ct) or not JOB_ID_RE.match(job_id):
+        # Only p2 tokens, which name their filter: a p1 (an older server's) named none,
+        # so one made up would page any filter (AIP-158: a token ends with its filter).
+        tag, issued_for, ct, job_id = (tokens.decode(token) or "").split(":", 3)
+        if tag != "p2" or not _PAGE_TIME_RE.fullmatch(ct) or not JOB_ID_RE.match(job_id):
             raise ValueError(tag)
+        if issued_for != tokens.filter_hash(filter_text):
+            raise InvalidArgument.for_field("page_token", "issued for a ListJobs call with another filter")
         seconds = float(ct)
         if not MIN_TIMESTAMP_SECONDS <= seconds <= MAX_TIMESTAMP_SECONDS:
             raise ValueError(ct)
@@ -260,7 +259,8 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             first = await self.scheduler.archived_request(request.request_id, p.name)
             if first is not None:
                 return pb.SubmitJobResponse(job=convert.job_to_proto(_check_same_job(request, first, p)))
-            raise JobAlreadyExists(f"job jobs/{request.job_id} already exists (archived)",
+            # (the same words as for a live job: whose it is, and that it ended, stay unsaid)
+            raise JobAlreadyExists(f"job jobs/{request.job_id} already exists",
                                    metadata={"name": f"jobs/{request.job_id}"})
         job, dry = await self.scheduler.submit(
             request.job_id, spec, request.request_id, dry_run=request.dry_run,
@@ -634,6 +634,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         p = readable.check(p)
         skip: Skipper | None = None
         upstream = request
+        unproved = ""  # an attempt id only the client's cursor names
         if resumed is None:
             cursor = LogCursor(job.uid)
         else:
@@ -644,7 +645,10 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             cursor, skip = resumed, Skipper(resumed, by_count)
             if resumed.attempt and resumed.attempt != job.backend_job_id:
                 # Finish the attempt the stream was on, then go on as it would have.
+                # (Its id is the cursor's word alone: one the driver does not know for
+                # this job is a cursor this server never issued.)
                 job = dataclasses.replace(job, backend_job_id=resumed.attempt)
+                unproved = resumed.attempt
             # Every line of the attempt again; the skipper drops what was delivered.
             upstream = pb.StreamJobLogsRequest()
             upstream.CopyFrom(request)
@@ -674,6 +678,11 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                         at = cursor.encode()
                         yield pb.StreamJobLogsResponse(entries=out, resume_cursor=at)
                         del out
+            except NotFound as e:
+                if attempt != unproved:
+                    raise
+                raise InvalidArgument.for_field(
+                    CURSOR_FIELD, "names an attempt of this job its cluster does not know") from e
             finally:
                 await stream.aclose()  # ends the tail
             skip, upstream = None, request

@@ -461,6 +461,16 @@ class JobStore:
             jobs.extend(job_from_bytes(kv.value, kv.mod_revision) for kv in kvs)
         return jobs, rev or await self.revision()
 
+    async def release_request(self, request_id: str, job_id: str) -> bool:
+        """Delete ``request_id``'s key while it names ``job_id`` (a job deleted from etcd and the
+        history: its request id is free again); whether it was deleted."""
+        rkey = self.request_key(request_id)
+        named = rpc.Compare(key=rkey, result=rpc.Compare.EQUAL, target=rpc.Compare.VALUE,
+                            value=job_id.encode())
+        resp = await self._txn([named], [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=rkey))],
+                               [], jobs=False)
+        return bool(resp.succeeded)
+
     async def request_job_id(self, request_id: str) -> str | None:
         """The id of the job a SubmitJob with this request_id made, while its request key lasts."""
         kv = await self._call(self.client.get, self.request_key(request_id))
@@ -510,8 +520,9 @@ class JobStore:
                         # The request key is written with its job; a missing job
                         # means it was deleted and its request key goes next.
                         await asyncio.sleep(0.05)
-                raise RequestJobGone(
-                    f"request {request_id!r} names deleted job jobs/{other_id}; retry", other_id)
+                # (the other job's id stays out of the text: it may be another project's)
+                raise RequestJobGone(f"request {request_id!r} names a job no longer stored; retry",
+                                     other_id)
         raise JobAlreadyExists(f"job jobs/{job.id} already exists",
                                metadata={"name": f"jobs/{job.id}"})
 
@@ -587,11 +598,7 @@ class JobStore:
             raise EtagMismatch(job_id, expect, str(kvs[0].mod_revision))
         made_by = resp.responses[1].response_delete_range.prev_kvs
         if made_by:  # its request key goes now, if it still names this job (a crash here leaves it to the sweep)
-            rkey = self.request_key(made_by[0].value.decode())
-            named = rpc.Compare(key=rkey, result=rpc.Compare.EQUAL, target=rpc.Compare.VALUE,
-                                value=job_id.encode())
-            await self._txn([named], [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=rkey))],
-                            [], jobs=False)
+            await self.release_request(made_by[0].value.decode(), job_id)
         prev = resp.responses[0].response_delete_range.prev_kvs
         if not prev:
             return None

@@ -30,6 +30,7 @@ from cluster_manager.domain.models import (
 )
 from cluster_manager.hub import ResumeToken
 from dlsched.errors import InvalidArgument
+from dlsched.kit import tokens
 
 GIB = 1024**3
 MODES = (RunMode.SINGLE_PROCESS, RunMode.MULTI_PROCESS)
@@ -352,6 +353,11 @@ def test_page_and_resume_tokens_round_trip_and_reject_garbage() -> None:
     for bad in ("", "zzz", "cDE6QUJD"):  # the last is "p1:ABC"
         with pytest.raises(InvalidArgument):
             flt.decode_page_token(bad)
+    # an older server's p1 named no filter: one made up from a p2 token would page any filter
+    legacy = tokens.encode("p1:abc")
+    for text in ("", "type=RAY"):
+        with pytest.raises(InvalidArgument):
+            flt.decode_page_token(legacy, text)
     assert flt.page_size(0) == 100 and flt.page_size(5000) == 1000
     t = ResumeToken(42)
     assert ResumeToken.decode(t.encode()) == t

@@ -1237,3 +1237,60 @@ async def test_a_retried_submit_finds_its_archived_job_and_runs_nothing_twice(
         st.stop()
         await client.delete_prefix(st.prefix.encode())
         await client.close()
+
+
+async def test_deleting_an_archived_job_frees_its_request_id(etcd: EtcdServer, dsn: str,
+                                                             tmp_path: Any) -> None:
+    """DeleteJob of an archived job whose request key the sweep has not reached yet frees its
+    request_id, as a live delete does (SubmitJobRequest.request_id): the same request makes a
+    new job, which runs. The key names the deleted job: it answered ABORTED naming that job
+    (maybe another project's) until the sweep came. While archived, another job with its id
+    is ALREADY_EXISTS in the words a live one gets (not that it has ended)."""
+    st = Stack(etcd, f"/dlsched-hist-{uuid.uuid4().hex[:8]}/", jm_args=[
+        "--history-dsn", dsn, "--history-retention", "0", "--archive-interval", "0.3",
+        "--request-sweep-interval", "3600"])
+    client = await connect(etcd.endpoint)
+    store = JobStore(client, st.prefix)
+    marker = tmp_path / "runs"
+    try:
+        st.start()
+        assert st.jm is not None
+        cluster = await st.register_local()
+        code = f"open({str(marker)!r}, 'a').write('ran\\n')"
+        spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+            job_pb2.ReplicaGroup(role="main", replicas=1, command=["python3", "-c", code])])
+        spec.cluster_selector.cluster = cluster
+        job_id, rid = f"f{uuid.uuid4().hex[:8]}", f"req-{uuid.uuid4().hex}"
+        async with security.channel(st.jm.address) as ch:
+            jm = pb_grpc.JobManagerServiceStub(ch)
+            first = (await jm.SubmitJob(pb.SubmitJobRequest(job_id=job_id, request_id=rid, spec=spec),
+                                        timeout=60)).job
+
+            async def archived() -> bool:
+                return job_id not in await etcd_ids(store)
+            await until(archived, what="the job ending and leaving etcd")
+            assert await store.request_job_id(rid) == job_id  # not swept (an hour)
+            with pytest.raises(grpc.aio.AioRpcError) as taken:
+                await jm.SubmitJob(pb.SubmitJobRequest(job_id=job_id, spec=spec), timeout=60)
+            assert taken.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            assert taken.value.details() == f"job jobs/{job_id} already exists"
+
+            await jm.DeleteJob(pb.DeleteJobRequest(name=first.name), timeout=60)
+            again = (await jm.SubmitJob(pb.SubmitJobRequest(request_id=rid, spec=spec), timeout=60)).job
+            assert again.uid != first.uid and again.name != first.name
+            retried = (await jm.SubmitJob(pb.SubmitJobRequest(request_id=rid, spec=spec), timeout=60)).job
+            assert retried.uid == again.uid  # the new job is the request's now
+
+            async def ran_again() -> bool:
+                return _lines(marker) == 2
+            await until(ran_again, what="the new job running")
+        await asyncio.sleep(2)  # a third run made by mistake would have happened by now
+        assert _lines(marker) == 2
+    finally:
+        st.stop()
+        await client.delete_prefix(st.prefix.encode())
+        await client.close()
+
+
+def _lines(path: pathlib.Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0

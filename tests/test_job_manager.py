@@ -18,6 +18,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from dlsched.kit import tokens
 from dlsched.kit.rpc_errors import error_info, field_violations
 from dlsched.v1 import job_manager_service_pb2 as pb
 from dlsched.v1 import job_manager_service_pb2_grpc as pb_grpc
@@ -555,6 +556,14 @@ async def test_list_paging_and_delete(jm: pb_grpc.JobManagerServiceStub) -> None
                 await jm.ListJobs(pb.ListJobsRequest(page_size=2, page_token=r.next_page_token))
             assert other.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "another filter" in (other.value.details() or "")
+            # the same position as an older server's p1 token (which named no filter): refused
+            # with any filter, the one it was taken from included
+            _, _, position = (tokens.decode(r.next_page_token) or "").split(":", 2)
+            for text in ("", f"labels.page={tag}"):
+                with pytest.raises(grpc.aio.AioRpcError) as legacy:
+                    await jm.ListJobs(pb.ListJobsRequest(page_size=2, filter=text,
+                                                         page_token=tokens.encode(f"p1:{position}")))
+                assert legacy.value.code() == grpc.StatusCode.INVALID_ARGUMENT, text
         token = r.next_page_token
         if not token:
             break

@@ -94,7 +94,6 @@ def parse_filter(text: str) -> ClusterFilter:
 
 # --- page tokens ------------------------------------------------------------
 
-_PAGE_PREFIX = "p1:"
 _FILTERED_PREFIX = "p2:"  # p2:<hash of the filter>:<last cluster id>
 
 
@@ -104,16 +103,14 @@ def encode_page_token(last_cluster_id: str, filter_text: str = "") -> str:
 
 def decode_page_token(token: str, filter_text: str = "") -> str:
     """The last cluster id of the previous page; InvalidArgument ``page_token`` if garbage or
-    issued for another filter (a ``p1`` token, an older server's, names none)."""
+    issued for another filter (only ``p2`` tokens, which name their filter: an older server's
+    ``p1`` named none, so one made up would page any filter)."""
     raw = tokens.decode(token) or ""
-    if raw.startswith(_FILTERED_PREFIX):
-        issued_for, _, rest = raw[len(_FILTERED_PREFIX):].partition(":")
-        if issued_for != tokens.filter_hash(filter_text):
-            raise InvalidArgument.for_field("page_token", "issued for a ListClusters call with another filter")
-        raw = _PAGE_PREFIX + rest
-    last = raw[len(_PAGE_PREFIX):] if raw.startswith(_PAGE_PREFIX) else ""
-    if not CLUSTER_ID_RE.match(last):
+    issued_for, _, last = raw[len(_FILTERED_PREFIX):].partition(":")
+    if not raw.startswith(_FILTERED_PREFIX) or not CLUSTER_ID_RE.match(last):
         raise InvalidArgument.for_field("page_token", "not a next_page_token of ListClusters")
+    if issued_for != tokens.filter_hash(filter_text):
+        raise InvalidArgument.for_field("page_token", "issued for a ListClusters call with another filter")
     return last
 
 
