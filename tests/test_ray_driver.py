@@ -116,7 +116,9 @@ async def test_single_process_succeeds_with_env_and_followed_logs(stub):
             "print('start', os.environ['DLSCHED_JOB_ID'], os.environ['FOO'])\n"
             "time.sleep(2)\n"
             "print('end')\n")
-    resp = await launch(stub, job_id, single(code, FOO="bar baz"))
+    # Ray expands $VAR in env_vars values (where the job travels): none reaches this one
+    foo = "bar baz $HOME ${HOME} ${NOPE_XYZ} \\${HOME}"
+    resp = await launch(stub, job_id, single(code, FOO=foo))
     assert resp.backend_job_id == f"dlsched-{job_id}-1"
     assert json.loads(resp.native_spec.content)["submission_id"] == resp.backend_job_id
     await wait_state(stub, job_id, (S.JOB_STATE_RUNNING, *TERMINAL))
@@ -125,9 +127,9 @@ async def test_single_process_succeeds_with_env_and_followed_logs(stub):
     async for r in stub.TailJobLogs(req, timeout=90):
         got.extend((time.monotonic(), e.text) for e in r.entries)
     texts = [t for _, t in got]
-    assert f"start {job_id} bar baz" in texts and "end" in texts
+    assert f"start {job_id} {foo}" in texts and "end" in texts
     arrived = dict((t, at) for at, t in got)
-    assert arrived["end"] - arrived[f"start {job_id} bar baz"] > 0.5  # streamed while it ran
+    assert arrived["end"] - arrived[f"start {job_id} {foo}"] > 0.5  # streamed while it ran
     obs = await wait_state(stub, job_id)
     assert obs.state == S.JOB_STATE_SUCCEEDED and obs.exit_code == 0 and obs.attempt == 1
     assert obs.start_time.seconds > 0 and obs.end_time.seconds > 0

@@ -68,3 +68,26 @@ async def test_without_history_the_follow_starts_at_the_files_start() -> None:
     api = FakeApi(10)
     assert await follow(api, after=0, tail=0) == list(range(1, 11))
     assert api.opened == [-1]
+
+
+class FakeFiles:
+    """Whole files by path (``read_file``'s newest ``lines`` rows), as Ray's log endpoint reads them."""
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        self.files = files
+
+    async def read_file(self, node_id: str, path: str, lines: int, newest: bool = False) -> bytes:
+        rows = self.files[path].splitlines(keepends=True)
+        return b"".join(rows if lines == -1 else rows[-lines:] if newest else rows[:lines])
+
+
+async def test_tail_lines_cuts_each_replica_stream_not_the_merge() -> None:
+    """StreamJobLogsRequest.tail_lines: "the last N lines of each replica stream" (as on every
+    backend): two replicas writing by turns give N lines each, not N in all."""
+    files = [logs.OutputFile("main", i, LogStream.STDOUT, "node", f"dlsched/s/main-{i}.out") for i in (0, 1)]
+    api = FakeFiles({f.path: b"".join(layout.format_line(10 * t + f.index, f"r{f.index} {t}").encode()
+                                      for t in range(1, 6)) + b"eof\n" for f in files})
+    got, _ = await logs.history(api, files, LogQuery(tail_lines=2))  # type: ignore[arg-type]
+    assert [e.text for e in got] == ["r0 4", "r1 4", "r0 5", "r1 5"]
+    everything, _ = await logs.history(api, files, LogQuery())  # type: ignore[arg-type]
+    assert len(everything) == 10

@@ -116,6 +116,17 @@ def test_launcher_job_round_trips_the_spec():
     assert "entrypoint_num_cpus" not in body  # the bundles hold the replicas' resources
 
 
+def test_the_job_reaches_the_launcher_with_no_dollar_ray_would_expand():
+    """Ray runs os.path.expandvars on env_vars values and deletes an unknown ${VAR}: the job's
+    JSON there holds no '$', and reads back as sent."""
+    args = ("$HOME", "${HOME}", "${NOPE_XYZ}", "price: $5", "x\\${HOME}", "$$", "\\$")
+    spec = JobSpec(RunMode.SINGLE_PROCESS, (ReplicaGroup(
+        role="main", replicas=1, command=("echo", *args), env={"E": "${HOME}/d $X"}),))
+    value = render.render_submission("j", spec, 1)["runtime_env"]["env_vars"][render.JOB_ENV]
+    assert "$" not in value
+    assert render.spec_from_json(json.loads(value)["spec"]) == spec
+
+
 def test_uri_working_dir_goes_to_runtime_env():
     spec = JobSpec(RunMode.SINGLE_PROCESS, (ReplicaGroup(role="main", replicas=1, command=("ls",),
                                                          working_dir="s3://bucket/code.zip"),))

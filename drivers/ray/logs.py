@@ -100,7 +100,8 @@ def _since(entries: list[LogEntry], q: LogQuery) -> list[LogEntry]:
 
 
 async def history(api: RayApi, wanted: list[OutputFile], query: LogQuery) -> tuple[list[LogEntry], dict[OutputFile, int]]:
-    """Every wanted file once, merged by time, ``tail_lines`` kept; and each file's last nanos."""
+    """Every wanted file once, each cut to its last ``tail_lines`` (a replica stream's, as every
+    backend cuts), merged by time; and each file's last nanos."""
     lines = query.tail_lines + 1 if query.tail_lines > 0 else -1  # + the eof line
     datas = await asyncio.gather(*(api.read_file(f.node_id, f.path, lines, newest=True) for f in wanted))
     per_file, last = [], {}
@@ -108,11 +109,9 @@ async def history(api: RayApi, wanted: list[OutputFile], query: LogQuery) -> tup
         entries, _ = parse(f, (data or b"").decode(errors="replace").split("\n"))
         if entries:
             last[f] = entries[-1].time_ns or 0
-        per_file.append(_since(entries, query))
-    merged = list(heapq.merge(*per_file, key=lambda e: e.time_ns or 0))
-    if query.tail_lines > 0:
-        merged = merged[-query.tail_lines:]
-    return merged, last
+        kept = _since(entries, query)
+        per_file.append(kept[-query.tail_lines:] if query.tail_lines > 0 else kept)
+    return list(heapq.merge(*per_file, key=lambda e: e.time_ns or 0)), last
 
 
 async def _follow_file(api: RayApi, f: OutputFile, after_ns: int, query: LogQuery, interval: float,

@@ -25,7 +25,8 @@ The submission:
   can import ``dlsched[ray]``. The job reaches it as JSON in the
   ``DLSCHED_RAY_JOB`` variable (``runtime_env.env_vars``), so no user value
   is in the command line Ray hands to ``/bin/sh``; the launcher starts each
-  process with its argv as a list, never through a shell.
+  process with its argv as a list, never through a shell. Ray expands
+  ``$VAR`` in env_vars values: every ``$`` there is written ``\u0024``.
 - ``runtime_env.working_dir`` only when a group's working directory is a URI
   Ray fetches (``s3://``, ``gs://``, ``https://...zip``, ``gcs://``); a plain
   path is a directory on the cluster's nodes, the process's cwd.
@@ -273,12 +274,19 @@ def render_submission(job_id: str, spec: JobSpec, attempt: int,
     }
     body["entrypoint"] = shlex.join([opts.python, "-m", LAUNCHER_MODULE])
     uris = {g.working_dir for g in spec.replica_groups if g.working_dir and is_uri(g.working_dir)}
-    body["runtime_env"] = _runtime_env(
-        {JOB_ENV: json.dumps(launcher, sort_keys=True, separators=(",", ":"))},
-        next(iter(uris)) if len(uris) == 1 else "")
+    body["runtime_env"] = _runtime_env({JOB_ENV: job_env_value(launcher)},
+                                       next(iter(uris)) if len(uris) == 1 else "")
     if spec.run_mode in LOCAL_MODES:
         body.update(_resources(spec.replica_groups))
     return body
+
+
+def job_env_value(launcher: Mapping[str, Any]) -> str:
+    """The launcher's job as the JSON of ``DLSCHED_RAY_JOB``, with no ``$`` in it: Ray expands
+    ``$VAR``/``${VAR}`` in every ``runtime_env.env_vars`` value and deletes a ``${VAR}`` it does
+    not know, so an argv or env value of the job holding one would arrive changed. ``$`` only
+    occurs inside JSON strings, where ``\\u0024`` is the same character to any JSON reader."""
+    return json.dumps(launcher, sort_keys=True, separators=(",", ":")).replace("$", "\\u0024")
 
 
 def to_native_spec(body: Mapping[str, Any]) -> NativeSpec:
