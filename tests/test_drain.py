@@ -306,9 +306,10 @@ async def test_a_bad_cursor_is_invalid_argument(stack: Stack, cluster: str) -> N
         # This job's uid with the other job's attempt (a backend id the cursor alone names):
         # the driver knows no such attempt of this job (it answered NOT_FOUND about it).
         theirs = (await stub.GetJob(pb.GetJobRequest(name=other.name))).job.backend_job_id
-        async with asyncio.timeout(120):
-            while not (await stub.GetJob(pb.GetJobRequest(name=job.name))).job.backend_job_id:
-                await asyncio.sleep(0.1)  # launched: its own attempt is known
+        deadline = asyncio.get_running_loop().time() + 120
+        while not (await stub.GetJob(pb.GetJobRequest(name=job.name))).job.backend_job_id:
+            assert asyncio.get_running_loop().time() < deadline, "the job never launched"
+            await asyncio.sleep(0.1)  # launched: its own attempt is known
         forged = LogCursor(job.uid, theirs).encode()
         for bad in ("not a cursor!", "eJzLSM3JyQcABiwCFQ", foreign, forged):
             with pytest.raises(grpc.aio.AioRpcError) as ei:
