@@ -177,14 +177,15 @@ def signal_sessions(leaders: Iterable[int], sig: int) -> None:
     the session it leads. Each replica starts a session of its own, and a
     process that leaves the group (mpirun puts every rank in a group of its
     own) stays in the session, so a stop or an exit leaves no orphan running.
-    One pass over /proc for all of them."""
+    One pass over /proc for all of them; each process gets the signal once (a
+    second SIGTERM is "abort now" to many trainers)."""
     leaders = list(leaders)
     if not leaders:
         return
     for pgid in leaders:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, sig)
-    for pid in procfs.session_members(*leaders):
+    for pid in procfs.session_members(*leaders, outside_groups=sig != signal.SIGKILL):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
 

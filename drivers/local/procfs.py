@@ -52,12 +52,14 @@ def all_stats() -> list[ProcStat]:
     return out
 
 
-def session_members(*sessions: int) -> list[int]:
+def session_members(*sessions: int, outside_groups: bool = False) -> list[int]:
     """Pids of every live process in any of ``sessions`` (one pass over /proc):
     also those a program moved to process groups of their own (mpirun puts
-    each rank in its own group)."""
+    each rank in its own group). ``outside_groups``: only those, not the members
+    of the group each session's leader leads (its pgid is the session id)."""
     wanted = set(sessions)
-    return [st.pid for st in all_stats() if st.session in wanted]
+    return [st.pid for st in all_stats() if st.session in wanted
+            and not (outside_groups and st.pgrp in wanted)]
 
 
 def vm_hwm_bytes(pid: int) -> int:
