@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 import pytest
 
 from dlsched.errors import InvalidArgument
+from job_manager.convert import job_to_bytes
 from job_manager.domain import states
 from job_manager.domain.filter import parse_filter
 from job_manager.domain.model import (
@@ -15,6 +16,7 @@ from job_manager.domain.model import (
     JobState,
     Observation,
     ReplicaGroup,
+    ReplicaStatus,
     Resources,
     RunMode,
 )
@@ -60,6 +62,42 @@ def test_running_then_succeeded_sets_times_and_exit_code() -> None:
     j2 = states.apply_observation(j, Observation("j", state=S.SUCCEEDED, exit_code=0, attempt=1), NOW)
     assert j2 is not None and j2.state == S.SUCCEEDED and j2.exit_code == 0 and j2.end_time == NOW
     assert states.apply_observation(j2, Observation("j", state=S.RUNNING, attempt=1), NOW) is None
+
+
+def test_an_observation_stores_only_the_planned_replicas_and_bounded_texts() -> None:
+    """A driver reads replicas from files the job writes (a Ray manifest, a Slurm exits file):
+    30,000 made-up labels, or 4 KiB messages on every replica, made a record etcd refused
+    (1.5 MiB at most), and with it every later update of the cluster's jobs."""
+    j = job(spec=spec(RunMode.MASTER_WORKER, ReplicaGroup(role="master", replicas=1, command=["x"]),
+                      ReplicaGroup(role="worker", replicas=2, command=["x"])))
+    forged = [ReplicaStatus(role=f"r{i:05d}" + "x" * 50, index=0, state=3) for i in range(30_000)]
+    real = [ReplicaStatus(role="worker", index=1, state=4, exit_code=3, message="m" * 10_000, host="h" * 5000),
+            ReplicaStatus(role="worker", index=7, state=3), ReplicaStatus(role="master", index=-1, state=3),
+            ReplicaStatus(role="master", index=0, state=2), ReplicaStatus(role="master", index=0, state=3)]
+    new = states.apply_observation(j, Observation("j", state=S.FAILED, attempt=1, reason="R" * 1000,
+                                                  message="M" * 100_000, replicas=forged + real), NOW)
+    assert new is not None
+    assert [(r.role, r.index, r.state) for r in new.replicas] == [("worker", 1, 4), ("master", 0, 3)]
+    assert len(new.replicas[0].message) == len(new.replicas[0].host) == states.MAX_REPLICA_TEXT
+    assert len(new.message) == states.MAX_MESSAGE and len(new.reason) == states.MAX_REASON
+
+    # the most replicas a spec may have, each with a long message: within the budget, failed first
+    many = job(spec=spec(RunMode.MULTI_PROCESS, ReplicaGroup(role="worker", replicas=10_000, command=["x"])))
+    reported = [ReplicaStatus(role="worker", index=i, state=3, host="node", message="z" * 4096)
+                for i in range(10_000)]
+    reported[9_999] = ReplicaStatus(role="worker", index=9_999, state=4, exit_code=1, message="why")
+    big = states.apply_observation(many, Observation("j", state=S.RUNNING, attempt=1, replicas=reported), NOW)
+    assert big is not None
+    assert len(job_to_bytes(big)) < 1024 * 1024  # etcd takes up to 1.5 MiB a request, the spec included
+    assert big.replicas[-1].message == "why"  # the failure is kept, whatever came before it
+    assert {r.index for r in big.replicas} == set(range(10_000))  # every replica's state kept
+    huge = job(spec=spec(RunMode.MULTI_PROCESS, ReplicaGroup(role="w" * 60, replicas=10_000, command=["x"]),
+                         ReplicaGroup(role="v" * 60, replicas=10_000, command=["x"])))
+    all_of = [ReplicaStatus(role=g, index=i, state=3, message="z" * 4096) for g in ("w" * 60, "v" * 60)
+              for i in range(10_000)]
+    cut = states.apply_observation(huge, Observation("j", state=S.RUNNING, attempt=1, replicas=all_of), NOW)
+    assert cut is not None and 0 < len(cut.replicas) < 20_000  # past the budget: some left out
+    assert len(job_to_bytes(cut)) < 1024 * 1024
 
 
 def test_unchanged_observation_writes_nothing() -> None:

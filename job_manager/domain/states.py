@@ -12,7 +12,7 @@ import dataclasses
 from datetime import datetime
 
 from dlsched import spec_rules
-from job_manager.domain.model import Job, JobState, Observation
+from job_manager.domain.model import Job, JobState, Observation, ReplicaStatus
 
 S = JobState
 
@@ -31,6 +31,52 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     S.STOPPED: frozenset(),
     S.UNSPECIFIED: frozenset(),
 }
+
+
+#: What an observation may put into a stored job. A driver reads replicas and messages from
+#: files and objects the job itself can write (a Ray job's manifest, a Slurm attempt's exits
+#: file, a container's termination message): 30,000 replicas or 420 pods with 4 KiB messages
+#: made a record etcd refused (at most 1.5 MiB a request), and with it every later update of
+#: that cluster's jobs. The spec is at most 256 KiB; what is observed is bounded here.
+MAX_REASON = 128
+MAX_MESSAGE = 4096
+MAX_REPLICA_TEXT = 512  # a replica's host and message each
+MAX_REPLICAS_BYTES = 512 * 1024  # the replicas in all, about as stored
+_REPLICA_OVERHEAD = 32
+
+
+def planned_replicas(job: Job, replicas: list[ReplicaStatus]) -> list[ReplicaStatus]:
+    """The observed replicas a job can have: one per (role, index) of its spec (the last
+    reported wins), host and message cut to ``MAX_REPLICA_TEXT``, and within
+    ``MAX_REPLICAS_BYTES`` in all: failed ones first, then in the order reported; past the
+    budget a replica keeps its state and exit code without host or message, or is left out."""
+    sizes = {g.role: g.replicas for g in job.spec.replica_groups}
+    by_key: dict[tuple[str, int], ReplicaStatus] = {}
+    for r in replicas:
+        n = sizes.get(r.role)
+        if n is None or not 0 <= r.index < n:
+            continue
+        if len(r.host) > MAX_REPLICA_TEXT or len(r.message) > MAX_REPLICA_TEXT:
+            r = dataclasses.replace(r, host=r.host[:MAX_REPLICA_TEXT], message=r.message[:MAX_REPLICA_TEXT])
+        by_key.pop((r.role, r.index), None)
+        by_key[(r.role, r.index)] = r
+    failed_first = sorted(by_key.items(), key=lambda kv: kv[1].exit_code in (None, 0))  # (stable)
+    # Every replica's state first (as many as fit), then hosts and messages while they fit.
+    budget = MAX_REPLICAS_BYTES
+    kept: dict[tuple[str, int], ReplicaStatus] = {}
+    for key, r in failed_first:
+        cost = len(r.role) + _REPLICA_OVERHEAD
+        if cost <= budget:
+            budget -= cost
+            kept[key] = r
+    for key, r in failed_first:
+        if key in kept and (r.host or r.message):
+            cost = len(r.host) + len(r.message)
+            if cost <= budget:
+                budget -= cost
+            else:
+                kept[key] = dataclasses.replace(r, host="", message="")
+    return [kept[k] for k in by_key if k in kept]
 
 
 def can_transition(src: JobState, dst: JobState) -> bool:
@@ -75,10 +121,10 @@ def apply_observation(job: Job, obs: Observation, now: datetime) -> Job | None:
     new.state = target
     if target == obs.state or target == S.STOPPING:
         if target != S.STOPPING:
-            new.reason = obs.reason
-            new.message = obs.message
+            new.reason = obs.reason[:MAX_REASON]
+            new.message = obs.message[:MAX_MESSAGE]
         if obs.replicas:
-            new.replicas = list(obs.replicas)
+            new.replicas = planned_replicas(job, obs.replicas)
         if obs.exit_code is not None:
             new.exit_code = obs.exit_code
     if obs.backend_restarts > new.backend_restarts:  # the backend reran this attempt (a Slurm requeue)
@@ -122,7 +168,7 @@ def plan_retry(job: Job, obs: Observation, now: datetime) -> Job:
         attempt=job.attempt + 1,
         backend_job_id="",
         reason="Retrying",
-        message=f"attempt {job.attempt} failed ({obs.reason or 'Failed'}); retrying",
+        message=f"attempt {job.attempt} failed ({obs.reason[:MAX_REASON] or 'Failed'}); retrying",
         exit_code=obs.exit_code,
         replicas=[],
         end_time=None,
