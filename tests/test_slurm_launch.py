@@ -136,9 +136,17 @@ async def test_a_stop_gives_the_processes_its_grace_after_sigterm(stub):
 
 
 async def test_a_process_that_ignores_sigterm_is_killed_after_the_grace(stub):
+    """... and by SIGKILL: no second SIGTERM (a plain scancel's) and Slurm's KillWait after it."""
     jid = new_id("ignores")
-    await launch(stub, jid, single("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                                   "print('up', flush=True); time.sleep(300)"))
+    await launch(stub, jid, single("import signal, time\n"
+                                   "n = 0\n"
+                                   "def h(*_):\n"
+                                   "    global n\n"
+                                   "    n += 1\n"
+                                   "    print(f'term {n}', flush=True)\n"
+                                   "signal.signal(signal.SIGTERM, h)\n"
+                                   "print('up', flush=True)\n"
+                                   "time.sleep(300)\n"))
     await wait_state(stub, jid, [job_pb2.JOB_STATE_RUNNING])
     deadline = time.monotonic() + 60
     while "up" not in [e.text for e in await logs(stub, jid)]:
@@ -147,8 +155,9 @@ async def test_a_process_that_ignores_sigterm_is_killed_after_the_grace(stub):
     ref = dpb.JobRef(job_id=jid)
     grace = duration_pb2.Duration(seconds=1)
     await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=ref, grace_period=grace), timeout=30)
-    obs = await wait_state(stub, jid, within=120)  # the grace, then scancel: SIGKILL after KillWait
+    obs = await wait_state(stub, jid, within=120)  # the grace, then SIGKILL
     assert obs.state == job_pb2.JOB_STATE_STOPPED, obs
+    assert [e.text for e in await logs(stub, jid) if e.text.startswith("term")] == ["term 1"]
     again = await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=ref), timeout=30)
     assert again.observation.state == job_pb2.JOB_STATE_STOPPED
 

@@ -351,3 +351,15 @@ def test_a_forged_uidless_submission_is_never_adopted_as_the_victims_attempt():
     assert not victim.marks(forged)
     assert victim.in_listing({victim.attempt_key: {forged: "evil"}}) is None
     assert victim.rivals({victim.attempt_key: {forged: "evil"}}) == []
+
+
+def test_a_relative_working_dir_is_taken_once(sandbox):
+    """The step's `cd` into a relative working dir, then srun's --chdir of the same relative
+    path taken from there: slurmstepd fell back to /tmp (the job ran elsewhere, and succeeded)."""
+    (sandbox / "code" / "run").mkdir(parents=True)
+    spec = JobSpec(RunMode.SINGLE_PROCESS, (ReplicaGroup(
+        role="main", replicas=1, command=(PY, "-c", "import os; print(os.getcwd())"), working_dir="code/run"),))
+    out = render.render_job("relwd-1", spec, 1, {})
+    res = run_script(sandbox, out)
+    assert res.returncode == 0, res.stderr
+    assert (sandbox / out.dir / "main-0.stdout").read_text().strip() == str((sandbox / "code" / "run").resolve())

@@ -256,6 +256,20 @@ class SlurmClient:
             raise e
         return rc == 0
 
+    async def kill(self, backend_job_id: str) -> bool:
+        """A stop's grace is over: SIGKILL to the processes of each of the job's steps now
+        (``scancel --signal=KILL <job>.<step>``; the batch script records their ends and the job
+        ends), a plain ``scancel`` when that failed or found no step. A job's SIGKILL, plain or
+        through ``--signal``, is a cancel: SIGTERM again, SIGKILL after Slurm's KillWait (30 s by
+        default). False as ``cancel``'s."""
+        q = shlex.quote(backend_job_id)
+        steps = f"squeue -h -s -j {q} -o %i | grep -E {shlex.quote('^' + re.escape(backend_job_id) + '[.][0-9]+$')}"
+        rc, _, err = await self.run(
+            f"s=$({steps}) && [ -n \"$s\" ] && timeout 10 scancel --signal=KILL $s || scancel {q}")
+        if e := exit_error("scancel", rc, err):
+            raise e
+        return rc == 0
+
     async def signal_steps(self, backend_job_id: str, signal: str) -> bool:
         """``scancel --signal`` to a running job's steps (the processes; the batch script, which
         records their ends, is left to finish); False: Slurm said the job had ended already.

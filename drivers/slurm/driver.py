@@ -32,8 +32,8 @@ driver does not know (after a restart) are adopted on the first observation that
 answered by the next poll round.
 
 Stop: a running job's processes (its steps) get SIGTERM (``scancel --signal=TERM``) and the stop's
-grace (``--grace-seconds`` when it names none); a poll round then ``scancel``s it (SIGTERM, SIGKILL
-after KillWait). A job not running yet, an MPI job (its ranks are mpirun's children in the batch
+grace (``--grace-seconds`` when it names none); a poll round then kills it (``scancel --signal=KILL``,
+not a plain ``scancel``'s second SIGTERM and Slurm's KillWait). A job not running yet, an MPI job (its ranks are mpirun's children in the batch
 step, which the step signal misses), a stop with no grace and a cleanup are ``scancel``ed at once.
 A job that ends after a stop reached it is STOPPED, whatever its processes' statuses; stopping an
 ended or unknown job is fine.
@@ -238,7 +238,8 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
     # ------------------------------------------------------------------ render / launch
 
     async def _prepare(self, c: SlurmCluster, job_id: str, spec: JobSpec, attempt: int, uid: str) -> SlurmScript:
-        return await render_off_loop(spec, render.render_job, job_id, spec, attempt, c.options, uid=uid)
+        return await render_off_loop(spec, render.render_job, job_id, spec, attempt, c.options, uid=uid,
+                                     stop_grace=self.config.grace_seconds)
 
     def _known(self, c: SlurmCluster, job_id: str, rendered: SlurmScript) -> Known | None:
         prev = c.jobs.get(job_id) or c.recording.get(job_id)
@@ -333,7 +334,7 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
                     c.to_release.discard(backend_job_id)
                     self._release_failed(c, job_id, backend_job_id, None)
                 else:
-                    await c.client.cancel(backend_job_id)
+                    await (c.client.kill if action == "kill" else c.client.cancel)(backend_job_id)
                     if action == "kill" and (job := c.jobs.get(job_id)) is not None \
                             and job.backend_job_id == backend_job_id:
                         job.killed = True  # (a failed one is asked again the next round)

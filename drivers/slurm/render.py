@@ -83,9 +83,13 @@ Success rule (the plan's ``SuccessRule``), in the script, one shell function
 waited for one by one (``wait -n``) and their exit statuses written to
 ``<role>-<index>.exit``; PS_WORKER's tasks write those files themselves and
 the script reads them. The first failing process ends the job with its exit
-code after stopping the rest (SIGTERM to the other sruns, which forward it
-to their tasks); once every deciding process exited 0 the rest are stopped
-and the script exits 0. So Slurm's own state (COMPLETED / FAILED)
+code after stopping the rest; once every deciding process exited 0 the rest
+are stopped and the script exits 0. Stopping the rest (``shell``'s
+``dlsched_term``): SIGTERM to every step's tasks (``scancel --signal=TERM``,
+which spares the batch script: an srun sent SIGTERM itself SIGKILLs its
+tasks at once), then, after the stop grace (``DLSCHED_GRACE``, the
+driver's ``--grace-seconds``), SIGTERM to the sruns still running, which
+SIGKILL their tasks. So Slurm's own state (COMPLETED / FAILED)
 and ``ExitCode`` are the job's. Each process's end is also appended to the
 attempt's ``exits`` file (``end <label> <status> exit|stop``: heard of
 before or after the job was decided, after a first ``labels`` line), which
@@ -126,6 +130,7 @@ it must be on a file system the compute nodes and the login node share.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import shlex
@@ -156,6 +161,9 @@ PORT_STRIDE = 8
 PORT_RANGE_RE = re.compile(r"([0-9]{1,5})-([0-9]{1,5})")
 #: The lowest port a range may start at (below it, binding needs privileges jobs do not have).
 PORT_MIN = 1024
+#: Seconds between the SIGTERM and the SIGKILL of the processes the success rule stops (the driver
+#: passes its ``--grace-seconds``).
+STOP_GRACE_SECONDS = 10.0
 #: The log index file in each attempt directory, and how often the job script appends to it.
 LOG_INDEX = "log.index"
 INDEX_INTERVAL = 1
@@ -324,9 +332,12 @@ def _time(seconds: float) -> str:
 
 
 def render_job(job_id: str, spec: JobSpec, attempt: int,
-               options: Mapping[str, str] | None = None, *, uid: str = "") -> SlurmScript:
-    """The sbatch script; raises InvalidArgument for specs Slurm cannot take."""
-    return emit(place(check(job_id, spec, attempt, options or {}, uid)))
+               options: Mapping[str, str] | None = None, *, uid: str = "",
+               stop_grace: float = STOP_GRACE_SECONDS) -> SlurmScript:
+    """The sbatch script; raises InvalidArgument for specs Slurm cannot take. ``stop_grace``:
+    seconds between the SIGTERM and the SIGKILL of the processes the success rule stops."""
+    checked = check(job_id, spec, attempt, options or {}, uid)
+    return emit(place(dataclasses.replace(checked, stop_grace=max(0.0, stop_grace))))
 
 
 @dataclass(frozen=True)
@@ -342,6 +353,7 @@ class Checked:
     max_nodes: int | None  #: cluster option ``max_nodes``
     gpu_type: str  #: the one GPU type the groups name ("" for any)
     ports: tuple[int, int] = (PORT_LO, PORT_LO + PORT_SPAN - 1)  #: cluster option ``port_range``, inclusive
+    stop_grace: float = STOP_GRACE_SECONDS  #: SIGTERM to SIGKILL of the processes the success rule stops
 
 
 def check(job_id: str, spec: JobSpec, attempt: int, options: Mapping[str, str], uid: str = "") -> Checked:
@@ -456,6 +468,7 @@ def emit(lay: Layout) -> SlurmScript:
         f"{len(plan.processes)} process(es) on {lay.nodes} node(s)",
         f"# success: {plan.success.description}",
         "set -u",
+        f"DLSCHED_GRACE={job.stop_grace:.3f}",
         f"DLSCHED_DIR={shlex.quote(lay.dir)}",
         'mkdir -p -- "$DLSCHED_DIR" || exit 1',
         'DLSCHED_DIR=$(cd -- "$DLSCHED_DIR" && pwd -P) || exit 1  # absolute: processes run in other directories',

@@ -96,16 +96,23 @@ dlsched_decide() {
     [ "$dlsched_left" -gt 0 ] || dlsched_done=1
   fi
 }
+# stopping the rest (dlsched_term SRUN_PID...): SIGTERM to every step's tasks through Slurm (an srun
+# sent SIGTERM itself SIGKILLs its tasks at once), then, once DLSCHED_GRACE is over, SIGTERM to the
+# sruns still running, which SIGKILL their tasks
+dlsched_timer=""
+dlsched_term() {
+  local grace=$DLSCHED_GRACE
+  [ -n "${SLURM_JOB_ID:-}" ] && scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null || grace=0
+  [ "$#" -gt 0 ] || return 0
+  ( sleep "$grace"; kill -TERM "$@" 2>/dev/null ) &
+  dlsched_timer=$!
+}
 """
 
 #: Steps in background subshells: their exits, from ``wait -n``. A process that ended while bash
 #: waited for another is no job any more, and ``wait -n`` with its pid fails ("no such job", the
 #: ``-p`` variable unset): its status comes from a plain ``wait`` on that pid (bash keeps it).
-WAIT_LOOP = r"""dlsched_stop() {
-  local p
-  for p in "${!DLSCHED_NAME[@]}"; do kill -TERM "$p" 2>/dev/null; done
-}
-while [ "${#DLSCHED_NAME[@]}" -gt 0 ]; do
+WAIT_LOOP = r"""while [ "${#DLSCHED_NAME[@]}" -gt 0 ]; do
   dlsched_pid=""
   wait -n -p dlsched_pid "${!DLSCHED_NAME[@]}" 2>/dev/null
   dlsched_status=$?
@@ -125,8 +132,9 @@ while [ "${#DLSCHED_NAME[@]}" -gt 0 ]; do
   dlsched_record "$dlsched_label" "$dlsched_status"
   [ "$dlsched_done" = 0 ] || continue
   dlsched_decide "$dlsched_label" "$dlsched_status" "${DLSCHED_DECIDES[$dlsched_pid]:-}"
-  [ "$dlsched_done" = 0 ] || dlsched_stop
+  [ "$dlsched_done" = 0 ] || dlsched_term "${!DLSCHED_NAME[@]}"
 done
+[ -z "$dlsched_timer" ] || kill "$dlsched_timer" 2>/dev/null
 """
 
 #: PS-Worker's one multi-prog step: its tasks' exits, from the exit files their wrappers write.
@@ -156,9 +164,10 @@ while :; do
   fi
 done
 if [ -z "$dlsched_srun_status" ]; then
-  kill -TERM "$DLSCHED_SRUN" 2>/dev/null
+  dlsched_term "$DLSCHED_SRUN"
   wait "$DLSCHED_SRUN"
   dlsched_srun_status=$?
+  kill "$dlsched_timer" 2>/dev/null
 fi
 if [ "$dlsched_done" = 0 ]; then  # the step ended with no task's word on it (srun could not launch)
   echo "dlsched: the step ended with status $dlsched_srun_status before the tasks decided" >&2

@@ -95,9 +95,10 @@ def srun_steps(lay: Layout, steps: list[StepFiles]) -> list[str]:
             opts = [f"--job-name={label}", "--nodes=1", "--ntasks=1", f"--relative={node}",
                     f"--cpus-per-task={lay.cpus_per_task}", "--overlap", "--export=ALL", "--kill-on-bad-exit=1"]
             if p.working_dir:
-                opts.append(f"--chdir={sh_quote(p.working_dir)}")
                 # srun runs the step in /tmp when --chdir fails (slurmstepd's fallback): the
-                # directory is checked first, as the launcher and wrapper paths' `cd` does.
+                # directory is checked first, as the launcher and wrapper paths' `cd` does; then
+                # --chdir names it absolute (a relative one would be taken from there, twice).
+                opts.append('--chdir="$PWD"')
                 h.append(f"  cd -- {sh_quote(p.working_dir)} || exit 126")
             assign = " ".join(user_assignments(spec, p))
             if ":" in p.argv or (assign and "=" in p.argv[0]):
