@@ -91,3 +91,23 @@ async def test_tail_lines_cuts_each_replica_stream_not_the_merge() -> None:
     assert [e.text for e in got] == ["r0 4", "r1 4", "r0 5", "r1 5"]
     everything, _ = await logs.history(api, files, LogQuery())  # type: ignore[arg-type]
     assert len(everything) == 10
+
+
+async def test_the_largest_tail_lines_asks_ray_for_lines_it_can_count() -> None:
+    """tail_lines=2**31-1 asked Ray's endpoint for 2**31 lines: an int32 overflow there, answered
+    UNAVAILABLE for ever (local and Slurm answer the whole file)."""
+    asked: list[int] = []
+
+    class Counting(FakeFiles):
+        async def read_file(self, node_id: str, path: str, lines: int, newest: bool = False) -> bytes:
+            asked.append(lines)
+            return await super().read_file(node_id, path, lines, newest)
+
+    f = logs.OutputFile("main", 0, LogStream.STDOUT, "node", "dlsched/s/main-0.out")
+    api = Counting({f.path: layout.format_line(1, "only").encode() + b"eof\n"})
+    got, _ = await logs.history(api, [f], LogQuery(tail_lines=2**31 - 1))  # type: ignore[arg-type]
+    assert [e.text for e in got] == ["only"]
+    assert asked and all(0 < n < 2**31 - 1 for n in asked)
+    three = FakeApi(3)
+    assert await follow(three, after=1, tail=2**31 - 1) == [2, 3]
+    assert three.opened and all(n < 2**31 - 1 for n in three.opened)

@@ -49,6 +49,9 @@ MANIFEST_SECONDS = 1.0
 WAIT_SECONDS = 0.2
 RETRIES = 5
 RESUME_LINES = 200
+#: The most lines asked of Ray's log endpoint (an int32 there: tail_lines=2**31-1 + 1 overflowed it,
+#: UNAVAILABLE for ever); its reads are bounded in bytes anyway (``api.MAX_FILE_READ``).
+MOST_LINES = 1 << 24
 STREAMS = {"out": LogStream.STDOUT, "err": LogStream.STDERR}
 
 
@@ -102,7 +105,7 @@ def _since(entries: list[LogEntry], q: LogQuery) -> list[LogEntry]:
 async def history(api: RayApi, wanted: list[OutputFile], query: LogQuery) -> tuple[list[LogEntry], dict[OutputFile, int]]:
     """Every wanted file once, each cut to its last ``tail_lines`` (a replica stream's, as every
     backend cuts), merged by time; and each file's last nanos."""
-    lines = query.tail_lines + 1 if query.tail_lines > 0 else -1  # + the eof line
+    lines = min(query.tail_lines, MOST_LINES) + 1 if query.tail_lines > 0 else -1  # + the eof line
     datas = await asyncio.gather(*(api.read_file(f.node_id, f.path, lines, newest=True) for f in wanted))
     per_file, last = [], {}
     for f, data in zip(wanted, datas, strict=True):
@@ -125,7 +128,7 @@ async def _follow_file(api: RayApi, f: OutputFile, after_ns: int, query: LogQuer
     """
     last, failures, from_start = after_ns, 0, after_ns == 0
     while True:
-        lines = -1 if from_start else RESUME_LINES + max(0, query.tail_lines)
+        lines = -1 if from_start else RESUME_LINES + min(max(0, query.tail_lines), MOST_LINES)
         try:
             async with api.stream_file(f.node_id, f.path, interval, lines) as stream:
                 failures, pending, quiet, checked = 0, b"", 0.0, from_start
