@@ -444,11 +444,16 @@ async def run_on(jm: jm_grpc.JobManagerServiceStub, runs: list[Run], backend: st
 
 
 #: Every process writes its pid to <out>/<role>-<index>.pid, waits until ``PIDS`` processes have, then
-#: exits with ``EXIT_<ROLE>_<INDEX>`` if set, else runs until it is stopped.
+#: exits with ``EXIT_<ROLE>_<INDEX>`` if set, else runs until it is stopped. A SIGTERM is recorded in
+#: <out>/<role>-<index>.term (then it exits 143, as the signal would have ended it).
 PROCESS = """
-import os, pathlib, sys, time
+import os, pathlib, signal, sys, time
 out = pathlib.Path(sys.argv[1])
 me = f"{os.environ['DLSCHED_ROLE']}-{os.environ['DLSCHED_REPLICA_INDEX']}"
+def term(*_):
+    (out / f"{me}.term").write_text("TERM")
+    sys.exit(143)
+signal.signal(signal.SIGTERM, term)
 (out / f"{me}.pid").write_text(str(os.getpid()))
 deadline = time.time() + 120
 while len(list(out.glob("*.pid"))) < int(os.environ["PIDS"]) and time.time() < deadline:
@@ -471,6 +476,11 @@ def by_replica(job: S.Job) -> dict[tuple[str, int], tuple[int, int | None]]:
     return {(r.role, r.index): (r.state, r.exit_code if r.HasField("exit_code") else None) for r in job.replicas}
 
 
+def termed(out: pathlib.Path) -> set[str]:
+    """The processes that got a SIGTERM."""
+    return {p.name.removesuffix(".term") for p in out.glob("*.term")}
+
+
 def pids(out: pathlib.Path) -> list[int]:
     return [int(p.read_text()) for p in out.glob("*.pid")]
 
@@ -490,6 +500,9 @@ async def test_a_failing_worker_is_named_and_the_rest_are_stopped(jm, runs, back
     assert {s for s, _ in st.values()} == {S.REPLICA_STATE_STOPPED}, job.replicas
     assert len(pids(out)) == 3
     await wait_dead(pids(out), within=60)  # no process left
+    # "the rest are stopped (SIGTERM, SIGKILL after the grace period)": srun SIGKILLed them, and
+    # on Ray the placement group's removal did
+    assert termed(out) == {"master-0", "worker-0"}
 
 
 @pytest.mark.timeout(600)
@@ -504,6 +517,7 @@ async def test_parameter_servers_stopped_by_the_success_rule_show_stopped(jm, ru
     assert st[("ps", 0)][0] == S.REPLICA_STATE_STOPPED, job.replicas
     assert st[("worker", 0)] == st[("worker", 1)] == (S.REPLICA_STATE_SUCCEEDED, 0), job.replicas
     await wait_dead(pids(out), within=60)
+    assert termed(out) == {"ps-0"}  # SIGTERM first, as ENVIRONMENT.md says
 
 
 @pytest.mark.timeout(600)

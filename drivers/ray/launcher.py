@@ -63,6 +63,8 @@ SAMPLE_SECONDS = 1.0
 FIRST_SAMPLE_SECONDS = 0.1
 CHUNK = 1 << 16
 MAX_LINE = 1 << 16  # a longer line without a newline is written in pieces
+#: Seconds between the SIGTERM and the SIGKILL of the processes a stop or the success rule ends.
+STOP_GRACE_SECONDS = 5.0
 
 
 def _die_with_parent() -> None:
@@ -235,7 +237,7 @@ def run_processes(procs: Sequence[planner.ProcessLaunch], decisive: Callable[[st
                 killed.add(c.pid)
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(c.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + STOP_GRACE_SECONDS
         for _, c in running:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 c.wait(max(0.0, deadline - time.monotonic()))
@@ -403,9 +405,15 @@ def run_placement_group(job: dict[str, Any], spec: JobSpec) -> int:  # pragma: n
             break
         if not any(p.role in decisive for ps in refs.values() for p in ps):
             break
+    # The rest stop as a local job's do: a cancel interrupts each replica's task, whose
+    # ``run_processes`` gives its processes SIGTERM and STOP_GRACE_SECONDS before SIGKILL;
+    # the placement group goes once they have (its removal kills the tasks' workers, and
+    # their processes with them by PR_SET_PDEATHSIG: SIGKILL, no SIGTERM first).
     for ref in refs:
         with contextlib.suppress(Exception):
             ray.cancel(ref)
+    with contextlib.suppress(Exception):
+        ray.wait(list(refs), num_returns=len(refs), timeout=STOP_GRACE_SECONDS + 5)
     with contextlib.suppress(Exception):
         ray.util.remove_placement_group(pg)
     return code
