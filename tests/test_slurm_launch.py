@@ -156,7 +156,7 @@ async def test_a_process_that_ignores_sigterm_is_killed_after_the_grace(stub):
     grace = duration_pb2.Duration(seconds=1)
     await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=ref, grace_period=grace), timeout=30)
     obs = await wait_state(stub, jid, within=120)  # the grace, then SIGKILL
-    assert obs.state == job_pb2.JOB_STATE_STOPPED, obs
+    assert (obs.state, obs.reason) == (job_pb2.JOB_STATE_STOPPED, "Stopped"), obs  # as on every backend
     assert [e.text for e in await logs(stub, jid) if e.text.startswith("term")] == ["term 1"]
     again = await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=ref), timeout=30)
     assert again.observation.state == job_pb2.JOB_STATE_STOPPED

@@ -163,11 +163,12 @@ class TrackedJob:
             self.message = f"{self.message} (Slurm restart {self.restarts})"
         if self.stop_requested and not m.state.is_terminal():
             self.state, self.reason = JobState.STOPPING, STOP_REQUESTED
-        elif self.stop_requested and m.state is not JobState.STOPPED:
+        elif self.stop_requested and m.state.is_terminal():
             # It ended after a stop reached it: its processes' ends (a SIGTERM's status, or 0
             # from a handler that saved its work) and the batch script's are the stop's.
             self.state, self.reason = JobState.STOPPED, states.REASON_STOPPED
-            self.message = f"stopped by dlsched (Slurm reported {states.normalise(sj.state)})"
+            if m.state is not JobState.STOPPED:
+                self.message = f"stopped by dlsched (Slurm reported {states.normalise(sj.state)})"
         if m.state in (JobState.RUNNING, JobState.STOPPING) or m.state.is_terminal():
             self.start_time = sj.start_time or self.start_time
         self.nodes = sj.nodes if sj.nodes not in ("", "(null)") else self.nodes

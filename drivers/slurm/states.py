@@ -31,7 +31,9 @@ REASON_STALE = "BackendStale"
 REASON_UNKNOWN = "UnknownSlurmState"
 REASON_LOST = "LeftSlurm"
 REASON_SUBMITTED = "Submitted"
-REASON_STOPPED = "Cancelled"  # as CANCELLED: a job that ended after a stop reached it
+#: a job that ended after a stop reached it (every backend's word; a scancel of someone else's
+#: is CANCELLED's "Cancelled")
+REASON_STOPPED = "Stopped"
 
 
 @dataclass(frozen=True)
