@@ -325,3 +325,39 @@ def test_a_job_that_ends_after_a_stop_reached_it_is_stopped_and_killed_after_the
     cancelled = TrackedJob("clusters/s", "m", 1, "44", "/tmp/m", None)
     cancelled.stop_sent()  # scancel at once: nothing left to kill
     assert cancelled.state is JobState.STOPPING and not cancelled.kill_due(time.monotonic() + 1e6)
+
+
+def test_a_slurm_id_handed_out_again_is_not_the_job(monkeypatch):
+    """A restarted slurmctld that lost its newest jobs hands their ids out again: the job now
+    listed under a tracked job's id is another's (its comment says so), never its end; and a job
+    no round ever listed (lost before any) is gone after UNSEEN_ROUNDS rounds over UNSEEN_SECONDS,
+    not QUEUED forever. (A fault run: 2 of 3 lost jobs took their successors' SUCCEEDED, 8 lost
+    before a round stayed QUEUED.)"""
+    from drivers.slurm import jobs as tracked_jobs
+    from drivers.slurm import render
+    from drivers.slurm.jobs import TrackedJob
+
+    uid = "5" * 32
+    job = TrackedJob("clusters/s", "a1", 1, "2", "/tmp/a1", None, (("main", 0),), uid=uid)
+    mine = render.job_comment("a1", 1, uid)
+    assert job.listed_as(poller.SlurmJob("2", "RUNNING", comment=mine))
+    for other in (render.job_comment("b0", 1, uid), render.job_comment("a1", 2, uid),
+                  render.job_comment("a1", 1, "6" * 32), "someone's own job"):
+        assert not job.listed_as(poller.SlurmJob("2", "COMPLETED", comment=other)), other
+    assert job.listed_as(poller.SlurmJob("2", "COMPLETED"))  # sacct without stored comments: cannot tell
+
+    now = [1000.0]
+    monkeypatch.setattr(tracked_jobs.time, "monotonic", lambda: now[0])
+    never = TrackedJob("clusters/s", "a2", 1, "3", "/tmp/a2", None, (("main", 0),), uid=uid)
+    for _ in range(tracked_jobs.UNSEEN_ROUNDS + 2):  # quick rounds: not yet
+        never.round(None, None, complete=True)
+        now[0] += 1
+    assert not never.needs_exits and never.state is JobState.QUEUED
+    never.round(None, None, complete=False)  # a round that could not tell counts nothing
+    now[0] += tracked_jobs.UNSEEN_SECONDS
+    never.round(None, None, complete=True)
+    assert never.needs_exits  # vanished: its exits file decides (none: lost)
+    seen = TrackedJob("clusters/s", "a3", 1, "4", "/tmp/a3", None, (("main", 0),), uid=uid)
+    seen.round(poller.SlurmJob("4", "PENDING", "Priority", comment=render.job_comment("a3", 1, uid)), None, True)
+    seen.round(None, None, complete=True)
+    assert seen.needs_exits  # listed once, then missing: gone at once, as before

@@ -286,6 +286,11 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
             self._cancel_strays(c, attempts)
         for job in list(c.jobs.values()):
             sj = jobs.get(job.backend_job_id)
+            if sj is not None and not job.listed_as(sj):
+                sj = None  # its Slurm id handed out again: slurmctld lost this job (a crash)
+            elif (sj is not None and error is None and held_by_dlsched(sj) and job.start_time is None
+                  and not job.stop_requested and job.backend_job_id not in c.to_release):
+                c.to_release.add(job.backend_job_id)  # held again: slurmctld lost our release
             if job.backend_job_id in c.to_release and error is None and sj is not None:
                 if is_held(sj):
                     self._later(c, "release", job.backend_job_id, job.job_id)

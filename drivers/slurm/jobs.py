@@ -37,6 +37,7 @@ import dataclasses
 import time
 from typing import Any
 
+from dlsched.spec_rules import same_job
 from drivers.common.base import (
     JobObservation,
     JobState,
@@ -46,7 +47,7 @@ from drivers.common.base import (
     ReplicaUsage,
 )
 from drivers.common.registry import STOP_REQUESTED
-from drivers.slurm import exits, states
+from drivers.slurm import exits, render, states
 from drivers.slurm.poller import SlurmJob
 
 #: the file in the attempt directory that marks a forgotten job and holds its end
@@ -56,6 +57,10 @@ RECORD_VERSION = 1
 
 #: The pseudo Slurm state of a job no round lists any more (``TrackedJob.vanished``).
 VANISHED = "DLSCHED_VANISHED"
+#: A job no complete round ever listed is gone once this many complete rounds over this many
+#: seconds have missed it (slurmctld killed before it saved the job).
+UNSEEN_ROUNDS = 3
+UNSEEN_SECONDS = 30.0
 
 
 class TrackedJob:
@@ -64,7 +69,7 @@ class TrackedJob:
     __slots__ = ("cluster", "job_id", "attempt", "backend_job_id", "dir", "native", "state", "reason",
                  "message", "exit_code", "start_time", "end_time", "nodes", "stale", "stop_requested", "seen",
                  "restarts", "roles", "usage", "accounted", "unschedulable", "held", "exits", "exit_reads",
-                 "release_error", "uid", "hosts", "kill_at", "killed")
+                 "release_error", "uid", "hosts", "kill_at", "killed", "unseen")
 
     def __init__(self, cluster: str, job_id: str, attempt: int, backend_job_id: str, adir: str,
                  native: NativeSpec | None, roles: tuple[tuple[str, int], ...] = (), uid: str = "",
@@ -89,6 +94,7 @@ class TrackedJob:
         self.kill_at: float | None = None  # (monotonic) a stop's grace ends: scancel then
         self.killed = False  # that scancel was sent
         self.seen = False  # Slurm has answered about it at least once
+        self.unseen: tuple[int, float] | None = None  # complete rounds missing it, never seen: (how many, since)
         self.restarts = 0  # Slurm requeues seen (RestartCnt)
         self.roles = roles  # (role, index) of every replica the script runs a step for
         self.usage: dict[tuple[str, int], ReplicaUsage] = {}  # last sample per replica
@@ -123,7 +129,24 @@ class TrackedJob:
                 self.apply(sj)
             elif complete and self.seen:
                 self.vanished()
+            elif complete and self.backend_job_id:
+                # Never listed: slurmctld lost it before any round saw it (killed before it saved
+                # the job). A round that began before its sbatch answered misses it once, never
+                # UNSEEN_ROUNDS rounds over UNSEEN_SECONDS.
+                n, since = self.unseen or (0, time.monotonic())
+                self.unseen = (n + 1, since)
+                if n + 1 >= UNSEEN_ROUNDS and time.monotonic() - since >= UNSEEN_SECONDS:
+                    self.vanished()
         return self._reported() != before
+
+    def listed_as(self, sj: SlurmJob) -> bool:
+        """Whether Slurm's job ``sj`` (listed under this job's Slurm id) is this attempt: its
+        comment names it. A restarted slurmctld that lost the job hands its id out again. (No
+        comment at all: sacct's follow-up without AccountingStoreFlags=job_comment cannot tell.)"""
+        if not sj.comment:
+            return True
+        parsed = render.parse_comment(sj.comment)
+        return parsed is not None and parsed[:2] == (self.job_id, self.attempt) and same_job(self.uid, parsed[2])
 
     def apply(self, sj: SlurmJob) -> None:
         """Slurm's current word on the job."""
