@@ -263,3 +263,19 @@ def test_local_mode_replicas_get_their_own_share_of_the_entrypoints_gpus():
     plan = planner.plan_job("j", spec, [planner.Placement(r, i, "127.0.0.1", 0, 1000 + i, gpus=share)
                                         for (r, i), share in zip(layout_, launcher.local_gpus(spec, layout_, "0,1"), strict=True)])
     assert [p.env["CUDA_VISIBLE_DEVICES"] for p in plan.processes] == ["0", "1"]
+
+
+def test_a_traceback_in_rays_message_reaches_the_job_as_its_error_line():
+    """Ray's message for a runtime_env that failed holds a Python traceback (frames of files on
+    the Ray host): the job's message keeps what came before it and the error, no frames."""
+    from drivers.ray import parse
+
+    text = ("Failed to set up runtime environment.\nTraceback (most recent call last):\n"
+            '  File "/work/main/.venv/lib/python3.11/site-packages/ray/_private/runtime_env/agent.py", '
+            "line 1, in setup\n    raise ValueError(uri)\nValueError: Invalid protocol for runtime_env URI foo://bar\n")
+    obs = parse.observation("j", 1, {"submission_id": "s", "status": "FAILED", "message": text,
+                                     "error_type": "RUNTIME_ENV_SETUP_FAILED"})
+    assert obs.message == ("Failed to set up runtime environment. "
+                           "ValueError: Invalid protocol for runtime_env URI foo://bar")
+    plain = parse.observation("j", 1, {"submission_id": "s", "status": "FAILED", "message": "x" * 5000})
+    assert len(plain.message) == parse.MESSAGE_LIMIT + len(" ...")

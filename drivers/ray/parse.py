@@ -20,7 +20,16 @@ from drivers.ray import layout, render, states
 MESSAGE_LIMIT = 2000
 
 
+_TRACEBACK = "Traceback (most recent call last):"
+
+
 def trim(message: str) -> str:
+    """Ray's message, cut to ``MESSAGE_LIMIT``; a Python traceback in it (Ray's own, e.g. a
+    runtime_env that failed: frames of the Ray host's files) becomes its last line, the error."""
+    if _TRACEBACK in message:
+        head, _, frames = message.partition(_TRACEBACK)
+        error = next((ln.strip() for ln in reversed(frames.splitlines()) if ln.strip()), "")
+        message = f"{head.rstrip()} {error}".strip()
     return message if len(message) <= MESSAGE_LIMIT else message[:MESSAGE_LIMIT] + " ..."
 
 

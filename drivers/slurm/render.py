@@ -40,7 +40,8 @@ batch script itself), ``--cpus-per-task`` (the largest
 memory one node's replicas ask for, MiB, rounded up), ``--gres=gpu[:type]:N``
 (the most GPUs one node's replicas ask for; every group asking for GPUs must
 name the same type), ``--partition`` (``spec.queue``, else cluster option
-``partition``), ``--time`` (the time limit, rounded up to whole seconds),
+``partition``), ``--time`` (the time limit, rounded up to whole seconds; Slurm
+itself keeps it in whole minutes, rounded up, and enforces it on its own timer),
 ``--job-name=dlsched-<job_id>`` and ``--comment=dlsched-<job_id>.<attempt>.<uid>``
 (how a retried launch finds an earlier submission; ``<uid>``, the job's uid
 without its dashes, tells a job id used again after a delete from the deleted
