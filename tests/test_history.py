@@ -19,6 +19,7 @@ archiver's metrics.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pathlib
@@ -1163,6 +1164,29 @@ async def test_a_slow_statement_fails_alone_and_migrations_wait_past_the_timeout
 
 # ---------------------------------------------------------------- request ids of archived jobs
 
+@contextlib.asynccontextmanager
+async def archiving_stack(etcd: EtcdServer, dsn: str, marker: pathlib.Path, *,
+                          sweep: str) -> AsyncIterator[tuple[Stack, JobStore, job_pb2.JobSpec]]:
+    """A stack that archives every ended job at once (its request keys swept every ``sweep``
+    seconds), its store, and a spec that appends a line to ``marker`` each time it runs."""
+    st = Stack(etcd, f"/dlsched-hist-{uuid.uuid4().hex[:8]}/", jm_args=[
+        "--history-dsn", dsn, "--history-retention", "0", "--archive-interval", "0.3",
+        "--request-sweep-interval", sweep])
+    client = await connect(etcd.endpoint)
+    try:
+        st.start()
+        cluster = await st.register_local()
+        code = f"open({str(marker)!r}, 'a').write('ran\\n')"
+        spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+            job_pb2.ReplicaGroup(role="main", replicas=1, command=["python3", "-c", code])])
+        spec.cluster_selector.cluster = cluster
+        yield st, JobStore(client, st.prefix), spec
+    finally:
+        st.stop()
+        await client.delete_prefix(st.prefix.encode())
+        await client.close()
+
+
 async def test_a_retried_submit_finds_its_archived_job_and_runs_nothing_twice(
         etcd: EtcdServer, dsn: str, tmp_path: Any) -> None:
     """A SubmitJob retried with the request_id of a job that ran, was archived
@@ -1171,20 +1195,9 @@ async def test_a_retried_submit_finds_its_archived_job_and_runs_nothing_twice(
     run. Another principal's retry with that request_id is refused."""
     from tests.test_cluster_manager import reason
 
-    st = Stack(etcd, f"/dlsched-hist-{uuid.uuid4().hex[:8]}/", jm_args=[
-        "--history-dsn", dsn, "--history-retention", "0", "--archive-interval", "0.3",
-        "--request-sweep-interval", "0.5"])
-    client = await connect(etcd.endpoint)
-    store = JobStore(client, st.prefix)
     marker = tmp_path / "runs"
-    try:
-        st.start()
+    async with archiving_stack(etcd, dsn, marker, sweep="0.5") as (st, store, spec):
         assert st.jm is not None
-        cluster = await st.register_local()
-        code = f"open({str(marker)!r}, 'a').write('ran\\n')"
-        spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
-            job_pb2.ReplicaGroup(role="main", replicas=1, command=["python3", "-c", code])])
-        spec.cluster_selector.cluster = cluster
         job_id, rid = f"r{uuid.uuid4().hex[:8]}", f"req-{uuid.uuid4().hex}"
         async with security.channel(st.jm.address) as ch:
             jm = pb_grpc.JobManagerServiceStub(ch)
@@ -1233,10 +1246,6 @@ async def test_a_retried_submit_finds_its_archived_job_and_runs_nothing_twice(
             assert await list_ids(jm) == [job_id]
         await asyncio.sleep(2)  # a launch made by mistake would have run by now
         assert marker.read_text() == "ran\n"
-    finally:
-        st.stop()
-        await client.delete_prefix(st.prefix.encode())
-        await client.close()
 
 
 async def test_deleting_an_archived_job_frees_its_request_id(etcd: EtcdServer, dsn: str,
@@ -1246,20 +1255,9 @@ async def test_deleting_an_archived_job_frees_its_request_id(etcd: EtcdServer, d
     new job, which runs. The key names the deleted job: it answered ABORTED naming that job
     (maybe another project's) until the sweep came. While archived, another job with its id
     is ALREADY_EXISTS in the words a live one gets (not that it has ended)."""
-    st = Stack(etcd, f"/dlsched-hist-{uuid.uuid4().hex[:8]}/", jm_args=[
-        "--history-dsn", dsn, "--history-retention", "0", "--archive-interval", "0.3",
-        "--request-sweep-interval", "3600"])
-    client = await connect(etcd.endpoint)
-    store = JobStore(client, st.prefix)
     marker = tmp_path / "runs"
-    try:
-        st.start()
+    async with archiving_stack(etcd, dsn, marker, sweep="3600") as (st, store, spec):
         assert st.jm is not None
-        cluster = await st.register_local()
-        code = f"open({str(marker)!r}, 'a').write('ran\\n')"
-        spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
-            job_pb2.ReplicaGroup(role="main", replicas=1, command=["python3", "-c", code])])
-        spec.cluster_selector.cluster = cluster
         job_id, rid = f"f{uuid.uuid4().hex[:8]}", f"req-{uuid.uuid4().hex}"
         async with security.channel(st.jm.address) as ch:
             jm = pb_grpc.JobManagerServiceStub(ch)
@@ -1286,10 +1284,6 @@ async def test_deleting_an_archived_job_frees_its_request_id(etcd: EtcdServer, d
             await until(ran_again, what="the new job running")
         await asyncio.sleep(2)  # a third run made by mistake would have happened by now
         assert _lines(marker) == 2
-    finally:
-        st.stop()
-        await client.delete_prefix(st.prefix.encode())
-        await client.close()
 
 
 def _lines(path: pathlib.Path) -> int:
