@@ -679,7 +679,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                         yield pb.StreamJobLogsResponse(entries=out, resume_cursor=at)
                         del out
             except NotFound as e:
-                if attempt != unproved:
+                if attempt != unproved or isinstance(e, JobNotFound):  # (the caller's access, not the driver)
                     raise
                 raise InvalidArgument.for_field(
                     CURSOR_FIELD, "names an attempt of this job its cluster does not know") from e

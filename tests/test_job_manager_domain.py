@@ -80,6 +80,15 @@ def test_an_observation_stores_only_the_planned_replicas_and_bounded_texts() -> 
     assert [(r.role, r.index, r.state) for r in new.replicas] == [("worker", 1, 4), ("master", 0, 3)]
     assert len(new.replicas[0].message) == len(new.replicas[0].host) == states.MAX_REPLICA_TEXT
     assert len(new.message) == states.MAX_MESSAGE and len(new.reason) == states.MAX_REASON
+    # one status per process: replica r's process k is index r * processes_per_replica + k
+    procs = job(spec=spec(RunMode.MULTI_PROCESS, ReplicaGroup(role="worker", replicas=2, command=["x"],
+                                                               processes_per_replica=3)))
+    each = [ReplicaStatus(role="worker", index=i, state=3) for i in range(6)]
+    each[4] = ReplicaStatus(role="worker", index=4, state=4, exit_code=4)
+    ended = states.apply_observation(procs, Observation("j", state=S.FAILED, attempt=1, replicas=[
+        *each, ReplicaStatus(role="worker", index=6, state=3)]), NOW)
+    assert ended is not None and [(r.index, r.exit_code) for r in ended.replicas] == [
+        (0, None), (1, None), (2, None), (3, None), (4, 4), (5, None)]
 
     # the most replicas a spec may have, each with a long message: within the budget, failed first
     many = job(spec=spec(RunMode.MULTI_PROCESS, ReplicaGroup(role="worker", replicas=10_000, command=["x"])))

@@ -277,5 +277,9 @@ def test_a_traceback_in_rays_message_reaches_the_job_as_its_error_line():
                                      "error_type": "RUNTIME_ENV_SETUP_FAILED"})
     assert obs.message == ("Failed to set up runtime environment. "
                            "ValueError: Invalid protocol for runtime_env URI foo://bar")
+    logs_after = parse.observation("j", 1, {"submission_id": "s", "status": "FAILED", "message": (
+        "Job entrypoint command failed. Last available logs:\nTraceback (most recent call last):\n"
+        '  File "/x.py", line 1, in <module>\nKeyError: \'a\'\nlast line of the job\n')})
+    assert logs_after.message == "Job entrypoint command failed. Last available logs: KeyError: 'a'"
     plain = parse.observation("j", 1, {"submission_id": "s", "status": "FAILED", "message": "x" * 5000})
     assert len(plain.message) == parse.MESSAGE_LIMIT + len(" ...")

@@ -162,6 +162,36 @@ async def test_a_process_that_ignores_sigterm_is_killed_after_the_grace(stub):
     assert again.observation.state == job_pb2.JOB_STATE_STOPPED
 
 
+async def test_a_stop_of_processes_that_end_apart_gives_each_one_sigterm(stub):
+    """A stop's SIGTERM ends one rank at once (143); the script's success rule, hearing a
+    failure, stopped the rest itself: a second SIGTERM to the other, and its SIGKILL after the
+    driver's default grace, not the stop's. Now the stop is the driver's alone."""
+    jid = new_id("apart")
+    code = ("import os, signal, time\n"
+            "rank = os.environ['RANK']\n"
+            "n = 0\n"
+            "def h(*_):\n"
+            "    global n\n"
+            "    n += 1\n"
+            "    print(f'term {rank} {n}', flush=True)\n"
+            "    if rank == '0':\n"
+            "        os._exit(143)\n"
+            "signal.signal(signal.SIGTERM, h)\n"
+            "print('up', flush=True)\n"
+            "time.sleep(300)\n")
+    spec = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MULTI_PROCESS, replica_groups=[job_pb2.ReplicaGroup(
+        role="worker", replicas=1, processes_per_replica=2, command=[PY, "-u", "-c"], args=[code])])
+    await launch(stub, jid, spec)
+    deadline = time.monotonic() + 60
+    while [e.text for e in await logs(stub, jid)].count("up") < 2:
+        assert time.monotonic() < deadline, "the processes never started"
+        await asyncio.sleep(0.5)
+    await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=jid),
+                                                    grace_period=duration_pb2.Duration(seconds=3)), timeout=30)
+    assert (await wait_state(stub, jid, within=120)).state == job_pb2.JOB_STATE_STOPPED
+    assert sorted(e.text for e in await logs(stub, jid) if e.text.startswith("term")) == ["term 0 1", "term 1 1"]
+
+
 async def test_cleanup_cancels_a_running_job_and_removes_its_files(stub, cluster):
     jid = new_id("cleanup")
     await launch(stub, jid, single("import time; print('up', flush=True); time.sleep(300)"))

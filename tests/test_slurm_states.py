@@ -345,6 +345,12 @@ def test_a_slurm_id_handed_out_again_is_not_the_job(monkeypatch):
                   render.job_comment("a1", 1, "6" * 32), "someone's own job"):
         assert not job.listed_as(poller.SlurmJob("2", "COMPLETED", comment=other)), other
     assert job.listed_as(poller.SlurmJob("2", "COMPLETED"))  # sacct without stored comments: cannot tell
+    job.stop_sent(5)
+    job.kill_at = 0.0  # its grace over
+    assert job.kill_due(time.monotonic())
+    assert job.listed(poller.SlurmJob("2", "RUNNING", comment=render.job_comment("b0", 1, uid))) is None
+    assert job.id_lost and job.needs_exits  # gone: its end is its exits file's
+    assert not job.kill_due(time.monotonic())  # no SIGKILL to the id's new owner
 
     now = [1000.0]
     monkeypatch.setattr(tracked_jobs.time, "monotonic", lambda: now[0])

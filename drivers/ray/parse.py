@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -21,6 +22,7 @@ MESSAGE_LIMIT = 2000
 
 
 _TRACEBACK = "Traceback (most recent call last):"
+_EXCEPTION_RE = re.compile(r"[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failure)\b:?")
 
 
 def trim(message: str) -> str:
@@ -28,7 +30,9 @@ def trim(message: str) -> str:
     runtime_env that failed: frames of the Ray host's files) becomes its last line, the error."""
     if _TRACEBACK in message:
         head, _, frames = message.partition(_TRACEBACK)
-        error = next((ln.strip() for ln in reversed(frames.splitlines()) if ln.strip()), "")
+        lines = [ln.strip() for ln in frames.splitlines() if ln.strip()]
+        # the exception's line (the last one; logs may follow it), else the last line
+        error = next((ln for ln in reversed(lines) if _EXCEPTION_RE.match(ln)), lines[-1] if lines else "")
         message = f"{head.rstrip()} {error}".strip()
     return message if len(message) <= MESSAGE_LIMIT else message[:MESSAGE_LIMIT] + " ..."
 

@@ -79,6 +79,7 @@ from drivers.common.registry import BackendUnavailable
 from drivers.slurm import poller as poll
 from drivers.slurm import render, states
 from drivers.slurm.render import SlurmScript
+from drivers.slurm.shell import STOP_MARK
 from drivers.slurm.ssh import Congested, SshClient, Started
 
 log = logging.getLogger("dlsched.driver.slurm")
@@ -264,17 +265,20 @@ class SlurmClient:
         default). False as ``cancel``'s."""
         q = shlex.quote(backend_job_id)
         steps = f"squeue -h -s -j {q} -o %i | grep -E {shlex.quote('^' + re.escape(backend_job_id) + '[.][0-9]+$')}"
-        rc, _, err = await self.run(
-            f"s=$({steps}) && [ -n \"$s\" ] && timeout 10 scancel --signal=KILL $s || scancel {q}")
+        rc, _, err = await self.run(f"s=$({steps}); if [ -n \"$s\" ]; then timeout 10 scancel --signal=KILL $s; "
+                                    f"else scancel {q}; fi")  # (a step just ended: "already completing")
         if e := exit_error("scancel", rc, err):
             raise e
         return rc == 0
 
-    async def signal_steps(self, backend_job_id: str, signal: str) -> bool:
+    async def signal_steps(self, backend_job_id: str, signal: str, *, mark: str = "") -> bool:
         """``scancel --signal`` to a running job's steps (the processes; the batch script, which
         records their ends, is left to finish); False: Slurm said the job had ended already.
-        Never for a pending job: scancel waits for it to start."""
-        rc, _, err = await self.run(f"scancel --signal={signal} {shlex.quote(backend_job_id)}")
+        Never for a pending job: scancel waits for it to start. ``mark``: the attempt directory,
+        where a ``stopping`` file tells the script the stop is dlsched's (its success rule then
+        signals nothing: no second SIGTERM, and the SIGKILL comes after the stop's grace)."""
+        touch = f"touch -- {shlex.quote(mark + '/' + STOP_MARK)} 2>/dev/null; " if mark else ""
+        rc, _, err = await self.run(f"{touch}scancel --signal={signal} {shlex.quote(backend_job_id)}")
         if e := exit_error("scancel", rc, err):
             raise e
         return rc == 0

@@ -285,12 +285,10 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
             c.listed = listing(attempts)
             self._cancel_strays(c, attempts)
         for job in list(c.jobs.values()):
-            sj = jobs.get(job.backend_job_id)
-            if sj is not None and not job.listed_as(sj):
-                sj = None  # its Slurm id handed out again: slurmctld lost this job (a crash)
-            elif (sj is not None and error is None and held_by_dlsched(sj) and job.start_time is None
-                  and not job.stop_requested and job.backend_job_id not in c.to_release):
-                c.to_release.add(job.backend_job_id)  # held again: slurmctld lost our release
+            sj = job.listed(jobs.get(job.backend_job_id))  # (None: its id handed out again)
+            if (sj is not None and error is None and held_by_dlsched(sj) and job.released and not job.stop_requested
+                    and job.start_time is None and job.backend_job_id not in c.to_release):
+                c.to_release.add(job.backend_job_id)  # held again: slurmctld lost the release we made
             if job.backend_job_id in c.to_release and error is None and sj is not None:
                 if is_held(sj):
                     self._later(c, "release", job.backend_job_id, job.job_id)
@@ -354,7 +352,7 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
         """Job ``job_id``, still Slurm job ``backend_job_id``, reports why its release failed, or no more."""
         job = c.jobs.get(job_id)
         if (self.clusters.get(c.name) is c and job is not None and job.backend_job_id == backend_job_id
-                and job.note_release(error) and not job.state.is_terminal()):
+                and job.note_release(error, released=error is None) and not job.state.is_terminal()):
             self._publish(c, job)
 
     def _read_exits(self, c: SlurmCluster, job: TrackedJob) -> None:
@@ -452,12 +450,12 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
             job = c.find(ref)
         if job is None or not ref.names_uid(job.uid):  # unknown (or another uid's): nothing to stop
             return None
-        if job.stop_requested:  # a stop reached it: its grace runs (a round cancels it after), or it was cancelled
+        if job.stop_requested or job.id_lost:  # a stop reached it (its grace runs, or it was cancelled); or lost
             return c.observation(job)
         grace = self.config.grace_seconds if grace_seconds is None else grace_seconds
         # (scancel --signal waits for a pending job; MPI's ranks are mpirun's, in the batch step)
         if job.state is JobState.RUNNING and grace > 0 and not job.hosts:
-            if await c.client.signal_steps(job.backend_job_id, "TERM"):
+            if await c.client.signal_steps(job.backend_job_id, "TERM", mark=job.dir):
                 job.stop_sent(grace)
         elif await c.client.cancel(job.backend_job_id):  # (else it ended already: a round reports it)
             job.stop_sent()
@@ -479,7 +477,7 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
                 if (writer := c.record_writer) is not None and not writer.done():  # it may hold its record:
                     await asyncio.wait([writer], timeout=self.config.command_timeout)  # removed after it
             return await self._remove_files(c, job.job_id)
-        if not job.state.is_terminal() or job.unschedulable:  # (unschedulable: FAILED here, maybe queued there)
+        if (not job.state.is_terminal() or job.unschedulable) and not job.id_lost:  # (unschedulable: maybe queued)
             await c.client.cancel(job.backend_job_id)  # at once, whatever grace a stop gave it
         await c.client.remove_files(job.job_id, job.dir.rsplit("/", 1)[0])
         c.jobs.pop(job.job_id, None)

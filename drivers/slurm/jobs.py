@@ -69,7 +69,7 @@ class TrackedJob:
     __slots__ = ("cluster", "job_id", "attempt", "backend_job_id", "dir", "native", "state", "reason",
                  "message", "exit_code", "start_time", "end_time", "nodes", "stale", "stop_requested", "seen",
                  "restarts", "roles", "usage", "accounted", "unschedulable", "held", "exits", "exit_reads",
-                 "release_error", "uid", "hosts", "kill_at", "killed", "unseen")
+                 "release_error", "uid", "hosts", "kill_at", "killed", "unseen", "released", "id_lost")
 
     def __init__(self, cluster: str, job_id: str, attempt: int, backend_job_id: str, adir: str,
                  native: NativeSpec | None, roles: tuple[tuple[str, int], ...] = (), uid: str = "",
@@ -95,6 +95,8 @@ class TrackedJob:
         self.killed = False  # that scancel was sent
         self.seen = False  # Slurm has answered about it at least once
         self.unseen: tuple[int, float] | None = None  # complete rounds missing it, never seen: (how many, since)
+        self.released = False  # this driver's scontrol release of it worked
+        self.id_lost = False  # slurmctld lost it and handed its Slurm id out again: no command names the id
         self.restarts = 0  # Slurm requeues seen (RestartCnt)
         self.roles = roles  # (role, index) of every replica the script runs a step for
         self.usage: dict[tuple[str, int], ReplicaUsage] = {}  # last sample per replica
@@ -106,9 +108,10 @@ class TrackedJob:
         self.exits: exits.Exits | None = None  # each process's end, read once the job ended
         self.exit_reads = 0  # failed reads of the exits file
 
-    def note_release(self, error: str | None) -> bool:
+    def note_release(self, error: str | None, released: bool = False) -> bool:
         """Why the last ``scontrol release`` failed (its first line), None once released
-        or held no more; whether that changed."""
+        or held no more (``released``: by this driver); whether that changed."""
+        self.released = self.released or released
         error = error.strip().split("\n", 1)[0][:200] if error is not None else None
         changed, self.release_error = error != self.release_error, error
         return changed
@@ -138,6 +141,16 @@ class TrackedJob:
                 if n + 1 >= UNSEEN_ROUNDS and time.monotonic() - since >= UNSEEN_SECONDS:
                     self.vanished()
         return self._reported() != before
+
+    def listed(self, sj: SlurmJob | None) -> SlurmJob | None:
+        """``sj`` if it is this attempt (``listed_as``); else None, and the job is gone: a
+        restarted slurmctld lost it and gave its Slurm id to another job, which no stop, kill
+        or cleanup of this one may touch."""
+        if sj is None or self.listed_as(sj):
+            return sj
+        self.id_lost = True
+        self.vanished()
+        return None
 
     def listed_as(self, sj: SlurmJob) -> bool:
         """Whether Slurm's job ``sj`` (listed under this job's Slurm id) is this attempt: its
@@ -264,7 +277,7 @@ class TrackedJob:
     def kill_due(self, now: float) -> bool:
         """A stop's grace is over and the job has not ended: ``scancel`` it."""
         return (self.stop_requested and not self.killed and self.kill_at is not None
-                and now >= self.kill_at and not self.state.is_terminal())
+                and now >= self.kill_at and not self.state.is_terminal() and not self.id_lost)
 
     def observation(self, last_error: str | None) -> JobObservation:
         """What the driver reports; a stale job keeps its state, the error in the message."""

@@ -63,6 +63,10 @@ def _dq_literal(s: str) -> str:
     return re.sub(r'([\\$`"])', r"\\\1", s)
 
 
+#: The file in the attempt directory the driver writes before a stop's SIGTERM to the steps: the
+#: stop is dlsched's, its grace and SIGKILL the driver's (``dlsched_term`` then signals nothing).
+STOP_MARK = "stopping"
+
 #: The file in the attempt directory where the script records each process's end (``exits``
 #: parses it): a first line ``labels <label> ...`` (written when the job starts; an MPI job's
 #: second line, ``hosts <label> ...``, names the replicas that only host ranks), then one
@@ -98,16 +102,17 @@ dlsched_decide() {
 }
 # stopping the rest (dlsched_term SRUN_PID...): SIGTERM to every step's tasks through Slurm (an srun
 # sent SIGTERM itself SIGKILLs its tasks at once), then, once DLSCHED_GRACE is over, SIGTERM to the
-# sruns still running, which SIGKILL their tasks
+# sruns still running, which SIGKILL their tasks; nothing while dlsched stops the job
 dlsched_timer=""
 dlsched_term() {
   local grace=$DLSCHED_GRACE
+  [ ! -e "$DLSCHED_DIR/@STOP_MARK@" ] || return 0  # dlsched's stop: its SIGTERM went out, its SIGKILL follows
   [ -n "${SLURM_JOB_ID:-}" ] && scancel --signal=TERM "$SLURM_JOB_ID" 2>/dev/null || grace=0
   [ "$#" -gt 0 ] || return 0
   ( sleep "$grace"; kill -TERM "$@" 2>/dev/null ) &
   dlsched_timer=$!
 }
-"""
+""".replace("@STOP_MARK@", STOP_MARK)
 
 #: Steps in background subshells: their exits, from ``wait -n``. A process that ended while bash
 #: waited for another is no job any more, and ``wait -n`` with its pid fails ("no such job", the

@@ -46,11 +46,12 @@ _REPLICA_OVERHEAD = 32
 
 
 def planned_replicas(job: Job, replicas: list[ReplicaStatus]) -> list[ReplicaStatus]:
-    """The observed replicas a job can have: one per (role, index) of its spec (the last
-    reported wins), host and message cut to ``MAX_REPLICA_TEXT``, and within
+    """The observed replicas a job can have: one per (role, index) of its spec's processes (the
+    last reported wins), host and message cut to ``MAX_REPLICA_TEXT``, and within
     ``MAX_REPLICAS_BYTES`` in all: failed ones first, then in the order reported; past the
     budget a replica keeps its state and exit code without host or message, or is left out."""
-    sizes = {g.role: g.replicas for g in job.spec.replica_groups}
+    # (drivers report one status per process, indexed replica * processes_per_replica + k)
+    sizes = {g.role: g.replicas * max(1, g.processes_per_replica) for g in job.spec.replica_groups}
     by_key: dict[tuple[str, int], ReplicaStatus] = {}
     for r in replicas:
         n = sizes.get(r.role)
