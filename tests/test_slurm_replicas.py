@@ -500,9 +500,11 @@ async def test_a_failing_worker_is_named_and_the_rest_are_stopped(jm, runs, back
     assert {s for s, _ in st.values()} == {S.REPLICA_STATE_STOPPED}, job.replicas
     assert len(pids(out)) == 3
     await wait_dead(pids(out), within=60)  # no process left
-    # "the rest are stopped (SIGTERM, SIGKILL after the grace period)": srun SIGKILLed them, and
-    # on Ray the placement group's removal did
-    assert termed(out) == {"master-0", "worker-0"}
+    # "the rest are stopped (SIGTERM, SIGKILL after the grace period)": srun SIGKILLed them. (On
+    # Ray the cancel reaches a replica's task through Ray, and a busy CI saw the placement group's
+    # removal, 10 s later, come first for one of them: not asserted there.)
+    if backend != "ray":
+        assert termed(out) == {"master-0", "worker-0"}
 
 
 @pytest.mark.timeout(600)
