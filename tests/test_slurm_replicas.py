@@ -17,6 +17,7 @@ checked in bash with the real Open MPI (fast) and on the real Slurm.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pathlib
 import re
@@ -33,6 +34,7 @@ import pytest
 from dlsched.v1 import cluster_manager_service_pb2 as cm_pb
 from dlsched.v1 import cluster_manager_service_pb2_grpc as cm_grpc
 from dlsched.v1 import cluster_pb2, job_pb2
+from dlsched.v1 import job_manager_service_pb2 as jpb
 from dlsched.v1 import job_manager_service_pb2_grpc as jm_grpc
 from drivers.common.base import JobSpec, ReplicaGroup, RunMode
 from drivers.common.base import JobState as DJobState
@@ -520,6 +522,31 @@ async def test_parameter_servers_stopped_by_the_success_rule_show_stopped(jm, ru
     assert st[("worker", 0)] == st[("worker", 1)] == (S.REPLICA_STATE_SUCCEEDED, 0), job.replicas
     await wait_dead(pids(out), within=60)
     assert termed(out) == {"ps-0"}  # SIGTERM first, as ENVIRONMENT.md says
+
+
+@pytest.mark.timeout(600)
+async def test_a_stopped_master_worker_job_sigterms_every_process(jm, runs, backend, tmp_path):
+    """StopJob: SIGTERM to every process first (a trainer saves its work), on every backend; on
+    Ray a Master-Worker job's replicas run in a placement group's tasks, whose launcher used to
+    die of the stop's SIGTERM (SIG_DFL), its tasks' processes SIGKILLed with it."""
+    out = tmp_path / "pids"
+    out.mkdir(mode=0o777)
+    env = {"PIDS": "3"}
+    spec = S.JobSpec(run_mode=S.RUN_MODE_MASTER_WORKER, replica_groups=[
+        proc("master", out, **env), proc("worker", out, replicas=2, **env)],
+        cluster_selector=S.ClusterSelector(cluster=backend))
+    r = Run(jm, spec, prefix="replicas", cluster=f"clusters/{backend}", job_timeout=JOB_TIMEOUT)
+    runs.append(r)
+    await r.submit()
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while len(pids(out)) < 3:
+        assert time.monotonic() < deadline, f"not every process started: {r.job}"
+        await asyncio.sleep(0.2)
+    await jm.StopJob(jpb.StopJobRequest(name=r.name), timeout=60)
+    job = await r.until()
+    assert job.state == S.JOB_STATE_STOPPED, job
+    await wait_dead(pids(out), within=60)
+    assert termed(out) == {"master-0", "worker-0", "worker-1"}
 
 
 @pytest.mark.timeout(600)

@@ -65,6 +65,10 @@ CHUNK = 1 << 16
 MAX_LINE = 1 << 16  # a longer line without a newline is written in pieces
 #: Seconds between the SIGTERM and the SIGKILL of the processes a stop or the success rule ends.
 STOP_GRACE_SECONDS = 5.0
+#: How long the replicas' tasks get to end after their cancel, before the placement group goes.
+CANCEL_WAIT_SECONDS = STOP_GRACE_SECONDS + 25
+#: The longest the placement-group launcher waits on its tasks before it looks at ``stop`` again.
+WAIT_SECONDS = 0.2
 
 
 def _die_with_parent() -> None:
@@ -307,7 +311,8 @@ def run_replica(sid: str, procs: list[planner.ProcessLaunch]) -> tuple[int, str,
     return rc, failed.role if failed else "", failed.slot_index if failed else -1
 
 
-def run_placement_group(job: dict[str, Any], spec: JobSpec) -> int:  # pragma: no cover - needs a Ray cluster
+def run_placement_group(job: dict[str, Any], spec: JobSpec,  # pragma: no cover - needs a Ray cluster
+                        stop: threading.Event) -> int:
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -389,7 +394,13 @@ def run_placement_group(job: dict[str, Any], spec: JobSpec) -> int:  # pragma: n
     decisive = plan.success.decisive_roles
     code = 0
     while refs:
-        done, _ = ray.wait(list(refs), num_returns=1)
+        # A bounded wait: SIGTERM's handler runs between two (a Ray stop, below)
+        done, _ = ray.wait(list(refs), num_returns=1, timeout=WAIT_SECONDS)
+        if not done:
+            if stop.is_set():
+                code = 143
+                break
+            continue
         procs = refs.pop(done[0])
         try:
             rc, failed_role, failed_index = ray.get(done[0])
@@ -405,15 +416,18 @@ def run_placement_group(job: dict[str, Any], spec: JobSpec) -> int:  # pragma: n
             break
         if not any(p.role in decisive for ps in refs.values() for p in ps):
             break
-    # The rest stop as a local job's do: a cancel interrupts each replica's task, whose
-    # ``run_processes`` gives its processes SIGTERM and STOP_GRACE_SECONDS before SIGKILL;
-    # the placement group goes once they have (its removal kills the tasks' workers, and
-    # their processes with them by PR_SET_PDEATHSIG: SIGKILL, no SIGTERM first).
+    # The rest stop as a local job's do, after the success rule or a Ray stop (its SIGTERM):
+    # a cancel interrupts each replica's task, whose ``run_processes`` gives its processes
+    # SIGTERM and STOP_GRACE_SECONDS before SIGKILL; the placement group goes once they have
+    # (its removal kills the tasks' workers, and their processes with them by
+    # PR_SET_PDEATHSIG: SIGKILL, no SIGTERM first). A cancel reaches a task through Ray's
+    # workers, late on a busy node: it gets CANCEL_WAIT_SECONDS. (A Ray stop SIGKILLs this
+    # process after the cluster's RAY_JOB_STOP_WAIT_TIME_S; its tasks' processes die with it.)
     for ref in refs:
         with contextlib.suppress(Exception):
             ray.cancel(ref)
     with contextlib.suppress(Exception):
-        ray.wait(list(refs), num_returns=len(refs), timeout=STOP_GRACE_SECONDS + 5)
+        ray.wait(list(refs), num_returns=len(refs), timeout=CANCEL_WAIT_SECONDS)
     with contextlib.suppress(Exception):
         ray.util.remove_placement_group(pg)
     return code
@@ -426,8 +440,7 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if job["mode"] == "local":
         return run_local(job, spec, stop)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    return run_placement_group(job, spec)
+    return run_placement_group(job, spec, stop)
 
 
 if __name__ == "__main__":
