@@ -8,6 +8,7 @@ import os
 import pathlib
 import shutil
 import socket
+import sys
 import time
 
 import grpc
@@ -172,6 +173,63 @@ async def test_what_a_process_that_exits_at_once_leaves_in_its_session_is_killed
     while alive := [p for p in children if pid_alive(p)]:
         assert time.monotonic() < deadline, f"background children outlived their replicas: {alive}"
         await asyncio.sleep(0.1)
+
+
+async def test_a_daemon_that_left_its_session_ends_with_its_job(stub, tmp_path):
+    """A process that calls setsid (a daemon) is in no session the driver signals; its parent
+    gone, it comes to the supervisor (a child subreaper), which kills it once the job ended."""
+    job = new_id("daemon")
+    await launch(stub, job, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+        job_pb2.ReplicaGroup(role="main", replicas=1, command=["/bin/sh", "-c"], args=[
+            f"setsid -f /bin/sh -c 'echo $$ > {tmp_path}/pid; exec sleep 300' >/dev/null 2>&1 </dev/null; "
+            f"while [ ! -s {tmp_path}/pid ]; do sleep 0.1; done; exit 0"])]))
+    assert (await wait_state(stub, job, within=60)).state == job_pb2.JOB_STATE_SUCCEEDED
+    daemon = int((tmp_path / "pid").read_text())
+    deadline = time.monotonic() + 30
+    while pid_alive(daemon):
+        assert time.monotonic() < deadline, f"a daemon ({daemon}) outlived its job"
+        await asyncio.sleep(0.1)
+
+
+#: A replica that starts a daemon (setsid: a session of its own) which records the SIGTERM it gets.
+DAEMON = """import os, pathlib, signal, subprocess, sys, time
+out = pathlib.Path(sys.argv[1])
+code = (
+    "import os, pathlib, signal, sys, time\\n"
+    "out = pathlib.Path(sys.argv[1])\\n"
+    "def term(*_):\\n"
+    "    (out / 'term').write_text('TERM')\\n"
+    "    sys.exit(143)\\n"
+    "signal.signal(signal.SIGTERM, term)\\n"
+    "(out / 'pid').write_text(str(os.getpid()))\\n"
+    "time.sleep(300)\\n")
+subprocess.Popen([sys.executable, "-c", code, str(out)], start_new_session=True,
+                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+time.sleep(300)
+"""
+
+
+async def test_a_stop_reaches_a_daemon_that_left_its_session(stub, tmp_path):
+    """StopJob: the daemon a replica started in a session of its own gets the stop's SIGTERM
+    too (it has come to the supervisor once its parent ended), and is gone after."""
+    job = new_id("daemonstop")
+    out = tmp_path / "out"
+    out.mkdir()
+    await launch(stub, job, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+        job_pb2.ReplicaGroup(role="main", replicas=1, command=[sys.executable, "-c", DAEMON, str(out)])]))
+    deadline = time.monotonic() + 60
+    while not (out / "pid").exists() or not (out / "pid").read_text():
+        assert time.monotonic() < deadline, "the daemon never started"
+        await asyncio.sleep(0.1)
+    daemon = int((out / "pid").read_text())
+    await stub.TerminateJob(dpb.TerminateJobRequest(
+        cluster=CLUSTER, job=dpb.JobRef(job_id=job), grace_period={"seconds": 5}), timeout=10)
+    assert (await wait_state(stub, job, within=60)).state == job_pb2.JOB_STATE_STOPPED
+    deadline = time.monotonic() + 30
+    while pid_alive(daemon):
+        assert time.monotonic() < deadline, f"a daemon ({daemon}) outlived its stopped job"
+        await asyncio.sleep(0.1)
+    assert (out / "term").exists()
 
 
 async def test_launch_is_idempotent_on_cluster_job_and_attempt(stub, tmp_path):

@@ -6,6 +6,7 @@ Adapters only; no dlsched state here.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import os
 import shutil
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 @dataclass(frozen=True)
 class ProcStat:
     pid: int
+    ppid: int
+    state: str  # "R", "S", ... "Z" a zombie
     pgrp: int
     session: int
     cpu_seconds: float  # utime + stime + cutime + cstime
@@ -31,7 +34,7 @@ def parse_stat(pid: int, text: str) -> ProcStat:
     rest = text[text.rindex(")") + 2:].split()
     # rest[0] is field 3 (state); field n is rest[n - 3].
     ticks = sum(int(rest[i - 3]) for i in (14, 15, 16, 17))
-    return ProcStat(pid=pid, pgrp=int(rest[5 - 3]), session=int(rest[6 - 3]),
+    return ProcStat(pid=pid, ppid=int(rest[4 - 3]), state=rest[0], pgrp=int(rest[5 - 3]), session=int(rest[6 - 3]),
                     cpu_seconds=ticks / CLK_TCK, rss_bytes=int(rest[24 - 3]) * PAGE_SIZE,
                     start_ticks=int(rest[22 - 3]))
 
@@ -60,6 +63,29 @@ def session_members(*sessions: int, outside_groups: bool = False) -> list[int]:
     wanted = set(sessions)
     return [st.pid for st in all_stats() if st.session in wanted
             and not (outside_groups and st.pgrp in wanted)]
+
+
+def become_subreaper() -> bool:
+    """PR_SET_CHILD_SUBREAPER: orphaned descendants come to this process, not init."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6", use_errno=True).prctl(36, 1, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+def adopted(parent: int, own: set[int]) -> tuple[list[ProcStat], list[int]]:
+    """The children of ``parent`` (a child subreaper) other than the ``own`` it started:
+    (live ones, zombies' pids), one pass over /proc. Descendants whose parents ended
+    come to the nearest subreaper, a program that escaped its session (setsid) too."""
+    live: list[ProcStat] = []
+    dead: list[int] = []
+    for st in all_stats():
+        if st.ppid == parent and st.pid not in own:
+            if st.state in ("Z", "X"):
+                dead.append(st.pid)
+            else:
+                live.append(st)
+    return live, dead
 
 
 def vm_hwm_bytes(pid: int) -> int:

@@ -15,6 +15,12 @@ behind in its session when it exits, and writes ``status.json`` (whole) on
 every change. A stop request is ``stop.json`` (``attempt.ask_stop``),
 noticed on SIGUSR1 and at least every ``STOP_POLL_SECONDS``.
 
+It is a child subreaper (PR_SET_CHILD_SUBREAPER): a descendant that left its
+session (setsid, a daemon) comes to it, not to init, once its parent ended.
+Such escapees get a stop's SIGTERM and SIGKILL with the rest, and SIGKILL once
+the job has ended (nothing of a job outlives it, as in Slurm's cgroup or a
+pod); the ended ones are reaped every ``REAP_SECONDS``.
+
 It exits once the job has ended and every pipe is drained, after writing
 the last status; ``supervisor.lock`` (handed over locked by the driver) is
 released by its exit. If the attempt's directory disappears (the state dir
@@ -48,6 +54,10 @@ log = logging.getLogger("dlsched.driver.local.supervisor")
 STOP_POLL_SECONDS = 0.2
 #: how long pipes may stay open once every process has ended (a descendant that escaped its session)
 DRAIN_SECONDS = 5.0
+#: how often, while the job runs, the supervisor reaps the orphans that came to it and ended
+REAP_SECONDS = 2.0
+#: passes over /proc that SIGKILL escapees at the end (each kill may orphan another generation)
+ESCAPEE_PASSES = 5
 
 
 class _Pipes(asyncio.SubprocessProtocol):
@@ -107,6 +117,8 @@ class Supervisor:
         self.stop_applied: float | None = None
         self.drained_by: float | None = None
         self.changed = asyncio.Event()
+        self.own: set[int] = set()  # the pids of the processes it started
+        self.subreaper = False
         self._pids: TextIO | None = None  # ``pids``, open while processes are started
         st = procfs.read_stat(os.getpid())
         self.identity = {"pid": os.getpid(), "start_ticks": st.start_ticks if st is not None else 0}
@@ -131,8 +143,10 @@ class Supervisor:
     # ------------------------------------------------------------------ stopping
 
     def stop_running(self, grace: float) -> None:
-        """SIGTERM every running process's session; SIGKILL after ``grace`` (the earliest deadline wins)."""
+        """SIGTERM every running process's session and every escapee; SIGKILL after ``grace``
+        (the earliest deadline wins)."""
         attempt.signal_sessions(self.machine.running_pids(), signal.SIGTERM)
+        self.signal_escapees(signal.SIGTERM)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, grace)
         if self.kill_deadline is None or deadline < self.kill_deadline:
@@ -143,6 +157,35 @@ class Supervisor:
 
     def _kill_running(self) -> None:
         attempt.signal_sessions(self.machine.running_pids(), signal.SIGKILL)
+        self.signal_escapees(signal.SIGKILL)
+
+    def signal_escapees(self, sig: int | None, passes: int = 1) -> bool:
+        """Signal what the job's processes left behind outside their sessions (a daemon that
+        called setsid, whose parent ended: the supervisor is a child subreaper, so it came
+        here), each with its group and session; reap the ended ones (``sig`` None: only
+        that). Whether one was alive (after ``passes`` passes: a SIGKILLed one's children
+        come here next)."""
+        if not self.subreaper:
+            return False
+        live: list[procfs.ProcStat] = []
+        for _ in range(max(1, passes)):
+            live, dead = procfs.adopted(os.getpid(), self.own)
+            for pid in dead:
+                with contextlib.suppress(ChildProcessError):
+                    os.waitpid(pid, os.WNOHANG)
+            if not live or sig is None:
+                return bool(live)
+            if sig == signal.SIGKILL:
+                log.info("killing %d process(es) the job left outside its sessions", len(live))
+            leaders = [st.pid for st in live if st.pgrp == st.pid]
+            attempt.signal_sessions(leaders, sig)
+            for st in live:
+                if st.pgrp != st.pid:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(st.pid, sig)
+            if sig != signal.SIGKILL:
+                break
+        return bool(live)
 
     def check_stop(self) -> None:
         """Apply a stop the driver asked for (``stop.json``), once per new grace."""
@@ -192,6 +235,7 @@ class Supervisor:
                 continue
             self.transports[i] = transport
             pid = transport.get_pid()
+            self.own.add(pid)
             st = procfs.read_stat(pid)
             ticks = st.start_ticks if st is not None else 0
             self._note_pid(pid, ticks)
@@ -247,16 +291,25 @@ class Supervisor:
                                 "the job's supervisor was told to stop (SIGTERM)", self.grace)
         for sig in (signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, lambda: None)
+        self.subreaper = procfs.become_subreaper()
         self.write()  # from here on the driver may wake us (the handler is in place)
         self.check_stop()  # a stop asked for before we started
         await self.spawn_all()
+        reap_at = loop.time() + REAP_SECONDS
         while not self.machine.ended:
             self.changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.changed.wait(), STOP_POLL_SECONDS)
             self.check_stop()
             self._check_files()
+            if self.machine.state.is_terminal():
+                # The job has ended: nothing of it runs on (its pipes close with them).
+                self.signal_escapees(signal.SIGKILL, ESCAPEE_PASSES)
+            elif loop.time() >= reap_at:
+                self.signal_escapees(None)  # reaps the ended ones
+                reap_at = loop.time() + REAP_SECONDS
             self._drain_bound(loop.time())
+        self.signal_escapees(signal.SIGKILL, ESCAPEE_PASSES)
         self._close_transports()
         self.write()
 
