@@ -304,3 +304,13 @@ def test_bad_filter(text: str) -> None:
     with pytest.raises(InvalidArgument) as ei:
         parse_filter(text)
     assert ei.value.violations[0].field == "filter"
+
+
+def test_a_stopped_job_has_no_exit_code_whatever_its_backend_says() -> None:
+    """Slurm reports a stopped batch script's 143, the local driver nothing: a STOPPED job has
+    no exit code on any backend (job.proto), a FAILED one its failing replica's."""
+    j = job(S.STOPPING)
+    stopped = states.apply_observation(j, Observation("j", state=S.STOPPED, attempt=1, exit_code=143), NOW)
+    assert stopped is not None and stopped.state == S.STOPPED and stopped.exit_code is None
+    failed = states.apply_observation(j, Observation("j", state=S.FAILED, attempt=1, exit_code=3), NOW)
+    assert failed is not None and failed.exit_code == 3

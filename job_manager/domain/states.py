@@ -126,7 +126,9 @@ def apply_observation(job: Job, obs: Observation, now: datetime) -> Job | None:
             new.message = obs.message[:MAX_MESSAGE]
         if obs.replicas:
             new.replicas = planned_replicas(job, obs.replicas)
-        if obs.exit_code is not None:
+        if target == S.STOPPED:
+            new.exit_code = None  # stopped, not exited: every backend alike (Slurm said 143)
+        elif obs.exit_code is not None:
             new.exit_code = obs.exit_code
     if obs.backend_restarts > new.backend_restarts:  # the backend reran this attempt (a Slurm requeue)
         new.backend_restarts = obs.backend_restarts
