@@ -57,6 +57,14 @@ def test_stop_and_time_limit_decide_the_outcome_whatever_the_exit_codes():
     assert limited.time_limit() and not limited.time_limit()
     limited.exited(0, 0)
     assert limited.finish(1.0) and (limited.state, limited.reason) == (JobState.FAILED, "TimeLimitExceeded")
+    # A process that exits 0 on the SIGTERM is stopped, not done (docs/ENVIRONMENT.md; Slurm, Ray)
+    assert (limited.procs[0].state, limited.procs[0].exit_code) == (ReplicaState.STOPPED, 0)
+    clean = _machine(RunMode.MULTI_PROCESS, ("worker", 2))
+    _start_all(clean)
+    assert not clean.exited(0, 0)  # done before the stop
+    assert clean.request_stop(2.0)
+    clean.exited(1, 0)
+    assert clean.finish(2.0) and [p.state for p in clean.procs] == [ReplicaState.SUCCEEDED, ReplicaState.STOPPED]
 
 
 def test_the_status_file_round_trips_and_a_lost_supervisor_fails_what_still_ran():

@@ -133,6 +133,8 @@ async def test_a_stop_gives_the_processes_its_grace_after_sigterm(stub):
     obs = await wait_state(stub, jid, within=120)
     assert obs.state == job_pb2.JOB_STATE_STOPPED, obs
     assert [e.text for e in await logs(stub, jid) if e.stream == job_pb2.LOG_STREAM_STDOUT] == ["up", "term", "saved"]
+    # its exit 0 came after the stop: STOPPED, as on every backend (docs/ENVIRONMENT.md)
+    assert [(r.state, r.exit_code) for r in obs.replicas] == [(job_pb2.REPLICA_STATE_STOPPED, 0)], obs.replicas
 
 
 async def test_a_process_that_ignores_sigterm_is_killed_after_the_grace(stub):

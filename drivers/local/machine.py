@@ -8,9 +8,9 @@ applies ``request_stop`` to its copy to answer a TerminateJob at once.
 
 Per process (``Proc``)::
 
-    PENDING ──started──▶ RUNNING ──exit 0──▶ SUCCEEDED
+    PENDING ──started──▶ RUNNING ──exit 0, job not signalled──▶ SUCCEEDED
        │                    ├──exit ≠ 0, job not signalled──▶ FAILED
-       │                    └──exit ≠ 0 after the job was signalled──▶ STOPPED
+       │                    └──any exit after the job was signalled──▶ STOPPED
        ├──cannot start──▶ FAILED (exit code 127 or 126)
        └──the job is stopping──▶ STOPPED (never started)
 

@@ -45,9 +45,9 @@ def exit_code_of(returncode: int | None) -> int | None:
 def replica_state(exit_code: int | None, *, stop_signalled: bool) -> ReplicaState:
     if exit_code is None:
         return ReplicaState.FAILED  # the UNKNOWN fallback: no status to read
-    if exit_code == 0:
-        return ReplicaState.SUCCEEDED
-    return ReplicaState.STOPPED if stop_signalled else ReplicaState.FAILED
+    if stop_signalled:  # stopped (even one that exits 0 on SIGTERM), as on every backend
+        return ReplicaState.STOPPED
+    return ReplicaState.SUCCEEDED if exit_code == 0 else ReplicaState.FAILED
 
 
 @dataclass(frozen=True)

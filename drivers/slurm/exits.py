@@ -14,7 +14,7 @@ An MPI job's file has a second line, ``hosts worker-0 worker-1``: the
 replicas that only host the launcher's ranks (no process of their own), so
 a driver that adopts the job without its record still reports them.
 
-``exit``: the process ended before the job was decided; ``stop``: after it,
+``exit``: the process ended before the job was decided; ``stop``: after it (or after dlsched's stop),
 so the success rule (or the step's end) stopped it. When a job ends, the
 driver reads this file once (``read``, one ``cat`` over SSH, no Slurm call)
 before it reports the end, and ``replicas`` makes of it what every backend

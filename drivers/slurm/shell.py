@@ -72,7 +72,8 @@ STOP_MARK = "stopping"
 #: second line, ``hosts <label> ...``, names the replicas that only host ranks), then one
 #: ``end <label> <status> exit|stop`` line per process in the order the script heard of them:
 #: ``exit`` when it ended before the job was decided (the first such non-zero one decided a
-#: failure), ``stop`` when it ended after, stopped by the success rule (or with the step).
+#: failure), ``stop`` when it ended after, stopped by the success rule, dlsched's stop (the
+#: ``STOP_MARK`` is there) or with the step.
 EXITS = "exits"
 
 #: The success rule both launch styles share: ``dlsched_decide LABEL STATUS DECIDES``
@@ -86,7 +87,7 @@ dlsched_rc=0
 dlsched_done=0
 dlsched_record() {
   local how=exit
-  [ "$dlsched_done" = 0 ] || how=stop
+  [ "$dlsched_done" = 0 ] && [ ! -e "$DLSCHED_DIR/@STOP_MARK@" ] || how=stop
   printf 'end %s %s %s\n' "$1" "$2" "$how" >>"$DLSCHED_DIR/exits"
 }
 dlsched_decide() {
