@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import re
+import shlex
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -44,6 +45,24 @@ LABEL_KEY_RE = re.compile(
     rf"(?:{_DNS_LABEL}(?:\.{_DNS_LABEL})*/)?[A-Za-z0-9](?:[-A-Za-z0-9_.]*[A-Za-z0-9])?\Z")
 LABEL_VALUE_RE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?\Z")
 RESERVED_ENV_PREFIX = "DLSCHED_"  # any case
+#: Names the shells of the launch scripts own (Slurm's steps and wrappers, MPI ranks on every
+#: backend run under /bin/sh or bash): a shell resets them (IFS), fails on them (OPTIND=x,
+#: read-only UID), changes its own behaviour (POSIXLY_CORRECT, SHELLOPTS, BASH_ENV, CDPATH) or
+#: sets them itself (PWD, SHLVL): the job could not get them as given, so none is accepted.
+SHELL_ENV_NAMES = frozenset({
+    "IFS", "OPTIND", "OPTARG", "OPTERR", "POSIXLY_CORRECT", "SHELLOPTS", "BASHOPTS", "BASH_ENV", "ENV",
+    "BASH_XTRACEFD", "PS1", "PS2", "PS4", "CDPATH", "GLOBIGNORE", "BASH_VERSINFO", "BASH_VERSION", "UID",
+    "EUID", "PPID", "GROUPS", "BASHPID", "BASH_ARGV", "BASH_ARGC", "BASH_ARGV0", "BASH_LINENO", "BASH_SOURCE",
+    "FUNCNAME", "BASH_CMDS", "BASH_ALIASES", "BASH_SUBSHELL", "BASH_COMMAND", "BASH_REMATCH", "BASH",
+    "RANDOM", "SRANDOM", "SECONDS", "LINENO", "EPOCHSECONDS", "EPOCHREALTIME", "HISTCMD", "DIRSTACK",
+    "PIPESTATUS", "SHLVL", "PWD", "OLDPWD", "_", "BASH_COMPAT", "BASH_LOADABLES_PATH", "EXECIGNORE",
+    "FIGNORE", "HOSTTYPE", "MACHTYPE", "OSTYPE", "TMOUT"})
+#: Queue (a Slurm partition, a list of them, a Kubernetes queue's name): never an option or a line.
+QUEUE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}(?:,[A-Za-z0-9_.-]{1,64}){0,15}\Z")
+#: A replica's command line, shell-quoted (``shlex.join`` of command + args), at most: it may
+#: travel in one environment string (MPI ranks on every backend, a lone ':' on Slurm), whose
+#: Linux limit (MAX_ARG_STRLEN, 128 KiB) holds ``DLSCHED_MPI_ARGV=`` too.
+ARGV_MAX_BYTES = 131072 - len("DLSCHED_MPI_ARGV") - 2
 
 MAX_SPEC_BYTES = 256 * 1024
 MAX_GROUPS = 16
@@ -237,16 +256,25 @@ def check_group(out: list[FieldViolation], f: str, g: _Group) -> None:
         out.append(FieldViolation(f"{f}.command", "must not be empty"))
     elif not g.command[0]:
         out.append(FieldViolation(f"{f}.command[0]", "the program must not be empty"))
+    nul = False
     for name, items in (("command", g.command), ("args", g.args)):
         for j, a in enumerate(items):
             if "\x00" in a:
                 out.append(FieldViolation(f"{f}.{name}[{j}]", "must not contain NUL"))
+                nul = True
+    if not nul and len(shlex.join([*g.command, *g.args]).encode()) > ARGV_MAX_BYTES:
+        out.append(FieldViolation(f"{f}.args", f"the command line, shell-quoted, must fit in {ARGV_MAX_BYTES} "
+                                               "bytes (on some backends it reaches the process in one "
+                                               "environment string)"))
     for k, v in g.env.items():
         if not ENV_NAME_RE.match(k):
             out.append(FieldViolation(f"{f}.env[{k[:40]!r}]", "names match [A-Za-z_][A-Za-z0-9_]*"))
         elif k.upper().startswith(RESERVED_ENV_PREFIX):
             out.append(FieldViolation(f"{f}.env[{k[:40]!r}]",
                                       f"names starting with {RESERVED_ENV_PREFIX} (any case) are reserved"))
+        elif k in SHELL_ENV_NAMES:
+            out.append(FieldViolation(f"{f}.env[{k!r}]", "a name the launch scripts' shell owns (it would "
+                                                        "not reach the job as given); use another name"))
         if "\x00" in v:
             out.append(FieldViolation(f"{f}.env[{k[:40]!r}]", "the value must not contain NUL"))
     for name in ("image", "working_dir"):
@@ -328,12 +356,19 @@ def check_spec(spec: Any, *, time_limit_seconds: float | None, spec_bytes: int |
             math.isfinite(time_limit_seconds) and 0 < time_limit_seconds <= MAX_TIME_LIMIT_SECONDS):
         out.append(FieldViolation(f"{field}.time_limit",
                                   f"more than 0 and at most {MAX_TIME_LIMIT_SECONDS:.0f} s (366 days)"))
-    if "\x00" in spec.queue:
-        out.append(FieldViolation(f"{field}.queue", "must not contain NUL"))
+    if spec.queue and not QUEUE_RE.match(spec.queue):
+        out.append(FieldViolation(f"{field}.queue", "letters, digits, '_', '.' and '-' (1 to 64), or a "
+                                                    "comma-separated list of up to 16 such names"))
     out += check_cluster_type(int(spec.cluster_selector.cluster_type), f"{field}.cluster_selector.cluster_type",
                               allow_unspecified=True)
     _labels(out, f"{field}.labels", spec.labels)
     return out
+
+
+def time_limit_over(seconds: int, nanos: int) -> bool:
+    """Whether a Duration (valid, as ``timeutil.check_duration`` says) is past the time limit's
+    bound, compared exactly (a float of 366 days and 1 ns is 366 days)."""
+    return (seconds, nanos) > (int(MAX_TIME_LIMIT_SECONDS), 0)
 
 
 def check_cluster_type(value: int, field: str, *, allow_unspecified: bool) -> list[FieldViolation]:

@@ -57,6 +57,7 @@ from datetime import UTC, datetime
 import grpc
 from prometheus_client import Counter
 
+from dlsched import spec_rules
 from dlsched.auth.interceptor import caller
 from dlsched.auth.model import Principal
 from dlsched.errors import (
@@ -247,6 +248,8 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             raise InvalidArgument.for_field("spec", f"serialized spec is {spec_bytes} bytes, at most {MAX_SPEC_BYTES}")
         if request.spec.HasField("time_limit"):  # before conversion, which would normalise it
             check_duration(request.spec.time_limit, "spec.time_limit")
+            if spec_rules.time_limit_over(request.spec.time_limit.seconds, request.spec.time_limit.nanos):
+                raise InvalidArgument.for_field("spec.time_limit", "at most 366 days")
         spec = convert.spec_from_proto(request.spec) if request.HasField("spec") else None
         if spec is None:
             raise InvalidArgument.for_field("spec", "required")

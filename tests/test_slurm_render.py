@@ -305,7 +305,7 @@ def test_mpi_launcher_argv_reaches_the_ranks_verbatim():
     got = subprocess.run(["bash", "-c", f'{line}; printf %s "$DLSCHED_MPI_ARGV"'], capture_output=True,
                          timeout=30, check=True).stdout.decode()
     assert shlex.split(got) == ["./hello", *args]
-    (mpirun,) = [ln.strip() for ln in script.splitlines() if "exec mpirun " in ln]
+    (mpirun,) = [ln.strip() for ln in script.splitlines() if 'exec "$dlsched_mpirun_bin" ' in ln]
     assert mpirun.endswith(shlex.join(planner.MPI_RANK_PROGRAM) + " ) &") and "hello" not in mpirun
 
 

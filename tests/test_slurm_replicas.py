@@ -239,6 +239,26 @@ def test_mpi_ranks_lines_stay_whole_with_the_real_open_mpi(tmp_path):
     assert exits.parse((tmp_path / out.dir / shell.EXITS).read_text()).ends == (exits.End("launcher-0", 0, False),)
 
 
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun is not installed")
+def test_the_users_path_does_not_pick_the_mpirun_that_runs(tmp_path):
+    """The launcher's mpirun is the one the cluster's PATH finds: a user's PATH that puts an
+    ``mpirun`` of its own first reaches the ranks, not the launch (a hostile corpus's canary)."""
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    canary = tmp_path / "canary"
+    (fake / "mpirun").write_text(f"#!/bin/sh\ntouch {canary}\nexit 0\n")
+    (fake / "mpirun").chmod(0o755)
+    code = "import os; print('rank', os.environ['OMPI_COMM_WORLD_RANK'], flush=True)"
+    launcher = ReplicaGroup(role="launcher", replicas=1, command=(PY, "-c", code),
+                            env={**ROOT_OK, "PATH": f"{fake}:{os.environ['PATH']}"})
+    spec = JobSpec(RunMode.MPI, (launcher, g("worker", "", ppr=2)))
+    out = render.render_job("mpi-2", spec, 1, {"max_nodes": "1"})
+    res = sandbox_run(tmp_path, out, node="localhost")
+    assert res.returncode == 0, res.stderr + (tmp_path / out.dir / "launcher-0.stderr").read_text()[-2000:]
+    assert not canary.exists()
+    assert sorted((tmp_path / out.dir / "launcher-0.stdout").read_text().split("\n")[:2]) == ["rank 0", "rank 1"]
+
+
 def test_an_mpi_job_adopted_without_its_record_reports_its_worker_replicas(tmp_path):
     """The MPI workers run no process of their own, so the exits file's ``labels`` miss them; its
     ``hosts`` line names them, and a job the driver adopts without its record (roles unknown)

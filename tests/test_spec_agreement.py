@@ -128,3 +128,61 @@ def test_over_the_bounds_is_refused_before_anything_walks_the_spec() -> None:
     pb = job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MULTI_PROCESS, replica_groups=[g])
     for accepts in (_job_manager_accepts, _driver_accepts):
         assert not accepts(pb)  # 10,240,000 processes: refused without planning one
+
+
+def _refusal(pb: job_pb2.JobSpec) -> list[str]:
+    """The fields JobManager's SubmitJob checks name for ``pb`` ([] when it accepts it)."""
+    try:
+        validate_submit("", jm_convert.spec_from_proto(pb), "", pb.ByteSize())
+    except InvalidArgument as e:
+        return [v.field for v in e.violations]
+    return []
+
+
+def _one(*, queue: str = "", env: dict[str, str] | None = None, args: list[str] | None = None,
+         mode: int = job_pb2.RUN_MODE_SINGLE_PROCESS) -> job_pb2.JobSpec:
+    if mode == job_pb2.RUN_MODE_MPI:
+        groups = [job_pb2.ReplicaGroup(role="launcher", replicas=1, command=["./hello"], args=args or [], env=env),
+                  job_pb2.ReplicaGroup(role="worker", replicas=1, processes_per_replica=2, command=["./hello"])]
+    else:
+        groups = [job_pb2.ReplicaGroup(role="main", replicas=1, command=["./hello"], args=args or [], env=env)]
+    return job_pb2.JobSpec(run_mode=mode, replica_groups=groups, queue=queue)
+
+
+def test_what_a_driver_would_refuse_for_its_shape_jobmanager_refuses_first() -> None:
+    """A hostile-spec corpus found specs SubmitJob stored and every launch then refused
+    (FAILED LaunchRejected) or ran wrong: a queue Slurm takes as options or script lines, a
+    launcher command line too long for the environment string MPI's ranks get it in, and the
+    names the launch scripts' shells own (OPTIND=x failed the job, IFS never reached it, UID is
+    read-only in bash)."""
+    from drivers.slurm import render as slurm_render
+
+    for queue in ("a b", "--wrap=touch /tmp/x", "debug\n#SBATCH --uid=0", "x" * 65, "a,,b"):
+        assert _refusal(_one(queue=queue)) == ["spec.queue"], queue
+        assert not slurm_render.PARTITION_RE.match(queue)
+    for queue in ("debug", "gpu.a100_x-1", "debug,gpu"):
+        assert _refusal(_one(queue=queue)) == [], queue
+        assert slurm_render.PARTITION_RE.match(queue)
+    for name in ("IFS", "OPTIND", "UID", "EUID", "PPID", "SHELLOPTS", "BASH_ENV", "POSIXLY_CORRECT", "PS4", "CDPATH"):
+        assert _refusal(_one(env={name: "x"})) == [f"spec.replica_groups[0].env[{name!r}]"], name
+    assert _refusal(_one(env={"ifs": "x", "OPTIONS": "y", "PATH": "/bin"})) == []
+    long = ["'" * 40_000, "b" * 40_000]  # each quote becomes 5 characters once shell-quoted
+    for mode in (job_pb2.RUN_MODE_MPI, job_pb2.RUN_MODE_SINGLE_PROCESS):
+        assert _refusal(_one(args=long, mode=mode)) == ["spec.replica_groups[0].args"]
+        assert not _driver_accepts(_one(args=long, mode=mode))
+    assert _refusal(_one(args=["b" * 60_000], mode=job_pb2.RUN_MODE_MPI)) == []
+
+
+def test_a_time_limit_past_366_days_by_a_nanosecond_is_refused() -> None:
+    """366 days and 1 ns was a float equal to 366 days: stored as 366 days, past the bound."""
+    from dlsched import spec_rules
+
+    assert spec_rules.time_limit_over(366 * 86400, 1) and not spec_rules.time_limit_over(366 * 86400, 0)
+    pb = _one()
+    pb.time_limit.CopyFrom(duration_pb2.Duration(seconds=366 * 86400, nanos=1))
+    try:
+        driver_convert.job_spec(pb, True)
+    except InvalidArgument as e:
+        assert [v.field for v in e.violations] == ["spec.time_limit"]
+    else:
+        raise AssertionError("a driver took a time limit past 366 days")

@@ -79,7 +79,8 @@ MPI_RANK_SCRIPT = ('eval "set -- $DLSCHED_MPI_ARGV" || exit 127; '
                    'case $1 in -*) "$@"; exit;; esac; exec "$@"')
 MPI_RANK_PROGRAM = ("/bin/sh", "-c", MPI_RANK_SCRIPT)
 #: Linux's limit on one environment string (MAX_ARG_STRLEN), which ``DLSCHED_MPI_ARGV=...`` must fit in.
-MPI_ARGV_MAX_BYTES = 131072 - len(MPI_ARGV_ENV) - 2
+MPI_ARGV_MAX_BYTES = spec_rules.ARGV_MAX_BYTES
+assert MPI_ARGV_MAX_BYTES == 131072 - len(MPI_ARGV_ENV) - 2
 
 #: Roles each mode accepts, in rank / layout order; required ones; one-replica ones (``dlsched.spec_rules``).
 ROLES: Mapping[RunMode, tuple[str, ...]] = {RunMode(m): r for m, r in spec_rules.ROLES.items()}

@@ -237,10 +237,11 @@ def check(spec: JobSpec, options: Mapping[str, str] | None = None) -> RayOptions
         raise MpiNotSupported()
     planner.check_run_mode(spec)
     planner.check_no_images(spec, "Ray")
-    uris = {g.working_dir for g in spec.replica_groups if g.working_dir and is_uri(g.working_dir)}
-    if len(uris) > 1:
-        raise InvalidArgument.for_field("spec.replica_groups.working_dir",
-                                        "Ray takes one working_dir URI per job")
+    first = next((g.working_dir for g in spec.replica_groups if g.working_dir and is_uri(g.working_dir)), "")
+    for i, g in enumerate(spec.replica_groups):
+        if g.working_dir and is_uri(g.working_dir) and g.working_dir != first:
+            raise InvalidArgument.for_field(f"spec.replica_groups[{i}].working_dir",
+                                            "Ray takes one working_dir URI per job")
     return opts
 
 

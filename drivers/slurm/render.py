@@ -139,7 +139,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
-from dlsched import resources
+from dlsched import resources, spec_rules
 from dlsched.errors import FieldViolation, InvalidArgument
 from dlsched.kit.parse import decimal
 from dlsched.spec_rules import ENV_NAME_RE, ID_RE
@@ -169,7 +169,7 @@ STOP_GRACE_SECONDS = 10.0
 LOG_INDEX = "log.index"
 INDEX_INTERVAL = 1
 #: Values that land in #SBATCH lines or paths: validated, never quoted.
-PARTITION_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}(,[A-Za-z0-9_.-]{1,64}){0,15}\Z")
+PARTITION_RE = spec_rules.QUEUE_RE  # spec.queue's rule, the cluster's default partition's too
 UID_MARK_RE = re.compile(r"[A-Za-z0-9]{1,64}")  #: a job uid without its dashes, in the comment
 GPU_TYPE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
 STATE_DIR_RE = re.compile(r"^(?!-)[A-Za-z0-9_./-]{1,255}\Z")

@@ -140,17 +140,24 @@ ENV_PROGRAM = "/usr/bin/env"
 
 
 def mpi_launcher(p: planner.ProcessLaunch, user_exports: list[str]) -> list[str]:
-    """The launcher's subshell body: the mergers (started before the user's variables are
-    exported: a PATH of the user's must not change the commands they run), then ``mpirun``
+    """The launcher's subshell body: the mergers and ``mpirun``'s path (both before the user's
+    variables are exported: a PATH of the user's must not change the commands they run; the
+    mergers stop on the done mark its EXIT trap also writes), then ``mpirun``
     writing each rank's output to its own files (``MPI_ARGS``: ``--output-filename DIR:nocopy``,
     an absolute path: mpirun runs in the working directory), SIGTERM passed on to it; its
     status once the mergers are done."""
     cd = f"cd -- {sh_quote(p.working_dir)} || exit 126; " if p.working_dir else ""
-    argv = " ".join(f'"$DLSCHED_DIR/{MPI_OUTPUT_DIR}:nocopy"' if a == MPI_OUTPUT_TOKEN
-                    else shell.dq_with_tokens(a) if shell.DIR_TOKEN in a else sh_quote(a) for a in p.argv)
+    argv = " ".join('"$dlsched_mpirun_bin"' if i == 0 and a == planner.MPIRUN
+                    else f'"$DLSCHED_DIR/{MPI_OUTPUT_DIR}:nocopy"' if a == MPI_OUTPUT_TOKEN
+                    else shell.dq_with_tokens(a) if shell.DIR_TOKEN in a else sh_quote(a)
+                    for i, a in enumerate(p.argv))
     return [
+        # the mergers end on this mark, whichever way this subshell ends
+        f"  trap ': >\"$DLSCHED_DIR/{MPI_OUTPUT_DIR}.done\"' EXIT",
         "  dlsched_merge stdout &",
         "  dlsched_merge stderr >&2 &",
+        # mpirun as the cluster's PATH finds it, not the user's
+        "  dlsched_mpirun_bin=$(command -v mpirun) || dlsched_mpirun_bin=mpirun",
         *user_exports,
         f"  ( {cd}exec {argv} ) &",
         "  dlsched_mpirun=$!",
