@@ -37,7 +37,7 @@ from dlsched.kit.tls import TlsOptions, add_tls_flags, tls_options_from_args
 from dlsched.v1 import access_service_pb2, cluster_manager_service_pb2, job_manager_service_pb2
 
 from . import https
-from .app import Gateway
+from .app import Gateway, answer_parse_errors
 from .rules import routes_for
 
 log = logging.getLogger("gateway")
@@ -147,6 +147,7 @@ async def amain(cfg: Config) -> None:
     # 8192-character filter once percent-encoded, and of a large OIDC token); what aiohttp's
     # parser refuses is logged without the request's bytes (``_QuietParserErrors``).
     logging.getLogger("aiohttp.server").addFilter(_QuietParserErrors())
+    answer_parse_errors()  # ... and answered with a google.rpc.Status that quotes none of them
     runner = web.AppRunner(gateway.app(), access_log=None, handler_cancellation=True,
                            shutdown_timeout=cfg.grace_seconds, max_line_size=MAX_LINE_BYTES,
                            max_field_size=MAX_LINE_BYTES)

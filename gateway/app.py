@@ -88,7 +88,7 @@ def _query(request: web.Request) -> list[tuple[str, str]]:
         return urllib.parse.parse_qsl(request.rel_url.raw_query_string, keep_blank_values=True,
                                       errors="strict")
     except UnicodeDecodeError:
-        raise errors.InvalidArgument("the query is not UTF-8 once percent-decoded") from None
+        raise errors.InvalidArgument.for_field("query", "not UTF-8 once percent-decoded") from None
 
 
 class MethodNotAllowed(errors.Unimplemented):
@@ -466,3 +466,41 @@ async def _end_with_error(resp: web.StreamResponse, st: status_pb2.Status, sse: 
         await resp.write_eof()
     except ConnectionError:
         pass  # the client has gone; nothing left to tell it
+
+
+class MalformedHttp(errors.InvalidArgument):
+    """A request aiohttp's HTTP parser refused (a line or header past the limit, a folded
+    header, a body framed twice): HTTP 400 with a google.rpc.Status, as every other error."""
+
+    reason = "MALFORMED_HTTP_REQUEST"
+
+
+def answer_parse_errors() -> None:
+    """Make aiohttp's answer to a request its parser refused a google.rpc.Status in JSON,
+    naming the error's kind only: its own text/plain answer quoted the request's bytes back
+    (an Authorization header's token, in a folded header's case). aiohttp has no hook for
+    that answer, so its handler's method is wrapped, in the gateway's process only."""
+    from aiohttp import web_protocol
+    from aiohttp.http_exceptions import HttpProcessingError
+
+    original = web_protocol.RequestHandler.handle_error
+    if getattr(original, "_dlsched", False):
+        return
+
+    def handle_error(self: web_protocol.RequestHandler, request: Any, status: int = 500,
+                     exc: BaseException | None = None, message: str | None = None) -> web.StreamResponse:
+        if not isinstance(exc, HttpProcessingError) or status >= 500:
+            return original(self, request, status, exc, message)
+        if request.writer.output_size > 0:
+            raise ConnectionError("the response has begun: no error can follow")
+        err = MalformedHttp(f"the HTTP request could not be parsed ({type(exc).__name__}, HTTP {status})")
+        resp = _json(status, rpc_errors_json(err))
+        resp.force_close()
+        return resp
+
+    handle_error._dlsched = True  # type: ignore[attr-defined]
+    web_protocol.RequestHandler.handle_error = handle_error  # type: ignore[method-assign]
+
+
+def rpc_errors_json(err: errors.DlschedError) -> Any:
+    return status.to_json(rpc_errors.to_status(err))

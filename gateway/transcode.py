@@ -110,6 +110,7 @@ def _one_name_per_field(desc: descriptor.Descriptor, data: dict[str, Any], path:
             raise _invalid(".".join([*path, field.name]), f"given as {seen[field.name]!r} and as {key!r}: "
                                                           "given more than once")
         seen[field.name] = key
+        _strict_values(field, value, [*path, field.name])
         sub = field.message_type if field.type == FD.TYPE_MESSAGE else None
         if sub is None or sub.GetOptions().map_entry or sub.full_name.startswith("google.protobuf."):
             continue
@@ -118,6 +119,56 @@ def _one_name_per_field(desc: descriptor.Descriptor, data: dict[str, Any], path:
             if isinstance(item, dict):
                 name = f"{field.name}[{i}]" if is_repeated(field) else field.name
                 _one_name_per_field(sub, item, [*path, name])
+
+
+_INTS = frozenset({FD.TYPE_INT32, FD.TYPE_INT64, FD.TYPE_UINT32, FD.TYPE_UINT64, FD.TYPE_SINT32,
+                   FD.TYPE_SINT64, FD.TYPE_FIXED32, FD.TYPE_FIXED64, FD.TYPE_SFIXED32, FD.TYPE_SFIXED64})
+_INT_TEXT = re.compile(r"-?[0-9]{1,20}\Z")  # ASCII digits: "１" or "١" is no number here
+_FLOAT_TEXT = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?\Z|NaN\Z|-?Infinity\Z")
+#: proto3 JSON's Duration: seconds with at most 9 fraction digits (more was cut silently)
+_DURATION_TEXT = re.compile(r"-?[0-9]{1,12}(?:\.[0-9]{1,9})?s\Z")
+_WRAPPERS = frozenset({"google.protobuf.Int32Value", "google.protobuf.Int64Value", "google.protobuf.UInt32Value",
+                       "google.protobuf.UInt64Value", "google.protobuf.FloatValue", "google.protobuf.DoubleValue"})
+
+
+def _strict_values(field: descriptor.FieldDescriptor, value: Any, path: list[str]) -> None:
+    """What protobuf's ParseDict takes too loosely for ``field``: a JSON true as the number 1,
+    digits of other scripts ("１") as a number, a Duration with more than 9 fraction digits."""
+    if value is None:
+        return
+    sub = field.message_type if field.type == FD.TYPE_MESSAGE else None
+    if sub is not None and sub.GetOptions().map_entry:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                _strict_values(sub.fields_by_name["value"], v, [*path[:-1], f"{path[-1]}[{str(k)[:40]!r}]"])
+        return
+    if is_repeated(field) and isinstance(value, list):
+        for i, v in enumerate(value):
+            _strict_item(field, sub, v, [*path[:-1], f"{path[-1]}[{i}]"])
+        return
+    _strict_item(field, sub, value, path)
+
+
+def _strict_item(field: descriptor.FieldDescriptor, sub: descriptor.Descriptor | None, value: Any,
+                 path: list[str]) -> None:
+    kind = field.type
+    if sub is not None:
+        if sub.full_name == "google.protobuf.Duration":
+            if not (isinstance(value, str) and _DURATION_TEXT.match(value)):
+                raise _invalid(".".join(path), "a duration is a string of seconds with at most 9 fraction "
+                                               "digits and an 's' (\"1.5s\")")
+            return
+        if sub.full_name not in _WRAPPERS:
+            return
+        kind = sub.fields_by_name["value"].type
+    if kind in _INTS:
+        if isinstance(value, bool) or not (isinstance(value, int | float) or
+                                           (isinstance(value, str) and _INT_TEXT.match(value))):
+            raise _invalid(".".join(path), "an integer is a JSON number or a string of ASCII digits")
+    elif kind in _FLOATS:
+        if isinstance(value, bool) or not (isinstance(value, int | float) or
+                                           (isinstance(value, str) and _FLOAT_TEXT.match(value))):
+            raise _invalid(".".join(path), "a number is a JSON number or its decimal string")
 
 
 class DuplicateKey(ValueError):
@@ -200,9 +251,10 @@ def _apply_query(route: Route, msg: message.Message, pairs: list[tuple[str, str]
         proto_path = ".".join(f.name for f in fields)
         first = grouped.setdefault(proto_path, (key, fields, []))
         if first[0] != key:
-            raise _invalid(key, f"the field {first[0]} names too: given more than once")
+            raise _invalid(proto_path, f"given as {first[0]!r} and as {key!r}: given more than once")
         first[2].append(value)
-    for proto_path, (key, fields, values) in grouped.items():
+    for proto_path, (_, fields, values) in grouped.items():
+        key = proto_path  # errors name the field by its proto path, whatever name the query used
         if proto_path in bound or any(p.startswith(proto_path + ".") for p in bound):
             raise _invalid(key, "set by the URL path, not the query")
         if route.body and fields[0].name == route.body:
@@ -254,12 +306,22 @@ def _query_value(f: descriptor.FieldDescriptor, text: str) -> Any:
                 inner is not None and inner.type == FD.TYPE_BOOL):
             return _bool(text)
         if inner is not None and inner.type in _FLOATS:
+            if not _FLOAT_TEXT.match(text):
+                raise ValueError(f"not a number: {text[:40]!r}")
             return float(text)
+        if inner is not None and inner.type in _INTS and not _INT_TEXT.match(text):
+            raise ValueError(f"not an integer (ASCII digits): {text[:40]!r}")
+        if _message_type(f).full_name == "google.protobuf.Duration" and not _DURATION_TEXT.match(text):
+            raise ValueError("a duration is seconds with at most 9 fraction digits and an 's' (\"1.5s\")")
         return text
     if kind == FD.TYPE_BOOL:
         return _bool(text)
     if kind in _FLOATS:
+        if not _FLOAT_TEXT.match(text):
+            raise ValueError(f"not a number: {text[:40]!r}")
         return float(text)
+    if kind in _INTS and not _INT_TEXT.match(text):
+        raise ValueError(f"not an integer (ASCII digits): {text[:40]!r}")
     return text  # ints (json_format takes strings), strings, enums (name or number), bytes
 
 

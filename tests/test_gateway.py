@@ -424,8 +424,21 @@ def test_gateway_side_errors_are_status_json(base: str) -> None:
     code, body = call(base, "POST", "/v1/jobs", {"spec": {"replicaGroups": [
         {"role": "a"}, {"role": "b", "processes_per_replica": 1, "processesPerReplica": 2}]}})
     assert code == 400 and violations(body) == ["spec.replica_groups[1].processes_per_replica"], body
-    code, body = call(base, "GET", "/v1/jobs?pageSize=abc")
-    assert code == 400 and violations(body) == ["pageSize"]
+    # a query parameter's error names the field by its proto path, whichever name it was given by
+    for query in ("pageSize=abc", "page_size=abc", "pageSize=-1", "pageSize=%EF%BC%91"):
+        code, body = call(base, "GET", f"/v1/jobs?{query}")
+        assert code == 400 and violations(body) == ["page_size"], (query, body)
+        assert "int()" not in json.dumps(body), body
+    code, body = call(base, "GET", "/v1/jobs?filter=%ff")
+    assert code == 400 and violations(body) == ["query"], body
+    # JSON that protobuf's parser took too loosely: true as 1, other scripts' digits, 10 fraction digits
+    for spec, field in (({"replicaGroups": [{"resources": {"cpu": True}}]}, "spec.replica_groups[0].resources.cpu"),
+                        ({"replicaGroups": [{"replicas": "\uff11"}]}, "spec.replica_groups[0].replicas"),
+                        ({"maxRetries": "\u0661"}, "spec.max_retries"),
+                        ({"maxRetries": False}, "spec.max_retries"),
+                        ({"timeLimit": "1.0000000001s"}, "spec.time_limit")):
+        code, body = call(base, "POST", "/v1/jobs", {"spec": spec})
+        assert code == 400 and violations(body) == [field], (spec, body)
     code, body = call(base, "GET", "/v1/jobs?bogus=1")
     assert code == 400 and violations(body) == ["bogus"]
     # What is wrong with the body as a whole, or a nameless parameter, is named too.
@@ -470,6 +483,27 @@ def test_a_decoded_newline_or_nul_in_a_path_is_status_json_and_forges_no_log_lin
     assert "\x00" not in gateway.log()
 
 
+def test_what_the_http_parser_refuses_is_status_json_quoting_nothing(base: str) -> None:
+    """A request line past 64 KiB, a folded Authorization header: aiohttp answered text/plain
+    with the request's bytes in it (the bearer token, for the folded header)."""
+    host, port = base.removeprefix("https://").rsplit(":", 1)
+    secret = "dlsstatic_" + "s3cr3t" * 5
+    for request in (b"GET /v1/jobs?filter=" + b"a" * 70_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+                    b"GET /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer\r\n " + secret.encode()
+                    + b"\r\nConnection: close\r\n\r\n"):
+        with socket.create_connection((host, int(port)), timeout=10) as raw, \
+                client_ssl().wrap_socket(raw, server_hostname="localhost") as tls:
+            tls.sendall(request)
+            answer = b""
+            while chunk := tls.recv(65536):
+                answer += chunk
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert re.match(rb"HTTP/1\.[01] 4\d\d ", head) and b"application/json" in head, answer[:300]
+        doc = json.loads(payload)
+        assert doc["code"] == 3 and reason(doc) == "MALFORMED_HTTP_REQUEST", doc
+        assert secret.encode() not in answer and b"aaaa" not in payload
+
+
 def test_a_long_filter_and_a_large_token_reach_the_service(base: str) -> None:
     """An 8,000-character filter of spaces and quotes (about 24 KB percent-encoded) and a
     9,000-byte bearer token (a large OIDC token): answered by the service as JSON, not refused
@@ -506,7 +540,7 @@ def test_queries_as_grpc_gateway_clients_send_them(base: str, local_cluster: str
     code, body = call(base, "GET", "/v1/jobs/nope/logs?role=x&tail_lines=abc")
     assert code == 400 and violations(body) == ["tail_lines"], body
     code, body = call(base, "GET", "/v1/jobs/nope/logs?tail_lines=1&tailLines=2")
-    assert code == 400 and violations(body) == ["tailLines"], body
+    assert code == 400 and violations(body) == ["tail_lines"], body
     code, body = call(base, "GET", "/v1/clusters/local")
     current = body["cluster"]
     for mask in ("labels,driver_address", "labels,driverAddress"):
