@@ -166,9 +166,12 @@ class ClusterStore:
     # --- writes ---------------------------------------------------------
 
     async def create(self, cluster: Cluster, creds: Credentials | None,
-                     request_id: str = "") -> Cluster:
+                     request_id: str = "", *, released: bool = False) -> Cluster:
         """Store a new cluster. With ``request_id``, a retry (or a concurrent
-        twin) returns the cluster the first request made."""
+        twin) returns the cluster the first request made; once that cluster is
+        deleted the request id is free again (as SubmitJob's after a DeleteJob):
+        its key, naming a cluster no longer stored, is released (compared on
+        its value) and the cluster made anew."""
         ckey = self._ckey(cluster.cluster_id)
         compare = [self._tx.create(ckey) == 0]
         success = [self._tx.put(ckey, convert.cluster_to_bytes(cluster))]
@@ -191,11 +194,20 @@ class ClusterStore:
         if request_id and resp[1]:
             made = resp[1][0][0].decode()
             if made != cluster.cluster_id:
-                raise InvalidArgument.for_field(
-                    "request_id", f"already used to create {cluster_name(made)}")
-            if not existing:
-                raise ClusterNotFound(cluster_name(made),
-                                      f"{cluster_name(made)}, made by this request, was deleted")
+                async with _translated("create"):
+                    other = await self._c.get(self._ckey(made))
+                if other is not None or released:
+                    raise InvalidArgument.for_field(
+                        "request_id", f"already used to create {cluster_name(made)}")
+            if made != cluster.cluster_id or not existing:
+                if released:  # released once, and taken again: a concurrent twin's, now
+                    raise ClusterNotFound(cluster_name(made),
+                                          f"{cluster_name(made)}, made by this request, was deleted")
+                rkey = self._reqkey(request_id)
+                async with _translated("create"):
+                    await self._c.transaction(compare=[self._tx.value(rkey) == made.encode()],
+                                              success=[self._tx.delete(rkey)], failure=[])
+                return await self.create(cluster, creds, request_id, released=True)
             value, kv = existing[0]
             return self._decode(value, kv.mod_revision)
         raise ClusterAlreadyExists(cluster.name)

@@ -490,12 +490,22 @@ async def test_create_with_request_id_is_idempotent(
     e = await rpc_error(create(stub, "other", local_cluster(drv), request_id="req-1"))
     assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and fields(e) == ["request_id"]
 
+    # Once its cluster is deleted the request id is free (as SubmitJob's after a DeleteJob): it
+    # was NOT_FOUND for ever ("made by this request, was deleted").
+    await stub.DeleteCluster(pb.DeleteClusterRequest(name="clusters/idem"))
+    remade = await create(stub, "idem", local_cluster(drv), request_id="req-1")
+    assert remade.uid != first.uid
+    await stub.DeleteCluster(pb.DeleteClusterRequest(name="clusters/idem"))
+    other = await create(stub, "other", local_cluster(drv), request_id="req-1")
+    assert other.name == "clusters/other"
+    await stub.DeleteCluster(pb.DeleteClusterRequest(name="clusters/other"))
+
     # Concurrent twins: all succeed with the one cluster.
     results = await asyncio.gather(*(
         create(stub, "twin", local_cluster(drv), request_id="req-twin") for _ in range(8)))
     assert len({r.uid for r in results}) == 1
     listed = (await stub.ListClusters(pb.ListClustersRequest())).clusters
-    assert sorted(c.name for c in listed) == ["clusters/idem", "clusters/twin"]
+    assert sorted(c.name for c in listed) == ["clusters/twin"]
 
     # Concurrent creates of one id without request ids: exactly one wins.
     outcomes = await asyncio.gather(
