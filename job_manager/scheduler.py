@@ -53,7 +53,13 @@ from dlsched.kit.locks import KeyedLocks
 from job_manager.cache import JobCache
 from job_manager.clients import ClusterManagerClient, DriverClient, DriverPool
 from job_manager.domain import states
-from job_manager.domain.errors import EtagMismatch, JobNotFound, NoMatchingCluster, RequestIdInUse
+from job_manager.domain.errors import (
+    EtagMismatch,
+    JobAlreadyExists,
+    JobNotFound,
+    NoMatchingCluster,
+    RequestIdInUse,
+)
 from job_manager.domain.model import Candidate, Job, JobSpec, JobState, NativeSpec, Observation
 from job_manager.domain.validation import validate_submit
 from job_manager.history.store import HistoryStore
@@ -220,6 +226,7 @@ class Scheduler:
                   owner=owner, project=spec.project, reason=states.LAUNCH_QUEUED)
         logs.JOB_ID.set(job.id)  # this handler's task: its records name the job
         if dry_run:
+            await self._dry_run_conflicts(job_id, request_id, owner)
             # A driver down for now (the job would be stored and wait for it): the
             # placement without the native spec, as the submit would go on.
             native: NativeSpec | None = None
@@ -248,6 +255,22 @@ class Scheduler:
                  request_id or "-")
         await self._queue_launch(stored)
         return stored, None
+
+    async def _dry_run_conflicts(self, job_id: str, request_id: str, owner: str) -> None:
+        """The errors the call would answer were it not a dry run (AIP-163): its job id taken
+        (ALREADY_EXISTS), its request id another caller's or another job id's."""
+        if request_id:
+            seen = await self._lookup_request(request_id, owner)  # an archived one of another: raises
+            if seen is not None:
+                if seen.owner != owner:
+                    raise RequestIdInUse()
+                if job_id and seen.id != job_id:
+                    raise errors.InvalidArgument.for_field("request_id", f"already used to submit jobs/{seen.id}")
+                return  # a retry: the call would answer its first job
+        if job_id:
+            with contextlib.suppress(JobNotFound):
+                await self.store.get(job_id)
+                raise JobAlreadyExists(f"job jobs/{job_id} already exists", metadata={"name": f"jobs/{job_id}"})
 
     async def _seen_request(self, request_id: str, owner: str, match_error: errors.DlschedError) -> Job | None:
         """The job of ``request_id`` if one was made (live or archived), looked up

@@ -255,16 +255,18 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             raise InvalidArgument.for_field("spec", "required")
         p = caller()
         spec.project = p.resolve_project(spec.project)
-        if request.job_id and not request.dry_run and self.history is not None \
-                and await self.history.get(request.job_id) is not None:
+        if request.job_id and self.history is not None and await self.history.get(request.job_id) is not None:
             # A retry of the request that made it answers it; else an id that lives
-            # on in the history: a new job must not hide the archived one.
+            # on in the history: a new job must not hide the archived one (a dry run
+            # is told so too, AIP-163).
             first = await self.scheduler.archived_request(request.request_id, p.name)
-            if first is not None:
-                return pb.SubmitJobResponse(job=convert.job_to_proto(_check_same_job(request, first, p)))
-            # (the same words as for a live job: whose it is, and that it ended, stay unsaid)
-            raise JobAlreadyExists(f"job jobs/{request.job_id} already exists",
-                                   metadata={"name": f"jobs/{request.job_id}"})
+            if first is None:
+                # (the same words as for a live job: whose it is, and that it ended, stay unsaid)
+                raise JobAlreadyExists(f"job jobs/{request.job_id} already exists",
+                                       metadata={"name": f"jobs/{request.job_id}"})
+            first = _check_same_job(request, first, p)
+            if not request.dry_run:
+                return pb.SubmitJobResponse(job=convert.job_to_proto(first))
         job, dry = await self.scheduler.submit(
             request.job_id, spec, request.request_id, dry_run=request.dry_run,
             spec_bytes=spec_bytes, owner=p.name)

@@ -538,6 +538,27 @@ async def test_dry_run_renders_and_stores_nothing(jm: pb_grpc.JobManagerServiceS
     assert ei.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+async def test_a_dry_run_answers_the_errors_the_call_would(jm: pb_grpc.JobManagerServiceStub) -> None:
+    """AIP-163: validate-only answers what the real request would: a job id taken is
+    ALREADY_EXISTS, a request id used for another job id INVALID_ARGUMENT (a dry run said OK)."""
+    job_id, request_id = uniq(), uniq()
+    await jm.SubmitJob(pb.SubmitJobRequest(job_id=job_id, spec=single("pass"), request_id=request_id))
+    for req, code, field in ((pb.SubmitJobRequest(job_id=job_id, spec=single("pass"), dry_run=True),
+                              grpc.StatusCode.ALREADY_EXISTS, None),
+                             (pb.SubmitJobRequest(job_id=uniq(), spec=single("pass"), dry_run=True,
+                                                  request_id=request_id),
+                              grpc.StatusCode.INVALID_ARGUMENT, "request_id")):
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await jm.SubmitJob(req)
+        assert ei.value.code() == code, ei.value
+        if field:
+            assert [v.field for v in field_violations(ei.value)] == [field]
+    # a retry of the request that made it is no error, dry or not
+    again = await jm.SubmitJob(pb.SubmitJobRequest(job_id=job_id, spec=single("pass"), dry_run=True,
+                                                   request_id=request_id))
+    assert again.job.name == f"jobs/{job_id}"
+
+
 async def test_list_paging_and_delete(jm: pb_grpc.JobManagerServiceStub) -> None:
     tag = uniq()
     names = []
