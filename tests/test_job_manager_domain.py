@@ -162,6 +162,9 @@ def test_lost_only_when_launched() -> None:
     assert states.mark_lost(job(S.PENDING, backend_job_id=""), NOW) is None
     lost = states.mark_lost(job(S.RUNNING), NOW)
     assert lost is not None and lost.state == S.FAILED and lost.reason == "LostByBackend"
+    # a job being stopped that the backend lost ended as asked: STOPPED, not FAILED
+    stopping = states.mark_lost(job(S.STOPPING), NOW)
+    assert stopping is not None and stopping.state == S.STOPPED and stopping.reason == "LostByBackend"
 
 
 def test_driver_unreachable_says_so_and_keeps_the_state() -> None:

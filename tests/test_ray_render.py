@@ -283,3 +283,19 @@ def test_a_traceback_in_rays_message_reaches_the_job_as_its_error_line():
     assert logs_after.message == "Job entrypoint command failed. Last available logs: KeyError: 'a'"
     plain = parse.observation("j", 1, {"submission_id": "s", "status": "FAILED", "message": "x" * 5000})
     assert len(plain.message) == parse.MESSAGE_LIMIT + len(" ...")
+
+
+async def test_a_call_on_a_connection_replaced_meanwhile_is_unavailable_not_internal():
+    """A cluster configured anew (ClusterManager resends its config while the Ray head is
+    frozen) closes the old connection under calls still running on it: aiohttp's "Session is
+    closed" reached the client as INTERNAL with a traceback in the log."""
+    from dlsched.errors import Unavailable
+    from drivers.common.base import ClusterConfig
+    from drivers.ray.api import RayApi
+
+    api = RayApi(ClusterConfig(name="clusters/r", address="http://127.0.0.1:9"), 5)
+    await api.close()
+    for call in (api.request("GET", "/api/jobs/x"), api.read_file("n", "f")):
+        with pytest.raises(Unavailable) as e:
+            await call
+        assert e.value.reason == "BACKEND_UNAVAILABLE" and "replaced" in e.value.message

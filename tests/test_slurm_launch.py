@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import subprocess
 import time
 
@@ -479,6 +480,44 @@ async def test_a_new_driver_process_adopts_earlier_jobs_and_never_submits_them_a
     for jid, backend in first.items():
         out = cluster.run("squeue", "--noheader", "--states=all", f"--name=dlsched-{jid}", "-o", "%i").stdout
         assert out.split() == [backend]
+
+
+async def test_a_new_driver_with_slurmctld_down_says_unavailable_not_gone(stub, cluster):
+    """A restarted driver asked about a job it does not track yet, while slurmctld does not
+    answer (SIGSTOP): UNAVAILABLE, not "not found" (JobManager made the running job FAILED
+    LostByBackend); once slurmctld is back, the job is found."""
+    jid = new_id("ctlddown")
+    first = await launch(stub, jid, single("import time; time.sleep(120)"))
+    other = ServiceProcess("drivers.slurm", ["--poll-interval", "0.3"], name="slurm-driver-3").start()
+    ctld = cluster.procs["slurmctld"].pid
+    try:
+        async with security.channel(other.address) as ch:
+            fresh = driver_service_pb2_grpc.DriverServiceStub(ch)
+            await fresh.ConfigureCluster(configure_request(cluster), timeout=30)
+            ref = dpb.JobRef(job_id=jid, backend_job_id=first.backend_job_id)
+            os.kill(ctld, signal.SIGSTOP)
+            try:
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await fresh.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
+                        cluster=CLUSTER, jobs=[ref]), timeout=180)
+                # (squeue waits out its MessageTimeout, 10 s a round: the call may run out of time first)
+                assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), e.value
+            finally:
+                os.kill(ctld, signal.SIGCONT)
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    obs = (await fresh.BatchGetJobObservations(dpb.BatchGetJobObservationsRequest(
+                        cluster=CLUSTER, jobs=[ref]), timeout=60)).observations[0]
+                    break
+                except grpc.aio.AioRpcError as again:
+                    assert time.monotonic() < deadline and again.code() in (
+                        grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED), again
+                    await asyncio.sleep(1)
+            assert obs.found and obs.backend_job_id == first.backend_job_id, obs
+    finally:
+        other.stop()
+        await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=jid)), timeout=60)
 
 
 async def test_a_new_driver_process_keeps_the_attempt_rules(stub, cluster):

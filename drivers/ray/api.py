@@ -103,6 +103,14 @@ class RayApi:
         what = type(e).__name__ if not str(e) else f"{type(e).__name__}: {e}"
         return BackendUnavailable(f"Ray head {self.base} unreachable: {what}"[:500])
 
+    def _replaced(self, e: RuntimeError) -> Exception:
+        """aiohttp's "Session is closed": the cluster was configured anew (or removed) while this
+        call ran on its old connection: UNAVAILABLE, retried on the new one (not INTERNAL)."""
+        if not self.session.closed:
+            return e
+        return BackendUnavailable(f"Ray head {self.base}: the cluster's connection was replaced while "
+                                  "the call ran; retry")
+
     async def request(self, method: str, path: str, body: Any = None) -> Any:
         """The decoded answer (JSON, else text); ``RayHttpError`` / ``BackendUnavailable`` otherwise."""
         ok = False
@@ -119,6 +127,8 @@ class RayApi:
             raise
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             raise self._unavailable(e) from e
+        except RuntimeError as e:
+            raise self._replaced(e) from e
         finally:
             metrics.backend_call("ray", call_name(method, path), ok)
 
@@ -159,6 +169,8 @@ class RayApi:
                 return data
         except (aiohttp.ClientError, TimeoutError) as e:
             raise self._unavailable(e) from e
+        except RuntimeError as e:
+            raise self._replaced(e) from e
         finally:
             metrics.backend_call("ray", "GET /api/v0/logs/file", ok)
 
@@ -184,6 +196,8 @@ class RayApi:
                 yield Stream(r.content, metrics.BACKEND_BYTES.labels("ray", call), self._unavailable)
         except (aiohttp.ClientError, TimeoutError) as e:
             raise self._unavailable(e) from e
+        except RuntimeError as e:
+            raise self._replaced(e) from e
 
     async def find(self, sid: str) -> dict[str, Any] | None:
         """``GET /api/jobs/{sid}``: the submission, or ``None`` when Ray has none."""

@@ -400,8 +400,9 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
         untracked = [r for r in refs if c.find_known(r) is None and decimal(r.backend_job_id)]
         recorded = await self._recorded(c, untracked) if untracked else {}
         unknown = [r for r in untracked if r.job_id not in c.jobs and (r.job_id, r.backend_job_id) not in recorded]
-        if unknown:
-            await self._adopt(c, unknown)
+        if unknown and not await self._adopt(c, unknown):
+            # No round answered (slurmctld or the login node down): unknown is not gone.
+            raise BackendUnavailable(f"Slurm did not answer for {len(unknown)} job(s) this driver does not track yet")
         out: list[JobObservation | None] = []
         for ref in refs:
             gone = recorded.get((ref.job_id, ref.backend_job_id))

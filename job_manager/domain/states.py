@@ -180,9 +180,13 @@ def plan_retry(job: Job, obs: Observation, now: datetime) -> Job:
 
 
 def mark_lost(job: Job, now: datetime) -> Job | None:
-    """The driver no longer knows a job it launched: FAILED LostByBackend."""
+    """The driver no longer knows a job it launched: FAILED LostByBackend (STOPPED when a stop
+    was under way: what was asked for happened, whatever ended it)."""
     if job.state.is_terminal() or not job.launched:
         return None
+    if job.state == S.STOPPING:
+        return _with_state(job, S.STOPPED, now, reason="LostByBackend",
+                           message="stopped: the backend no longer knows the job")
     return _with_state(job, S.FAILED, now, reason="LostByBackend",
                        message="the backend no longer knows the job")
 
