@@ -155,6 +155,7 @@ class ClusterOwnership:
         self._view_ready = asyncio.Event()
         self._tracker: Tracker | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._closing = False
 
     # -- keys
 
@@ -215,6 +216,7 @@ class ClusterOwnership:
 
     async def close(self) -> None:
         """Release every cluster (work stopped, keys deleted with the lease)."""
+        self._closing = True  # a cancel an etcd error swallowed still ends the session loop
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -265,12 +267,14 @@ class ClusterOwnership:
 
     async def _run(self) -> None:
         await self._view_ready.wait()
-        while True:
+        while not self._closing:
             try:
                 await self._session()
             except asyncio.CancelledError:
                 raise
             except (*_ETCD_ERRORS, DlschedError) as e:
+                if self._closing:
+                    return
                 log.warning("ownership session of %s ended: %s; starting another", self.identity, e)
             except Exception:  # never a dead session loop: the replica would own nothing, silently
                 log.exception("ownership session of %s failed; starting another", self.identity)
@@ -287,11 +291,15 @@ class ClusterOwnership:
             log.info("%s joined the JobManager replicas (lease ttl %ds)", self.identity, self.ttl)
             while True:
                 await self._round()
+                # asyncio.timeout, not wait_for: Python 3.11's wait_for can lose a cancel that
+                # comes as the awaited call fails (close() then waited for ever on etcd down)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._nudge.wait(), self.interval)
+                    async with asyncio.timeout(self.interval):
+                        await self._nudge.wait()
                 self._nudge.clear()
                 sent = sole_clock()
-                resp = await asyncio.wait_for(lease.refresh(), self.interval)
+                async with asyncio.timeout(self.interval):
+                    resp = await lease.refresh()
                 if resp is None or resp.TTL <= 0:
                     raise aetcd.exceptions.ClientError("lease expired")
                 # etcd keeps the lease (and the sole-writer key) at least a TTL past `sent`

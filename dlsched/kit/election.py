@@ -41,6 +41,7 @@ class Leadership:
         self.ttl = ttl
         self.is_leader = False
         self._task: asyncio.Task[None] | None = None
+        self._closing = False
 
     def start(self, lead: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Campaign in the background; ``lead()`` runs while this replica leads
@@ -49,6 +50,7 @@ class Leadership:
 
     async def close(self) -> None:
         """Stop campaigning; a leader hands over at once (deletes its key)."""
+        self._closing = True  # a cancel an etcd error swallowed still ends the campaign
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -59,7 +61,7 @@ class Leadership:
         return kv.value.decode() if kv is not None else None
 
     async def _campaign(self, lead: Callable[[], Coroutine[Any, Any, None]]) -> None:
-        while True:
+        while not self._closing:
             try:
                 lease = await self._client.lease(self.ttl)
                 won, _ = await self._client.transaction(
@@ -75,6 +77,8 @@ class Leadership:
             except asyncio.CancelledError:
                 raise
             except _ETCD_ERRORS as e:
+                if self._closing:
+                    return
                 log.warning("election %s: etcd: %s; campaigning again", self.key.decode(), e)
                 await asyncio.sleep(1.0)
 
@@ -96,7 +100,8 @@ class Leadership:
                 done, _ = await asyncio.wait({work}, timeout=self.ttl / 3)
                 if done:
                     break
-                resp = await asyncio.wait_for(lease.refresh(), self.ttl / 3)
+                async with asyncio.timeout(self.ttl / 3):  # (not wait_for: see ownership._session)
+                    resp = await lease.refresh()
                 if resp is None or resp.TTL <= 0:
                     raise aetcd.exceptions.ClientError("lease expired")
             if work.done() and not work.cancelled() and work.exception() is not None:
