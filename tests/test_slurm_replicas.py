@@ -569,6 +569,36 @@ async def test_a_stopped_master_worker_job_sigterms_every_process(jm, runs, back
     assert termed(out) == {"master-0", "worker-0", "worker-1"}
 
 
+#: Attempt 1 prints "first" and fails; attempt 2 (a marker file says which) prints "second" and succeeds.
+RETRIED = """
+import os, pathlib, sys, time
+marker = pathlib.Path(sys.argv[1])
+n = len(marker.read_text()) if marker.exists() else 0
+marker.write_text("x" * (n + 1))
+print("first" if n == 0 else "second", flush=True)
+time.sleep(2)
+sys.exit(7 if n == 0 else 0)
+"""
+
+
+@pytest.mark.timeout(600)
+async def test_a_follow_goes_on_to_a_retrys_attempt(jm, runs, backend, tmp_path):
+    """job.proto: a follow goes on "following a retry's later attempts". On Ray it stayed on
+    attempt 1's files until the whole job ended, and never showed attempt 2's lines."""
+    out = tmp_path / "retry"
+    out.mkdir(mode=0o777)
+    spec = S.JobSpec(run_mode=S.RUN_MODE_SINGLE_PROCESS, max_retries=1, replica_groups=[
+        S.ReplicaGroup(role="main", replicas=1, command=[PY, "-u", "-c", RETRIED, str(out / "marker")])],
+        cluster_selector=S.ClusterSelector(cluster=backend))
+    r = Run(jm, spec, prefix="retry", cluster=f"clusters/{backend}", job_timeout=JOB_TIMEOUT)
+    runs.append(r)
+    await r.submit()
+    texts = [e.text for e in await r.logs(follow=True)]
+    assert texts == ["first", "second"], texts
+    job = await r.until()
+    assert (job.state, job.attempt) == (S.JOB_STATE_SUCCEEDED, 2), job
+
+
 @pytest.mark.timeout(600)
 async def test_mpi_ranks_never_share_a_line_on_slurm(jm, runs, slurm, tmp_path):
     launcher = S.ReplicaGroup(role="launcher", replicas=1, command=[PY, "-u", "-c", WRITER], env=ROOT_OK)

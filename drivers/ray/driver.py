@@ -535,9 +535,11 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
 
     # ------------------------------------------------------------------ logs and usage
 
-    def _ended_job(self, c: _Cluster, job_id: str) -> bool:
+    def _ended_job(self, c: _Cluster, job_id: str, sid: str = "") -> bool:
+        """Whether the job's tracked submission (``sid``'s, when given) has ended: one the job
+        no longer tracks (a retry's submission took its place) has."""
         obs = c.jobs.get(job_id)
-        return obs is None or obs.state.is_terminal()
+        return obs is None or obs.state.is_terminal() or bool(sid) and obs.backend_job_id != sid
 
     def _tail(self, c: _Cluster, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:
         if not self._follows(c, ref):
@@ -545,7 +547,8 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
         sid = self._sid(c, ref)
         if sid is None:
             raise JobNotFound(ref.job_id)
-        return logs.tail(c.api, ref.job_id, sid, query, ended=lambda: self._ended_job(c, ref.job_id),
+        # ended with its own submission: a follow goes on to a retry's (JobManager's next tail)
+        return logs.tail(c.api, ref.job_id, sid, query, ended=lambda: self._ended_job(c, ref.job_id, sid),
                          node=lambda: c.nodes.get(ref.job_id), interval=self._cfg.log_poll_interval)
 
     async def _tail_untracked(self, c: _Cluster, ref: JobRef, query: LogQuery) -> AsyncIterator[list[LogEntry]]:

@@ -101,6 +101,11 @@ _MAX_INDEX_ENTRIES = 100_000
 
 log = logging.getLogger("dlsched.driver.slurm")
 
+#: What srun (``srun: error: node: task 0: Exited with exit code 7``, ``srun: launch/slurm:
+#: _step_signal: Terminating StepId=1.0``) and slurmstepd (``slurmstepd-node: error: *** STEP 5.1
+#: ON node CANCELLED AT ... ***``) write into a step's stderr, beside its tasks' lines: left out,
+#: as the other backends add nothing of their own to a replica's output.
+SLURM_OWN_LINE_RE = re.compile(rb"srun: |slurmstepd(?:-[^:\s]{1,128})?: error: \*\*\* (?:STEP|JOB) .*\*\*\*\Z")
 FILE_RE = re.compile(r"^([a-z][a-z0-9-]{0,62})-([0-9]{1,7})\.(stdout|stderr)\Z")  # ASCII digits: \d takes others
 MAX_CHUNK = 1 << 20
 #: Log tails read files on the login node, not the controller: their own, lower floor.
@@ -427,6 +432,8 @@ class LogCursor:
         q = self.query
         if not (q.wants_replica(role, index) and q.wants_stream(stream)):
             return []
+        if stream is LogStream.STDERR:  # srun's and slurmstepd's own lines are no replica's output
+            lines = [(t, ns) for t, ns in lines if not SLURM_OWN_LINE_RE.match(t)]
         if q.since_ns is not None:
             lines = [(t, ns) for t, ns in lines if ns is None or ns >= q.since_ns]
         if self.first and q.tail_lines:
