@@ -108,6 +108,20 @@ def test_launcher_keeps_stdout_and_stderr_apart_and_samples_usage(tmp_path):
     assert "main-0 exited with code 3" in driver_log and "out j" not in driver_log
 
 
+def test_a_long_line_of_multibyte_characters_is_cut_between_characters(tmp_path):
+    """A line of 200,000 bytes of "é" without a newline is written in pieces: each piece valid
+    UTF-8 (cut where a character starts), the pieces the line again (two halves of one "é" were
+    two U+FFFD)."""
+    code = "import sys; sys.stdout.write('x' + 'é' * 100000); sys.stdout.flush()"
+    spec = JobSpec(RunMode.SINGLE_PROCESS, (ReplicaGroup(role="main", replicas=1, command=(PY, "-c", code)),))
+    rc, out = run_launcher(tmp_path, spec)
+    assert rc == 0
+    raw = (out / "main-0.out").read_bytes().split(b"\n")
+    texts = [ln.split(b" ", 1)[1] for ln in raw[:-2]]
+    assert all(len(t) <= 64 * 1024 for t in texts) and len(texts) >= 3
+    assert b"".join(t.decode("utf-8").encode() for t in texts) == ("x" + "é" * 100000).encode()
+
+
 def test_launcher_job_round_trips_the_spec():
     body = render.render_submission("j", SPECS["master_worker"], 1)
     job = json.loads(body["runtime_env"]["env_vars"][render.JOB_ENV])

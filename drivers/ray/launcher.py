@@ -54,6 +54,7 @@ from typing import Any
 
 from drivers.common import planner
 from drivers.common.base import JobSpec
+from drivers.common.convert import MAX_LINE_CHARS, pieces
 from drivers.common.ports import free_ports
 from drivers.ray import layout, render
 from drivers.ray.sampler import Sampler
@@ -62,7 +63,7 @@ DEFAULT_BUNDLE_CPU = 0.1
 SAMPLE_SECONDS = 1.0
 FIRST_SAMPLE_SECONDS = 0.1
 CHUNK = 1 << 16
-MAX_LINE = 1 << 16  # a longer line without a newline is written in pieces
+MAX_LINE = MAX_LINE_CHARS  # a longer line without a newline is written in pieces
 #: Seconds between the SIGTERM and the SIGKILL of the processes a stop or the success rule ends.
 STOP_GRACE_SECONDS = 5.0
 #: How long the replicas' tasks get to end after their cancel, before the placement group goes.
@@ -139,9 +140,9 @@ def _pump(fd: int, path: str) -> None:
             if not chunk:
                 break
             *lines, pending = (pending + chunk).split(b"\n")
-            if len(pending) > MAX_LINE:
-                lines.append(pending)
-                pending = b""
+            if len(pending) > MAX_LINE:  # whole pieces, each cut at a character's start
+                cuts, pending = pieces(pending, MAX_LINE)
+                lines.extend(cuts)
             if lines:
                 out.write(b"".join(b"%d %s\n" % (stamp(), ln) for ln in lines))
                 out.flush()
