@@ -454,6 +454,20 @@ async def test_a_launch_hands_its_script_to_an_sbatch_started_before_it(stub, cl
     assert not [j for j in jobs if not j.startswith("dlsched-")]  # the given-up sbatch made none
 
 
+async def test_a_program_that_cannot_start_exits_127_or_126_as_on_every_backend(stub, tmp_path):
+    """docs/ENVIRONMENT.md: a command that cannot start fails the job with exit 127 (126: not
+    executable), as a shell says; srun passed on slurmstepd's execve errno (2, 13)."""
+    plain = tmp_path / "not-executable"
+    plain.write_text("#!/bin/sh\nexit 0\n")
+    plain.chmod(0o644)
+    for command, code in ((["/nonexistent/program", "-x"], 127), ([str(plain)], 126)):
+        jid = new_id("nostart")
+        await launch(stub, jid, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+            job_pb2.ReplicaGroup(role="main", replicas=1, command=command)]))
+        obs = await wait_state(stub, jid, within=120)
+        assert (obs.state, obs.exit_code) == (job_pb2.JOB_STATE_FAILED, code), obs
+
+
 async def test_a_new_driver_process_adopts_earlier_jobs_and_never_submits_them_again(stub, cluster):
     """A restarted driver knows nothing: a relaunch before its first poll round is looked up, an
     observation naming a Slurm job adopts it from the next round, and a relaunch after a round

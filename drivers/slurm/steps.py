@@ -101,17 +101,19 @@ def srun_steps(lay: Layout, steps: list[StepFiles]) -> list[str]:
                 opts.append('--chdir="$PWD"')
                 h.append(f"  cd -- {sh_quote(p.working_dir)} || exit 126")
             assign = " ".join(user_assignments(spec, p))
-            if ":" in p.argv or (assign and "=" in p.argv[0]):
+            if ":" in p.argv or "=" in p.argv[0]:
                 # srun splits its command line at a lone ":" into heterogeneous components,
                 # after "--" too: the rest would be read as srun's options and a second
                 # program (and env would take a program named a=b for a variable). Such an
                 # argv reaches the step in the environment instead.
                 h += argv_by_env(p.argv, "  ")
                 argv = " ".join(sh_quote(a) for a in ARGV_PROGRAM)
-            # The user's variables reach the program only (``env NAME=VALUE ... argv`` in the
+            # The user's variables reach the program only (``env -- NAME=VALUE ... argv`` in the
             # step): srun read SLURM_*/SRUN_* ones as its own options (SLURM_JOB_ID: another
-            # job's allocation) and was looked up on the user's PATH.
-            h.append(f"  exec srun {' '.join(opts)} -- {f'{ENV_PROGRAM} {assign} ' if assign else ''}{argv}")
+            # job's allocation) and was looked up on the user's PATH. Through env always: a
+            # program that cannot start exits 127 (not found) or 126 (not executable), as on
+            # every backend (slurmstepd's execve gave its errno, 2 or 13).
+            h.append(f"  exec srun {' '.join(opts)} -- {ENV_PROGRAM} -- {f'{assign} ' if assign else ''}{argv}")
         h.append(f') >"$DLSCHED_DIR/{label}.stdout" 2>"$DLSCHED_DIR/{label}.stderr" </dev/null &')
         h.append(f"DLSCHED_NAME[$!]={label}")
         if p.role in decisive:
