@@ -9,6 +9,7 @@ import pathlib
 import shlex
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -120,6 +121,30 @@ def test_a_long_line_of_multibyte_characters_is_cut_between_characters(tmp_path)
     texts = [ln.split(b" ", 1)[1] for ln in raw[:-2]]
     assert all(len(t) <= 64 * 1024 for t in texts) and len(texts) >= 3
     assert b"".join(t.decode("utf-8").encode() for t in texts) == ("x" + "é" * 100000).encode()
+
+
+def test_what_a_process_leaves_in_its_group_ends_with_it_and_signals_start_unblocked(tmp_path):
+    """A child left behind in the process's group (one that ignores SIGTERM) is killed when the
+    process exits, as on local; and the process starts with no signal blocked (in a Ray task
+    SIGINT came blocked)."""
+    child = ("import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+             f"open({str(tmp_path / 'child')!r}, 'w').write(str(__import__('os').getpid())); time.sleep(120)")
+    script = (f"grep -E '^SigBlk' /proc/self/status; {shlex.quote(PY)} -c {shlex.quote(child)} >/dev/null 2>&1 & "
+              f"while [ ! -s {tmp_path}/child ]; do sleep 0.1; done; exit 0")
+    spec = JobSpec(RunMode.SINGLE_PROCESS, (ReplicaGroup(role="main", replicas=1, command=("/bin/sh", "-c", script)),))
+    import signal as _signal
+    old = _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT})  # as a Ray worker has it
+    try:
+        rc, out = run_launcher(tmp_path, spec)
+    finally:
+        _signal.pthread_sigmask(_signal.SIG_SETMASK, old)
+    assert rc == 0
+    assert lines(out / "main-0.out") == ["SigBlk:\t0000000000000000"]
+    pid = int((tmp_path / "child").read_text())
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "a child left in the process's group outlived it"
+        time.sleep(0.1)
 
 
 def test_launcher_job_round_trips_the_spec():

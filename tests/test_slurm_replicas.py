@@ -467,14 +467,15 @@ async def run_on(jm: jm_grpc.JobManagerServiceStub, runs: list[Run], backend: st
 
 #: Every process writes its pid to <out>/<role>-<index>.pid, waits until ``PIDS`` processes have, then
 #: exits with ``EXIT_<ROLE>_<INDEX>`` if set, else runs until it is stopped. A SIGTERM is recorded in
-#: <out>/<role>-<index>.term (then it exits 143, as the signal would have ended it).
+#: <out>/<role>-<index>.term (then it exits 143, as the signal would have ended it, unless IGNORE_TERM).
 PROCESS = """
 import os, pathlib, signal, sys, time
 out = pathlib.Path(sys.argv[1])
 me = f"{os.environ['DLSCHED_ROLE']}-{os.environ['DLSCHED_REPLICA_INDEX']}"
 def term(*_):
     (out / f"{me}.term").write_text("TERM")
-    sys.exit(143)
+    if not os.environ.get("IGNORE_TERM"):
+        sys.exit(143)
 signal.signal(signal.SIGTERM, term)
 (out / f"{me}.pid").write_text(str(os.getpid()))
 deadline = time.time() + 120
@@ -542,6 +543,21 @@ async def test_parameter_servers_stopped_by_the_success_rule_show_stopped(jm, ru
     assert st[("worker", 0)] == st[("worker", 1)] == (S.REPLICA_STATE_SUCCEEDED, 0), job.replicas
     await wait_dead(pids(out), within=60)
     assert termed(out) == {"ps-0"}  # SIGTERM first, as ENVIRONMENT.md says
+
+
+@pytest.mark.timeout(600)
+async def test_a_parameter_server_that_ignores_sigterm_is_killed_after_the_grace(jm, runs, backend, tmp_path):
+    """ENVIRONMENT.md: the parameter servers "are then stopped (SIGTERM, SIGKILL after the grace
+    period)". On Slurm the task's wrapper died of the SIGTERM and the ps, orphaned, ran on."""
+    out = tmp_path / "pids"
+    out.mkdir(mode=0o777)
+    env = {"PIDS": "3", "EXIT_WORKER_0": "0", "EXIT_WORKER_1": "0", "EXIT_AFTER": "1"}
+    job = await run_on(jm, runs, backend, S.RUN_MODE_PS_WORKER, proc("ps", out, IGNORE_TERM="1", **env),
+                       proc("worker", out, replicas=2, **env))
+    assert job.state == S.JOB_STATE_SUCCEEDED, job
+    assert by_replica(job)[("ps", 0)][0] == S.REPLICA_STATE_STOPPED, job.replicas
+    await wait_dead(pids(out), within=90)
+    assert termed(out) == {"ps-0"}
 
 
 @pytest.mark.timeout(600)

@@ -73,8 +73,16 @@ WAIT_SECONDS = 0.2
 
 
 def _die_with_parent() -> None:
+    """In the child before exec: it dies with its launcher (PR_SET_PDEATHSIG), and starts with
+    no signal blocked or ignored (a Ray worker running a replica's task blocks SIGINT: a
+    process started from there did too, unlike one on any other backend)."""
     with contextlib.suppress(Exception):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    with contextlib.suppress(Exception):
+        signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP):
+        with contextlib.suppress(Exception):
+            signal.signal(sig, signal.SIG_DFL)
 
 
 def ray_logs_dir() -> str:
@@ -183,6 +191,8 @@ def run_processes(procs: Sequence[planner.ProcessLaunch], decisive: Callable[[st
     def finish(p: planner.ProcessLaunch, c: subprocess.Popen[bytes], rc: int) -> None:
         if c.pid not in ended:
             ended.add(c.pid)
+            with contextlib.suppress(OSError):  # what it left in its group ends with it (as on local)
+                os.killpg(c.pid, signal.SIGKILL)
             outputs.usage(p, sampler.end(c.pid).doc(time.time()))
             if on_exit is not None:
                 on_exit(p, rc, c.pid in killed)

@@ -234,9 +234,15 @@ def multi_prog(lay: Layout, steps: list[StepFiles]) -> list[str]:
         cd = f"cd -- {sh_quote(p.working_dir)} || exit 126; " if p.working_dir else ""
         # The variables in the program's subshell only: the wrapper's own commands (mv) keep
         # the step's PATH (a user's PATH without coreutils left the task's end unheard of).
+        # The wrapper outlives a SIGTERM (a no-op trap: the step's signal reaches the program
+        # itself) and waits for the program: had it died of it, a program that takes its time
+        # or ignores the signal was orphaned, out of the step's reach (SIGKILL included).
         body += ["(", *exports(spec, p, "  "), f"  {cd}exec {argv}",
-                 f') >"$DLSCHED_DIR/{label}.stdout" 2>"$DLSCHED_DIR/{label}.stderr" </dev/null',
-                 "dlsched_status=$?",
+                 f') >"$DLSCHED_DIR/{label}.stdout" 2>"$DLSCHED_DIR/{label}.stderr" </dev/null &',
+                 "dlsched_child=$!",
+                 "trap : TERM",
+                 'while :; do wait "$dlsched_child"; dlsched_status=$?; '
+                 'kill -0 "$dlsched_child" 2>/dev/null || break; done',
                  f'printf \'%s\\n\' "$dlsched_status" >"$DLSCHED_DIR/{label}.exit.new"',
                  f'mv -f -- "$DLSCHED_DIR/{label}.exit.new" "$DLSCHED_DIR/{label}.exit"',
                  'exit "$dlsched_status"']
