@@ -68,8 +68,6 @@ MAX_LINE = MAX_LINE_CHARS  # a longer line without a newline is written in piece
 STOP_GRACE_SECONDS = 5.0
 #: How long the replicas' tasks get to end after their cancel, before the placement group goes.
 CANCEL_WAIT_SECONDS = STOP_GRACE_SECONDS + 25
-#: The longest the placement-group launcher waits on its tasks before it looks at ``stop`` again.
-WAIT_SECONDS = 0.2
 
 
 def _die_with_parent() -> None:
@@ -322,8 +320,7 @@ def run_replica(sid: str, procs: list[planner.ProcessLaunch]) -> tuple[int, str,
     return rc, failed.role if failed else "", failed.slot_index if failed else -1
 
 
-def run_placement_group(job: dict[str, Any], spec: JobSpec,  # pragma: no cover - needs a Ray cluster
-                        stop: threading.Event) -> int:
+def run_placement_group(job: dict[str, Any], spec: JobSpec) -> int:  # pragma: no cover - needs a Ray cluster
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -405,13 +402,7 @@ def run_placement_group(job: dict[str, Any], spec: JobSpec,  # pragma: no cover 
     decisive = plan.success.decisive_roles
     code = 0
     while refs:
-        # A bounded wait: SIGTERM's handler runs between two (a Ray stop, below)
-        done, _ = ray.wait(list(refs), num_returns=1, timeout=WAIT_SECONDS)
-        if not done:
-            if stop.is_set():
-                code = 143
-                break
-            continue
+        done, _ = ray.wait(list(refs), num_returns=1)
         procs = refs.pop(done[0])
         try:
             rc, failed_role, failed_index = ray.get(done[0])
@@ -427,13 +418,12 @@ def run_placement_group(job: dict[str, Any], spec: JobSpec,  # pragma: no cover 
             break
         if not any(p.role in decisive for ps in refs.values() for p in ps):
             break
-    # The rest stop as a local job's do, after the success rule or a Ray stop (its SIGTERM):
-    # a cancel interrupts each replica's task, whose ``run_processes`` gives its processes
-    # SIGTERM and STOP_GRACE_SECONDS before SIGKILL; the placement group goes once they have
-    # (its removal kills the tasks' workers, and their processes with them by
-    # PR_SET_PDEATHSIG: SIGKILL, no SIGTERM first). A cancel reaches a task through Ray's
-    # workers, late on a busy node: it gets CANCEL_WAIT_SECONDS. (A Ray stop SIGKILLs this
-    # process after the cluster's RAY_JOB_STOP_WAIT_TIME_S; its tasks' processes die with it.)
+    # The rest stop as a local job's do, after the success rule: a cancel interrupts each
+    # replica's task, whose ``run_processes`` gives its processes SIGTERM and
+    # STOP_GRACE_SECONDS before SIGKILL; the placement group goes once they have (its removal
+    # kills the tasks' workers, and their processes with them by PR_SET_PDEATHSIG: SIGKILL, no
+    # SIGTERM first). A cancel reaches a task through Ray's workers, late on a busy node: it
+    # gets CANCEL_WAIT_SECONDS.
     for ref in refs:
         with contextlib.suppress(Exception):
             ray.cancel(ref)
@@ -451,7 +441,13 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if job["mode"] == "local":
         return run_local(job, spec, stop)
-    return run_placement_group(job, spec, stop)
+    # A Ray stop's SIGTERM ends this process at once: Ray then ends the job's workers, whose
+    # SIGTERM ends each replica task's ``run_processes`` (SystemExit: its processes get SIGTERM
+    # and the grace) unless Ray's SIGKILL of the worker (kill_worker_timeout, 100 ms) comes
+    # first: best effort. Cancelling the tasks from here was no better (Ray's SIGKILL of this
+    # process, after RAY_JOB_STOP_WAIT_TIME_S, came first under load).
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    return run_placement_group(job, spec)
 
 
 if __name__ == "__main__":
