@@ -22,7 +22,7 @@ import grpc
 from dlsched import spec_rules
 from dlsched.auth.interceptor import caller
 from dlsched.auth.model import Principal, check_project
-from dlsched.errors import FieldViolation, InvalidArgument
+from dlsched.errors import FieldViolation, InvalidArgument, PermissionDenied
 from dlsched.kit import tokens
 from dlsched.kit.timeutil import check_duration
 from dlsched.v1 import cluster_manager_service_pb2 as pb
@@ -247,13 +247,18 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
 
     async def MatchClusters(self, request: pb.MatchClustersRequest,
                             context: grpc.aio.ServicerContext) -> pb.MatchClustersResponse:
-        caller().require_any_role("matching clusters")
+        p = caller()
+        p.require_any_role("matching clusters")
         if not request.HasField("spec"):
             raise InvalidArgument.for_field("spec", "required")
         validation.raise_if(_check_spec(request.spec), "invalid job spec")
         for field, project in (("project", request.project), ("spec.project", request.spec.project)):
             if project:
                 check_project(project, field)
+                if not p.may_read(project):  # which clusters a project may use is its members' to know
+                    raise PermissionDenied(f"{p.name} may not match clusters for project {project}",
+                                           metadata={"principal": p.name, "project": project,
+                                                     "required_role": "viewer"})
         job = replace(convert.job_requirements_from_proto(request.spec),
                       project=request.project or request.spec.project)
         clusters, _ = await self._store.list_all()

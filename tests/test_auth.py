@@ -527,6 +527,13 @@ async def test_projects_isolate_jobs_and_roles_limit_what_callers_do(env: Env) -
         # Each still reaches its own job.
         assert (await alice.jobs.get_job(a1.name)).name == a1.name
         await alice.jobs.get_job_usage(a1.name)
+        # Which clusters another project may use is not a non-member's to learn (MatchClusters
+        # ranked clusters for any project named)
+        with pytest.raises(grpc.aio.AioRpcError) as denied:
+            await alice.clusters.stub.MatchClusters(cms.MatchClustersRequest(spec=sleeper(), project="pb"))
+        assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED, denied.value
+        assert (await alice.clusters.stub.MatchClusters(cms.MatchClustersRequest(
+            spec=sleeper(), project="pa"))).candidates
 
         # List shows only the caller's project.
         seen = {j.name: j.project for j in await alice.jobs.list_all_jobs()}
