@@ -548,10 +548,11 @@ BAD_CREATES = [
                                address="https://dlsched:s3cret@ray:8265"), "cluster.address"),
     ("ok", cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_KUBERNETES, driver_address="127.0.0.1:1",
                                address="https://admin@k8s.local:6443"), "cluster.address"),
-    ("ok", local_cluster("127.0.0.1:1", **{"bad key!": "v"}), "cluster.labels"),
-    ("ok", local_cluster("127.0.0.1:1", team="v" * 64), "cluster.labels"),
+    # map entries named by their key, as JobManager names spec.labels['k'] and env['K']
+    ("ok", local_cluster("127.0.0.1:1", **{"bad key!": "v"}), "cluster.labels['bad key!']"),
+    ("ok", local_cluster("127.0.0.1:1", team="v" * 64), "cluster.labels['team']"),
     ("ok", cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_LOCAL, driver_address="127.0.0.1:1",
-                               options={"bad key": "v"}), "cluster.options"),
+                               options={"bad key": "v"}), "cluster.options['bad key']"),
     ("ok", cluster_pb2.Cluster(
         type=job_pb2.CLUSTER_TYPE_LOCAL, driver_address="127.0.0.1:1",
         credentials=cluster_pb2.ClusterCredentials(token=cluster_pb2.TokenCredentials(token="t"))),

@@ -157,11 +157,11 @@ def check_labels(labels: Mapping[str, str], field: str) -> list[FieldViolation]:
     for k, v in labels.items():
         if not _valid_label_key(k):
             out.append(FieldViolation(
-                field, f"key {k[:70]!r}: label keys are [prefix/]name, at most 63 characters; "
+                f"{field}[{k[:40]!r}]", f"key {k[:70]!r}: label keys are [prefix/]name, at most 63 characters; "
                 "name: letters, digits, '-', '_', '.', starting and ending with a letter or digit"))
         if len(v) > 63 or (v and not _LABEL_NAME_RE.match(v)):
             out.append(FieldViolation(
-                field, f"value of {k[:70]!r}: label values are at most 63 characters: letters, "
+                f"{field}[{k[:40]!r}]", f"value of {k[:70]!r}: label values are at most 63 characters: letters, "
                 "digits, '-', '_', '.', starting and ending with a letter or digit"))
     return out
 
@@ -181,11 +181,11 @@ def check_options(options: Mapping[str, str], field: str) -> list[FieldViolation
         out.append(FieldViolation(field, f"at most {MAX_OPTIONS} options"))
     for k, v in options.items():
         if not _OPTION_KEY_RE.match(k):
-            out.append(FieldViolation(field, f"key {k[:130]!r}: option keys are 1-128 "
+            out.append(FieldViolation(f"{field}[{k[:40]!r}]", f"key {k[:130]!r}: option keys are 1-128 "
                                              "characters: letters, digits, '_', '.', '-', "
                                              "starting with a letter or '_'"))
         elif len(v) > MAX_OPTION_VALUE or "\x00" in v:
-            out.append(FieldViolation(field, f"value of {k!r}: at most {MAX_OPTION_VALUE} "
+            out.append(FieldViolation(f"{field}[{k[:40]!r}]", f"value of {k!r}: at most {MAX_OPTION_VALUE} "
                                              "characters, no NUL"))
     return out
 
