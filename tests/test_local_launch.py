@@ -79,7 +79,8 @@ async def test_single_process_job_succeeds_with_planner_and_user_env(stub, tmp_p
             "for k in ('DLSCHED_JOB_ID','DLSCHED_JOB_NAME','DLSCHED_ROLE','DLSCHED_REPLICA_INDEX',"
             "'DLSCHED_NUM_REPLICAS','FOO','RANK'):\n"
             "    print(f'{k}={os.environ.get(k)}')\n"
-            "print('CWD=' + os.getcwd())\n")
+            "print('CWD=' + os.getcwd())\n"
+            "print('OURS=' + ','.join(sorted(k for k in os.environ if k.upper().startswith('DLSCHED_'))))\n")
     resp = await launch(stub, job_id, single(code, env={"FOO": "bar baz"}, working_dir=str(tmp_path)))
     assert resp.backend_job_id == f"local-{job_id}-1"
     assert resp.native_spec.media_type == "application/json"
@@ -100,6 +101,8 @@ async def test_single_process_job_succeeds_with_planner_and_user_env(stub, tmp_p
     assert "FOO=bar baz" in out
     assert "RANK=None" in out  # no torch.distributed variables for a single process
     assert f"CWD={tmp_path}" in out
+    # the driver's own DLSCHED_* settings (its TLS key file, the admin token's file) are no job's
+    assert "OURS=DLSCHED_JOB_ID,DLSCHED_JOB_NAME,DLSCHED_NUM_REPLICAS,DLSCHED_REPLICA_INDEX,DLSCHED_ROLE" in out, out
 
 
 async def test_failing_job_reports_failed_with_exit_code(stub):

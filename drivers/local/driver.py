@@ -70,6 +70,7 @@ from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dlsched import spec_rules
 from dlsched.errors import Internal
 from dlsched.kit.parse import decimal
 from drivers.common.base import (
@@ -169,7 +170,10 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
         super().__init__()
         self._state_dir = os.path.abspath(config.state_dir)
         self._grace = config.grace_seconds
-        self._base_env = dict(os.environ if base_env is None else base_env)
+        # The driver's own settings (DLSCHED_TOKEN_FILE, DLSCHED_TLS_KEY_FILE, a history DSN
+        # with its password ...) are no job's: DLSCHED_* names are the planner's alone.
+        self._base_env = {k: v for k, v in (os.environ if base_env is None else base_env).items()
+                          if not k.upper().startswith(spec_rules.RESERVED_ENV_PREFIX)}
         self._host = socket.gethostname()
         self._jobs: dict[str, TrackedJob] = {}
         self._gpus = usage.Gpus()
