@@ -263,7 +263,7 @@ async def test_create_get_list_delete(stub: pb_grpc.ClusterManagerServiceStub) -
         cluster=cluster_pb2.Cluster(name="clusters/alpha", labels={"team": "ml2"}),
         update_mask=field_mask_pb2.FieldMask(paths=["labels"])))).cluster
     e = await rpc_error(stub.DeleteCluster(pb.DeleteClusterRequest(name="clusters/alpha", etag=made.etag)))
-    assert e.code() == grpc.StatusCode.ABORTED
+    assert e.code() == grpc.StatusCode.ABORTED and error_info(e).reason == "ETAG_MISMATCH"
     meta = dict(error_info(e).metadata)  # which cluster, and its etag now (as a job's mismatch says)
     assert meta["name"] == "clusters/alpha" and int(meta["etag"]) > int(made.etag), meta
     e = await rpc_error(stub.DeleteCluster(pb.DeleteClusterRequest(name="clusters/alpha", etag="x1")))

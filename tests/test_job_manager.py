@@ -657,6 +657,7 @@ async def test_delete_with_an_etag_changes_nothing_unless_it_matches(
     with pytest.raises(grpc.aio.AioRpcError) as ei:
         await jm.DeleteJob(pb.DeleteJobRequest(name=running.name, etag=stale))
     assert ei.value.code() == grpc.StatusCode.ABORTED
+    assert error_info(ei.value).reason == "ETAG_MISMATCH"  # type: ignore[union-attr]
     # One this service never returned (past every write): INVALID_ARGUMENT, no retry gets past it.
     for never in ("999999999999", str(int(running.etag) + 10_000_000)):
         with pytest.raises(grpc.aio.AioRpcError) as ei:

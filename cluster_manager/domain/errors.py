@@ -31,6 +31,8 @@ class ClusterAlreadyExists(AlreadyExists):
 class ClusterEtagMismatch(Aborted):
     """A write's etag (AIP-154) is not the cluster's: nothing was changed."""
 
+    reason = "ETAG_MISMATCH"
+
     def __init__(self, name: str, etag: str, current: str) -> None:
         super().__init__(f"{name} changed since etag {etag}; re-read and retry",
                          metadata={"name": name, "etag": current})

@@ -26,6 +26,8 @@ class RequestIdInUse(AlreadyExists):
 class EtagMismatch(Aborted):
     """A write's etag (AIP-154) is not the job's: nothing was changed."""
 
+    reason = "ETAG_MISMATCH"
+
     def __init__(self, job_id: str, etag: str, current: str) -> None:
         super().__init__(f"jobs/{job_id} changed since etag {etag}; re-read and retry",
                          metadata={"name": f"jobs/{job_id}", "etag": current})
