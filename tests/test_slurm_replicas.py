@@ -183,8 +183,9 @@ done
 read -r -a words <"$conf"
 args=("${words[@]:1}")
 pids=()
-trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
-for ((t = 0; t < n; t++)); do SLURM_PROCID=$t "${args[@]//%t/$t}" & pids+=($!); done
+# as slurmstepd signals every process of the step: each task a process group, each group signalled
+trap 'for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null; done' TERM
+for ((t = 0; t < n; t++)); do SLURM_PROCID=$t setsid "${args[@]//%t/$t}" & pids+=($!); done
 rc=0
 for p in "${pids[@]}"; do
   while :; do wait "$p"; s=$?; kill -0 "$p" 2>/dev/null || break; done
