@@ -171,7 +171,7 @@ class ClusterStore:
         twin) returns the cluster the first request made; once that cluster is
         deleted the request id is free again (as SubmitJob's after a DeleteJob):
         its key, naming a cluster no longer stored, is released (compared on
-        its value) and the cluster made anew."""
+        its revision as read) and the cluster made anew."""
         ckey = self._ckey(cluster.cluster_id)
         compare = [self._tx.create(ckey) == 0]
         success = [self._tx.put(ckey, convert.cluster_to_bytes(cluster))]
@@ -204,8 +204,9 @@ class ClusterStore:
                     raise ClusterNotFound(cluster_name(made),
                                           f"{cluster_name(made)}, made by this request, was deleted")
                 rkey = self._reqkey(request_id)
+                read_at = resp[1][0][1].mod_revision  # the key as read: not one a twin retry wrote since
                 async with _translated("create"):
-                    await self._c.transaction(compare=[self._tx.value(rkey) == made.encode()],
+                    await self._c.transaction(compare=[self._tx.mod(rkey) == read_at],
                                               success=[self._tx.delete(rkey)], failure=[])
                 return await self.create(cluster, creds, request_id, released=True)
             value, kv = existing[0]

@@ -247,7 +247,7 @@ class Scheduler:
             # Deleted from etcd and the history (an archived job's DeleteJob leaves its request
             # key to the sweep; a crash between a delete's two writes leaves it for good): the
             # request id is free, as after any DeleteJob. Once: a racing submit may win it.
-            await self.store.release_request(request_id, e.job_id)
+            await self.store.release_request(request_id, e.job_id, e.revision)
             stored, created = await self.store.create(job, request_id)
         if not created:  # a retried request, or a concurrent one with its request id, came first
             return await self._after_duplicate(stored, owner), None

@@ -99,9 +99,10 @@ class RequestJobGone(Aborted):
     deleted and its request key about to go): the scheduler looks for it in
     the job history; the client sees ABORTED (retry) otherwise."""
 
-    def __init__(self, message: str, job_id: str) -> None:
+    def __init__(self, message: str, job_id: str, revision: int = 0) -> None:
         super().__init__(message)
         self.job_id = job_id
+        self.revision = revision  # the request key's mod revision, as read
 
 
 @dataclass
@@ -461,12 +462,15 @@ class JobStore:
             jobs.extend(job_from_bytes(kv.value, kv.mod_revision) for kv in kvs)
         return jobs, rev or await self.revision()
 
-    async def release_request(self, request_id: str, job_id: str) -> bool:
+    async def release_request(self, request_id: str, job_id: str, revision: int = 0) -> bool:
         """Delete ``request_id``'s key while it names ``job_id`` (a job deleted from etcd and the
-        history: its request id is free again); whether it was deleted."""
+        history: its request id is free again), or with ``revision`` while it is the key as read
+        at that revision (two retries releasing it at once: the second must not delete the key
+        the first one's new job just wrote, naming the same job id); whether it was deleted."""
         rkey = self.request_key(request_id)
-        named = rpc.Compare(key=rkey, result=rpc.Compare.EQUAL, target=rpc.Compare.VALUE,
-                            value=job_id.encode())
+        named = (rpc.Compare(key=rkey, result=rpc.Compare.EQUAL, target=rpc.Compare.MOD, mod_revision=revision)
+                 if revision else
+                 rpc.Compare(key=rkey, result=rpc.Compare.EQUAL, target=rpc.Compare.VALUE, value=job_id.encode()))
         resp = await self._txn([named], [rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=rkey))],
                                [], jobs=False)
         return bool(resp.succeeded)
@@ -522,7 +526,7 @@ class JobStore:
                         await asyncio.sleep(0.05)
                 # (the other job's id stays out of the text: it may be another project's)
                 raise RequestJobGone(f"request {request_id!r} names a job no longer stored; retry",
-                                     other_id)
+                                     other_id, rkvs[0].mod_revision)
         raise JobAlreadyExists(f"job jobs/{job.id} already exists",
                                metadata={"name": f"jobs/{job.id}"})
 

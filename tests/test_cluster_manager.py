@@ -496,6 +496,11 @@ async def test_create_with_request_id_is_idempotent(
     remade = await create(stub, "idem", local_cluster(drv), request_id="req-1")
     assert remade.uid != first.uid
     await stub.DeleteCluster(pb.DeleteClusterRequest(name="clusters/idem"))
+    # retries racing to release it: one makes the cluster, every one answers it (a release
+    # compared on the key's value deleted the key a twin had just written: ALREADY_EXISTS)
+    twins = await asyncio.gather(*(create(stub, "idem", local_cluster(drv), request_id="req-1") for _ in range(8)))
+    assert len({t.uid for t in twins}) == 1 and twins[0].uid != remade.uid
+    await stub.DeleteCluster(pb.DeleteClusterRequest(name="clusters/idem"))
     other = await create(stub, "other", local_cluster(drv), request_id="req-1")
     assert other.name == "clusters/other"
     await stub.DeleteCluster(pb.DeleteClusterRequest(name="clusters/other"))
