@@ -46,22 +46,23 @@ LABEL_KEY_RE = re.compile(
 LABEL_VALUE_RE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?\Z")
 RESERVED_ENV_PREFIX = "DLSCHED_"  # any case
 #: Names the shells of the launch scripts own (Slurm's steps and wrappers, MPI ranks on every
-#: backend run under /bin/sh or bash): a shell resets them (IFS), fails on them (OPTIND=x,
-#: read-only UID), changes its own behaviour (POSIXLY_CORRECT, SHELLOPTS, BASH_ENV, CDPATH) or
-#: sets them itself (PWD, SHLVL): the job could not get them as given, so none is accepted.
+#: backend run under /bin/sh or bash, which a non-interactive shell cannot leave alone): a
+#: shell resets them (IFS), fails on them (OPTIND=x, read-only UID), changes its own behaviour
+#: (POSIXLY_CORRECT, SHELLOPTS, BASH_ENV, CDPATH) or sets them itself (PWD, SHLVL, RANDOM): the
+#: job could not get them as given, so SubmitJob refuses them (names only an interactive shell
+#: reads, ENV, PS1, TMOUT, OSTYPE ..., reach the job and stay allowed).
 SHELL_ENV_NAMES = frozenset({
-    "IFS", "OPTIND", "OPTARG", "OPTERR", "POSIXLY_CORRECT", "SHELLOPTS", "BASHOPTS", "BASH_ENV", "ENV",
-    "BASH_XTRACEFD", "PS1", "PS2", "PS4", "CDPATH", "GLOBIGNORE", "BASH_VERSINFO", "BASH_VERSION", "UID",
-    "EUID", "PPID", "GROUPS", "BASHPID", "BASH_ARGV", "BASH_ARGC", "BASH_ARGV0", "BASH_LINENO", "BASH_SOURCE",
-    "FUNCNAME", "BASH_CMDS", "BASH_ALIASES", "BASH_SUBSHELL", "BASH_COMMAND", "BASH_REMATCH", "BASH",
-    "RANDOM", "SRANDOM", "SECONDS", "LINENO", "EPOCHSECONDS", "EPOCHREALTIME", "HISTCMD", "DIRSTACK",
-    "PIPESTATUS", "SHLVL", "PWD", "OLDPWD", "_", "BASH_COMPAT", "BASH_LOADABLES_PATH", "EXECIGNORE",
-    "FIGNORE", "HOSTTYPE", "MACHTYPE", "OSTYPE", "TMOUT"})
+    "IFS", "OPTIND", "OPTARG", "POSIXLY_CORRECT", "SHELLOPTS", "BASHOPTS", "BASH_ENV", "CDPATH",
+    "GLOBIGNORE", "EXECIGNORE", "BASH_VERSINFO", "BASH_VERSION", "UID", "EUID", "PPID", "GROUPS", "BASHPID",
+    "BASH_ARGV", "BASH_ARGC", "BASH_ARGV0", "BASH_LINENO", "BASH_SOURCE", "FUNCNAME", "BASH_CMDS",
+    "BASH_ALIASES", "BASH_SUBSHELL", "BASH_COMMAND", "BASH_REMATCH", "BASH", "RANDOM", "SRANDOM", "SECONDS",
+    "LINENO", "EPOCHSECONDS", "EPOCHREALTIME", "HISTCMD", "DIRSTACK", "PIPESTATUS", "SHLVL", "PWD", "OLDPWD",
+    "_", "BASH_COMPAT", "BASH_LOADABLES_PATH"})
 #: Queue (a Slurm partition, a list of them, a Kubernetes queue's name): never an option or a line.
 QUEUE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}(?:,[A-Za-z0-9_.-]{1,64}){0,15}\Z")
-#: A replica's command line, shell-quoted (``shlex.join`` of command + args), at most: it may
-#: travel in one environment string (MPI ranks on every backend, a lone ':' on Slurm), whose
-#: Linux limit (MAX_ARG_STRLEN, 128 KiB) holds ``DLSCHED_MPI_ARGV=`` too.
+#: An MPI launcher's command line, shell-quoted (``shlex.join`` of command + args), at most: it
+#: reaches the ranks in one environment string on every backend, whose Linux limit
+#: (MAX_ARG_STRLEN, 128 KiB) holds ``DLSCHED_MPI_ARGV=`` too.
 ARGV_MAX_BYTES = 131072 - len("DLSCHED_MPI_ARGV") - 2
 
 MAX_SPEC_BYTES = 256 * 1024
@@ -242,7 +243,8 @@ def _labels(out: list[FieldViolation], field: str, labels: Mapping[str, str]) ->
                                       "[A-Za-z0-9-_.], alphanumeric at both ends"))
 
 
-def check_group(out: list[FieldViolation], f: str, g: _Group) -> None:
+def check_group(out: list[FieldViolation], f: str, g: _Group, *, admission: bool = False,
+                mpi_launcher: bool = False) -> None:
     """One replica group's own fields (not its run-mode role rules)."""
     if g.replicas < 1:
         out.append(FieldViolation(f"{f}.replicas", f"1 to {MAX_REPLICAS}, got {g.replicas}"))
@@ -262,17 +264,17 @@ def check_group(out: list[FieldViolation], f: str, g: _Group) -> None:
             if "\x00" in a:
                 out.append(FieldViolation(f"{f}.{name}[{j}]", "must not contain NUL"))
                 nul = True
-    if not nul and len(shlex.join([*g.command, *g.args]).encode()) > ARGV_MAX_BYTES:
-        out.append(FieldViolation(f"{f}.args", f"the command line, shell-quoted, must fit in {ARGV_MAX_BYTES} "
-                                               "bytes (on some backends it reaches the process in one "
-                                               "environment string)"))
+    if mpi_launcher and not nul and len(shlex.join([*g.command, *g.args]).encode()) > ARGV_MAX_BYTES:
+        out.append(FieldViolation(f"{f}.args" if g.args else f"{f}.command",
+                                  f"an MPI launcher's command line, shell-quoted, must fit in {ARGV_MAX_BYTES} "
+                                  "bytes (it reaches the ranks in one environment string)"))
     for k, v in g.env.items():
         if not ENV_NAME_RE.match(k):
             out.append(FieldViolation(f"{f}.env[{k[:40]!r}]", "names match [A-Za-z_][A-Za-z0-9_]*"))
         elif k.upper().startswith(RESERVED_ENV_PREFIX):
             out.append(FieldViolation(f"{f}.env[{k[:40]!r}]",
                                       f"names starting with {RESERVED_ENV_PREFIX} (any case) are reserved"))
-        elif k in SHELL_ENV_NAMES:
+        elif admission and k in SHELL_ENV_NAMES:
             out.append(FieldViolation(f"{f}.env[{k!r}]", "a name the launch scripts' shell owns (it would "
                                                         "not reach the job as given); use another name"))
         if "\x00" in v:
@@ -341,14 +343,18 @@ def check_run_mode(run_mode: int, groups: Sequence[_Group], field: str = "spec")
 
 
 def check_spec(spec: Any, *, time_limit_seconds: float | None, spec_bytes: int | None = None,
-               field: str = "spec") -> list[FieldViolation]:
-    """Every violation of the unified spec (bounds first: over them, only those are reported)."""
+               field: str = "spec", admission: bool = False) -> list[FieldViolation]:
+    """Every violation of the unified spec (bounds first: over them, only those are reported).
+    ``admission``: SubmitJob's check, which also refuses what some backend cannot run as given
+    (env names the launch scripts' shell owns, a queue that is no partition list); a driver's
+    own check leaves them to its renderer, so a job stored before those rules still launches."""
     out = check_bounds(spec, spec_bytes, field)
     if out:
         return out
     groups = _groups(spec)
     for i, g in enumerate(groups):
-        check_group(out, f"{field}.replica_groups[{i}]", g)
+        check_group(out, f"{field}.replica_groups[{i}]", g, admission=admission,
+                    mpi_launcher=int(spec.run_mode) == MPI and g.role == "launcher")
     out += check_run_mode(int(spec.run_mode), groups, field)
     if not 0 <= spec.max_retries <= MAX_RETRIES:
         out.append(FieldViolation(f"{field}.max_retries", f"0 to {MAX_RETRIES}, got {spec.max_retries}"))
@@ -356,7 +362,9 @@ def check_spec(spec: Any, *, time_limit_seconds: float | None, spec_bytes: int |
             math.isfinite(time_limit_seconds) and 0 < time_limit_seconds <= MAX_TIME_LIMIT_SECONDS):
         out.append(FieldViolation(f"{field}.time_limit",
                                   f"more than 0 and at most {MAX_TIME_LIMIT_SECONDS:.0f} s (366 days)"))
-    if spec.queue and not QUEUE_RE.match(spec.queue):
+    if spec.queue and "\x00" in spec.queue:
+        out.append(FieldViolation(f"{field}.queue", "must not contain NUL"))
+    elif admission and spec.queue and not QUEUE_RE.match(spec.queue):
         out.append(FieldViolation(f"{field}.queue", "letters, digits, '_', '.' and '-' (1 to 64), or a "
                                                     "comma-separated list of up to 16 such names"))
     out += check_cluster_type(int(spec.cluster_selector.cluster_type), f"{field}.cluster_selector.cluster_type",

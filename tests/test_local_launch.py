@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import pathlib
+import shlex
 import shutil
 import socket
 import sys
@@ -317,6 +318,35 @@ async def test_a_stop_sends_each_process_one_sigterm(stub):
         cluster=CLUSTER, job=dpb.JobRef(job_id=job_id), grace_period={"seconds": 30}), timeout=10)
     assert (await wait_state(stub, job_id, within=60)).state == job_pb2.JOB_STATE_STOPPED
     assert sorted(t for t in texts(await logs(stub, job_id)) if t.startswith("term")) == ["term 0 1", "term 1 1"]
+
+
+async def test_an_orphan_in_its_replicas_group_gets_one_sigterm(stub, tmp_path):
+    """A process orphaned inside its replica's process group (its parent subshell exited) comes
+    to the supervisor: the stop signals it with the group, and not again as an escapee."""
+    job_id = new_id("orphan")
+    counter = ("import os, signal, sys, time\n"
+               "n = 0\n"
+               "def h(*_):\n"
+               "    global n\n"
+               "    n += 1\n"
+               f"    open({str(tmp_path / 'terms')!r}, 'a').write('t')\n"
+               "signal.signal(signal.SIGTERM, h)\n"
+               f"open({str(tmp_path / 'up')!r}, 'w').write('up')\n"
+               "while n == 0:\n"
+               "    time.sleep(0.05)\n"
+               "time.sleep(1)\n")
+    script = f"( {shlex.quote(sys.executable)} -c {shlex.quote(counter)} & ); exec sleep 300"
+    await launch(stub, job_id, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, replica_groups=[
+        job_pb2.ReplicaGroup(role="main", replicas=1, command=["/bin/sh", "-c", script])]))
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "up").exists():
+        assert time.monotonic() < deadline, "the orphan never started"
+        await asyncio.sleep(0.1)
+    await stub.TerminateJob(dpb.TerminateJobRequest(
+        cluster=CLUSTER, job=dpb.JobRef(job_id=job_id), grace_period={"seconds": 30}), timeout=10)
+    assert (await wait_state(stub, job_id, within=60)).state == job_pb2.JOB_STATE_STOPPED
+    await asyncio.sleep(1.5)
+    assert (tmp_path / "terms").read_text() == "t"
 
 
 async def test_terminate_kills_process_groups_that_ignore_sigterm(stub):

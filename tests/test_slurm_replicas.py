@@ -712,3 +712,13 @@ def test_a_job_slurm_purged_unseen_ends_as_its_exits_file_says() -> None:
     running = gone((("main", 0),))
     assert running.exits_read(exits.parse("labels main-0\n"))
     assert running.reason == "LeftSlurm"
+
+
+def test_ends_after_dlscheds_stop_are_never_a_success() -> None:
+    """Every process ending after dlsched's stop reached the job (``halt``): had they all exited 0,
+    a driver that adopted the job and read only the file (Slurm lost the job) said SUCCEEDED."""
+    ex = exits.parse("labels main-0 main-1\nend main-0 0 exit\nend main-1 0 halt\n")
+    assert ex is not None and ex.ends[1] == exits.End("main-1", 0, True, True)
+    assert ex.first_failure() is None and not ex.succeeded()
+    done = exits.parse("labels main-0 ps-0\nend main-0 0 exit\nend ps-0 143 stop\n")
+    assert done is not None and done.succeeded()

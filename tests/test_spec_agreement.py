@@ -151,8 +151,8 @@ def _one(*, queue: str = "", env: dict[str, str] | None = None, args: list[str] 
 
 def test_what_a_driver_would_refuse_for_its_shape_jobmanager_refuses_first() -> None:
     """A hostile-spec corpus found specs SubmitJob stored and every launch then refused
-    (FAILED LaunchRejected) or ran wrong: a queue Slurm takes as options or script lines, a
-    launcher command line too long for the environment string MPI's ranks get it in, and the
+    (FAILED LaunchRejected) or ran wrong: a queue Slurm takes as options or script lines, an MPI
+    launcher command line too long for the environment string the ranks get it in, and the
     names the launch scripts' shells own (OPTIND=x failed the job, IFS never reached it, UID is
     read-only in bash)."""
     from drivers.slurm import render as slurm_render
@@ -163,14 +163,18 @@ def test_what_a_driver_would_refuse_for_its_shape_jobmanager_refuses_first() -> 
     for queue in ("debug", "gpu.a100_x-1", "debug,gpu"):
         assert _refusal(_one(queue=queue)) == [], queue
         assert slurm_render.PARTITION_RE.match(queue)
-    for name in ("IFS", "OPTIND", "UID", "EUID", "PPID", "SHELLOPTS", "BASH_ENV", "POSIXLY_CORRECT", "PS4", "CDPATH"):
+    for name in ("IFS", "OPTIND", "UID", "EUID", "PPID", "SHELLOPTS", "BASH_ENV", "POSIXLY_CORRECT", "SHLVL", "CDPATH"):
         assert _refusal(_one(env={name: "x"})) == [f"spec.replica_groups[0].env[{name!r}]"], name
     assert _refusal(_one(env={"ifs": "x", "OPTIONS": "y", "PATH": "/bin"})) == []
     long = ["'" * 40_000, "b" * 40_000]  # each quote becomes 5 characters once shell-quoted
-    for mode in (job_pb2.RUN_MODE_MPI, job_pb2.RUN_MODE_SINGLE_PROCESS):
-        assert _refusal(_one(args=long, mode=mode)) == ["spec.replica_groups[0].args"]
-        assert not _driver_accepts(_one(args=long, mode=mode))
+    assert _refusal(_one(args=long, mode=job_pb2.RUN_MODE_MPI)) == ["spec.replica_groups[0].args"]
+    assert not _driver_accepts(_one(args=long, mode=job_pb2.RUN_MODE_MPI))
+    assert _refusal(_one(args=long)) == []  # a long command line is only MPI's problem
     assert _refusal(_one(args=["b" * 60_000], mode=job_pb2.RUN_MODE_MPI)) == []
+    # names only an interactive shell reads reach the job: allowed
+    assert _refusal(_one(env={"ENV": "production", "PS1": "$ ", "TMOUT": "5", "OSTYPE": "x"})) == []
+    # a driver's own check takes a spec stored before these rules (it still launches)
+    assert _driver_accepts(_one(env={"OPTIND": "x"}, queue="a b"))
 
 
 def test_a_time_limit_past_366_days_by_a_nanosecond_is_refused() -> None:

@@ -19,7 +19,7 @@ It is a child subreaper (PR_SET_CHILD_SUBREAPER): a descendant that left its
 session (setsid, a daemon) comes to it, not to init, once its parent ended.
 Such escapees get a stop's SIGTERM and SIGKILL with the rest, and SIGKILL once
 the job has ended (nothing of a job outlives it, as in Slurm's cgroup or a
-pod); the ended ones are reaped every ``REAP_SECONDS``.
+pod); the ended ones are reaped after a SIGCHLD, at most every ``REAP_SECONDS``.
 
 It exits once the job has ended and every pipe is drained, after writing
 the last status; ``supervisor.lock`` (handed over locked by the driver) is
@@ -54,7 +54,7 @@ log = logging.getLogger("dlsched.driver.local.supervisor")
 STOP_POLL_SECONDS = 0.2
 #: how long pipes may stay open once every process has ended (a descendant that escaped its session)
 DRAIN_SECONDS = 5.0
-#: how often, while the job runs, the supervisor reaps the orphans that came to it and ended
+#: how often at most, while the job runs, the supervisor reaps the orphans that came to it and ended
 REAP_SECONDS = 2.0
 #: passes over /proc that SIGKILL escapees at the end (each kill may orphan another generation)
 ESCAPEE_PASSES = 5
@@ -119,6 +119,7 @@ class Supervisor:
         self.changed = asyncio.Event()
         self.own: set[int] = set()  # the pids of the processes it started
         self.subreaper = False
+        self._reap_wanted = False
         self._pids: TextIO | None = None  # ``pids``, open while processes are started
         st = procfs.read_stat(os.getpid())
         self.identity = {"pid": os.getpid(), "start_ticks": st.start_ticks if st is not None else 0}
@@ -145,8 +146,9 @@ class Supervisor:
     def stop_running(self, grace: float) -> None:
         """SIGTERM every running process's session and every escapee; SIGKILL after ``grace``
         (the earliest deadline wins)."""
-        attempt.signal_sessions(self.machine.running_pids(), signal.SIGTERM)
-        self.signal_escapees(signal.SIGTERM)
+        running = self.machine.running_pids()
+        attempt.signal_sessions(running, signal.SIGTERM)
+        self.signal_escapees(signal.SIGTERM, covered=set(running))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + max(0.0, grace)
         if self.kill_deadline is None or deadline < self.kill_deadline:
@@ -159,17 +161,20 @@ class Supervisor:
         attempt.signal_sessions(self.machine.running_pids(), signal.SIGKILL)
         self.signal_escapees(signal.SIGKILL)
 
-    def signal_escapees(self, sig: int | None, passes: int = 1) -> bool:
+    def signal_escapees(self, sig: int | None, passes: int = 1, covered: set[int] | None = None) -> bool:
         """Signal what the job's processes left behind outside their sessions (a daemon that
         called setsid, whose parent ended: the supervisor is a child subreaper, so it came
         here), each with its group and session; reap the ended ones (``sig`` None: only
         that). Whether one was alive (after ``passes`` passes: a SIGKILLed one's children
-        come here next)."""
+        come here next). ``covered``: the replicas just signalled with their groups and sessions;
+        an escapee still in one of them has had the signal (a second SIGTERM is "abort now")."""
         if not self.subreaper:
             return False
         live: list[procfs.ProcStat] = []
         for _ in range(max(1, passes)):
             live, dead = procfs.adopted(os.getpid(), self.own)
+            if covered:
+                live = [st for st in live if st.session not in covered and st.pgrp not in covered]
             for pid in dead:
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, os.WNOHANG)
@@ -295,7 +300,10 @@ class Supervisor:
         self.write()  # from here on the driver may wake us (the handler is in place)
         self.check_stop()  # a stop asked for before we started
         await self.spawn_all()
-        reap_at = loop.time() + REAP_SECONDS
+        # Orphans that came here are reaped when a child ended (SIGCHLD: asyncio's child watcher
+        # waits on its own pids, not on a signal), at most every REAP_SECONDS: no /proc scan else.
+        loop.add_signal_handler(signal.SIGCHLD, self._child_ended)
+        reap_at = loop.time()
         while not self.machine.ended:
             self.changed.clear()
             with contextlib.suppress(TimeoutError):
@@ -305,13 +313,17 @@ class Supervisor:
             if self.machine.state.is_terminal():
                 # The job has ended: nothing of it runs on (its pipes close with them).
                 self.signal_escapees(signal.SIGKILL, ESCAPEE_PASSES)
-            elif loop.time() >= reap_at:
+            elif self._reap_wanted and loop.time() >= reap_at:
+                self._reap_wanted = False
                 self.signal_escapees(None)  # reaps the ended ones
                 reap_at = loop.time() + REAP_SECONDS
             self._drain_bound(loop.time())
         self.signal_escapees(signal.SIGKILL, ESCAPEE_PASSES)
         self._close_transports()
         self.write()
+
+    def _child_ended(self) -> None:
+        self._reap_wanted = True
 
     def _check_files(self) -> None:
         """The state dir removed under a running job (a test's temp dir, a wiped host): stop it now."""

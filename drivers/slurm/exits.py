@@ -14,8 +14,8 @@ An MPI job's file has a second line, ``hosts worker-0 worker-1``: the
 replicas that only host the launcher's ranks (no process of their own), so
 a driver that adopts the job without its record still reports them.
 
-``exit``: the process ended before the job was decided; ``stop``: after it (or after dlsched's stop),
-so the success rule (or the step's end) stopped it. When a job ends, the
+``exit``: the process ended before the job was decided; ``stop``: after it, so the success rule
+(or the step's end) stopped it; ``halt``: after dlsched's stop reached it (never a success). When a job ends, the
 driver reads this file once (``read``, one ``cat`` over SSH, no Slurm call)
 before it reports the end, and ``replicas`` makes of it what every backend
 reports (docs/ENVIRONMENT.md, as drivers/local and drivers/ray):
@@ -53,6 +53,7 @@ class End:
     label: str
     status: int
     stopped: bool  #: it ended after the job was decided
+    halted: bool = False  #: ... by dlsched's stop (its mark was there): no success, whatever its status
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,8 @@ class Exits:
         """Every process the script started ended and none failed before the job was decided:
         the script decided success, whatever Slurm later made of the job's end."""
         heard = {e.label for e in self.ends}
-        return bool(self.labels) and all(lb in heard for lb in self.labels) and self.first_failure() is None
+        return (bool(self.labels) and all(lb in heard for lb in self.labels) and self.first_failure() is None
+                and not any(e.halted for e in self.ends))
 
 
 #: The most of the file read: its lines for the most processes a job may have (the job can write
@@ -109,10 +111,10 @@ def parse(text: str) -> Exits | None:
         elif words[:1] == ["hosts"]:
             hosts = _labels(words[1:])
         elif (len(words) == 4 and words[0] == "end" and _LABEL_RE.fullmatch(words[1])
-              and _STATUS_RE.fullmatch(words[2]) and words[3] in ("exit", "stop")
+              and _STATUS_RE.fullmatch(words[2]) and words[3] in ("exit", "stop", "halt")
               and words[1] not in seen and len(seen) < MAX_PROCESSES):
             seen.add(words[1])  # heard of once; a repeat (never written) would not change it
-            ends.append(End(words[1], int(words[2]), words[3] == "stop"))
+            ends.append(End(words[1], int(words[2]), words[3] != "exit", words[3] == "halt"))
     return Exits(labels, tuple(ends), hosts) if labels else None
 
 

@@ -105,7 +105,10 @@ log = logging.getLogger("dlsched.driver.slurm")
 #: _step_signal: Terminating StepId=1.0``) and slurmstepd (``slurmstepd-node: error: *** STEP 5.1
 #: ON node CANCELLED AT ... ***``) write into a step's stderr, beside its tasks' lines: left out,
 #: as the other backends add nothing of their own to a replica's output.
-SLURM_OWN_LINE_RE = re.compile(rb"srun: |slurmstepd(?:-[^:\s]{1,128})?: error: \*\*\* (?:STEP|JOB) .*\*\*\*\Z")
+SLURM_OWN_LINE_RE = re.compile(
+    rb"srun: (?:error: |warning: |launch/|Job step aborted|Job [0-9]+ step |forcing job termination|got SIGCONT"
+    rb"|Terminating |Complete StepId|Step created|Force Terminated|Received task exit)"
+    rb"|slurmstepd(?:-[^:\s]{1,128})?: error: \*\*\* (?:STEP|JOB) .*\*\*\*\Z")
 FILE_RE = re.compile(r"^([a-z][a-z0-9-]{0,62})-([0-9]{1,7})\.(stdout|stderr)\Z")  # ASCII digits: \d takes others
 MAX_CHUNK = 1 << 20
 #: Log tails read files on the login node, not the controller: their own, lower floor.

@@ -92,7 +92,7 @@ tasks at once), then, after the stop grace (``DLSCHED_GRACE``, the
 driver's ``--grace-seconds``), SIGTERM to the sruns still running, which
 SIGKILL their tasks. So Slurm's own state (COMPLETED / FAILED)
 and ``ExitCode`` are the job's. Each process's end is also appended to the
-attempt's ``exits`` file (``end <label> <status> exit|stop``: heard of
+attempt's ``exits`` file (``end <label> <status> exit|stop|halt``: heard of
 before or after the job was decided, after a first ``labels`` line), which
 the driver reads when the job ends (``exits``) to report every replica's
 own state and name the failure that decided the job.

@@ -70,10 +70,10 @@ STOP_MARK = "stopping"
 #: The file in the attempt directory where the script records each process's end (``exits``
 #: parses it): a first line ``labels <label> ...`` (written when the job starts; an MPI job's
 #: second line, ``hosts <label> ...``, names the replicas that only host ranks), then one
-#: ``end <label> <status> exit|stop`` line per process in the order the script heard of them:
+#: ``end <label> <status> exit|stop|halt`` line per process in the order the script heard of them:
 #: ``exit`` when it ended before the job was decided (the first such non-zero one decided a
-#: failure), ``stop`` when it ended after, stopped by the success rule, dlsched's stop (the
-#: ``STOP_MARK`` is there) or with the step.
+#: failure), ``stop`` when it ended after, stopped by the success rule or with the step, ``halt``
+#: when it ended after dlsched's stop reached the job (the ``STOP_MARK`` is there).
 EXITS = "exits"
 
 #: The success rule both launch styles share: ``dlsched_decide LABEL STATUS DECIDES``
@@ -87,7 +87,7 @@ dlsched_rc=0
 dlsched_done=0
 dlsched_record() {
   local how=exit
-  [ "$dlsched_done" = 0 ] && [ ! -e "$DLSCHED_DIR/@STOP_MARK@" ] || how=stop
+  if [ -e "$DLSCHED_DIR/@STOP_MARK@" ]; then how=halt; elif [ "$dlsched_done" != 0 ]; then how=stop; fi
   printf 'end %s %s %s\n' "$1" "$2" "$how" >>"$DLSCHED_DIR/exits"
 }
 dlsched_decide() {

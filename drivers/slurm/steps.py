@@ -163,8 +163,10 @@ def mpi_launcher(p: planner.ProcessLaunch, user_exports: list[str]) -> list[str]
         *user_exports,
         f"  ( {cd}exec {argv} ) &",
         "  dlsched_mpirun=$!",
-        "  trap 'kill -TERM \"$dlsched_mpirun\" 2>/dev/null' TERM",
-        '  while :; do wait "$dlsched_mpirun"; dlsched_status=$?; kill -0 "$dlsched_mpirun" 2>/dev/null || break; done',
+        "  trap 'dlsched_sig=1; kill -TERM \"$dlsched_mpirun\" 2>/dev/null' TERM",
+        # a wait the trap cut short is waited again (bash keeps an ended child's status); no
+        # kill -0, which a reused pid would answer
+        '  while :; do dlsched_sig=; wait "$dlsched_mpirun"; dlsched_status=$?; [ -n "$dlsched_sig" ] || break; done',
         f'  : >"$DLSCHED_DIR/{MPI_OUTPUT_DIR}.done"',
         "  wait",
         '  exit "$dlsched_status"',
@@ -240,9 +242,9 @@ def multi_prog(lay: Layout, steps: list[StepFiles]) -> list[str]:
         body += ["(", *exports(spec, p, "  "), f"  {cd}exec {argv}",
                  f') >"$DLSCHED_DIR/{label}.stdout" 2>"$DLSCHED_DIR/{label}.stderr" </dev/null &',
                  "dlsched_child=$!",
-                 "trap : TERM",
-                 'while :; do wait "$dlsched_child"; dlsched_status=$?; '
-                 'kill -0 "$dlsched_child" 2>/dev/null || break; done',
+                 "trap 'dlsched_sig=1' TERM",
+                 'while :; do dlsched_sig=; wait "$dlsched_child"; dlsched_status=$?; '
+                 '[ -n "$dlsched_sig" ] || break; done',
                  f'printf \'%s\\n\' "$dlsched_status" >"$DLSCHED_DIR/{label}.exit.new"',
                  f'mv -f -- "$DLSCHED_DIR/{label}.exit.new" "$DLSCHED_DIR/{label}.exit"',
                  'exit "$dlsched_status"']

@@ -90,6 +90,6 @@ def validate_submit(job_id: str, spec: JobSpec | None, request_id: str,
 
 
 def validate_spec(spec: JobSpec, v: _Violations) -> None:
-    v.items += spec_rules.check_spec(spec, time_limit_seconds=spec.time_limit)
+    v.items += spec_rules.check_spec(spec, time_limit_seconds=spec.time_limit, admission=True)
     v.items += spec_rules.check_labels(spec.cluster_selector.labels, "spec.cluster_selector.labels")
     v.items += spec_rules.check_selected_cluster(spec.cluster_selector.cluster, "spec.cluster_selector.cluster")
