@@ -111,9 +111,10 @@ read -r -a words <"$conf"
 [ "${words[0]}" = "*" ] || exit 2
 args=("${words[@]:1}")
 pids=()
-trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+# as slurmstepd signals every process of the step: each task a process group, each group signalled
+trap 'for p in "${pids[@]}"; do kill -TERM -- "-$p" 2>/dev/null; done' TERM
 for ((t = 0; t < n; t++)); do
-  SLURM_PROCID=$t "${args[@]//%t/$t}" &
+  SLURM_PROCID=$t setsid "${args[@]//%t/$t}" &
   pids+=($!)
 done
 rc=0
