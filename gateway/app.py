@@ -493,6 +493,7 @@ def answer_parse_errors() -> None:
             return original(self, request, status, exc, message)
         if request.writer.output_size > 0:
             raise ConnectionError("the response has begun: no error can follow")
+        log.info("refused a malformed HTTP request: %s (HTTP %s)", type(exc).__name__, status)
         err = MalformedHttp(f"the HTTP request could not be parsed ({type(exc).__name__}, HTTP {status})")
         resp = _json(status, rpc_errors_json(err))
         resp.force_close()

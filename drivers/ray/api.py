@@ -105,9 +105,10 @@ class RayApi:
 
     def _replaced(self, e: RuntimeError) -> Exception:
         """aiohttp's "Session is closed": the cluster was configured anew (or removed) while this
-        call ran on its old connection: UNAVAILABLE, retried on the new one (not INTERNAL)."""
+        call ran on its old connection: UNAVAILABLE, retried on the new one (not INTERNAL).
+        Another RuntimeError is raised as it is."""
         if not self.session.closed:
-            return e
+            raise e
         return BackendUnavailable(f"Ray head {self.base}: the cluster's connection was replaced while "
                                   "the call ran; retry")
 
