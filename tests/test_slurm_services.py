@@ -257,7 +257,7 @@ async def test_mpi_runs_np_ranks_from_the_hostfile(jm, runs, tmp_path):
                     probe_group("worker", tmp_path, replicas=1, ppr=2))
     dry = await jm.SubmitJob(jpb.SubmitJobRequest(job_id=new_id("mpi-dry"), spec=spec, dry_run=True), timeout=30)
     assert dry.dry_run.cluster == CLUSTER
-    assert "mpirun -np 2 --hostfile" in dry.dry_run.native_spec.content, dry.dry_run.native_spec.content
+    assert '"$dlsched_mpirun_bin" -np 2 --hostfile' in dry.dry_run.native_spec.content, dry.dry_run.native_spec.content
     r, job = await run_to_end(jm, runs, spec)
     assert job.state == S.JOB_STATE_SUCCEEDED, job
     envs = [p["env"] for p in probes(tmp_path)]
