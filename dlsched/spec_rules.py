@@ -24,7 +24,8 @@ import shlex
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
-from dlsched.errors import FieldViolation
+from dlsched.errors import FieldViolation, InvalidArgument
+from dlsched.kit.timeutil import check_duration
 
 #: Job ids (and cluster ids): they become paths and backend object names.
 ID_RE = re.compile(r"[a-z][a-z0-9-]{0,62}\Z")
@@ -371,6 +372,14 @@ def check_spec(spec: Any, *, time_limit_seconds: float | None, spec_bytes: int |
                               allow_unspecified=True)
     _labels(out, f"{field}.labels", spec.labels)
     return out
+
+
+def check_time_limit(d: Any, field: str) -> None:
+    """A spec's ``time_limit`` Duration as given (before any conversion normalises it): a valid
+    Duration, at most 366 days exactly; else INVALID_ARGUMENT naming ``field``."""
+    check_duration(d, field)
+    if time_limit_over(d.seconds, d.nanos):
+        raise InvalidArgument.for_field(field, "at most 366 days")
 
 
 def time_limit_over(seconds: int, nanos: int) -> bool:

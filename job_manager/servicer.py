@@ -71,7 +71,6 @@ from dlsched.kit import logs, tokens
 from dlsched.kit.timeutil import (
     MAX_TIMESTAMP_SECONDS,
     MIN_TIMESTAMP_SECONDS,
-    check_duration,
     check_timestamp,
     to_timestamp,
 )
@@ -247,9 +246,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         if spec_bytes > MAX_SPEC_BYTES:  # before any conversion: a request costs at most its size
             raise InvalidArgument.for_field("spec", f"serialized spec is {spec_bytes} bytes, at most {MAX_SPEC_BYTES}")
         if request.spec.HasField("time_limit"):  # before conversion, which would normalise it
-            check_duration(request.spec.time_limit, "spec.time_limit")
-            if spec_rules.time_limit_over(request.spec.time_limit.seconds, request.spec.time_limit.nanos):
-                raise InvalidArgument.for_field("spec.time_limit", "at most 366 days")
+            spec_rules.check_time_limit(request.spec.time_limit, "spec.time_limit")
         spec = convert.spec_from_proto(request.spec) if request.HasField("spec") else None
         if spec is None:
             raise InvalidArgument.for_field("spec", "required")

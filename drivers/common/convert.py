@@ -106,9 +106,7 @@ def job_spec(pb: job_pb2.JobSpec, present: bool, field: str = "spec") -> base.Jo
     if not present:
         raise InvalidArgument.for_field(field, "required")
     if pb.HasField("time_limit"):  # as JobManager checks it: never normalised
-        check_duration(pb.time_limit, f"{field}.time_limit")
-        if spec_rules.time_limit_over(pb.time_limit.seconds, pb.time_limit.nanos):
-            raise InvalidArgument.for_field(f"{field}.time_limit", "at most 366 days")
+        spec_rules.check_time_limit(pb.time_limit, f"{field}.time_limit")
     time_limit = from_duration(pb.time_limit) if pb.HasField("time_limit") else None  # 0 = unset, as in JobManager
     # The same rules as JobManager's (dlsched.spec_rules), on the message before any conversion.
     _raise(spec_rules.check_spec(pb, time_limit_seconds=time_limit, spec_bytes=pb.ByteSize(), field=field))
