@@ -250,6 +250,20 @@ def test_ps_worker_tasks_get_hostile_values_byte_for_byte_through_their_wrappers
     assert hosts == ["node-a", "node-a", "node-b"]  # replica q of R on node q * nodes // R
 
 
+@pytest.mark.parametrize("program", ["-a", "--", "-c", "-l"])
+def test_ps_worker_a_program_named_like_an_exec_option_is_not_found(sandbox, program):
+    """The wrapper's ``exec`` takes the program as a program, never as its own option (``exec -a x
+    sh -c ...`` ran sh): not found, 127, as on every other backend."""
+    canary = sandbox / "CANARY"
+    cmd = (program, "x", "/bin/sh", "-c", f"touch {canary}")
+    spec = JobSpec(RunMode.PS_WORKER, (g("ps", command=cmd), g("worker", command=cmd)))
+    out = render.render_job("ps-option-1", spec, 1, {"max_nodes": "1"})
+    res = run_script(sandbox, out)
+    assert not canary.exists(), "a program name ran as exec's option"
+    assert res.returncode == 127, res.stderr
+    assert (sandbox / out.dir / "worker-0.exit").read_text() == "127\n"
+
+
 def test_ps_worker_first_failure_ends_the_job_with_its_code_and_stops_the_rest(sandbox):
     spec = JobSpec(RunMode.PS_WORKER, (
         g("ps", command=(PY, "-c", "import time; time.sleep(60)")),
@@ -306,7 +320,7 @@ def test_mpi_launcher_argv_reaches_the_ranks_verbatim():
     got = subprocess.run(["bash", "-c", f'{line}; printf %s "$DLSCHED_MPI_ARGV"'], capture_output=True,
                          timeout=30, check=True).stdout.decode()
     assert shlex.split(got) == ["./hello", *args]
-    (mpirun,) = [ln.strip() for ln in script.splitlines() if 'exec "$dlsched_mpirun_bin" ' in ln]
+    (mpirun,) = [ln.strip() for ln in script.splitlines() if 'exec -- "$dlsched_mpirun_bin" ' in ln]
     assert mpirun.endswith(shlex.join(planner.MPI_RANK_PROGRAM) + " ) &") and "hello" not in mpirun
 
 

@@ -161,7 +161,7 @@ def mpi_launcher(p: planner.ProcessLaunch, user_exports: list[str]) -> list[str]
         # mpirun as the cluster's PATH finds it, not the user's
         "  dlsched_mpirun_bin=$(command -v mpirun) || dlsched_mpirun_bin=mpirun",
         *user_exports,
-        f"  ( {cd}exec {argv} ) &",
+        f"  ( {cd}exec -- {argv} ) &",
         "  dlsched_mpirun=$!",
         "  trap 'dlsched_sig=1; kill -TERM \"$dlsched_mpirun\" 2>/dev/null' TERM",
         # a wait the trap cut short is waited again (bash keeps an ended child's status); no
@@ -239,7 +239,7 @@ def multi_prog(lay: Layout, steps: list[StepFiles]) -> list[str]:
         # The wrapper outlives a SIGTERM (a no-op trap: the step's signal reaches the program
         # itself) and waits for the program: had it died of it, a program that takes its time
         # or ignores the signal was orphaned, out of the step's reach (SIGKILL included).
-        body += ["(", *exports(spec, p, "  "), f"  {cd}exec {argv}",
+        body += ["(", *exports(spec, p, "  "), f"  {cd}exec -- {argv}",
                  f') >"$DLSCHED_DIR/{label}.stdout" 2>"$DLSCHED_DIR/{label}.stderr" </dev/null &',
                  "dlsched_child=$!",
                  "trap 'dlsched_sig=1' TERM",
