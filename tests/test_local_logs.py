@@ -122,7 +122,7 @@ def test_tail_lines_reads_only_the_end_of_a_big_file(tmp_path):
     n = _big_log(path, 100)
     r = local_logs.LogFileReader(str(path))
     assert [ns for ns, _ in r.read_last(1)] == [n]
-    assert r.bytes_read <= local_logs.READ_CHUNK
+    assert r.bytes_read <= local_logs.READ_CHUNK + 1000  # a chunk backwards, the (1000-byte) line again forwards
     assert [ns for ns, _ in local_logs.LogFileReader(str(path)).read_last(3, since_ns=n - 1)] == [n - 1, n]
     files = [local_logs.LogFile("main", 0, LogStream.STDOUT, str(path))]
     tracemalloc.start()
@@ -133,6 +133,29 @@ def test_tail_lines_reads_only_the_end_of_a_big_file(tmp_path):
         tracemalloc.stop()
     assert [e.time_ns for e in got] == list(range(n - 4, n + 1))
     assert peak < 4 * local_logs.READ_CHUNK, peak
+
+
+def test_a_huge_tail_lines_costs_a_chunk_of_memory_not_the_lines(tmp_path):
+    """``tail_lines`` of 2**31-1 on a 24 MiB log: every line, streamed forwards in chunks once found
+    backwards (the lines found used to be held until there were n of them: the log's size in memory)."""
+    path = tmp_path / "main-0.stdout"
+    n = _big_log(path, 24)
+    files = [local_logs.LogFile("main", 0, LogStream.STDOUT, str(path))]
+    tracemalloc.start()
+    try:
+        async def go() -> tuple[int, int, int]:
+            count, first, last = 0, 0, 0
+            async for batch in local_logs.tail(files, LogQuery(tail_lines=2**31 - 1), ended=lambda: True,
+                                               gone=lambda: False):
+                first = first or batch[0].time_ns or 0
+                count, last = count + len(batch), batch[-1].time_ns or 0
+            return count, first, last
+        count, first, last = asyncio.run(go())
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert (count, first, last) == (n, 1, n)
+    assert peak < 12 * local_logs.READ_CHUNK + 2 * local_logs.BATCH_BYTES, peak
 
 
 def test_a_whole_backlog_streams_in_bounded_memory_merged_by_time(tmp_path):

@@ -89,27 +89,29 @@ def _parse(raw: bytes) -> Line:
 
 
 class LogFileReader:
-    """Reads one log file in bounded pieces: forwards from an offset (``read_new``), or its last lines
-    backwards from the end (``read_last``). Memory is a chunk plus the lines asked for, whatever the file's
-    size; ``bytes_read`` counts what it read."""
+    """Reads one log file in bounded pieces: forwards from an offset (``read_new``), or its last lines,
+    found backwards from the end (``seek_last``) and read forwards. Memory is a chunk, whatever the file's
+    size and the lines asked for; ``bytes_read`` counts what it read."""
 
     def __init__(self, path: str, chunk: int = READ_CHUNK) -> None:
         self.path = path
         self.chunk = chunk
         self.offset = 0
-        self.eof = False  # the last read_new reached the end of the file
+        self.eof = False  # the last read_new reached the end of the file (or ``limit``)
+        self.limit: int | None = None  # read_new stops there (seek_last's end of the lines asked for)
         self.bytes_read = 0
         self._partial = b""
 
     def read_new(self) -> list[Line]:
-        """The complete lines among the next ``chunk`` bytes after the offset."""
+        """The complete lines among the next ``chunk`` bytes after the offset (up to ``limit``, when set)."""
+        want = self.chunk if self.limit is None else min(self.chunk, self.limit - self.offset)
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.offset)
-                data = f.read(self.chunk)
+                data = f.read(want) if want > 0 else b""
         except OSError:
             data = b""
-        self.eof = len(data) < self.chunk
+        self.eof = len(data) < self.chunk if self.limit is None else self.offset + len(data) >= self.limit
         if not data:
             return []
         self.offset += len(data)
@@ -121,23 +123,35 @@ class LogFileReader:
             self._partial = b""
         return [_parse(raw) for raw in lines]
 
-    def read_last(self, n: int, since_ns: int | None = None) -> list[Line]:
-        """The last ``n`` complete lines (only those stamped at or after ``since_ns``), oldest first, read
-        backwards from the end a chunk at a time; ``read_new`` goes on after them."""
+    def seek_last(self, n: int, since_ns: int | None = None) -> None:
+        """Place the reader on the last ``n`` complete lines (only those stamped at or after
+        ``since_ns``): ``read_new`` reads them, forwards, up to ``limit`` (the end of the last
+        complete line). Found reading backwards a chunk at a time, counting lines without keeping
+        them: memory is a chunk, whatever ``n`` and the file's size. Clear ``limit`` to go on after."""
         try:
             with open(self.path, "rb") as f:
-                newest_first, stop = self._backwards(f, f.seek(0, os.SEEK_END), n, since_ns)
+                start, stop = self._backwards(f, f.seek(0, os.SEEK_END), n, since_ns)
         except OSError:
-            return []
-        self.offset, self._partial = stop, b""
-        newest_first.reverse()
-        return newest_first
+            start = stop = self.offset
+        self.offset, self.limit, self._partial, self.eof = start, stop, b"", start >= stop
 
-    def _backwards(self, f: BinaryIO, end: int, n: int, since_ns: int | None) -> tuple[list[Line], int]:
+    def read_last(self, n: int, since_ns: int | None = None) -> list[Line]:
+        """The last ``n`` complete lines as a list, oldest first (``seek_last``, then read them);
+        ``read_new`` goes on after them."""
+        self.seek_last(n, since_ns)
         out: list[Line] = []
+        while not self.eof:
+            out.extend(self.read_new())
+        self.limit = None
+        return out
+
+    def _backwards(self, f: BinaryIO, end: int, n: int, since_ns: int | None) -> tuple[int, int]:
+        """(start, stop): the offsets of the first of the last ``n`` lines and just after the last."""
+        taken = 0
         pos, buf = end, b""  # buf: the bytes from pos not yet taken apart, ending with a newline once stop is known
         stop: int | None = None  # just after the last complete line: where reading forwards goes on
-        while pos > 0 and len(out) < n:
+        start = end
+        while pos > 0 and taken < n:
             step = min(self.chunk, pos)
             pos -= step
             f.seek(pos)
@@ -147,24 +161,29 @@ class LogFileReader:
                 cut = buf.rfind(b"\n")
                 if cut < 0:
                     if len(buf) > MAX_SCAN:  # not a file of ours
-                        return out, end
+                        return end, end
                     continue
                 stop, buf = pos + cut + 1, buf[:cut + 1]
+                start = stop
             parts = buf.split(b"\n")[:-1]
             head = parts.pop(0) if pos > 0 else None  # may begin before pos
+            line_end = pos + len(buf)  # the offset just after the newline ending the part looked at
             for raw in reversed(parts):
-                line = _parse(raw)
-                if since_ns is not None and line[0] < since_ns:
-                    return out, stop
-                out.append(line)
-                if len(out) == n:
-                    return out, stop
+                if since_ns is not None and _parse(raw)[0] < since_ns:
+                    return start, stop
+                start = line_end - len(raw) - 1
+                line_end = start
+                taken += 1
+                if taken == n:
+                    return start, stop
             if head is None:
                 break
             buf = head + b"\n"
             if len(buf) > MAX_SCAN:  # a line too long to be ours: the tail ends after it
                 break
-        return out, 0 if stop is None else stop  # no newline at all: every byte is still to come
+        if stop is None:  # no newline at all: every byte is still to come
+            return 0, 0
+        return start, stop
 
 
 @dataclass(frozen=True)
@@ -191,11 +210,17 @@ async def tail(files: Sequence[LogFile], query: LogQuery, *,
     batcher = _Batcher()
     if query.tail_lines > 0:
         n = query.tail_lines
-        per_file = await asyncio.to_thread(lambda: [r.read_last(n, query.since_ns) for r in readers])
-        for e in heapq.merge(*([_entry(f, ln) for ln in lines] for f, lines in zip(wanted, per_file, strict=True)),
-                             key=_when):
+
+        def seek_all() -> None:
+            for r in readers:
+                r.seek_last(n, query.since_ns)
+
+        await asyncio.to_thread(seek_all)
+        async for e in _merged(wanted, readers, query.since_ns):  # a chunk per file at a time
             if full := batcher.add(e):
                 yield full
+        for r in readers:
+            r.limit = None  # a follow goes on after the lines read
     else:
         async for e in _merged(wanted, readers, query.since_ns):
             if full := batcher.add(e):
