@@ -722,6 +722,18 @@ async def test_an_oidc_subject_over_255_characters_is_refused() -> None:
             await v.verify(iss.token("s" * 256, AUD))
 
 
+async def test_an_oidc_expiry_no_float_holds_is_unauthenticated() -> None:
+    """A token its issuer signed with ``exp`` 10**400 (PyJWT takes it: an int in the future) is
+    UNAUTHENTICATED, not an OverflowError answered INTERNAL."""
+    from dlsched.auth.oidc import OidcOptions, OidcVerifier
+    from dlsched.errors import Unauthenticated
+    with OidcIssuer().running() as iss:
+        v = OidcVerifier(OidcOptions(issuer=iss.url, audience=AUD))
+        with pytest.raises(Unauthenticated, match="'exp'"):
+            await v.verify(iss.token("someone", AUD, extra={"exp": 10**400}))
+        assert (await v.verify(iss.token("someone", AUD, extra={"exp": 2**62}))).name == "user:someone"
+
+
 # ---------------------------------------------------------------- (d) TLS
 
 def _served_certificate(port: int, opts: tls_kit.TlsOptions) -> x509.Certificate:

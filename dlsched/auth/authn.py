@@ -27,7 +27,7 @@ from dlsched.auth.model import ALL_PROJECTS, ApiToken, Principal, Role, roles_of
 from dlsched.auth.oidc import OidcOptions, OidcVerifier, TokenExpired
 from dlsched.auth.store import AccessStore
 from dlsched.auth.tokens import api_token_id, bearer, read_token_file, same_hash, sha256_hex
-from dlsched.errors import Unauthenticated
+from dlsched.errors import DlschedError, Unauthenticated
 from dlsched.kit.tls import DEFAULT_CONTROL_PLANE
 
 log = logging.getLogger("dlsched.auth")
@@ -137,7 +137,13 @@ class Authenticator:
         if tid is not None:
             return self._api_token(tid, digest)
         if self.oidc is not None and token.count(".") == 2:
-            ident = await self.oidc.verify(token)
+            try:
+                ident = await self.oidc.verify(token)
+            except DlschedError:
+                raise
+            except Exception as e:  # a token no check foresaw is refused, never an INTERNAL
+                log.warning("OIDC token refused: %s", type(e).__name__)
+                raise Unauthenticated("token not valid for this server") from e
             names = [ident.name, *(f"group:{g}" for g in ident.groups)]
             leeway = self.oidc.opts.leeway_seconds
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import urllib.request
 from collections import OrderedDict
@@ -142,7 +143,7 @@ class OidcVerifier:
                     continue
                 if role > roles.get(project, Role.UNSPECIFIED):
                     roles[project] = role
-        return Identity(f"user:{subject}", groups, roles, float(claims["exp"]))
+        return Identity(f"user:{subject}", groups, roles, _expiry(claims["exp"]))
 
     async def _key(self, kid: str) -> jwt.PyJWK:
         now = time.monotonic()
@@ -196,3 +197,15 @@ class OidcVerifier:
         if not isinstance(doc, dict):
             raise ValueError(f"{url}: not a JSON object")
         return doc
+
+
+def _expiry(exp: Any) -> float:
+    """``exp`` as seconds (PyJWT has checked it is an integer not in the past): one no float holds
+    (10**400, signed by the issuer all the same) is no expiry this server can keep."""
+    try:
+        expires = float(exp)
+    except (OverflowError, TypeError, ValueError) as e:
+        raise Unauthenticated("token's 'exp' claim is not a usable time") from e
+    if not math.isfinite(expires):
+        raise Unauthenticated("token's 'exp' claim is not a usable time")
+    return expires
