@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import replace
@@ -67,10 +68,22 @@ def _watcher(p: Principal) -> Principal:
     return p
 
 
-async def _events(sub: Subscription, p: Principal, every: float) -> AsyncGenerator[StoreEvent | None, None]:
+class _Sent:
+    """When the stream last sent something: its heartbeat is due ``every`` seconds after."""
+
+    def __init__(self) -> None:
+        self.at = time.monotonic()
+
+    def mark(self) -> None:
+        self.at = time.monotonic()
+
+
+async def _events(sub: Subscription, p: Principal, every: float,
+                  sent: _Sent) -> AsyncGenerator[StoreEvent | None, None]:
     """``sub``'s events, each after the caller was checked again (``_watcher``), which
-    it also is every ``every`` seconds while none comes (<= 0: only per event), each
-    such check yielding None (the stream's heartbeat).
+    it also is once nothing was sent for ``every`` seconds (``sent``, which the stream
+    marks; <= 0: only per event), each such check yielding None (the stream's heartbeat).
+    An event the stream's filter drops sends nothing: it does not put the heartbeat off.
 
     One task awaits the pending event across those checks: a check never cancels
     the subscription's step."""
@@ -82,7 +95,8 @@ async def _events(sub: Subscription, p: Principal, every: float) -> AsyncGenerat
             else:
                 if step is None:
                     step = asyncio.ensure_future(sub.next())
-                done, _ = await asyncio.wait((step,), timeout=every)
+                wait = sent.at + every - time.monotonic()
+                done = (await asyncio.wait((step,), timeout=wait))[0] if wait > 0 else set()
                 if not done:
                     p = _watcher(p)
                     yield None
@@ -232,13 +246,16 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
                             cluster=convert.cluster_to_proto(c), resume_token=snap)
                 at = ResumeToken(rev).encode()
                 yield pb.WatchClustersResponse(type=job_pb2.WATCH_EVENT_TYPE_SNAPSHOT_COMPLETE, resume_token=at)
-            async with contextlib.aclosing(_events(sub, p, self._recheck)) as events:
+            sent = _Sent()
+            async with contextlib.aclosing(_events(sub, p, self._recheck, sent)) as events:
                 async for ev in events:
                     if ev is None:  # quiet: a proxy that closes idle streams keeps this one
+                        sent.mark()
                         yield pb.WatchClustersResponse(type=job_pb2.WATCH_EVENT_TYPE_HEARTBEAT, resume_token=at)
                         continue
                     at = ResumeToken(ev.revision).encode()
                     if f.matches(ev.cluster) or (ev.prev is not None and f.matches(ev.prev)):
+                        sent.mark()
                         yield pb.WatchClustersResponse(
                             type=_EVENT_TYPE[ev.kind], cluster=convert.cluster_to_proto(ev.cluster),
                             resume_token=at)

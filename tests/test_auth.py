@@ -1281,7 +1281,7 @@ async def test_a_quiet_cluster_watch_rechecks_its_caller_while_no_event_comes() 
     is revoked, without an event. (In process: ClusterManager has no flag for
     the interval, 15 s; a real, empty subscription of a real hub.)"""
     from cluster_manager.hub import Subscription, WatchHub
-    from cluster_manager.servicer import _events
+    from cluster_manager.servicer import _events, _Sent
     from dlsched.auth.model import Principal, Role
     from dlsched.errors import DlschedError, PermissionDenied, Unauthenticated
 
@@ -1306,14 +1306,17 @@ async def test_a_quiet_cluster_watch_rechecks_its_caller_while_no_event_comes() 
         now = Now()
         p = Principal("sa:quiet", dict(now.roles), revalidate=now.revalidate)
         sub = Subscription(hub, 10)
-        events = _events(sub, p, 0.05)
+        sent = _Sent()
+        events = _events(sub, p, 0.05, sent)
         try:
             for _ in range(3):  # re-checks pass, each a heartbeat (None): the caller is fine
                 assert await asyncio.wait_for(events.__anext__(), WAIT) is None
+                sent.mark()
             getattr(now, how)()
             with pytest.raises(DlschedError) as ei:
                 while True:  # a heartbeat may be on its way; the next re-check ends the stream
                     assert await asyncio.wait_for(events.__anext__(), WAIT) is None
+                    sent.mark()
             assert type(ei.value) is error, ei.value
         finally:
             await events.aclose()

@@ -474,6 +474,43 @@ async def test_a_quiet_cluster_watch_gets_heartbeats_with_its_resume_token(
         proc.stop()
 
 
+async def test_a_filtered_cluster_watch_gets_heartbeats_while_clusters_it_drops_change(
+        etcd: EtcdServer, etcd_prefix: str) -> None:
+    """A change the stream's filter drops sends nothing, so it must not put the heartbeat off:
+    with another cluster changing more often than every heartbeat period, a watcher of
+    type=SLURM heard nothing at all (a proxy closing idle streams cut it)."""
+    proc = start_cm(etcd, etcd_prefix, "--stream-heartbeat-seconds", "1")
+    try:
+        async with security.channel(proc.address) as ch:
+            stub = pb_grpc.ClusterManagerServiceStub(ch)
+            await create(stub, "noisy", local_cluster(dead_address()))
+            w = Watch(stub, filter="type=SLURM")
+            await w.snapshot()
+            stop = asyncio.Event()
+
+            async def churn() -> int:  # a change every ~0.1 s, none the watcher sees
+                n = 0
+                while not stop.is_set():
+                    await stub.UpdateCluster(pb.UpdateClusterRequest(
+                        cluster=cluster_pb2.Cluster(name="clusters/noisy", labels={"n": str(n)}),
+                        update_mask=field_mask_pb2.FieldMask(paths=["labels"])))
+                    n += 1
+                    await asyncio.sleep(0.1)
+                return n
+
+            churning = asyncio.create_task(churn())
+            try:
+                beat = await w.until(lambda e: e.type == job_pb2.WATCH_EVENT_TYPE_HEARTBEAT)
+            finally:
+                stop.set()
+                changed = await churning
+                await w.close()
+            assert [e.type for e in beat] == [job_pb2.WATCH_EVENT_TYPE_HEARTBEAT]  # nothing of noisy's
+            assert changed >= 2
+    finally:
+        proc.stop()
+
+
 async def test_create_with_request_id_is_idempotent(
         stub: pb_grpc.ClusterManagerServiceStub) -> None:
     drv = dead_address()
