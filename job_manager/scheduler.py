@@ -226,7 +226,7 @@ class Scheduler:
                   owner=owner, project=spec.project, reason=states.LAUNCH_QUEUED)
         logs.JOB_ID.set(job.id)  # this handler's task: its records name the job
         if dry_run:
-            await self._dry_run_conflicts(job_id, request_id, owner)
+            first = await self._dry_run_conflicts(job_id, request_id, owner)
             # A driver down for now (the job would be stored and wait for it): the
             # placement without the native spec, as the submit would go on.
             native: NativeSpec | None = None
@@ -237,7 +237,9 @@ class Scheduler:
                 if e.reason not in ("DRIVER_UNAVAILABLE", "DRIVER_NOT_READY"):
                     raise
             job.uid = ""
-            return job, DryRun(chosen.cluster, candidates, native)
+            # A retry's dry run answers the retry's answer, its first job (AIP-163), beside the
+            # placement the spec would get now.
+            return first or job, DryRun(chosen.cluster, candidates, native)
         try:
             stored, created = await self.store.create(job, request_id)
         except RequestJobGone as e:  # its request key names a job gone from etcd: archived?
@@ -256,9 +258,10 @@ class Scheduler:
         await self._queue_launch(stored)
         return stored, None
 
-    async def _dry_run_conflicts(self, job_id: str, request_id: str, owner: str) -> None:
+    async def _dry_run_conflicts(self, job_id: str, request_id: str, owner: str) -> Job | None:
         """The errors the call would answer were it not a dry run (AIP-163): its job id taken
-        (ALREADY_EXISTS), its request id another caller's or another job id's."""
+        (ALREADY_EXISTS), its request id another caller's or another job id's; the first job
+        of a retried request (the call would answer it), else None."""
         if request_id:
             seen = await self._lookup_request(request_id, owner)  # an archived one of another: raises
             if seen is not None:
@@ -266,11 +269,12 @@ class Scheduler:
                     raise RequestIdInUse()
                 if job_id and seen.id != job_id:
                     raise errors.InvalidArgument.for_field("request_id", f"already used to submit jobs/{seen.id}")
-                return  # a retry: the call would answer its first job
+                return seen  # a retry: the call would answer its first job
         if job_id:
             with contextlib.suppress(JobNotFound):
                 await self.store.get(job_id)
                 raise JobAlreadyExists(f"job jobs/{job_id} already exists", metadata={"name": f"jobs/{job_id}"})
+        return None
 
     async def _seen_request(self, request_id: str, owner: str, match_error: errors.DlschedError) -> Job | None:
         """The job of ``request_id`` if one was made (live or archived), looked up

@@ -542,7 +542,8 @@ async def test_a_dry_run_answers_the_errors_the_call_would(jm: pb_grpc.JobManage
     """AIP-163: validate-only answers what the real request would: a job id taken is
     ALREADY_EXISTS, a request id used for another job id INVALID_ARGUMENT (a dry run said OK)."""
     job_id, request_id = uniq(), uniq()
-    await jm.SubmitJob(pb.SubmitJobRequest(job_id=job_id, spec=single("pass"), request_id=request_id))
+    first = (await jm.SubmitJob(pb.SubmitJobRequest(job_id=job_id, spec=single("pass"),
+                                                    request_id=request_id))).job
     for req, code, field in ((pb.SubmitJobRequest(job_id=job_id, spec=single("pass"), dry_run=True),
                               grpc.StatusCode.ALREADY_EXISTS, None),
                              (pb.SubmitJobRequest(job_id=uniq(), spec=single("pass"), dry_run=True,
@@ -556,7 +557,11 @@ async def test_a_dry_run_answers_the_errors_the_call_would(jm: pb_grpc.JobManage
     # a retry of the request that made it is no error, dry or not
     again = await jm.SubmitJob(pb.SubmitJobRequest(job_id=job_id, spec=single("pass"), dry_run=True,
                                                    request_id=request_id))
-    assert again.job.name == f"jobs/{job_id}"
+    assert again.job.name == f"jobs/{job_id}" and again.job.uid == first.uid  # the job the retry gets
+    # without a job id too: the retry's answer is the first job, not a new name
+    unnamed = await jm.SubmitJob(pb.SubmitJobRequest(spec=single("pass"), dry_run=True, request_id=request_id))
+    assert unnamed.job.name == f"jobs/{job_id}" and unnamed.job.uid == first.uid
+    assert unnamed.dry_run.cluster  # and the placement the spec would get now
 
 
 async def test_list_paging_and_delete(jm: pb_grpc.JobManagerServiceStub) -> None:
