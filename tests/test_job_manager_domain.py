@@ -317,3 +317,12 @@ def test_a_stopped_job_has_no_exit_code_whatever_its_backend_says() -> None:
     assert stopped is not None and stopped.state == S.STOPPED and stopped.exit_code is None
     failed = states.apply_observation(j, Observation("j", state=S.FAILED, attempt=1, exit_code=3), NOW)
     assert failed is not None and failed.exit_code == 3
+
+
+def test_a_job_its_time_limit_ended_has_no_exit_code_whatever_its_backend_says() -> None:
+    """Slurm reports the TIMEOUT batch script's 143, local and Ray nothing: the time limit stopped
+    the job, no replica failed of itself, so it has no exit code on any backend (job.proto)."""
+    j = job(S.RUNNING)
+    timed = states.apply_observation(j, Observation(
+        "j", state=S.FAILED, attempt=1, exit_code=143, reason=states.TIME_LIMIT_EXCEEDED), NOW)
+    assert timed is not None and timed.state == S.FAILED and timed.exit_code is None

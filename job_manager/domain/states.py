@@ -18,6 +18,8 @@ S = JobState
 
 #: the reason of a stored job whose launch is queued (SubmitJob answered before it)
 LAUNCH_QUEUED = "LaunchQueued"
+#: the reason every driver gives a job its time limit ended
+TIME_LIMIT_EXCEEDED = "TimeLimitExceeded"
 
 #: Legal transitions. A retry (FAILED attempt n → PENDING attempt n+1) is not
 #: an observation; it goes through ``plan_retry``.
@@ -126,8 +128,10 @@ def apply_observation(job: Job, obs: Observation, now: datetime) -> Job | None:
             new.message = obs.message[:MAX_MESSAGE]
         if obs.replicas:
             new.replicas = planned_replicas(job, obs.replicas)
-        if target == S.STOPPED:
-            new.exit_code = None  # stopped, not exited: every backend alike (Slurm said 143)
+        if target == S.STOPPED or (target == S.FAILED and new.reason == TIME_LIMIT_EXCEEDED):
+            # stopped (by a stop, or by its time limit), not exited: every backend alike
+            # (Slurm said 143 for both, local and Ray nothing)
+            new.exit_code = None
         elif obs.exit_code is not None:
             new.exit_code = obs.exit_code
     if obs.backend_restarts > new.backend_restarts:  # the backend reran this attempt (a Slurm requeue)
