@@ -81,6 +81,7 @@ async def test_single_process_job_succeeds_with_planner_and_user_env(stub, tmp_p
             "'DLSCHED_NUM_REPLICAS','FOO','RANK'):\n"
             "    print(f'{k}={os.environ.get(k)}')\n"
             "print('CWD=' + os.getcwd())\n"
+            "print('PWD=' + os.environ.get('PWD', ''))\n"
             "print('OURS=' + ','.join(sorted(k for k in os.environ if k.upper().startswith('DLSCHED_'))))\n")
     resp = await launch(stub, job_id, single(code, env={"FOO": "bar baz"}, working_dir=str(tmp_path)))
     assert resp.backend_job_id == f"local-{job_id}-1"
@@ -102,8 +103,29 @@ async def test_single_process_job_succeeds_with_planner_and_user_env(stub, tmp_p
     assert "FOO=bar baz" in out
     assert "RANK=None" in out  # no torch.distributed variables for a single process
     assert f"CWD={tmp_path}" in out
+    assert f"PWD={tmp_path}" in out  # as a shell sets it (it was the driver's own)
     # the driver's own DLSCHED_* settings (its TLS key file, the admin token's file) are no job's
     assert "OURS=DLSCHED_JOB_ID,DLSCHED_JOB_NAME,DLSCHED_NUM_REPLICAS,DLSCHED_REPLICA_INDEX,DLSCHED_ROLE" in out, out
+
+
+def test_the_supervisor_gives_its_processes_no_ignored_or_blocked_signal():
+    """A driver started by ``cmd &`` in a script ignores SIGINT and SIGQUIT, and exec keeps ignored
+    signals: its jobs had them ignored, where Slurm and Ray give every signal its default."""
+    code = ("import signal, subprocess\n"
+            "signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGQUIT, signal.SIG_IGN)\n"
+            "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})\n"
+            "from drivers.local.supervisor import _default_signals\n"
+            "_default_signals()\n"
+            "subprocess.run(['grep', '-E', '^Sig(Ign|Blk)', '/proc/self/status'], check=True)\n")
+    out = subprocess_out([sys.executable, "-c", code])
+    assert out.split() == ["SigBlk:", "0" * 16, "SigIgn:", "0" * 16], out
+
+
+def subprocess_out(argv: list[str]) -> str:
+    import subprocess
+    root = pathlib.Path(__file__).resolve().parent.parent
+    return subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)}).stdout
 
 
 async def test_failing_job_reports_failed_with_exit_code(stub):
@@ -117,13 +139,17 @@ async def test_failing_job_reports_failed_with_exit_code(stub):
 
 
 async def test_missing_program_fails_to_start(stub):
+    """As on Slurm and Ray: the job fails as its program exited 127 (NonZeroExit, the replica named)
+    and the replica's stderr says why (the job said StartFailed, its log nothing)."""
     job_id = new_id("nostart")
     spec = single("pass")
     spec.replica_groups[0].command[:] = ["/nonexistent/program"]
     await launch(stub, job_id, spec)
     obs = await wait_state(stub, job_id)
     assert obs.state == job_pb2.JOB_STATE_FAILED
-    assert obs.reason == "StartFailed" and obs.exit_code == 127
+    assert (obs.reason, obs.message, obs.exit_code) == ("NonZeroExit", "main-0 exited with code 127", 127)
+    (err,) = texts(await logs(stub, job_id), job_pb2.LOG_STREAM_STDERR)
+    assert err.startswith("dlsched: cannot start '/nonexistent/program'"), err
 
 
 async def test_multi_process_job_gets_ranks_and_world_size(stub):

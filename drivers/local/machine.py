@@ -21,8 +21,8 @@ Per job: PENDING → RUNNING (the first process started) → STOPPING (a
 TerminateJob) → SUCCEEDED / FAILED / STOPPED once every process has ended
 (``states.job_outcome``). What decides it, in order: a stop that was asked
 for (TerminateJob: STOPPED; the time limit: FAILED ``TimeLimitExceeded``),
-else the first process that failed (``NonZeroExit`` / ``StartFailed``),
-else success. Once the deciding roles all exited 0 the job is
+else the first process that failed (``NonZeroExit``; one that could not start
+as one that exited 127 or 126), else success. Once the deciding roles all exited 0 the job is
 ``succeeding``: the others still running are stopped, and that is no
 failure. A transition that returns True asks the caller to stop the
 processes still running (SIGTERM, SIGKILL after the grace); from then on the
@@ -131,12 +131,13 @@ class JobMachine:
         return self.signalled
 
     def start_failed(self, i: int, code: int, message: str) -> bool:
-        """Process ``i`` could not be started; True: stop the others."""
+        """Process ``i`` could not be started (``message`` says why): it fails as a process that
+        exited with ``code`` (127 or 126, as a shell says), as on every backend; True: stop the others."""
         p = self.procs[i]
         p.state, p.exit_code, p.message = ReplicaState.FAILED, code, message
         if self.failure is None:
-            self.failure = (p.role, p.index, code, states.REASON_START_FAILED)
-            self.reason, self.message = states.REASON_START_FAILED, message
+            self.failure = (p.role, p.index, code, states.REASON_NON_ZERO_EXIT)
+            self.reason, self.message = states.REASON_REPLICA_FAILED, f"{p.name} exited with code {code}; stopping the rest"
         self.signalled = True
         return True
 

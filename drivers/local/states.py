@@ -21,7 +21,6 @@ from drivers.common.base import JobState, ReplicaState
 REASON_STARTED = "Started"
 REASON_COMPLETED = "Completed"
 REASON_NON_ZERO_EXIT = "NonZeroExit"
-REASON_START_FAILED = "StartFailed"
 REASON_STOPPING = "StopRequested"
 REASON_STOPPED = "Stopped"
 REASON_REPLICA_FAILED = "ReplicaFailed"
@@ -73,6 +72,5 @@ def job_outcome(*, stop_requested: bool, stop_final: tuple[JobState, str] | None
                        else "the job ran past its time limit", None)
     if failure is not None:
         role, index, code, reason = failure
-        how = "could not start" if reason == REASON_START_FAILED else f"exited with code {code}"
-        return Outcome(JobState.FAILED, reason, f"{role}-{index} {how}", code)
+        return Outcome(JobState.FAILED, reason, f"{role}-{index} exited with code {code}", code)
     return Outcome(JobState.SUCCEEDED, REASON_COMPLETED, success_message, 0)

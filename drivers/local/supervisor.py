@@ -229,12 +229,13 @@ class Supervisor:
                 transport, _ = await loop.subprocess_exec(
                     functools.partial(_Pipes, self, i), *p.argv,
                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE, env={**base_env, **p.env}, cwd=p.cwd,
+                    stderr=asyncio.subprocess.PIPE, env={**base_env, "PWD": _pwd(p.cwd), **p.env}, cwd=p.cwd,
                     start_new_session=True)
             except (OSError, ValueError) as e:
                 self.open_pipes -= 2
-                code = 127 if isinstance(e, FileNotFoundError) else 126
+                code = 127 if isinstance(e, FileNotFoundError) else 126  # as a shell says
                 what = getattr(e, "strerror", None) or str(e)
+                _say_on_stderr(p.log_path(LogStream.STDERR), f"dlsched: cannot start {p.argv[0]!r}: {what}")
                 if self.machine.start_failed(i, code, f"cannot start {p.argv[0]!r} in {p.cwd!r}: {what}"):
                     self.stop_running(self.grace)
                 continue
@@ -341,6 +342,39 @@ class Supervisor:
             self._settle()
 
 
+def _say_on_stderr(path: str, text: str) -> None:
+    """One line of dlsched's own in a process's stderr log (why it did not start), as the
+    other backends show the shell's or the launcher's."""
+    try:
+        w = LineWriter(path)
+        w.feed(text.encode() + b"\n", time.time_ns())
+        w.close(time.time_ns())
+    except OSError as e:
+        log.warning("cannot write %s: %s", path, e)
+
+
+def _pwd(cwd: str | None) -> str:
+    """``PWD`` for a process started in ``cwd``: its working directory, as a shell sets it (the
+    driver's own was inherited; jobs cannot set it, a name the launch scripts' shell owns)."""
+    return os.path.abspath(cwd) if cwd else os.getcwd()
+
+
+def _default_signals() -> None:
+    """Signals as a freshly started program has them: none blocked, none ignored. What the driver
+    was started with (``cmd &`` in a script ignores SIGINT and SIGQUIT; ``nohup`` SIGHUP) would
+    reach every job otherwise (exec keeps ignored signals), where other backends give defaults.
+    SIGPIPE and SIGXFSZ stay as Python set them here: the spawn restores them in the child."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGKILL, signal.SIGSTOP):
+            continue
+        try:
+            if signal.getsignal(sig) == signal.SIG_IGN:
+                signal.signal(sig, signal.SIG_DFL)
+        except (OSError, ValueError):
+            continue  # not settable here
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m drivers.local.supervisor", description=__doc__.split("\n")[0])
     ap.add_argument("attempt_dir")
@@ -348,6 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--lock-fd", type=int, default=-1, help="the locked supervisor.lock, held until exit")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    _default_signals()
     if args.lock_fd >= 0:
         os.set_inheritable(args.lock_fd, False)  # the job's processes never hold it
     rec = attempt.read_json(os.path.join(args.attempt_dir, attempt.RECORD))
