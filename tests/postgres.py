@@ -67,7 +67,11 @@ class PostgresServer:
         subprocess.run([os.path.join(self.bin, "initdb"), "-D", self.data, "-U", SUPERUSER,
                         "--auth=trust", "-E", "UTF8", "--no-sync"], check=True, user=self.user,
                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=self.dir)
-        log = open(os.path.join(self.dir, "postgres.log"), "wb")  # noqa: SIM115 - held by postgres
+        return self.restart()
+
+    def restart(self) -> PostgresServer:
+        """Run the server on its data directory (again, after it was killed) until it answers."""
+        log = open(os.path.join(self.dir, "postgres.log"), "ab")  # noqa: SIM115 - held by postgres
         self.proc = subprocess.Popen(
             [os.path.join(self.bin, "postgres"), "-D", self.data, "-p", str(self.port),
              "-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={self.dir}",

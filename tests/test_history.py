@@ -1066,6 +1066,47 @@ async def test_a_postgresql_that_is_down_is_unavailable_not_an_internal_error() 
         await store.close()
 
 
+async def test_a_jobmanager_started_while_its_postgresql_is_down_waits_for_it(etcd: EtcdServer) -> None:
+    """JobManager started (or restarted by its supervisor) while its history's PostgreSQL is down
+    waits for it, as for etcd, then serves: it exited with a traceback (the migration's
+    connection refused) and stayed down once the database was back."""
+    from tests.harness import ServiceProcess
+
+    try:
+        server = PostgresServer()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    server.start()
+    st = Stack(etcd, f"/dlsched-hist-{uuid.uuid4().hex[:8]}/", jm_args=history_args(await server.database()))
+    try:
+        server.signal_all(signal.SIGKILL)
+        assert server.proc is not None
+        server.proc.wait()
+        st.driver.start()
+        st.cm.start()
+        st.jm = ServiceProcess("job_manager", [*etcd.service_args(), "--prefix", st.prefix,
+                                               "--cluster-manager", st.cm.address, *st.jm_args], name="job-manager")
+        jm_up = asyncio.create_task(asyncio.to_thread(st.jm.start, 240))
+        deadline = time.monotonic() + 120
+        while "the job history's database cannot be reached" not in st.jm.log():
+            assert time.monotonic() < deadline, st.jm.log()[-2000:]
+            assert not jm_up.done() and (st.jm.proc is None or st.jm.proc.poll() is None), st.jm.log()[-2000:]
+            await asyncio.sleep(0.5)
+        assert st.jm.proc is not None and st.jm.proc.poll() is None  # waiting, alive
+        await asyncio.to_thread(server.restart)
+        await jm_up
+        await st.register_local()
+        async with security.channel(st.jm.address) as ch:
+            stub = pb_grpc.JobManagerServiceStub(ch)
+            job = (await stub.SubmitJob(pb.SubmitJobRequest(spec=job_pb2.JobSpec(
+                run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS,
+                replica_groups=[job_pb2.ReplicaGroup(role="main", replicas=1, command=["true"])])))).job
+            assert (await stub.GetJob(pb.GetJobRequest(name=job.name))).job.uid == job.uid
+    finally:
+        st.stop()
+        server.stop()
+
+
 async def test_a_frozen_postgresql_fails_in_bounded_time_and_the_store_recovers() -> None:
     """Every PostgreSQL process SIGSTOPped: the connections stay open and nothing answers.
     Reads (SubmitJob waits on the request-id look-up) end STORE_UNAVAILABLE, not never

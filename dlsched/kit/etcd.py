@@ -187,24 +187,27 @@ async def connect(options_or_endpoint: EtcdOptions | str, *,
 REACH_FIRST_WAIT, REACH_MAX_WAIT = 0.5, 5.0
 
 
-async def until_reachable(what: str, step: Callable[[], Awaitable[T]]) -> T:
+async def until_reachable(what: str, step: Callable[[], Awaitable[T]], *, store: str = "etcd",
+                          also: tuple[type[BaseException], ...] = ()) -> T:
     """``step()`` (a service's first reads of etcd at startup), again with backoff while etcd
     cannot be reached, for as long as it takes: a service started (or restarted by its
     supervisor) during an etcd outage waits for etcd instead of exiting with a traceback,
     which ``dlsched up`` took for the stack failing and Kubernetes for a crash loop.
-    Anything but unreachability (a refused login, a bad option) is raised at once."""
+    Anything but unreachability (a refused login, a bad option) is raised at once.
+    ``store`` and ``also``: another store's name and the errors that say it is not reachable
+    (the job history's database)."""
     wait, tries = REACH_FIRST_WAIT, 0
     while True:
         try:
             return await step()
         except (StoreUnavailable, Unavailable, aetcd.exceptions.ConnectionFailedError,
-                aetcd.exceptions.ConnectionTimeoutError, OSError) as e:
+                aetcd.exceptions.ConnectionTimeoutError, OSError, *also) as e:
             if _misconfigured(e):
                 raise  # a certificate etcd or this service refuses: waiting would not help
             tries += 1
             if tries == 1 or tries % 10 == 0:
-                log.warning("%s: etcd cannot be reached (%s); waiting for it (try %d)",
-                            what, str(e).splitlines()[0][:200], tries)
+                log.warning("%s: %s cannot be reached (%s); waiting for it (try %d)",
+                            what, store, (str(e).splitlines() or [type(e).__name__])[0][:200], tries)
         await asyncio.sleep(wait)
         wait = min(REACH_MAX_WAIT, wait * 2)
 

@@ -10,11 +10,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aetcd
+import sqlalchemy.exc
 
+from dlsched.kit import etcd
 from dlsched.kit.election import Leadership
 from job_manager.cache import JobCache
 from job_manager.history.archiver import ArchiveConfig, Archiver
-from job_manager.history.store import HistoryStore
+from job_manager.history.store import HistoryStore, url_of
 from job_manager.store import JobStore
 
 log = logging.getLogger("job_manager.history")
@@ -102,7 +104,14 @@ async def start_history(opts: HistoryOptions, client: aetcd.Client, store: JobSt
     if not opts.enabled:
         log.info("no job history (--history-dsn/--data-dir unset): terminal jobs stay in etcd")
         return None, None
-    history = await HistoryStore.open(opts.dsn)
+    if url_of(opts.dsn).startswith("sqlite"):
+        history = await HistoryStore.open(opts.dsn)  # a file: nothing to wait for
+    else:
+        # A database down or frozen when JobManager starts (or is restarted) is waited for, as
+        # etcd is: it exited with a traceback and stayed down after the database came back.
+        history = await etcd.until_reachable(
+            "JobManager: the job history", lambda: HistoryStore.open(opts.dsn),
+            store="the job history's database", also=(sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError))
     log.info("job history: %s (%s)", _redacted(opts.dsn), history.dialect)
     if not prefix.endswith("/"):
         prefix += "/"
