@@ -41,9 +41,11 @@ def is_not_configured(err: DlschedError) -> bool:
 
 
 def is_unreachable(err: DlschedError) -> bool:
-    """The driver itself does not answer (as opposed to answering with an error)."""
+    """The driver itself does not answer in time (as opposed to answering with an error): no
+    answer at all, or its own TIMED_OUT (the call's deadline ran out in the driver), as
+    JobManager's clients read them."""
     return isinstance(err, Unavailable | DeadlineExceeded) and err.reason in (
-        "UNAVAILABLE", "DEADLINE_EXCEEDED", "UNKNOWN", "CANCELLED")
+        "UNAVAILABLE", "DEADLINE_EXCEEDED", "TIMED_OUT", "UNKNOWN", "CANCELLED")
 
 
 class DriverClients:

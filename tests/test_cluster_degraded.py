@@ -55,3 +55,17 @@ def test_degraded_is_one_value_everywhere() -> None:
     assert cluster_pb2.CLUSTER_STATE_DEGRADED == base.ClusterState.DEGRADED == 5
     assert convert.cluster_state_from_proto(cluster_pb2.CLUSTER_STATE_DEGRADED) is ClusterState.DEGRADED
     assert convert.cluster_state_to_proto(ClusterState.DEGRADED) == cluster_pb2.CLUSTER_STATE_DEGRADED
+
+
+def test_a_driver_that_runs_out_of_the_calls_time_is_unreachable_as_one_that_never_answers() -> None:
+    """A driver whose GetClusterInfo outlived ClusterManager's deadline answers DEADLINE_EXCEEDED
+    TIMED_OUT (its own interceptor): the driver did not answer in time, DRIVER_UNAVAILABLE (jobs
+    matched to it wait), as JobManager's clients read it, not UNREACHABLE (jobs refused)."""
+    from cluster_manager.drivers import is_unreachable
+    from dlsched.errors import DeadlineExceeded, FailedPrecondition, Unavailable
+
+    assert is_unreachable(DeadlineExceeded("slow", reason="TIMED_OUT"))
+    assert is_unreachable(DeadlineExceeded("no answer", reason="DEADLINE_EXCEEDED"))
+    assert is_unreachable(Unavailable("down", reason="UNAVAILABLE"))
+    assert not is_unreachable(Unavailable("backend", reason="BACKEND_UNAVAILABLE"))
+    assert not is_unreachable(FailedPrecondition("no", reason="CLUSTER_NOT_CONFIGURED"))
