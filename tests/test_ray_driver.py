@@ -319,7 +319,7 @@ import json, os, sys, time
 out = sys.argv[1]
 name = f"{os.environ['DLSCHED_ROLE']}-{os.environ['DLSCHED_REPLICA_INDEX']}-{os.environ.get('RANK', '')}"
 with open(os.path.join(out, name + '.tmp'), 'w') as f:
-    json.dump({**os.environ, 'PROBE_PID': str(os.getpid())}, f)
+    json.dump({**os.environ, 'PROBE_PID': str(os.getpid()), 'PROBE_CWD': os.getcwd()}, f)
 os.replace(os.path.join(out, name + '.tmp'), os.path.join(out, name + '.json'))
 print('probe', name, flush=True)
 """ + AWAIT_RECORDS + """if os.environ.get('PROBE_FOREVER') == os.environ['DLSCHED_ROLE']:
@@ -347,9 +347,16 @@ async def test_multi_process_runs_every_rank_on_the_entrypoint_node(stub, tmp_pa
     assert sorted(int(e["RANK"]) for e in envs) == [0, 1, 2, 3]
     assert {e["WORLD_SIZE"] for e in envs} == {"4"} and {e["MASTER_ADDR"] for e in envs} == {"127.0.0.1"}
     assert len({e["MASTER_PORT"] for e in envs}) == 1
-    assert "DLSCHED_RAY_JOB" not in envs[0]
+    # The head's own DLSCHED_* settings (the suite's TLS and token files) and the job's JSON are
+    # no job's; PWD is where the process runs.
+    assert {k for k in envs[0] if k.upper().startswith("DLSCHED_")} == CONTRACT_NAMES
+    assert {e["PWD"] == e["PROBE_CWD"] for e in envs} == {True}
     entries = await logs(stub, job_id, replica_index=3)
     assert [(e.role, e.replica_index, e.text) for e in entries] == [("worker", 3, "probe worker-1-3")]
+
+
+CONTRACT_NAMES = {"DLSCHED_JOB_ID", "DLSCHED_JOB_NAME", "DLSCHED_ROLE", "DLSCHED_REPLICA_INDEX",
+                  "DLSCHED_NUM_REPLICAS"}
 
 
 ALL_REDUCE = """
@@ -437,6 +444,66 @@ async def test_stop_of_a_placement_group_job_ends_every_replica_process(stub, tm
     while alive := [p for p in pids if os.path.exists(f"/proc/{p}")]:
         assert time.monotonic() < deadline, f"replica processes {alive} outlived the stop"
         await asyncio.sleep(0.2)
+
+
+#: Records its SIGTERMs in <dir>/<role>-<index>.terms and exits $TERM_EXIT on one ($TERM_SLEEP
+#: seconds later); exits $EXIT_<role>_<index> once every process of the job ($PROBE_AWAIT) is up.
+TERM_PROBE = """
+import os, signal, sys, time
+out = sys.argv[1]
+name = f"{os.environ['DLSCHED_ROLE']}-{os.environ['DLSCHED_REPLICA_INDEX']}-{os.environ.get('RANK', '')}"
+def term(*_):
+    with open(os.path.join(out, name + '.terms'), 'a') as f:
+        f.write('T')
+    time.sleep(float(os.environ.get('TERM_SLEEP', '0')))
+    os._exit(int(os.environ.get('TERM_EXIT', '143')))
+signal.signal(signal.SIGTERM, term)
+with open(os.path.join(out, name + '.tmp'), 'w') as f:
+    f.write('up')
+os.replace(os.path.join(out, name + '.tmp'), os.path.join(out, name + '.json'))
+""" + AWAIT_RECORDS + """code = os.environ.get(f"EXIT_{os.environ['DLSCHED_ROLE']}_{os.environ.get('RANK')}")
+if code is not None:
+    sys.exit(int(code))
+while True:
+    time.sleep(0.1)
+"""
+
+
+async def test_a_stop_signals_each_process_once_and_one_exiting_0_on_it_is_stopped(stub, tmp_path):
+    """Ray's job supervisor SIGTERMs every descendant of the entrypoint; the launcher sent each
+    process a second one. A process exiting 0 on the stop's SIGTERM is STOPPED with its code, as
+    on local and Slurm (it was SUCCEEDED inside the STOPPED job)."""
+    job_id = new_id("stop1")
+    spec = S.JobSpec(run_mode=S.RUN_MODE_SINGLE_PROCESS, replica_groups=[S.ReplicaGroup(
+        role="main", replicas=1, command=[PY, "-c", TERM_PROBE, str(tmp_path)],
+        env={"TERM_EXIT": "0", "TERM_SLEEP": "0.5"})])
+    await launch(stub, job_id, spec)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("*.json")):
+        assert time.monotonic() < deadline, "the process never started"
+        await asyncio.sleep(0.2)
+    await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=job_id)), timeout=20)
+    obs = await wait_replicas(stub, job_id, within=60)
+    assert obs.state == S.JOB_STATE_STOPPED, obs
+    assert [(r.role, r.index, r.state, r.exit_code) for r in obs.replicas] == [("main", 0, S.REPLICA_STATE_STOPPED, 0)]
+    assert [p.read_text() for p in tmp_path.glob("*.terms")] == ["T"]
+
+
+async def test_placement_group_replicas_end_each_with_its_own_process_codes(stub, tmp_path):
+    """A master process failing (exit 3) stops its sibling in the same replica and the worker
+    replica: each is STOPPED with the code it exited with on the SIGTERM (143), as on local and
+    Slurm (the sibling was SUCCEEDED 0, the worker STOPPED without a code)."""
+    job_id = new_id("pgends")
+    group = lambda role, ppr: S.ReplicaGroup(  # noqa: E731
+        role=role, replicas=1, processes_per_replica=ppr, command=[PY, "-c", TERM_PROBE, str(tmp_path)],
+        env={"PROBE_AWAIT": "3", "EXIT_master_1": "3"})
+    spec = S.JobSpec(run_mode=S.RUN_MODE_MASTER_WORKER, replica_groups=[group("master", 2), group("worker", 1)])
+    await launch(stub, job_id, spec)
+    obs = await wait_replicas(stub, job_id, within=120)
+    assert obs.state == S.JOB_STATE_FAILED and obs.exit_code == 3, obs
+    assert sorted((r.role, r.index, r.state, r.exit_code) for r in obs.replicas) == [
+        ("master", 0, S.REPLICA_STATE_STOPPED, 143), ("master", 1, S.REPLICA_STATE_FAILED, 3),
+        ("worker", 0, S.REPLICA_STATE_STOPPED, 143)]
 
 
 async def test_a_replica_whose_ray_worker_dies_fails_the_job_and_never_runs_again(stub, tmp_path):

@@ -7,8 +7,10 @@ import json
 import os
 import pathlib
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -65,8 +67,10 @@ def test_single_process_runs_under_the_launcher_with_its_resources():
     assert (body["entrypoint_num_cpus"], body["entrypoint_num_gpus"], body["entrypoint_memory"]) == (1.5, 1, 1 << 30)
 
 
-def run_launcher(tmp_path: pathlib.Path, spec: JobSpec, sid: str = "dlsched-j-1") -> tuple[int, pathlib.Path]:
-    """The launcher run as Ray Jobs runs it: stdout to ``<logs>/job-driver-<sid>.log``."""
+def run_launcher(tmp_path: pathlib.Path, spec: JobSpec, sid: str = "dlsched-j-1",
+                 env: dict[str, str] | None = None) -> tuple[int, pathlib.Path]:
+    """The launcher run as Ray Jobs runs it: stdout to ``<logs>/job-driver-<sid>.log``; ``env``
+    added to the environment it inherits (a Ray worker's)."""
     body = render.render_submission("j", spec, 1)
     logs = tmp_path / "logs"
     logs.mkdir(exist_ok=True)
@@ -74,7 +78,8 @@ def run_launcher(tmp_path: pathlib.Path, spec: JobSpec, sid: str = "dlsched-j-1"
     with open(logs / f"job-driver-{sid}.log", "ab") as out:
         res = subprocess.run(["/bin/sh", "-c", body["entrypoint"].replace("python", shlex.quote(PY), 1)],
                              cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, timeout=60,
-                             env={**os.environ, **body["runtime_env"]["env_vars"], "PYTHONPATH": str(root)})
+                             env={**os.environ, **(env or {}), **body["runtime_env"]["env_vars"],
+                                  "PYTHONPATH": str(root)})
     return res.returncode, logs / "dlsched" / sid
 
 
@@ -132,12 +137,11 @@ def test_what_a_process_leaves_in_its_group_ends_with_it_and_signals_start_unblo
     script = (f"grep -E '^SigBlk' /proc/self/status; {shlex.quote(PY)} -c {shlex.quote(child)} >/dev/null 2>&1 & "
               f"while [ ! -s {tmp_path}/child ]; do sleep 0.1; done; exit 0")
     spec = JobSpec(RunMode.SINGLE_PROCESS, (ReplicaGroup(role="main", replicas=1, command=("/bin/sh", "-c", script)),))
-    import signal as _signal
-    old = _signal.pthread_sigmask(_signal.SIG_BLOCK, {_signal.SIGINT})  # as a Ray worker has it
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # as a Ray worker has it
     try:
         rc, out = run_launcher(tmp_path, spec)
     finally:
-        _signal.pthread_sigmask(_signal.SIG_SETMASK, old)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
     assert rc == 0
     assert lines(out / "main-0.out") == ["SigBlk:\t0000000000000000"]
     pid = int((tmp_path / "child").read_text())
@@ -145,6 +149,207 @@ def test_what_a_process_leaves_in_its_group_ends_with_it_and_signals_start_unblo
     while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
         assert time.monotonic() < deadline, "a child left in the process's group outlived it"
         time.sleep(0.1)
+
+
+def test_a_job_sees_none_of_the_nodes_dlsched_names_only_its_own(tmp_path):
+    """DLSCHED_* names are reserved (the planner's alone): what the Ray head was started with
+    (its token and key files, here as the worker's environment has them) never reaches a job,
+    whatever the case; the plan's do."""
+    code = ("import os; print(' '.join(sorted(k for k in os.environ if k.upper().startswith('DLSCHED_'))));"
+            " print(os.environ['HEAD_OTHER'])")
+    spec = JobSpec(RunMode.SINGLE_PROCESS, (ReplicaGroup(role="main", replicas=1, command=(PY, "-c", code)),))
+    rc, out = run_launcher(tmp_path, spec, env={"DLSCHED_ADMIN_TOKEN_FILE": "/head/admin-token",
+                                                "DLSCHED_TLS_KEY_FILE": "/head/key.pem",
+                                                "Dlsched_Mixed_Case": "x", "HEAD_OTHER": "kept"})
+    assert rc == 0, (out / "main-0.err").read_text()
+    assert lines(out / "main-0.out") == [
+        "DLSCHED_JOB_ID DLSCHED_JOB_NAME DLSCHED_NUM_REPLICAS DLSCHED_REPLICA_INDEX DLSCHED_ROLE", "kept"]
+
+
+def proc(index: int, code: str, *args: str, role: str = "main", **env: str) -> planner.ProcessLaunch:
+    return planner.ProcessLaunch(role=role, replica_index=0, process_index=index, rank=index, slot_index=index,
+                                 host="127.0.0.1", argv=(PY, "-c", code, *args), env=env, working_dir="")
+
+
+@pytest.mark.parametrize("in_working_dir", [True, False])
+def test_pwd_is_the_processs_working_directory(tmp_path, monkeypatch, in_working_dir):
+    """PWD names where the process runs (its working_dir, else the launcher's), as a shell
+    sets it on Slurm: not the PWD the Ray worker was started with."""
+    from drivers.ray import launcher
+
+    wd = tmp_path / "wd"
+    wd.mkdir()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PWD", "/stale/pwd/of/the/ray/worker")
+    p = dataclasses.replace(proc(0, "import os; print(os.environ.get('PWD'), os.getcwd())"),
+                            working_dir=str(wd) if in_working_dir else "")
+    outputs = launcher.Outputs(str(tmp_path / "logs"), "sid")
+    assert launcher.run_processes([p], lambda role: True, outputs) == (0, None)
+    want = wd if in_working_dir else tmp_path
+    assert lines(tmp_path / "logs" / "dlsched" / "sid" / "main-0.out") == [f"{want} {want}"]
+
+
+def pumped(tmp_path: pathlib.Path, *writes: bytes) -> list[bytes]:
+    """The texts ``launcher._pump`` writes for what a process wrote in ``writes``."""
+    from drivers.ray import launcher
+
+    r, w = os.pipe()
+    path = tmp_path / "pumped.out"
+    t = threading.Thread(target=launcher._pump, args=(r, str(path)))
+    t.start()
+    for data in writes:
+        os.write(w, data)
+    os.close(w)
+    t.join(30)
+    raw = path.read_bytes().split(b"\n")
+    assert raw[-2:] == [b"eof", b""]
+    return [ln.split(b" ", 1)[1] for ln in raw[:-2]]
+
+
+def test_a_long_complete_line_is_cut_as_the_other_backends_cut_it(tmp_path):
+    """A line of 64 KiB to 128 KiB with its newline in one read was one entry on Ray; local and
+    Slurm cut it at the same bound (convert.pieces), between UTF-8 characters."""
+    from drivers.common.convert import MAX_LINE_CHARS, pieces
+
+    long_ascii, long_utf8 = b"z" * 100_000, ("é" * 40_000).encode()
+    texts = pumped(tmp_path, b"head\n" + long_ascii + b"\n" + long_utf8 + b"\n")
+    want = [b"head"]
+    for line in (long_ascii, long_utf8):
+        cuts, rest = pieces(line, MAX_LINE_CHARS)
+        want += [*cuts, rest]
+    assert texts == want
+    assert [len(t) for t in texts] == [4, 65536, 34464, 65536, 14464]
+    assert all(t.decode("utf-8") for t in texts)  # each piece whole characters
+
+
+#: Counts its SIGTERMs in <dir>/terms-<name>; exits with $TERM_EXIT on one when set, else runs on.
+#: <dir>/pid-<name> once it is up (its handler set).
+TERM_PROBE = """
+import os, signal, sys, time
+d, name = sys.argv[1], sys.argv[2]
+def term(*_):
+    with open(os.path.join(d, 'terms-' + name), 'a') as f:
+        f.write('T')
+    if os.environ.get('TERM_EXIT'):
+        os._exit(int(os.environ['TERM_EXIT']))
+signal.signal(signal.SIGTERM, term)
+with open(os.path.join(d, 'pid.tmp-' + name), 'w') as f:
+    f.write(str(os.getpid()))
+os.replace(os.path.join(d, 'pid.tmp-' + name), os.path.join(d, 'pid-' + name))
+while True:
+    time.sleep(0.1)
+"""
+
+
+def wait_for(path: pathlib.Path) -> str:
+    deadline = time.monotonic() + 60
+    while not (path.exists() and path.read_text()):
+        assert time.monotonic() < deadline, f"{path} never came"
+        time.sleep(0.05)
+    return path.read_text()
+
+
+class SupervisorStop(threading.Event):
+    """A Ray stop as the launcher of a local-mode job sees it: its flag set (the launcher's own
+    SIGTERM) with the SIGTERM Ray's job supervisor sends every descendant of the entrypoint, here
+    sent to the process once it is up and handled (for one that exits on it: its exit waited for,
+    not reaped) by the time the launcher sees the flag."""
+
+    def __init__(self, d: pathlib.Path, exits: bool) -> None:
+        super().__init__()
+        self.d, self.exits = d, exits
+
+    def is_set(self) -> bool:
+        if not super().is_set() and (self.d / "pid-0").exists():
+            pid = int((self.d / "pid-0").read_text())
+            os.kill(pid, signal.SIGTERM)
+            if self.exits:
+                os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            else:
+                wait_for(self.d / "terms-0")
+            self.set()
+        return super().is_set()
+
+
+def run_stopped(tmp_path: pathlib.Path, exits: bool) -> tuple[int, list[tuple[int, bool]]]:
+    from drivers.ray import launcher
+
+    ends: list[tuple[int, bool]] = []
+    env = {"TERM_EXIT": "0"} if exits else {}
+    rc, failed = launcher.run_processes(
+        [proc(0, TERM_PROBE, str(tmp_path), "0", **env)], lambda role: True,
+        launcher.Outputs(str(tmp_path / "logs"), "sid"), SupervisorStop(tmp_path, exits),
+        lambda p, code, stopped: ends.append((code, stopped)), stop_signalled=True)
+    assert failed is None
+    return rc, ends
+
+
+def test_a_stop_sends_the_processes_no_sigterm_beside_ray_s_own(tmp_path, monkeypatch):
+    """Ray's job supervisor signals every descendant of the entrypoint: the launcher sent a
+    second SIGTERM to each process (one on every other backend); it now only waits the grace
+    and SIGKILLs what is left."""
+    from drivers.ray import launcher
+
+    monkeypatch.setattr(launcher, "STOP_GRACE_SECONDS", 3.0)
+    rc, ends = run_stopped(tmp_path, exits=False)
+    assert rc == 143
+    assert (tmp_path / "terms-0").read_text() == "T"
+    assert ends == [(128 + signal.SIGKILL, True)]
+
+
+def test_a_process_that_exits_0_on_the_stops_sigterm_is_stopped_with_its_code(tmp_path):
+    """A process whose end the launcher had not seen when the job was stopped is STOPPED with
+    its exit code (as on local and Slurm), even when it exited 0 at once on the SIGTERM: it
+    was recorded as having exited by itself (SUCCEEDED)."""
+    rc, ends = run_stopped(tmp_path, exits=True)
+    assert rc == 143
+    assert ends == [(0, True)]
+
+
+def test_a_replicas_task_returns_each_processs_own_end(tmp_path, monkeypatch):
+    """Placement-group mode: a process of a replica failing stops its siblings, each recorded
+    with its own code, stopped (the entrypoint had written exit 0, SUCCEEDED, for every process
+    of the replica but the failed one)."""
+    from drivers.ray import launcher
+
+    monkeypatch.setattr(launcher, "ray_logs_dir", lambda: str(tmp_path / "logs"))
+    fail = ("import sys, time; from pathlib import Path; p = Path(sys.argv[1]) / 'pid-0'\n"
+            "while not p.exists(): time.sleep(0.05)\n"
+            "sys.exit(3)")
+    procs = [proc(0, TERM_PROBE, str(tmp_path), "0", role="master", TERM_EXIT="143"),
+             proc(1, fail, str(tmp_path), role="master")]
+    rc, role, index, ends = launcher.run_replica("sid", procs)
+    assert (rc, role, index) == (3, "master", 1)
+    assert sorted((p.role, p.slot_index, code, stopped) for p, code, stopped in ends) == [
+        ("master", 0, 143, True), ("master", 1, 3, False)]
+
+
+def test_a_cancelled_replicas_task_stops_its_processes_and_returns_their_ends(tmp_path, monkeypatch):
+    """Ray's cancel of a replica's task (the job was decided by another replica) interrupts the
+    task's main thread: its processes are stopped (SIGTERM, the grace) and the task returns
+    their ends for the manifest (they had none: STOPPED without an exit code)."""
+    import _thread
+
+    from drivers.ray import launcher
+
+    monkeypatch.setattr(launcher, "ray_logs_dir", lambda: str(tmp_path / "logs"))
+
+    def cancel() -> None:
+        wait_for(tmp_path / "pid-0")
+        _thread.interrupt_main()  # what ray.cancel does to a running task
+
+    t = threading.Thread(target=cancel, daemon=True)
+    t.start()
+    try:
+        rc, role, index, ends = launcher.run_replica("sid", [proc(0, TERM_PROBE, str(tmp_path), "0",
+                                                                  role="worker", TERM_EXIT="143")])
+    except KeyboardInterrupt:
+        pytest.fail("the cancel went through the task as KeyboardInterrupt")
+    t.join(30)
+    assert (rc, role, index) == (143, "", -1)
+    assert [(p.role, p.slot_index, code, stopped) for p, code, stopped in ends] == [("worker", 0, 143, True)]
+    assert (tmp_path / "terms-0").read_text() == "T"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the worker's own again
 
 
 def test_launcher_job_round_trips_the_spec():

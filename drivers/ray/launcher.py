@@ -34,7 +34,13 @@ session every ``SAMPLE_SECONDS`` and appends a sample; a process that ended
 gets a last one with ``running: false``. The success rule is the plan's:
 once every deciding process exited 0 the rest are stopped and the launcher
 exits 0; the first process that fails stops the rest and the launcher exits
-with its code. SIGTERM (a Ray stop) stops every process.
+with its code. SIGTERM (a Ray stop) stops every process. A process whose end
+was not seen before the job was decided is recorded stopped, whatever it
+exits with (in placement-group mode each replica's task returns its
+processes' ends to the entrypoint, which records them).
+
+A process's environment is the node's without its ``DLSCHED_*`` names, then
+``PWD`` (its working directory, as a shell sets it), then the plan's.
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dlsched.spec_rules import RESERVED_ENV_PREFIX
 from drivers.common import planner
 from drivers.common.base import JobSpec
 from drivers.common.convert import MAX_LINE_CHARS, pieces
@@ -145,10 +152,13 @@ def _pump(fd: int, path: str) -> None:
                 chunk = b""
             if not chunk:
                 break
-            *lines, pending = (pending + chunk).split(b"\n")
-            if len(pending) > MAX_LINE:  # whole pieces, each cut at a character's start
-                cuts, pending = pieces(pending, MAX_LINE)
-                lines.extend(cuts)
+            *whole, pending = (pending + chunk).split(b"\n")
+            lines: list[bytes] = []
+            for ln in whole:  # a long line in pieces, each cut at a character's start (as on local)
+                cuts, rest = pieces(ln, MAX_LINE)
+                lines += [*cuts, rest]
+            cuts, pending = pieces(pending, MAX_LINE)
+            lines.extend(cuts)
             if lines:
                 out.write(b"".join(b"%d %s\n" % (stamp(), ln) for ln in lines))
                 out.flush()
@@ -172,9 +182,18 @@ def _sample_loop(sampler: Sampler, procs: dict[int, planner.ProcessLaunch], outp
 def run_processes(procs: Sequence[planner.ProcessLaunch], decisive: Callable[[str], bool],
                   outputs: Outputs, stop_event: threading.Event | None = None,
                   on_exit: Callable[[planner.ProcessLaunch, int, bool], None] | None = None,
-                  ) -> tuple[int, planner.ProcessLaunch | None]:
-    """Start ``procs``, apply the success rule; (exit code, the process that failed)."""
-    env0 = {k: v for k, v in os.environ.items() if k != render.JOB_ENV}
+                  stop_signalled: bool = False) -> tuple[int, planner.ProcessLaunch | None]:
+    """Start ``procs``, apply the success rule; (exit code, the process that failed).
+
+    Once the job is decided (a failure, the success rule, ``stop_event``) every process whose
+    end was not seen before is stopped, whatever it then exits with: SIGTERM, SIGKILL after
+    STOP_GRACE_SECONDS. ``stop_signalled``: a set ``stop_event`` means the processes got the
+    stop's SIGTERM already (Ray's job supervisor signals every descendant of the entrypoint),
+    so none is sent from here (a second one, as no other backend sends).
+    """
+    # The node's own DLSCHED_* settings (the head's token and key files, the job's JSON) are
+    # no job's: those names are the planner's alone, as on every other backend.
+    env0 = {k: v for k, v in os.environ.items() if not k.upper().startswith(RESERVED_ENV_PREFIX)}
     running: list[tuple[planner.ProcessLaunch, subprocess.Popen[bytes]]] = []
     pumps: list[threading.Thread] = []
     outputs.prepare()
@@ -198,10 +217,11 @@ def run_processes(procs: Sequence[planner.ProcessLaunch], decisive: Callable[[st
         for p in procs:
             outputs.create(p)
             cwd = p.working_dir if p.working_dir and not render.is_uri(p.working_dir) else None
+            pwd = os.path.abspath(cwd) if cwd else os.getcwd()  # as a shell sets it, not this process's
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
             try:
-                child = subprocess.Popen(list(p.argv), env={**env0, **p.env}, cwd=cwd, stdin=subprocess.DEVNULL,
+                child = subprocess.Popen(list(p.argv), env={**env0, "PWD": pwd, **p.env}, cwd=cwd, stdin=subprocess.DEVNULL,
                                          stdout=out_w, stderr=err_w, start_new_session=True,
                                          preexec_fn=_die_with_parent)  # noqa: PLW1509
             except OSError as e:
@@ -245,11 +265,13 @@ def run_processes(procs: Sequence[planner.ProcessLaunch], decisive: Callable[[st
             time.sleep(0.05)
         return 0, None
     finally:
+        signalled = stop_signalled and stop_event is not None and stop_event.is_set()
         for _, c in running:
-            if c.poll() is None:
+            if c.pid not in ended:  # its end not seen before the job was decided: stopped
                 killed.add(c.pid)
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(c.pid, signal.SIGTERM)
+                if not signalled and c.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(c.pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_GRACE_SECONDS
         for _, c in running:
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -310,14 +332,32 @@ def run_local(job: dict[str, Any], spec: JobSpec, stop: threading.Event) -> int:
     for p in plan.processes:
         outputs.create(p)
         outputs.note({"role": p.role, "index": p.slot_index, "node_id": ""})
-    rc, _ = run_processes(plan.processes, lambda role: role in decisive, outputs, stop, _exit_noter(outputs))
+    rc, _ = run_processes(plan.processes, lambda role: role in decisive, outputs, stop, _exit_noter(outputs),
+                          stop_signalled=True)  # ``stop`` is the SIGTERM of Ray's job supervisor
     return rc
 
 
-def run_replica(sid: str, procs: list[planner.ProcessLaunch]) -> tuple[int, str, int]:
-    """One replica's processes, in a Ray task: (exit code, role, index of the failed process)."""
-    rc, failed = run_processes(procs, lambda role: True, Outputs(ray_logs_dir(), sid))
-    return rc, failed.role if failed else "", failed.slot_index if failed else -1
+#: A process's end: the process, its exit code, whether it was stopped.
+End = tuple[planner.ProcessLaunch, int, bool]
+
+
+def run_replica(sid: str, procs: list[planner.ProcessLaunch]) -> tuple[int, str, int, list[End]]:
+    """One replica's processes, in a Ray task: (exit code, role and index of the failed
+    process, each process's end) for the entrypoint's manifest. Ray's cancel of the task
+    (``interrupt_main``: the job was decided elsewhere) stops them as a stop does, and the task
+    still returns their ends."""
+    ends: list[End] = []
+    stop = threading.Event()
+    old: Any = None
+    with contextlib.suppress(ValueError):  # not the main thread: a cancel is a KeyboardInterrupt
+        old = signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        rc, failed = run_processes(procs, lambda role: True, Outputs(ray_logs_dir(), sid), stop,
+                                   lambda p, code, stopped: ends.append((p, code, stopped)))
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
+    return rc, failed.role if failed else "", failed.slot_index if failed else -1, ends
 
 
 def run_placement_group(job: dict[str, Any], spec: JobSpec) -> int:  # pragma: no cover - needs a Ray cluster
@@ -387,7 +427,7 @@ def run_placement_group(job: dict[str, Any], spec: JobSpec) -> int:  # pragma: n
     # back (Ray retries a task 3 times by default: the replica then ran twice, the rest of the
     # world waiting on the first); the job fails naming it (``except`` below).
     @ray.remote(max_retries=0)
-    def replica(procs: list[planner.ProcessLaunch]) -> tuple[int, str, int]:
+    def replica(procs: list[planner.ProcessLaunch]) -> tuple[int, str, int, list[End]]:
         # By module name: run as __main__, this module would be pickled by value.
         from drivers.ray import launcher
 
@@ -400,35 +440,40 @@ def run_placement_group(job: dict[str, Any], spec: JobSpec) -> int:  # pragma: n
         refs[replica.options(scheduling_strategy=in_bundle(i), num_cpus=b["CPU"], num_gpus=b.get("GPU", 0),
                              memory=b.get("memory")).remote(procs)] = procs
     decisive = plan.success.decisive_roles
+    note = _exit_noter(outputs)
     code = 0
     while refs:
         done, _ = ray.wait(list(refs), num_returns=1)
         procs = refs.pop(done[0])
         try:
-            rc, failed_role, failed_index = ray.get(done[0])
-        except Exception as e:  # the task itself failed (node lost, worker killed)
+            rc, failed_role, failed_index, ends = ray.get(done[0])
+        except Exception as e:  # the task itself failed (node lost, worker killed): no other end is known
             print(f"dlsched: replica task of {procs[0].role}-{procs[0].replica_index} failed: {e}", flush=True)
-            rc, failed_role, failed_index = 1, procs[0].role, procs[0].slot_index
-        for p in procs:
-            failed = (p.role, p.slot_index) == (failed_role, failed_index)
-            outputs.note({"role": p.role, "index": p.slot_index, "exit": rc if failed else 0})
+            rc, failed_role, failed_index, ends = 1, procs[0].role, procs[0].slot_index, [(procs[0], 1, False)]
+        for end in ends:
+            note(*end)
         if rc != 0:
             print(f"dlsched: {failed_role}-{failed_index} exited with code {rc}", flush=True)
             code = rc
             break
         if not any(p.role in decisive for ps in refs.values() for p in ps):
             break
-    # The rest stop as a local job's do, after the success rule: a cancel interrupts each
-    # replica's task, whose ``run_processes`` gives its processes SIGTERM and
-    # STOP_GRACE_SECONDS before SIGKILL; the placement group goes once they have (its removal
-    # kills the tasks' workers, and their processes with them by PR_SET_PDEATHSIG: SIGKILL, no
-    # SIGTERM first). A cancel reaches a task through Ray's workers, late on a busy node: it
-    # gets CANCEL_WAIT_SECONDS.
+    # The rest stop as a local job's do, after the success rule: a cancel stops each replica's
+    # task (``run_replica``), whose ``run_processes`` gives its processes SIGTERM and
+    # STOP_GRACE_SECONDS before SIGKILL and returns their ends; the placement group goes once
+    # they have (its removal kills the tasks' workers, and their processes with them by
+    # PR_SET_PDEATHSIG: SIGKILL, no SIGTERM first). A cancel reaches a task through Ray's
+    # workers, late on a busy node: it gets CANCEL_WAIT_SECONDS.
     for ref in refs:
         with contextlib.suppress(Exception):
             ray.cancel(ref)
+    stopped: list[Any] = []
     with contextlib.suppress(Exception):
-        ray.wait(list(refs), num_returns=len(refs), timeout=CANCEL_WAIT_SECONDS)
+        stopped, _ = ray.wait(list(refs), num_returns=len(refs), timeout=CANCEL_WAIT_SECONDS)
+    for ref in stopped:  # their processes' ends (a task cancelled before it ran has none)
+        with contextlib.suppress(Exception):
+            for end in ray.get(ref)[3]:
+                note(*end)
     with contextlib.suppress(Exception):
         ray.util.remove_placement_group(pg)
     return code
