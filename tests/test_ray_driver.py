@@ -17,8 +17,8 @@ import grpc
 import pytest
 
 from dlsched.kit.rpc_errors import error_info
+from dlsched.v1 import cluster_pb2, driver_service_pb2_grpc, job_pb2
 from dlsched.v1 import driver_service_pb2 as dpb
-from dlsched.v1 import driver_service_pb2_grpc, job_pb2
 from tests import security
 from tests.harness import AWAIT_RECORDS, ServiceProcess
 from tests.ray_head import RayHead, started_driver, started_head
@@ -108,6 +108,36 @@ async def test_cluster_info_reports_ray_capacity(stub):
     assert info.capacity.memory_bytes_total > 0
     assert list(info.supported_run_modes) == [1, 2, 3, 4]  # no MPI
     assert info.driver_version.startswith("ray/")
+
+
+def _dashboard_pid(head: RayHead) -> int:
+    """The head's dashboard process (it answers the Jobs and cluster-status REST API)."""
+    for d in os.listdir("/proc"):
+        try:
+            argv = open(f"/proc/{d}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(b"dashboard/dashboard.py") for a in argv) and f"--port={head.dashboard_port}".encode() in argv:
+            return int(d)
+    raise AssertionError("no dashboard process of the head")
+
+
+async def test_a_frozen_head_is_degraded_within_cluster_managers_deadline(stub, head):
+    """GetClusterInfo while the head's dashboard is frozen answers within ClusterManager's 5 s:
+    DEGRADED with the capacity last seen (jobs matched to it wait for it); it ran into the
+    deadline (the head's HTTP timeout is 10 s), and ClusterManager made the cluster UNREACHABLE."""
+    deadline = time.monotonic() + 60
+    while (await stub.GetClusterInfo(dpb.GetClusterInfoRequest(cluster=CLUSTER), timeout=10)).info.state != 2:
+        assert time.monotonic() < deadline, "never READY"
+        await asyncio.sleep(0.5)
+    pid = _dashboard_pid(head)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        info = (await stub.GetClusterInfo(dpb.GetClusterInfoRequest(cluster=CLUSTER), timeout=5)).info
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert info.state == cluster_pb2.CLUSTER_STATE_DEGRADED, info
+    assert "did not answer" in info.message and info.capacity.cpus_total == 2
 
 
 async def test_single_process_succeeds_with_env_and_followed_logs(stub):
