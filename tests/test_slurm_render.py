@@ -12,8 +12,10 @@ import json
 import os
 import pathlib
 import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -277,6 +279,23 @@ def test_ps_worker_first_failure_ends_the_job_with_its_code_and_stops_the_rest(s
     assert (sandbox / out.dir / "ps-0.exit").read_text() != "0\n"  # stopped, and said so
 
 
+def test_ps_worker_a_task_ending_on_the_stop_signal_keeps_its_own_exit_status(sandbox):
+    """A ps that exits 0 on the SIGTERM the success rule sends: its wrapper records 0. A trap cut
+    the wrapper's wait short, and bash 5.2 gave the wait it then made again -1 for the child."""
+    n = 8
+    ps = ("import os, signal, time; signal.signal(signal.SIGTERM, lambda *a: os._exit(0)); "
+          "open('ready-' + os.environ['DLSCHED_REPLICA_INDEX'], 'w').close(); time.sleep(60)")
+    worker = f"import glob, time\nwhile len(glob.glob('ready-*')) < {n}: time.sleep(0.05)"
+    spec = JobSpec(RunMode.PS_WORKER, (g("ps", n, command=(PY, "-c", ps)), g("worker", command=(PY, "-c", worker))))
+    out = render.render_job("ps-term-1", spec, 1, {"max_nodes": "1"})
+    res = run_script(sandbox, out, timeout=120)
+    assert res.returncode == 0, res.stderr
+    got = {i: (sandbox / out.dir / f"ps-{i}.exit").read_text() for i in range(n)}
+    assert got == {i: "0\n" for i in range(n)}
+    ends = (sandbox / out.dir / "exits").read_text().splitlines()
+    assert sorted(e for e in ends if e.startswith("end ps-")) == sorted(f"end ps-{i} 0 stop" for i in range(n))
+
+
 def test_ps_worker_a_step_that_never_launches_fails_the_job(sandbox):
     (sandbox / "bin" / "srun").write_text("#!/bin/sh\necho 'srun: error: Unable to create step' >&2\nexit 1\n")
     spec = JobSpec(RunMode.PS_WORKER, (g("ps"), g("worker")))
@@ -285,6 +304,48 @@ def test_ps_worker_a_step_that_never_launches_fails_the_job(sandbox):
     assert res.returncode == 1
     assert "before the tasks decided" in res.stderr
     assert (sandbox / out.dir / "worker-0.exit").read_text() == "1\n"
+
+
+FAKE_MPIRUN = f"""#!{PY}
+import os, signal, time
+signal.signal(signal.SIGTERM, lambda *a: os._exit(0))
+with open("mpirun.pids.new", "w") as f:
+    f.write(f"{{os.getpid()}} {{os.getppid()}}")
+os.rename("mpirun.pids.new", "mpirun.pids")
+time.sleep(60)
+"""
+
+
+def test_mpi_launcher_keeps_mpiruns_exit_status_when_signalled(sandbox):
+    """Slurm's SIGTERM reaches both the launcher's subshell and mpirun (every process of the batch
+    step); mpirun exits 0 on it: the launcher records 0. A trap cut the launcher's wait short, and
+    bash 5.2 gave the wait it then made again -1 for mpirun."""
+    (sandbox / "bin" / "mpirun").write_text(FAKE_MPIRUN)
+    (sandbox / "bin" / "mpirun").chmod(0o755)
+    (sandbox / "bin" / "scontrol").write_text(FAKE_SCONTROL.replace("node-b\\n", "node-b\\nnode-c\\n"))
+    spec = JobSpec(RunMode.MPI, (g("launcher", command=("./hello",)), g("worker", 2, 2)))
+    env = {"PATH": f"{sandbox / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node-[a-b]",
+           "HOME": str(sandbox)}
+    for run in range(4):  # the lost status was a race: a few runs
+        out = render.render_job(f"mpi-term-{run}", spec, 1, {})
+        (sandbox / out.dir).mkdir(parents=True)
+        pids = sandbox / "mpirun.pids"
+        pids.unlink(missing_ok=True)
+        with subprocess.Popen(["bash", "-s"], stdin=subprocess.PIPE, cwd=sandbox, env=env, text=True,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) as proc:
+            assert proc.stdin is not None
+            proc.stdin.write(out.script)
+            proc.stdin.close()
+            deadline = time.monotonic() + 60
+            while not pids.exists():
+                assert proc.poll() is None and time.monotonic() < deadline, "mpirun never started"
+                time.sleep(0.02)
+            mpirun, launcher = map(int, pids.read_text().split())
+            os.kill(launcher, signal.SIGTERM)
+            os.kill(mpirun, signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0, proc.stderr.read() if proc.stderr else ""
+        assert (sandbox / out.dir / "launcher-0.exit").read_text() == "0\n"
+        assert "end launcher-0 0 exit" in (sandbox / out.dir / "exits").read_text()
 
 
 def test_a_filtered_tail_reads_only_the_files_it_wants_and_never_globs_a_hostile_role(tmp_path):
@@ -308,6 +369,43 @@ def test_a_filtered_tail_reads_only_the_files_it_wants_and_never_globs_a_hostile
     hostile = LogQuery(role=f"$(touch {canary})*", replica_index=0)
     assert matched(hostile) == ["log.index", "ps-0.stdout", "worker-0.stderr", "worker-0.stdout"]
     assert not canary.exists()
+
+
+SRUN_END = (b"srun: error: vm: task 0: Exited with exit code 7\n"
+            b"slurmstepd-vm: error: *** STEP 5.0 ON vm CANCELLED AT 2026-12-07T04:00:00 ***\n")
+
+
+def _first_read(adir: pathlib.Path, query: object) -> list[str]:
+    from drivers.slurm import logs
+
+    cursor = logs.LogCursor(query, (("main", 0),))  # type: ignore[arg-type]
+    out = subprocess.run(["bash", "-c", cursor.read_script(str(adir))], capture_output=True, timeout=60, check=True)
+    return [e.text for e in cursor.feed(logs.parse_frames(out.stdout), ended=True)]
+
+
+def test_tail_lines_of_stderr_counts_the_programs_lines_not_sruns(tmp_path):
+    """srun's own lines at the end of a step's stderr are left out after the read: the read
+    takes more than the last N lines, so N of the program's come back (it was 1 of 2)."""
+    from drivers.common.base import LogQuery, LogStream
+
+    (tmp_path / "main-0.stderr").write_bytes(b"".join(b"err %d\n" % i for i in range(5)) + SRUN_END * 3)
+    (tmp_path / "main-0.stdout").write_bytes(b"out 1\nout 2\nout 3\n")
+    stderr = LogQuery(tail_lines=2, streams=frozenset({LogStream.STDERR}))
+    assert _first_read(tmp_path, stderr) == ["err 3", "err 4"]
+    assert sorted(_first_read(tmp_path, LogQuery(tail_lines=2))) == ["err 3", "err 4", "out 2", "out 3"]
+
+
+def test_srun_message_glued_to_a_last_line_without_newline_is_split_off(tmp_path):
+    """A program's last stderr line without a newline got srun's message glued on."""
+    from drivers.common.base import LogQuery, LogStream
+
+    (tmp_path / "main-0.stderr").write_bytes(b"err one\nerr two no newline" + SRUN_END)
+    query = LogQuery(streams=frozenset({LogStream.STDERR}))
+    assert _first_read(tmp_path, query) == ["err one", "err two no newline"]
+    (tmp_path / "main-0.stderr").write_bytes(b"err one\nkilled" + b"srun: error: node[1-2]: tasks 0-1: Killed\n")
+    assert _first_read(tmp_path, query) == ["err one", "killed"]
+    (tmp_path / "main-0.stderr").write_bytes(b"it says srun: error: x: task 0: here\n")
+    assert _first_read(tmp_path, query) == ["it says srun: error: x: task 0: here"]
 
 
 def test_mpi_launcher_argv_reaches_the_ranks_verbatim():

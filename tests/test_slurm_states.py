@@ -268,6 +268,33 @@ def test_a_lost_end_is_decided_by_the_exits_file():
     assert ended("OUT_OF_MEMORY", done).observation(None).state is JobState.FAILED
 
 
+def test_a_success_message_says_what_the_success_rule_stopped():
+    """PS-Worker and MPI succeed on their deciding processes and stop the rest: the message says
+    so, in the planner's words (every backend's), not "every process exited 0"; adopted jobs too."""
+    from drivers.slurm import exits
+    from drivers.slurm.jobs import TrackedJob
+
+    ps_exits = ("labels chief-0 ps-0 worker-0\nend worker-0 0 exit\nend chief-0 0 exit\n"
+                "end ps-0 143 stop\n")
+    for roles in ((("chief", 0), ("ps", 0), ("worker", 0)), ()):  # launched; adopted (roles from its exits)
+        job = TrackedJob("clusters/s", "p", 1, "42", "/tmp/p", None, roles)
+        job.apply(poller.SlurmJob("42", "RUNNING", nodes="n1"))
+        job.apply(poller.SlurmJob("42", "COMPLETED", exit_status=0, nodes="n1"))
+        assert job.exits_read(exits.parse(ps_exits))
+        obs = job.observation(None)
+        assert obs.state is JobState.SUCCEEDED
+        assert obs.message == "the chief exited 0; the rest (ps, worker) stopped", roles
+        assert {r.role: r.state for r in obs.replicas}["ps"] is ReplicaState.STOPPED
+    mpi = TrackedJob("clusters/s", "m", 1, "43", "/tmp/m", None, (("launcher", 0),), hosts=(("worker", 0),))
+    mpi.apply(poller.SlurmJob("43", "COMPLETED", exit_status=0, nodes="n1"))
+    assert mpi.exits_read(exits.parse("labels launcher-0\nhosts worker-0\nend launcher-0 0 exit\n"))
+    assert mpi.observation(None).message == "the launcher (mpirun) exited 0"
+    mw = TrackedJob("clusters/s", "w", 1, "44", "/tmp/w", None, (("master", 0), ("worker", 0)))
+    mw.apply(poller.SlurmJob("44", "COMPLETED", exit_status=0, nodes="n1"))
+    assert mw.exits_read(exits.parse("labels master-0 worker-0\nend worker-0 0 exit\nend master-0 0 exit\n"))
+    assert mw.observation(None).message == "every process exited 0"
+
+
 def test_mpi_workers_are_reported_with_the_jobs_state_and_survive_the_record():
     """MPI's workers run no step (they host the launcher's ranks): reported RUNNING while the
     job runs, SUCCEEDED when it succeeded, STOPPED when it failed; a record keeps them."""
@@ -315,7 +342,10 @@ def test_a_job_that_ends_after_a_stop_reached_it_is_stopped_and_killed_after_the
         assert job.exits_read(exits.parse(f"labels main-0\nend main-0 {code} exit\n"))
         obs = job.observation(None)
         assert obs.state is JobState.STOPPED, (state, obs)
-        assert [r.state for r in obs.replicas] == [ReplicaState.STOPPED if code else ReplicaState.SUCCEEDED]
+        # an unmarked exit 0 (a SIGTERM handler's, heard before the stop's mark) is no success either
+        assert [(r.state, r.exit_code) for r in obs.replicas] == [(ReplicaState.STOPPED, code)]
+        again = TrackedJob.from_record("clusters/s", "/tmp/j", job.record())  # forgotten: the same
+        assert [(r.state, r.exit_code) for r in again.observation(None).replicas] == [(ReplicaState.STOPPED, code)]
         assert not job.kill_due(time.monotonic() + 31)  # ended: nothing to kill
     alone = TrackedJob("clusters/s", "k", 1, "43", "/tmp/k", None, (("main", 0),))
     alone.apply(poller.SlurmJob("43", "RUNNING", nodes="n1"))
@@ -367,3 +397,59 @@ def test_a_slurm_id_handed_out_again_is_not_the_job(monkeypatch):
     seen.round(poller.SlurmJob("4", "PENDING", "Priority", comment=render.job_comment("a3", 1, uid)), None, True)
     seen.round(None, None, complete=True)
     assert seen.needs_exits  # listed once, then missing: gone at once, as before
+
+
+FAKE_SQUEUE = '#!/bin/sh\ncat "$FAKE_DIR/state"\n'
+#: logs its arguments, and whether the stop's mark was there when it ran
+FAKE_SCANCEL = '#!/bin/sh\n[ -e "$FAKE_DIR/attempt/stopping" ] && m=marked || m=unmarked\necho "$m $*" >>"$FAKE_DIR/scancel.log"\n'
+
+
+@pytest.mark.parametrize(("slurm_says", "sent"), [("RUNNING", "--signal=TERM 42"), ("PENDING", "42"),
+                                                  ("CONFIGURING", "42")])
+def test_a_stop_before_a_round_saw_the_job_run_signals_its_steps_after_the_mark(tmp_path, slurm_says, sent):
+    """A stop soon after the start, before the driver's round saw the job RUNNING, was a plain
+    scancel: the batch script died unmarked, and processes that exit 0 on SIGTERM were SUCCEEDED.
+    Now the mark comes first, and Slurm's word decides: steps signalled (the stop's grace), or
+    a job still pending cancelled."""
+    import asyncio
+    import functools
+    import subprocess
+    import types
+
+    from drivers.common.base import JobRef
+    from drivers.slurm.adapter import SlurmClient
+    from drivers.slurm.driver import SlurmDriver
+    from drivers.slurm.jobs import TrackedJob
+
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "attempt").mkdir()
+    for name, body in (("squeue", FAKE_SQUEUE), ("scancel", FAKE_SCANCEL)):
+        (tmp_path / "bin" / name).write_text(body)
+        (tmp_path / "bin" / name).chmod(0o755)
+    (tmp_path / "state").write_text(slurm_says + "\n")
+
+    async def run(command: str, **_: object) -> tuple[int, str, str]:
+        import os
+        env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "FAKE_DIR": str(tmp_path)}
+        p = await asyncio.to_thread(subprocess.run, ["bash", "-c", command], env=env, capture_output=True,
+                                    text=True, timeout=60)
+        return p.returncode, p.stdout, p.stderr
+
+    client = types.SimpleNamespace(run=run)
+    for method in ("stop", "cancel", "kill"):
+        setattr(client, method, functools.partial(getattr(SlurmClient, method), client))
+    job = TrackedJob("clusters/s", "j", 1, "42", str(tmp_path / "attempt"), None, (("master", 0), ("worker", 0)))
+    job.apply(poller.SlurmJob("42", "PENDING", nodes=""))  # the last round's word
+    cluster = types.SimpleNamespace(client=client, find=lambda ref: job, observation=lambda j: j.observation(None),
+                                    poller=types.SimpleNamespace(wake=lambda: None))
+    driver = SlurmDriver()
+    obs = asyncio.run(driver._terminate(cluster, "clusters/s", JobRef("j", "42"), 30.0))  # type: ignore[arg-type]
+    assert obs is not None and obs.state is JobState.STOPPING
+    assert (tmp_path / "scancel.log").read_text().splitlines() == [f"marked {sent}"]
+    assert (job.kill_at is not None) == (slurm_says == "RUNNING")  # the stop's grace, then SIGKILL
+    mpi = TrackedJob("clusters/s", "m", 1, "42", str(tmp_path / "attempt"), None, (("launcher", 0),),
+                     hosts=(("worker", 0),))
+    (tmp_path / "attempt" / "stopping").unlink()
+    cluster.find = lambda ref: mpi
+    asyncio.run(driver._terminate(cluster, "clusters/s", JobRef("m", "42"), 30.0))  # type: ignore[arg-type]
+    assert (tmp_path / "scancel.log").read_text().splitlines()[1:] == ["marked 42"]  # MPI: scancel, marked

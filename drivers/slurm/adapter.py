@@ -271,17 +271,28 @@ class SlurmClient:
             raise e
         return rc == 0
 
-    async def signal_steps(self, backend_job_id: str, signal: str, *, mark: str = "") -> bool:
-        """``scancel --signal`` to a running job's steps (the processes; the batch script, which
-        records their ends, is left to finish); False: Slurm said the job had ended already.
-        Never for a pending job: scancel waits for it to start. ``mark``: the attempt directory,
-        where a ``stopping`` file tells the script the stop is dlsched's (its success rule then
-        signals nothing: no second SIGTERM, and the SIGKILL comes after the stop's grace)."""
-        touch = f"touch -- {shlex.quote(mark + '/' + STOP_MARK)} 2>/dev/null; " if mark else ""
-        rc, _, err = await self.run(f"{touch}scancel --signal={signal} {shlex.quote(backend_job_id)}")
+    async def stop(self, backend_job_id: str, mark: str, *, signal: bool, running: bool) -> str | None:
+        """dlsched's stop, in one command: the ``stopping`` mark in the attempt directory ``mark``
+        first, whatever follows (the script then records every end after it ``halt``, never a
+        success, and signals nothing itself), then SIGTERM to the steps of a job that may be
+        running (``scancel --signal``: the processes; the batch script, which records their ends,
+        is left to finish), or a plain ``scancel`` when ``signal`` is False (MPI, no grace)
+        or Slurm says the job is still pending or configuring (``scancel --signal`` would wait
+        for it to start). ``running``: known to run, Slurm is not asked. Returns "signal" or
+        "cancel", what was sent; None: Slurm said the job had ended already."""
+        q = shlex.quote(backend_job_id)
+        cmd = f"touch -- {shlex.quote(mark + '/' + STOP_MARK)} 2>/dev/null; "
+        if not signal:
+            cmd += f"scancel {q} && echo cancel"
+        elif running:
+            cmd += f"scancel --signal=TERM {q} && echo signal"
+        else:
+            cmd += (f"case $(squeue -h -j {q} -o %T 2>/dev/null) in PENDING|CONFIGURING) scancel {q} && echo cancel;; "
+                    f"*) scancel --signal=TERM {q} && echo signal;; esac")
+        rc, out, err = await self.run(cmd)
         if e := exit_error("scancel", rc, err):
             raise e
-        return rc == 0
+        return out.strip() if rc == 0 and out.strip() in ("signal", "cancel") else None
 
     async def release(self, backend_job_id: str) -> None:
         """``scontrol release``: a held job may start; one not held, running or ended is fine."""

@@ -31,12 +31,13 @@ same dlsched attempt (``jobs``): QUEUED again, then RUNNING, ``backend_restarts`
 driver does not know (after a restart) are adopted on the first observation that names them,
 answered by the next poll round.
 
-Stop: a running job's processes (its steps) get SIGTERM (``scancel --signal=TERM``) and the stop's
-grace (``--grace-seconds`` when it names none); a poll round then kills it (``scancel --signal=KILL``,
-not a plain ``scancel``'s second SIGTERM and Slurm's KillWait). A job not running yet, an MPI job (its ranks are mpirun's children in the batch
-step, which the step signal misses), a stop with no grace and a cleanup are ``scancel``ed at once.
-A job that ends after a stop reached it is STOPPED, whatever its processes' statuses; stopping an
-ended or unknown job is fine.
+Stop (``SlurmClient.stop``): the ``stopping`` mark first; then a job that may run (any Slurm does
+not say is pending: the last round may predate its start) has its steps' processes get SIGTERM
+(``scancel --signal=TERM``) and the stop's grace (``--grace-seconds`` when it names none); a poll round
+then kills it (``scancel --signal=KILL``, not a plain ``scancel``'s second SIGTERM and KillWait). A
+job Slurm says is pending, an MPI job (its ranks are mpirun's children in the batch step, which the
+step signal misses), a stop with no grace and a cleanup are ``scancel``ed at once. A job that ends
+after a stop reached it is STOPPED, whatever its processes' statuses; stopping an ended job is fine.
 A stop or cleanup by a ref the driver does not track (it restarted) adopts the job first. A cleanup by
 job id alone (a new job of that id, refused NAME_COLLISION) cancels every job of the id Slurm still
 runs; until they have ended, a launch of the id is UNAVAILABLE (they may still run in its directory),
@@ -454,12 +455,11 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
         if job.stop_requested or job.id_lost:  # a stop reached it (its grace runs, or it was cancelled); or lost
             return c.observation(job)
         grace = self.config.grace_seconds if grace_seconds is None else grace_seconds
-        # (scancel --signal waits for a pending job; MPI's ranks are mpirun's, in the batch step)
-        if job.state is JobState.RUNNING and grace > 0 and not job.hosts:
-            if await c.client.signal_steps(job.backend_job_id, "TERM", mark=job.dir):
-                job.stop_sent(grace)
-        elif await c.client.cancel(job.backend_job_id):  # (else it ended already: a round reports it)
-            job.stop_sent()
+        # SIGTERM to the steps of a job that may run (MPI's ranks are mpirun's, in the batch step: scancel)
+        how = await c.client.stop(job.backend_job_id, job.dir, signal=grace > 0 and not job.hosts,
+                                  running=job.state is JobState.RUNNING)
+        if how is not None:  # (else it ended already: a round reports it)
+            job.stop_sent(grace if how == "signal" else None)
         self._publish(c, job)
         c.poller.wake()
         return c.observation(job)

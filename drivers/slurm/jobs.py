@@ -186,10 +186,12 @@ class TrackedJob:
             # Slurm lost the end of a job whose processes all finished (e.g. its completion
             # came while slurmctld was down and the restarted controller failed the node's
             # job): the exits file is the truth.
-            m = states.Mapped(JobState.SUCCEEDED, "", f"every process exited 0 (Slurm reported "
+            m = states.Mapped(JobState.SUCCEEDED, "", f"{self.success_message()} (Slurm reported "
                                                       f"{states.normalise(sj.state)}: its end was lost)")
             sj = dataclasses.replace(sj, exit_status=0)
         self.state, self.reason, self.message = m.state, m.reason, m.message
+        if m.state is JobState.SUCCEEDED and m.message == states.COMPLETED_MESSAGE:
+            self.message = self.success_message()  # (the PS and MPI rules stop the rest)
         if sj.restarts > self.restarts:  # requeued: a new run of the same attempt; forget the old one's end
             self.restarts = sj.restarts
             self.start_time = self.end_time = self.exit_code = None
@@ -248,13 +250,21 @@ class TrackedJob:
         if ex is None or not (ex.succeeded() or failure is not None):
             self.lost()  # no file, or processes with no recorded end: nobody knows how it ended
             return
-        how = "every process exited 0" if failure is None else f"{failure.label} exited {failure.status}"
+        how = self.success_message() if failure is None else f"{failure.label} exited {failure.status}"
         if self.stop_requested:  # scancel'ed: it ended because it was stopped
             self.apply(dataclasses.replace(sj, state="CANCELLED"))
             return
         self.apply(dataclasses.replace(sj, state="COMPLETED" if failure is None else "FAILED",
                                        exit_status=0 if failure is None else failure.status))
         self.message = f"{how} (its exits file; Slurm no longer lists the job)"
+
+    def success_message(self) -> str:
+        """What the job's success meant (``states.success_message``), from its replicas' roles (a
+        job adopted without them: its exits file's)."""
+        labels = self.exits.labels + self.exits.hosts if self.exits is not None else ()
+        named = [r for r, _ in self.roles + self.hosts] or [
+            r[0] for r in map(exits.split_label, labels) if r is not None]
+        return states.success_message(named)
 
     def lost(self) -> None:
         """Neither squeue nor the follow-up knows the job any more, and its end was never seen."""
@@ -289,7 +299,8 @@ class TrackedJob:
                        f"retrying each poll round: {self.release_error}")
         exit_code = self.exit_code
         if self.state.is_terminal() and self.exits is not None:
-            replicas, failure = exits.replicas(self.exits, self.roles, self.state, self.nodes)
+            replicas, failure = exits.replicas(self.exits, self.roles, self.state, self.nodes,
+                                               self.stop_requested or self.reason == states.REASON_STOPPED)
             if failure is not None:  # the process whose exit decided the job: named, its code the job's
                 named = f"{failure.label} exited with code {failure.status}"
                 message = named if reason == "NonZeroExit" else f"{named}; {message}"

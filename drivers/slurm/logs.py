@@ -109,6 +109,16 @@ SLURM_OWN_LINE_RE = re.compile(
     rb"srun: (?:error: |warning: |launch/|Job step aborted|Job [0-9]+ step |forcing job termination|got SIGCONT"
     rb"|Terminating |Complete StepId|Step created|Force Terminated|Received task exit)"
     rb"|slurmstepd(?:-[^:\s]{1,128})?: error: \*\*\* (?:STEP|JOB) .*\*\*\*\Z")
+#: srun's and slurmstepd's lines that may follow a task's last stderr line without a newline, glued
+#: to it (``err two no newlinesrun: error: vm: task 0: Exited with exit code 7``): a task's end (its
+#: code, or its signal's ``strsignal`` text) and a step's cancel, split off; the program's part is kept.
+SLURM_OWN_SUFFIX_RE = re.compile(
+    rb"(?:srun: error: [^\s:]{1,128}: tasks? [0-9,-]{1,64}: "
+    rb"(?:Exited with exit code [0-9]{1,3}|[A-Z][A-Za-z0-9/ ]{0,40}?(?: \(core dumped\))?)"
+    rb"|slurmstepd(?:-[^:\s]{1,128})?: error: \*\*\* (?:STEP|JOB) [^*]{1,512}\*\*\*)\Z")
+#: A stderr file's first read from its last ``tail_lines`` reads this many more: srun's own lines
+#: (a step writes a few as it ends), left out after the read, take no place of the program's.
+SLURM_OWN_TAIL_EXTRA = 64
 FILE_RE = re.compile(r"^([a-z][a-z0-9-]{0,62})-([0-9]{1,7})\.(stdout|stderr)\Z")  # ASCII digits: \d takes others
 MAX_CHUNK = 1 << 20
 #: Log tails read files on the login node, not the controller: their own, lower floor.
@@ -214,7 +224,9 @@ def read_script(adir: str, offsets: Mapping[str, int], tail_lines: int = 0,
     else:
         per_file = f'[ "$f" != {LOG_INDEX} ] || continue; o=0; '
         if tail_lines > 0:  # tail reads after stat: a file growing meanwhile can push it below 0
-            per_file += f'o=$((s - $(tail -n {tail_lines} -- "$f" | wc -c))); [ $o -ge 0 ] || o=0; '
+            # (stderr: srun's own lines, left out later, are read beyond the program's last lines)
+            per_file += (f'k={tail_lines}; case "$f" in *.stderr) k={tail_lines + SLURM_OWN_TAIL_EXTRA};; esac; '
+                         'o=$((s - $(tail -n "$k" -- "$f" | wc -c))); [ $o -ge 0 ] || o=0; ')
         if since_ns is not None:  # the size the last index entry before since saw
             secs = f"{since_ns // 1_000_000_000}.{since_ns % 1_000_000_000:09d}"
             head += (f"since=$(awk -v s={secs} '$1 < s {{ o[$3] = $2 }} END {{ for (f in o) print f, o[f] }}' "
@@ -332,6 +344,15 @@ class _File:
     more: bool = False  # bytes beyond what was read
 
 
+def _program_part(line: bytes) -> bytes:
+    """A stderr line without srun's or slurmstepd's message glued to its end (``SLURM_OWN_SUFFIX_RE``)."""
+    if b"srun: error: " in line or b"slurmstepd" in line:
+        m = SLURM_OWN_SUFFIX_RE.search(line)
+        if m is not None:
+            return line[:m.start()]
+    return line
+
+
 class LogCursor:
     """Where a tail stands in each file: offsets for the next read, unfinished lines,
     and the index entries that date the lines still to come."""
@@ -436,7 +457,7 @@ class LogCursor:
         if not (q.wants_replica(role, index) and q.wants_stream(stream)):
             return []
         if stream is LogStream.STDERR:  # srun's and slurmstepd's own lines are no replica's output
-            lines = [(t, ns) for t, ns in lines if not SLURM_OWN_LINE_RE.match(t)]
+            lines = [(_program_part(t), ns) for t, ns in lines if not SLURM_OWN_LINE_RE.match(t)]
         if q.since_ns is not None:
             lines = [(t, ns) for t, ns in lines if ns is None or ns >= q.since_ns]
         if self.first and q.tail_lines:

@@ -22,10 +22,12 @@ Slurm state as reason where it is not plain RUNNING).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dlsched.kit.parse import decimal
-from drivers.common.base import JobState, ReplicaState
+from drivers.common.base import JobSpec, JobState, ReplicaGroup, ReplicaState, RunMode
+from drivers.common.planner import success_rule
 
 REASON_STALE = "BackendStale"
 REASON_UNKNOWN = "UnknownSlurmState"
@@ -42,6 +44,9 @@ class Mapped:
     reason: str
     message: str
 
+
+#: COMPLETED's word, for a job whose every process decides (``success_message``: what others say)
+COMPLETED_MESSAGE = "every process exited 0"
 
 #: Slurm state (long form) -> (unified state, reason, description).
 TABLE: dict[str, tuple[JobState, str, str]] = {
@@ -60,7 +65,7 @@ TABLE: dict[str, tuple[JobState, str, str]] = {
     "COMPLETING": (JobState.RUNNING, "Completing", "ending; processes are being cleaned up"),
     "STAGE_OUT": (JobState.RUNNING, "StageOut", "ending; staging out"),
     "UPDATE_DB": (JobState.RUNNING, "UpdateDb", "updating the accounting database"),
-    "COMPLETED": (JobState.SUCCEEDED, "Completed", "every process exited 0"),
+    "COMPLETED": (JobState.SUCCEEDED, "Completed", COMPLETED_MESSAGE),
     "CANCELLED": (JobState.STOPPED, "Cancelled", "cancelled"),
     "FAILED": (JobState.FAILED, "NonZeroExit", "exited with a non-zero code"),
     "TIMEOUT": (JobState.FAILED, "TimeLimitExceeded", "ran past its time limit"),
@@ -141,3 +146,17 @@ def exit_code(value: str) -> int | None:
     if decimal(sig.strip()) and int(sig) and not c:
         return 128 + int(sig)
     return c
+
+
+def success_message(roles: Iterable[str]) -> str:
+    """What a succeeded job's success meant (the planner's words, as every backend says them:
+    ``the chief exited 0; the rest (ps, worker) stopped``), from the roles of its replicas: Slurm
+    keeps no spec. A launcher is MPI's, a ``ps`` beside a ``worker`` PS-Worker's; any other job
+    succeeds when every process exited 0."""
+    names = frozenset(roles)
+    mode = (RunMode.MPI if "launcher" in names
+            else RunMode.PS_WORKER if {"ps", "worker"} <= names else RunMode.UNSPECIFIED)
+    if mode is RunMode.UNSPECIFIED:
+        return COMPLETED_MESSAGE
+    return success_rule(JobSpec(mode, tuple(ReplicaGroup(role=r, replicas=1, command=("-",))
+                                            for r in sorted(names)))).description

@@ -146,8 +146,9 @@ def mpi_launcher(p: planner.ProcessLaunch, user_exports: list[str]) -> list[str]
     variables are exported: a PATH of the user's must not change the commands they run; the
     mergers stop on the done mark its EXIT trap also writes), then ``mpirun``
     writing each rank's output to its own files (``MPI_ARGS``: ``--output-filename DIR:nocopy``,
-    an absolute path: mpirun runs in the working directory), SIGTERM passed on to it; its
-    status once the mergers are done."""
+    an absolute path: mpirun runs in the working directory), waited for once (SIGTERM ignored
+    here: Slurm signals mpirun itself, with every process of the batch step); its status once
+    the mergers are done."""
     cd = f"cd -- {sh_quote(p.working_dir)} || exit 126; " if p.working_dir else ""
     argv = " ".join('"$dlsched_mpirun_bin"' if i == 0 and a == planner.MPIRUN
                     else f'"$DLSCHED_DIR/{MPI_OUTPUT_DIR}:nocopy"' if a == MPI_OUTPUT_TOKEN
@@ -163,10 +164,12 @@ def mpi_launcher(p: planner.ProcessLaunch, user_exports: list[str]) -> list[str]
         *user_exports,
         f"  ( {cd}exec -- {argv} ) &",
         "  dlsched_mpirun=$!",
-        "  trap 'dlsched_sig=1; kill -TERM \"$dlsched_mpirun\" 2>/dev/null' TERM",
-        # a wait the trap cut short is waited again (bash keeps an ended child's status); no
-        # kill -0, which a reused pid would answer
-        '  while :; do dlsched_sig=; wait "$dlsched_mpirun"; dlsched_status=$?; [ -n "$dlsched_sig" ] || break; done',
+        # SIGTERM reaches mpirun as it reaches every process of the batch step (Slurm signals the
+        # step's processes); ignored here from now on (mpirun, started, keeps its own): a trap cuts
+        # the wait short, and bash 5.2 loses the status of a child waited for again after that (-1)
+        "  trap '' TERM",
+        '  wait "$dlsched_mpirun"',
+        "  dlsched_status=$?",
         f'  : >"$DLSCHED_DIR/{MPI_OUTPUT_DIR}.done"',
         "  wait",
         '  exit "$dlsched_status"',
@@ -236,15 +239,17 @@ def multi_prog(lay: Layout, steps: list[StepFiles]) -> list[str]:
         cd = f"cd -- {sh_quote(p.working_dir)} || exit 126; " if p.working_dir else ""
         # The variables in the program's subshell only: the wrapper's own commands (mv) keep
         # the step's PATH (a user's PATH without coreutils left the task's end unheard of).
-        # The wrapper outlives a SIGTERM (a no-op trap: the step's signal reaches the program
-        # itself) and waits for the program: had it died of it, a program that takes its time
-        # or ignores the signal was orphaned, out of the step's reach (SIGKILL included).
+        # The wrapper outlives a SIGTERM (ignored once the program started, whose own handling
+        # it keeps: the step's signal reaches the program itself) and waits for the program: had
+        # it died of it, a program that takes its time or ignores the signal was orphaned, out of
+        # the step's reach (SIGKILL included). Ignored, not trapped: a trap cuts the wait short,
+        # and bash 5.2 loses the status of a child waited for again after that (-1).
         body += ["(", *exports(spec, p, "  "), f"  {cd}exec -- {argv}",
                  f') >"$DLSCHED_DIR/{label}.stdout" 2>"$DLSCHED_DIR/{label}.stderr" </dev/null &',
                  "dlsched_child=$!",
-                 "trap 'dlsched_sig=1' TERM",
-                 'while :; do dlsched_sig=; wait "$dlsched_child"; dlsched_status=$?; '
-                 '[ -n "$dlsched_sig" ] || break; done',
+                 "trap '' TERM",
+                 'wait "$dlsched_child"',
+                 "dlsched_status=$?",
                  f'printf \'%s\\n\' "$dlsched_status" >"$DLSCHED_DIR/{label}.exit.new"',
                  f'mv -f -- "$DLSCHED_DIR/{label}.exit.new" "$DLSCHED_DIR/{label}.exit"',
                  'exit "$dlsched_status"']
