@@ -99,8 +99,9 @@ def with_replicas(obs: JobObservation, manifest: layout.Manifest) -> JobObservat
     decided or stopped) STOPPED, one with another code FAILED, one with no
     exit recorded (its launcher was killed) STOPPED. When Ray failed the
     entrypoint and a process failed, the job's reason is ``NonZeroExit``,
-    its exit code that process's and its message names it first (Ray's
-    message follows).
+    its exit code that process's and its message names it, as on every
+    backend (Ray's message repeats the entrypoint's last 20,000 characters of
+    output, which the job's logs have).
     """
     replicas, failed = [], None
     for p in manifest.placed:
@@ -119,7 +120,7 @@ def with_replicas(obs: JobObservation, manifest: layout.Manifest) -> JobObservat
     if failed is not None and obs.state is JobState.FAILED and obs.reason == states.camel("JOB_ENTRYPOINT_COMMAND_ERROR"):
         p, code = failed
         out = replace(out, reason=REASON_NON_ZERO_EXIT, exit_code=code,
-                      message=trim(f"{p.role}-{p.index} exited with code {code}; {obs.message}"))
+                      message=f"{p.role}-{p.index} exited with code {code}")
     return out
 
 
