@@ -1103,6 +1103,9 @@ async def test_a_jobmanager_started_while_its_postgresql_is_down_waits_for_it(et
                 replica_groups=[job_pb2.ReplicaGroup(role="main", replicas=1, command=["true"])])))).job
             assert (await stub.GetJob(pb.GetJobRequest(name=job.name))).job.uid == job.uid
     finally:
+        if "jm_up" in locals():  # its thread may still be starting JobManager: not left running
+            with contextlib.suppress(Exception):
+                await jm_up
         st.stop()
         server.stop()
 
