@@ -217,3 +217,22 @@ def test_follow_reads_a_burst_in_chunks(tmp_path):
     while (more := r.read_new()) or not r.eof:
         got.extend(more)
     assert [ns for ns, _ in got] == list(range(1, 1001))
+
+
+def test_a_tail_whose_file_is_cut_or_removed_under_it_ends(tmp_path):
+    """The file truncated (a job rewriting its log) or removed (a cleanup) between finding the
+    last lines and reading them: the read ends there (a bare limit kept it reading for ever)."""
+    for how in ("truncate", "unlink"):
+        path = tmp_path / f"{how}.log"
+        _write_lines(path, [(i, f"line {i}") for i in range(1, 200)])
+        r = local_logs.LogFileReader(str(path), chunk=64)
+        r.seek_last(50)
+        if how == "truncate":
+            path.write_bytes(b"")
+        else:
+            path.unlink()
+        for _ in range(1000):
+            r.read_new()
+            if r.eof:
+                break
+        assert r.eof, how

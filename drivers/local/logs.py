@@ -111,7 +111,9 @@ class LogFileReader:
                 data = f.read(want) if want > 0 else b""
         except OSError:
             data = b""
-        self.eof = len(data) < self.chunk if self.limit is None else self.offset + len(data) >= self.limit
+        # A short read is the end, limit or not: a file cut or removed under a tail must not be
+        # read again for ever (a bare limit kept its reader spinning).
+        self.eof = len(data) < want or (self.limit is not None and self.offset + len(data) >= self.limit)
         if not data:
             return []
         self.offset += len(data)
