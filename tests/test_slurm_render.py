@@ -406,6 +406,10 @@ def test_srun_message_glued_to_a_last_line_without_newline_is_split_off(tmp_path
     assert _first_read(tmp_path, query) == ["err one", "killed"]
     (tmp_path / "main-0.stderr").write_bytes(b"it says srun: error: x: task 0: here\n")
     assert _first_read(tmp_path, query) == ["it says srun: error: x: task 0: here"]
+    # a program line that ends like srun's message is the program's, but for its last one
+    nested = b"INFO nested step failed: srun: error: gpu-7: tasks 0-3: Killed"
+    (tmp_path / "main-0.stderr").write_bytes(nested + b"\nlast\n")
+    assert _first_read(tmp_path, query) == [nested.decode(), "last"]
 
 
 def test_mpi_launcher_argv_reaches_the_ranks_verbatim():

@@ -293,6 +293,8 @@ def test_a_success_message_says_what_the_success_rule_stopped():
     mw.apply(poller.SlurmJob("44", "COMPLETED", exit_status=0, nodes="n1"))
     assert mw.exits_read(exits.parse("labels master-0 worker-0\nend worker-0 0 exit\nend master-0 0 exit\n"))
     assert mw.observation(None).message == "every process exited 0"
+    # a single process's role may be any name: "launcher" alone is no MPI job
+    assert states.success_message(["launcher"]) == "every process exited 0"
 
 
 def test_mpi_workers_are_reported_with_the_jobs_state_and_survive_the_record():
@@ -342,10 +344,9 @@ def test_a_job_that_ends_after_a_stop_reached_it_is_stopped_and_killed_after_the
         assert job.exits_read(exits.parse(f"labels main-0\nend main-0 {code} exit\n"))
         obs = job.observation(None)
         assert obs.state is JobState.STOPPED, (state, obs)
-        # an unmarked exit 0 (a SIGTERM handler's, heard before the stop's mark) is no success either
-        assert [(r.state, r.exit_code) for r in obs.replicas] == [(ReplicaState.STOPPED, code)]
-        again = TrackedJob.from_record("clusters/s", "/tmp/j", job.record())  # forgotten: the same
-        assert [(r.state, r.exit_code) for r in again.observation(None).replicas] == [(ReplicaState.STOPPED, code)]
+        # an end recorded unmarked ('exit', not 'halt') came before the stop's mark: as on local and
+        # Ray, a process that exited 0 before the stop SUCCEEDED (the mark is written before any signal)
+        assert [r.state for r in obs.replicas] == [ReplicaState.STOPPED if code else ReplicaState.SUCCEEDED]
         assert not job.kill_due(time.monotonic() + 31)  # ended: nothing to kill
     alone = TrackedJob("clusters/s", "k", 1, "43", "/tmp/k", None, (("main", 0),))
     alone.apply(poller.SlurmJob("43", "RUNNING", nodes="n1"))

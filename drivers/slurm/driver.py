@@ -457,7 +457,7 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
         grace = self.config.grace_seconds if grace_seconds is None else grace_seconds
         # SIGTERM to the steps of a job that may run (MPI's ranks are mpirun's, in the batch step: scancel)
         how = await c.client.stop(job.backend_job_id, job.dir, signal=grace > 0 and not job.hosts,
-                                  running=job.state is JobState.RUNNING)
+                                  running=job.state is JobState.RUNNING and job.reason == "Running")
         if how is not None:  # (else it ended already: a round reports it)
             job.stop_sent(grace if how == "signal" else None)
         self._publish(c, job)

@@ -23,8 +23,9 @@ reports (docs/ENVIRONMENT.md, as drivers/local and drivers/ray):
 - the process whose non-zero ``exit`` decided a FAILED job is FAILED with
   its code, and the job's message names it (``worker-1 exited with code 3``)
   and takes its exit code: the first failure is the one named;
-- any other process that exited 0 before the decision SUCCEEDED, unless
-  dlsched's stop ended the job (its 0 may be a SIGTERM handler's);
+- any other process that exited 0 before the decision SUCCEEDED (dlsched's
+  stop writes its mark before it signals anything: an end it caused is
+  recorded ``halt``);
 - every other one is STOPPED (stopped by the success rule, by a
   TerminateJob, by the time limit, or never heard of because Slurm killed
   the script), with its exit code where the script saw it.
@@ -126,12 +127,10 @@ def split_label(label: str) -> tuple[str, int] | None:
 
 
 def replicas(exits: Exits, roles: Sequence[tuple[str, int]], job_state: JobState,
-             host: str, stopped: bool = False) -> tuple[tuple[ReplicaStatus, ...], End | None]:
+             host: str) -> tuple[tuple[ReplicaStatus, ...], End | None]:
     """Every replica's status from the recorded ends, and the failure that decided the job
     (None unless the job FAILED on a process's non-zero exit). ``roles`` names the replicas
-    (the rendered steps); empty (a job adopted after a restart), the file's labels do.
-    ``stopped``: dlsched's stop ended the job, so no process's end is a success, even one
-    recorded ``exit 0`` (its 0 a SIGTERM handler's, heard before the mark was seen)."""
+    (the rendered steps); empty (a job adopted after a restart), the file's labels do."""
     failure = exits.first_failure() if job_state is JobState.FAILED else None
     if not roles:
         roles = [r for r in (split_label(lb) for lb in exits.labels) if r is not None]
@@ -144,7 +143,7 @@ def replicas(exits: Exits, roles: Sequence[tuple[str, int]], job_state: JobState
             msg = "stopped with the job" if job_state.is_terminal() else ""
         elif end is failure:
             state, code, msg = ReplicaState.FAILED, end.status, f"exited with code {end.status}"
-        elif end.status == 0 and not end.stopped and not stopped:
+        elif end.status == 0 and not end.stopped:
             state, code, msg = ReplicaState.SUCCEEDED, 0, "exited with code 0"
         else:
             state, code = ReplicaState.STOPPED, end.status

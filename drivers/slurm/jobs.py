@@ -299,8 +299,7 @@ class TrackedJob:
                        f"retrying each poll round: {self.release_error}")
         exit_code = self.exit_code
         if self.state.is_terminal() and self.exits is not None:
-            replicas, failure = exits.replicas(self.exits, self.roles, self.state, self.nodes,
-                                               self.stop_requested or self.reason == states.REASON_STOPPED)
+            replicas, failure = exits.replicas(self.exits, self.roles, self.state, self.nodes)
             if failure is not None:  # the process whose exit decided the job: named, its code the job's
                 named = f"{failure.label} exited with code {failure.status}"
                 message = named if reason == "NonZeroExit" else f"{named}; {message}"

@@ -116,9 +116,7 @@ SLURM_OWN_SUFFIX_RE = re.compile(
     rb"(?:srun: error: [^\s:]{1,128}: tasks? [0-9,-]{1,64}: "
     rb"(?:Exited with exit code [0-9]{1,3}|[A-Z][A-Za-z0-9/ ]{0,40}?(?: \(core dumped\))?)"
     rb"|slurmstepd(?:-[^:\s]{1,128})?: error: \*\*\* (?:STEP|JOB) [^*]{1,512}\*\*\*)\Z")
-#: A stderr file's first read from its last ``tail_lines`` reads this many more: srun's own lines
-#: (a step writes a few as it ends), left out after the read, take no place of the program's.
-SLURM_OWN_TAIL_EXTRA = 64
+SLURM_OWN_TAIL_EXTRA = 64  # lines a stderr tail reads beyond tail_lines: srun's own, left out after
 FILE_RE = re.compile(r"^([a-z][a-z0-9-]{0,62})-([0-9]{1,7})\.(stdout|stderr)\Z")  # ASCII digits: \d takes others
 MAX_CHUNK = 1 << 20
 #: Log tails read files on the login node, not the controller: their own, lower floor.
@@ -457,7 +455,9 @@ class LogCursor:
         if not (q.wants_replica(role, index) and q.wants_stream(stream)):
             return []
         if stream is LogStream.STDERR:  # srun's and slurmstepd's own lines are no replica's output
-            lines = [(_program_part(t), ns) for t, ns in lines if not SLURM_OWN_LINE_RE.match(t)]
+            lines = [(t, ns) for t, ns in lines if not SLURM_OWN_LINE_RE.match(t)]
+            if lines:  # only the last of the program's lines read can have srun's glued to its end
+                lines[-1] = (_program_part(lines[-1][0]), lines[-1][1])
         if q.since_ns is not None:
             lines = [(t, ns) for t, ns in lines if ns is None or ns >= q.since_ns]
         if self.first and q.tail_lines:

@@ -151,10 +151,10 @@ def exit_code(value: str) -> int | None:
 def success_message(roles: Iterable[str]) -> str:
     """What a succeeded job's success meant (the planner's words, as every backend says them:
     ``the chief exited 0; the rest (ps, worker) stopped``), from the roles of its replicas: Slurm
-    keeps no spec. A launcher is MPI's, a ``ps`` beside a ``worker`` PS-Worker's; any other job
-    succeeds when every process exited 0."""
+    keeps no spec. A ``launcher`` beside a ``worker`` is MPI's, a ``ps`` beside a ``worker``
+    PS-Worker's; any other job succeeds when every process exited 0."""
     names = frozenset(roles)
-    mode = (RunMode.MPI if "launcher" in names
+    mode = (RunMode.MPI if {"launcher", "worker"} <= names
             else RunMode.PS_WORKER if {"ps", "worker"} <= names else RunMode.UNSPECIFIED)
     if mode is RunMode.UNSPECIFIED:
         return COMPLETED_MESSAGE

@@ -239,15 +239,14 @@ def multi_prog(lay: Layout, steps: list[StepFiles]) -> list[str]:
         cd = f"cd -- {sh_quote(p.working_dir)} || exit 126; " if p.working_dir else ""
         # The variables in the program's subshell only: the wrapper's own commands (mv) keep
         # the step's PATH (a user's PATH without coreutils left the task's end unheard of).
-        # The wrapper outlives a SIGTERM (ignored once the program started, whose own handling
-        # it keeps: the step's signal reaches the program itself) and waits for the program: had
-        # it died of it, a program that takes its time or ignores the signal was orphaned, out of
-        # the step's reach (SIGKILL included). Ignored, not trapped: a trap cuts the wait short,
+        # The wrapper outlives a SIGTERM (ignored from before the program starts, which gets the
+        # default back: the step's signal reaches the program itself) and waits for the program:
+        # had it died of it, a program that takes its time or ignores the signal was orphaned, out
+        # of the step's reach (SIGKILL included). Ignored, not trapped: a trap cuts the wait short,
         # and bash 5.2 loses the status of a child waited for again after that (-1).
-        body += ["(", *exports(spec, p, "  "), f"  {cd}exec -- {argv}",
+        body += ["trap '' TERM", "(", "  trap - TERM", *exports(spec, p, "  "), f"  {cd}exec -- {argv}",
                  f') >"$DLSCHED_DIR/{label}.stdout" 2>"$DLSCHED_DIR/{label}.stderr" </dev/null &',
                  "dlsched_child=$!",
-                 "trap '' TERM",
                  'wait "$dlsched_child"',
                  "dlsched_status=$?",
                  f'printf \'%s\\n\' "$dlsched_status" >"$DLSCHED_DIR/{label}.exit.new"',
