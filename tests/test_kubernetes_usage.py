@@ -145,3 +145,25 @@ async def test_gpu_capacity_and_a_namespace_scoped_credential(driver: ServicePro
         assert sum(1 for _, p in e.stamps if p == "GET /api/v1/pods") == tried  # not asked again each interval
         assert (await observe(stub, job, cluster)).state == job_pb2.JOB_STATE_RUNNING
         await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=cluster), timeout=10)
+
+
+async def test_an_api_server_that_does_not_answer_is_degraded_within_cluster_managers_deadline(
+        driver: ServiceProcess) -> None:
+    """GetClusterInfo while the API server holds every node list: answered within ClusterManager's
+    5 s, DEGRADED with the capacity last seen (jobs matched to it wait), not the call's deadline
+    (its HTTP timeout is 10 s), which ClusterManager reads as the driver not answering."""
+    cluster = "clusters/slow-api"
+    async with security.channel(driver.address) as ch, emulator() as (e, url):
+        stub = driver_service_pb2_grpc.DriverServiceStub(ch)
+        await put_node(url, "cpu-1", "16")
+        await configure(stub, cluster, url)
+        ok = (await stub.GetClusterInfo(dpb.GetClusterInfoRequest(cluster=cluster), timeout=10)).info
+        assert ok.state == cluster_pb2.CLUSTER_STATE_READY and ok.capacity.cpus_total == 16
+        e.hold = lambda method, path: 30.0 if path == "/api/v1/nodes" else None
+        try:
+            slow = (await stub.GetClusterInfo(dpb.GetClusterInfoRequest(cluster=cluster), timeout=5)).info
+        finally:
+            e.hold = None
+        assert slow.state == cluster_pb2.CLUSTER_STATE_DEGRADED, slow
+        assert "no answer" in slow.message and slow.capacity.cpus_total == 16
+        await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=cluster), timeout=10)
