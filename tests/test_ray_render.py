@@ -297,6 +297,23 @@ def test_a_stop_sends_the_processes_no_sigterm_beside_ray_s_own(tmp_path, monkey
     assert ends == [(128 + signal.SIGKILL, True)]
 
 
+def test_no_process_is_started_once_the_stop_came(tmp_path):
+    """A stop that came while the launcher was still starting processes: the rest are not
+    started (Ray's supervisor signalled the processes there were; a later one would get no
+    SIGTERM, only the SIGKILL after the grace)."""
+    import threading
+
+    from drivers.ray import launcher
+
+    stop = threading.Event()
+    stop.set()
+    canary = tmp_path / "ran"
+    rc, failed = launcher.run_processes(
+        [proc(0, f"open({str(canary)!r}, 'w')")], lambda role: True,
+        launcher.Outputs(str(tmp_path / "logs"), "sid"), stop, stop_signalled=True)
+    assert not canary.exists() and failed is None
+
+
 def test_a_process_that_exits_0_on_the_stops_sigterm_is_stopped_with_its_code(tmp_path):
     """A process whose end the launcher had not seen when the job was stopped is STOPPED with
     its exit code (as on local and Slurm), even when it exited 0 at once on the SIGTERM: it

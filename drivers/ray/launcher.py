@@ -215,6 +215,8 @@ def run_processes(procs: Sequence[planner.ProcessLaunch], decisive: Callable[[st
                 on_exit(p, rc, c.pid in killed)
     try:
         for p in procs:
+            if stop_event is not None and stop_event.is_set():
+                break  # stopped meanwhile: none is started after (it would miss the stop's SIGTERM)
             outputs.create(p)
             cwd = p.working_dir if p.working_dir and not render.is_uri(p.working_dir) else None
             pwd = os.path.abspath(cwd) if cwd else os.getcwd()  # as a shell sets it, not this process's
