@@ -208,7 +208,8 @@ class Scheduler:
                 return archived, None
             # A retried request whose job exists answers that job, whatever the clusters
             # now (none matching, ClusterManager unreachable).
-            seen = await self._seen_request(request_id, owner, e) if request_id and not dry_run else None
+            # (a dry run too: it answers what the call would, AIP-163)
+            seen = await self._seen_request(request_id, owner, e) if request_id else None
             if seen is None:
                 raise
             return await self._after_duplicate(seen, owner), None
@@ -232,7 +233,7 @@ class Scheduler:
             native: NativeSpec | None = None
             try:
                 native = await self.drivers.get(chosen.driver_address).render(
-                    chosen.cluster, job.id, spec)
+                    chosen.cluster, (first or job).id, spec)
             except errors.Unavailable as e:
                 if e.reason not in ("DRIVER_UNAVAILABLE", "DRIVER_NOT_READY"):
                     raise

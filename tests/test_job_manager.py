@@ -561,7 +561,8 @@ async def test_a_dry_run_answers_the_errors_the_call_would(jm: pb_grpc.JobManage
     # without a job id too: the retry's answer is the first job, not a new name
     unnamed = await jm.SubmitJob(pb.SubmitJobRequest(spec=single("pass"), dry_run=True, request_id=request_id))
     assert unnamed.job.name == f"jobs/{job_id}" and unnamed.job.uid == first.uid
-    assert unnamed.dry_run.cluster  # and the placement the spec would get now
+    assert unnamed.dry_run.cluster  # and the placement the spec would get now, rendered for that job
+    assert job_id in unnamed.dry_run.native_spec.content, unnamed.dry_run.native_spec.content[:300]
 
 
 async def test_list_paging_and_delete(jm: pb_grpc.JobManagerServiceStub) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import UTC, datetime
 
 import pytest
@@ -326,3 +327,7 @@ def test_a_job_its_time_limit_ended_has_no_exit_code_whatever_its_backend_says()
     timed = states.apply_observation(j, Observation(
         "j", state=S.FAILED, attempt=1, exit_code=143, reason=states.TIME_LIMIT_EXCEEDED), NOW)
     assert timed is not None and timed.state == S.FAILED and timed.exit_code is None
+    retried = dataclasses.replace(j, spec=dataclasses.replace(j.spec, max_retries=1))
+    again = states.plan_retry(retried, Observation(
+        "j", state=S.FAILED, attempt=1, exit_code=143, reason=states.TIME_LIMIT_EXCEEDED), NOW)
+    assert again.state == S.PENDING and again.exit_code is None  # a retry of it shows none either

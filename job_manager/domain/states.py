@@ -176,7 +176,8 @@ def plan_retry(job: Job, obs: Observation, now: datetime) -> Job:
         backend_job_id="",
         reason="Retrying",
         message=f"attempt {job.attempt} failed ({obs.reason[:MAX_REASON] or 'Failed'}); retrying",
-        exit_code=obs.exit_code,
+        # the failed attempt's code, as its end would have had it (none for its time limit)
+        exit_code=None if obs.reason == TIME_LIMIT_EXCEEDED else obs.exit_code,
         replicas=[],
         end_time=None,
         backend_restarts=0,
