@@ -214,7 +214,8 @@ async def until_reachable(what: str, step: Callable[[], Awaitable[T]], *, store:
 
 def _misconfigured(e: BaseException) -> bool:
     text = str(e)
-    return "CERTIFICATE_VERIFY_FAILED" in text or "handshake" in text.lower()
+    # (a database asked for TLS that has none: PostgreSQL "rejected SSL upgrade")
+    return "CERTIFICATE_VERIFY_FAILED" in text or "handshake" in text.lower() or "rejected SSL upgrade" in text
 
 
 def find_etcd_binary() -> str:
