@@ -400,18 +400,17 @@ def test_a_slurm_id_handed_out_again_is_not_the_job(monkeypatch):
     assert seen.needs_exits  # listed once, then missing: gone at once, as before
 
 
-FAKE_SQUEUE = '#!/bin/sh\ncat "$FAKE_DIR/state"\n'
 #: logs its arguments, and whether the stop's mark was there when it ran
 FAKE_SCANCEL = '#!/bin/sh\n[ -e "$FAKE_DIR/attempt/stopping" ] && m=marked || m=unmarked\necho "$m $*" >>"$FAKE_DIR/scancel.log"\n'
 
 
 @pytest.mark.parametrize(("slurm_says", "sent"), [("RUNNING", "--signal=TERM 42"), ("PENDING", "42"),
                                                   ("CONFIGURING", "42")])
-def test_a_stop_before_a_round_saw_the_job_run_signals_its_steps_after_the_mark(tmp_path, slurm_says, sent):
+def test_a_stop_before_a_round_saw_the_job_run_cancels_it_after_the_mark(tmp_path, slurm_says, sent):
     """A stop soon after the start, before the driver's round saw the job RUNNING, was a plain
-    scancel: the batch script died unmarked, and processes that exit 0 on SIGTERM were SUCCEEDED.
-    Now the mark comes first, and Slurm's word decides: steps signalled (the stop's grace), or
-    a job still pending cancelled."""
+    scancel of an unmarked script: processes that exit 0 on its SIGTERM were SUCCEEDED. Now the
+    mark always comes first (their ends are the stop's); the last round's word decides: steps
+    signalled (the stop's grace), or scancel. No squeue of its own: a round's is the only one."""
     import asyncio
     import functools
     import subprocess
@@ -424,10 +423,8 @@ def test_a_stop_before_a_round_saw_the_job_run_signals_its_steps_after_the_mark(
 
     (tmp_path / "bin").mkdir()
     (tmp_path / "attempt").mkdir()
-    for name, body in (("squeue", FAKE_SQUEUE), ("scancel", FAKE_SCANCEL)):
-        (tmp_path / "bin" / name).write_text(body)
-        (tmp_path / "bin" / name).chmod(0o755)
-    (tmp_path / "state").write_text(slurm_says + "\n")
+    (tmp_path / "bin" / "scancel").write_text(FAKE_SCANCEL)
+    (tmp_path / "bin" / "scancel").chmod(0o755)
 
     async def run(command: str, **_: object) -> tuple[int, str, str]:
         import os
@@ -440,7 +437,7 @@ def test_a_stop_before_a_round_saw_the_job_run_signals_its_steps_after_the_mark(
     for method in ("stop", "cancel", "kill"):
         setattr(client, method, functools.partial(getattr(SlurmClient, method), client))
     job = TrackedJob("clusters/s", "j", 1, "42", str(tmp_path / "attempt"), None, (("master", 0), ("worker", 0)))
-    job.apply(poller.SlurmJob("42", "PENDING", nodes=""))  # the last round's word
+    job.apply(poller.SlurmJob("42", slurm_says, nodes="n1" if slurm_says != "PENDING" else ""))  # the last round's
     cluster = types.SimpleNamespace(client=client, find=lambda ref: job, observation=lambda j: j.observation(None),
                                     poller=types.SimpleNamespace(wake=lambda: None))
     driver = SlurmDriver()

@@ -274,21 +274,18 @@ class SlurmClient:
     async def stop(self, backend_job_id: str, mark: str, *, signal: bool, running: bool) -> str | None:
         """dlsched's stop, in one command: the ``stopping`` mark in the attempt directory ``mark``
         first, whatever follows (the script then records every end after it ``halt``, never a
-        success, and signals nothing itself), then SIGTERM to the steps of a job that may be
-        running (``scancel --signal``: the processes; the batch script, which records their ends,
-        is left to finish), or a plain ``scancel`` when ``signal`` is False (MPI, no grace)
-        or Slurm says the job is still pending or configuring (``scancel --signal`` would wait
-        for it to start). ``running``: known to run, Slurm is not asked. Returns "signal" or
-        "cancel", what was sent; None: Slurm said the job had ended already."""
+        success, and signals nothing itself), then SIGTERM to the steps of a job the last poll
+        round saw RUNNING (``scancel --signal``: the processes; the batch script, which records
+        their ends, is left to finish), else a plain ``scancel`` (``scancel --signal`` waits for
+        a pending job to start; MPI, no grace). Slurm is not asked first: a poll round's one
+        squeue is the driver's only. Returns "signal" or "cancel", what was sent; None: Slurm
+        said the job had ended already."""
         q = shlex.quote(backend_job_id)
         cmd = f"touch -- {shlex.quote(mark + '/' + STOP_MARK)} 2>/dev/null; "
-        if not signal:
-            cmd += f"scancel {q} && echo cancel"
-        elif running:
+        if signal and running:
             cmd += f"scancel --signal=TERM {q} && echo signal"
         else:
-            cmd += (f"case $(squeue -h -j {q} -o %T 2>/dev/null) in PENDING|CONFIGURING) scancel {q} && echo cancel;; "
-                    f"*) scancel --signal=TERM {q} && echo signal;; esac")
+            cmd += f"scancel {q} && echo cancel"
         rc, out, err = await self.run(cmd)
         if e := exit_error("scancel", rc, err):
             raise e

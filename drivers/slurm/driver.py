@@ -31,13 +31,13 @@ same dlsched attempt (``jobs``): QUEUED again, then RUNNING, ``backend_restarts`
 driver does not know (after a restart) are adopted on the first observation that names them,
 answered by the next poll round.
 
-Stop (``SlurmClient.stop``): the ``stopping`` mark first; then a job that may run (any Slurm does
-not say is pending: the last round may predate its start) has its steps' processes get SIGTERM
-(``scancel --signal=TERM``) and the stop's grace (``--grace-seconds`` when it names none); a poll round
-then kills it (``scancel --signal=KILL``, not a plain ``scancel``'s second SIGTERM and KillWait). A
-job Slurm says is pending, an MPI job (its ranks are mpirun's children in the batch step, which the
-step signal misses), a stop with no grace and a cleanup are ``scancel``ed at once. A job that ends
-after a stop reached it is STOPPED, whatever its processes' statuses; stopping an ended job is fine.
+Stop (``SlurmClient.stop``): the ``stopping`` mark first, always; then a job the last round saw
+RUNNING has its steps' processes get SIGTERM (``scancel --signal=TERM``) and the stop's grace
+(``--grace-seconds`` when it names none); a poll round then kills it (``scancel --signal=KILL``, not
+a plain ``scancel``'s second SIGTERM and KillWait). Any other job (not seen running yet: the mark
+tells its script the ends are the stop's), an MPI job (its ranks are mpirun's children in the batch
+step, which the step signal misses), a stop with no grace and a cleanup are ``scancel``ed at once. A
+job that ends after a stop reached it is STOPPED; stopping an ended job is fine.
 A stop or cleanup by a ref the driver does not track (it restarted) adopts the job first. A cleanup by
 job id alone (a new job of that id, refused NAME_COLLISION) cancels every job of the id Slurm still
 runs; until they have ended, a launch of the id is UNAVAILABLE (they may still run in its directory),
