@@ -15,6 +15,7 @@ import os
 import pwd
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -69,15 +70,19 @@ class PostgresServer:
                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=self.dir)
         return self.restart()
 
-    def restart(self) -> PostgresServer:
-        """Run the server on its data directory (again, after it was killed) until it answers."""
+    def restart(self, *, wait: bool = True, settings: tuple[str, ...] = ()) -> PostgresServer:
+        """Run the server on its data directory (again, after it was killed) until it answers
+        (``wait``); ``settings``: more ``name=value`` server settings."""
         log = open(os.path.join(self.dir, "postgres.log"), "ab")  # noqa: SIM115 - held by postgres
+        extra = [a for s in settings for a in ("-c", s)]
         self.proc = subprocess.Popen(
             [os.path.join(self.bin, "postgres"), "-D", self.data, "-p", str(self.port),
              "-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={self.dir}",
-             "-c", "fsync=off", "-c", "max_connections=200", "-c", "shared_buffers=64MB"],
+             "-c", "fsync=off", "-c", "max_connections=200", "-c", "shared_buffers=64MB", *extra],
             stdout=log, stderr=subprocess.STDOUT, user=self.user, cwd=self.dir,
             start_new_session=True)
+        if not wait:
+            return self
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             r = subprocess.run([os.path.join(self.bin, "pg_isready"), "-h", "127.0.0.1",
@@ -89,6 +94,33 @@ class PostgresServer:
                 raise RuntimeError("postgres exited: " + self.log())
             time.sleep(0.1)
         raise RuntimeError("postgres did not start: " + self.log())
+
+    def standby(self) -> PostgresServer:
+        """Restart as a standby that has no primary and takes no connections (``hot_standby``
+        off): it answers every connection "the database system is not accepting connections"
+        (SQLSTATE 57P03), as a server does while it recovers after a crash, until ``promote()``."""
+        self.stop_server()
+        signal_file = os.path.join(self.data, "standby.signal")
+        open(signal_file, "w").close()
+        if self.user:
+            shutil.chown(signal_file, self.user, self.user)
+        return self.restart(wait=False, settings=("hot_standby=off",))
+
+    def promote(self) -> PostgresServer:
+        """End a ``standby()``'s recovery: it takes connections again."""
+        subprocess.run([os.path.join(self.bin, "pg_ctl"), "promote", "-D", self.data, "-w", "-t", "60"],
+                       check=True, user=self.user, cwd=self.dir, stdout=subprocess.DEVNULL)
+        return self
+
+    def stop_server(self) -> None:
+        """A fast shutdown; the data directory stays."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
 
     def signal_all(self, sig: int) -> None:
         """``sig`` to the server and every process it started: each backend runs in a

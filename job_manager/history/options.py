@@ -12,11 +12,12 @@ from dataclasses import dataclass
 import aetcd
 import sqlalchemy.exc
 
+from dlsched.errors import StoreUnavailable
 from dlsched.kit import etcd
 from dlsched.kit.election import Leadership
 from job_manager.cache import JobCache
 from job_manager.history.archiver import ArchiveConfig, Archiver
-from job_manager.history.store import HistoryStore, url_of
+from job_manager.history.store import HistoryStore, database_down, url_of
 from job_manager.store import JobStore
 
 log = logging.getLogger("job_manager.history")
@@ -110,7 +111,7 @@ async def start_history(opts: HistoryOptions, client: aetcd.Client, store: JobSt
         # A database down or frozen when JobManager starts (or is restarted) is waited for, as
         # etcd is: it exited with a traceback and stayed down after the database came back.
         history = await etcd.until_reachable(
-            "JobManager: the job history", lambda: HistoryStore.open(opts.dsn),
+            "JobManager: the job history", lambda: _open_when_up(opts.dsn),
             store="the job history's database", also=(sqlalchemy.exc.OperationalError, sqlalchemy.exc.InterfaceError))
     log.info("job history: %s (%s)", _redacted(opts.dsn), history.dialect)
     if not prefix.endswith("/"):
@@ -125,6 +126,18 @@ async def start_history(opts: HistoryOptions, client: aetcd.Client, store: JobSt
         wait_current=wait_current)
     leadership.start(archiver.run)
     return history, leadership
+
+
+async def _open_when_up(dsn: str) -> HistoryStore:
+    """The history opened; a database not there or not taking connections yet (PostgreSQL
+    still recovering after a crash answers "not yet accepting connections") raises
+    StoreUnavailable, which ``until_reachable`` waits out; a refused login is raised as is."""
+    try:
+        return await HistoryStore.open(dsn)
+    except sqlalchemy.exc.DBAPIError as e:
+        if database_down(e):
+            raise StoreUnavailable(f"the job history's database cannot be reached ({e.orig or e})") from e
+        raise
 
 
 def _redacted(dsn: str) -> str:

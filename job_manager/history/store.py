@@ -199,11 +199,11 @@ class HistoryStore:
             try:
                 results = await self._run(ops)
             except Exception as e:  # one failing op must not fail its batch-mates
-                if len(ops) == 1 or _database_down(e) or (
+                if len(ops) == 1 or database_down(e) or (
                         _timed_out(e) and not await self._answers()):
                     # A database that is down fails them all (each alone would wait
                     # out its own timeout, one after the other), and the reads for a while.
-                    if len(ops) > 1 or _database_down(e) or _timed_out(e):
+                    if len(ops) > 1 or database_down(e) or _timed_out(e):
                         self._down_until = asyncio.get_running_loop().time() + DOWN_SECONDS
                     self.stats.failures += len(ops)
                     for op in ops:
@@ -412,7 +412,7 @@ class HistoryStore:
             async with self.engine.connect() as conn:
                 yield conn
         except _DOWN as e:
-            if _database_down(e) or _timed_out(e):
+            if database_down(e) or _timed_out(e):
                 self._down_until = loop.time() + DOWN_SECONDS
             raise _unavailable(e) from e
 
@@ -456,14 +456,24 @@ COMMAND_TIMEOUT_SECONDS = 10.0
 DOWN_SECONDS = 5.0
 
 
-def _database_down(e: BaseException) -> bool:
-    """The database is not there (a refused or lost connection), as opposed to
-    refusing one statement of a batch. A statement that timed out may be the
-    database gone quiet or one slow statement: ``HistoryStore._answers`` tells."""
+#: SQLSTATEs of a database that is there but takes no connection now: a connection exception
+#: (class 08), too many connections, shut down by an operator or a crash, and still starting or
+#: recovering ("the database system is not yet accepting connections", 57P03).
+_NOT_ACCEPTING_STATES = frozenset({"53300", "57P01", "57P02", "57P03"})
+
+
+def database_down(e: BaseException) -> bool:
+    """The database is not there, or not taking connections yet (a refused or lost
+    connection, a server starting or recovering), as opposed to refusing one statement
+    of a batch or a login. A statement that timed out may be the database gone quiet
+    or one slow statement: ``HistoryStore._answers`` tells."""
     if isinstance(e, OSError) and not isinstance(e, TimeoutError):
         return True
-    return isinstance(e, sa.exc.DBAPIError) and (
-        e.connection_invalidated or (isinstance(e.orig, OSError) and not isinstance(e.orig, TimeoutError)))
+    if not isinstance(e, sa.exc.DBAPIError):
+        return False
+    state = str(getattr(e.orig, "sqlstate", None) or "")
+    return (e.connection_invalidated or (isinstance(e.orig, OSError) and not isinstance(e.orig, TimeoutError))
+            or state.startswith("08") or state in _NOT_ACCEPTING_STATES)
 
 
 def _timed_out(e: BaseException) -> bool:
