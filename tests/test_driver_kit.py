@@ -277,6 +277,59 @@ async def test_concurrent_configurations_of_a_cluster_replace_and_drop_each_reco
     assert len(d.active) == 2 and len(d.dropped) == 1
 
 
+async def test_cluster_info_of_a_backend_that_does_not_answer_is_bounded_by_the_kit() -> None:
+    """The kit bounds every backend's ``_info`` (GetClusterInfo, ConfigureCluster's answer)
+    below ClusterManager's deadline: a backend that never answers is UNREACHABLE, one that
+    answered READY before is DEGRADED with that capacity and run modes (jobs wait for it), and
+    a new record (reconfigured) does not inherit the old one's answer."""
+    from drivers.common.skeleton import BackendDriver
+
+    class Record:
+        def __init__(self, address: str) -> None:
+            self.address = address
+
+    class Probe(BackendDriver[Record, None]):  # type: ignore[type-var]
+        name = "probe"
+        backend_noun = "the probe's head"
+        info_budget = 0.3
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.frozen = True
+
+        async def _connect(self, config: base.ClusterConfig, old: Record | None) -> Record:
+            return Record(config.address)
+
+        async def _info(self, c: Record) -> base.ClusterInfo:
+            if self.frozen:
+                await asyncio.Event().wait()  # never answers
+            return base.ClusterInfo(state=base.ClusterState.READY, capacity=base.ClusterCapacity(cpus_total=8),
+                                    supported_run_modes=(base.RunMode.SINGLE_PROCESS,), driver_version="probe/1")
+
+    for method in ("_prepare", "_known", "_submit", "_snapshot", "_observe", "_lookup", "_terminate", "_cleanup"):
+        setattr(Probe, method, None)
+    Probe.__abstractmethods__ = frozenset()
+    d = Probe()
+    name = "clusters/p"
+    first = await d.configure_cluster(base.ClusterConfig(name=name, address="http://a"))
+    assert first.state is base.ClusterState.UNREACHABLE, first
+    assert first.message == "the probe's head did not answer in 0.3s" and first.driver_version.startswith("probe/")
+    d.frozen = False
+    ready = await d.cluster_info(name)
+    assert ready.state is base.ClusterState.READY and ready.capacity.cpus_total == 8
+    d.frozen = True
+    slow = await d.cluster_info(name)
+    assert slow.state is base.ClusterState.DEGRADED, slow
+    assert (slow.capacity.cpus_total, slow.supported_run_modes) == (8, (base.RunMode.SINGLE_PROCESS,))
+    assert "did not answer" in slow.message
+    again = await d.configure_cluster(base.ClusterConfig(name=name, address="http://b"))  # a new record
+    assert again.state is base.ClusterState.UNREACHABLE, again
+    d.frozen = False
+    assert (await d.cluster_info(name)).state is base.ClusterState.READY
+    await d.remove_cluster(name)
+    assert name not in d._last_ready
+
+
 async def test_a_large_job_renders_off_the_event_loop() -> None:
     """A driver renders a job of many processes in a worker thread (``render_off_loop``): its
     native spec can be megabytes, and rendered in the loop it held every cluster's calls (a

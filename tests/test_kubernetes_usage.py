@@ -165,5 +165,5 @@ async def test_an_api_server_that_does_not_answer_is_degraded_within_cluster_man
         finally:
             e.hold = None
         assert slow.state == cluster_pb2.CLUSTER_STATE_DEGRADED, slow
-        assert "no answer" in slow.message and slow.capacity.cpus_total == 16
+        assert "did not answer" in slow.message and slow.capacity.cpus_total == 16
         await stub.RemoveCluster(dpb.RemoveClusterRequest(cluster=cluster), timeout=10)

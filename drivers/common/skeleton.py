@@ -21,6 +21,10 @@ What the wrappers own, once for every backend:
   cancel a submission half-way; it completes, the backend records it, and
   the caller's retry of the same attempt gets its result (never a job
   killed mid-spawn and reported FAILED without having run);
+- cluster info: ``_info`` bounded by ``INFO_BUDGET``, below ClusterManager's
+  deadline: a backend that does not answer in time is the cluster slow
+  (DEGRADED, with the record's last READY capacity; never answered yet:
+  UNREACHABLE), never this driver unresponsive;
 - readiness: ``_ready`` (e.g. the first poll of the backend) before launch,
   observe, terminate, cleanup, logs and watch;
 - observe: one observation per ref, in order, ``found=False`` for unknown;
@@ -40,14 +44,17 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
+from dlsched import __version__
 from dlsched.errors import Unimplemented
 from drivers.common.base import (
     ClusterConfig,
     ClusterInfo,
+    ClusterState,
     Driver,
     JobObservation,
     JobRef,
@@ -69,7 +76,9 @@ C = TypeVar("C")
 
 #: how long ``close`` waits for launches still in flight
 CLOSE_LAUNCH_WAIT_SECONDS = 10.0
-
+#: Seconds GetClusterInfo (and ConfigureCluster's answer) waits for the backend in all
+#: (ClusterManager waits 5 s); a backend with finer logic of its own keeps within it.
+INFO_BUDGET = 3.5
 
 
 #: A job of more processes renders in a worker thread (``render_off_loop``).
@@ -111,11 +120,16 @@ class BackendDriver(Driver, Generic[C, R]):
     #: whether ``_tail`` / ``_usage`` are implemented
     supports_logs: ClassVar[bool] = False
     supports_usage: ClassVar[bool] = False
+    #: what the backend is called in a cluster's message ("the Ray head")
+    backend_noun: ClassVar[str] = "the backend"
+    #: the bound on ``_info`` (a backend whose own finer bound answers first may widen it)
+    info_budget: ClassVar[float] = INFO_BUDGET
 
     def __init__(self) -> None:
         self.hub = ObservationHub()
         self.clusters: ClusterRegistry[C] = ClusterRegistry(self.hub)
         self.launches = LaunchRules()
+        self._last_ready: dict[str, tuple[C, ClusterInfo]] = {}  # per cluster: its record's last READY info
 
     # ------------------------------------------------------------------ hooks: clusters
 
@@ -212,13 +226,31 @@ class BackendDriver(Driver, Generic[C, R]):
                 c = await self.clusters.configure(config.name, lambda prev: self._connect(config, prev),
                                                   carry_over=self.carry_over, drop=self._disconnect)
                 await self._activate(config.name, c)
-        return await self._info(c)
+        return await self._bounded_info(config.name, c)
 
     async def remove_cluster(self, cluster: str) -> None:
         await self.clusters.remove(cluster, drop=self._disconnect)
+        self._last_ready.pop(cluster, None)
 
     async def cluster_info(self, cluster: str) -> ClusterInfo:
-        return await self._info(self.clusters.require(cluster))
+        return await self._bounded_info(cluster, self.clusters.require(cluster))
+
+    async def _bounded_info(self, cluster: str, c: C) -> ClusterInfo:
+        """``_info`` within ``info_budget``: past it, DEGRADED with what the record last
+        answered READY (jobs matched to the cluster wait for it), or UNREACHABLE when it
+        never did."""
+        try:
+            info = await asyncio.wait_for(self._info(c), self.info_budget)
+        except TimeoutError:
+            why = f"{self.backend_noun} did not answer in {self.info_budget:g}s"
+            last = self._last_ready.get(cluster)
+            if last is None or last[0] is not c:
+                return ClusterInfo(state=ClusterState.UNREACHABLE, message=why,
+                                   driver_version=f"{self.name}/{__version__}")
+            return dataclasses.replace(last[1], state=ClusterState.DEGRADED, message=why)
+        if info.state is ClusterState.READY:
+            self._last_ready[cluster] = (c, info)
+        return info
 
     async def render(self, cluster: str, job_id: str, spec: JobSpec) -> NativeSpec:
         rendered = await self._prepare(self.clusters.require(cluster), job_id, spec, 1, "")

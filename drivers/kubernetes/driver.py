@@ -140,6 +140,7 @@ def ours(job: TrackedJob, pod: dict[str, Any]) -> bool:
 
 class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
     name = "kubernetes"
+    backend_noun = "the Kubernetes API server"
     carry_over = ("jobs", "forgetting")  # keep the tracked jobs; swap the API client, budget and informer
     supports_logs = True
     supports_usage = True
@@ -186,7 +187,7 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
             await asyncio.wait_for(c.synced.wait(), timeout=self._cfg.request_timeout)
 
     async def _info(self, c: KubeCluster) -> ClusterInfo:
-        return await usage.cluster_info(c, f"{self.name}/{__version__}", _run_modes())
+        return await usage.cluster_info(c, f"{self.name}/{__version__}", tuple(_run_modes()))
 
     # ------------------------------------------------------------------ informer callbacks
 

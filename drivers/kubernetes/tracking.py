@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from drivers.common.base import (
-    ClusterCapacity,
     ClusterConfig,
     JobObservation,
     JobRef,
@@ -156,7 +155,6 @@ class KubeCluster:
         self.jobs: dict[str, TrackedJob] = {}  # by naming.job_label(job_id), the pods' job label
         #: forgotten jobs (same keys) until their record is on the API server, then dropped
         self.forgetting: dict[str, TrackedJob] = {}
-        self.capacity: ClusterCapacity | None = None  # as GetClusterInfo last saw it (READY)
         self.pods_forbidden_until = 0.0  # monotonic: skip the cluster-wide pod list (403) until then
 
     def find(self, ref: JobRef) -> TrackedJob | None:

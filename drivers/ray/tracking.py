@@ -6,7 +6,7 @@ import asyncio
 import time
 from typing import Any
 
-from drivers.common.base import ClusterCapacity, ClusterConfig, JobObservation, JobState
+from drivers.common.base import ClusterConfig, JobObservation, JobState
 from drivers.ray import layout
 from drivers.ray.api import RayApi
 
@@ -40,7 +40,6 @@ class RayCluster:
         #: (Ray's start_time is the submission's, queue included), else Ray's start_time; None:
         #: this driver saw it waiting and has not seen it run
         self.started: dict[str, float | None] = {}
-        self.capacity: ClusterCapacity | None = None  # as the head last reported it (GetClusterInfo)
 
     async def request(self, method: str, path: str, body: Any = None) -> Any:
         return await self.api.request(method, path, body)

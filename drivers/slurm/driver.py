@@ -100,14 +100,13 @@ from drivers.slurm.ssh import ENV_RE, Congested, HostKeyMismatch
 
 log = logging.getLogger("dlsched.driver.slurm")
 
-#: Seconds GetClusterInfo may spend on the login node in all (ClusterManager waits 5 s): past
-#: it, a look-up in progress counts as slow (the command is given up and killed there).
+#: Seconds GetClusterInfo may spend on the login node (ClusterManager waits 5 s): past it, a
+#: look-up in progress counts as slow (the command is given up and killed there).
 INFO_BUDGET = 3.5
 PING_BUDGET = 1.0  # of which the controller ping (one quick RPC) always gets at least this much
 
 RECORD_RETRY_SECONDS = 5.0  # between tries to write forgotten jobs' records while they fail
-#: how long after its cleanup a job Slurm still runs holds back a new launch of its id
-#: (UNAVAILABLE; a cancelled job ends within KillWait, default 30 s)
+#: how long after its cleanup a job Slurm still runs holds back a launch of its id (UNAVAILABLE; KillWait: 30 s)
 ENDING_WINDOW = 300.0
 
 __all__ = ["SbatchRejected", "SlurmConfig", "SlurmDriver"]
@@ -115,6 +114,8 @@ __all__ = ["SbatchRejected", "SlurmConfig", "SlurmDriver"]
 
 class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
     name = "slurm"
+    backend_noun = "the login node"
+    info_budget = INFO_BUDGET + 0.75  # its own bound answers first; the kit's cuts a wait behind a look-up
     #: kept across a reconfiguration: what was tracked; the connections, poller and warm sbatch are new
     carry_over = ("jobs", "recording", "unsure", "late", "to_release", "launching", "held_since", "claiming",
                   "retired")
