@@ -55,6 +55,7 @@ name) are used verbatim as hosts; nothing here resolves them.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -167,6 +168,13 @@ class GpusUnavailable(FailedPrecondition):
 
 
 # --------------------------------------------------------------------------- validation
+
+
+def shell_pwd(cwd: str | None) -> str:
+    """``PWD`` for a process started in ``cwd`` (None: this process's): its working directory, as
+    a shell sets it. The starter's own would be inherited otherwise; a job cannot set it (a name
+    the launch scripts' shell owns)."""
+    return os.path.abspath(cwd) if cwd else os.getcwd()
 
 
 def groups_in_order(spec: JobSpec) -> list[tuple[int, ReplicaGroup]]:

@@ -43,6 +43,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
+from drivers.common import planner
 from drivers.common.base import LogStream
 from drivers.local import attempt, procfs, render, states
 from drivers.local.logs import LineWriter
@@ -229,7 +230,7 @@ class Supervisor:
                 transport, _ = await loop.subprocess_exec(
                     functools.partial(_Pipes, self, i), *p.argv,
                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                    stderr=asyncio.subprocess.PIPE, env={**base_env, "PWD": _pwd(p.cwd), **p.env}, cwd=p.cwd,
+                    stderr=asyncio.subprocess.PIPE, env={**base_env, "PWD": planner.shell_pwd(p.cwd), **p.env}, cwd=p.cwd,
                     start_new_session=True)
             except (OSError, ValueError) as e:
                 self.open_pipes -= 2
@@ -351,12 +352,6 @@ def _say_on_stderr(path: str, text: str) -> None:
         w.close(time.time_ns())
     except OSError as e:
         log.warning("cannot write %s: %s", path, e)
-
-
-def _pwd(cwd: str | None) -> str:
-    """``PWD`` for a process started in ``cwd``: its working directory, as a shell sets it (the
-    driver's own was inherited; jobs cannot set it, a name the launch scripts' shell owns)."""
-    return os.path.abspath(cwd) if cwd else os.getcwd()
 
 
 def _default_signals() -> None:

@@ -219,11 +219,10 @@ def run_processes(procs: Sequence[planner.ProcessLaunch], decisive: Callable[[st
                 break  # stopped meanwhile: none is started after (it would miss the stop's SIGTERM)
             outputs.create(p)
             cwd = p.working_dir if p.working_dir and not render.is_uri(p.working_dir) else None
-            pwd = os.path.abspath(cwd) if cwd else os.getcwd()  # as a shell sets it, not this process's
             out_r, out_w = os.pipe()
             err_r, err_w = os.pipe()
             try:
-                child = subprocess.Popen(list(p.argv), env={**env0, "PWD": pwd, **p.env}, cwd=cwd, stdin=subprocess.DEVNULL,
+                child = subprocess.Popen(list(p.argv), env={**env0, "PWD": planner.shell_pwd(cwd), **p.env}, cwd=cwd, stdin=subprocess.DEVNULL,
                                          stdout=out_w, stderr=err_w, start_new_session=True,
                                          preexec_fn=_die_with_parent)  # noqa: PLW1509
             except OSError as e:
