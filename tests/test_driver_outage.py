@@ -11,6 +11,7 @@ goes away, and the job ends SUCCEEDED, having run once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pathlib
 import signal
@@ -42,6 +43,29 @@ async def stack(etcd: EtcdServer) -> AsyncIterator[Stack]:
     with s.running():
         await s.register_local()
         yield s
+        await _stop_all(s)
+
+
+async def _stop_all(s: Stack) -> None:
+    """Stop the jobs a test left running (they outlive a driver by design, so the stack's
+    teardown alone would leave their processes behind) and wait for them to end, bounded."""
+    if s.jm is None or s.jm.proc is None or s.jm.proc.poll() is not None:
+        return
+    with contextlib.suppress(Exception):
+        async with JobManagerClient(s.jm.address) as jm:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                live = [j for j in await jm.list_all_jobs() if j.state not in _TERMINAL]
+                if not live:
+                    return
+                for j in live:
+                    if j.state != job_pb2.JOB_STATE_STOPPING:
+                        with contextlib.suppress(DlschedRpcError):
+                            await jm.stop_job(j.name)
+                await asyncio.sleep(0.5)
+
+
+_TERMINAL = (job_pb2.JOB_STATE_SUCCEEDED, job_pb2.JOB_STATE_FAILED, job_pb2.JOB_STATE_STOPPED)
 
 
 async def _until(jm: JobManagerClient, name: str, ok, within: float = 90.0) -> job_pb2.Job:  # type: ignore[no-untyped-def]
