@@ -305,6 +305,7 @@ def _check_spec(spec: job_pb2.JobSpec) -> list[FieldViolation]:
     out += spec_rules.check_cluster_type(spec.cluster_selector.cluster_type,
                                          "spec.cluster_selector.cluster_type", allow_unspecified=True)
     out += spec_rules.check_selected_cluster(spec.cluster_selector.cluster, "spec.cluster_selector.cluster")
+    out += spec_rules.check_labels(spec.cluster_selector.labels, "spec.cluster_selector.labels")  # as SubmitJob
     if spec.HasField("time_limit"):
         try:
             check_duration(spec.time_limit, "spec.time_limit")

@@ -631,10 +631,10 @@ _ID_KEYS = ("jobId", "job_id", "name", "id")
 _ALIASES: dict[str, dict[str, str]] = {
     "dlsched.v1.Resources": {"memory": "memory_bytes"},
 }
-_QUANTITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTPE]i?|[kmgtpe]i?)?[bB]?\s*\Z")
+_QUANTITY = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTPE]i?|[kmgtpe]i?)?[bB]?\s*\Z", re.ASCII)
 _UNIT = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "p": 10**15, "e": 10**18,
          "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40, "pi": 2**50, "ei": 2**60}
-_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|us|ns|h|m|s|d)")
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|us|ns|h|m|s|d)", re.ASCII)
 _DURATION_UNIT = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6,
                   "ns": 1e-9}
 
@@ -660,7 +660,7 @@ def parse_duration(value: object) -> float:
     if isinstance(value, int | float):
         return float(value)
     text = str(value).strip().replace(" ", "")
-    if re.fullmatch(r"\d+(\.\d+)?", text):
+    if re.fullmatch(r"\d+(\.\d+)?", text, re.ASCII):
         return float(text)
     pos, total = 0, 0.0
     for m in _DURATION_PART.finditer(text):

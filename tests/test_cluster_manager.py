@@ -940,6 +940,12 @@ async def test_local_cluster_becomes_ready_and_is_matched(
     for cpu in (float("nan"), float("inf"), -1.0):
         e = await rpc_error(stub.MatchClusters(pb.MatchClustersRequest(spec=spec(cpu=cpu))))
         assert fields(e) == ["spec.replica_groups[0].resources.cpu"], cpu
+    # Selector labels as SubmitJob takes them: a hostile one was answered NO_MATCHING_CLUSTER,
+    # quoted back in the message.
+    for labels in ({"--wrap": "x"}, {"a": "b\nc"}, {"k": "v\x00"}, {"k" * 300: "v"}):
+        e = await rpc_error(stub.MatchClusters(pb.MatchClustersRequest(spec=spec(labels=labels))))
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, labels
+        assert all(f.startswith("spec.cluster_selector.labels") for f in fields(e)), (labels, fields(e))
 
 
 @needs_driver

@@ -29,3 +29,12 @@ def test_long_whitespace_runs_within_the_bound_still_parse() -> None:
     assert [(t.field, t.value) for t in clusters.terms] == [("type", "SLURM"), ("labels.zone", "a")]
     with pytest.raises(InvalidArgument):
         jfilter.parse_filter(f"state=RUNNING{gap}x")
+
+
+@pytest.mark.parametrize("when", ["٢٠٢٦-01-01T00:00:00Z", "２٠٩٩-01-01T00:00:00Z", "2026-01-01T00:00:00+٠٠:00"])
+def test_a_time_with_other_than_ascii_digits_is_refused(when: str) -> None:
+    """RFC 3339 times are ASCII digits (``\\d`` took Arabic-Indic and full-width ones)."""
+    jfilter.parse_filter('create_time >= "2026-01-01T00:00:00Z"')  # ASCII: taken
+    with pytest.raises(InvalidArgument) as ei:
+        jfilter.parse_filter(f'create_time >= "{when}"')
+    assert [v.field for v in ei.value.violations] == ["filter"]

@@ -34,7 +34,8 @@ _AND_RE = re.compile(r"(?<!\s)\s+AND\s+")
 #: the longest filter taken (checked before any parsing: a request's work is bounded first)
 MAX_FILTER_CHARS = 8192
 _RFC3339 = re.compile(
-    r"(\d{4})-(\d{2})-(\d{2})[Tt](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?(?:([Zz])|([+-])(\d{2}):(\d{2}))")
+    r"(\d{4})-(\d{2})-(\d{2})[Tt](\d{2}):(\d{2}):(\d{2})(?:\.(\d{1,9}))?(?:([Zz])|([+-])(\d{2}):(\d{2}))",
+    re.ASCII)  # RFC 3339's digits are ASCII (\d matched '٢٠٢٦')
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _US = timedelta(microseconds=1)
 #: the fields time terms compare

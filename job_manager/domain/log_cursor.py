@@ -42,6 +42,8 @@ MAX_CURSOR_CHARS = 1 << 20
 _MAX_JSON_BYTES = 8 << 20
 #: a position per stream of every process a job may have (stdout and stderr), and a few more
 MAX_CURSOR_STREAMS = 2 * MAX_PROCESSES + 16
+#: the longest attempt (backend job id) a cursor may name: the Driver API's bound on backend job ids
+MAX_ATTEMPT_CHARS = 256
 _VERSION = 1
 
 StreamKey = tuple[str, int, int]  # (role, replica_index, LogStream value)
@@ -108,6 +110,8 @@ class LogCursor:
             if not isinstance(uid, str) or not isinstance(attempt, str) or not isinstance(rows, list) \
                     or whole not in (0, 1) or isinstance(whole, bool):
                 raise ValueError("shape")
+            if len(attempt) > MAX_ATTEMPT_CHARS or "\x00" in attempt:
+                raise ValueError("attempt")  # (the driver would refuse it, naming its own field)
             if len(rows) > MAX_CURSOR_STREAMS:
                 raise ValueError("too many streams")
             streams: dict[StreamKey, StreamPos] = {}
