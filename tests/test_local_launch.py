@@ -152,6 +152,38 @@ async def test_missing_program_fails_to_start(stub):
     assert err.startswith("dlsched: cannot start '/nonexistent/program'"), err
 
 
+async def test_a_working_directory_that_cannot_be_entered_fails_with_126(stub, tmp_path):
+    """As Slurm's scripts (``cd -- DIR || exit 126``): 126 and a stderr line naming the
+    directory, not 127 blaming the program (the spawn's chdir failed, not its exec)."""
+    job_id = new_id("nocwd")
+    spec = single("pass")
+    spec.replica_groups[0].working_dir = str(tmp_path / "missing")
+    await launch(stub, job_id, spec)
+    obs = await wait_state(stub, job_id)
+    assert obs.state == job_pb2.JOB_STATE_FAILED
+    assert (obs.reason, obs.message, obs.exit_code) == ("NonZeroExit", "main-0 exited with code 126", 126)
+    (err,) = texts(await logs(stub, job_id), job_pb2.LOG_STREAM_STDERR)
+    assert err.startswith(f"dlsched: cannot enter the working directory '{tmp_path / 'missing'}'"), err
+
+
+def test_start_failures_read_as_a_shell_says_them(tmp_path):
+    """The one rule the local supervisor and the Ray launcher share: what failed (the chdir
+    or the exec) and why gives the exit code."""
+    import subprocess
+
+    from drivers.common import planner
+
+    cases = [(["/bin/true"], str(tmp_path / "gone"), 126, "cannot enter the working directory"),
+             (["/bin/true"], "/etc/passwd", 126, "cannot enter the working directory"),
+             ([str(tmp_path / "nope")], str(tmp_path), 127, "cannot start"),
+             (["/etc/passwd"], str(tmp_path), 126, "cannot start")]
+    for argv, cwd, code, says in cases:
+        with pytest.raises(OSError) as ei:
+            subprocess.Popen(argv, cwd=cwd)
+        got, line = planner.start_failure(ei.value, argv[0], cwd)
+        assert got == code and line.startswith(f"dlsched: {says}"), (argv, cwd, got, line)
+
+
 async def test_multi_process_job_gets_ranks_and_world_size(stub):
     job_id = new_id("multi")
     code = ("import os\n"

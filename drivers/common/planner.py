@@ -177,6 +177,16 @@ def shell_pwd(cwd: str | None) -> str:
     return os.path.abspath(cwd) if cwd else os.getcwd()
 
 
+def start_failure(e: OSError, program: str, cwd: str | None) -> tuple[int, str]:
+    """A process that could not start: its exit code and stderr line, as a shell says them
+    (Slurm's scripts ``cd`` then ``exec``): a working directory that cannot be entered 126, a
+    program not found 127, one that cannot be run 126."""
+    why = e.strerror or str(e)
+    if cwd and e.filename == cwd and program != cwd:  # (the OSError names what failed: chdir's or exec's)
+        return 126, f"dlsched: cannot enter the working directory {cwd!r}: {why}"
+    return (127 if isinstance(e, FileNotFoundError) else 126), f"dlsched: cannot start {program!r}: {why}"
+
+
 def groups_in_order(spec: JobSpec) -> list[tuple[int, ReplicaGroup]]:
     """(spec index, group) in the mode's layout order (master first, ...)."""
     order = ROLES.get(spec.run_mode)

@@ -64,6 +64,10 @@ REASON_STOPPING = "StopRequested"
 REASON_STOPPED = "Stopped"
 REASON_STALE = "BackendStale"
 REASON_TIME_LIMIT = "TimeLimitExceeded"
+#: a process that exited with a non-zero code and nothing more to say, as every backend names it
+REASON_NON_ZERO_EXIT = "NonZeroExit"
+#: the kubelet's reasons for a container's end that say no more than its exit code
+PLAIN_EXIT_REASONS = frozenset({"", "Error", "Completed"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +81,8 @@ class PodView:
     end_time: float | None = None
     alive: bool = False  # FAILED while the pod still runs other containers: it must be deleted
     terminating: bool = False  # being deleted (``metadata.deletionTimestamp``), in its grace period
+    #: a pod of several processes: (container name, that process's own view), in the pod's order
+    procs: tuple[tuple[str, PodView], ...] = ()
 
 
 def parse_time(value: Any) -> float | None:

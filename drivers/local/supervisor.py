@@ -234,10 +234,12 @@ class Supervisor:
                     start_new_session=True)
             except (OSError, ValueError) as e:
                 self.open_pipes -= 2
-                code = 127 if isinstance(e, FileNotFoundError) else 126  # as a shell says
-                what = getattr(e, "strerror", None) or str(e)
-                _say_on_stderr(p.log_path(LogStream.STDERR), f"dlsched: cannot start {p.argv[0]!r}: {what}")
-                if self.machine.start_failed(i, code, f"cannot start {p.argv[0]!r} in {p.cwd!r}: {what}"):
+                if isinstance(e, OSError):
+                    code, line = planner.start_failure(e, p.argv[0], p.cwd)
+                else:  # (a NUL in an argument: refused before, never a spawn)
+                    code, line = 126, f"dlsched: cannot start {p.argv[0]!r}: {e}"
+                _say_on_stderr(p.log_path(LogStream.STDERR), line)
+                if self.machine.start_failed(i, code, line.removeprefix("dlsched: ")):
                     self.stop_running(self.grace)
                 continue
             self.transports[i] = transport

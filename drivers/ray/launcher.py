@@ -228,11 +228,10 @@ def run_processes(procs: Sequence[planner.ProcessLaunch], decisive: Callable[[st
             except OSError as e:
                 for fd in (out_r, out_w, err_r, err_w):
                     os.close(fd)
+                code, line = planner.start_failure(e, p.argv[0], cwd)
                 _append(outputs.path(layout.output(outputs.sid, p.role, p.slot_index, "err")),
-                        layout.format_line(time.time_ns(), f"dlsched: cannot start {p.argv[0]!r}: {e}")
-                        + layout.EOF + "\n")
+                        layout.format_line(time.time_ns(), line) + layout.EOF + "\n")
                 print(f"dlsched: {p.role}-{p.slot_index} could not start: {e}", flush=True)
-                code = 127 if isinstance(e, FileNotFoundError) else 126  # as a shell says
                 if on_exit is not None:  # its end, as for a process that ran (not "stopped", exit 0)
                     on_exit(p, code, False)
                 return code, p
