@@ -644,7 +644,7 @@ class Scheduler:
                 if obs.found and obs.state.is_terminal():
                     self._forget_later(cluster, obs.job_id, obs.backend_job_id)  # deleted or archived
                 elif obs.found and obs.backend_job_id:
-                    self._reap(cluster, obs.job_id, obs.backend_job_id, obs.job_uid)
+                    self._reap_gone(cluster, obs)
                 return None
             except OwnershipLost:
                 self.ownership.lost(cluster)
@@ -685,6 +685,27 @@ class Scheduler:
                                                 record=record),
                         name=f"reap-{job_id}", cluster=cluster)
         t.add_done_callback(lambda _: self._reaping.discard(key))
+
+    def _reap_gone(self, cluster: str, obs: Observation) -> None:
+        """A backend job still running (or said so late) for a job etcd no longer has: deleted,
+        or moved to the job history. An archived job's files stay (its logs and usage are read
+        through the history); only a job the history does not hold either is cleaned up."""
+        if self.history is None:
+            self._reap(cluster, obs.job_id, obs.backend_job_id, obs.job_uid)
+            return
+        self._spawn(self._reap_unless_archived(cluster, obs, self.history), name=f"reap-{obs.job_id}",
+                    cluster=cluster)
+
+    async def _reap_unless_archived(self, cluster: str, obs: Observation, history: HistoryStore) -> None:
+        try:
+            archived = await history.get(obs.job_id) is not None
+        except errors.DlschedError:
+            archived = True  # cannot tell: stopped, its files kept (never an archived job's logs lost)
+        if archived:
+            self._reap(cluster, obs.job_id, obs.backend_job_id, obs.job_uid, cleanup=False,
+                       why="is archived (or the history cannot say)")
+        else:
+            self._reap(cluster, obs.job_id, obs.backend_job_id, obs.job_uid)
 
     def _clean_up(self, c: PendingCleanup) -> None:
         self._reap(c.cluster, c.job_id, c.backend_job_id, c.uid, why="is deleted, its clean-up pending,",

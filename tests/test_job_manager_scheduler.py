@@ -46,6 +46,7 @@ class FakeDriver:
         self.launch_errors: list[errors.DlschedError] = []
         self.launches: list[tuple[str, int]] = []
         self.terminated: list[str] = []
+        self.cleaned: list[str] = []
         self.known: set[str] = set()
         self.forgotten: list[str] = []
         self.launch_gate: asyncio.Event | None = None
@@ -87,7 +88,7 @@ class FakeDriver:
             yield await self.events.get()
 
     async def cleanup(self, cluster: str, job_id: str, backend_job_id: str, uid: str = "") -> None:
-        pass
+        self.cleaned.append(job_id)
 
     async def forget(self, cluster: str, refs: list[tuple[str, str]]) -> int:
         self.forgotten.extend(j for j, _ in refs)
@@ -274,6 +275,40 @@ async def test_late_observations_never_reopen_a_terminal_job(env: Any) -> None:
     async def forgotten() -> bool:  # the driver hears the end is recorded
         return drv.forgotten == ["e"]
     await until(forgotten)
+
+
+async def test_a_late_observation_of_an_archived_job_never_removes_its_files(
+        etcd: EtcdServer, etcd_prefix: str, tmp_path: Any) -> None:
+    """A running (late) observation of a job etcd no longer has: a deleted job's backend job is
+    stopped and its files removed, but an archived job's files stay (its logs are read through
+    the history); the clean-up deleted them (StreamJobLogs of archived jobs: 'not known to
+    this driver')."""
+    from job_manager.convert import job_to_bytes
+    from job_manager.history.store import HistoryStore, archived_entries
+
+    client = await connect(etcd.endpoint)
+    history = await HistoryStore.open(f"sqlite+aiosqlite:///{tmp_path}/history.db")
+    drv = FakeDriver()
+    sched = Scheduler(JobStore(client, etcd_prefix), FakeCM(), FakePool(drv),  # type: ignore[arg-type]
+                      SchedulerConfig(retry_initial_seconds=0.05, retry_max_seconds=0.1), history=history)
+    try:
+        old = Job(id="arch", uid="u-arch", state=JobState.SUCCEEDED, cluster=CLUSTER, attempt=1,
+                  spec=SPEC, backend_job_id="b-arch-1")
+        await history.put(archived_entries([("arch", job_to_bytes(old), 10)]))
+        await sched.apply(CLUSTER, Observation("arch", "b-arch-1", state=JobState.RUNNING, attempt=1,
+                                               job_uid="u-arch"))
+        await sched.apply(CLUSTER, Observation("gone", "b-gone-1", state=JobState.RUNNING, attempt=1,
+                                               job_uid="u-gone"))
+
+        async def both_stopped() -> bool:
+            return sorted(drv.terminated) == ["arch", "gone"] and drv.cleaned == ["gone"]
+        await until(both_stopped)
+        await asyncio.sleep(0.2)
+        assert drv.cleaned == ["gone"]  # the archived job's files stay
+    finally:
+        await sched.close()
+        await history.close()
+        await client.close()
 
 
 async def test_a_peer_that_does_not_answer_in_time_is_unavailable_not_deadline_exceeded() -> None:

@@ -207,6 +207,21 @@ def test_missing_image_and_bad_options_are_invalid_argument() -> None:
         assert [v.field for v in e.value.violations] == ["spec.replica_groups[0].image"], image
 
 
+def test_a_relative_working_dir_is_invalid_argument() -> None:
+    """A container runtime refuses a relative ``workingDir`` (the pod never starts): refused at
+    render, naming the field; an absolute one is rendered as it is."""
+    group = dataclasses.replace(SPECS["single_process"].replica_groups[0], working_dir="sub")
+    bad = dataclasses.replace(SPECS["single_process"], replica_groups=(group,))
+    with pytest.raises(InvalidArgument) as e:
+        render.render_job("j", bad, 1, OPTS)
+    assert [(v.field, v.description) for v in e.value.violations] == [
+        ("spec.replica_groups[0].working_dir", "must be an absolute path on Kubernetes")]
+    good = dataclasses.replace(SPECS["single_process"], replica_groups=(
+        dataclasses.replace(group, working_dir="/work/sub"),))
+    (pod,) = [m for m in render.render_job("j", good, 1, OPTS).manifests if m["kind"] == "Pod"]
+    assert [c["workingDir"] for c in pod["spec"]["containers"]] == ["/work/sub"]
+
+
 def test_mpi_launcher_reaches_worker_sshd_with_the_attempt_key() -> None:
     out = render.render_job("golden", SPECS["mpi"], 3, OPTS)
     objs = {(m["kind"], m["metadata"]["name"]): m for m in out.manifests}

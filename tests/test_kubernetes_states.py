@@ -48,7 +48,8 @@ CASES = [
     (pod("Running", containers=[waiting("CrashLoopBackOff")]), ReplicaState.RUNNING, "CrashLoopBackOff", None),
     (pod("Succeeded", containers=[terminated(0, "Completed")]), ReplicaState.SUCCEEDED, "Completed", 0),
     (pod("Failed", containers=[terminated(137, "OOMKilled")]), ReplicaState.FAILED, "OOMKilled", 137),
-    (pod("Failed", containers=[terminated(3, "Error")]), ReplicaState.FAILED, "Error", 3),
+    # a non-zero exit the kubelet says no more of ("Error"), as every backend names it
+    (pod("Failed", containers=[terminated(3, "Error")]), ReplicaState.FAILED, "NonZeroExit", 3),
     (pod("Failed", reason="Evicted"), ReplicaState.FAILED, "Evicted", None),
     (pod("Failed", reason="DeadlineExceeded"), ReplicaState.FAILED, "TimeLimitExceeded", None),  # as elsewhere
     (pod("Failed"), ReplicaState.FAILED, "Failed", None),
@@ -63,7 +64,7 @@ CASES = [
     ({"spec": {}, "status": {"phase": "Failed", "initContainerStatuses": [
         {"name": "wait-for-workers", "state": {"terminated": {"exitCode": 255, "reason": "Error"}}}],
         "containerStatuses": [{"name": "main", "state": {"waiting": {"reason": "PodInitializing"}}}]}},
-     ReplicaState.FAILED, "Error", 255),
+     ReplicaState.FAILED, "NonZeroExit", 255),
     (pod("Unknown"), ReplicaState.UNSPECIFIED, "Unknown", None),
     (pod("Bogus"), ReplicaState.UNSPECIFIED, "Unknown", None),
     ({}, ReplicaState.PENDING, "Pending", None),

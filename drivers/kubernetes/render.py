@@ -184,6 +184,10 @@ def _group_violations(i: int, g: ReplicaGroup, spec: JobSpec, default_image: str
                                  "must divide evenly over processes_per_replica (one container each)"))
     if g.resources.gpu_type and not is_label_value(g.resources.gpu_type):
         vs.append(FieldViolation(f"{gf}.resources.gpu_type", "must be a Kubernetes label value"))
+    runs_command = not (spec.run_mode is RunMode.MPI and g.role != "launcher")  # MPI workers run sshd
+    if g.working_dir and not g.working_dir.startswith("/") and runs_command:
+        # the container's workingDir: a runtime refuses a relative one, and the pod never starts
+        vs.append(FieldViolation(f"{gf}.working_dir", "must be an absolute path on Kubernetes"))
     return vs
 
 

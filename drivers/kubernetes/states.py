@@ -116,16 +116,27 @@ def _waiting(status: Mapping[str, Any]) -> Mapping[str, Any] | None:
 
 def _terminated(status: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     out: list[Mapping[str, Any]] = []
-    for c in _containers(status):
+    inits = len(status.get("initContainerStatuses") or ())
+    for i, c in enumerate(_containers(status)):
         t = (c.get("state") or {}).get("terminated")
         if t is not None:
-            out.append({**t, "container": c.get("name", "")})
+            out.append({**t, "container": c.get("name", ""), "init": i < inits})
     return out
 
 
+def exit_reason(t: Mapping[str, Any]) -> str:
+    """A container's non-zero end as a reason: ``NonZeroExit`` when the kubelet says no more than
+    the code (``Error``), else the kubelet's own (``OOMKilled``, ``StartError``, ...)."""
+    reason = str(t.get("reason") or "")
+    return REASON_NON_ZERO_EXIT if reason in PLAIN_EXIT_REASONS else reason
+
+
 def replica_of(pod: Mapping[str, Any]) -> PodView:
-    """One pod's replica state (total: any input gives a view)."""
+    """One pod's replica state (total: any input gives a view); a pod of several processes
+    (containers) carries each one's own view too (``procs``)."""
     v = _replica_of(pod)
+    if procs := _procs(pod, v):
+        v = dataclasses.replace(v, procs=procs)
     if not (pod.get("metadata") or {}).get("deletionTimestamp"):
         return v
     # Being deleted: by a stop, or by a disruption (an eviction, a preemption, a taint), which
@@ -204,11 +215,56 @@ def _failed(terms: list[Mapping[str, Any]], status: Mapping[str, Any], node: str
     if not bad:
         return None
     t, code = bad[0], _code(bad[0])
-    msg = f"{t['container']}: exited with code {code}"
-    if t.get("message"):
-        msg += f": {t['message']}"
-    return PodView(ReplicaState.FAILED, str(t.get("reason") or REASON_FAILED), msg, exit_code=code, node=node,
+    # the message: the container's termination message; an init container's (MPI's
+    # wait-for-workers) name with it, as the process itself never ran
+    msg = str(t.get("message") or "")
+    if t.get("init"):
+        msg = f"init container {t['container']}" + (f": {msg}" if msg else "")
+    return PodView(ReplicaState.FAILED, exit_reason(t), msg, exit_code=code, node=node,
                    start_time=start, end_time=end)
+
+
+def _procs(pod: Mapping[str, Any], v: PodView) -> tuple[tuple[str, PodView], ...]:
+    """Each process's view of a pod of several (one container each, in the spec's order); ()
+    for a pod of one, whose view is its process's."""
+    status = pod.get("status") or {}
+    by_name = {str(c.get("name", "")): c for c in status.get("containerStatuses") or ()}
+    names = [str(c.get("name", "")) for c in (pod.get("spec") or {}).get("containers") or ()] or list(by_name)
+    if len(names) < 2:
+        return ()
+    pod_reason = status.get("phase") == "Failed" and bool(status.get("reason"))
+    return tuple((n, _proc(by_name.get(n) or {}, v, pod_reason)) for n in names)
+
+
+def _proc(c: Mapping[str, Any], v: PodView, pod_reason: bool) -> PodView:
+    """One container's process, within its pod's view ``v`` (``pod_reason``: the pod failed as a
+    whole, evicted or past its deadline: every process that did not exit 0 fails with it)."""
+    st = c.get("state") or {}
+    node, start = v.node, v.start_time
+    if (t := st.get("terminated")) is not None:
+        code, end = _code(t), parse_time(t.get("finishedAt"))
+        if code == 0:
+            return PodView(ReplicaState.SUCCEEDED, REASON_COMPLETED, exit_code=0, node=node, start_time=start,
+                           end_time=end)
+        if pod_reason:
+            return PodView(ReplicaState.FAILED, v.reason, v.message, exit_code=code, node=node, start_time=start,
+                           end_time=end)
+        return PodView(ReplicaState.FAILED, exit_reason(t), str(t.get("message") or ""), exit_code=code, node=node,
+                       start_time=start, end_time=end)
+    if pod_reason or v.state in (ReplicaState.PENDING, ReplicaState.UNSPECIFIED):
+        return dataclasses.replace(v, exit_code=None, alive=False, terminating=False)
+    w = st.get("waiting")
+    if w and w.get("reason") and w.get("reason") != "ContainerCreating":
+        w = {**w, "container": c.get("name", "")}
+        if (stuck := _stuck(w, node, start)) is not None:
+            return dataclasses.replace(stuck, alive=False)
+        return PodView(ReplicaState.RUNNING, w["reason"], str(w.get("message") or w["reason"]), node=node,
+                       start_time=start)
+    if v.state is ReplicaState.FAILED and not v.alive:  # the pod ended; this container with no end of its own
+        return PodView(ReplicaState.FAILED, v.reason, v.message, node=node, start_time=start, end_time=v.end_time)
+    if v.state is ReplicaState.SUCCEEDED:
+        return dataclasses.replace(v, procs=())
+    return PodView(ReplicaState.RUNNING, REASON_RUNNING, node=node, start_time=start)
 
 
 def missing(*, deleted_by_us: bool, seen: bool) -> PodView:
@@ -226,23 +282,46 @@ class JobView:
     reason: str
     message: str
     exit_code: int | None = None
+    failed: tuple[str, int] | None = None  #: (role, index) of the process whose failure decided the job
+
+
+def failure_message(role: str, index: int, v: PodView) -> str:
+    """The job's message for process ``role-index``'s failure, as every backend words it:
+    ``worker-3 exited with code 3`` (then what else is known: ``; OOMKilled``, a termination message)."""
+    if v.exit_code is None:
+        return f"{role}-{index}: {v.reason}" + (f": {v.message}" if v.message else "")
+    named = f"{role}-{index} exited with code {v.exit_code}"
+    detail = "; ".join(x for x in ("" if v.reason == REASON_NON_ZERO_EXIT else v.reason, v.message) if x)
+    return f"{named}; {detail}" if detail else named
+
+
+def _ended_the_job(v: PodView, success_at: float | None) -> bool:
+    """Whether a failure counts though the deciding roles all succeeded (seen together, as a
+    re-list shows them): it does unless it came after their success (the stop that follows it,
+    or an end the driver would have pre-empted) or is a deletion that is no disruption."""
+    if v.terminating:
+        return False
+    return success_at is None or v.end_time is None or v.end_time <= success_at
 
 
 def job_state(replicas: Sequence[tuple[str, int, PodView]], rule: SuccessRule, *,
               stop_requested: bool = False) -> JobView:
-    """The job's state from its replicas ``(role, index, view)`` per the success rule."""
+    """The job's state from its processes ``(role, index, view)`` per the success rule."""
     if stop_requested:
         if all(v.state.is_terminal() or v.state is ReplicaState.PENDING and v.reason == REASON_SUBMITTED
                for *_, v in replicas):
             return JobView(JobState.STOPPED, REASON_STOPPED, "stopped on request")
         return JobView(JobState.STOPPING, REASON_STOPPING, "deleting the pods")
     decisive = [(r, i, v) for r, i, v in replicas if r in rule.decisive_roles]
+    failures = [(r, i, v) for r, i, v in replicas if v.state is ReplicaState.FAILED]
     if decisive and all(v.state is ReplicaState.SUCCEEDED for *_, v in decisive):
-        return JobView(JobState.SUCCEEDED, REASON_COMPLETED, rule.description, 0)
-    for role, index, v in replicas:
-        if v.state is ReplicaState.FAILED:
-            msg = f"{role}-{index}: {v.reason}" + (f": {v.message}" if v.message else "")
-            return JobView(JobState.FAILED, v.reason, msg, v.exit_code)
+        ends = [v.end_time for *_, v in decisive]
+        success_at = None if None in ends else max(e for e in ends if e is not None)
+        failures = [(r, i, v) for r, i, v in failures if _ended_the_job(v, success_at)]
+        if not failures:
+            return JobView(JobState.SUCCEEDED, REASON_COMPLETED, rule.description, 0)
+    for role, index, v in failures:
+        return JobView(JobState.FAILED, v.reason, failure_message(role, index, v), v.exit_code, (role, index))
     if any(v.state is ReplicaState.RUNNING for *_, v in replicas):
         return JobView(JobState.RUNNING, REASON_RUNNING, "")
     for role, index, v in replicas:

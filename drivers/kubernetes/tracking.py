@@ -59,7 +59,7 @@ class TrackedJob:
 
     __slots__ = ("cluster", "others", "job_id", "attempt", "backend_job_id", "service", "replicas", "rule",
                  "pods", "seen", "deleted", "stop_requested", "final", "last", "start_time", "end_time",
-                 "_changed", "usage", "cleaned", "uid", "submitted")
+                 "_changed", "usage", "cleaned", "uid", "submitted", "failed")
 
     def __init__(self, cluster: str, job_id: str, attempt: int, backend_job_id: str, service: str,
                  replicas: list[Replica], rule: SuccessRule,
@@ -88,6 +88,8 @@ class TrackedJob:
         #: every object of the launch was created (an adopted job: all its pods were seen); until
         #: then a launch of the same attempt creates what is missing
         self.submitted = False
+        #: (role, process index) whose failure decided the job: it stays FAILED when its pod is deleted
+        self.failed: tuple[str, int] | None = None
 
     @classmethod
     def launched(cls, cluster: str, rendered: Rendered) -> TrackedJob:
@@ -176,17 +178,63 @@ class KubeCluster:
 def views(job: TrackedJob) -> list[tuple[Replica, states.PodView]]:
     """Each replica with its pod's view (a pod the driver deleted reads as stopping, then STOPPED)."""
     out = []
+    for r, v in _pod_views(job):
+        if r.pod in job.deleted and r.pod in job.pods and not v.state.is_terminal():
+            v = _stopping(job, v)
+        out.append((r, v))
+    return out
+
+
+def _pod_views(job: TrackedJob) -> list[tuple[Replica, states.PodView]]:
+    out = []
     for r in job.replicas:
         pod = job.pods.get(r.pod)
-        if pod is None:
-            v = states.missing(deleted_by_us=r.pod in job.deleted, seen=r.pod in job.seen)
-        else:
-            v = pod
-            if r.pod in job.deleted and not v.state.is_terminal():
-                v = states.PodView(ReplicaState.STOPPED if job.stop_requested or job.final else v.state,
-                                   states.REASON_STOPPING, "deleting the pod", node=v.node,
-                                   start_time=v.start_time)
-        out.append((r, v))
+        out.append((r, pod if pod is not None else
+                    states.missing(deleted_by_us=r.pod in job.deleted, seen=r.pod in job.seen)))
+    return out
+
+
+def _stopping(job: TrackedJob, v: states.PodView) -> states.PodView:
+    return states.PodView(ReplicaState.STOPPED if job.stop_requested or job.final else v.state,
+                          states.REASON_STOPPING, "deleting the pod", node=v.node, start_time=v.start_time)
+
+
+def _deleted(job: TrackedJob, r: Replica, v: states.PodView) -> bool:
+    """Whether dlsched deleted the replica's pod: it asked to, or the pod is being deleted (no
+    disruption) while the job is stopping or has ended (a driver restarted since asking)."""
+    return r.pod in job.pods and (r.pod in job.deleted
+                                  or v.terminating and (job.stop_requested or job.final is not None))
+
+
+def _stopped(job: TrackedJob, role: str, index: int, v: states.PodView) -> states.PodView:
+    """Process ``role-index`` of a pod dlsched deleted: stopping while it runs, then STOPPED with
+    its exit code (143: a deleted pod's SIGTERM, which the kubelet reports as phase Failed); the
+    failure that decided the job stays FAILED, and a process that exited 0 SUCCEEDED."""
+    if not v.state.is_terminal():
+        return _stopping(job, v)
+    if v.state is ReplicaState.FAILED and job.failed != (role, index):
+        return states.PodView(ReplicaState.STOPPED, states.REASON_STOPPED, "stopped by dlsched",
+                              exit_code=v.exit_code, node=v.node, start_time=v.start_time, end_time=v.end_time)
+    return v
+
+
+def process_views(job: TrackedJob) -> list[tuple[Replica, int, states.PodView]]:
+    """Each process ``(replica, index within its role, view)``, index = replica index *
+    processes per replica + k, as on every backend (and in the logs): a pod of several
+    processes gives each its own container's view."""
+    counts = {r.role: len(r.containers) for r in job.replicas if r.containers}  # an adopted one: its role's
+    out = []
+    for r, v in _pod_views(job):
+        n = max(1, len(r.containers) or counts.get(r.role, 1))
+        procs = dict(v.procs)
+        deleted = _deleted(job, r, v)
+        for k in range(n):
+            pv = v
+            if n > 1:
+                name = r.containers[k] if k < len(r.containers) else f"proc-{k}"
+                pv = procs.get(name) or (dataclasses.replace(v, exit_code=None, procs=()) if procs else v)
+            index = r.index * n + k
+            out.append((r, index, _stopped(job, r.role, index, pv) if deleted else pv))
     return out
 
 
@@ -195,27 +243,36 @@ def live_pods(job: TrackedJob) -> list[str]:
     return [r.pod for r, v in views(job) if r.pod in job.pods and (not v.state.is_terminal() or v.alive)]
 
 
-def _replica_statuses(vs: list[tuple[Replica, states.PodView]]) -> tuple[ReplicaStatus, ...]:
-    return tuple(ReplicaStatus(role=r.role, index=r.index, state=v.state, exit_code=v.exit_code,
-                               host=v.node, message=f"{v.reason}: {v.message}" if v.message else v.reason)
-                 for r, v in vs)
+def _message(v: states.PodView) -> str:
+    if v.state is ReplicaState.FAILED and v.exit_code is not None:  # as every backend says it
+        said = f"exited with code {v.exit_code}" + (f": {v.message}" if v.message else "")
+        return said if v.reason == states.REASON_NON_ZERO_EXIT else f"{v.reason}: {said}"
+    return f"{v.reason}: {v.message}" if v.message else v.reason
+
+
+def _replica_statuses(vs: list[tuple[Replica, int, states.PodView]]) -> tuple[ReplicaStatus, ...]:
+    return tuple(ReplicaStatus(role=r.role, index=index, state=v.state, exit_code=v.exit_code,
+                               host=v.node, message=_message(v))
+                 for r, index, v in vs)
 
 
 def observation(job: TrackedJob, stale: str | None) -> JobObservation:
     """The job's observation now (``stale``: why the API server is not answering, else ``None``)."""
-    vs = views(job)
+    vs = process_views(job)
     if job.final is not None:  # the job's state is latched; its replicas still move (the rest stopping)
         return dataclasses.replace(job.final, replicas=_replica_statuses(vs))
-    jv = states.job_state([(r.role, r.index, v) for r, v in vs], job.rule, stop_requested=job.stop_requested)
+    jv = states.job_state([(r.role, index, v) for r, index, v in vs], job.rule, stop_requested=job.stop_requested)
+    if jv.state is JobState.FAILED:
+        job.failed = jv.failed
     if job.stop_requested and jv.state is JobState.STOPPED:
         # STOPPED only once the watch shows every deleted pod gone.
         if any(r.pod in job.pods for r in job.replicas):
             jv = states.JobView(JobState.STOPPING, states.REASON_STOPPING, "deleting the pods")
-    starts = [v.start_time for _, v in vs if v.start_time is not None]
+    starts = [v.start_time for *_, v in vs if v.start_time is not None]
     if starts and job.start_time is None:
         job.start_time = min(starts)
     if jv.state.is_terminal() and job.end_time is None:
-        ends = [v.end_time for _, v in vs if v.end_time is not None]
+        ends = [v.end_time for *_, v in vs if v.end_time is not None]
         job.end_time = max(ends) if ends else time.time()
     reason, message = jv.reason, jv.message
     if stale is not None and not jv.state.is_terminal():
