@@ -1338,3 +1338,55 @@ async def test_deleting_an_archived_job_frees_its_request_id(etcd: EtcdServer, d
 
 def _lines(path: pathlib.Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+async def test_a_sqlite_file_removed_under_a_running_store_fails_its_writes_and_reads(
+        tmp_path: pathlib.Path) -> None:
+    """The SQLite file removed (or replaced) while JobManager runs: pooled connections wrote into
+    the unlinked file and new ones into a new empty one, each write 'committed', so the archiver
+    deleted from etcd jobs no history kept (3,000 lost). Writes and reads now fail
+    (STORE_UNAVAILABLE) while the file opened is not the one at its path: the jobs stay in etcd."""
+    from dlsched.errors import StoreUnavailable
+
+    path = tmp_path / "history.db"
+    store = await HistoryStore.open(f"sqlite+aiosqlite:///{path}")
+    try:
+        await store.put(entries([make(1)]))
+        assert (await store.get("h00001")) is not None
+        for f in tmp_path.glob("history.db*"):
+            f.unlink()
+        with pytest.raises(StoreUnavailable):
+            await store.put(entries([make(2), make(3)]))
+        with pytest.raises(StoreUnavailable):
+            await store.get("h00001")
+        path.write_bytes(b"")  # another file at the path: not the one opened either
+        with pytest.raises(StoreUnavailable):
+            await store.put(entries([make(4)]))
+    finally:
+        await store.close()
+
+
+async def test_a_sqlite_write_lock_held_elsewhere_fails_a_batch_at_once(tmp_path: pathlib.Path) -> None:
+    """Another process holds SQLite's write lock past the busy timeout: the batch fails as one,
+    not each operation run again alone, waiting out its own timeout one after another (eight
+    writes took 80 s, the last DeleteJobs ran into their deadline)."""
+    import sqlite3
+
+    from dlsched.errors import StoreUnavailable
+
+    path = tmp_path / "history.db"
+    store = await HistoryStore.open(f"sqlite+aiosqlite:///{path}")
+    other = sqlite3.connect(path, isolation_level=None)
+    try:
+        await store.put(entries([make(0)]))
+        other.execute("BEGIN IMMEDIATE")  # the write lock, held
+        writes = [asyncio.ensure_future(store.put(entries([make(i)]))) for i in range(1, 9)]
+        done = await asyncio.gather(*writes, return_exceptions=True)
+        assert all(isinstance(r, StoreUnavailable) for r in done), done
+        assert store.stats.isolated == 0, store.stats  # none run again alone
+        other.execute("ROLLBACK")
+        await store.put(entries([make(9)]))  # the lock let go: writes go through again
+        assert (await store.get("h00009")) is not None
+    finally:
+        other.close()
+        await store.close()

@@ -149,6 +149,10 @@ class HistoryStore:
         self._writer: asyncio.Task[None] | None = None
         self.stats = WriterStats()
         self._down_until = 0.0  # loop time before which reads fail at once (``_reading``)
+        #: SQLite: the file opened, (path, device, inode): every read and write checks it is
+        #: still the one at the path (removed or replaced, pooled connections wrote into the
+        #: unlinked file and new ones into a new empty one: archived jobs lost)
+        self._file: tuple[str, int, int] | None = None
 
     @classmethod
     async def open(cls, dsn: str, *, migrate_schema: bool = True) -> HistoryStore:
@@ -167,8 +171,24 @@ class HistoryStore:
         except Exception:
             await engine.dispose()
             raise
+        path = _sqlite_path(url)
+        if path is not None:
+            st = os.stat(path)
+            store._file = (path, st.st_dev, st.st_ino)
         store._writer = asyncio.create_task(store._write_loop(), name="history-writer")
         return store
+
+    def _check_file(self) -> None:
+        """Raise ``HistoryFileGone`` when the SQLite file opened is no longer at its path."""
+        if self._file is None:
+            return
+        path, dev, ino = self._file
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise HistoryFileGone(f"history: the database file {path} is gone ({e.strerror})") from e
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            raise HistoryFileGone(f"history: the database file {path} was replaced; restart JobManager")
 
     async def close(self) -> None:
         if self._writer is not None:
@@ -199,11 +219,11 @@ class HistoryStore:
             try:
                 results = await self._run(ops)
             except Exception as e:  # one failing op must not fail its batch-mates
-                if len(ops) == 1 or database_down(e) or (
+                if len(ops) == 1 or database_down(e) or _locked(e) or (
                         _timed_out(e) and not await self._answers()):
                     # A database that is down fails them all (each alone would wait
                     # out its own timeout, one after the other), and the reads for a while.
-                    if len(ops) > 1 or database_down(e) or _timed_out(e):
+                    if (len(ops) > 1 and not _locked(e)) or database_down(e) or _timed_out(e):  # (reads go on under a write lock)
                         self._down_until = asyncio.get_running_loop().time() + DOWN_SECONDS
                     self.stats.failures += len(ops)
                     for op in ops:
@@ -240,8 +260,10 @@ class HistoryStore:
         return True
 
     async def _run(self, ops: list[_Op]) -> list[Any]:
+        self._check_file()
         async with self.engine.begin() as conn:
             out = [await op.fn(conn) for op in ops]
+        self._check_file()  # (committed into a file removed meanwhile: not kept, say so)
         self.stats.transactions += 1
         self.stats.operations += len(ops)
         return out
@@ -408,6 +430,7 @@ class HistoryStore:
         loop = asyncio.get_running_loop()
         if loop.time() < self._down_until:
             raise StoreUnavailable("history: the database did not answer just now; retry")
+        self._check_file()
         try:
             async with self.engine.connect() as conn:
                 yield conn
@@ -467,13 +490,23 @@ def database_down(e: BaseException) -> bool:
     connection, a server starting or recovering), as opposed to refusing one statement
     of a batch or a login. A statement that timed out may be the database gone quiet
     or one slow statement: ``HistoryStore._answers`` tells."""
-    if isinstance(e, OSError) and not isinstance(e, TimeoutError):
+    if isinstance(e, OSError | HistoryFileGone) and not isinstance(e, TimeoutError):
         return True
     if not isinstance(e, sa.exc.DBAPIError):
         return False
     state = str(getattr(e.orig, "sqlstate", None) or "")
     return (e.connection_invalidated or (isinstance(e.orig, OSError) and not isinstance(e.orig, TimeoutError))
             or state.startswith("08") or state in _NOT_ACCEPTING_STATES)
+
+
+class HistoryFileGone(StoreUnavailable):
+    """The SQLite file the history opened was removed or replaced (read as the database down)."""
+
+
+def _locked(e: BaseException) -> bool:
+    """SQLite's write lock held by another process past the busy timeout: the whole batch fails
+    at once (run again alone, each operation waited out its own timeout, one after another)."""
+    return isinstance(e, sa.exc.OperationalError) and "locked" in str(e.orig)
 
 
 def _timed_out(e: BaseException) -> bool:
@@ -500,11 +533,19 @@ def _unavailable(e: BaseException) -> StoreUnavailable:
     return StoreUnavailable("history: the database is unavailable; retry later")
 
 
+def _sqlite_path(url: str) -> str | None:
+    """The file of a SQLite URL (None: not SQLite, or in memory)."""
+    if not url.startswith("sqlite"):
+        return None
+    path = url.split(":///", 1)[1].split("?", 1)[0]
+    return os.path.abspath(path) if path and path != ":memory:" else None
+
+
 def _engine(url: str, *, statement_timeout: bool = True) -> AsyncEngine:
     if url.startswith("sqlite"):
-        path = url.split(":///", 1)[1]
-        if path and path != ":memory:":
-            os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+        path = _sqlite_path(url)
+        if path is not None:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         engine = create_async_engine(url, pool_size=4, max_overflow=4)
         sa.event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
