@@ -242,6 +242,32 @@ def test_a_job_slurm_can_never_start_fails_unschedulable(reason):
     assert stopping.state is JobState.STOPPING and not stopping.unschedulable
 
 
+def test_a_job_seen_running_then_held_again_ends_lost_not_queued_for_ever():
+    """slurmctld SIGKILLed and restarted from a state saved before the job's release: the job
+    is PENDING JobHeldUser again and what ran was killed. It stayed QUEUED for good (released
+    again it would run twice): FAILED LeftSlurm, cancelled. A requeue (its restart count up),
+    a stop, or a job never seen running are not this."""
+    from drivers.slurm.jobs import TrackedJob
+
+    job = TrackedJob("clusters/s", "j", 1, "42", "/tmp/j", None, (("main", 0),))
+    job.apply(poller.SlurmJob("42", "PENDING", "JobHeldUser"))
+    assert job.state is JobState.QUEUED  # (held at submit: released by the driver)
+    job.apply(poller.SlurmJob("42", "RUNNING", start_time=1000.0, nodes="n1"))
+    job.apply(poller.SlurmJob("42", "PENDING", "JobHeldUser"))
+    obs = job.observation(None)
+    assert (obs.state, obs.reason, job.unschedulable) == (JobState.FAILED, "LeftSlurm", True), obs
+    assert "restarted" in obs.message and obs.end_time is not None
+    requeued = TrackedJob("clusters/s", "k", 1, "43", "/tmp/k", None)
+    requeued.apply(poller.SlurmJob("43", "RUNNING", start_time=1000.0, nodes="n1"))
+    requeued.apply(poller.SlurmJob("43", "PENDING", "JobHeldUser", restarts=1))  # scontrol requeuehold
+    assert requeued.state is JobState.QUEUED and not requeued.unschedulable
+    stopping = TrackedJob("clusters/s", "m", 1, "44", "/tmp/m", None)
+    stopping.apply(poller.SlurmJob("44", "RUNNING", start_time=1000.0, nodes="n1"))
+    stopping.stop_sent()
+    stopping.apply(poller.SlurmJob("44", "PENDING", "JobHeldUser"))
+    assert stopping.state is JobState.STOPPING and not stopping.unschedulable
+
+
 def test_a_lost_end_is_decided_by_the_exits_file():
     """NODE_FAIL for a job whose every process ended 0 (its end lost across a controller
     restart) is SUCCEEDED; NODE_FAIL with a process that never ended, or one that failed,

@@ -101,7 +101,7 @@ class TrackedJob:
         self.roles = roles  # (role, index) of every replica the script runs a step for
         self.usage: dict[tuple[str, int], ReplicaUsage] = {}  # last sample per replica
         self.accounted = False  # usage holds sacct's final figures
-        self.unschedulable = False  # Slurm can never start it: FAILED here, to be cancelled there
+        self.unschedulable = False  # Slurm can never start it (or lost its run): FAILED here, to be cancelled there
         self.held: SlurmJob | None = None  # Slurm's word that it ended, held until the exits file is read
         # why the last ``scontrol release`` of the job (submitted held) failed; None once one worked
         self.release_error: str | None = None
@@ -168,6 +168,17 @@ class TrackedJob:
             self._end_from_exits(sj)
             return
         self.seen = True
+        if (self.start_time is not None and sj.state.startswith("PENDING") and sj.reason == "JobHeldUser"
+                and sj.restarts <= self.restarts and not self.stop_requested):
+            # Seen running, now held again: a restarted slurmctld recovered it from a state saved
+            # before its release (and killed what ran). Released again it would run a second time;
+            # held, it waited for ever: it ends here (a retry is JobManager's, by its policy).
+            self.unschedulable = True  # (cancelled there)
+            self.state, self.reason = JobState.FAILED, states.REASON_LOST
+            self.message = ("slurmctld restarted from a state saved before the job ran: its run was lost "
+                            "(Slurm holds it again); cancelled")
+            self.end_time = time.time()
+            return
         m = states.job_state(sj.state, sj.reason)
         if m.state is JobState.QUEUED and sj.reason in states.UNSCHEDULABLE_REASONS and not self.stop_requested:
             self.unschedulable = True
