@@ -38,3 +38,10 @@ def test_a_time_with_other_than_ascii_digits_is_refused(when: str) -> None:
     with pytest.raises(InvalidArgument) as ei:
         jfilter.parse_filter(f'create_time >= "{when}"')
     assert [v.field for v in ei.value.violations] == ["filter"]
+
+
+@pytest.mark.parametrize("mod", [jfilter, cfilter], ids=["jobs", "clusters"])
+def test_a_filter_with_a_nul_is_refused(mod) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(InvalidArgument) as ei:
+        mod.parse_filter("labels.a=b\x00c")
+    assert [v.field for v in ei.value.violations] == ["filter"]

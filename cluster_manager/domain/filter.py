@@ -66,6 +66,8 @@ def _enum_value(raw: str, enum_cls: type[ClusterType] | type[ClusterState], pref
 def parse_filter(text: str) -> ClusterFilter:
     if len(text) > MAX_FILTER_CHARS:
         raise _bad(f"{len(text)} characters; at most {MAX_FILTER_CHARS}")
+    if "\x00" in text:  # (no cluster's value holds one; as ListJobs)
+        raise _bad("must not contain NUL")
     text = text.strip()
     if not text:
         return ClusterFilter()
