@@ -300,6 +300,9 @@ async def test_cluster_info_of_a_backend_that_does_not_answer_is_bounded_by_the_
         async def _connect(self, config: base.ClusterConfig, old: Record | None) -> Record:
             return Record(config.address)
 
+        def _modes(self, c: Record) -> tuple[base.RunMode, ...]:
+            return (base.RunMode.SINGLE_PROCESS,)
+
         async def _info(self, c: Record) -> base.ClusterInfo:
             if self.frozen:
                 await asyncio.Event().wait()  # never answers
@@ -314,6 +317,7 @@ async def test_cluster_info_of_a_backend_that_does_not_answer_is_bounded_by_the_
     first = await d.configure_cluster(base.ClusterConfig(name=name, address="http://a"))
     assert first.state is base.ClusterState.UNREACHABLE, first
     assert first.message == "the probe's head did not answer in 0.3s" and first.driver_version.startswith("probe/")
+    assert first.supported_run_modes == (base.RunMode.SINGLE_PROCESS,)  # (ClusterManager keeps what it says)
     d.frozen = False
     ready = await d.cluster_info(name)
     assert ready.state is base.ClusterState.READY and ready.capacity.cpus_total == 8
@@ -366,3 +370,29 @@ def test_ps_worker_tf_config_counts_in_the_expanded_bound() -> None:
     for n in (400, 1000, 10_000):
         vs = spec_rules.check_bounds(ps(n))
         assert [v.field for v in vs] == ["spec.replica_groups"] and "TF_CONFIG" in vs[0].description, n
+
+
+async def test_a_slow_nvidia_smi_cut_off_by_a_caller_still_fills_the_gpu_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The local driver's GPU inventory under GetClusterInfo's bound: a cold nvidia-smi slower
+    than the bound was cancelled with its caller, asked again and cut off again on every call
+    (the host never READY). The question now outlives a caller cut off, is asked once, and
+    the next caller gets its answer."""
+    from drivers.local import procfs, usage
+
+    asked = 0
+    release = asyncio.Event()
+
+    async def slow_smi(limit_s: float = 5.0) -> list[tuple[str, int]]:
+        nonlocal asked
+        asked += 1
+        await release.wait()
+        return [("a100", 80 * 2**30)]
+
+    monkeypatch.setattr(procfs, "nvidia_gpus", slow_smi)
+    gpus = usage.Gpus()
+    for _ in range(3):
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(gpus.get(), 0.05)  # cut off, as the kit's bound does
+    release.set()
+    assert await gpus.get() == [("a100", 80 * 2**30)]
+    assert await gpus.get() == [("a100", 80 * 2**30)] and asked == 1

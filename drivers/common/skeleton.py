@@ -64,6 +64,7 @@ from drivers.common.base import (
     LogEntry,
     LogQuery,
     NativeSpec,
+    RunMode,
     WatchEvent,
 )
 from drivers.common.hub import ObservationHub
@@ -153,6 +154,11 @@ class BackendDriver(Driver, Generic[C, R]):
     @abc.abstractmethod
     async def _info(self, c: C) -> ClusterInfo:
         """Health, capacity and run modes, asked of the backend now."""
+
+    def _modes(self, c: C) -> tuple[RunMode, ...]:
+        """The run modes the cluster supports, known without asking the backend (the kit's
+        answer for a backend that did not answer in time: ClusterManager keeps what it says)."""
+        return ()
 
     async def _ready(self, c: C) -> None:  # noqa: B027 - optional hook
         """Wait until the record can answer (e.g. its first poll); raise when it cannot."""
@@ -245,7 +251,7 @@ class BackendDriver(Driver, Generic[C, R]):
             why = f"{self.backend_noun} did not answer in {self.info_budget:g}s"
             last = self._last_ready.get(cluster)
             if last is None or last[0] is not c:
-                return ClusterInfo(state=ClusterState.UNREACHABLE, message=why,
+                return ClusterInfo(state=ClusterState.UNREACHABLE, message=why, supported_run_modes=self._modes(c),
                                    driver_version=f"{self.name}/{__version__}")
             return dataclasses.replace(last[1], state=ClusterState.DEGRADED, message=why)
         if info.state is ClusterState.READY:

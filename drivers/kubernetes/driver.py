@@ -186,6 +186,9 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(c.synced.wait(), timeout=self._cfg.request_timeout)
 
+    def _modes(self, c: KubeCluster) -> tuple[RunMode, ...]:
+        return _run_modes()
+
     async def _info(self, c: KubeCluster) -> ClusterInfo:
         return await usage.cluster_info(c, f"{self.name}/{__version__}", tuple(_run_modes()))
 

@@ -211,6 +211,9 @@ class LocalDriver(BackendDriver[_Cluster, render.LocalRequest]):
     async def _connect(self, config: ClusterConfig, old: _Cluster | None) -> _Cluster:
         return _Cluster(config.name, dict(config.options))
 
+    def _modes(self, c: _Cluster) -> tuple[RunMode, ...]:
+        return self._run_modes()
+
     async def _info(self, c: _Cluster) -> ClusterInfo:
         running = [j.request for j in self._jobs.values() if not j.machine.state.is_terminal()]
         return usage.cluster_info(await self._gpus.get(), running, self._run_modes())

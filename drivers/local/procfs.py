@@ -144,6 +144,9 @@ async def nvidia_gpus(limit_s: float = 5.0) -> list[tuple[str, int]]:
         proc.kill()
         await proc.wait()
         return []
+    except BaseException:  # cancelled (the driver closing): not left running
+        proc.kill()
+        raise
     if proc.returncode != 0:
         return []
     return parse_nvidia_smi(out.decode(errors="replace"))

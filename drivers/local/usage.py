@@ -50,12 +50,25 @@ class Gpus:
 
     def __init__(self) -> None:
         self._cache: tuple[float, list[tuple[str, int]]] | None = None
+        self._asking: asyncio.Task[list[tuple[str, int]]] | None = None
 
     async def get(self) -> list[tuple[str, int]]:
-        now = time.monotonic()
-        if self._cache is None or now - self._cache[0] > GPU_CACHE_SECONDS:
-            self._cache = (now, await procfs.nvidia_gpus())
-        return self._cache[1]
+        if self._cache is not None and time.monotonic() - self._cache[0] <= GPU_CACHE_SECONDS:
+            return self._cache[1]
+        if self._asking is None:
+            self._asking = asyncio.create_task(self._ask(), name="nvidia-smi")
+        # Shielded: a caller cut off (GetClusterInfo's bound, under a cold nvidia-smi's seconds)
+        # leaves the question running and the next caller gets its answer; cancelled with the
+        # caller, it was asked again and cut off again on every call, the host never READY.
+        return await asyncio.shield(self._asking)
+
+    async def _ask(self) -> list[tuple[str, int]]:
+        try:
+            gpus = await procfs.nvidia_gpus()
+            self._cache = (time.monotonic(), gpus)
+            return gpus
+        finally:
+            self._asking = None
 
 
 def cluster_info(gpus: Sequence[tuple[str, int]], running: Iterable[tuple[float, int]],

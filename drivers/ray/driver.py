@@ -117,6 +117,7 @@ from drivers.common.base import (
     LogEntry,
     LogQuery,
     NameCollision,
+    RunMode,
     same_job,
 )
 from drivers.common.launches import Known
@@ -187,6 +188,9 @@ class RayDriver(BackendDriver[_Cluster, render.RaySubmission]):
 
     async def _activate(self, name: str, c: _Cluster) -> None:
         c.task = asyncio.create_task(self._poll_loop(name, c), name=f"ray-poll-{name}")
+
+    def _modes(self, c: _Cluster) -> tuple[RunMode, ...]:
+        return render.SUPPORTED_RUN_MODES
 
     async def _info(self, c: _Cluster) -> ClusterInfo:
         version = f"{self.name}/{__version__}"
