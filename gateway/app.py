@@ -98,9 +98,10 @@ class MethodNotAllowed(errors.Unimplemented):
     reason = "METHOD_NOT_ALLOWED"
 
 
-#: A larger body is parsed in a worker thread: a 4 MiB body of a million JSON values held the
-#: event loop (every other request, health probes included) for 20 s.
-INLINE_BODY_BYTES = 64 * 1024
+#: A larger body is parsed in a worker thread (``PARSE_THREADS`` at a time): a 4 MiB body of a
+#: million JSON values held the event loop (every other request, health probes included) for 20 s.
+INLINE_BODY_BYTES = 16 * 1024
+PARSE_THREADS = 2
 
 # Retried by the shipped service config because they deduplicate on their
 # request_id, which the SDK always sets and a REST client may leave out.
@@ -184,6 +185,7 @@ class Gateway:
         # grpc path -> (the channel it was made on, the multicallable)
         self._callables: dict[str, tuple[grpc.aio.Channel, Any]] = {}
         self._streams: set[grpc.aio.Call] = set()
+        self._parsing = asyncio.Semaphore(PARSE_THREADS)
         self.draining = False
         self.openapi = build_openapi(list(routes))
 
@@ -285,7 +287,9 @@ class Gateway:
             request["rpc"] = route.grpc_path
             body = await self._body(request) if route.body else b""
             if len(body) > INLINE_BODY_BYTES:  # parsed off the event loop: the other requests go on
-                msg = await asyncio.to_thread(transcode.build_request, route, values, _query(request), body)
+                query = _query(request)
+                async with self._parsing:  # a few at a time: each may hold ~100 MB of JSON objects
+                    msg = await asyncio.to_thread(transcode.build_request, route, values, query, body)
             else:
                 msg = transcode.build_request(route, values, _query(request), body)
             if (size := msg.ByteSize()) > self.max_request_bytes:

@@ -690,17 +690,23 @@ class Scheduler:
         """A backend job still running (or said so late) for a job etcd no longer has: deleted,
         or moved to the job history. An archived job's files stay (its logs and usage are read
         through the history); only a job the history does not hold either is cleaned up."""
-        if self.history is None:
+        key = (obs.job_id, obs.backend_job_id, obs.job_uid)
+        if self.history is None or key in self._reaping or self._closed:
             self._reap(cluster, obs.job_id, obs.backend_job_id, obs.job_uid)
             return
+        self._reaping.add(key)  # one look-up however many observations come meanwhile (``_reap`` takes it on)
         self._spawn(self._reap_unless_archived(cluster, obs, self.history), name=f"reap-{obs.job_id}",
                     cluster=cluster)
 
     async def _reap_unless_archived(self, cluster: str, obs: Observation, history: HistoryStore) -> None:
         try:
-            archived = await history.get(obs.job_id) is not None
+            found = await history.get(obs.job_id)
+            # (another job of that id archived, this one deleted: its files go)
+            archived = found is not None and (not obs.job_uid or found.job().uid in ("", obs.job_uid))
         except errors.DlschedError:
             archived = True  # cannot tell: stopped, its files kept (never an archived job's logs lost)
+        finally:
+            self._reaping.discard((obs.job_id, obs.backend_job_id, obs.job_uid))
         if archived:
             self._reap(cluster, obs.job_id, obs.backend_job_id, obs.job_uid, cleanup=False,
                        why="is archived (or the history cannot say)")

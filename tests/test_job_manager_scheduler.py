@@ -305,6 +305,13 @@ async def test_a_late_observation_of_an_archived_job_never_removes_its_files(
         await until(both_stopped)
         await asyncio.sleep(0.2)
         assert drv.cleaned == ["gone"]  # the archived job's files stay
+        # a job of that id deleted later (another uid): the archived one's id is no shield
+        await sched.apply(CLUSTER, Observation("arch", "b-arch-2", state=JobState.RUNNING, attempt=1,
+                                               job_uid="u-later"))
+
+        async def later_cleaned() -> bool:
+            return drv.cleaned == ["gone", "arch"]
+        await until(later_cleaned)
     finally:
         await sched.close()
         await history.close()

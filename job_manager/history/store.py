@@ -168,13 +168,10 @@ class HistoryStore:
                     await migrate.upgrade(migrator)
                 finally:
                     await migrator.dispose()
+            store._file = _file_identity(url)
         except Exception:
             await engine.dispose()
             raise
-        path = _sqlite_path(url)
-        if path is not None:
-            st = os.stat(path)
-            store._file = (path, st.st_dev, st.st_ino)
         store._writer = asyncio.create_task(store._write_loop(), name="history-writer")
         return store
 
@@ -243,7 +240,7 @@ class HistoryStore:
                     except Exception as e1:
                         self.stats.failures += 1
                         _settle(op, exc=_unavailable(e1))
-                        timeouts += _timed_out(e1)
+                        timeouts += _timed_out(e1) or _locked(e1)
                         if timeouts >= 2:
                             stuck = e1
                 continue
@@ -531,6 +528,19 @@ def _unavailable(e: BaseException) -> StoreUnavailable:
     # The database's own text (its host, user, SQL) is logged, not sent to the client.
     log.warning("history: %s: %s", e.__class__.__name__, str(e).splitlines()[0][:300] if str(e) else "")
     return StoreUnavailable("history: the database is unavailable; retry later")
+
+
+def _file_identity(url: str) -> tuple[str, int, int] | None:
+    """(path, device, inode) of a SQLite URL's file; None: not SQLite, in memory, or not there
+    (never created: nothing to tell apart)."""
+    path = _sqlite_path(url)
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return path, st.st_dev, st.st_ino
 
 
 def _sqlite_path(url: str) -> str | None:
