@@ -99,7 +99,7 @@ async def test_a_failed_worker_fails_the_job_with_its_replica_and_reason(stub: A
     await kubelet(url, failing, "Failed", **exited(137, "OOMKilled"))
     obs = await wait_for(stub, job, TERMINAL)
     assert (obs.state, obs.reason, obs.exit_code) == (job_pb2.JOB_STATE_FAILED, "OOMKilled", 137)
-    assert obs.message.startswith("worker-1: OOMKilled"), obs.message
+    assert obs.message == "worker-1 exited with code 137; OOMKilled", obs.message  # as every backend names it
     (bad,) = [r for r in obs.replicas if r.state == job_pb2.REPLICA_STATE_FAILED]
     assert (bad.role, bad.index, bad.exit_code) == ("worker", 1, 137)
     await eventually(lambda: list(pods_of(e, job)) == [failing])  # the rest (master, ps, chief) is stopped
@@ -123,8 +123,65 @@ async def test_a_failed_process_of_a_pod_that_runs_on_fails_the_job_and_deletes_
                                                     "finishedAt": "2026-01-01T00:01:00Z"}}}])
     obs = await wait_for(stub, job, TERMINAL)
     assert (obs.state, obs.reason, obs.exit_code) == (job_pb2.JOB_STATE_FAILED, "OOMKilled", 137), obs
-    assert "proc-1" in obs.message, obs.message
+    assert obs.message == "worker-1 exited with code 137; OOMKilled", obs.message  # process 1 of replica 0
     await eventually(lambda: not pods_of(e, job))  # proc-0 does not run on
+
+
+async def set_finalizers(url: str, pod: str, value: list[str] | None) -> None:
+    async with aiohttp.ClientSession() as s, s.patch(
+            f"{url}/api/v1/namespaces/{NS}/pods/{pod}", json={"metadata": {"finalizers": value}},
+            headers={"Content-Type": "application/merge-patch+json"}) as r:
+        assert r.status == 200, await r.text()
+
+
+def procs(*states: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"name": f"proc-{k}", "state": st} for k, st in enumerate(states)]
+
+
+def ended(code: int) -> dict[str, Any]:
+    return {"terminated": {"exitCode": code, "reason": "Error" if code else "Completed",
+                           "finishedAt": "2026-01-01T00:01:00Z"}}
+
+
+async def test_a_failed_process_is_named_by_its_index_and_the_processes_stopped_read_stopped(
+        stub: Any, emu: tuple[Emulator, str]) -> None:
+    """MULTI_PROCESS, two replicas of two processes: process 1 of replica 1 (the role's process 3)
+    exits 3. The job FAILS as on every backend (NonZeroExit, ``worker-3 exited with code 3``); its
+    replicas are one per process, indexed replica * 2 + k. The pods dlsched then deletes end as a
+    real kubelet reports them (phase Failed, exit 143, deletionTimestamp set, held here by a
+    finalizer): those processes are STOPPED with their code, not FAILED 143."""
+    e, url = emu
+    job = new_id("mp-index")
+    await launch(stub, job, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MULTI_PROCESS,
+                                            replica_groups=[group("worker", 2, 2)]))
+    p0, p1 = f"{job}-1-worker-0", f"{job}-1-worker-1"
+    for p in (p0, p1):
+        await set_finalizers(url, p, ["example.com/hold"])
+        await kubelet(url, p, "Running", containerStatuses=procs({"running": {}}, {"running": {}}))
+    obs = await wait_for(stub, job, [job_pb2.JOB_STATE_RUNNING])
+    assert [(r.index, r.state) for r in obs.replicas] == [(i, job_pb2.REPLICA_STATE_RUNNING) for i in range(4)]
+    await kubelet(url, p1, "Running", containerStatuses=procs({"running": {}}, ended(3)))
+    obs = await wait_for(stub, job, TERMINAL)
+    assert (obs.state, obs.reason, obs.message, obs.exit_code) == (
+        job_pb2.JOB_STATE_FAILED, "NonZeroExit", "worker-3 exited with code 3", 3), obs
+    try:
+        await eventually(lambda: all(p["metadata"].get("deletionTimestamp") for p in pods_of(e, job).values()))
+        await kubelet(url, p0, "Failed", containerStatuses=procs(ended(143), ended(143)))
+        await kubelet(url, p1, "Failed", containerStatuses=procs(ended(143), ended(3)))
+        want = [(0, job_pb2.REPLICA_STATE_STOPPED, 143), (1, job_pb2.REPLICA_STATE_STOPPED, 143),
+                (2, job_pb2.REPLICA_STATE_STOPPED, 143), (3, job_pb2.REPLICA_STATE_FAILED, 3)]
+        for _ in range(200):
+            obs = await observe(stub, job)
+            if [(r.index, r.state, r.exit_code) for r in obs.replicas] == want:
+                break
+            await asyncio.sleep(0.05)
+        assert [(r.role, r.index, r.state, r.exit_code) for r in obs.replicas] == [("worker", *w) for w in want], obs
+        assert obs.replicas[3].message == "exited with code 3", obs.replicas[3]
+        assert (obs.state, obs.reason, obs.exit_code) == (job_pb2.JOB_STATE_FAILED, "NonZeroExit", 3)  # latched
+    finally:
+        for p in (p0, p1):
+            await set_finalizers(url, p, None)
+    await eventually(lambda: not pods_of(e, job))
 
 
 async def two_workers_running(stub: Any, url: str, job: str) -> tuple[str, str]:

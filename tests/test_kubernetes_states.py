@@ -146,3 +146,80 @@ def test_job_state_follows_the_success_rule() -> None:
     assert j.state is JobState.STOPPING
     j = states.job_state([("worker", 0, v(X)), ("worker", 1, v(P, "Submitted"))], ALL, stop_requested=True)
     assert j.state is JobState.STOPPED
+
+
+def test_a_failure_the_success_rule_did_not_end_wins_over_the_success() -> None:
+    """A failed ps and every worker succeeded, seen together (a re-list after a driver restart or
+    an API outage): the ps failed before the workers were done, so the job FAILS, as on the local
+    backend; a ps that ended after them (the stop that follows the success) or that is being
+    deleted (no disruption) does not undo the success."""
+    def at(state: ReplicaState, reason: str, code: int, end: float | None,
+           terminating: bool = False) -> states.PodView:
+        return states.PodView(state, reason, exit_code=code, end_time=end, terminating=terminating)
+
+    j = states.job_state([("ps", 0, v(F, "NonZeroExit", 1)), ("worker", 0, v(S, "Completed", 0))], PS)
+    assert (j.state, j.reason, j.message, j.exit_code) == (JobState.FAILED, "NonZeroExit", "ps-0 exited with code 1", 1)
+    j = states.job_state([("ps", 0, at(F, "NonZeroExit", 1, 10.0)), ("worker", 0, at(S, "Completed", 0, 20.0))], PS)
+    assert j.state is JobState.FAILED
+    j = states.job_state([("ps", 0, at(F, "NonZeroExit", 143, 30.0)), ("worker", 0, at(S, "Completed", 0, 20.0))], PS)
+    assert j.state is JobState.SUCCEEDED
+    j = states.job_state([("ps", 0, at(F, "NonZeroExit", 143, None, terminating=True)),
+                          ("worker", 0, at(S, "Completed", 0, 20.0))], PS)
+    assert j.state is JobState.SUCCEEDED
+    # the failure that decided the job, not the 143 of a pod its end deleted (a re-list shows both)
+    j = states.job_state([("ps", 0, at(F, "NonZeroExit", 143, 30.0, terminating=True)),
+                          ("worker", 0, at(F, "NonZeroExit", 3, 20.0))], PS)
+    assert (j.message, j.failed) == ("worker-0 exited with code 3", ("worker", 0))
+
+
+def running(name: str) -> dict:
+    return {"name": name, "state": {"running": {}}}
+
+
+def test_each_process_of_a_pod_is_a_replica_status_indexed_as_on_every_backend() -> None:
+    """Two replicas of two processes (a pod each, a container per process): one status per
+    process, index = replica * 2 + k; process 1 of replica 1 exiting 3 is ``worker-3``, the rest
+    run on until the job's end deletes their pods."""
+    from drivers.kubernetes.tracking import Replica, TrackedJob, observation
+
+    conts = ("proc-0", "proc-1")
+    job = TrackedJob("c", "j", 1, "ns/j-1", "j-1", [Replica("worker", 0, "j-1-worker-0", conts),
+                                                     Replica("worker", 1, "j-1-worker-1", conts)], ALL)
+    job.pods["j-1-worker-0"] = states.replica_of(pod("Running", containers=[running("proc-0"), running("proc-1")]))
+    job.pods["j-1-worker-1"] = states.replica_of(pod("Running", containers=[
+        running("proc-0"), {**terminated(3, "Error"), "name": "proc-1"}]))
+    obs = observation(job, None)
+    assert (obs.state, obs.reason, obs.message, obs.exit_code) == (
+        JobState.FAILED, "NonZeroExit", "worker-3 exited with code 3", 3)
+    assert [(r.role, r.index, r.state, r.exit_code) for r in obs.replicas] == [
+        ("worker", 0, R, None), ("worker", 1, R, None), ("worker", 2, R, None), ("worker", 3, F, 3)]
+    assert obs.replicas[3].message == "exited with code 3"
+
+
+def test_pods_dlsched_deleted_read_stopped_with_their_exit_code() -> None:
+    """As a real kubelet reports a pod dlsched deleted (KEP-3329: phase Failed, the container
+    terminated 143 by SIGTERM, deletionTimestamp set): the ps stopped after the workers
+    succeeded, and every pod of a stopped job, are STOPPED 143, not FAILED."""
+    from drivers.kubernetes.tracking import Replica, TrackedJob, observation
+
+    def deleted_pod(code: int) -> dict:
+        p = pod("Failed", containers=[terminated(code, "Error")])
+        p["metadata"] = {"deletionTimestamp": "2026-01-01T00:01:01Z"}
+        return p
+
+    job = TrackedJob("c", "j", 1, "ns/j-1", "j-1", [Replica("ps", 0, "j-1-ps-0", ("main",)),
+                                                     Replica("worker", 0, "j-1-worker-0", ("main",))], PS)
+    job.pods["j-1-worker-0"] = states.replica_of(pod("Succeeded", containers=[terminated(0, "Completed")]))
+    job.pods["j-1-ps-0"] = states.replica_of(pod("Running"))
+    job.final = observation(job, None)
+    assert job.final.state is JobState.SUCCEEDED
+    job.deleted.add("j-1-ps-0")  # the success rule stops the ps
+    job.pods["j-1-ps-0"] = states.replica_of(deleted_pod(143))
+    assert [(r.role, r.state, r.exit_code) for r in observation(job, None).replicas] == [
+        ("ps", X, 143), ("worker", S, 0)]
+
+    stopped = TrackedJob("c", "k", 1, "ns/k-1", "k-1", [Replica("worker", 0, "k-1-worker-0", ("main",))], ALL)
+    stopped.stop_requested = True  # TerminateJob; a driver restarted since: it did not note the deletion
+    stopped.pods["k-1-worker-0"] = states.replica_of(deleted_pod(137))
+    (r,) = observation(stopped, None).replicas
+    assert (r.state, r.exit_code) == (X, 137)

@@ -64,7 +64,9 @@ async def test_capacity_usage_and_mpi(stub: Any, emu: tuple[Emulator, str]) -> N
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 async def test_usage_comes_from_metrics_k8s_io(stub: Any, emu: tuple[Emulator, str]) -> None:
-    """Memory as served; CPU seconds integrated from the served rate (cores) over the time each sample covers."""
+    """Memory as served; CPU seconds integrated from the served rate (cores) over the time each
+    sample covers; one usage per process (a container each), indexed as its replica status:
+    replica * processes_per_replica + k."""
     e, url = emu
     job = new_id("usage")
     await launch(stub, job, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MULTI_PROCESS,
@@ -76,29 +78,33 @@ async def test_usage_comes_from_metrics_k8s_io(stub: Any, emu: tuple[Emulator, s
 
     def sample(at: str, *usage: tuple[str, str]) -> dict[str, Any]:
         return {"timestamp": at, "window": "15s", "containers": [
-            {"name": f"main-{i}", "usage": {"cpu": cpu, "memory": mem}} for i, (cpu, mem) in enumerate(usage)]}
+            {"name": f"proc-{i}", "usage": {"cpu": cpu, "memory": mem}} for i, (cpu, mem) in enumerate(usage)]}
 
     e.pod_metrics = {w0: sample("2026-01-01T00:01:40Z", ("250m", "64Mi"), ("1500000n", "123456Ki")),
                      w1: sample("2026-01-01T00:01:40Z", ("2", "1Gi"), ("0", "0"))}
     try:
         u = await measure(stub, job)
-        assert set(u) == {("worker", 0), ("worker", 1)} and all(r.running for r in u.values())
-        assert u["worker", 0].memory_bytes == (64 << 20) + 123456 * 1024 == u["worker", 0].peak_memory_bytes
-        assert u["worker", 1].memory_bytes == 1 << 30
-        # 0.2515 and 2 cores for the 100 s since the pods started
-        assert u["worker", 0].cpu_seconds == pytest.approx(25.15)
-        assert u["worker", 1].cpu_seconds == pytest.approx(200)
+        assert set(u) == {("worker", i) for i in range(4)} and all(r.running for r in u.values())
+        assert u["worker", 0].memory_bytes == 64 << 20 == u["worker", 0].peak_memory_bytes
+        assert u["worker", 1].memory_bytes == 123456 * 1024
+        assert u["worker", 2].memory_bytes == 1 << 30 and u["worker", 3].memory_bytes == 0
+        # 0.25, 0.0015, 2 and 0 cores for the 100 s since the pods started
+        assert u["worker", 0].cpu_seconds == pytest.approx(25)
+        assert u["worker", 1].cpu_seconds == pytest.approx(0.15)
+        assert u["worker", 2].cpu_seconds == pytest.approx(200)
         assert (await measure(stub, job)) == u  # the same sample again adds nothing
-        # 15 s later worker-0 runs at 0.5 cores with less memory; worker-1 has ended (no metrics).
+        # 15 s later worker-0's first process runs at 0.5 cores with less memory, its second has
+        # ended; worker-1's pod has ended (no metrics).
         e.pod_metrics = {w0: sample("2026-01-01T00:01:55Z", ("500m", "32Mi"))}
         await kubelet(url, w1, "Succeeded", **exited(0, "Completed"))
         u2 = await measure(stub, job)
-        assert u2["worker", 0].cpu_seconds == pytest.approx(25.15 + 7.5)
+        assert u2["worker", 0].cpu_seconds == pytest.approx(25 + 7.5)
         assert u2["worker", 0].memory_bytes == 32 << 20
-        assert u2["worker", 0].peak_memory_bytes == (64 << 20) + 123456 * 1024
-        ended = u2["worker", 1]
-        assert not ended.running and ended.memory_bytes == 0
-        assert ended.cpu_seconds == pytest.approx(200) and ended.peak_memory_bytes == 1 << 30
+        assert u2["worker", 0].peak_memory_bytes == 64 << 20
+        for i, cpu, peak in ((1, 0.15, 123456 * 1024), (2, 200, 1 << 30)):
+            ended = u2["worker", i]
+            assert not ended.running and ended.memory_bytes == 0
+            assert ended.cpu_seconds == pytest.approx(cpu) and ended.peak_memory_bytes == peak
     finally:
         e.pod_metrics = None
 

@@ -14,8 +14,9 @@ Pending, a container waiting           PENDING     the waiting reason (ImagePull
 Pending/Running, a container waiting   FAILED      it (InvalidImageName: the reference does not
 for good                                           parse, never started); the pod is ``alive``
 Pending otherwise                      PENDING     Scheduled / Pending
-Running, a container terminated != 0   FAILED      its reason (OOMKilled, Error), exit code: a
-                                                   replica of several processes (containers)
+Running, a container terminated != 0   FAILED      NonZeroExit (the kubelet's ``Error``) or its
+                                                   own reason (OOMKilled, StartError), exit code:
+                                                   a replica of several processes (containers)
                                                    fails with its first failing one; the pod,
                                                    still running the rest, is ``alive``
 Running, a container waiting           RUNNING     its reason (CrashLoopBackOff)
@@ -24,21 +25,29 @@ Succeeded                              SUCCEEDED   Completed, exit 0
 Failed, pod reason set                 FAILED      it (Evicted, ...); DeadlineExceeded (the
                                                    time limit, activeDeadlineSeconds) as
                                                    TimeLimitExceeded, as every backend says
-Failed, a container terminated != 0    FAILED      its reason (OOMKilled, Error), exit code
+Failed, a container terminated != 0    FAILED      NonZeroExit or its own reason, exit code
                                                    (init containers first: MPI's wait-for-workers)
 Failed otherwise                       FAILED      Failed
 Unknown or anything else               UNSPECIFIED Unknown (the UNKNOWN fallback)
 =====================================  ==========  ==============================
 
-A pod the driver deleted (stop, or the success rule stopping the rest) is
-STOPPED; one that vanished on its own (preemption, a ``kubectl delete``) is
-FAILED with reason ``PodDeleted``; one not seen yet is PENDING
-(``Submitted``).
+A pod of several processes also gives each its container's own view
+(``PodView.procs``): the driver reports one replica status per process,
+index = replica index * processes_per_replica + k, as every backend does.
 
-``job_state`` applies the run mode's ``SuccessRule``: a failing replica
-fails the job (reason and message name it), every replica of the deciding
-roles SUCCEEDED succeeds it, any running replica makes it RUNNING, else it
-is PENDING with the first waiting replica's reason.
+A pod the driver deleted (stop, or the success rule stopping the rest) is
+STOPPED, with the exit code it ended with (a kubelet reports such a pod
+Failed, 143), except the process whose failure decided the job; one that
+vanished on its own (preemption, a ``kubectl delete``) is FAILED with reason
+``PodDeleted``; one not seen yet is PENDING (``Submitted``).
+
+``job_state`` applies the run mode's ``SuccessRule`` to the processes: a
+failing one fails the job, named as every backend names it (reason
+``NonZeroExit``, ``worker-3 exited with code 3``); every process of the
+deciding roles SUCCEEDED succeeds it unless another failed before they were
+done (seen together in one re-list: that failure wins, as on the local
+backend); any running process makes it RUNNING, else it is PENDING with the
+first waiting one's reason.
 """
 
 from __future__ import annotations
@@ -291,8 +300,13 @@ def failure_message(role: str, index: int, v: PodView) -> str:
     if v.exit_code is None:
         return f"{role}-{index}: {v.reason}" + (f": {v.message}" if v.message else "")
     named = f"{role}-{index} exited with code {v.exit_code}"
-    detail = "; ".join(x for x in ("" if v.reason == REASON_NON_ZERO_EXIT else v.reason, v.message) if x)
+    detail = "; ".join(x for x in ("" if _reason(v) == REASON_NON_ZERO_EXIT else v.reason, v.message) if x)
     return f"{named}; {detail}" if detail else named
+
+
+def _reason(v: PodView) -> str:
+    """A failure's reason: ``NonZeroExit`` for an exit code with nothing more said."""
+    return REASON_NON_ZERO_EXIT if v.exit_code is not None and v.reason in PLAIN_EXIT_REASONS else v.reason
 
 
 def _ended_the_job(v: PodView, success_at: float | None) -> bool:
@@ -320,8 +334,9 @@ def job_state(replicas: Sequence[tuple[str, int, PodView]], rule: SuccessRule, *
         failures = [(r, i, v) for r, i, v in failures if _ended_the_job(v, success_at)]
         if not failures:
             return JobView(JobState.SUCCEEDED, REASON_COMPLETED, rule.description, 0)
-    for role, index, v in failures:
-        return JobView(JobState.FAILED, v.reason, failure_message(role, index, v), v.exit_code, (role, index))
+    # a pod being deleted (a stop's, or the success rule's, seen after a driver restart) last
+    for role, index, v in sorted(failures, key=lambda f: f[2].terminating):
+        return JobView(JobState.FAILED, _reason(v), failure_message(role, index, v), v.exit_code, (role, index))
     if any(v.state is ReplicaState.RUNNING for *_, v in replicas):
         return JobView(JobState.RUNNING, REASON_RUNNING, "")
     for role, index, v in replicas:

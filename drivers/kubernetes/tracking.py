@@ -6,7 +6,11 @@ informer, staleness and the jobs, keyed by ``naming.job_label(job_id)``
 function, ``find``). ``TrackedJob`` is one job's newest attempt: its
 replicas (one pod each), the pods the watch shows, what the driver deleted,
 and the latched end. ``observation`` turns that into a ``JobObservation``
-with ``states.job_state`` and the attempt's success rule; while the API
+with ``states.job_state`` and the attempt's success rule, one replica status
+per process (``process_views``: index = replica index * processes per
+replica + k, a pod of several processes read per container; a process of a
+pod dlsched deleted is STOPPED with its exit code, except the failure that
+decided the job); while the API
 server is unreachable a job keeps its last state with reason
 ``BackendStale`` (never FAILED). A tracked job is kept compact (slots, each
 pod as its ``states.PodView``, no native spec: a duplicate launch renders it

@@ -2,8 +2,10 @@
 
 Usage: ``metrics.k8s.io/v1beta1`` pod metrics when the cluster serves them
 (404, or 503 while the API server itself answers: UNIMPLEMENTED
-``metrics.k8s.io not available``). Memory is the sum of the containers'
-working sets; peak memory the highest the driver has seen. The API serves
+``metrics.k8s.io not available``), one usage per process as its replica
+status is (a pod of several processes: its containers' own; an MPI worker,
+one sshd container, one). Memory is the working set (a pod of one
+process: its containers' summed); peak memory the highest the driver has seen. The API serves
 CPU as a rate (cores over a window), not a counter, so ``cpu_seconds`` is an
 estimate: the rate integrated over the time each sample covers (since the
 previous one; the first since the pod started), kept per replica so it never
@@ -105,23 +107,30 @@ async def measure(c: KubeCluster, job: TrackedJob) -> JobUsage:
     out = []
     for r in job.replicas:
         m = by_pod.get(r.pod)
-        prev = job.usage.get(r.pod)
-        if m is None:  # ended (or not started): what was seen while it ran
-            out.append(ReplicaUsage(role=r.role, replica_index=r.index,
-                                    cpu_seconds=prev.cpu_seconds if prev else 0.0,
-                                    peak_memory_bytes=prev.peak_memory_bytes if prev else 0))
-            continue
-        mem = cores = 0.0
-        for cont in m.get("containers") or ():
-            u = cont.get("usage") or {}
-            mem += parse_quantity(u.get("memory", 0))
-            cores += parse_quantity(u.get("cpu", 0))
         view = job.pods.get(r.pod)
-        sampled = integrate(prev, m, cores, int(mem), view.start_time if view is not None else None)
-        job.usage[r.pod] = sampled
-        out.append(ReplicaUsage(role=r.role, replica_index=r.index, cpu_seconds=sampled.cpu_seconds,
-                                memory_bytes=int(mem), peak_memory_bytes=sampled.peak_memory_bytes,
-                                running=True))
+        # one usage per process, indexed as its replica status (replica * processes + k): a pod of
+        # several processes has one per container (its samples kept as "<pod>/<container>")
+        n = len(r.containers) if len(r.containers) > 1 else 1
+        for k in range(n):
+            key = f"{r.pod}/{r.containers[k]}" if n > 1 else r.pod
+            conts = [c for c in (m.get("containers") or ()) if n == 1 or c.get("name") == r.containers[k]] \
+                if m is not None else []
+            prev = job.usage.get(key)
+            if m is None or not conts:  # ended (or not started): what was seen while it ran
+                out.append(ReplicaUsage(role=r.role, replica_index=r.index * n + k,
+                                        cpu_seconds=prev.cpu_seconds if prev else 0.0,
+                                        peak_memory_bytes=prev.peak_memory_bytes if prev else 0))
+                continue
+            mem = cores = 0.0
+            for cont in conts:
+                u = cont.get("usage") or {}
+                mem += parse_quantity(u.get("memory", 0))
+                cores += parse_quantity(u.get("cpu", 0))
+            sampled = integrate(prev, m, cores, int(mem), view.start_time if view is not None else None)
+            job.usage[key] = sampled
+            out.append(ReplicaUsage(role=r.role, replica_index=r.index * n + k, cpu_seconds=sampled.cpu_seconds,
+                                    memory_bytes=int(mem), peak_memory_bytes=sampled.peak_memory_bytes,
+                                    running=True))
     return JobUsage(replicas=tuple(out), sample_time=time.time())
 
 
