@@ -412,7 +412,10 @@ def _pod(c: _Common, role: str, index: int, procs: Sequence[planner.ProcessLaunc
 def emit(placed: Placed, spec: JobSpec, options: Mapping[str, str]) -> Rendered:
     """The attempt's manifests in creation order: the Service, (MPI) the Secret and ConfigMap, the Pods."""
     p = placed
-    owner = {"apiVersion": "v1", "kind": "Service", "name": p.service, "uid": "", "blockOwnerDeletion": True}
+    # No blockOwnerDeletion: the driver deletes the objects itself, and under the
+    # OwnerReferencesPermissionEnforcement admission plugin (OpenShift) setting it needs update
+    # on services/finalizers, which the documented RBAC does not grant: every Pod create refused.
+    owner = {"apiVersion": "v1", "kind": "Service", "name": p.service, "uid": ""}
     labels = {**user_labels(spec.labels), **job_labels(p.job_id, p.attempt)}  # the selector is ours alone
     c = _Common(p, spec, options, labels, labels_annotation(spec.labels), owner)
     manifests = [_service(c), *(_mpi_objects(c) if c.mpi else ())]
