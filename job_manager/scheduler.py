@@ -62,10 +62,18 @@ from job_manager.domain.errors import (
 )
 from job_manager.domain.model import Candidate, Job, JobSpec, JobState, NativeSpec, Observation
 from job_manager.domain.validation import validate_submit
+from job_manager.driver_gate import DriverGate, Turn
 from job_manager.history.store import HistoryStore
 from job_manager.job_metrics import LAUNCH_LATENCY
 from job_manager.ownership import Ownership, SoleOwner
-from job_manager.store import JobStore, OwnershipLost, PendingCleanup, PendingDelete, RequestJobGone
+from job_manager.store import (
+    Fence,
+    JobStore,
+    OwnershipLost,
+    PendingCleanup,
+    PendingDelete,
+    RequestJobGone,
+)
 
 log = logging.getLogger("job_manager.scheduler")
 
@@ -143,6 +151,7 @@ class Scheduler:
         self._clock = clock
         self._locks = KeyedLocks()
         self._launch_slots: dict[str, asyncio.Semaphore] = {}  # per cluster: one down never starves another
+        self._gates: dict[str, DriverGate] = {}  # per cluster: its driver down, one retry probes it
         self._retries: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._retry_cluster: dict[tuple[str, str], str] = {}
         self._cluster_tasks: dict[str, set[asyncio.Task[Any]]] = collections.defaultdict(set)
@@ -170,6 +179,13 @@ class Scheduler:
             tasks.add(t)
             t.add_done_callback(tasks.discard)
         return t
+
+    def _gate(self, cluster: str) -> DriverGate:
+        gate = self._gates.get(cluster)
+        if gate is None:
+            gate = self._gates[cluster] = DriverGate(self.config.retry_initial_seconds,
+                                                     self.config.retry_max_seconds)
+        return gate
 
     async def driver_for(self, cluster: str) -> DriverClient:
         return self.drivers.get(await self.cm.driver_address(cluster))
@@ -381,19 +397,20 @@ class Scheduler:
                 backend_id, obs = await drv.launch(job.cluster, job.id, job.spec, attempt, job.uid)
             except errors.DlschedError as e:
                 if _retryable(e):
-                    reason = ("ClusterNotConfigured" if e.reason == "CLUSTER_NOT_CONFIGURED"
-                              else "DriverUnavailable")
-                    log.warning("launch of %s on %s deferred: %s", job_id, job.cluster, e.reason)
-                    msg = e.message[:500]
-                    job = await self.store.update(
-                        job_id, lambda j: states.mark_launch_waiting(j, reason, msg), fence=fence,
-                        current=job)
+                    gate = self._gate(job.cluster)
+                    quiet = gate.closed  # (said once per outage, not once per queued job)
+                    gate.failed(e.reason, e.message[:500])
+                    (log.debug if quiet else log.warning)(
+                        "launch of %s on %s deferred: %s", job_id, job.cluster, e.reason)
+                    job = await self._note_waiting(job, e.reason, e.message[:500], fence)
                     return job, False
+                self._gate(job.cluster).answered()
                 log.warning("launch of %s refused by %s: %s", job_id, job.cluster, e.reason)
                 msg = f"{e.reason}: {e.message}"[:1000]
                 job = await self.store.update(job_id, lambda j: states.mark_launch_failed(
                     j, "LaunchRejected", msg, self._clock()), fence=fence, current=job)
                 return job, True
+            self._gate(job.cluster).answered()
             now = self._clock()
 
             def record(j: Job) -> Job | None:
@@ -423,6 +440,12 @@ class Scheduler:
                 self._spawn(self._terminate_backend(job.cluster, job_id, backend_id, job.uid),
                             cluster=job.cluster)
             return job, True
+
+    async def _note_waiting(self, job: Job, reason: str, message: str, fence: Fence | None) -> Job:
+        """PENDING ``job`` waits for its driver: its reason says why (one write, none when unchanged)."""
+        why = "ClusterNotConfigured" if reason == "CLUSTER_NOT_CONFIGURED" else "DriverUnavailable"
+        return await self.store.update(job.id, lambda j: states.mark_launch_waiting(j, why, message),
+                                       fence=fence, current=job)
 
     async def _terminate_backend(self, cluster: str, job_id: str, backend_id: str, uid: str, *,
                                  cleanup: bool = False, record: PendingCleanup | None = None) -> None:
@@ -461,10 +484,18 @@ class Scheduler:
         async def loop() -> None:
             delay = self.config.retry_initial_seconds if first_delay is None else first_delay
             start = known
+            gate = self._gate(cluster)
             try:
                 while True:
                     await asyncio.sleep(delay)
                     delay = max(delay, self.config.retry_initial_seconds / 2)
+                    # Its driver down: wait while another job's call probes it (no work meanwhile)
+                    if op == "launch" and gate.closed:
+                        await self._wait_noted(job_id, gate, start)
+                    while (turn := await gate.turn(self.config.retry_max_seconds)) is Turn.WAIT:
+                        start = None  # (as written before the wait: maybe stopped since)
+                        if not self._still_waiting(job_id, op):
+                            return
                     try:
                         if op == "launch":
                             _, done = await self._try_launch(job_id, cluster, start)
@@ -476,6 +507,9 @@ class Scheduler:
                     except errors.DlschedError as e:
                         log.warning("%s of %s: %s", op, job_id, e)
                         done = False
+                    finally:
+                        if turn is Turn.PROBE:
+                            gate.probed()
                     if done:
                         return
                     delay = min(delay * 2, self.config.retry_max_seconds)
@@ -485,6 +519,31 @@ class Scheduler:
 
         self._retries[key] = asyncio.create_task(loop(), name=f"{op}-{job_id}")
         self._retry_cluster[key] = cluster
+
+    def _still_waiting(self, job_id: str, op: str) -> bool:
+        """Whether a retry waiting at its cluster's closed gate still has work (by the cache:
+        a job deleted or ended through another replica meanwhile has none)."""
+        if self.cache is None or self.cache.current == 0:
+            return True
+        cached = self.cache.get(job_id)
+        if cached is None:
+            return False
+        job = cached.job()
+        if op == "launch":
+            return job.state == JobState.PENDING and not job.launched
+        return job.state == JobState.STOPPING
+
+    async def _wait_noted(self, job_id: str, gate: DriverGate, known: Job | None) -> None:
+        """A launch about to wait at a closed gate says why in its job's reason (one write, none
+        when it says so already, nor when the job is not this replica's to write or etcd is down)."""
+        with logs.job_context(job_id):
+            try:
+                cached = self.cache.get(job_id) if self.cache is not None and known is None else None
+                job = self._newest(job_id, known) or (cached.job() if cached else await self.store.get(job_id))
+                if job.state == JobState.PENDING and not job.launched and self.ownership.owns(job.cluster):
+                    await self._note_waiting(job, gate.reason, gate.message, self.ownership.fence(job.cluster))
+            except (errors.DlschedError, OwnershipLost) as e:
+                log.debug("launch of %s waits for its driver; its reason not written: %s", job_id, e)
 
     # ------------------------------------------------------------ stop / delete
 
@@ -525,15 +584,19 @@ class Scheduler:
         job = await self.store.get(job_id)
         if job.state != JobState.STOPPING or not job.launched:
             return True
+        gate = self._gate(job.cluster)
         try:
             drv = await self.driver_for(job.cluster)
             obs = await drv.terminate(job.cluster, job.id, job.backend_job_id,
                                       self.config.stop_grace_seconds, job.uid)
         except errors.DlschedError as e:
             if _retryable(e):
+                gate.failed(e.reason, e.message[:500])
                 return False
+            gate.answered()
             log.warning("terminate of %s refused: %s", job_id, e.reason)
             return True
+        gate.answered()
         self.ensure_tracking(job.cluster)
         if obs is not None:
             with contextlib.suppress(OwnershipLost):  # the new owner's stream tells it

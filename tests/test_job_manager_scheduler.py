@@ -375,3 +375,53 @@ def test_a_previous_attempt_still_running_is_waited_for_not_a_refusal() -> None:
     assert not _retryable(Stale("job 'j' is already at attempt 3"))
     assert not _retryable(errors.InvalidArgument("bad"))
     assert _retryable(errors.Unavailable("down"))
+
+
+async def test_a_down_driver_is_probed_by_one_launch_at_a_time_not_by_every_queued_one(env: Any) -> None:
+    """Its driver down, 40 queued launches each retried it every ``retry_max_seconds`` (read
+    from etcd, called, logged): work in proportion to the backlog, which slowed every other
+    call (SubmitJob 10x slower with 3,000 jobs waiting). Now one retry at a time probes the
+    driver, with backoff; the others wait, each with the reason written once, and all launch
+    once when it answers. A job stopped while it waits is never launched."""
+    sched, drv = env
+    drv.launch_errors = [errors.Unavailable("connections to all backends failing")] * 100_000
+    ids = [f"w{i}" for i in range(40)]
+    for i in ids:
+        await sched.submit(i, SPEC, "", dry_run=False, spec_bytes=10)
+    for i in ids:
+        await stored(sched, i, lambda j: j.reason == "DriverUnavailable")
+    assert (await sched.stop("w0")).state == JobState.STOPPED
+    before = len(drv.uids)
+    await asyncio.sleep(4)  # every queued job's own backoff (at most 0.1 s) would call ~40 times a 0.1 s
+    probes = len(drv.uids) - before
+    # one at a time, each at least retry_initial_seconds (0.05 s) after the last failure
+    assert 0 < probes <= 4 / 0.05 + 2, probes
+    drv.launch_errors = []
+
+    async def all_launched() -> bool:
+        return len(drv.launches) >= len(ids) - 1
+    await until(all_launched)
+    await asyncio.sleep(0.5)  # (nothing more may come)
+    assert sorted(j for j, _ in drv.launches) == sorted(ids[1:]), drv.launches
+    assert (await sched.store.get("w0")).state == JobState.STOPPED
+
+
+async def test_the_gate_opens_for_the_jobs_own_failures_and_gives_one_probe_at_a_time() -> None:
+    from job_manager.driver_gate import DriverGate, Turn
+
+    gate = DriverGate(0.01, 0.05)
+    assert await gate.turn(1) is Turn.GO
+    gate.failed("BACKEND_UNAVAILABLE", "the job's own: the driver answered")
+    assert not gate.closed and await gate.turn(1) is Turn.GO
+    gate.failed("DRIVER_UNAVAILABLE", "down")
+    assert gate.closed and (gate.reason, gate.message) == ("DRIVER_UNAVAILABLE", "down")
+    while (turn := await gate.turn(1)) is Turn.WAIT:  # due 0.01 s after the failure
+        pass
+    assert turn is Turn.PROBE
+    assert await gate.turn(0.05) is Turn.WAIT  # another caller: the probe is out
+    waiter = asyncio.ensure_future(gate.turn(60))
+    await asyncio.sleep(0)
+    gate.answered()  # the probe got an answer: every waiter goes
+    assert await asyncio.wait_for(waiter, 10) is Turn.GO
+    gate.probed()
+    assert await gate.turn(1) is Turn.GO
