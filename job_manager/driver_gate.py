@@ -70,6 +70,10 @@ class DriverGate:
         """The probe ``turn`` gave is over (whatever it found: ``failed``/``answered`` said it)."""
         self._probing = False
 
+    def must_wait(self) -> bool:
+        """Whether ``turn`` would WAIT now (closed, and a probe is out or not due)."""
+        return not self._open.is_set() and (self._probing or time.monotonic() < self._next)
+
     async def turn(self, within: float) -> Turn:
         """GO when open; PROBE for one caller at a time once a probe is due; else WAIT after at
         most ``within`` seconds (or as soon as the gate opens: GO)."""

@@ -490,7 +490,7 @@ class Scheduler:
                     await asyncio.sleep(delay)
                     delay = max(delay, self.config.retry_initial_seconds / 2)
                     # Its driver down: wait while another job's call probes it (no work meanwhile)
-                    if op == "launch" and gate.closed:
+                    if op == "launch" and gate.must_wait():
                         await self._wait_noted(job_id, gate, start)
                     while (turn := await gate.turn(self.config.retry_max_seconds)) is Turn.WAIT:
                         start = None  # (as written before the wait: maybe stopped since)

@@ -415,10 +415,11 @@ async def test_the_gate_opens_for_the_jobs_own_failures_and_gives_one_probe_at_a
     assert not gate.closed and await gate.turn(1) is Turn.GO
     gate.failed("DRIVER_UNAVAILABLE", "down")
     assert gate.closed and (gate.reason, gate.message) == ("DRIVER_UNAVAILABLE", "down")
+    assert gate.must_wait()  # (the first probe is due 0.01 s after the failure)
     while (turn := await gate.turn(1)) is Turn.WAIT:  # due 0.01 s after the failure
         pass
     assert turn is Turn.PROBE
-    assert await gate.turn(0.05) is Turn.WAIT  # another caller: the probe is out
+    assert gate.must_wait() and await gate.turn(0.05) is Turn.WAIT  # another caller: the probe is out
     waiter = asyncio.ensure_future(gate.turn(60))
     await asyncio.sleep(0)
     gate.answered()  # the probe got an answer: every waiter goes
