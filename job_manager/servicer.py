@@ -613,6 +613,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         at = request.resume_cursor  # the cursor of the last response sent
         p = caller()
         first = await self._readable(request.name)  # its project: what heartbeats re-check against
+        _check_log_replicas(request, first)
         if resumed is not None and resumed.job_uid != first.uid:  # before any wait for a launch
             raise InvalidArgument.for_field(CURSOR_FIELD, f"not a cursor of {first.name}")
         if request.follow and every > 0:
@@ -736,3 +737,17 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         if not usage.HasField("sample_time"):
             usage.sample_time.CopyFrom(to_timestamp(datetime.now(UTC)))
         return pb.GetJobUsageResponse(usage=usage)
+
+
+def _check_log_replicas(request: pb.StreamJobLogsRequest, job: Job) -> None:
+    """A role the job does not have, or a replica index past its processes, is INVALID_ARGUMENT
+    (as ``kubectl logs -c`` of a container the pod lacks), not a stream that never has a line."""
+    sizes = {g.role: max(1, g.replicas) * max(1, g.processes_per_replica) for g in job.spec.replica_groups}
+    if request.role and request.role not in sizes:
+        roles = ", ".join(sorted(sizes)[:10]) + (", ..." if len(sizes) > 10 else "")
+        raise InvalidArgument.for_field("role", f"{job.name} has no role {request.role!r} (its roles: {roles})")
+    if request.HasField("replica_index") and sizes:
+        bound = sizes[request.role] if request.role else max(sizes.values())
+        if request.replica_index >= bound:
+            raise InvalidArgument.for_field(
+                "replica_index", f"{job.name} has {bound} replica process(es){' of role ' + request.role if request.role else ''}: 0 to {bound - 1}")

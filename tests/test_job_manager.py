@@ -242,6 +242,24 @@ async def test_logs_follow_line_by_line_and_tail(jm: pb_grpc.JobManagerServiceSt
     assert tail == ["line-3", "line-4"]
 
 
+async def test_logs_of_a_role_or_replica_the_job_lacks_are_invalid_argument(jm: pb_grpc.JobManagerServiceStub) -> None:
+    """As ``kubectl logs -c`` of a container the pod lacks: the field named, not a stream with no lines."""
+    job = (await jm.SubmitJob(pb.SubmitJobRequest(job_id=uniq(), spec=multi("print('x')", 2, 2)))).job
+    role = job.spec.replica_groups[0].role
+    await wait_state(jm, job.name, TERMINAL)
+    for req, field, words in (
+            (pb.StreamJobLogsRequest(name=job.name, role="nosuchrole"), "role", f"its roles: {role}"),
+            (pb.StreamJobLogsRequest(name=job.name, role=role, replica_index=4), "replica_index", "0 to 3"),
+            (pb.StreamJobLogsRequest(name=job.name, replica_index=99), "replica_index", "0 to 3")):
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            [r async for r in jm.StreamJobLogs(req, timeout=30)]
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value
+        assert field in ei.value.details() and words in ei.value.details(), ei.value.details()
+    lines = [e.text async for r in jm.StreamJobLogs(pb.StreamJobLogsRequest(
+        name=job.name, role=role, replica_index=3, streams=[S.LOG_STREAM_STDOUT])) for e in r.entries]
+    assert lines == ["x"]
+
+
 async def test_stop_running_multi_process_job(jm: pb_grpc.JobManagerServiceStub) -> None:
     pid_dir = tempfile.mkdtemp(prefix="jm-stop-")
     code = f"""
