@@ -260,6 +260,24 @@ def test_the_users_path_does_not_pick_the_mpirun_that_runs(tmp_path):
     assert sorted((tmp_path / out.dir / "launcher-0.stdout").read_text().split("\n")[:2]) == ["rank 0", "rank 1"]
 
 
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun is not installed")
+def test_the_ranks_get_the_users_library_path_and_path_as_given(tmp_path):
+    """mpirun run by its absolute path means ``--prefix`` to Open MPI, which put its prefix's
+    lib/ and bin/ before the user's LD_LIBRARY_PATH and PATH in every rank (a hostile corpus saw
+    ``/usr/lib:`` prepended): ``--noprefix``, as the local driver runs it."""
+    code = ("import os; print('rank', os.environ['OMPI_COMM_WORLD_RANK'], repr(os.environ.get('LD_LIBRARY_PATH')),"
+            " repr(os.environ['PATH']), flush=True)")
+    path = f"/opt/mine/bin:{os.environ['PATH']}"
+    launcher = ReplicaGroup(role="launcher", replicas=1, command=(PY, "-c", code),
+                            env={**ROOT_OK, "LD_LIBRARY_PATH": "/opt/mine/lib", "PATH": path})
+    spec = JobSpec(RunMode.MPI, (launcher, g("worker", "", ppr=2)))
+    out = render.render_job("mpi-3", spec, 1, {"max_nodes": "1"})
+    res = sandbox_run(tmp_path, out, node="localhost")
+    assert res.returncode == 0, res.stderr + (tmp_path / out.dir / "launcher-0.stderr").read_text()[-2000:]
+    lines = sorted((tmp_path / out.dir / "launcher-0.stdout").read_text().splitlines())
+    assert lines == [f"rank {r} '/opt/mine/lib' {path!r}" for r in "01"], lines
+
+
 def test_an_mpi_job_adopted_without_its_record_reports_its_worker_replicas(tmp_path):
     """The MPI workers run no process of their own, so the exits file's ``labels`` miss them; its
     ``hosts`` line names them, and a job the driver adopts without its record (roles unknown)

@@ -47,10 +47,12 @@ TASKS_STEP = "dlsched-tasks"
 TASK_CHECK_INTERVAL = 0.5
 #: MPI: the directory (in the attempt directory) mpirun writes each rank's output to, and the
 #: backend flags the planner puts in the mpirun command (``mpirun_args``); the token becomes the
-#: directory's absolute path with Open MPI's ``nocopy``.
+#: directory's absolute path with Open MPI's ``nocopy``. ``--noprefix``: mpirun is run by its
+#: absolute path, which Open MPI takes for ``--prefix`` (its lib/ and bin/ put before the
+#: user's LD_LIBRARY_PATH and PATH in every rank), as the local driver runs it.
 MPI_OUTPUT_DIR = "mpi"
 MPI_OUTPUT_TOKEN = "@DLSCHED_MPI_OUTPUT@"
-MPI_ARGS = ("--output-filename", MPI_OUTPUT_TOKEN)
+MPI_ARGS = ("--noprefix", "--output-filename", MPI_OUTPUT_TOKEN)
 
 
 @dataclass(frozen=True)
