@@ -166,6 +166,24 @@ async def test_single_process_succeeds_with_env_and_followed_logs(stub):
     assert [e.text for e in await logs(stub, job_id, tail_lines=1)] == ["end"]
 
 
+async def test_a_job_near_the_command_line_limit_runs_and_one_past_it_is_refused_at_once(stub):
+    """Ray hands the runtime_env (where the job travels) to each worker on its command line: a
+    job of 180 KB waited ~6 minutes for workers that could not start, then failed. One just
+    under the bound runs; one over it is INVALID_ARGUMENT at launch, naming the field."""
+    job_id = new_id("big")
+    code = "import sys; print([(len(a), a[:1]) for a in sys.argv[1:]])"
+    spec = single(code)
+    spec.replica_groups[0].args.extend(["a" * 50_000, "$" * 8_000, "\u00e9" * 1_000])
+    await launch(stub, job_id, spec)
+    obs = await wait_state(stub, job_id, within=180)
+    assert obs.state == S.JOB_STATE_SUCCEEDED, obs
+    assert [e.text for e in await logs(stub, job_id)] == ["[(50000, 'a'), (8000, '$'), (1000, '\u00e9')]"]
+    spec.replica_groups[0].args.append("$" * 4_000)
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await launch(stub, new_id("big"), spec)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "spec.replica_groups" in ei.value.details()
+
+
 async def test_watch_sends_snapshot_marker_then_changes(stub):
     job_id = new_id("watch")
     call = stub.WatchJobObservations(dpb.WatchJobObservationsRequest(cluster=CLUSTER))

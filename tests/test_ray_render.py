@@ -389,6 +389,23 @@ def test_the_job_reaches_the_launcher_with_no_dollar_ray_would_expand():
     assert render.spec_from_json(json.loads(value)["spec"]) == spec
 
 
+def test_a_job_past_linuxs_limit_per_string_is_refused_naming_the_field():
+    """Ray passes the runtime_env to each worker on its command line, one string of at most
+    128 KiB: a job of 3 x 60,000 bytes of arguments kept Ray's workers from starting (FAILED
+    after ~6 minutes). Past ``MAX_JOB_ENV_BYTES`` encoded ('$' and non-ASCII take 6 bytes) it is
+    INVALID_ARGUMENT at once, naming the field; below, the job reads back as sent."""
+    near = JobSpec(RunMode.SINGLE_PROCESS, (ReplicaGroup(
+        role="main", replicas=1, command=("echo", "a" * 50_000, "$" * 8_000, "\u00e9" * 1_000)),))
+    env = render.render_submission("j", near, 1)["runtime_env"]["env_vars"]
+    assert list(env) == [render.JOB_ENV] and 100_000 < len(env[render.JOB_ENV]) <= render.MAX_JOB_ENV_BYTES
+    assert render.spec_from_json(render.job_from_env(env)["spec"]) == near
+    for over in (("a" * 60_000,) * 3, ("a" * 60_000, "$" * 10_000), ("\u00e9" * 20_000,)):
+        spec = JobSpec(RunMode.SINGLE_PROCESS, (ReplicaGroup(role="main", replicas=1, command=("echo", *over)),))
+        with pytest.raises(InvalidArgument) as ei:
+            render.render_submission("j", spec, 1)
+        assert ei.value.violations[0].field == "spec.replica_groups", ei.value
+
+
 def test_uri_working_dir_goes_to_runtime_env():
     spec = JobSpec(RunMode.SINGLE_PROCESS, (ReplicaGroup(role="main", replicas=1, command=("ls",),
                                                          working_dir="s3://bucket/code.zip"),))

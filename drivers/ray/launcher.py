@@ -480,7 +480,7 @@ def run_placement_group(job: dict[str, Any], spec: JobSpec) -> int:  # pragma: n
 
 
 def main() -> int:
-    job = json.loads(os.environ[render.JOB_ENV])
+    job = render.job_from_env(os.environ)
     spec = render.spec_from_json(job["spec"])
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

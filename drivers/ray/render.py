@@ -27,6 +27,11 @@ The submission:
   is in the command line Ray hands to ``/bin/sh``; the launcher starts each
   process with its argv as a list, never through a shell. Ray expands
   ``$VAR`` in env_vars values: every ``$`` there is written ``\u0024``.
+  Ray hands the whole runtime_env to each worker of the job as one argument
+  on its command line, where Linux takes at most 128 KiB per string: a job
+  over ``MAX_JOB_ENV_BYTES`` encoded is INVALID_ARGUMENT (its workers could
+  never start: the job waited ~6 minutes, then failed
+  JobSupervisorActorUnschedulable).
 - ``runtime_env.working_dir`` only when a group's working directory is a URI
   Ray fetches (``s3://``, ``gs://``, ``https://...zip``, ``gcs://``); a plain
   path is a directory on the cluster's nodes, the process's cwd.
@@ -68,6 +73,9 @@ from drivers.common.base import JobSpec, NativeSpec, ReplicaGroup, RunMode
 MEDIA_TYPE = "application/json"
 LAUNCHER_MODULE = "drivers.ray.launcher"
 JOB_ENV = "DLSCHED_RAY_JOB"
+#: the most bytes of ``DLSCHED_RAY_JOB`` (Ray passes the runtime_env, JSON, as one argument of each
+#: worker's command line: Linux's 128 KiB per string, less the rest of it)
+MAX_JOB_ENV_BYTES = 112 * 1024
 META_JOB_ID = "dlsched_job_id"
 META_ATTEMPT = "dlsched_attempt"
 META_JOB_UID = "dlsched_job_uid"
@@ -275,7 +283,7 @@ def render_submission(job_id: str, spec: JobSpec, attempt: int,
     }
     body["entrypoint"] = shlex.join([opts.python, "-m", LAUNCHER_MODULE])
     uris = {g.working_dir for g in spec.replica_groups if g.working_dir and is_uri(g.working_dir)}
-    body["runtime_env"] = _runtime_env({JOB_ENV: job_env_value(launcher)},
+    body["runtime_env"] = _runtime_env(job_env(job_env_value(launcher)),
                                        next(iter(uris)) if len(uris) == 1 else "")
     if spec.run_mode in LOCAL_MODES:
         body.update(_resources(spec.replica_groups))
@@ -288,6 +296,23 @@ def job_env_value(launcher: Mapping[str, Any]) -> str:
     not know, so an argv or env value of the job holding one would arrive changed. ``$`` only
     occurs inside JSON strings, where ``\\u0024`` is the same character to any JSON reader."""
     return json.dumps(launcher, sort_keys=True, separators=(",", ":")).replace("$", "\\u0024")
+
+
+def job_env(value: str) -> dict[str, str]:
+    """The variable that carries ``value`` (``job_env_value``: ASCII). InvalidArgument past
+    ``MAX_JOB_ENV_BYTES``."""
+    if len(value) > MAX_JOB_ENV_BYTES:
+        raise InvalidArgument.for_field(
+            "spec.replica_groups", f"the job's commands, arguments and environment take {len(value)} bytes "
+            f"encoded for the Ray launcher, over this driver's {MAX_JOB_ENV_BYTES} (Ray passes them on "
+            "the command line of every worker of the job; '$' and non-ASCII characters take 6 bytes); "
+            "ship large inputs as files")
+    return {JOB_ENV: value}
+
+
+def job_from_env(environ: Mapping[str, str]) -> Any:
+    """The launcher's job from the variable ``job_env`` made."""
+    return json.loads(environ[JOB_ENV])
 
 
 def to_native_spec(body: Mapping[str, Any]) -> NativeSpec:
