@@ -480,3 +480,23 @@ def test_a_relative_working_dir_is_taken_once(sandbox):
     res = run_script(sandbox, out)
     assert res.returncode == 0, res.stderr
     assert (sandbox / out.dir / "main-0.stdout").read_text().strip() == str((sandbox / "code" / "run").resolve())
+
+
+def test_a_script_past_slurms_max_script_size_is_refused_naming_the_field():
+    """Every process's argv is in the script: 25 processes x 180 KB of arguments made a script
+    sbatch refused ("Pathname ... too long") after SubmitJob had taken the job. Refused at
+    render, naming the field; a cluster whose Slurm takes more says so (``max_script_bytes``)."""
+    big = ReplicaGroup(role="worker", replicas=1, processes_per_replica=25, command=("echo",),
+                       args=("a" * 60_000,) * 3)
+    spec = JobSpec(RunMode.MULTI_PROCESS, (big,))
+    with pytest.raises(InvalidArgument) as ei:
+        render.render_job("big", spec, 1)
+    assert ei.value.violations[0].field == "spec.replica_groups" and "max_script_bytes" in str(ei.value)
+    out = render.render_job("big", spec, 1, {"max_script_bytes": str(16 * 1024 * 1024)})
+    assert len(out.script) > render.MAX_SCRIPT_BYTES
+    small = JobSpec(RunMode.MULTI_PROCESS, (ReplicaGroup(role="worker", replicas=1, processes_per_replica=2,
+                                                         command=("echo", "x")),))
+    assert render.render_job("small", small, 1).script
+    with pytest.raises(InvalidArgument) as ei:
+        render.render_job("small", small, 1, {"max_script_bytes": "4MB"})
+    assert ei.value.violations[0].field == "cluster.options[max_script_bytes]"

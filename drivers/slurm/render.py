@@ -288,6 +288,7 @@ def check_options(options: Mapping[str, str]) -> None:
     which is then UNREACHABLE saying why, rather than READY with every launch refused)."""
     state_dir_of(options)
     port_range_of(options)
+    script_bound(options)
     partition = options.get("partition", "")
     if partition and not PARTITION_RE.match(partition):
         raise InvalidArgument.for_field("cluster.options[partition]",
@@ -295,6 +296,16 @@ def check_options(options: Mapping[str, str]) -> None:
     max_nodes = options.get("max_nodes", "")
     if max_nodes and not (decimal(max_nodes) and int(max_nodes) >= 1):
         raise InvalidArgument.for_field("cluster.options[max_nodes]", "must be a positive integer")
+
+
+def script_bound(options: Mapping[str, str]) -> int:
+    """Cluster option ``max_script_bytes`` (Slurm's ``max_script_size``), else its default."""
+    limit = options.get("max_script_bytes", "")
+    if not limit:
+        return MAX_SCRIPT_BYTES
+    if not (len(limit) <= 12 and decimal(limit) and int(limit) >= 1):
+        raise InvalidArgument.for_field("cluster.options[max_script_bytes]", "must be a positive integer (bytes)")
+    return int(limit)
 
 
 def port_range_of(options: Mapping[str, str]) -> tuple[int, int]:
@@ -338,7 +349,19 @@ def render_job(job_id: str, spec: JobSpec, attempt: int,
     """The sbatch script; raises InvalidArgument for specs Slurm cannot take. ``stop_grace``:
     seconds between the SIGTERM and the SIGKILL of the processes the success rule stops."""
     checked = check(job_id, spec, attempt, options or {}, uid)
-    return emit(place(dataclasses.replace(checked, stop_grace=max(0.0, stop_grace))))
+    out = emit(place(dataclasses.replace(checked, stop_grace=max(0.0, stop_grace))))
+    bound = script_bound(options or {})
+    if (size := len(out.script.encode("utf-8", "surrogateescape"))) > bound:
+        # (sbatch would refuse it, "Pathname of a file, directory or other parameter too long")
+        raise InvalidArgument.for_field(
+            "spec.replica_groups", f"the job's batch script takes {size} bytes, over the cluster's {bound} "
+            "(Slurm's max_script_size; cluster option max_script_bytes): every process's command, "
+            "arguments and environment are in it; ship large inputs as files")
+    return out
+
+
+#: Slurm's default ``SchedulerParameters=max_script_size`` (4 MB): a longer script sbatch refuses
+MAX_SCRIPT_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
