@@ -642,12 +642,20 @@ class Scheduler:
                     reason="JOB_STOP_PENDING", metadata={"name": f"jobs/{job_id}"})
         cleanup: PendingCleanup | None = None
         if job.cluster:
+            # A job never launched has nothing to stop gracefully (a launch whose answer was
+            # lost may have left something, found by its id and uid): no grace in the wait, and
+            # no wait at all while its driver is known not to answer (a frozen driver held such
+            # deletes 18 s each; the record below has the clean-up done when it answers).
+            never = not job.backend_job_id
             try:
+                if never and self._gate(job.cluster).must_wait():
+                    raise errors.Unavailable(self._gate(job.cluster).message, reason="DRIVER_UNAVAILABLE")
                 drv = await self.driver_for(job.cluster)
                 await asyncio.wait_for(drv.cleanup(job.cluster, job.id, job.backend_job_id, job.uid),
-                                       self.config.stop_grace_seconds + self.config.inline_driver_seconds)
+                                       self.config.inline_driver_seconds +
+                                       (0 if never else self.config.stop_grace_seconds))
             except (errors.DlschedError, TimeoutError) as e:
-                if (isinstance(e, TimeoutError) or _retryable(e)) and job.backend_job_id:
+                if isinstance(e, TimeoutError) or _retryable(e):
                     # Its driver is unreachable now: the delete goes on (the job has ended or
                     # stopped) and the clean-up is retried in the background, so its backend
                     # objects (files, pods, an MPI job's SSH key) do not stay behind for ever;

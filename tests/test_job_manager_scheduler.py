@@ -14,6 +14,7 @@ import pytest
 
 from dlsched import errors
 from dlsched.kit.etcd import connect
+from job_manager.domain.errors import JobNotFound
 from job_manager.domain.model import (
     Candidate,
     Job,
@@ -426,3 +427,48 @@ async def test_the_gate_opens_for_the_jobs_own_failures_and_gives_one_probe_at_a
     assert await asyncio.wait_for(waiter, 10) is Turn.GO
     gate.probed()
     assert await gate.turn(1) is Turn.GO
+
+
+async def test_a_never_launched_job_is_deleted_without_waiting_for_a_down_driver(etcd: EtcdServer, etcd_prefix: str) -> None:
+    """Its driver frozen, DeleteJob of a job still waiting for its launch waited for the driver's
+    clean-up (18 s each; a stranger's client with a 10 s deadline left jobs stopped, not deleted),
+    though the clean-up of a job never launched is only the search for what a lost launch answer
+    may have left. While the gate says the driver does not answer, the delete goes on at once and
+    its recorded clean-up runs when the driver is back."""
+    class Frozen(FakeDriver):
+        def __init__(self) -> None:
+            super().__init__()
+            self.thawed = asyncio.Event()
+
+        async def cleanup(self, cluster: str, job_id: str, backend_job_id: str, uid: str = "") -> None:
+            await self.thawed.wait()
+            await super().cleanup(cluster, job_id, backend_job_id, uid)
+
+    client = await connect(etcd.endpoint)
+    drv = Frozen()
+    sched = Scheduler(JobStore(client, etcd_prefix), FakeCM(), FakePool(drv),  # type: ignore[arg-type]
+                      SchedulerConfig(retry_initial_seconds=0.05, retry_max_seconds=0.1, inline_driver_seconds=3600))
+    try:
+        drv.launch_errors = [errors.Unavailable("connections to all backends failing")] * 100_000
+        ids = [f"d{i}" for i in range(5)]
+        for i in ids:
+            await sched.submit(i, SPEC, "", dry_run=False, spec_bytes=10)
+        for i in ids:
+            await stored(sched, i, lambda j: j.reason == "DriverUnavailable")
+        async with asyncio.timeout(120):  # (a wait for the frozen clean-up would be 3,600 s each)
+            for i in ids:
+                assert (await sched.delete(i, allow_missing=False)).state == JobState.STOPPED  # type: ignore[union-attr]
+        for i in ids:
+            with pytest.raises(JobNotFound):
+                await sched.store.get(i)
+        drv.launch_errors = []
+        drv.thawed.set()
+
+        async def cleaned() -> bool:
+            return sorted(drv.cleaned) == ids
+        await until(cleaned)
+        assert drv.launches == []
+    finally:
+        drv.thawed.set()
+        await sched.close()
+        await client.close()
