@@ -155,6 +155,12 @@ def match_spec(spec: job_pb2.JobSpec) -> job_pb2.JobSpec:
                         for g in spec.replica_groups])
 
 
+#: a cluster's driver address known, ClusterManager is asked again for at most this long once the
+#: cache has expired; then the last address serves, and is asked for again after STALE_RETRY_SECONDS
+STALE_LOOKUP_SECONDS = 3.0
+STALE_RETRY_SECONDS = 5.0
+
+
 class ClusterManagerClient:
     """MatchClusters, and the driver address of a cluster (cached briefly).
 
@@ -207,8 +213,19 @@ class ClusterManagerClient:
         hit = self._drivers.get(cluster)
         if hit and time.monotonic() - hit[1] < self._cache_seconds:
             return hit
-        resp = await _cm_unary(self._stub.GetCluster(cm_pb2.GetClusterRequest(name=cluster),
-                                                  timeout=self._timeout))
+        try:
+            # Known already: asked briefly (a frozen ClusterManager must not hold a client's read
+            # past its deadline, a bare DEADLINE_EXCEEDED), and when it does not answer, the
+            # address it gave last serves, asked again STALE_RETRY_SECONDS later.
+            resp = await _cm_unary(self._stub.GetCluster(
+                cm_pb2.GetClusterRequest(name=cluster),
+                timeout=min(self._timeout, STALE_LOOKUP_SECONDS) if hit else self._timeout))
+        except errors.Unavailable as e:
+            if hit is None:
+                raise
+            log.info("ClusterManager did not give %s's driver (%s): its last address serves", cluster, e.reason)
+            self._drivers[cluster] = (hit[0], time.monotonic() - self._cache_seconds + STALE_RETRY_SECONDS, hit[2])
+            return hit
         addr = str(resp.cluster.driver_address)
         if not addr:
             raise errors.Unavailable(f"{cluster} has no driver address",

@@ -472,3 +472,54 @@ async def test_a_never_launched_job_is_deleted_without_waiting_for_a_down_driver
         drv.thawed.set()
         await sched.close()
         await client.close()
+
+
+async def test_a_frozen_cluster_manager_lets_the_last_driver_address_serve() -> None:
+    """Once the driver-address cache expired, every usage read asked a frozen ClusterManager for
+    15 s: with the service config's retry the client's 30 s ran out, a bare DEADLINE_EXCEEDED.
+    Known already, the address is asked for briefly, and the last one serves meanwhile; one
+    never known is UNAVAILABLE."""
+    import grpc
+
+    from dlsched.v1 import cluster_manager_service_pb2 as cm_pb
+    from dlsched.v1 import cluster_pb2
+    from job_manager import clients
+    from job_manager.clients import ClusterManagerClient
+
+    frozen = asyncio.Event()
+    never = asyncio.Event()
+    asked = []
+
+    async def get(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        asked.append(1)
+        if frozen.is_set():
+            await never.wait()
+        return cm_pb.GetClusterResponse(cluster=cluster_pb2.Cluster(
+            name="clusters/c", driver_address="127.0.0.1:9", type=1)).SerializeToString()
+
+    handler = grpc.method_handlers_generic_handler("dlsched.v1.ClusterManagerService", {
+        "GetCluster": grpc.unary_unary_rpc_method_handler(get)})
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    cm = ClusterManagerClient(f"127.0.0.1:{port}", timeout=600, cache_seconds=0.05)
+    old = clients.STALE_LOOKUP_SECONDS
+    clients.STALE_LOOKUP_SECONDS = 0.5
+    try:
+        assert await cm.driver_address("clusters/c") == "127.0.0.1:9"
+        frozen.set()
+        await asyncio.sleep(0.1)  # the cache has expired
+        async with asyncio.timeout(60):  # (not the 600 s of a first look-up)
+            assert await cm.driver_address("clusters/c") == "127.0.0.1:9"
+            n = len(asked)
+            assert await cm.driver_address("clusters/c") == "127.0.0.1:9"
+        assert len(asked) == n  # asked again only after STALE_RETRY_SECONDS
+        cm._timeout = 0.5
+        with pytest.raises(errors.Unavailable):
+            await cm.driver_address("clusters/other")
+    finally:
+        clients.STALE_LOOKUP_SECONDS = old
+        never.set()
+        await cm.close()
+        await server.stop(None)
