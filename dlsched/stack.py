@@ -18,8 +18,14 @@ driver), saves a context ``local`` (server, cluster manager, CA, admin token
 file) in the user's config (``dlsched.profile``; current when none is), so
 the CLI on this machine needs no flags, prints one ready line and writes
 ``DATA/ready.json``. SIGINT or SIGTERM stops the children in reverse order
-(SIGTERM to the group, a grace period, then SIGKILL) and exits 0; a child that
-dies on its own takes the stack down and exits 1.
+(SIGTERM to the group, a grace period, then SIGKILL) and exits 0. A child that
+dies on its own is started again, with the same arguments and address (every
+service recovers its state: etcd's data, the driver's jobs, JobManager's
+clusters), at most ``RESTARTS`` times in ``RESTART_WINDOW_S``; past that the
+stack stops and exits 1. The children die with ``dlsched up`` (each gets
+SIGTERM when it dies, even by SIGKILL: PR_SET_PDEATHSIG), so a killed ``up``
+leaves no service holding its ports and data for the next one; the local
+jobs' supervisors are not its children and run on, re-adopted by the next.
 
 The services run as ``python -m <package>`` processes; this module never
 imports them (an import-linter contract forbids it).
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import datetime
 import fcntl
 import ipaddress
@@ -40,7 +47,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +58,9 @@ from dlsched.kit.envelope import generate_key_file
 from dlsched.kit.etcd import find_etcd_binary
 
 READY_PREFIX = "dlsched is up:"
+#: a child that died is started again at most this many times in this many seconds
+RESTARTS = 5
+RESTART_WINDOW_S = 300.0
 STOP_GRACE_S = 10.0
 CONTEXT = "local"
 SERVICE_IDENTITY = "job-manager"  # drivers accept it (--allowed-clients' default)
@@ -96,6 +106,11 @@ class Child:
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
     address: str = ""
+    starts: list[float] = field(default_factory=list)  #: when it was started again (monotonic)
+
+    def may_restart(self) -> bool:
+        now = time.monotonic()
+        return sum(1 for t in self.starts if now - t < RESTART_WINDOW_S) < RESTARTS
 
     def start(self) -> None:
         if self.port_file is not None:
@@ -108,7 +123,16 @@ class Child:
             env = {k: v for k, v in os.environ.items() if k not in _UNSAFE_ENV}
             self.proc = subprocess.Popen(
                 self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**env, **self.env}, start_new_session=True)
+                env={**env, **self.env}, start_new_session=True, preexec_fn=_die_with(os.getpid()))
+
+    def restart(self) -> None:
+        """Start again, on the address it had (a listener on port 0: the port it got)."""
+        if self.address and "--listen" in self.argv:
+            i = self.argv.index("--listen") + 1
+            if self.argv[i].endswith(":0"):
+                self.argv[i] = self.address
+        self.starts.append(time.monotonic())
+        self.start()
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -551,11 +575,16 @@ async def _run(stack: LocalStack) -> int:
         while not stop.is_set():
             dead = stack.dead_child()
             if dead is not None:
-                print(f"error: {dead.name} exited with {dead.proc.returncode if dead.proc else '?'}"
-                      f"; stopping the stack. Its log {dead.log_path} ends:\n{dead.log_tail()}",
-                      file=sys.stderr, flush=True)
-                code = 1
-                break
+                rc = dead.proc.returncode if dead.proc else "?"
+                if not dead.may_restart():
+                    print(f"error: {dead.name} exited with {rc}, {RESTARTS} times in "
+                          f"{RESTART_WINDOW_S:.0f} s; stopping the stack. Its log {dead.log_path} "
+                          f"ends:\n{dead.log_tail()}", file=sys.stderr, flush=True)
+                    code = 1
+                    break
+                print(f"dlsched up: {dead.name} exited with {rc}; starting it again (its log: "
+                      f"{dead.log_path})", file=sys.stderr, flush=True)
+                dead.restart()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
         if received:
@@ -567,6 +596,27 @@ async def _run(stack: LocalStack) -> int:
         await stack.stop()
         if started:
             print("dlsched up: stopped", file=sys.stderr, flush=True)
+
+
+def _die_with(parent: int) -> Callable[[], None]:
+    """A child's ``preexec_fn``: SIGTERM when ``parent`` dies (Linux's PR_SET_PDEATHSIG; the
+    thread that forks is the event loop's, which lives as long as the process)."""
+    prctl = _prctl()
+
+    def pre() -> None:
+        if prctl is not None:
+            prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # it died before the prctl
+            os._exit(1)
+    return pre
+
+
+def _prctl() -> Callable[..., int] | None:
+    try:
+        fn: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return None
+    return fn
 
 
 def main(*, data_dir: str = "./.dlsched", port: int = 50051, host: str = "127.0.0.1",

@@ -63,7 +63,7 @@ def test_single_process_runs_under_the_launcher_with_its_resources():
     assert job["mode"] == "local" and job["submission_id"] == "dlsched-j-1"
     assert render.spec_from_json(job["spec"]).replica_groups == SPECS["single_process"].replica_groups
     assert "working_dir" not in body["runtime_env"]  # a path on the nodes, not a URI
-    assert shlex.split(body["entrypoint"]) == ["python", "-m", "drivers.ray.launcher"]  # no user value in it
+    assert shlex.split(body["entrypoint"]) == ["exec", "python", "-m", "drivers.ray.launcher"]  # no user value in it
     assert (body["entrypoint_num_cpus"], body["entrypoint_num_gpus"], body["entrypoint_memory"]) == (1.5, 1, 1 << 30)
 
 
@@ -81,6 +81,49 @@ def run_launcher(tmp_path: pathlib.Path, spec: JobSpec, sid: str = "dlsched-j-1"
                              env={**os.environ, **(env or {}), **body["runtime_env"]["env_vars"],
                                   "PYTHONPATH": str(root)})
     return res.returncode, logs / "dlsched" / sid
+
+
+def test_a_stop_that_reaches_the_entrypoints_shell_alone_ends_the_job(tmp_path):
+    """Ray runs the entrypoint through /bin/sh; a stop that came as the job started signalled the
+    shell alone (its children as of then: none yet), and the launcher the shell forked a moment
+    later ran the whole job, untracked, after Ray and dlsched said STOPPED. The shell execs the
+    launcher now: the entrypoint's pid is the launcher's, and its SIGTERM ends the job."""
+    marker = tmp_path / "started"
+    code = f"import pathlib, time\npathlib.Path({str(marker)!r}).write_text('x')\ntime.sleep(600)\n"
+    spec = JobSpec(RunMode.SINGLE_PROCESS, (ReplicaGroup(role="main", replicas=1, command=(PY, "-c", code)),))
+    body = render.render_submission("j", spec, 1)
+    (tmp_path / "logs").mkdir()
+    root = pathlib.Path(__file__).parent.parent
+    with open(tmp_path / "logs" / "job-driver-dlsched-j-1.log", "ab") as out:
+        sh = subprocess.Popen(["/bin/sh", "-c", body["entrypoint"].replace("python", shlex.quote(PY), 1)],
+                              cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT,
+                              env={**os.environ, **body["runtime_env"]["env_vars"], "PYTHONPATH": str(root)})
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert time.monotonic() < deadline and sh.poll() is None
+            time.sleep(0.1)
+        job_pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _mentions(int(p), str(marker))]
+        assert job_pids
+        sh.send_signal(signal.SIGTERM)  # the entrypoint's process alone, as Ray's racing stop
+        sh.wait(60)
+        deadline = time.monotonic() + 60
+        while any(_mentions(p, str(marker)) for p in job_pids):
+            assert time.monotonic() < deadline, "the job's process outlived the stop"
+            time.sleep(0.1)
+    finally:
+        if sh.poll() is None:
+            sh.kill()
+        for p in [int(p) for p in os.listdir("/proc") if p.isdigit() and _mentions(int(p), str(marker))]:
+            os.kill(p, signal.SIGKILL)
+
+
+def _mentions(pid: int, text: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return text.encode() in f.read()
+    except OSError:
+        return False
 
 
 def lines(path: pathlib.Path) -> list[str]:

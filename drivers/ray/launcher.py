@@ -480,6 +480,13 @@ def run_placement_group(job: dict[str, Any], spec: JobSpec) -> int:  # pragma: n
 
 
 def main() -> int:
+    # The launcher dies with what started it (Ray's job supervisor): a stop that reached only its
+    # parent must not leave it running the job, untracked.
+    parent = os.getppid()
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # (it died before the prctl)
+        return 143
     job = render.job_from_env(os.environ)
     spec = render.spec_from_json(job["spec"])
     stop = threading.Event()

@@ -19,7 +19,7 @@ The submission:
   same id with another uid is another job's, never adopted); the poller
   knows our jobs by them, and only under the id they derive
   (``parse_submission``): anything in the cluster can POST our metadata.
-- ``entrypoint`` is always ``<python> -m drivers.ray.launcher``, the
+- ``entrypoint`` is always ``exec <python> -m drivers.ray.launcher``, the
   in-cluster launcher (``drivers.ray.launcher``); ``<python>`` is cluster
   option ``python`` (default ``python``), an interpreter on the cluster that
   can import ``dlsched[ray]``. The job reaches it as JSON in the
@@ -281,7 +281,10 @@ def render_submission(job_id: str, spec: JobSpec, attempt: int,
         "placement_strategy": opts.placement_strategy,
         "spec": spec_to_json(spec),
     }
-    body["entrypoint"] = shlex.join([opts.python, "-m", LAUNCHER_MODULE])
+    # exec: Ray runs the entrypoint through /bin/sh, which forks (dash) unless told to exec: a
+    # stop that came as the job started signalled the shell alone, and the launcher it forked a
+    # moment later ran the whole job, untracked (Ray and dlsched said STOPPED)
+    body["entrypoint"] = "exec " + shlex.join([opts.python, "-m", LAUNCHER_MODULE])
     uris = {g.working_dir for g in spec.replica_groups if g.working_dir and is_uri(g.working_dir)}
     body["runtime_env"] = _runtime_env(job_env(job_env_value(launcher)),
                                        next(iter(uris)) if len(uris) == 1 else "")
