@@ -101,10 +101,10 @@ class DriverClients:
             raise from_rpc_error(e) from None
         return convert.observation_from_info(resp.info)
 
-    async def remove(self, driver_address: str, cluster: str) -> None:
+    async def remove(self, driver_address: str, cluster: str, *, if_idle: bool = False) -> None:
         try:
             await self._stub(driver_address).RemoveCluster(
-                pb.RemoveClusterRequest(cluster=cluster), timeout=min(self._timeout, 2.0))
+                pb.RemoveClusterRequest(cluster=cluster, if_idle=if_idle), timeout=min(self._timeout, 2.0))
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e) from None
 

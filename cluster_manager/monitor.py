@@ -196,6 +196,19 @@ class MonitorManager:
         if m is not None:
             await m.stop()
 
+    async def release(self, cluster: Cluster) -> None:
+        """Before a delete: RemoveCluster on its driver, which refuses (FAILED_PRECONDITION
+        ``CLUSTER_HAS_JOBS``, raised) while jobs it runs there are unfinished: deleted, they would
+        run on, out of every API's reach. A driver that does not answer cannot say: the delete
+        goes on (its jobs were out of reach already)."""
+        try:
+            await self._drivers.remove(cluster.driver_address, cluster.name, if_idle=True)
+        except DlschedError as e:
+            if e.reason == "CLUSTER_HAS_JOBS":
+                raise
+            log.info("RemoveCluster of %s on %s failed (%s); deleted all the same", cluster.name,
+                     cluster.driver_address, e.reason)
+
     async def forget(self, cluster: Cluster) -> None:
         """A deleted cluster: stop its monitor, then RemoveCluster on its driver
         (best effort)."""

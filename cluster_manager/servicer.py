@@ -210,6 +210,10 @@ class ClusterManagerServicer(pb_grpc.ClusterManagerServiceServicer):
         cid = validation.parse_cluster_name(request.name)
         if request.etag:
             tokens.parse_etag(request.etag, "etag")
+        with contextlib.suppress(ClusterNotFound):  # (answered below, as allow_missing says)
+            current = await self._store.get(cid)
+            if not request.etag or current.etag == request.etag:
+                await self._monitors.release(current)  # its driver refuses while its jobs run
         try:
             last = await self._store.delete(cid, etag=request.etag)
         except ClusterEtagMismatch as e:

@@ -83,7 +83,7 @@ class _MinimalDriver(base.Driver):
     async def configure_cluster(self, config: base.ClusterConfig) -> base.ClusterInfo:
         return base.ClusterInfo(state=base.ClusterState.READY)
 
-    async def remove_cluster(self, cluster: str) -> None:
+    async def remove_cluster(self, cluster: str, *, if_idle: bool = False) -> None:
         pass
 
     async def cluster_info(self, cluster: str) -> base.ClusterInfo:

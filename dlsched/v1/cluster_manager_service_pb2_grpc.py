@@ -125,7 +125,10 @@ class ClusterManagerServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DeleteCluster(self, request, context):
-        """Removes a cluster from the registry. Jobs already on it are not touched.
+        """Removes a cluster from the registry. While its driver runs unfinished
+        jobs of it: FAILED_PRECONDITION, reason CLUSTER_HAS_JOBS (stop them, or
+        let them end, first; deleted, they would run on out of every API's
+        reach). A driver that does not answer cannot say: the delete goes on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

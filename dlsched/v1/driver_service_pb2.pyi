@@ -41,10 +41,12 @@ class ConfigureClusterResponse(_message.Message):
     def __init__(self, info: _Optional[_Union[ClusterInfo, _Mapping]] = ...) -> None: ...
 
 class RemoveClusterRequest(_message.Message):
-    __slots__ = ("cluster",)
+    __slots__ = ("cluster", "if_idle")
     CLUSTER_FIELD_NUMBER: _ClassVar[int]
+    IF_IDLE_FIELD_NUMBER: _ClassVar[int]
     cluster: str
-    def __init__(self, cluster: _Optional[str] = ...) -> None: ...
+    if_idle: bool
+    def __init__(self, cluster: _Optional[str] = ..., if_idle: _Optional[bool] = ...) -> None: ...
 
 class RemoveClusterResponse(_message.Message):
     __slots__ = ()

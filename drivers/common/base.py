@@ -399,8 +399,9 @@ class Driver(abc.ABC):
         """Configure (or reconfigure) a cluster; keep credentials in memory only."""
 
     @abc.abstractmethod
-    async def remove_cluster(self, cluster: str) -> None:
-        """Forget a cluster; jobs on it are not touched. Unknown clusters are fine."""
+    async def remove_cluster(self, cluster: str, *, if_idle: bool = False) -> None:
+        """Forget a cluster; jobs on it are not touched. Unknown clusters are fine. With
+        ``if_idle``: FAILED_PRECONDITION ``CLUSTER_HAS_JOBS`` while a job of it is unfinished."""
 
     @abc.abstractmethod
     async def cluster_info(self, cluster: str) -> ClusterInfo:

@@ -60,7 +60,7 @@ class DriverServicer(driver_service_pb2_grpc.DriverServiceServicer):
 
     async def RemoveCluster(self, request: pb.RemoveClusterRequest,
                             context: grpc.aio.ServicerContext) -> pb.RemoveClusterResponse:
-        await self._driver.remove_cluster(convert.cluster_name(request.cluster))
+        await self._driver.remove_cluster(convert.cluster_name(request.cluster), if_idle=request.if_idle)
         return pb.RemoveClusterResponse()
 
     async def GetClusterInfo(self, request: pb.GetClusterInfoRequest,

@@ -50,7 +50,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from dlsched import __version__
-from dlsched.errors import Unimplemented
+from dlsched.errors import FailedPrecondition, Unimplemented
 from drivers.common.base import (
     ClusterConfig,
     ClusterInfo,
@@ -234,7 +234,16 @@ class BackendDriver(Driver, Generic[C, R]):
                 await self._activate(config.name, c)
         return await self._bounded_info(config.name, c)
 
-    async def remove_cluster(self, cluster: str) -> None:
+    async def remove_cluster(self, cluster: str, *, if_idle: bool = False) -> None:
+        """Forget the cluster; with ``if_idle``, FAILED_PRECONDITION ``CLUSTER_HAS_JOBS`` while a
+        job of it this driver tracks is unfinished (ClusterManager's DeleteCluster asks so: a
+        cluster deleted under running jobs left them running, out of every API's reach)."""
+        c = self.clusters.get(cluster) if if_idle else None
+        if c is not None and (live := [o.job_id for o in self._snapshot(c) if not o.state.is_terminal()]):
+            raise FailedPrecondition(
+                f"{cluster} has {len(live)} unfinished job(s) (e.g. jobs/{live[0]}): stop them, or let "
+                "them end, then delete it", reason="CLUSTER_HAS_JOBS",
+                metadata={"cluster": cluster, "unfinished_jobs": str(len(live))})
         await self.clusters.remove(cluster, drop=self._disconnect)
         self._last_ready.pop(cluster, None)
 
