@@ -405,7 +405,10 @@ class DriverClient:
                 break
             except errors.DlschedError as e:
                 # As the service config retries a stream before its first message.
-                if not isinstance(for_client(e, cluster), errors.Unavailable) or got or retries >= _TAIL_RETRIES:
+                # Not the backend's own UNAVAILABLE: the driver answered it after its own timeout
+                # (a frozen Ray agent: 4 more opens of 10 s each held a read ~1 minute).
+                if (not isinstance(for_client(e, cluster), errors.Unavailable) or got or retries >= _TAIL_RETRIES
+                        or e.reason == "BACKEND_UNAVAILABLE"):
                     raise_for_client(e, cluster)
                 await asyncio.sleep(min(0.2 * 2 ** retries, 5.0))
                 retries += 1

@@ -96,6 +96,38 @@ async def test_a_tail_that_failed_unavailable_before_any_batch_is_opened_again()
         await server.stop(None)
 
 
+class SlowBackendDriver(driver_service_pb2_grpc.DriverServiceServicer):
+    """MultiplexJobLogs whose every tail ends with the backend's own UNAVAILABLE."""
+
+    def __init__(self) -> None:
+        self.tails = 0
+
+    async def MultiplexJobLogs(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
+        async def tail(req: dpb.TailJobLogsRequest) -> AsyncIterator[dpb.TailJobLogsResponse]:
+            self.tails += 1
+            raise errors.Unavailable("the Ray dashboard agent did not answer in 10 s", reason="BACKEND_UNAVAILABLE")
+            yield _batch()  # (a generator)
+
+        async with contextlib.aclosing(LogMux(tail).run(request_iterator)) as responses:
+            async for resp in responses:
+                yield resp
+
+
+async def test_a_tail_the_backend_could_not_serve_is_not_opened_again() -> None:
+    """The driver's own BACKEND_UNAVAILABLE came after its timeout (10 s for a frozen Ray agent):
+    opened 4 more times, a log read took ~1 minute and the client's deadline ran out first."""
+    slow = SlowBackendDriver()
+    server, address = await _serve(slow)
+    client = DriverClient(address)
+    try:
+        with pytest.raises(errors.Unavailable) as ei:
+            await _texts(client, "j1")
+        assert ei.value.reason == "BACKEND_UNAVAILABLE" and slow.tails == 1, (ei.value, slow.tails)
+    finally:
+        await client.close()
+        await server.stop(None)
+
+
 class ScriptedDriver(driver_service_pb2_grpc.DriverServiceServicer):
     """MultiplexJobLogs that answers each open with ``script(tail_id)`` (ignoring
     credit) and records what the client sent; ``abort_after`` opens: UNAVAILABLE."""
