@@ -621,3 +621,13 @@ async def test_a_call_on_a_connection_replaced_meanwhile_is_unavailable_not_inte
         with pytest.raises(Unavailable) as e:
             await call
         assert e.value.reason == "BACKEND_UNAVAILABLE" and "replaced" in e.value.message
+
+
+def test_a_job_ended_by_a_signal_reads_128_plus_n_as_on_every_backend():
+    """Ray's driver_exit_code is -N for a signal N (seen -15 after a stop's SIGTERM): 128+N."""
+    from drivers.ray import parse
+
+    for ray_code, ours in ((-15, 143), (-9, 137), (0, 0), (3, 3)):
+        it = {"submission_id": "dlsched-j-1", "status": "FAILED", "driver_exit_code": ray_code,
+              "start_time": 1000, "end_time": 2000}
+        assert parse.observation("j", 1, it).exit_code == ours, ray_code

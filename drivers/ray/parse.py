@@ -84,7 +84,8 @@ def _observation(job_id: str, attempt: int, it: Mapping[str, Any]) -> JobObserva
     return JobObservation(
         job_id=job_id, backend_job_id=str(it.get("submission_id") or ""), found=True, state=state,
         reason=reason, message=trim(str(it.get("message") or "")),
-        exit_code=int(exit_code) if isinstance(exit_code, int) else None,
+        # (a process ended by signal N: Ray says -N, every other backend and the shell 128+N)
+        exit_code=(128 - exit_code if exit_code < 0 else exit_code) if isinstance(exit_code, int) else None,
         start_time=start / 1000 if start else None, end_time=end / 1000 if end and state.is_terminal() else None,
         attempt=attempt, uid=render.uid_of(it))
 
