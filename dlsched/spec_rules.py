@@ -19,6 +19,7 @@ per-field checks run only on a spec within those bounds.
 from __future__ import annotations
 
 import math
+import posixpath
 import re
 import shlex
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -407,6 +408,24 @@ def check_selected_cluster(value: str, field: str) -> list[FieldViolation]:
         return []
     return [FieldViolation(field, "a cluster's name (clusters/{id}) or id: 1 to 63 lower case letters, "
                                   "digits and '-', starting with a letter")]
+
+
+def check_for_cluster_type(spec: Any, cluster_type: int) -> list[FieldViolation]:
+    """What the driver of ``cluster_type`` would refuse for the spec's shape, checked once the
+    cluster is chosen (SubmitJob), so that a job is refused at once and not stored to fail at
+    its launch (LaunchRejected). The drivers check again (``render.check``)."""
+    out: list[FieldViolation] = []
+    for i, g in enumerate(_groups(spec)):
+        wd = str(g.working_dir)
+        if not wd or wd.startswith("/") or "://" in wd:
+            continue
+        f = f"spec.replica_groups[{i}].working_dir"
+        if cluster_type == 1 and posixpath.normpath(wd).split("/", 1)[0] == "..":  # LOCAL
+            out.append(FieldViolation(f, "a relative working directory must stay inside the attempt directory"))
+        elif cluster_type == 3 and not (int(spec.run_mode) == MPI and g.role != "launcher"):  # KUBERNETES
+            # (MPI workers run sshd, not the command: their working_dir is not used)
+            out.append(FieldViolation(f, "must be an absolute path on Kubernetes"))
+    return out
 
 
 def check_labels(labels: Mapping[str, str], field: str) -> list[FieldViolation]:

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from dlsched import errors
+from dlsched import errors, spec_rules
 from dlsched.kit import logs
 from dlsched.kit.locks import KeyedLocks
 from job_manager.cache import JobCache
@@ -236,6 +236,9 @@ class Scheduler:
             raise NoMatchingCluster(
                 "no cluster can run this job",
                 [(c.cluster, "; ".join(c.reasons) or "not eligible") for c in candidates])
+        if violations := spec_rules.check_for_cluster_type(spec, chosen.cluster_type):
+            raise errors.InvalidArgument(
+                f"invalid job for {chosen.cluster}: {violations[0].field}: {violations[0].description}", violations)
         now = self._clock()
         job = Job(id=job_id or f"job-{uuid.uuid4().hex[:12]}", spec=spec,
                   uid=str(uuid.uuid4()), state=JobState.PENDING, cluster=chosen.cluster,

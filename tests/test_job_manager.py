@@ -838,3 +838,34 @@ async def test_a_cluster_with_a_running_job_is_not_deleted_until_the_job_has_end
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await cm.stub.GetCluster(cm_pb.GetClusterRequest(name=spare), timeout=30)
         assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_working_dir_the_chosen_clusters_driver_refuses_is_refused_at_submit(
+        jm: pb_grpc.JobManagerServiceStub) -> None:
+    """A hostile corpus's find: a relative working_dir leading out of the attempt directory passed
+    SubmitJob, then the local driver refused the launch (FAILED LaunchRejected). The chosen
+    cluster's type rules run at SubmitJob: INVALID_ARGUMENT naming the field, nothing stored."""
+    from dlsched import spec_rules
+    from job_manager.domain.model import JobSpec, ReplicaGroup
+
+    job_id = uniq()
+    spec = single("print(1)")
+    spec.replica_groups[0].working_dir = "../../../../tmp"
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await jm.SubmitJob(pb.SubmitJobRequest(job_id=job_id, spec=spec))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "spec.replica_groups[0].working_dir" in ei.value.details(), ei.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await jm.GetJob(pb.GetJobRequest(name=f"jobs/{job_id}"))
+    assert ei.value.code() == grpc.StatusCode.NOT_FOUND
+    spec.replica_groups[0].working_dir = "inside/../here"  # stays inside: taken (a dry run)
+    assert (await jm.SubmitJob(pb.SubmitJobRequest(spec=spec, dry_run=True))).dry_run.cluster
+    # Kubernetes: a container's workingDir must be absolute (MPI workers run sshd, not the command)
+    k8s = JobSpec(run_mode=1, replica_groups=[ReplicaGroup(role="main", replicas=1, command=["x"],
+                                                           working_dir="rel")])
+    assert [v.field for v in spec_rules.check_for_cluster_type(k8s, 3)] == ["spec.replica_groups[0].working_dir"]
+    assert spec_rules.check_for_cluster_type(k8s, 4) == []  # (Ray: a path on its nodes)
+    mpi = JobSpec(run_mode=spec_rules.MPI, replica_groups=[
+        ReplicaGroup(role="launcher", replicas=1, command=["x"], working_dir="/abs"),
+        ReplicaGroup(role="worker", replicas=2, command=["x"], working_dir="rel")])
+    assert spec_rules.check_for_cluster_type(mpi, 3) == []
