@@ -127,6 +127,10 @@ class SchedulerConfig:
     max_concurrent_launches: int = 32
 
 
+class _GateClosed(Exception):
+    """A launch found its cluster's driver down while it waited for its slot (``DriverGate``)."""
+
+
 @dataclass(frozen=True)
 class DryRun:
     cluster: str
@@ -358,19 +362,27 @@ class Scheduler:
             job, done = await self._try_launch(job_id, cluster, known)
         except OwnershipLost:
             return await self.store.get(job_id)  # the cluster's new owner launches it
+        except _GateClosed:
+            self._retry_in_background(job_id, "launch", cluster)
+            return known or await self.store.get(job_id)
         if not done:
             self._retry_in_background(job_id, "launch", job.cluster)
         return job
 
-    async def _try_launch(self, job_id: str, cluster: str, known: Job | None = None) -> tuple[Job, bool]:
+    async def _try_launch(self, job_id: str, cluster: str, known: Job | None = None, *,
+                          probe: bool = False) -> tuple[Job, bool]:
         """One launch attempt of a job of ``cluster``: (the job, whether no further
         attempt is needed). ``known``: the job as just written (by SubmitJob, a
-        retry, the watch), read instead of etcd unless the cache holds a newer one."""
+        retry, the watch), read instead of etcd unless the cache holds a newer one.
+        ``_GateClosed`` when the cluster's driver was found down while it waited for its
+        slot (unless it is the gate's ``probe``): no call, the retry waits at the gate."""
         slots = self._launch_slots.get(cluster)
         if slots is None:
             slots = self._launch_slots[cluster] = asyncio.Semaphore(max(1, self.config.max_concurrent_launches))
         with logs.job_context(job_id):
             async with slots:
+                if not probe and self._gate(cluster).must_wait():
+                    raise _GateClosed()
                 return await self._try_launch_locked(job_id, known)
 
     def _newest(self, job_id: str, known: Job | None) -> Job | None:
@@ -492,21 +504,22 @@ class Scheduler:
                 while True:
                     await asyncio.sleep(delay)
                     delay = max(delay, self.config.retry_initial_seconds / 2)
-                    # Its driver down: wait while another job's call probes it (no work meanwhile)
-                    if op == "launch" and gate.must_wait():
-                        await self._wait_noted(job_id, gate, start)
-                    while (turn := await gate.turn(self.config.retry_max_seconds)) is Turn.WAIT:
+                    # Its driver down: wait while another job's call probes it (no work meanwhile;
+                    # the job stays PENDING with its reason, LaunchQueued, the prober's says why)
+                    if gate.must_wait():
                         start = None  # (as written before the wait: maybe stopped since)
-                        if not self._still_waiting(job_id, op):
-                            return
+                    turn = await gate.turn()
                     try:
                         if op == "launch":
-                            _, done = await self._try_launch(job_id, cluster, start)
+                            _, done = await self._try_launch(job_id, cluster, start, probe=turn is Turn.PROBE)
                             start = None
                         else:
                             done = await self._try_terminate(job_id)
                     except (JobNotFound, OwnershipLost):
                         return
+                    except _GateClosed:
+                        start = None
+                        continue  # (not a try: no backoff of its own)
                     except errors.DlschedError as e:
                         log.warning("%s of %s: %s", op, job_id, e)
                         done = False
@@ -522,31 +535,6 @@ class Scheduler:
 
         self._retries[key] = asyncio.create_task(loop(), name=f"{op}-{job_id}")
         self._retry_cluster[key] = cluster
-
-    def _still_waiting(self, job_id: str, op: str) -> bool:
-        """Whether a retry waiting at its cluster's closed gate still has work (by the cache:
-        a job deleted or ended through another replica meanwhile has none)."""
-        if self.cache is None or self.cache.current == 0:
-            return True
-        cached = self.cache.get(job_id)
-        if cached is None:
-            return False
-        job = cached.job()
-        if op == "launch":
-            return job.state == JobState.PENDING and not job.launched
-        return job.state == JobState.STOPPING
-
-    async def _wait_noted(self, job_id: str, gate: DriverGate, known: Job | None) -> None:
-        """A launch about to wait at a closed gate says why in its job's reason (one write, none
-        when it says so already, nor when the job is not this replica's to write or etcd is down)."""
-        with logs.job_context(job_id):
-            try:
-                cached = self.cache.get(job_id) if self.cache is not None and known is None else None
-                job = self._newest(job_id, known) or (cached.job() if cached else await self.store.get(job_id))
-                if job.state == JobState.PENDING and not job.launched and self.ownership.owns(job.cluster):
-                    await self._note_waiting(job, gate.reason, gate.message, self.ownership.fence(job.cluster))
-            except (errors.DlschedError, OwnershipLost) as e:
-                log.debug("launch of %s waits for its driver; its reason not written: %s", job_id, e)
 
     # ------------------------------------------------------------ stop / delete
 

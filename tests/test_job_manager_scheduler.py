@@ -411,22 +411,27 @@ async def test_the_gate_opens_for_the_jobs_own_failures_and_gives_one_probe_at_a
     from job_manager.driver_gate import DriverGate, Turn
 
     gate = DriverGate(0.01, 0.05)
-    assert await gate.turn(1) is Turn.GO
+    assert await gate.turn() is Turn.GO
     gate.failed("BACKEND_UNAVAILABLE", "the job's own: the driver answered")
-    assert not gate.closed and await gate.turn(1) is Turn.GO
+    assert not gate.closed and await gate.turn() is Turn.GO
     gate.failed("DRIVER_UNAVAILABLE", "down")
     assert gate.closed and (gate.reason, gate.message) == ("DRIVER_UNAVAILABLE", "down")
     assert gate.must_wait()  # (the first probe is due 0.01 s after the failure)
-    while (turn := await gate.turn(1)) is Turn.WAIT:  # due 0.01 s after the failure
-        pass
-    assert turn is Turn.PROBE
-    assert gate.must_wait() and await gate.turn(0.05) is Turn.WAIT  # another caller: the probe is out
-    waiter = asyncio.ensure_future(gate.turn(60))
-    await asyncio.sleep(0)
-    gate.answered()  # the probe got an answer: every waiter goes
-    assert await asyncio.wait_for(waiter, 10) is Turn.GO
+    waiters = [asyncio.ensure_future(gate.turn()) for _ in range(3)]
+    first = await asyncio.wait_for(asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED), 10)
+    assert [t.result() for t in first[0]] == [Turn.PROBE]  # one waiter woken to probe
+    await asyncio.sleep(0.1)
+    assert sum(t.done() for t in waiters) == 1 and gate.must_wait()  # the probe is out: the rest wait
+    gate.failed("UNAVAILABLE", "still down")  # the probe failed
     gate.probed()
-    assert await gate.turn(1) is Turn.GO
+    second = await asyncio.wait_for(asyncio.wait([t for t in waiters if not t.done()],
+                                                 return_when=asyncio.FIRST_COMPLETED), 10)
+    assert [t.result() for t in second[0]] == [Turn.PROBE]
+    gate.answered()  # the probe got an answer: every waiter goes
+    rest = [t for t in waiters if t not in first[0] | second[0]]
+    assert [await asyncio.wait_for(t, 10) for t in rest] == [Turn.GO]
+    gate.probed()
+    assert await gate.turn() is Turn.GO and not gate.closed
 
 
 async def test_a_never_launched_job_is_deleted_without_waiting_for_a_down_driver(etcd: EtcdServer, etcd_prefix: str) -> None:
