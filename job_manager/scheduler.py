@@ -20,7 +20,9 @@ SubmitJob semantics worth knowing:
   job's state says where the launch is: PENDING ``LaunchQueued`` until the
   driver answers, then the backend id and the driver's state; PENDING
   ``DriverUnavailable``/``ClusterNotConfigured`` while a retry with backoff
-  waits for the driver; FAILED ``LaunchRejected`` when the driver refuses the
+  waits for the driver (once the cluster's ``DriverGate`` has closed, only the
+  job whose retry probes the driver says so; the others wait behind it,
+  ``LaunchQueued``, without a call or a write); FAILED ``LaunchRejected`` when the driver refuses the
   job (INVALID_ARGUMENT, FAILED_PRECONDITION other than
   CLUSTER_NOT_CONFIGURED, UNIMPLEMENTED, NOT_FOUND). Nothing is lost between
   the store and the launch: a replica killed there leaves a PENDING job
