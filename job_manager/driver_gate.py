@@ -86,7 +86,10 @@ class DriverGate:
         """The probe ``turn`` gave is over (whatever it found: ``failed``/``answered`` said it)."""
         self._probing = False
         if self._closed:
-            self._arm()  # (a probe that made no call, its job gone: the next one is due at once)
+            # A probe that made no call (its job gone, or etcd down before it): the next one
+            # after the least delay, not at once (a chain of waiters each failing on etcd).
+            self._next = max(self._next, time.monotonic() + self._initial)
+            self._arm()
 
     def must_wait(self) -> bool:
         """Whether ``turn`` would wait now (closed, and a probe is out or not due)."""

@@ -432,6 +432,12 @@ async def test_the_gate_opens_for_the_jobs_own_failures_and_gives_one_probe_at_a
     assert [await asyncio.wait_for(t, 10) for t in rest] == [Turn.GO]
     gate.probed()
     assert await gate.turn() is Turn.GO and not gate.closed
+    # a probe that made no call (its job gone, etcd down): the next after the least delay, not at once
+    gate.failed("DRIVER_UNAVAILABLE", "down")
+    await asyncio.sleep(0.05)
+    assert await gate.turn() is Turn.PROBE
+    gate.probed()
+    assert gate.must_wait()
 
 
 async def test_a_never_launched_job_is_deleted_without_waiting_for_a_down_driver(etcd: EtcdServer, etcd_prefix: str) -> None:
