@@ -49,10 +49,6 @@ class DriverGate:
     def closed(self) -> bool:
         return self._closed
 
-    @property
-    def waiting(self) -> int:
-        return sum(1 for f in self._waiters if not f.done())
-
     def failed(self, reason: str, message: str) -> None:
         """A call failed with ``reason``; the gate closes when it names the driver."""
         if reason not in DRIVER_DOWN:

@@ -69,7 +69,6 @@ from job_manager.history.store import HistoryStore
 from job_manager.job_metrics import LAUNCH_LATENCY
 from job_manager.ownership import Ownership, SoleOwner
 from job_manager.store import (
-    Fence,
     JobStore,
     OwnershipLost,
     PendingCleanup,
@@ -416,10 +415,13 @@ class Scheduler:
                 if _retryable(e):
                     gate = self._gate(job.cluster)
                     quiet = gate.closed  # (said once per outage, not once per queued job)
-                    gate.failed(e.reason, e.message[:500])
+                    msg = e.message[:500]
+                    gate.failed(e.reason, msg)
                     (log.debug if quiet else log.warning)(
                         "launch of %s on %s deferred: %s", job_id, job.cluster, e.reason)
-                    job = await self._note_waiting(job, e.reason, e.message[:500], fence)
+                    why = "ClusterNotConfigured" if e.reason == "CLUSTER_NOT_CONFIGURED" else "DriverUnavailable"
+                    job = await self.store.update(
+                        job_id, lambda j: states.mark_launch_waiting(j, why, msg), fence=fence, current=job)
                     return job, False
                 self._gate(job.cluster).answered()
                 log.warning("launch of %s refused by %s: %s", job_id, job.cluster, e.reason)
@@ -457,12 +459,6 @@ class Scheduler:
                 self._spawn(self._terminate_backend(job.cluster, job_id, backend_id, job.uid),
                             cluster=job.cluster)
             return job, True
-
-    async def _note_waiting(self, job: Job, reason: str, message: str, fence: Fence | None) -> Job:
-        """PENDING ``job`` waits for its driver: its reason says why (one write, none when unchanged)."""
-        why = "ClusterNotConfigured" if reason == "CLUSTER_NOT_CONFIGURED" else "DriverUnavailable"
-        return await self.store.update(job.id, lambda j: states.mark_launch_waiting(j, why, message),
-                                       fence=fence, current=job)
 
     async def _terminate_backend(self, cluster: str, job_id: str, backend_id: str, uid: str, *,
                                  cleanup: bool = False, record: PendingCleanup | None = None) -> None:
@@ -641,8 +637,8 @@ class Scheduler:
             # deletes 18 s each; the record below has the clean-up done when it answers).
             never = not job.backend_job_id
             try:
-                if never and self._gate(job.cluster).must_wait():
-                    raise errors.Unavailable(self._gate(job.cluster).message, reason="DRIVER_UNAVAILABLE")
+                if never and (gate := self._gate(job.cluster)).must_wait():
+                    raise errors.Unavailable(gate.message, reason="DRIVER_UNAVAILABLE")
                 drv = await self.driver_for(job.cluster)
                 await asyncio.wait_for(drv.cleanup(job.cluster, job.id, job.backend_job_id, job.uid),
                                        self.config.inline_driver_seconds +

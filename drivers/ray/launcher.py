@@ -77,12 +77,17 @@ STOP_GRACE_SECONDS = 5.0
 CANCEL_WAIT_SECONDS = STOP_GRACE_SECONDS + 25
 
 
+def _parent_death_signal(sig: int) -> None:
+    """This process gets ``sig`` when its parent dies (PR_SET_PDEATHSIG; best effort)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, sig)
+
+
 def _die_with_parent() -> None:
     """In the child before exec: it dies with its launcher (PR_SET_PDEATHSIG), and starts with
     no signal blocked or ignored (a Ray worker running a replica's task blocks SIGINT: a
     process started from there did too, unlike one on any other backend)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    _parent_death_signal(signal.SIGKILL)
     with contextlib.suppress(Exception):
         signal.pthread_sigmask(signal.SIG_SETMASK, set())
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGQUIT, signal.SIGHUP):
@@ -483,8 +488,7 @@ def main() -> int:
     # The launcher dies with what started it (Ray's job supervisor): a stop that reached only its
     # parent must not leave it running the job, untracked.
     parent = os.getppid()
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    _parent_death_signal(signal.SIGTERM)
     if os.getppid() != parent:  # (it died before the prctl)
         return 143
     job = render.job_from_env(os.environ)
