@@ -141,18 +141,23 @@ async def _cm_unary(call: Awaitable[T]) -> T:
         raise err from e
 
 
-def match_spec(spec: job_pb2.JobSpec) -> job_pb2.JobSpec:
+def match_spec(spec: JobSpec) -> job_pb2.JobSpec:
     """What ClusterManager's matching reads of a spec (its run mode, each group's role,
     replicas, processes and resources, the selector, the project), nothing else:
     commands, environment and labels differ from job to job and never change a match
-    (whether a group names an image does: only container backends run one).
+    (whether a group names an image does: only container backends run one). Built from
+    the job's spec directly (not through the whole spec's proto: a submit's cost).
     ``tests/test_submit_path.py`` checks ClusterManager derives the same requirements."""
+    sel = spec.cluster_selector
     return job_pb2.JobSpec(
-        run_mode=spec.run_mode, cluster_selector=spec.cluster_selector, project=spec.project,
-        replica_groups=[job_pb2.ReplicaGroup(role=g.role, replicas=g.replicas,
-                                             processes_per_replica=g.processes_per_replica,
-                                             resources=g.resources, image=g.image)
-                        for g in spec.replica_groups])
+        run_mode=spec.run_mode, project=spec.project,  # type: ignore[arg-type]
+        cluster_selector=job_pb2.ClusterSelector(
+            cluster=sel.cluster, cluster_type=sel.cluster_type, labels=sel.labels),  # type: ignore[arg-type]
+        replica_groups=[job_pb2.ReplicaGroup(
+            role=g.role, replicas=g.replicas, processes_per_replica=g.processes_per_replica, image=g.image,
+            resources=job_pb2.Resources(cpu=g.resources.cpu, memory_bytes=g.resources.memory_bytes,
+                                        gpus=g.resources.gpus, gpu_type=g.resources.gpu_type))
+            for g in spec.replica_groups])
 
 
 #: a cluster's driver address known, ClusterManager is asked again for at most this long once the
@@ -182,7 +187,7 @@ class ClusterManagerClient:
         self._matching: dict[bytes, asyncio.Future[cm_pb2.MatchClustersResponse]] = {}  # in flight
 
     async def match(self, spec: JobSpec) -> list[Candidate]:
-        req = cm_pb2.MatchClustersRequest(spec=match_spec(spec_to_proto(spec)), project=spec.project)
+        req = cm_pb2.MatchClustersRequest(spec=match_spec(spec), project=spec.project)
         key = req.SerializeToString(deterministic=True)
         call = self._matching.get(key)
         if call is None:  # the call is a task of its own: a caller that leaves never ends it

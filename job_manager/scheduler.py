@@ -278,7 +278,7 @@ class Scheduler:
             stored, created = await self.store.create(job, request_id)
         if not created:  # a retried request, or a concurrent one with its request id, came first
             return await self._after_duplicate(stored, owner), None
-        log.info("job %s stored for %s (request %s)", stored.id, stored.cluster,
+        log.debug("job %s stored for %s (request %s)", stored.id, stored.cluster,
                  request_id or "-")
         await self._queue_launch(stored)
         return stored, None

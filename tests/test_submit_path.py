@@ -204,6 +204,7 @@ def test_the_match_request_keeps_everything_matching_reads() -> None:
 
     from cluster_manager.convert import job_requirements_from_proto
     from job_manager.clients import match_spec
+    from job_manager.convert import spec_from_proto
 
     full = job_pb2.JobSpec(
         run_mode=job_pb2.RUN_MODE_PS_WORKER, queue="q", time_limit=duration_pb2.Duration(seconds=60),
@@ -217,5 +218,7 @@ def test_the_match_request_keeps_everything_matching_reads() -> None:
             for role, n in (("ps", 1), ("worker", 3))])
     unset = [f.name for f in job_pb2.JobSpec.DESCRIPTOR.fields if not getattr(full, f.name)]
     assert not unset, f"set every field here (a new one must be judged): {unset}"
-    assert job_requirements_from_proto(match_spec(full)) == job_requirements_from_proto(full)
-    assert match_spec(full).project == full.project
+    sent = match_spec(spec_from_proto(full))
+    assert job_requirements_from_proto(sent) == job_requirements_from_proto(full)
+    assert sent.project == full.project
+    assert not any(g.command or g.args or g.env or g.working_dir for g in sent.replica_groups)
