@@ -610,12 +610,16 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             raise InvalidArgument.for_field("replica_index", "0 or more")
         resumed = LogCursor.decode(request.resume_cursor) if request.resume_cursor else None
         every = self.heartbeat_seconds
-        at = request.resume_cursor  # the cursor of the last response sent
         p = caller()
         first = await self._readable(request.name)  # its project: what heartbeats re-check against
         _check_log_replicas(request, first)
         if resumed is not None and resumed.job_uid != first.uid:  # before any wait for a launch
             raise InvalidArgument.for_field(CURSOR_FIELD, f"not a cursor of {first.name}")
+        if resumed is not None and not resumed.attempt and not resumed.streams:
+            resumed = None  # issued before any line: the first call again (its tail_lines too)
+        # The cursor of the last response sent: every response carries one, the heartbeats
+        # before the first line too (this job's, with nothing delivered).
+        at = request.resume_cursor or LogCursor(first.uid).encode()
         if request.follow and every > 0:
             # At once, not after the first lines or heartbeat: a client whose follow is cut
             # from here on knows it was established, and resumes instead of failing.

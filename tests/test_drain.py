@@ -375,14 +375,25 @@ async def test_resume_from_each_cursor_gives_exactly_the_rest(stack: Stack, clus
         stub = pb_grpc.JobManagerServiceStub(ch)
         batches: list[tuple[list[tuple[int, str]], str]] = []
         async for resp in stub.StreamJobLogs(pb.StreamJobLogsRequest(name=job.name, follow=True)):
-            # The first response comes at once, empty, without a cursor (nothing delivered: a
-            # client cut from here asks again as it first did); every one after a line has one.
-            assert resp.resume_cursor or not any(b for b, _ in batches), batches
+            # Every response carries a cursor (the proto says so), the first too: it comes at
+            # once, empty, with this job's cursor of nothing delivered.
+            assert resp.resume_cursor, batches
             batches.append(([(e.stream, e.text) for e in resp.entries], resp.resume_cursor))
-        assert batches[0] == ([], "")
+        assert not batches[0][0]
         everything = [x for b, _ in batches for x in b]
         assert by_stream(everything, job_pb2.LOG_STREAM_STDOUT) == STDOUT
-        cursored = [i for i, (_, c) in enumerate(batches) if c]
+        # Resumed from it, the stream is the first call again: every line, or the tail asked for.
+        for tail, want in ((0, everything), (3, None)):
+            again: list[tuple[int, str]] = []
+            async for resp in stub.StreamJobLogs(pb.StreamJobLogsRequest(
+                    name=job.name, tail_lines=tail, resume_cursor=batches[0][1])):
+                again.extend((e.stream, e.text) for e in resp.entries)
+            if want is not None:
+                for s in (job_pb2.LOG_STREAM_STDOUT, job_pb2.LOG_STREAM_STDERR):
+                    assert by_stream(again, s) == by_stream(want, s)
+            else:
+                assert by_stream(again, job_pb2.LOG_STREAM_STDOUT) == STDOUT[-3:]
+        cursored = [i for i, (b, _) in enumerate(batches) if b]
         for i in (cursored[0], cursored[1], cursored[len(cursored) // 2], cursored[-1]):
             rest: list[tuple[int, str]] = []
             async for resp in stub.StreamJobLogs(pb.StreamJobLogsRequest(
