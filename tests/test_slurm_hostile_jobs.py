@@ -211,3 +211,26 @@ def test_a_capped_log_swapped_for_a_symlink_is_not_read_on_for_ever(tmp_path: Pa
     os.symlink("/dev/zero", adir / "main-0.stdout")
     rc, out, _ = bash(adir, cursor.read_script(str(adir)))
     assert rc == 0 and cursor.feed(slogs.parse_frames(out)) == [] and not cursor.more()
+
+
+def test_a_tail_of_a_file_of_one_huge_line_reads_its_last_pieces(tmp_path: Path) -> None:
+    """``tail_lines=3`` of a log of one 3 MiB line and a short one: the last three entries (a
+    long line comes in pieces, each an entry), read from a window of three pieces at the end,
+    not the whole line (2.36 MB came back, every piece past the first read's)."""
+    from drivers.common.convert import MAX_LINE_CHARS
+
+    adir = tmp_path / "attempt-1"
+    adir.mkdir()
+    huge = bytes(range(97, 123)) * (3 * (1 << 20) // 26)
+    (adir / "main-0.stdout").write_bytes(huge + b"\nend\n")
+    (adir / "main-0.stderr").write_bytes(b"warn " * 300_000 + b"\n" + b"srun: error: x\n")
+    entries, sizes = read_all(adir, slogs.LogCursor(LogQuery(tail_lines=3), ROLES))
+    got = texts(entries)
+    out = got["main-0.stdout"]
+    assert len(out) == 3 and out[-1] == "end", [len(t) for t in out]
+    assert all(len(t) <= MAX_LINE_CHARS for t in out)
+    assert huge.decode().endswith(out[0] + out[1])  # the line's last bytes, in order
+    assert sum(sizes) <= 3 * MAX_LINE_CHARS + slogs.SLURM_OWN_TAIL_EXTRA * slogs.SLURM_OWN_LINE_BYTES \
+        + 3 * MAX_LINE_CHARS + 64 * 1024, sizes
+    err = got["main-0.stderr"]  # srun's line left out, the program's line's last pieces
+    assert 1 <= len(err) <= 3 and all(set(t) <= set("warn ") for t in err), [t[:20] for t in err]

@@ -51,7 +51,8 @@ the lines dated at or after it.
 
 Following (``tail``): a tail starts with one framed read of every file on the
 control connection (``tail_lines``: each file from its last N lines, found
-from its end, so a large log is never read whole; ``since_time``: from the
+from its end within N pieces' bytes, so a large log is never read whole and
+a long line gives its last pieces, each an entry; ``since_time``: from the
 log index's last entry before it). A follower then streams: one long-lived
 remote loop on one channel of the cluster's second SSH connection
 (``SlurmClient.log_ssh``, opened on first use, at most ``--max-log-streams``
@@ -83,7 +84,7 @@ from dlsched.errors import DlschedError
 from dlsched.kit.parse import decimal
 from dlsched.spec_rules import MAX_PROCESSES
 from drivers.common.base import LogEntry, LogQuery, LogStream
-from drivers.common.convert import pieces
+from drivers.common.convert import MAX_LINE_CHARS, pieces
 from drivers.common.registry import BackendUnavailable
 from drivers.slurm import shell
 from drivers.slurm.render import LOG_INDEX
@@ -117,6 +118,7 @@ SLURM_OWN_SUFFIX_RE = re.compile(
     rb"(?:Exited with exit code [0-9]{1,3}|[A-Z][A-Za-z0-9/ ]{0,40}?(?: \(core dumped\))?)"
     rb"|slurmstepd(?:-[^:\s]{1,128})?: error: \*\*\* (?:STEP|JOB) [^*]{1,512}\*\*\*)\Z")
 SLURM_OWN_TAIL_EXTRA = 64  # lines a stderr tail reads beyond tail_lines: srun's own, left out after
+SLURM_OWN_LINE_BYTES = 1024  # what a tail allows for each of those (srun's lines are a few words)
 FILE_RE = re.compile(r"^([a-z][a-z0-9-]{0,62})-([0-9]{1,7})\.(stdout|stderr)\Z")  # ASCII digits: \d takes others
 MAX_CHUNK = 1 << 20
 #: Log tails read files on the login node, not the controller: their own, lower floor.
@@ -223,8 +225,14 @@ def read_script(adir: str, offsets: Mapping[str, int], tail_lines: int = 0,
         per_file = f'[ "$f" != {LOG_INDEX} ] || continue; o=0; '
         if tail_lines > 0:  # tail reads after stat: a file growing meanwhile can push it below 0
             # (stderr: srun's own lines, left out later, are read beyond the program's last lines)
-            per_file += (f'k={tail_lines}; case "$f" in *.stderr) k={tail_lines + SLURM_OWN_TAIL_EXTRA};; esac; '
-                         'o=$((s - $(tail -n "$k" -- "$f" | wc -c))); [ $o -ge 0 ] || o=0; ')
+            # At most a piece a line from the end (srun's lines are short): a line longer than that
+            # is cut into pieces, each an entry, so the last pieces of a long one are its tail (one
+            # 3 MB line was read whole, every piece past the first read's sent). ``tail`` reads no
+            # more than that window either, whatever the file's size.
+            window, extra = tail_lines * MAX_LINE_CHARS, SLURM_OWN_TAIL_EXTRA * SLURM_OWN_LINE_BYTES
+            per_file += (f'k={tail_lines}; c={window}; case "$f" in *.stderr) '
+                         f'k={tail_lines + SLURM_OWN_TAIL_EXTRA}; c={window + extra};; esac; '
+                         'o=$((s - $(tail -c "$c" -- "$f" | tail -n "$k" | wc -c))); [ $o -ge 0 ] || o=0; ')
         if since_ns is not None:  # the size the last index entry before since saw
             secs = f"{since_ns // 1_000_000_000}.{since_ns % 1_000_000_000:09d}"
             head += (f"since=$(awk -v s={secs} '$1 < s {{ o[$3] = $2 }} END {{ for (f in o) print f, o[f] }}' "
