@@ -537,6 +537,26 @@ async def test_a_stop_signals_each_process_once_and_one_exiting_0_on_it_is_stopp
     assert [p.read_text() for p in tmp_path.glob("*.terms")] == ["T"]
 
 
+async def test_a_process_taking_its_grace_on_a_stop_keeps_its_exit_code(stub, tmp_path):
+    """A process that takes 4 s to end on the stop's SIGTERM (within the launcher's 5 s grace,
+    past Ray's default 3 s stop wait): Ray's supervisor SIGKILLed the launcher before it wrote
+    the replicas' ends, and the job had none. It waits for the launcher now: STOPPED 143."""
+    job_id = new_id("stopgrace")
+    spec = S.JobSpec(run_mode=S.RUN_MODE_SINGLE_PROCESS, replica_groups=[S.ReplicaGroup(
+        role="main", replicas=1, command=[PY, "-c", TERM_PROBE, str(tmp_path)],
+        env={"TERM_SLEEP": "4"})])
+    await launch(stub, job_id, spec)
+    deadline = time.monotonic() + 60
+    while not list(tmp_path.glob("*.json")):
+        assert time.monotonic() < deadline, "the process never started"
+        await asyncio.sleep(0.2)
+    await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=job_id)), timeout=20)
+    obs = await wait_replicas(stub, job_id, within=90)
+    assert obs.state == S.JOB_STATE_STOPPED, obs
+    assert [(r.role, r.index, r.state, r.exit_code) for r in obs.replicas] == [
+        ("main", 0, S.REPLICA_STATE_STOPPED, 143)]
+
+
 async def test_placement_group_replicas_end_each_with_its_own_process_codes(stub, tmp_path):
     """A master process failing (exit 3) stops its sibling in the same replica and the worker
     replica: each is STOPPED with the code it exited with on the SIGTERM (143), as on local and

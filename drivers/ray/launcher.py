@@ -71,8 +71,7 @@ SAMPLE_SECONDS = 1.0
 FIRST_SAMPLE_SECONDS = 0.1
 CHUNK = 1 << 16
 MAX_LINE = MAX_LINE_CHARS  # a longer line without a newline is written in pieces
-#: Seconds between the SIGTERM and the SIGKILL of the processes a stop or the success rule ends.
-STOP_GRACE_SECONDS = 5.0
+STOP_GRACE_SECONDS = render.STOP_GRACE_SECONDS
 #: How long the replicas' tasks get to end after their cancel, before the placement group goes.
 CANCEL_WAIT_SECONDS = STOP_GRACE_SECONDS + 25
 
@@ -198,7 +197,8 @@ def run_processes(procs: Sequence[planner.ProcessLaunch], decisive: Callable[[st
     """
     # The node's own DLSCHED_* settings (the head's token and key files, the job's JSON) are
     # no job's: those names are the planner's alone, as on every other backend.
-    env0 = {k: v for k, v in os.environ.items() if not k.upper().startswith(RESERVED_ENV_PREFIX)}
+    env0 = {k: v for k, v in os.environ.items()  # (the supervisor's stop wait is not the job's)
+            if not k.upper().startswith(RESERVED_ENV_PREFIX) and k != render.STOP_WAIT_ENV}
     running: list[tuple[planner.ProcessLaunch, subprocess.Popen[bytes]]] = []
     pumps: list[threading.Thread] = []
     outputs.prepare()

@@ -73,6 +73,15 @@ from drivers.common.base import JobSpec, NativeSpec, ReplicaGroup, RunMode
 MEDIA_TYPE = "application/json"
 LAUNCHER_MODULE = "drivers.ray.launcher"
 JOB_ENV = "DLSCHED_RAY_JOB"
+#: Seconds between the SIGTERM and the SIGKILL of the processes a stop or the success rule ends
+#: (the launcher's grace, as local's).
+STOP_GRACE_SECONDS = 5.0
+#: Ray's job supervisor SIGKILLs what a stop's SIGTERM left after RAY_JOB_STOP_WAIT_TIME_S (3 s
+#: by default), the launcher too, before it recorded the replicas' ends (a process taking its
+#: grace lost every replica's exit code): the supervisor, which runs with the job's runtime_env,
+#: is told to wait the grace and the record's writing.
+STOP_WAIT_ENV = "RAY_JOB_STOP_WAIT_TIME_S"
+STOP_WAIT_SECONDS = int(STOP_GRACE_SECONDS) + 10
 #: the most bytes of ``DLSCHED_RAY_JOB`` (Ray passes the runtime_env, JSON, as one argument of each
 #: worker's command line: Linux's 128 KiB per string, less the rest of it)
 MAX_JOB_ENV_BYTES = 112 * 1024
@@ -310,7 +319,7 @@ def job_env(value: str) -> dict[str, str]:
             f"encoded for the Ray launcher, over this driver's {MAX_JOB_ENV_BYTES} (Ray passes them on "
             "the command line of every worker of the job; '$' and non-ASCII characters take 6 bytes); "
             "ship large inputs as files")
-    return {JOB_ENV: value}
+    return {JOB_ENV: value, STOP_WAIT_ENV: str(STOP_WAIT_SECONDS)}
 
 
 def job_from_env(environ: Mapping[str, str]) -> Any:
