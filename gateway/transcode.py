@@ -121,7 +121,11 @@ def _apply_body(route: Route, msg: message.Message, body: bytes) -> None:
     try:
         json_format.ParseDict(data, msg)
     except json_format.ParseError as e:
-        raise _invalid(_parse_error_field(str(e), route), str(e)) from e
+        try:
+            at = ".".join(_locate(route.method.input_type, data, []))
+        except RecursionError:
+            at = ""
+        raise _invalid(at or _parse_error_field(str(e), route), str(e)) from e
     except RecursionError as e:  # a google.protobuf.Value/Struct nested too deeply
         raise _invalid(_body_field(route), "nested too deeply") from e
 
@@ -241,6 +245,39 @@ def _parse_error_field(text: str, route: Route) -> str:
     if chain:
         return ".".join(_proto_names(inp, chain))
     return _body_field(route)
+
+
+def _locate(desc: descriptor.Descriptor, data: dict[str, Any], path: list[str]) -> list[str]:
+    """Where in ``data`` (a JSON object ``desc`` failed to parse) the first value that does
+    not parse is, as proto field names with list indexes (``spec.replica_groups[1].env``;
+    json_format's own message names no index for most values); [] when no single field is.
+    Each level parses its fields' values again, alone: an error's cost, bounded by the body's."""
+    cls = message_factory.GetMessageClass(desc)
+    by_json = {f.json_name: f for f in desc.fields}
+    for key, value in data.items():
+        f = desc.fields_by_name.get(key) or by_json.get(key)
+        if f is None:
+            return [*path, key]
+        try:
+            json_format.ParseDict({key: value}, cls())
+            continue
+        except json_format.ParseError:
+            pass
+        sub = f.message_type if f.type == FD.TYPE_MESSAGE else None
+        nested = sub is not None and not sub.GetOptions().map_entry and sub.full_name not in _NOT_OBJECTS \
+            and sub.full_name != "google.protobuf.Struct"
+        if is_repeated(f) and not (sub is not None and sub.GetOptions().map_entry) and isinstance(value, list):
+            for i, item in enumerate(value):
+                try:
+                    json_format.ParseDict({key: [item]}, cls())
+                except json_format.ParseError:
+                    if nested and sub is not None and isinstance(item, dict):
+                        return _locate(sub, item, [*path, f"{f.name}[{i}]"])
+                    return [*path, f"{f.name}[{i}]"]
+        elif nested and sub is not None and isinstance(value, dict):
+            return _locate(sub, value, [*path, f.name])
+        return [*path, f.name]
+    return []
 
 
 def _proto_names(desc: descriptor.Descriptor, path: list[str]) -> list[str]:

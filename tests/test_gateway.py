@@ -416,6 +416,12 @@ def test_gateway_side_errors_are_status_json(base: str) -> None:
     assert code == 400 and violations(body) == ["spec.max_retries"]
     code, body = call(base, "POST", "/v1/jobs", {"spec": {"replicaGroups": [{"resources": {"cpu": "x"}}]}})
     assert code == 400 and violations(body) == ["spec.replica_groups[0].resources.cpu"], body
+    # with the list index wherever the value is (a map's or an int's was named without it)
+    for group, field in (({"env": {"K": 5}}, "spec.replica_groups[1].env"),
+                         ({"replicas": "x"}, "spec.replica_groups[1].replicas"),
+                         ({"command": ["ok", {"no": 1}]}, "spec.replica_groups[1].command[1]")):
+        code, body = call(base, "POST", "/v1/jobs", {"spec": {"replicaGroups": [{"role": "a"}, group]}})
+        assert code == 400 and violations(body) == [field], (group, body)
     code, body = call(base, "POST", "/v1/clusters?clusterId=c1", {"type": "CLUSTER_TYPE_FOO"})
     assert code == 400 and violations(body) == ["cluster.type"], body
     # A field under both its names is given twice (the last one won), at any depth.
