@@ -537,6 +537,38 @@ async def test_a_stop_signals_each_process_once_and_one_exiting_0_on_it_is_stopp
     assert [p.read_text() for p in tmp_path.glob("*.terms")] == ["T"]
 
 
+async def test_a_daemon_the_job_left_ends_with_it(stub, tmp_path):
+    """A replica that starts a daemon (a new session, its parent gone) and exits 0: the job
+    SUCCEEDS and the daemon is ended with it, as on local (it outlived the job, holding its
+    output pipes: the end waited for them). Single process (the entrypoint) and placement-group
+    (a replica's task) modes."""
+    code = ("import os, subprocess, sys\n"
+            "d = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+            "open(os.path.join(sys.argv[1], os.environ['DLSCHED_ROLE'] + '.daemon'), 'w').write(str(d.pid))\n"
+            "print('started', flush=True)\n")
+    for mode, roles in ((S.RUN_MODE_SINGLE_PROCESS, ("main",)), (S.RUN_MODE_MASTER_WORKER, ("master", "worker"))):
+        job_id = new_id("daemon")
+        await launch(stub, job_id, S.JobSpec(run_mode=mode, replica_groups=[
+            S.ReplicaGroup(role=role, replicas=1, command=[PY, "-c", code, str(tmp_path)]) for role in roles]))
+        obs = await wait_replicas(stub, job_id, within=120)
+        assert obs.state == S.JOB_STATE_SUCCEEDED, obs
+        for role in roles:
+            pid = int((tmp_path / f"{role}.daemon").read_text())
+            deadline = time.monotonic() + 30
+            while _alive(pid):
+                assert time.monotonic() < deadline, f"{role}'s daemon {pid} outlived the job"
+                await asyncio.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    """A live process (not a zombie) has ``pid``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 async def test_a_process_taking_its_grace_on_a_stop_keeps_its_exit_code(stub, tmp_path):
     """A process that takes 4 s to end on the stop's SIGTERM (within the launcher's 5 s grace,
     past Ray's default 3 s stop wait): Ray's supervisor SIGKILLed the launcher before it wrote

@@ -440,7 +440,7 @@ def test_a_job_past_linuxs_limit_per_string_is_refused_naming_the_field():
     near = JobSpec(RunMode.SINGLE_PROCESS, (ReplicaGroup(
         role="main", replicas=1, command=("echo", "a" * 50_000, "$" * 8_000, "\u00e9" * 1_000)),))
     env = render.render_submission("j", near, 1)["runtime_env"]["env_vars"]
-    assert list(env) == [render.JOB_ENV] and 100_000 < len(env[render.JOB_ENV]) <= render.MAX_JOB_ENV_BYTES
+    assert list(env) == [render.JOB_ENV, render.STOP_WAIT_ENV] and 100_000 < len(env[render.JOB_ENV]) <= render.MAX_JOB_ENV_BYTES
     assert render.spec_from_json(render.job_from_env(env)["spec"]) == near
     for over in (("a" * 60_000,) * 3, ("a" * 60_000, "$" * 10_000), ("\u00e9" * 20_000,)):
         spec = JobSpec(RunMode.SINGLE_PROCESS, (ReplicaGroup(role="main", replicas=1, command=("echo", *over)),))

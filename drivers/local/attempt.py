@@ -35,7 +35,7 @@ import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from drivers.local import procfs
+from drivers.common import procfs as proctable
 
 RECORD = "record.json"
 STATUS = "status.json"
@@ -155,7 +155,7 @@ def wake_supervisor(supervisor: tuple[int, int] | None) -> None:
     if supervisor is None:
         return  # no status yet: it reads the stop file once it has installed its handler
     pid, ticks = supervisor
-    st = procfs.read_stat(pid)
+    st = proctable.read_stat(pid)
     if st is not None and st.start_ticks == ticks:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGUSR1)
@@ -166,7 +166,7 @@ def kill_supervisor(supervisor: tuple[int, int] | None) -> None:
     if supervisor is None:
         return
     pid, ticks = supervisor
-    st = procfs.read_stat(pid)
+    st = proctable.read_stat(pid)
     if st is not None and st.start_ticks == ticks:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
@@ -185,7 +185,7 @@ def signal_sessions(leaders: Iterable[int], sig: int) -> None:
     for pgid in leaders:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, sig)
-    for pid in procfs.session_members(*leaders, outside_groups=sig != signal.SIGKILL):
+    for pid in proctable.session_members(*leaders, outside_groups=sig != signal.SIGKILL):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, sig)
 
@@ -208,6 +208,6 @@ def started_pids(adir: str, most: int) -> list[tuple[int | None, int]]:
 def kill_leftovers(procs: Iterable[tuple[int | None, int]]) -> None:
     """SIGKILL what is left of (pid, start ticks) replicas, checking each is still that process."""
     alive = [pid for pid, ticks in procs
-             if pid and ticks and (st := procfs.read_stat(pid)) is not None
+             if pid and ticks and (st := proctable.read_stat(pid)) is not None
              and st.start_ticks == ticks and st.pgrp == pid]
     signal_sessions(alive, signal.SIGKILL)

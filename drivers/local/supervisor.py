@@ -44,8 +44,9 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from drivers.common import planner
+from drivers.common import procfs as proctable
 from drivers.common.base import LogStream
-from drivers.local import attempt, procfs, render, states
+from drivers.local import attempt, render, states
 from drivers.local.logs import LineWriter
 from drivers.local.machine import JobMachine
 
@@ -122,7 +123,7 @@ class Supervisor:
         self.subreaper = False
         self._reap_wanted = False
         self._pids: TextIO | None = None  # ``pids``, open while processes are started
-        st = procfs.read_stat(os.getpid())
+        st = proctable.read_stat(os.getpid())
         self.identity = {"pid": os.getpid(), "start_ticks": st.start_ticks if st is not None else 0}
 
     # ------------------------------------------------------------------ status
@@ -171,9 +172,9 @@ class Supervisor:
         an escapee still in one of them has had the signal (a second SIGTERM is "abort now")."""
         if not self.subreaper:
             return False
-        live: list[procfs.ProcStat] = []
+        live: list[proctable.ProcStat] = []
         for _ in range(max(1, passes)):
-            live, dead = procfs.adopted(os.getpid(), self.own)
+            live, dead = proctable.adopted(os.getpid(), self.own)
             if covered:
                 live = [st for st in live if st.session not in covered and st.pgrp not in covered]
             for pid in dead:
@@ -245,7 +246,7 @@ class Supervisor:
             self.transports[i] = transport
             pid = transport.get_pid()
             self.own.add(pid)
-            st = procfs.read_stat(pid)
+            st = proctable.read_stat(pid)
             ticks = st.start_ticks if st is not None else 0
             self._note_pid(pid, ticks)
             if self.machine.started(i, pid, ticks, time.time()):
@@ -300,7 +301,7 @@ class Supervisor:
                                 "the job's supervisor was told to stop (SIGTERM)", self.grace)
         for sig in (signal.SIGINT, signal.SIGHUP):
             loop.add_signal_handler(sig, lambda: None)
-        self.subreaper = procfs.become_subreaper()
+        self.subreaper = proctable.become_subreaper()
         self.write()  # from here on the driver may wake us (the handler is in place)
         self.check_stop()  # a stop asked for before we started
         await self.spawn_all()

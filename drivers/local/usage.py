@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from dlsched import __version__
+from drivers.common import procfs as proctable
 from drivers.common.base import (
     ClusterCapacity,
     ClusterInfo,
@@ -115,8 +116,8 @@ class Peak:
 async def measure(procs: Sequence[Proc], peaks: list[Peak]) -> JobUsage:
     """The usage of a job's replicas now; ``peaks`` (one per process) is updated."""
     live = {p.pid for p in procs if p.running and p.pid is not None}
-    stats = await asyncio.to_thread(procfs.all_stats) if live else []
-    groups: dict[int, list[procfs.ProcStat]] = {pid: [] for pid in live}
+    stats = await asyncio.to_thread(proctable.all_stats) if live else []
+    groups: dict[int, list[proctable.ProcStat]] = {pid: [] for pid in live}
     for st in stats:
         for key in {st.pgrp, st.session} & live:
             groups[key].append(st)

@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dlsched.spec_rules import RESERVED_ENV_PREFIX
-from drivers.common import planner
+from drivers.common import planner, procfs
 from drivers.common.base import JobSpec
 from drivers.common.convert import MAX_LINE_CHARS, pieces
 from drivers.common.ports import free_ports
@@ -193,8 +193,13 @@ def run_processes(procs: Sequence[planner.ProcessLaunch], decisive: Callable[[st
     end was not seen before is stopped, whatever it then exits with: SIGTERM, SIGKILL after
     STOP_GRACE_SECONDS. ``stop_signalled``: a set ``stop_event`` means the processes got the
     stop's SIGTERM already (Ray's job supervisor signals every descendant of the entrypoint),
-    so none is sent from here (a second one, as no other backend sends).
+    so none is sent from here (a second one, as no other backend sends). In a child subreaper
+    (the entrypoint, a replica's task: ``procfs.become_subreaper``), what the processes left
+    behind (a daemon that called setsid comes here, not to init) is SIGKILLed once they have
+    ended, as on local: it held their output pipes (the job's end waited for them) and
+    outlived the job.
     """
+    subreaper = procfs.is_subreaper()
     # The node's own DLSCHED_* settings (the head's token and key files, the job's JSON) are
     # no job's: those names are the planner's alone, as on every other backend.
     env0 = {k: v for k, v in os.environ.items()  # (the supervisor's stop wait is not the job's)
@@ -285,6 +290,8 @@ def run_processes(procs: Sequence[planner.ProcessLaunch], decisive: Callable[[st
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(c.pid, signal.SIGKILL)
                 c.wait()
+        if subreaper:
+            procfs.kill_adopted({c.pid for _, c in running})
         done.set()
         if sampling.is_alive():
             sampling.join(5)
@@ -434,8 +441,10 @@ def run_placement_group(job: dict[str, Any], spec: JobSpec) -> int:  # pragma: n
     @ray.remote(max_retries=0)
     def replica(procs: list[planner.ProcessLaunch]) -> tuple[int, str, int, list[End]]:
         # By module name: run as __main__, this module would be pickled by value.
+        from drivers.common import procfs as task_procfs
         from drivers.ray import launcher
 
+        task_procfs.become_subreaper()  # (this worker runs this job's tasks alone)
         return launcher.run_replica(sid, procs)
 
     refs = {}
@@ -496,6 +505,7 @@ def main() -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     if job["mode"] == "local":
+        procfs.become_subreaper()
         return run_local(job, spec, stop)
     # A Ray stop's SIGTERM ends this process at once: Ray then ends the job's workers, whose
     # SIGTERM ends each replica task's ``run_processes`` (SystemExit: its processes get SIGTERM
