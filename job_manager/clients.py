@@ -53,6 +53,10 @@ _CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 8 * 1024 * 1024),
     ("grpc.max_send_message_length", 8 * 1024 * 1024),
     ("grpc.keepalive_time_ms", 20_000),
+    # a replica that stopped answering (frozen, its host gone) leaves the rotation after a
+    # keepalive ping and this much more, not gRPC's default 20 s
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.ping_timeout_ms", 5_000),  # (gRPC core waits this one, 60 s by default)
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
@@ -160,6 +164,12 @@ def match_spec(spec: JobSpec) -> job_pb2.JobSpec:
             for g in spec.replica_groups])
 
 
+#: one MatchClusters attempt's deadline: one that gets no answer in time is sent again (the
+#: channel's round robin takes the next replica: a frozen one cost every other submit the whole
+#: timeout, then UNAVAILABLE); the last attempt has what is left of the client's timeout
+MATCH_ATTEMPT_SECONDS = 2.0
+MATCH_ATTEMPTS = 3
+
 #: a cluster's driver address known, ClusterManager is asked again for at most this long once the
 #: cache has expired; then the last address serves, and is asked for again after STALE_RETRY_SECONDS
 STALE_LOOKUP_SECONDS = 3.0
@@ -191,8 +201,7 @@ class ClusterManagerClient:
         key = req.SerializeToString(deterministic=True)
         call = self._matching.get(key)
         if call is None:  # the call is a task of its own: a caller that leaves never ends it
-            call = self._matching[key] = asyncio.ensure_future(
-                _cm_unary(self._stub.MatchClusters(req, timeout=self._timeout)))
+            call = self._matching[key] = asyncio.ensure_future(self._match_call(req))
             call.add_done_callback(lambda done: self._match_done(key, done))
         resp = await asyncio.shield(call)
         out = [candidate_from_proto(c) for c in resp.candidates]
@@ -200,6 +209,23 @@ class ClusterManagerClient:
             if c.driver_address:
                 self._drivers[c.cluster] = (c.driver_address, time.monotonic(), c.cluster_type)
         return out
+
+    async def _match_call(self, req: cm_pb2.MatchClustersRequest) -> cm_pb2.MatchClustersResponse:
+        """MatchClusters (a read: safe to send again), each attempt MATCH_ATTEMPT_SECONDS at
+        most, another while an attempt found no answer and the timeout leaves time."""
+        deadline = time.monotonic() + self._timeout
+        for attempt in range(MATCH_ATTEMPTS):
+            left = deadline - time.monotonic()
+            try:
+                last = attempt == MATCH_ATTEMPTS - 1  # (the rest of the time: a slow one still answers)
+                return await _cm_unary(self._stub.MatchClusters(
+                    req, timeout=left if last else min(left, MATCH_ATTEMPT_SECONDS)))
+            except errors.Unavailable:
+                if attempt == MATCH_ATTEMPTS - 1 or deadline - time.monotonic() < 1.0:
+                    raise
+                log.info("MatchClusters got no answer; asked again")
+            await asyncio.sleep(0.1 * (attempt + 1))  # (every replica down answers at once: no spin)
+        raise AssertionError("unreachable")
 
     def _match_done(self, key: bytes, call: asyncio.Future[cm_pb2.MatchClustersResponse]) -> None:
         if self._matching.get(key) is call:

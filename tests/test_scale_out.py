@@ -126,6 +126,37 @@ def job_spec(cluster: str) -> job_pb2.JobSpec:
     return spec
 
 
+async def test_a_frozen_cluster_manager_replica_costs_a_submit_one_attempt_not_its_deadline(
+        pair: Pair, stubs) -> None:
+    """One of two ClusterManagers SIGSTOPped: every other SubmitJob (the channel's round robin
+    sent its MatchClusters there) waited JobManager's whole 15 s and failed UNAVAILABLE. An
+    attempt without an answer is sent again, to the other replica: each submit succeeds
+    within a deadline well under 15 s."""
+    import signal
+
+    jms, chans = stubs
+    cms = [cm_grpc.ClusterManagerServiceStub(c) for c in chans[2:]]
+    await cms[0].CreateCluster(cm_pb.CreateClusterRequest(
+        cluster_id="frozen-cm", cluster=cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_LOCAL,
+                                                            driver_address=pair.driver.address)))
+    await wait_ready(cms[0], "clusters/frozen-cm")
+    for i in range(4):  # JobManager's channel to both replicas up (a replica frozen before it
+        # was connected to is never in the rotation)
+        await jms[0].SubmitJob(pb.SubmitJobRequest(
+            job_id=f"fzw-{i}-{uuid.uuid4().hex[:6]}", spec=job_spec("clusters/frozen-cm")), timeout=30)
+    leader = await leader_of(pair)
+    assert leader is not None
+    frozen = next(cm for cm in pair.cms if not leader.endswith("/" + cm.address))
+    assert frozen.proc is not None
+    frozen.proc.send_signal(signal.SIGSTOP)
+    try:
+        for i in range(6):
+            await jms[0].SubmitJob(pb.SubmitJobRequest(
+                job_id=f"fz-{i}-{uuid.uuid4().hex[:6]}", spec=job_spec("clusters/frozen-cm")), timeout=12)
+    finally:
+        frozen.proc.send_signal(signal.SIGCONT)
+
+
 async def test_two_of_each_share_jobs_and_survive_the_cluster_manager_leader(pair: Pair, stubs) -> None:
     jms, chans = stubs
     cms = [cm_grpc.ClusterManagerServiceStub(c) for c in chans[2:]]
