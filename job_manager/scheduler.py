@@ -542,9 +542,21 @@ class Scheduler:
 
     async def _stop(self, job_id: str, expect: str = "") -> tuple[Job, bool]:
         """``stop``, and whether its backend took the stop (else it is retried in the background)."""
-        job = await self.store.update(job_id, lambda j: states.request_stop(j, self._clock()),
-                                      expect=expect)
+        unlaunched: list[Job] = []  # the job as this call found it, stopped before its launch answered
+
+        def stop(j: Job) -> Job | None:
+            new = states.request_stop(j, self._clock())
+            if new is not None and not j.launched:
+                unlaunched.append(j)
+            return new
+
+        job = await self.store.update(job_id, stop, expect=expect)
         done = True
+        if unlaunched and job.state == JobState.STOPPED and not job.launched:
+            # Its launch may be at the driver now (in flight, or done with the answer not recorded
+            # yet: its owner frozen): the driver is told at once, by id and uid, and stops what
+            # the launch makes once it has made it (the owner, on the answer, would too, later).
+            self._spawn(self._stop_unanswered_launch(job), name=f"terminate-{job_id}").add_done_callback(_retrieved)
         if job.state == JobState.STOPPING:
             log.info("stopping job %s", job_id)
             # The driver's stop runs as a task of its own: past the wait it goes on (a stop left
@@ -568,6 +580,16 @@ class Scheduler:
                 self._retry_in_background(job_id, "terminate", job.cluster)
             job = await self.store.get(job_id)
         return job, done
+
+    async def _stop_unanswered_launch(self, job: Job) -> None:
+        """Best effort: a driver that does not answer is left to the launch's owner."""
+        if self._gate(job.cluster).must_wait():
+            return  # its driver down: no launch of it answers either
+        try:
+            drv = await self.driver_for(job.cluster)
+            await drv.terminate(job.cluster, job.id, "", self.config.stop_grace_seconds, job.uid)
+        except errors.DlschedError as e:
+            log.info("stop of %s before its launch answered, at its driver: %s", job.id, e.reason)
 
     async def _try_terminate(self, job_id: str) -> bool:
         job = await self.store.get(job_id)

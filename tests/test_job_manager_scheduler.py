@@ -47,6 +47,7 @@ class FakeDriver:
         self.launch_errors: list[errors.DlschedError] = []
         self.launches: list[tuple[str, int]] = []
         self.terminated: list[str] = []
+        self.terminated_ids: list[str] = []  # the backend id each terminate named
         self.cleaned: list[str] = []
         self.known: set[str] = set()
         self.forgotten: list[str] = []
@@ -77,6 +78,7 @@ class FakeDriver:
     async def terminate(self, cluster: str, job_id: str, backend_job_id: str,
                         grace_seconds: float, uid: str = "") -> Observation | None:
         self.terminated.append(job_id)
+        self.terminated_ids.append(backend_job_id)
         return None
 
     async def batch_get(self, cluster: str, refs: list[tuple[str, str]]) -> list[Observation]:
@@ -183,12 +185,18 @@ async def test_stop_during_launch_terminates_backend_job(env: Any) -> None:
     await asyncio.sleep(0.2)  # the launch waits in the driver
     stopped = await sched.stop("c")
     assert stopped.state == JobState.STOPPED
+
+    # The driver is told at once, by id (its launch's owner may be frozen: a launch it answers
+    # later would run until the owner, or its successor, read the answer)...
+    async def told() -> bool:
+        return drv.terminated == ["c"] and drv.terminated_ids == [""]
+    await until(told)
     drv.launch_gate.set()
     job = await stored(sched, "c", lambda j: "c" in drv.known)
     assert job.state == JobState.STOPPED
 
-    async def terminated() -> bool:
-        return drv.terminated == ["c"]
+    async def terminated() -> bool:  # ... and by backend id once the launch answered
+        return drv.terminated == ["c", "c"] and drv.terminated_ids == ["", "b-c-1"]
     await until(terminated)
 
 
