@@ -184,6 +184,46 @@ async def test_a_failed_process_is_named_by_its_index_and_the_processes_stopped_
     await eventually(lambda: not pods_of(e, job))
 
 
+@pytest.mark.parametrize("phase,code", [("Succeeded", 0), ("Failed", 143)])
+async def test_a_stopped_pods_processes_read_stopped_with_their_code_and_the_job_stopped_once_gone(
+        stub: Any, emu: tuple[Emulator, str], phase: str, code: int) -> None:
+    """A stop deletes the pods. A process that handles the SIGTERM and exits 0 (phase Succeeded)
+    read SUCCEEDED inside the STOPPED job: STOPPED with its code, as on every backend; one of the
+    same pod that had exited 0 before the stop stays SUCCEEDED. And the job is STOPPED once the
+    pod is gone: a pod that reached its end (a kubelet reports Failed 143, KEP-3329) before it
+    went was kept as ended, so the job stayed STOPPING for good."""
+    e, url = emu
+    job = new_id("stop0")
+    await launch(stub, job, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MULTI_PROCESS,
+                                            replica_groups=[group("worker", 1, 2)]))
+    pod = f"{job}-1-worker-0"
+    await set_finalizers(url, pod, ["example.com/hold"])
+    try:
+        await kubelet(url, pod, "Running", containerStatuses=procs(ended(0), {"running": {}}))
+        await eventually_observed(stub, job, lambda o: [r.state for r in o.replicas] == [
+            job_pb2.REPLICA_STATE_SUCCEEDED, job_pb2.REPLICA_STATE_RUNNING])
+        await stub.TerminateJob(dpb.TerminateJobRequest(cluster="clusters/k8s", job=dpb.JobRef(job_id=job)),
+                                timeout=30)
+        await eventually(lambda: all(p["metadata"].get("deletionTimestamp") for p in pods_of(e, job).values()))
+        await kubelet(url, pod, phase, containerStatuses=procs(ended(0), ended(code)))
+        want = [(0, job_pb2.REPLICA_STATE_SUCCEEDED, 0), (1, job_pb2.REPLICA_STATE_STOPPED, code)]
+        await eventually_observed(stub, job, lambda o: [(r.index, r.state, r.exit_code) for r in o.replicas] == want)
+    finally:
+        await set_finalizers(url, pod, None)
+    await eventually(lambda: not pods_of(e, job))
+    obs = await wait_for(stub, job, TERMINAL)
+    assert obs.state == job_pb2.JOB_STATE_STOPPED, obs
+    assert [(r.index, r.state, r.exit_code) for r in obs.replicas] == want, obs
+
+
+async def eventually_observed(stub: Any, job: str, pred: Any, within: float = 60) -> dpb.JobObservation:
+    deadline = time.monotonic() + within
+    while not pred(obs := await observe(stub, job)):
+        assert time.monotonic() < deadline, obs
+        await asyncio.sleep(0.05)
+    return obs
+
+
 async def two_workers_running(stub: Any, url: str, job: str) -> tuple[str, str]:
     """A MULTI_PROCESS job of two workers launched, each pod Running; their pod names."""
     await launch(stub, job, job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_MULTI_PROCESS,

@@ -102,7 +102,13 @@ from drivers.kubernetes import attempts, launched, logs, mpi, naming, records, r
 from drivers.kubernetes.api import KubeApi, api_error, status_of, status_text
 from drivers.kubernetes.informer import PodInformer
 from drivers.kubernetes.render import Rendered
-from drivers.kubernetes.tracking import KubeCluster, TrackedJob, live_pods, observation
+from drivers.kubernetes.tracking import (
+    KubeCluster,
+    TrackedJob,
+    live_pods,
+    note_deleted,
+    observation,
+)
 
 log = logging.getLogger("dlsched.driver.kubernetes")
 _DELETE_OTHER = attempts.DELETE_OTHER
@@ -216,6 +222,7 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
                     job.learn_containers(r, p)
                     fresh[n] = states.replica_of(p)
             job.pods = fresh
+            job.gone = {n for n in fresh if n not in by_job.get(key, {})}  # kept ended, not listed
             job.seen.update(fresh)
             if job.incomplete():  # adopted with a pod missing: a launch cut short, or a pod lost since?
                 self._spawn(self._lost_pods(c, job))
@@ -255,9 +262,11 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
                 # A pod deleted after it ended (terminated-pod GC, a script, the driver deleting a
                 # failed replica's pod) keeps its end: it was no PodDeleted failure.
                 job.pods[meta["name"]] = replace(ended, alive=False, terminating=False)
+                job.gone.add(meta["name"])  # (a stopped job is STOPPED once its pods are gone)
         else:
             job.pods[meta["name"]] = states.replica_of(pod)
             job.seen.add(meta["name"])
+            job.gone.discard(meta["name"])
         self._update(c, job)
 
     def _on_stale(self, c: KubeCluster, msg: str) -> None:
@@ -306,7 +315,7 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
             return
         live = live_pods(job)
         if live:
-            job.deleted.update(live)
+            note_deleted(job, live)
             self._spawn(attempts.delete_until_gone(c, job, live, self._cfg.grace_seconds,
                                                  lambda: self.clusters.get(c.config.name) is c))
 
@@ -440,7 +449,7 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
         grace = self._cfg.grace_seconds if grace_seconds is None else grace_seconds
         job.stop_requested = True
         names = [r.pod for r in job.replicas]
-        job.deleted.update(names)
+        note_deleted(job, names)
         self._update(c, job)
         await attempts.delete_pods(c, names, grace)
         return observation(job, c.stale)
@@ -452,7 +461,7 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
         job.cleaned = True
         if job.final is None:
             job.stop_requested = True
-        job.deleted.update(r.pod for r in job.replicas)
+        note_deleted(job, [r.pod for r in job.replicas])
         await attempts.delete_pods(c, [r.pod for r in job.replicas], 0)
         for kind, obj in job.others:
             await c.api.delete(getattr(c.api.core, _DELETE_OTHER[kind]), obj, c.namespace, f"{kind.lower()} {obj}")

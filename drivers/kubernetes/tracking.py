@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -62,7 +62,7 @@ class TrackedJob:
     """One job's newest attempt, as the watch shows its pods (compact: slots, pods as views)."""
 
     __slots__ = ("cluster", "others", "job_id", "attempt", "backend_job_id", "service", "replicas", "rule",
-                 "pods", "seen", "deleted", "stop_requested", "final", "last", "start_time", "end_time",
+                 "pods", "seen", "gone", "deleted", "ended_at_delete", "stop_requested", "final", "last", "start_time", "end_time",
                  "_changed", "usage", "cleaned", "uid", "submitted", "failed")
 
     def __init__(self, cluster: str, job_id: str, attempt: int, backend_job_id: str, service: str,
@@ -80,7 +80,12 @@ class TrackedJob:
         # by pod name: the replica's view of the pod as the watch last showed it (not the pod's JSON)
         self.pods: dict[str, states.PodView] = {}
         self.seen: set[str] = set()
+        #: pods the watch saw deleted after they ended: ``pods`` keeps their ends
+        self.gone: set[str] = set()
         self.deleted: set[str] = set()
+        #: pods dlsched deleted (``note_deleted``): the processes that had ended by then ("" for
+        #: a pod of one), so one that ends later, exit 0 on the SIGTERM too, reads STOPPED
+        self.ended_at_delete: dict[str, frozenset[str]] = {}
         self.stop_requested = False
         self.final: JobObservation | None = None
         self.last: JobObservation | None = None
@@ -210,12 +215,34 @@ def _deleted(job: TrackedJob, r: Replica, v: states.PodView) -> bool:
                                   or v.terminating and (job.stop_requested or job.final is not None))
 
 
-def _stopped(job: TrackedJob, role: str, index: int, v: states.PodView) -> states.PodView:
+def note_deleted(job: TrackedJob, names: Iterable[str]) -> None:
+    """``names``, pods dlsched is deleting: in ``job.deleted``, with the processes each had
+    ended by then (a pod deleted before, or not seen yet, is left as it is)."""
+    wanted = set(names) - job.deleted
+    for r, v in _pod_views(job):
+        if r.pod not in wanted:
+            continue
+        if r.pod in job.pods:
+            job.ended_at_delete[r.pod] = (
+                frozenset(n for n, pv in v.procs if pv.state.is_terminal()) if v.procs
+                else frozenset({""}) if v.state.is_terminal() and not v.alive else frozenset())
+        else:
+            job.ended_at_delete[r.pod] = frozenset()
+    job.deleted.update(wanted)
+
+
+def _stopped(job: TrackedJob, role: str, index: int, v: states.PodView, ended_before: bool = True,
+             ) -> states.PodView:
     """Process ``role-index`` of a pod dlsched deleted: stopping while it runs, then STOPPED with
     its exit code (143: a deleted pod's SIGTERM, which the kubelet reports as phase Failed); the
-    failure that decided the job stays FAILED, and a process that exited 0 SUCCEEDED."""
+    failure that decided the job stays FAILED, and a process that exited 0 before the delete
+    (``ended_before``) SUCCEEDED; one that exited 0 after it (on the SIGTERM) is STOPPED, as on
+    every backend."""
     if not v.state.is_terminal():
         return _stopping(job, v)
+    if v.state is ReplicaState.SUCCEEDED and not ended_before:
+        return states.PodView(ReplicaState.STOPPED, states.REASON_STOPPED, "stopped by dlsched",
+                              exit_code=v.exit_code, node=v.node, start_time=v.start_time, end_time=v.end_time)
     if v.state is ReplicaState.FAILED and job.failed != (role, index):
         return states.PodView(ReplicaState.STOPPED, states.REASON_STOPPED, "stopped by dlsched",
                               exit_code=v.exit_code, node=v.node, start_time=v.start_time, end_time=v.end_time)
@@ -232,13 +259,15 @@ def process_views(job: TrackedJob) -> list[tuple[Replica, int, states.PodView]]:
         n = max(1, len(r.containers) or counts.get(r.role, 1))
         procs = dict(v.procs)
         deleted = _deleted(job, r, v)
+        ended_then = job.ended_at_delete.get(r.pod)  # None: not known (a driver restarted since)
         for k in range(n):
-            pv = v
+            pv, name = v, ""
             if n > 1:
                 name = r.containers[k] if k < len(r.containers) else f"proc-{k}"
                 pv = procs.get(name) or (dataclasses.replace(v, exit_code=None, procs=()) if procs else v)
             index = r.index * n + k
-            out.append((r, index, _stopped(job, r.role, index, pv) if deleted else pv))
+            out.append((r, index, _stopped(job, r.role, index, pv, ended_then is None or name in ended_then)
+                        if deleted else pv))
     return out
 
 
@@ -270,7 +299,7 @@ def observation(job: TrackedJob, stale: str | None) -> JobObservation:
         job.failed = jv.failed
     if job.stop_requested and jv.state is JobState.STOPPED:
         # STOPPED only once the watch shows every deleted pod gone.
-        if any(r.pod in job.pods for r in job.replicas):
+        if any(r.pod in job.pods and r.pod not in job.gone for r in job.replicas):
             jv = states.JobView(JobState.STOPPING, states.REASON_STOPPING, "deleting the pods")
     starts = [v.start_time for *_, v in vs if v.start_time is not None]
     if starts and job.start_time is None:
