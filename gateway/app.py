@@ -53,6 +53,8 @@ from typing import Any
 import grpc
 import prometheus_client
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from google.protobuf import message
 from google.rpc import code_pb2, status_pb2
 
@@ -90,6 +92,21 @@ def _query(request: web.Request) -> list[tuple[str, str]]:
                                       errors="strict")
     except UnicodeDecodeError:
         raise errors.InvalidArgument.for_field("query", "not UTF-8 once percent-decoded") from None
+
+
+class BodyTimedOut(errors.InvalidArgument):
+    """The request body did not arrive within the gateway's ``rpc_timeout``: HTTP 408 (nginx's
+    client_body_timeout; a client sending a few bytes of a declared length held a handler)."""
+
+    reason = "REQUEST_TIMEOUT"
+
+class UnsupportedEncoding(errors.InvalidArgument):
+    """A request body with a ``Content-Encoding`` (HTTP 415): the API takes plain JSON bodies
+    (aiohttp's own decoding met a body that did not decode with a 500 and its traceback, or no
+    answer at all; an encoding it did not know was read as identity)."""
+
+    reason = "UNSUPPORTED_CONTENT_ENCODING"
+
 
 
 class MethodNotAllowed(errors.Unimplemented):
@@ -193,7 +210,9 @@ class Gateway:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=self.max_body_bytes,
-                              middlewares=[self._access_log])
+                              middlewares=[self._access_log],
+                              # bodies as sent: a Content-Encoding is refused (``_body``), not decoded
+                              handler_args={"auto_decompress": False})
         app.router.add_get("/openapi.json", self._openapi)
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/metrics", self._metrics)
@@ -309,6 +328,10 @@ class Gateway:
                 out.headers["Allow"] = e.metadata["allow"]
             elif isinstance(e, RequestTooLarge):
                 out.set_status(413)
+            elif isinstance(e, BodyTimedOut):
+                out.set_status(408)
+            elif isinstance(e, UnsupportedEncoding):
+                out.set_status(415)
             return out
         except web.HTTPException:
             raise
@@ -327,11 +350,19 @@ class Gateway:
         if (request.content_length or 0) > self.max_body_bytes:
             raise RequestTooLarge(f"request body of {request.content_length} bytes, over {self.max_body_bytes}",
                                   metadata={"limit_bytes": str(self.max_body_bytes)})
+        coding = request.headers.get("Content-Encoding", "").strip().lower()
+        if coding not in ("", "identity"):
+            raise UnsupportedEncoding.for_field("body", f"Content-Encoding {coding[:64]!r}: send the JSON as it is")
         try:
-            return await request.read()
+            async with asyncio.timeout(self.rpc_timeout):
+                return await request.read()
         except web.HTTPRequestEntityTooLarge as e:
             raise RequestTooLarge(f"request body over {self.max_body_bytes} bytes",
                                   metadata={"limit_bytes": str(self.max_body_bytes)}) from e
+        except TimeoutError as e:
+            raise BodyTimedOut.for_field("body", f"not received within {self.rpc_timeout:g} s") from e
+        except (RequestPayloadError, HttpProcessingError) as e:  # a body cut short, a bad chunk
+            raise errors.InvalidArgument.for_field("body", "cannot be read") from e
 
     def renew_channels(self) -> None:
         """The TLS files changed: new calls go over new channels."""

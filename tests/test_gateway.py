@@ -419,7 +419,10 @@ def test_gateway_side_errors_are_status_json(base: str) -> None:
     # with the list index wherever the value is (a map's or an int's was named without it)
     for group, field in (({"env": {"K": 5}}, "spec.replica_groups[1].env"),
                          ({"replicas": "x"}, "spec.replica_groups[1].replicas"),
-                         ({"command": ["ok", {"no": 1}]}, "spec.replica_groups[1].command[1]")):
+                         ({"command": ["ok", {"no": 1}]}, "spec.replica_groups[1].command[1]"),
+                         ({"command": "echo hi"}, "spec.replica_groups[1].command"),
+                         ({"replicas": 2 ** 31}, "spec.replica_groups[1].replicas"),
+                         ({"resources": {"memoryBytes": "1" * 23}}, "spec.replica_groups[1].resources.memory_bytes")):
         code, body = call(base, "POST", "/v1/jobs", {"spec": {"replicaGroups": [{"role": "a"}, group]}})
         assert code == 400 and violations(body) == [field], (group, body)
     code, body = call(base, "POST", "/v1/clusters?clusterId=c1", {"type": "CLUSTER_TYPE_FOO"})
@@ -1131,6 +1134,40 @@ def test_a_renewed_certificate_is_served_without_a_restart(
         assert code == 200, body
         assert gw.stop() == 0
         assert "Traceback" not in gw.log(), gw.log()[-5000:]
+    finally:
+        gw.stop()
+
+
+def test_a_body_that_does_not_decode_or_arrive_is_a_clean_error(stack: Stack, base: str) -> None:
+    """A body its Content-Encoding does not decode was a 500 with two tracebacks (gzip), or no
+    answer at all (deflate, now and then), and an encoding aiohttp does not know was read as
+    identity: the API takes JSON as it is, any Content-Encoding but identity is 415 naming
+    ``body``, unread. A body that does not arrive (2 of 100 declared bytes) held its handler for
+    good: 408 REQUEST_TIMEOUT after the gateway's --rpc-timeout."""
+    import gzip
+
+    for enc, raw in (("gzip", b"{}"), ("deflate", b"{}"), ("deflate", b"x" * 5000), ("x-unknown", b"{}"),
+                     ("gzip", gzip.compress(b'{"spec": {}}'))):
+        code, body = call(base, "POST", "/v1/jobs", raw=raw, headers={"Content-Encoding": enc})
+        assert code == 415 and violations(body) == ["body"], (enc, body)
+        assert reason(body) == "UNSUPPORTED_CONTENT_ENCODING", body
+    code, body = call(base, "POST", "/v1/jobs", raw=b'{"spec": {}}', headers={"Content-Encoding": "identity"})
+    assert code == 400 and reason(body) != "UNSUPPORTED_CONTENT_ENCODING", body
+    assert stack.jm is not None
+    gw = ServiceProcess("gateway", ["--job-manager", stack.jm.address, "--cluster-manager", stack.cm.address,
+                                    "--insecure", "--rpc-timeout", "3"], name="gateway-slow-body").start()
+    try:
+        host, port = gw.address.rsplit(":", 1)
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.putrequest("POST", "/v1/jobs")
+        conn.putheader("Content-Type", "application/json")
+        conn.putheader("Content-Length", "100")
+        conn.endheaders(b"{}")
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+        assert resp.status == 408 and reason(body) == "REQUEST_TIMEOUT", body
+        conn.close()
+        assert "Traceback" not in gw.log()
     finally:
         gw.stop()
 
