@@ -775,7 +775,10 @@ def _normalize(desc: descriptor.Descriptor, data: object, path: str) -> dict[str
             if value is None:
                 value = []
             if isinstance(value, str) and f.type == f.TYPE_STRING:
-                value = shlex.split(value)
+                try:
+                    value = shlex.split(value)
+                except ValueError as e:  # an unbalanced quote
+                    raise JobFileError(f"not a command line: {e}", sub) from e
             elif not isinstance(value, list):
                 value = [value]
             out[f.json_name] = [_scalar(f, v, f"{sub}[{i}]") for i, v in enumerate(value)]

@@ -161,6 +161,7 @@ def test_job_file_shorthands_parse_into_the_spec(tmp_path: pathlib.Path) -> None
     ("replicaGroups: [{resources: {memory: 4Xi}}]\n", "replicaGroups[0].resources.memory"),
     ("timeLimit: soon\n", "timeLimit"),
     ("replicaGroups: [{env: [A, B]}]\n", "replicaGroups[0].env"),
+    ("replicaGroups: [{command: \"echo 'unbalanced\"}]\n", "replicaGroups[0].command"),  # was a ValueError
 ])
 def test_job_file_errors_name_the_key(tmp_path: pathlib.Path, text: str, field: str) -> None:
     p = tmp_path / "bad.yaml"
@@ -419,7 +420,10 @@ def test_a_token_no_server_could_take_is_named_not_a_grpc_internal(tmp_path: pat
     value" and the CLI printed INTERNAL CLIENT_ERROR with its objects' reprs."""
     tok = tmp_path / "tok"
     tok.write_text("dls_abc\u00e9def\n")
-    for extra, env in ((["--token-file", str(tok)], {}), ([], {"DLSCHED_TOKEN": "abc\u00e9 d"})):
+    binary = tmp_path / "binary-tok"  # not UTF-8: was INTERNAL CLIENT_ERROR UnicodeDecodeError
+    binary.write_bytes(b"dls_\xff\xfe\n")
+    for extra, env in ((["--token-file", str(tok)], {}), (["--token-file", str(binary)], {}),
+                       ([], {"DLSCHED_TOKEN": "abc\u00e9 d"})):
         r = subprocess.run([sys.executable, "-m", "dlsched", "--server", "127.0.0.1:1", *extra, "list"],
                            capture_output=True, text=True, timeout=30, cwd=ROOT, env={**_env(), **env})
         assert r.returncode == 1, r.stderr

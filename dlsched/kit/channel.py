@@ -93,21 +93,21 @@ class TokenSource:
             st = os.stat(self._file)
             stamp = (st.st_mtime_ns, st.st_size)
             if stamp != self._stamp or self._token is None:
-                with open(self._file) as f:
-                    self._token = f.readline().strip()
+                with open(self._file, encoding="utf-8", errors="replace") as f:  # (refused below)
+                    self._token = f.readline(16384).strip()
                 self._stamp = stamp
         elif self._command:
             import shlex
             import subprocess
 
             out = subprocess.run(shlex.split(self._command), capture_output=True, text=True,
-                                 timeout=30, check=True).stdout
+                                 encoding="utf-8", errors="replace", timeout=30, check=True).stdout
             self._token = out.strip().splitlines()[0] if out.strip() else None
         return self._checked_token()
 
     def _checked_token(self) -> str | None:
         if self._token and not _TOKEN_RE.fullmatch(self._token):
-            where = "--token-file" if self._file else "--token-command" if self._command else "--token/DLSCHED_TOKEN"
+            where = "--token-file" if self._file else "--token-command" if self._command else "the token given, or DLSCHED_TOKEN"
             raise MalformedToken(f"the bearer token ({where}) holds characters no token has "
                                  "(tokens are A-Z a-z 0-9 . _ ~ + / = -, at most 8192)")
         return self._token
