@@ -215,14 +215,13 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
                 self._adopt(c, pod)
                 by_job.setdefault(labels[naming.LABEL_JOB], {})[pod["metadata"].get("name", "")] = pod
         for key, job in list(c.jobs.items()):
-            fresh = {n: replace(v, alive=False, terminating=False)  # ended: kept when gone
+            fresh = {n: replace(v, alive=False, terminating=False, gone=True)  # ended: kept when gone
                      for n, v in job.pods.items() if v.state.is_terminal()}
             for n, p in by_job.get(key, {}).items():
                 if (r := job.by_pod(n)) is not None and naming.attempt_of(p) == job.attempt and ours(job, p):
                     job.learn_containers(r, p)
                     fresh[n] = states.replica_of(p)
             job.pods = fresh
-            job.gone = {n for n in fresh if n not in by_job.get(key, {})}  # kept ended, not listed
             job.seen.update(fresh)
             if job.incomplete():  # adopted with a pod missing: a launch cut short, or a pod lost since?
                 self._spawn(self._lost_pods(c, job))
@@ -261,12 +260,11 @@ class KubernetesDriver(BackendDriver[KubeCluster, Rendered]):
             if ended is not None and ended.state.is_terminal():
                 # A pod deleted after it ended (terminated-pod GC, a script, the driver deleting a
                 # failed replica's pod) keeps its end: it was no PodDeleted failure.
-                job.pods[meta["name"]] = replace(ended, alive=False, terminating=False)
-                job.gone.add(meta["name"])  # (a stopped job is STOPPED once its pods are gone)
+                # (gone: a stopped job is STOPPED once its pods are)
+                job.pods[meta["name"]] = replace(ended, alive=False, terminating=False, gone=True)
         else:
             job.pods[meta["name"]] = states.replica_of(pod)
             job.seen.add(meta["name"])
-            job.gone.discard(meta["name"])
         self._update(c, job)
 
     def _on_stale(self, c: KubeCluster, msg: str) -> None:

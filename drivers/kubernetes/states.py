@@ -90,6 +90,7 @@ class PodView:
     end_time: float | None = None
     alive: bool = False  # FAILED while the pod still runs other containers: it must be deleted
     terminating: bool = False  # being deleted (``metadata.deletionTimestamp``), in its grace period
+    gone: bool = False  # the pod was deleted after it ended (its end kept): no object left
     #: a pod of several processes: (container name, that process's own view), in the pod's order
     procs: tuple[tuple[str, PodView], ...] = ()
 

@@ -62,7 +62,7 @@ class TrackedJob:
     """One job's newest attempt, as the watch shows its pods (compact: slots, pods as views)."""
 
     __slots__ = ("cluster", "others", "job_id", "attempt", "backend_job_id", "service", "replicas", "rule",
-                 "pods", "seen", "gone", "deleted", "ended_at_delete", "stop_requested", "final", "last", "start_time", "end_time",
+                 "pods", "seen", "deleted", "ended_at_delete", "stop_requested", "final", "last", "start_time", "end_time",
                  "_changed", "usage", "cleaned", "uid", "submitted", "failed")
 
     def __init__(self, cluster: str, job_id: str, attempt: int, backend_job_id: str, service: str,
@@ -80,12 +80,11 @@ class TrackedJob:
         # by pod name: the replica's view of the pod as the watch last showed it (not the pod's JSON)
         self.pods: dict[str, states.PodView] = {}
         self.seen: set[str] = set()
-        #: pods the watch saw deleted after they ended: ``pods`` keeps their ends
-        self.gone: set[str] = set()
         self.deleted: set[str] = set()
         #: pods dlsched deleted (``note_deleted``): the processes that had ended by then ("" for
-        #: a pod of one), so one that ends later, exit 0 on the SIGTERM too, reads STOPPED
-        self.ended_at_delete: dict[str, frozenset[str]] = {}
+        #: a pod of one), so one that ends later, exit 0 on the SIGTERM too, reads STOPPED (made
+        #: on the first delete: a job's memory, <= 2 KiB, holds no empty map)
+        self.ended_at_delete: dict[str, frozenset[str]] | None = None
         self.stop_requested = False
         self.final: JobObservation | None = None
         self.last: JobObservation | None = None
@@ -219,6 +218,8 @@ def note_deleted(job: TrackedJob, names: Iterable[str]) -> None:
     """``names``, pods dlsched is deleting: in ``job.deleted``, with the processes each had
     ended by then (a pod deleted before, or not seen yet, is left as it is)."""
     wanted = set(names) - job.deleted
+    if job.ended_at_delete is None:
+        job.ended_at_delete = {}
     for r, v in _pod_views(job):
         if r.pod not in wanted:
             continue
@@ -259,7 +260,8 @@ def process_views(job: TrackedJob) -> list[tuple[Replica, int, states.PodView]]:
         n = max(1, len(r.containers) or counts.get(r.role, 1))
         procs = dict(v.procs)
         deleted = _deleted(job, r, v)
-        ended_then = job.ended_at_delete.get(r.pod)  # None: not known (a driver restarted since)
+        # None: not known (a driver restarted since)
+        ended_then = job.ended_at_delete.get(r.pod) if job.ended_at_delete is not None else None
         for k in range(n):
             pv, name = v, ""
             if n > 1:
@@ -299,7 +301,7 @@ def observation(job: TrackedJob, stale: str | None) -> JobObservation:
         job.failed = jv.failed
     if job.stop_requested and jv.state is JobState.STOPPED:
         # STOPPED only once the watch shows every deleted pod gone.
-        if any(r.pod in job.pods and r.pod not in job.gone for r in job.replicas):
+        if any(r.pod in job.pods and not job.pods[r.pod].gone for r in job.replicas):
             jv = states.JobView(JobState.STOPPING, states.REASON_STOPPING, "deleting the pods")
     starts = [v.start_time for *_, v in vs if v.start_time is not None]
     if starts and job.start_time is None:
