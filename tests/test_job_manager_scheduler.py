@@ -200,6 +200,21 @@ async def test_stop_during_launch_terminates_backend_job(env: Any) -> None:
     await until(terminated)
 
 
+async def test_an_attempt_lost_before_it_started_is_launched_again_whatever_max_retries(env: Any) -> None:
+    """The driver says the backend lost the attempt before any process started (Slurm forgot a
+    job slurmctld never saved): it never ran, so it is launched again as a new attempt though
+    max_retries is 0, three times at most; then the job FAILS with that reason."""
+    sched, drv = env
+    job, _ = await sched.submit("lb", SPEC, "", dry_run=False, spec_bytes=10)
+    for attempt in (1, 2, 3, 4):
+        await stored(sched, "lb", lambda j, a=attempt: j.attempt == a and j.launched)
+        drv.events.put_nowait(Observation("lb", f"b-lb-{attempt}", state=JobState.FAILED,
+                                          reason="LostBeforeStart", attempt=attempt, job_uid=job.uid))
+    final = await stored(sched, "lb", lambda j: j.state.is_terminal())
+    assert (final.state, final.reason, final.attempt) == (JobState.FAILED, "LostBeforeStart", 4), final
+    assert drv.launches == [("lb", 1), ("lb", 2), ("lb", 3), ("lb", 4)]
+
+
 async def test_driver_losing_a_job_fails_it_after_snapshot(env: Any) -> None:
     sched, drv = env
     await sched.submit("d", SPEC, "", dry_run=False, spec_bytes=10)

@@ -732,6 +732,34 @@ def test_a_job_slurm_purged_unseen_ends_as_its_exits_file_says() -> None:
     assert running.reason == "LeftSlurm"
 
 
+def test_a_job_slurm_forgot_before_it_started_is_lost_before_start() -> None:
+    """slurmctld SIGKILLed before it saved jobs it had just accepted: restarted, it knows them no
+    more (and gives their ids to other jobs). One never seen on a node whose script wrote no
+    exits file provably never ran: FAILED ``LostBeforeStart`` (JobManager launches it again), not
+    ``LeftSlurm`` (4 of 10 jobs submitted around such a kill were lost for good, found by review).
+    Seen running, or the file unreadable (the login node out of reach): ``LeftSlurm`` as before."""
+    from drivers.slurm.jobs import TrackedJob
+    from drivers.slurm.poller import SlurmJob
+
+    def vanished(*, ran: bool) -> TrackedJob:
+        job = TrackedJob("c", "j", 1, "84", "d", None, roles=(("main", 0),))
+        job.apply(SlurmJob("84", "RUNNING" if ran else "PENDING", nodes="n1" if ran else ""))
+        job.round(None, None, complete=True)  # listed nowhere
+        assert job.needs_exits
+        return job
+
+    never = vanished(ran=False)
+    assert never.exits_read(None, absent=True)
+    assert (never.state, never.reason) == (DJobState.FAILED, "LostBeforeStart"), never.observation(None)
+    unread = vanished(ran=False)  # the read failed: nobody knows whether it ran
+    assert unread.exits_read(None, absent=False)
+    assert (unread.state, unread.reason) == (DJobState.FAILED, "LeftSlurm")
+    ran = vanished(ran=True)
+    while not ran.exits_read(None, absent=True):
+        pass
+    assert (ran.state, ran.reason) == (DJobState.FAILED, "LeftSlurm")
+
+
 def test_ends_after_dlscheds_stop_are_never_a_success() -> None:
     """Every process ending after dlsched's stop reached the job (``halt``): had they all exited 0,
     a driver that adopted the job and read only the file (Slurm lost the job) said SUCCEEDED."""

@@ -38,6 +38,9 @@ STOP_REQUESTED = "StopRequested"
 BACKEND_STALE = "BackendStale"
 #: a backend state the driver's state map does not know
 UNKNOWN = "Unknown"
+#: FAILED: the backend lost the attempt before any of its processes started (it provably never
+#: ran); JobManager launches the job again as a new attempt (driver_service.proto)
+LOST_BEFORE_START = "LostBeforeStart"
 
 
 class BackendUnavailable(Unavailable):

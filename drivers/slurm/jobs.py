@@ -46,7 +46,7 @@ from drivers.common.base import (
     ReplicaStatus,
     ReplicaUsage,
 )
-from drivers.common.registry import STOP_REQUESTED
+from drivers.common.registry import LOST_BEFORE_START, STOP_REQUESTED
 from drivers.slurm import exits, render, states
 from drivers.slurm.poller import SlurmJob
 
@@ -232,10 +232,18 @@ class TrackedJob:
         """Slurm said the job ended; its exits file is to be read before that is reported."""
         return self.held is not None and not self.state.is_terminal()
 
-    def exits_read(self, found: exits.Exits | None) -> bool:
-        """The exits file (None: it could not be read); True when the job's end is now reported."""
+    def exits_read(self, found: exits.Exits | None, absent: bool = False) -> bool:
+        """The exits file (None: it could not be read; ``absent``: the read found none, the
+        batch script never wrote it); True when the job's end is now reported."""
         if self.held is None or self.state.is_terminal():
             return False
+        if found is None and absent and self.held.state == VANISHED and not self.nodes \
+                and self.start_time is None and not self.restarts:
+            # Slurm forgot a job it never started (slurmctld died before saving it, and may
+            # have given its id to another job since) and the script never ran: it never ran.
+            self.held = None
+            self.lost(before_start=True)
+            return True
         if found is None:
             self.exit_reads += 1 if self.nodes else exits.MAX_READS  # one that never ran has none
             if self.exit_reads < exits.MAX_READS:
@@ -277,10 +285,15 @@ class TrackedJob:
             r[0] for r in map(exits.split_label, labels) if r is not None]
         return states.success_message(named)
 
-    def lost(self) -> None:
-        """Neither squeue nor the follow-up knows the job any more, and its end was never seen."""
+    def lost(self, before_start: bool = False) -> None:
+        """Neither squeue nor the follow-up knows the job any more, and its end was never seen
+        (``before_start``: nor its start, and its script never ran: ``LOST_BEFORE_START``)."""
         self.state, self.reason = JobState.FAILED, states.REASON_LOST
         self.message = "Slurm no longer knows the job and its end was never seen"
+        if before_start:
+            self.reason = LOST_BEFORE_START
+            self.message = ("Slurm lost the job before it started (slurmctld restarted without it) "
+                            "and its script never ran")
         self.end_time = time.time()
 
     def stop_sent(self, grace: float | None = None) -> None:

@@ -155,15 +155,24 @@ def _same(a: Job, b: Job) -> bool:
     return all(getattr(a, f) == getattr(b, f) for f in fields)
 
 
+#: A driver's reason for an attempt the backend lost before any of its processes started (it
+#: provably never ran: Slurm forgot a job slurmctld never saved): launched again as a new attempt
+#: whatever max_retries says, at most LOST_BEFORE_START_RELAUNCHES attempts beyond them (the
+#: attempts it takes count against a real failure's retries).
+LOST_BEFORE_START = "LostBeforeStart"
+LOST_BEFORE_START_RELAUNCHES = 3
+
+
 def should_retry(job: Job, obs: Observation) -> bool:
     """Whether a FAILED observation of the current attempt leads to a retry."""
+    most = job.spec.max_retries + (LOST_BEFORE_START_RELAUNCHES if obs.reason == LOST_BEFORE_START else 0)
     return (
         obs.found
         and obs.state == S.FAILED
         and not job.state.is_terminal()
         and job.state != S.STOPPING
         and (not obs.attempt or obs.attempt == job.attempt)
-        and job.attempt <= job.spec.max_retries
+        and job.attempt <= most
     )
 
 
