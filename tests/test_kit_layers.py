@@ -59,6 +59,12 @@ class Servicer(jm_grpc.JobManagerServiceServicer):
             await asyncio.sleep(60)
         return job_manager_service_pb2.GetJobResponse(job=job_pb2.Job(name=request.name))
 
+    async def StreamJobLogs(self, request, context):  # noqa: N802
+        yield job_manager_service_pb2.StreamJobLogsResponse(resume_cursor="first")
+        if request.name == "jobs/slow":  # the next batch waits on something that does not answer
+            await asyncio.sleep(60)
+        yield job_manager_service_pb2.StreamJobLogsResponse(resume_cursor="last")
+
 
 def requests(code: str) -> float:
     return RPC_REQUESTS.labels("dlsched.v1.JobManagerService", "GetJob", code)._value.get()  # type: ignore[no-any-return]
@@ -174,3 +180,16 @@ async def test_a_call_its_server_cannot_finish_in_time_is_answered_before_its_de
         # No deadline: the handler is not limited (a fast one answers as ever).
         got = await stub.GetJob(job_manager_service_pb2.GetJobRequest(name="jobs/a"))
         assert got.job.name == "jobs/a"
+        # A stream too: what it sent arrives, then TIMED_OUT before the deadline (a log read
+        # behind a frozen backend ran to the caller's bare DEADLINE_EXCEEDED)
+        got_streamed: list[str] = []
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            async for r in stub.StreamJobLogs(job_manager_service_pb2.StreamJobLogsRequest(name="jobs/slow"),
+                                              timeout=4):
+                got_streamed.append(r.resume_cursor)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and got_streamed == ["first"], e.value
+        info = error_info(e.value)
+        assert info is not None and info.reason == "TIMED_OUT"
+        fast = [r.resume_cursor async for r in stub.StreamJobLogs(
+            job_manager_service_pb2.StreamJobLogsRequest(name="jobs/a"), timeout=30)]
+        assert fast == ["first", "last"]

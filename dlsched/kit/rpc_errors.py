@@ -163,7 +163,7 @@ class ErrorInterceptor(WrappingInterceptor):
             async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
                     refuse_undecodable(request)
-                    budget = _budget(context)
+                    budget = call_budget(context)
                     if budget is None:
                         return await inner_uu(request, context)
                     limit = asyncio.timeout(budget)
@@ -173,9 +173,7 @@ class ErrorInterceptor(WrappingInterceptor):
                     except TimeoutError:
                         if not limit.expired():
                             raise
-                        raise errors.DeadlineExceeded(
-                            "not done before the call's deadline: a service it needs is slow or does "
-                            "not answer", reason="TIMED_OUT") from None
+                        raise timed_out() from None
                 except PASSTHROUGH:
                     raise
                 except BaseException as exc:  # noqa: BLE001 - mapped to a status
@@ -212,12 +210,18 @@ class ErrorInterceptor(WrappingInterceptor):
 DEADLINE_MARGIN_SECONDS = 3.0
 
 
-def _budget(context: grpc.aio.ServicerContext) -> float | None:
+def call_budget(context: grpc.aio.ServicerContext) -> float | None:
     """Seconds the handler may take, or None when the call has no deadline."""
     remaining: float | None = context.time_remaining()
     if remaining is None or remaining > 86_400:
         return None
     return max(0.001, remaining - min(DEADLINE_MARGIN_SECONDS, remaining / 10))
+
+
+def timed_out() -> errors.DeadlineExceeded:
+    """What a call that ran out of its budget (``call_budget``) is answered with."""
+    return errors.DeadlineExceeded("not done before the call's deadline: a service it needs is slow or does "
+                                   "not answer", reason="TIMED_OUT")
 
 
 # Cancellation and grpc's own abort signal must pass through untouched.

@@ -56,8 +56,10 @@ from dlsched.kit.rpc_errors import (
     PASSTHROUGH,
     ErrorInterceptor,
     abort_with,
+    call_budget,
     refuse_undecodable,
     status_for,
+    timed_out,
     to_status,
 )
 
@@ -308,6 +310,11 @@ class StreamLayers(WrappingInterceptor):
                 task = asyncio.current_task()
                 assert task is not None
                 source: AsyncGenerator[Any, None] | None = None
+                # The call's deadline, as for unary calls: a stream whose next message a slow
+                # service holds past it ends DEADLINE_EXCEEDED TIMED_OUT just before it (a log
+                # read behind a frozen backend ran to the client's bare DEADLINE_EXCEEDED)
+                budget = call_budget(context)
+                deadline = None if budget is None else asyncio.get_running_loop().time() + budget
                 try:
                     try:
                         refuse_undecodable(request)  # the error layer's part, inside the drain's
@@ -315,7 +322,17 @@ class StreamLayers(WrappingInterceptor):
                         while not drain.draining:
                             drain._waiting.add(task)  # noqa: SLF001
                             try:
-                                item = await source.__anext__()
+                                if deadline is None:
+                                    item = await source.__anext__()
+                                else:
+                                    limit = asyncio.timeout_at(deadline)
+                                    try:
+                                        async with limit:
+                                            item = await source.__anext__()
+                                    except TimeoutError:
+                                        if not limit.expired():
+                                            raise
+                                        raise timed_out() from None
                             except StopAsyncIteration:
                                 return
                             except asyncio.CancelledError:
