@@ -517,21 +517,24 @@ while True:
 """
 
 
-async def test_a_stop_signals_each_process_once_and_one_exiting_0_on_it_is_stopped(stub, tmp_path):
-    """Ray's job supervisor SIGTERMs every descendant of the entrypoint; the launcher sent each
-    process a second one. A process exiting 0 on the stop's SIGTERM is STOPPED with its code, as
-    on local and Slurm (it was SUCCEEDED inside the STOPPED job)."""
-    job_id = new_id("stop1")
-    spec = S.JobSpec(run_mode=S.RUN_MODE_SINGLE_PROCESS, replica_groups=[S.ReplicaGroup(
-        role="main", replicas=1, command=[PY, "-c", TERM_PROBE, str(tmp_path)],
-        env={"TERM_EXIT": "0", "TERM_SLEEP": "0.5"})])
-    await launch(stub, job_id, spec)
+async def stop_a_term_probe(stub, tmp_path, name: str, **env: str) -> dpb.JobObservation:
+    """A single process running TERM_PROBE with ``env``, stopped once it runs: its end with replicas."""
+    job_id = new_id(name)
+    await launch(stub, job_id, S.JobSpec(run_mode=S.RUN_MODE_SINGLE_PROCESS, replica_groups=[S.ReplicaGroup(
+        role="main", replicas=1, command=[PY, "-c", TERM_PROBE, str(tmp_path)], env=env)]))
     deadline = time.monotonic() + 60
     while not list(tmp_path.glob("*.json")):
         assert time.monotonic() < deadline, "the process never started"
         await asyncio.sleep(0.2)
     await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=job_id)), timeout=20)
-    obs = await wait_replicas(stub, job_id, within=60)
+    return await wait_replicas(stub, job_id, within=90)
+
+
+async def test_a_stop_signals_each_process_once_and_one_exiting_0_on_it_is_stopped(stub, tmp_path):
+    """Ray's job supervisor SIGTERMs every descendant of the entrypoint; the launcher sent each
+    process a second one. A process exiting 0 on the stop's SIGTERM is STOPPED with its code, as
+    on local and Slurm (it was SUCCEEDED inside the STOPPED job)."""
+    obs = await stop_a_term_probe(stub, tmp_path, "stop1", TERM_EXIT="0", TERM_SLEEP="0.5")
     assert obs.state == S.JOB_STATE_STOPPED, obs
     assert [(r.role, r.index, r.state, r.exit_code) for r in obs.replicas] == [("main", 0, S.REPLICA_STATE_STOPPED, 0)]
     assert [p.read_text() for p in tmp_path.glob("*.terms")] == ["T"]
@@ -573,17 +576,7 @@ async def test_a_process_taking_its_grace_on_a_stop_keeps_its_exit_code(stub, tm
     """A process that takes 4 s to end on the stop's SIGTERM (within the launcher's 5 s grace,
     past Ray's default 3 s stop wait): Ray's supervisor SIGKILLed the launcher before it wrote
     the replicas' ends, and the job had none. It waits for the launcher now: STOPPED 143."""
-    job_id = new_id("stopgrace")
-    spec = S.JobSpec(run_mode=S.RUN_MODE_SINGLE_PROCESS, replica_groups=[S.ReplicaGroup(
-        role="main", replicas=1, command=[PY, "-c", TERM_PROBE, str(tmp_path)],
-        env={"TERM_SLEEP": "4"})])
-    await launch(stub, job_id, spec)
-    deadline = time.monotonic() + 60
-    while not list(tmp_path.glob("*.json")):
-        assert time.monotonic() < deadline, "the process never started"
-        await asyncio.sleep(0.2)
-    await stub.TerminateJob(dpb.TerminateJobRequest(cluster=CLUSTER, job=dpb.JobRef(job_id=job_id)), timeout=20)
-    obs = await wait_replicas(stub, job_id, within=90)
+    obs = await stop_a_term_probe(stub, tmp_path, "stopgrace", TERM_SLEEP="4")
     assert obs.state == S.JOB_STATE_STOPPED, obs
     assert [(r.role, r.index, r.state, r.exit_code) for r in obs.replicas] == [
         ("main", 0, S.REPLICA_STATE_STOPPED, 143)]
