@@ -156,6 +156,7 @@ class Scheduler:
         self._clock = clock
         self._locks = KeyedLocks()
         self._launch_slots: dict[str, asyncio.Semaphore] = {}  # per cluster: one down never starves another
+        self._early_stops = asyncio.Semaphore(8)  # stops sent to a driver before a launch answered
         self._gates: dict[str, DriverGate] = {}  # per cluster: its driver down, one retry probes it
         self._retries: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._retry_cluster: dict[tuple[str, str], str] = {}
@@ -552,10 +553,12 @@ class Scheduler:
 
         job = await self.store.update(job_id, stop, expect=expect)
         done = True
-        if unlaunched and job.state == JobState.STOPPED and not job.launched:
-            # Its launch may be at the driver now (in flight, or done with the answer not recorded
-            # yet: its owner frozen): the driver is told at once, by id and uid, and stops what
-            # the launch makes once it has made it (the owner, on the answer, would too, later).
+        if unlaunched and job.state == JobState.STOPPED and not job.launched and (
+                self._locks.busy(job_id) or not self.ownership.owns(job.cluster)):
+            # Its launch may be at the driver now (this replica's call in flight, or another
+            # replica's, the owner's, which may be frozen with the answer): the driver is told at
+            # once, by id and uid, and stops what the launch makes once it has made it (the
+            # owner, on the answer, would too, later). At most a few such calls at a time.
             self._spawn(self._stop_unanswered_launch(job), name=f"terminate-{job_id}").add_done_callback(_retrieved)
         if job.state == JobState.STOPPING:
             log.info("stopping job %s", job_id)
@@ -583,13 +586,14 @@ class Scheduler:
 
     async def _stop_unanswered_launch(self, job: Job) -> None:
         """Best effort: a driver that does not answer is left to the launch's owner."""
-        if self._gate(job.cluster).must_wait():
-            return  # its driver down: no launch of it answers either
-        try:
-            drv = await self.driver_for(job.cluster)
-            await drv.terminate(job.cluster, job.id, "", self.config.stop_grace_seconds, job.uid)
-        except errors.DlschedError as e:
-            log.info("stop of %s before its launch answered, at its driver: %s", job.id, e.reason)
+        async with self._early_stops:
+            if self._gate(job.cluster).must_wait():
+                return  # its driver down: no launch of it answers either
+            try:
+                drv = await self.driver_for(job.cluster)
+                await drv.terminate(job.cluster, job.id, "", self.config.stop_grace_seconds, job.uid)
+            except errors.DlschedError as e:
+                log.info("stop of %s before its launch answered, at its driver: %s", job.id, e.reason)
 
     async def _try_terminate(self, job_id: str) -> bool:
         job = await self.store.get(job_id)

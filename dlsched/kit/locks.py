@@ -17,6 +17,10 @@ class KeyedLocks:
         """Locks held or waited for now."""
         return len(self._locks)
 
+    def busy(self, key: str) -> bool:
+        """Whether ``key``'s lock is held or waited for now."""
+        return key in self._locks
+
     @contextlib.asynccontextmanager
     async def hold(self, key: str) -> AsyncIterator[None]:
         entry = self._locks.get(key)
