@@ -640,7 +640,8 @@ async def test_archiver_keeps_changed_jobs_drops_deleted_ones_and_is_fenced(
         await client.put(holder_key, b"me")
         await hub.start()
         assert hub.cache is not None
-        arch = Archiver(store, hub.cache, history, ArchiveConfig(retention_seconds=3600, batch=100),
+        arch = Archiver(store, hub.cache, history, ArchiveConfig(retention_seconds=3600, batch=100,
+                                                                 request_key_grace_seconds=0),
                         holder_key=holder_key, holder="me", wait_current=hub.wait_current)
         assert await hub.wait_current()
         oldest_first = [j.id for j in sorted(jobs, key=order_key, reverse=True)]
@@ -697,6 +698,23 @@ async def test_archiver_keeps_changed_jobs_drops_deleted_ones_and_is_fenced(
         moved = await history.get(changed.id)
         assert moved is not None and moved.job().message == "changed"
         assert await history.count() == 39
+
+        # With the default grace a key outlives the sweeps after its pair is recorded (a retried
+        # SubmitJob that looked in the history just before the pair was there, then matched for
+        # up to 15 s, must still find the key: with a 1 s sweep interval it ran a job twice).
+        late = make(98, state=JobState.SUCCEEDED)
+        await put_jobs(client, etcd_prefix, [late])
+        await client.put(store.request_key(f"req-{late.id}"), late.id.encode())
+        patient = Archiver(store, hub.cache, history, ArchiveConfig(retention_seconds=3600),
+                           holder_key=holder_key, holder="me", wait_current=hub.wait_current)
+        assert await hub.wait_current()
+        await patient._move(patient.candidates())
+        assert await hub.wait_current()
+        for _ in range(3):
+            await patient.sweep_requests(hub.cache.current)
+        assert store.request_key(f"req-{late.id}") in await request_keys()
+        assert (await history.job_for_request(f"req-{late.id}")) is not None
+        await history.delete(late.id, upto=0)
 
         # /metrics: jobs moved and pruned, the last round
         from prometheus_client import REGISTRY

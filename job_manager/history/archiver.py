@@ -81,6 +81,11 @@ DUE = Gauge(
 
 #: concurrent etcd deletes per batch
 _DELETES_IN_FLIGHT = 32
+#: A request key stays at least this long after its (request id, job) pair is in the history:
+#: a retried SubmitJob looks in the history beside its match (which may take its 15 s) and then
+#: creates its job only if the key is not there; a key gone in between let the retry store and
+#: run the job a second time (a sweep interval of 1 s opened that window, found by review).
+REQUEST_KEY_GRACE_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,8 @@ class ArchiveConfig:
     prune_max_jobs: int = 0
     #: how often request keys (SubmitJob's request_id → job) of jobs no longer in etcd are swept
     request_sweep_seconds: float = 300.0
+    #: how long a request key stays once its pair is in the history (``REQUEST_KEY_GRACE_SECONDS``)
+    request_key_grace_seconds: float = REQUEST_KEY_GRACE_SECONDS
 
 
 @dataclass
@@ -122,6 +129,9 @@ class Archiver:
         self.stats = ArchiveStats()
         self._fault = os.environ.get("DLSCHED_FAULT_ARCHIVE", "")
         self._swept_at: float | None = None
+        #: request ids whose pair this archiver put in the history: since when (monotonic), until
+        #: their key goes (``REQUEST_KEY_GRACE_SECONDS``)
+        self._paired: dict[str, float] = {}
 
     async def run(self) -> None:
         """The leader's work: rounds until cancelled."""
@@ -224,8 +234,18 @@ class Archiver:
             # (a whole sweep interval later). A deleted job's key goes now.
             _, recorded_now = await self.history.put_requests(
                 (rid, job_id) for rid, (_, job_id, _) in gone.items())
-            await asyncio.gather(*(one(k, m) for rid, (k, _, m) in gone.items()
-                                   if rid not in recorded_now))
+            now = time.monotonic()
+            for rid in recorded_now:
+                self._paired.setdefault(rid, now)
+            grace = self.config.request_key_grace_seconds
+            due = [(rid, k, m) for rid, (k, _, m) in gone.items()
+                   if rid not in recorded_now and now - self._paired.get(rid, now - grace) >= grace]
+            await asyncio.gather(*(one(k, m) for _, k, m in due))
+            for rid, _, _ in due:
+                self._paired.pop(rid, None)
+        # (a key gone otherwise, a job deleted from etcd with its key: not held for ever)
+        if len(self._paired) > 100_000:
+            self._paired = dict(sorted(self._paired.items(), key=lambda kv: kv[1])[-50_000:])
         self.stats.request_keys_swept += n
         return n
 
