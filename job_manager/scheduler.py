@@ -803,6 +803,16 @@ class Scheduler:
         self._reap(c.cluster, c.job_id, c.backend_job_id, c.uid, why="is deleted, its clean-up pending,",
                    record=c)
 
+    async def purge_archived(self, job_id: str, revision: int, data: bytes) -> None:
+        """Delete the archived copy of ``job_id`` (at ``revision``, ``data`` its stored bytes).
+        Watches learn of it first (its key left etcd with no event when it was archived): a
+        delete that fails after is retried, and a watch sees a second DELETED, never none."""
+        assert self.history is not None
+        if await self.store.mark_purged(job_id, revision, data):
+            await self.history.delete(job_id, upto=revision)
+        else:  # its id is a live job's again: this archived copy was deleted meanwhile
+            await self.history.delete(job_id, revision, upto=revision)
+
     async def clean_up_later(self, cluster: str, job_id: str, backend_job_id: str, uid: str) -> None:
         """A deleted job's clean-up that failed (its driver unreachable): recorded in etcd (raises
         ``StoreUnavailable`` when it cannot be), retried in the background until done."""
@@ -824,6 +834,17 @@ class Scheduler:
                 job = await self.store.get(d.job_id)
             except JobNotFound:
                 job = None
+            if job is None and self.history is not None:
+                # Archived once it stopped, before this record was acted on (its owner died and the
+                # successor's sweep came after the archiver): deleted from the history, as promised
+                # (it lived on there)
+                archived = await self.history.get(d.job_id)
+                if archived is not None and (gone := archived.job()).uid == d.uid:
+                    if gone.cluster:
+                        await self.clean_up_later(gone.cluster, gone.id, gone.backend_job_id, gone.uid)
+                    await self.purge_archived(d.job_id, archived.revision, archived.data)
+                    log.info("job %s deleted from the history: it stopped and was archived before its "
+                             "pending delete", d.job_id)
             if job is None or job.uid != d.uid:  # deleted since, maybe its id reused
                 self._deletes.pop(d.job_id, None)
                 await self.store.drop_pending_delete(d)

@@ -456,10 +456,17 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
                 raise
             return pb.DeleteJobResponse()
         try:
-            last = await self.scheduler.delete(job_id, request.allow_missing, etag=request.etag)
+            last = await self.scheduler.delete(job_id, True, etag=request.etag)
         except EtagMismatch as e:
             await self._refuse_never_issued(request.etag, e)
             raise
+        if last is None:  # archived while its delete ran (its clean-up waited for a driver)
+            archived = await self._archived(job_id)
+            if archived is not None:
+                # (the etag held at the first write; the clean-up was done, or recorded, above)
+                return await self._delete_archived(archived, "", clean_up=False)
+            if not request.allow_missing:
+                raise JobNotFound(f"job jobs/{job_id} not found", metadata={"name": f"jobs/{job_id}"})
         if self.history is not None:
             # A copy the archiver wrote before the delete (etcd won until now) goes too, and
             # an archiver that picked the job before the delete never stores it again.
@@ -471,27 +478,22 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
             resp.job.CopyFrom(convert.job_to_proto(last))
         return resp
 
-    async def _delete_archived(self, archived: ArchivedJob, etag: str) -> pb.DeleteJobResponse:
+    async def _delete_archived(self, archived: ArchivedJob, etag: str, *,
+                               clean_up: bool = True) -> pb.DeleteJobResponse:
         assert self.history is not None
         job = access.check_write(caller(), archived.job())
         if etag and etag != job.etag:  # it keeps the etag it was archived with
             mismatch = EtagMismatch(job.id, etag, job.etag)
             await self._refuse_never_issued(etag, mismatch)
             raise mismatch
-        if job.cluster:  # its backend objects (logs kept for it), as a live delete does
+        if job.cluster and clean_up:  # its backend objects (logs kept for it), as a live delete does
             try:
                 drv = await self.scheduler.driver_for(job.cluster)
                 await drv.cleanup(job.cluster, job.id, job.backend_job_id, job.uid)
             except DlschedError as e:  # (its files and objects would stay for good)
                 log.warning("cleanup of archived %s on %s failed (retried): %s", job.id, job.cluster, e)
                 await self.scheduler.clean_up_later(job.cluster, job.id, job.backend_job_id, job.uid)
-        # Watches learn of it first (its key left etcd with no event when it was
-        # archived): a delete that fails after is retried, and a watch sees a
-        # second DELETED, never none.
-        if await self.store.mark_purged(job.id, archived.revision, archived.data):
-            await self.history.delete(job.id, upto=archived.revision)
-        else:  # its id is a live job's again: this archived copy was deleted meanwhile
-            await self.history.delete(job.id, archived.revision, upto=archived.revision)
+        await self.scheduler.purge_archived(job.id, archived.revision, archived.data)
         return pb.DeleteJobResponse(job=archived.proto())
 
     async def WatchJobs(self, request: pb.WatchJobsRequest,  # noqa: N802
