@@ -430,6 +430,8 @@ class HistoryStore:
         self._check_file()
         try:
             async with self.engine.connect() as conn:
+                if loop.time() < self._down_until:  # found down while this read waited for its connection
+                    raise StoreUnavailable("history: the database did not answer just now; retry")
                 yield conn
         except _DOWN as e:
             if database_down(e) or _timed_out(e):
@@ -472,6 +474,9 @@ class HistoryStore:
 _DOWN = (sa.exc.SQLAlchemyError, OSError, TimeoutError)
 #: the longest one PostgreSQL statement may take (asyncpg cancels it then)
 COMMAND_TIMEOUT_SECONDS = 10.0
+#: the longest a read or write waits for a pooled connection (SQLAlchemy's default, 30 s, held
+#: a burst of reads of a frozen PostgreSQL past their callers' deadlines)
+POOL_WAIT_SECONDS = 5.0
 #: how long reads fail at once after the database failed to answer one
 DOWN_SECONDS = 5.0
 
@@ -523,6 +528,8 @@ def _settle(op: _Op, *, result: Any = None, exc: BaseException | None = None) ->
 def _unavailable(e: BaseException) -> StoreUnavailable:
     if isinstance(e, StoreUnavailable):
         return e
+    if isinstance(e, sa.exc.TimeoutError):  # (the pool's: every connection busy, none freed in time)
+        return StoreUnavailable(f"history: no database connection free within {POOL_WAIT_SECONDS:g} s")
     if _timed_out(e):
         return StoreUnavailable(f"history: no answer from the database within {COMMAND_TIMEOUT_SECONDS:g} s")
     # The database's own text (its host, user, SQL) is logged, not sent to the client.
@@ -556,7 +563,7 @@ def _engine(url: str, *, statement_timeout: bool = True) -> AsyncEngine:
         path = _sqlite_path(url)
         if path is not None:
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        engine = create_async_engine(url, pool_size=4, max_overflow=4)
+        engine = create_async_engine(url, pool_size=4, max_overflow=4, pool_timeout=POOL_WAIT_SECONDS)
         sa.event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
     # A connection attempt to a PostgreSQL that is down fails in 5 s, not asyncpg's 60;
@@ -567,7 +574,7 @@ def _engine(url: str, *, statement_timeout: bool = True) -> AsyncEngine:
     if statement_timeout:
         connect["command_timeout"] = COMMAND_TIMEOUT_SECONDS
     return create_async_engine(url, pool_size=4, max_overflow=4, pool_pre_ping=True,
-                               connect_args=connect)
+                               pool_timeout=POOL_WAIT_SECONDS, connect_args=connect)
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
