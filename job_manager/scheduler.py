@@ -803,6 +803,30 @@ class Scheduler:
         self._reap(c.cluster, c.job_id, c.backend_job_id, c.uid, why="is deleted, its clean-up pending,",
                    record=c)
 
+    async def delete_from_history(self, job_id: str, upto: int) -> None:
+        """A deleted job's copy the archiver may have written (or may write: ``upto``) goes from
+        the history; while the history does not answer, retried in the background (the delete
+        in etcd is done: the client is told so, not UNAVAILABLE, whose retry found NOT_FOUND)."""
+        assert self.history is not None
+        try:
+            await self.history.delete(job_id, upto=upto)
+            return
+        except errors.StoreUnavailable as e:
+            log.warning("deleting %s from the history failed (%s); retried", job_id, e.reason)
+
+        async def retry() -> None:
+            assert self.history is not None
+            delay = self.config.retry_initial_seconds
+            for _ in range(60):
+                await asyncio.sleep(delay)
+                try:
+                    await self.history.delete(job_id, upto=upto)
+                    return
+                except errors.StoreUnavailable:
+                    delay = min(delay * 2, max(self.config.retry_max_seconds, 10.0))
+            log.error("job %s could not be deleted from the history: an archived copy may remain", job_id)
+        self._spawn(retry(), name=f"history-delete-{job_id}").add_done_callback(_retrieved)
+
     async def purge_archived(self, job_id: str, revision: int, data: bytes) -> None:
         """Delete the archived copy of ``job_id`` (at ``revision``, ``data`` its stored bytes).
         Watches learn of it first (its key left etcd with no event when it was archived): a

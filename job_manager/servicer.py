@@ -470,7 +470,7 @@ class JobManagerServicer(pb_grpc.JobManagerServiceServicer):
         if self.history is not None:
             # A copy the archiver wrote before the delete (etcd won until now) goes too, and
             # an archiver that picked the job before the delete never stores it again.
-            await self.history.delete(job_id, upto=int(last.etag) if last is not None and last.etag else 0)
+            await self.scheduler.delete_from_history(job_id, int(last.etag) if last is not None and last.etag else 0)
         if last is not None and last.etag:
             await self.cache.wait_gone(job_id, int(last.etag), _CACHE_WAIT_SECONDS)
         resp = pb.DeleteJobResponse()
