@@ -1414,3 +1414,36 @@ async def test_a_sqlite_write_lock_held_elsewhere_fails_a_batch_at_once(tmp_path
     finally:
         other.close()
         await store.close()
+
+
+async def test_a_pending_delete_whose_job_was_archived_deletes_the_archived_copy(
+        etcd: EtcdServer, etcd_prefix: str, history: HistoryStore) -> None:
+    """DeleteJob answered JOB_STOP_PENDING ("it is deleted once it has stopped, no need to ask
+    again"); the job stopped and was archived before a replica acted on the record (its owner
+    died, the successor's sweep came after the archiver): the record's job is gone from etcd,
+    and the record was dropped, the job living on in the history. Its archived copy of the
+    same uid is deleted (and its clean-up recorded); another uid's is left alone."""
+    from job_manager.scheduler import Scheduler, SchedulerConfig
+    from job_manager.store import JobStore, PendingDelete
+    from tests.test_job_manager_scheduler import FakeCM, FakeDriver, FakePool
+
+    client = await connect(etcd.endpoint)
+    store = JobStore(client, etcd_prefix)
+    drv = FakeDriver()
+    sched = Scheduler(store, FakeCM(), FakePool(drv), SchedulerConfig(), history=history)  # type: ignore[arg-type]
+    try:
+        mine, other = make(1, state=JobState.STOPPED), make(2, state=JobState.STOPPED)
+        await history.put(entries([mine, other]))
+        for job, uid in ((mine, mine.uid), (other, "another-uid")):
+            d = PendingDelete(job.cluster, job.id, uid)
+            await store.put_pending_delete(d)
+            await sched._delete_stopped(d)
+        assert await history.get(mine.id) is None
+        assert await history.get(other.id) is not None  # not the record's job
+        assert not [d for page in [p async for p in store.pending_deletes()] for d in page]
+        async with asyncio.timeout(60):  # its clean-up, recorded and done by its driver
+            while drv.cleaned != [mine.id]:
+                await asyncio.sleep(0.05)
+    finally:
+        await sched.close()
+        await client.close()
