@@ -627,6 +627,9 @@ class ClusterManagerClient(_Client):
 # --------------------------------------------------------------------------- job files
 
 _ID_KEYS = ("jobId", "job_id", "name", "id")
+#: a Job's fields the server sets (all but ``name`` and ``spec``), by both their names
+_JOB_OUTPUT_KEYS = frozenset(n for f in job_pb2.Job.DESCRIPTOR.fields if f.name not in ("name", "spec")
+                             for n in (f.name, f.json_name))
 # Shorthand keys per message: YAML key -> proto field name.
 _ALIASES: dict[str, dict[str, str]] = {
     "dlsched.v1.Resources": {"memory": "memory_bytes"},
@@ -800,10 +803,12 @@ def parse_job_dict(data: object, *, base_dir: str | None = None) -> tuple[str, j
                 raise JobFileError("the job id is given twice", key)
             job_id = short_id(str(value)) if value is not None else ""
     if "spec" in doc:
-        rest = {k: v for k, v in doc.items() if k != "spec"}
+        # A job as ``dlsched get -o yaml`` prints it submits again (as kubectl's get | apply):
+        # what the server set (uid, state, times, ...) is left out; anything else is refused.
+        rest = {k: v for k, v in doc.items() if k != "spec" and k not in _JOB_OUTPUT_KEYS}
         if rest:
-            raise JobFileError("with a spec key, only jobId/name may stand beside it",
-                               next(iter(rest)))
+            raise JobFileError("with a spec key, only jobId/name (and what a job printed by "
+                               "`dlsched get` holds) may stand beside it", next(iter(rest)))
         doc = doc["spec"] or {}
     body = _normalize(cast(descriptor.Descriptor, job_pb2.JobSpec.DESCRIPTOR), doc, "")
     spec = job_pb2.JobSpec()

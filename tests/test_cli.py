@@ -910,3 +910,27 @@ def test_dlsched_up_restarts_with_its_secrets_and_stops_cleanly(up: Up) -> None:
     assert listed.returncode == 0, listed.stderr
     assert json.loads(listed.stdout)["jobs"]
     up.stop()
+
+
+def test_a_job_as_get_prints_it_submits_again(tmp_path: pathlib.Path) -> None:
+    """``dlsched get JOB -o yaml > f; dlsched submit f`` (kubectl's get | apply): the fields the
+    server set (uid, state, times, replicas, ...) are left out; it was refused ("uid: with a spec
+    key, only jobId/name may stand beside it"). A key no job has is still refused, named."""
+    from google.protobuf import json_format
+
+    job = job_pb2.Job(
+        name="jobs/again", uid="u-1", state=job_pb2.JOB_STATE_SUCCEEDED, reason="Completed", attempt=1,
+        cluster="clusters/local", etag="42", owner="admin", exit_code=0, labels={"a": "b"},
+        replicas=[job_pb2.ReplicaStatus(role="main", index=0, state=job_pb2.REPLICA_STATE_SUCCEEDED)],
+        spec=job_pb2.JobSpec(run_mode=job_pb2.RUN_MODE_SINGLE_PROCESS, labels={"a": "b"}, replica_groups=[
+            job_pb2.ReplicaGroup(role="main", replicas=1, command=["echo", "hi"])]))
+    job.create_time.FromSeconds(1_700_000_000)
+    printed = tmp_path / "job.yaml"
+    printed.write_text(yaml.safe_dump(json_format.MessageToDict(job)))
+    job_id, spec = load_job_file(printed)
+    assert job_id == "again" and spec == job.spec
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({**json_format.MessageToDict(job), "bogus": 1}))
+    with pytest.raises(JobFileError) as info:
+        load_job_file(bad)
+    assert info.value.field == "bogus"
