@@ -230,7 +230,7 @@ def test_a_tail_of_a_file_of_one_huge_line_reads_its_last_pieces(tmp_path: Path)
     assert len(out) == 3 and out[-1] == "end", [len(t) for t in out]
     assert all(len(t) <= MAX_LINE_CHARS for t in out)
     assert huge.decode().endswith(out[0] + out[1])  # the line's last bytes, in order
-    assert sum(sizes) <= 3 * MAX_LINE_CHARS + slogs.SLURM_OWN_TAIL_EXTRA * slogs.SLURM_OWN_LINE_BYTES \
+    assert sum(sizes) <= 3 * MAX_LINE_CHARS + slogs.SLURM_OWN_TAIL_EXTRA * 1024 \
         + 3 * MAX_LINE_CHARS + 64 * 1024, sizes
     err = got["main-0.stderr"]  # srun's line left out, the program's line's last pieces
     assert 1 <= len(err) <= 3 and all(set(t) <= set("warn ") for t in err), [t[:20] for t in err]

@@ -361,11 +361,10 @@ class SlurmDriver(BackendDriver[SlurmCluster, SlurmScript]):
         """Read an ended job's exits file (``exits``) in the background, one read per job at a
         time; the job reports its end once it is read (or could not be, ``exits.MAX_READS`` times)."""
         async def call() -> None:
-            found, absent = None, False
+            found, absent = None, False  # absent: read, and no file (the command prints nothing)
             try:
                 rc, out, _ = await c.client.run(exits.read_command(job.dir))
-                found = exits.parse(out) if rc == 0 else None
-                absent = rc == 0 and not out  # (the command prints nothing for a missing file)
+                found, absent = (exits.parse(out), not out) if rc == 0 else (None, False)
             except DlschedError as e:
                 log.warning("reading the exits of Slurm job %s: %s", job.backend_job_id, e.message)
             if job.exits_read(found, absent) and c.jobs.get(job.job_id) is job:

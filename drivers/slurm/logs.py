@@ -50,9 +50,8 @@ its file's mtime at the read, which is its last write. ``since_time`` keeps
 the lines dated at or after it.
 
 Following (``tail``): a tail starts with one framed read of every file on the
-control connection (``tail_lines``: each file from its last N lines, found
-from its end within N pieces' bytes, so a large log is never read whole and
-a long line gives its last pieces, each an entry; ``since_time``: from the
+control connection (``tail_lines``: each file from its last N lines (pieces), found
+within N pieces from its end, so a large log is never read whole; ``since_time``: from the
 log index's last entry before it). A follower then streams: one long-lived
 remote loop on one channel of the cluster's second SSH connection
 (``SlurmClient.log_ssh``, opened on first use, at most ``--max-log-streams``
@@ -117,8 +116,7 @@ SLURM_OWN_SUFFIX_RE = re.compile(
     rb"(?:srun: error: [^\s:]{1,128}: tasks? [0-9,-]{1,64}: "
     rb"(?:Exited with exit code [0-9]{1,3}|[A-Z][A-Za-z0-9/ ]{0,40}?(?: \(core dumped\))?)"
     rb"|slurmstepd(?:-[^:\s]{1,128})?: error: \*\*\* (?:STEP|JOB) [^*]{1,512}\*\*\*)\Z")
-SLURM_OWN_TAIL_EXTRA = 64  # lines a stderr tail reads beyond tail_lines: srun's own, left out after
-SLURM_OWN_LINE_BYTES = 1024  # what a tail allows for each of those (srun's lines are a few words)
+SLURM_OWN_TAIL_EXTRA = 64  # lines a stderr tail reads beyond tail_lines: srun's own (short), left out after
 FILE_RE = re.compile(r"^([a-z][a-z0-9-]{0,62})-([0-9]{1,7})\.(stdout|stderr)\Z")  # ASCII digits: \d takes others
 MAX_CHUNK = 1 << 20
 #: Log tails read files on the login node, not the controller: their own, lower floor.
@@ -224,15 +222,10 @@ def read_script(adir: str, offsets: Mapping[str, int], tail_lines: int = 0,
     else:
         per_file = f'[ "$f" != {LOG_INDEX} ] || continue; o=0; '
         if tail_lines > 0:  # tail reads after stat: a file growing meanwhile can push it below 0
-            # (stderr: srun's own lines, left out later, are read beyond the program's last lines)
-            # At most a piece a line from the end (srun's lines are short): a line longer than that
-            # is cut into pieces, each an entry, so the last pieces of a long one are its tail (one
-            # 3 MB line was read whole, every piece past the first read's sent). ``tail`` reads no
-            # more than that window either, whatever the file's size.
-            window, extra = tail_lines * MAX_LINE_CHARS, SLURM_OWN_TAIL_EXTRA * SLURM_OWN_LINE_BYTES
-            per_file += (f'k={tail_lines}; c={window}; case "$f" in *.stderr) '
-                         f'k={tail_lines + SLURM_OWN_TAIL_EXTRA}; c={window + extra};; esac; '
-                         'o=$((s - $(tail -c "$c" -- "$f" | tail -n "$k" | wc -c))); [ $o -ge 0 ] || o=0; ')
+            # (stderr: srun's lines too; within a piece a line from the end: a 3 MB line came whole)
+            k, c = tail_lines + SLURM_OWN_TAIL_EXTRA, tail_lines * MAX_LINE_CHARS
+            per_file += (f'k={tail_lines}; c={c}; case "$f" in *.stderr) k={k}; c={c + 1024 * SLURM_OWN_TAIL_EXTRA};; '
+                         'esac; o=$((s - $(tail -c "$c" -- "$f" | tail -n "$k" | wc -c))); [ $o -ge 0 ] || o=0; ')
         if since_ns is not None:  # the size the last index entry before since saw
             secs = f"{since_ns // 1_000_000_000}.{since_ns % 1_000_000_000:09d}"
             head += (f"since=$(awk -v s={secs} '$1 < s {{ o[$3] = $2 }} END {{ for (f in o) print f, o[f] }}' "
