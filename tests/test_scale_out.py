@@ -82,6 +82,15 @@ async def wait_ready(cm: cm_grpc.ClusterManagerServiceStub, name: str, within: f
         await asyncio.sleep(0.2)
 
 
+async def create_local(pair: Pair, cm: cm_grpc.ClusterManagerServiceStub, cluster_id: str, *,
+                       ready_on: cm_grpc.ClusterManagerServiceStub) -> None:
+    """Register a local cluster through ``cm`` and wait until ``ready_on`` shows it READY."""
+    await cm.CreateCluster(cm_pb.CreateClusterRequest(
+        cluster_id=cluster_id, cluster=cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_LOCAL,
+                                                           driver_address=pair.driver.address)))
+    await wait_ready(ready_on, f"clusters/{cluster_id}")
+
+
 class Watcher:
     """A WatchJobs stream on one JobManager, collecting states per job."""
 
@@ -136,10 +145,7 @@ async def test_a_frozen_cluster_manager_replica_costs_a_submit_one_attempt_not_i
 
     jms, chans = stubs
     cms = [cm_grpc.ClusterManagerServiceStub(c) for c in chans[2:]]
-    await cms[0].CreateCluster(cm_pb.CreateClusterRequest(
-        cluster_id="frozen-cm", cluster=cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_LOCAL,
-                                                            driver_address=pair.driver.address)))
-    await wait_ready(cms[0], "clusters/frozen-cm")
+    await create_local(pair, cms[0], "frozen-cm", ready_on=cms[0])
     for i in range(4):  # JobManager's channel to both replicas up (a replica frozen before it
         # was connected to is never in the rotation)
         await jms[0].SubmitJob(pb.SubmitJobRequest(
@@ -160,10 +166,7 @@ async def test_a_frozen_cluster_manager_replica_costs_a_submit_one_attempt_not_i
 async def test_two_of_each_share_jobs_and_survive_the_cluster_manager_leader(pair: Pair, stubs) -> None:
     jms, chans = stubs
     cms = [cm_grpc.ClusterManagerServiceStub(c) for c in chans[2:]]
-    await cms[1].CreateCluster(cm_pb.CreateClusterRequest(
-        cluster_id="local", cluster=cluster_pb2.Cluster(type=job_pb2.CLUSTER_TYPE_LOCAL,
-                                                        driver_address=pair.driver.address)))
-    await wait_ready(cms[0], "clusters/local")
+    await create_local(pair, cms[1], "local", ready_on=cms[0])
 
     watchers = [Watcher(jm) for jm in jms]
     try:
